@@ -1,0 +1,163 @@
+"""Attention over the paged KV cache for a mixed batch of prefill chunks and decodes.
+
+The runner builds one ``AttentionMetadata`` per step and enters ``forward_context(meta)``;
+each ``Attention`` layer reads it, writes this step's K/V into its cache by ``slot_mapping``,
+then attends over the request's cached prefix + the new tokens (causal within the chunk).
+
+Backends: ``torch`` (the reference; used on CPU and as the test oracle) and ``triton``
+(``kernels/paged_attention.py``; used on CUDA). Both compute the same function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the runner and shared by all layers."""
+
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: flat KV slot (block_id * block_size + offset) of each new token."""
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] int32: cumulative query lengths; request i owns tokens [qsl[i], qsl[i+1])."""
+    seq_lens: torch.Tensor
+    """[num_reqs] int32: context length of each request after this step (cached + new)."""
+    block_tables: torch.Tensor
+    """[num_reqs, max_num_blocks] int32: KV block ids of each request (padding: 0)."""
+    max_query_len: int
+    max_seq_len: int
+    num_decode_reqs: int = 0
+    """Requests with exactly one query token. NOTE: the runner orders decodes first."""
+    query_start_loc_cpu: Optional[list[int]] = None
+    """Host copy of query_start_loc (the torch backend loops over requests)."""
+    seq_lens_cpu: Optional[list[int]] = None
+    """Host copy of seq_lens."""
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+_CURRENT: Optional[AttentionMetadata] = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: Optional[AttentionMetadata]) -> Iterator[None]:
+    """Make ``meta`` visible to every Attention layer for one forward pass. Refuses nesting."""
+    global _CURRENT
+    if _CURRENT is not None:
+        raise RuntimeError("forward_context is already active; forward passes do not nest.")
+    _CURRENT = meta
+    try:
+        yield
+    finally:
+        _CURRENT = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _CURRENT is None:
+        raise RuntimeError("Attention called outside forward_context(); the runner sets it.")
+    return _CURRENT
+
+
+# ----------------------------------------------------------------------------------------
+# Torch reference backend
+# ----------------------------------------------------------------------------------------
+def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store new K/V rows at their slots.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole cached context.
+
+    q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim].
+    Decodes (one query token) are batched into one padded SDPA call; prefill chunks run
+    one SDPA call each, with the mask shifted by the cached prefix length.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+    nd = meta.num_decode_reqs
+
+    if nd > 0:
+        max_len = max(seq_lens[:nd])
+        nblk = (max_len + block_size - 1) // block_size
+        bt = meta.block_tables[:nd, :nblk]                                  # [nd, nblk]
+        k = k_cache[bt].reshape(nd, nblk * block_size, num_kv_heads, head_dim)[:, :max_len]
+        v = v_cache[bt].reshape(nd, nblk * block_size, num_kv_heads, head_dim)[:, :max_len]
+        lens = meta.seq_lens[:nd].to(torch.long)
+        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [nd, max_len]
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim).float()
+        kd = k.permute(0, 2, 1, 3).float()                                   # [nd, kvh, L, d]
+        vd = v.permute(0, 2, 1, 3).float()
+        scores = torch.einsum("bhgd,bhld->bhgl", qd, kd) * scale             # [nd, kvh, g, L]
+        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        od = torch.einsum("bhgl,bhld->bhgd", probs, vd)
+        out[:nd] = od.reshape(nd, num_heads, head_dim).to(q.dtype)
+
+    for i in range(nd, len(seq_lens)):
+        start, end = qsl[i], qsl[i + 1]
+        qlen, slen = end - start, seq_lens[i]
+        if qlen == 0:
+            continue
+        nblk = (slen + block_size - 1) // block_size
+        bt = meta.block_tables[i, :nblk]
+        k = k_cache[bt].reshape(nblk * block_size, num_kv_heads, head_dim)[:slen]
+        v = v_cache[bt].reshape(nblk * block_size, num_kv_heads, head_dim)[:slen]
+        qi = q[start:end].transpose(0, 1)                                    # [H, qlen, d]
+        ki = k.transpose(0, 1).repeat_interleave(group, dim=0)               # [H, slen, d]
+        vi = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        ctx = slen - qlen
+        # Query j (absolute position ctx + j) sees keys 0..ctx + j.
+        mask = torch.arange(slen, device=q.device)[None, :] <= (ctx + torch.arange(qlen, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qi.float(), ki.float(), vi.float(), attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Backend choice
+# ----------------------------------------------------------------------------------------
+class AttentionBackend:
+    """Writes K/V and attends; ``torch`` everywhere, ``triton`` on CUDA."""
+
+    def __init__(self, name: str) -> None:
+        if name not in ("torch", "triton"):
+            raise ValueError(f"attention backend {name!r}: use 'torch' or 'triton'.")
+        self.name = name
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        if self.name == "triton":
+            from kernels.kv_write import write_kv
+            write_kv(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.name == "triton":
+            from kernels.paged_attention import paged_attention
+            return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables, meta.max_query_len, meta.max_seq_len, scale)
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    return AttentionBackend("triton" if device.type == "cuda" else "torch")

@@ -1,0 +1,150 @@
+"""Engine configuration: one dataclass per concern, each field documented.
+
+Cross-field checks raise ``ValueError`` with a message that says how to fix the setting.
+Environment variables are read in ``engine/envs.py`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how to read it."""
+
+    model: str
+    """HF directory (config.json + safetensors), a .gguf file, or a directory holding one .gguf."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory; defaults to ``model``."""
+    dtype: str = "auto"
+    """auto (checkpoint dtype on CUDA, float32 on CPU), float32, float16 or bfloat16."""
+    max_model_len: Optional[int] = None
+    """Prompt + output tokens per request; defaults to the config's max_position_embeddings."""
+    seed: int = 0
+    """Seed for random weights (``load_format=dummy``) and for unseeded sampling."""
+    served_model_name: Optional[str] = None
+    """Name shown in /v1/models and checked against the request's ``model`` field."""
+    load_format: str = "auto"
+    """auto (read the checkpoint) or dummy (random weights from the config alone)."""
+    chat_template: Optional[str] = None
+    """Jinja chat template (a file path or the template text) overriding the tokenizer's."""
+    max_logprobs: int = 20
+    """Largest ``logprobs``/``prompt_logprobs`` a request may ask for."""
+    logprobs_mode: str = "raw_logprobs"
+    """raw_logprobs (model log-softmax, as vLLM) or processed_logprobs (after penalties/temperature)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}.")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r}: use 'auto' or 'dummy'.")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be at least 2.")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0.")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(
+                f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'.")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache sizing and prefix caching."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights + activations + KV) on CUDA."""
+    kv_cache_space: float = 4.0
+    """GiB of host memory for the KV cache on CPU."""
+    num_gpu_blocks_override: Optional[int] = None
+    """Exact number of KV blocks; overrides both budgets above (tests use it to force preemption)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of earlier requests that share a prefix (and adapter, media, salt)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (e.g. 16).")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1], e.g. 0.9.")
+        if self.kv_cache_space <= 0:
+            raise ValueError(f"kv_cache_space={self.kv_cache_space} GiB must be > 0.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 1.")
+
+
+@dataclass
+class SchedulerConfig:
+    """One token budget per step."""
+
+    max_num_batched_tokens: int = 8192
+    """Tokens (prefill chunks + decodes) computed per step."""
+    max_num_seqs: int = 256
+    """Requests running at once."""
+    policy: str = "fcfs"
+    """fcfs (arrival order) or priority (lower ``priority`` value first, then arrival)."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill chunk per step (0: only the budget caps it)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1.")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy {self.policy!r}: use one of {SCHEDULING_POLICIES}.")
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-adapter serving (see ``lora/``)."""
+
+    max_loras: int = 4
+    """GPU slots: distinct adapters in one step."""
+    max_lora_rank: int = 16
+    """Rank of every slot; adapters of lower rank are zero-padded."""
+    max_cpu_loras: Optional[int] = None
+    """Adapters kept in host memory (LRU); defaults to max(max_loras, 64)."""
+    lora_dtype: str = "auto"
+    """auto (the model dtype), float32, float16 or bfloat16."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras} must be >= 1.")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} must be >= 1.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = max(self.max_loras, 64)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}; "
+                "raise --max-cpu-loras or lower --max-loras.")
+        if self.lora_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"lora_dtype={self.lora_dtype!r}: use one of {SUPPORTED_DTYPES}.")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, resolved once at start-up."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora_config: Optional[LoRAConfig] = None
+    """None: adapters disabled (requests naming one are rejected)."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form options for experiments; nothing in the engine depends on them."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: use auto, cpu or cuda.")

@@ -1,0 +1,27 @@
+"""Every environment variable Chorus reads, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """CHORUS_CACHE: where downloaded models and converted checkpoints live (~/.cache/chorus)."""
+    return Path(os.environ.get("CHORUS_CACHE", Path.home() / ".cache" / "chorus")).expanduser()
+
+
+def api_key() -> str | None:
+    """CHORUS_API_KEY: the key /v1/* routes require (same as --api-key)."""
+    return os.environ.get("CHORUS_API_KEY") or None
+
+
+def allow_runtime_lora_updating() -> bool:
+    """CHORUS_ALLOW_RUNTIME_LORA_UPDATING=1 enables /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    return os.environ.get("CHORUS_ALLOW_RUNTIME_LORA_UPDATING", "0").lower() in ("1", "true", "yes")
+
+
+def num_threads() -> int | None:
+    """CHORUS_NUM_THREADS: torch intra-op threads on CPU (default: torch's choice)."""
+    v = os.environ.get("CHORUS_NUM_THREADS")
+    return int(v) if v else None

@@ -1,0 +1,204 @@
+"""Messages between the engine's parts, and what the user gets back.
+
+Scheduler -> runner: ``SchedulerOutput``. Runner -> scheduler: ``ModelRunnerOutput``.
+Scheduler -> output processor: ``EngineCoreOutput``. Output processor -> user: ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from engine.request import MultiModalFeature
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from lora.request import LoRARequest
+
+
+# ----------------------------------------------------------------------------------------
+# Scheduler -> model runner
+# ----------------------------------------------------------------------------------------
+@dataclass
+class NewRequestData:
+    """A request the runner has no row for: sent in full once (also after preemption)."""
+
+    req_id: str
+    all_token_ids: list[int]
+    """Prompt + outputs so far (outputs non-empty when resuming after preemption)."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    """Every KV block of the request, in order."""
+    num_computed_tokens: int
+    """Tokens whose KV is already in ``block_ids`` (prefix-cache hits)."""
+    lora_slot: int = -1
+    """GPU slot of the request's adapter (NO_LORA = -1)."""
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the runner already holds, one entry per scheduled request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended this step (often empty)."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+    """Computed tokens before this step's tokens."""
+    lora_slots: list[int] = field(default_factory=list)
+    """Current slot of each request's adapter (slots can move between steps)."""
+
+
+@dataclass
+class LoRASlotLoad:
+    """Copy an adapter into a GPU slot before running the step."""
+
+    lora_slot: int
+    lora_request: "LoRARequest"
+
+
+@dataclass
+class SchedulerOutput:
+    """One step, decided: what to compute, where KV goes, which adapters sit where."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """req_id -> tokens computed this step."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests that ended since the last step: the runner drops their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """Requests preempted this step: the runner drops their row, keeps their generator."""
+    lora_loads: list[LoRASlotLoad] = field(default_factory=list)
+    """Adapters to copy into slots before this step."""
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> indices into its mm_features whose encoder must run this step."""
+    free_encoder_identifiers: list[str] = field(default_factory=list)
+    """Encoder outputs the runner may drop."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# ----------------------------------------------------------------------------------------
+# Model runner -> scheduler
+# ----------------------------------------------------------------------------------------
+@dataclass
+class LogprobsLists:
+    """Logprobs of sampled (or prompt) positions, as host lists.
+
+    Row i: ``token_ids[i][0]`` is the sampled (or actual prompt) token and ``logprobs[i][0]`` its
+    logprob; the remaining entries are the top-N in descending order.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+    """1-based rank of the sampled token among all tokens."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Per request in ``req_ids``: [] while a prefill chunk is unfinished, else [token]."""
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """req_id -> logprobs of this step's sampled token (only requests asking for them)."""
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """req_id -> logprobs of this step's prompt tokens (the first prompt token has none)."""
+
+
+# ----------------------------------------------------------------------------------------
+# Scheduler -> output processor
+# ----------------------------------------------------------------------------------------
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[LogprobsLists] = None
+    new_prompt_logprobs: Optional[LogprobsLists] = None
+    finish_reason: Optional[str] = None
+    """None while running; 'stop', 'length', 'abort' or 'error' once finished."""
+    stop_reason: Optional[int | str] = None
+    """The stop token id or stop string that ended the request."""
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot after each step, for /metrics and tests."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    """Fraction of KV blocks in use, 0..1."""
+    prefix_cache_queries: int = 0
+    """Tokens looked up in the prefix cache since start."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found."""
+    num_preemptions: int = 0
+    """Preemptions since start."""
+    num_steps: int = 0
+    max_reqs_per_step: int = 0
+    """Most requests scheduled in one step since start (proves batching)."""
+    num_scheduled_tokens: int = 0
+    """Tokens of the last step."""
+    num_active_loras: int = 0
+    """Adapters in GPU slots."""
+
+
+# ----------------------------------------------------------------------------------------
+# Output processor -> user (vLLM's public shapes)
+# ----------------------------------------------------------------------------------------
+@dataclass
+class Logprob:
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[PromptLogprobs]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None
+    lora_request: Optional["LoRARequest"] = None

@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random checkpoints with a real byte-level BPE tokenizer, built offline.
+
+NOTE: TRITON_INTERPRET must be set before anything imports triton, so it is set here, first.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size blocks.",
+    "A scheduler hands out one token budget per step to running and waiting requests.",
+    "Low-rank adapters add a small update to each projection of the base model.",
+    "What is the capital of France? Paris is the capital of France.",
+    "def add(a, b):\n    return a + b\n",
+    "SELECT name FROM users WHERE id = 42;",
+    "Chorus serves many adapters from one base model in one continuously batched engine.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20.",
+    "Hello world! How are you today? I am fine, thank you.",
+] * 4
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['content'] is string %}"
+          "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}{{ '<image>' }}"
+          "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+TINY_PROMPTS = [
+    "The quick brown fox",
+    "Hello",
+    "Paged attention keeps the KV cache in fixed-size blocks. A scheduler hands out one token budget",
+    "def add(a, b):",
+    "What is the capital of France?",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20. Low-rank adapters add a small update "
+    "to each projection of the base model. Chorus serves many adapters",
+    "SELECT",
+    "A",
+]
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    tk.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", additional_special_tokens=["<image>"])
+    tok.chat_template = CHATML
+    return tok
+
+
+def build_tiny_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random ``arch`` model + tokenizer to ``out_dir`` (HF layout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = build_tokenizer()
+    kwargs = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                  max_position_embeddings=512, eos_token_id=tok.eos_token_id,
+                  bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    kwargs.update(overrides)
+    cfg = AutoConfig.for_model(arch, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts() -> list[str]:
+    return list(TINY_PROMPTS)

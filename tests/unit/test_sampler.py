@@ -311,7 +311,8 @@ def test_raw_logprobs_values_ranks_and_top_n():
     check_row(out.logprobs, 1, raw[1], 5)
     check_row(out.logprobs, 3, raw[3], 0)
     assert out.logprobs.token_ids[2] == [] and out.logprobs.logprobs[2] == [] and out.logprobs.ranks[2] == 0
-    assert [ids[0] for ids in out.logprobs.token_ids if ids] == [out.sampled_token_id_list[i] for i in (0, 1, 3)]
+    sampled = out.sampled_token_id_list
+    assert [ids[0] for ids in out.logprobs.token_ids if ids] == [sampled[i] for i in (0, 1, 3)]
     assert out.logprobs.ranks[0] == 1  # greedy of unpenalized logits
 
 

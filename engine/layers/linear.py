@@ -1,0 +1,52 @@
+"""Linear layers with packed output slices and an optional LoRA hook."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` whose output is the concatenation of ``output_sizes`` slices.
+
+    A packed projection (q/k/v, or gate/up) is one matmul; checkpoints store the slices
+    separately, so ``load_slice`` copies each into its rows. ``lora`` (set by the LoRA
+    manager) adds the batch's adapter updates in place: ``y += lora(x)`` per token.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.output_size = sum(output_sizes)
+        self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)  # [out, in]
+        self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False) if bias else None
+        self.lora: Optional[nn.Module] = None
+
+    def slice_offsets(self) -> list[int]:
+        offs, acc = [], 0
+        for s in self.output_sizes:
+            offs.append(acc)
+            acc += s
+        return offs
+
+    def load_slice(self, param_name: str, slice_idx: int, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (``weight`` or ``bias``) into slice ``slice_idx``."""
+        param = getattr(self, param_name)
+        if param is None:
+            raise ValueError(f"checkpoint has a {param_name} for a projection built without one")
+        start = self.slice_offsets()[slice_idx]
+        size = self.output_sizes[slice_idx]
+        if tensor.shape[0] != size or tensor.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit slice {slice_idx} "
+                             f"({size} rows of {tuple(param.shape[1:])})")
+        param.data[start:start + size].copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [num_tokens, output_size]
+        if self.lora is not None:
+            self.lora(x, y)
+        return y

@@ -1,0 +1,61 @@
+"""Rotary position embeddings (neox / rotate-half layout, as HF checkpoints store q and k).
+
+Every rope variant a config may carry (default, linear, dynamic, yarn, longrope, llama3) gets
+its inverse frequencies from transformers' ``ROPE_INIT_FUNCTIONS``, so the numbers match the
+reference exactly; the cos/sin table is computed once for ``max_position`` positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def rope_parameters(config) -> dict:
+    """The config's rope dict in transformers-5 form ({'rope_type', 'rope_theta', ...})."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        rotary_dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        rope_type = params["rope_type"]
+        if rope_type == "default":
+            base = float(params["rope_theta"])
+            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, "
+                                 f"{', '.join(ROPE_INIT_FUNCTIONS)}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        self.rotary_dim = rotary_dim
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq.float()[None, :]          # [max_position, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)                          # [max_position, rotary_dim]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [T]; q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k)."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]               # [T, 1, rotary_dim]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        r = self.rotary_dim
+        if r == q.shape[-1]:
+            return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        qr, qp = q[..., :r], q[..., r:]
+        kr, kp = k[..., :r], k[..., r:]
+        return (torch.cat((qr * cos + self._rotate_half(qr) * sin, qp), -1),
+                torch.cat((kr * cos + self._rotate_half(kr) * sin, kp), -1))

@@ -1,0 +1,100 @@
+"""Offline API, as vLLM's: ``LLM(model, ...)``, ``llm.generate(prompts, params)``, ``llm.chat(messages)``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence, Union
+
+from engine.arg_utils import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.processor import PromptType
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Generate from many prompts at once with continuous batching.
+
+    Args: ``model`` (HF dir, GGUF file, or None for the default SmolLM2-135M-Instruct) and any
+    ``EngineArgs`` keyword (``dtype``, ``max_model_len``, ``block_size``, ``enable_prefix_caching``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``seed``, ``enable_lora``, ``max_loras``, ...).
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs) -> None:
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+                 use_tqdm: bool = True, lora_request=None, priority: Optional[list[int]] = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt is a string, a list of token ids, or a dict with ``prompt`` or ``prompt_token_ids``.
+        ``sampling_params`` and ``lora_request`` may be one value or a list aligned with the prompts.
+        Bad input raises ValueError before any request is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        n = len(prompts)
+        params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        loras = self._per_prompt(lora_request, n, "lora_request")
+        prios = self._per_prompt(priority, n, "priority") if isinstance(priority, list) else [priority or 0] * n
+        engine = self.llm_engine
+        # Validate everything first so one bad prompt leaves the engine untouched.
+        staged = []
+        for prompt, p, lora, prio in zip(prompts, params, loras, prios):
+            p = p.clone()
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            rid = str(next(self._counter))
+            text, children = engine.processor.process(rid, prompt, p, lora, prio)
+            staged.append((rid, text, children))
+        for rid, text, children in staged:
+            engine.add_processed(rid, text, children)
+        return self._run(n, use_tqdm, [rid for rid, _, _ in staged])
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
+             lora_request=None, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several (a list of lists), through the chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        engine = self.llm_engine
+        prompts = []
+        for conv in convs:
+            text = engine.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message)
+            prompts.append({"prompt": text, "prompt_token_ids": engine.processor.encode_chat(text)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _per_prompt(value, n: int, name: str) -> list:
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise ValueError(f"{name}: got {len(value)} values for {n} prompts.")
+            return list(value)
+        return [value] * n
+
+    def _run(self, n: int, use_tqdm: bool, order: list[str]) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and n > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=n, desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[rid] for rid in order if rid in done]

@@ -1,0 +1,119 @@
+"""Resolve a checkpoint, build our model class for it, and fill in its weights."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.models.registry import get_model_class
+
+logger = logging.getLogger("chorus.models")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: Any
+    tokenizer: Any
+    dtype: torch.dtype
+    max_model_len: int
+    """Resolved context length (user value checked against the checkpoint's)."""
+    model_name: str
+    """Default served name: the default model's name or the path given."""
+    eos_token_ids: set[int]
+    """Tokenizer eos + config eos + generation_config eos."""
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "model_type", "") == "mistral":
+        # We do not apply sliding-window attention: stay inside the window, where it is exact.
+        limit = min(limit, window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is larger than the model's limit of {limit} tokens "
+                         f"(max_position_embeddings); lower --max-model-len.")
+    return requested
+
+
+def _eos_ids(hf_config, tokenizer, resolved) -> set[int]:
+    ids: set[int] = set()
+
+    def add(v):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(x for x in v if isinstance(x, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    if resolved.kind == "hf":
+        try:
+            from transformers import GenerationConfig
+            add(GenerationConfig.from_pretrained(resolved.path).eos_token_id)
+        except Exception:  # no generation_config.json
+            pass
+    return ids
+
+
+def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
+    from engine.loader import checkpoint_dtype, iter_weights, load_config, load_tokenizer, resolve_model
+    from engine.model_runner import resolve_dtype
+
+    resolved = resolve_model(model_config.model, model_config.tokenizer)
+    hf_config = load_config(resolved)
+    model_cls = get_model_class(hf_config)
+    tokenizer = load_tokenizer(resolved, model_config.chat_template)
+    max_model_len = resolve_max_model_len(hf_config, model_config.max_model_len)
+    dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(resolved), device)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config, max_position=max_model_len)
+    if model_config.load_format == "dummy":
+        _init_dummy(model, hf_config, model_config.seed)
+    else:
+        model.load_weights(iter_weights(resolved, dtype))
+    model.eval()
+    if model_config.model is None:
+        from engine.loader.default_model import DEFAULT_MODEL_NAME
+        name = DEFAULT_MODEL_NAME
+    else:
+        name = model_config.model
+    return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, dtype=dtype,
+                       max_model_len=max_model_len, model_name=model_config.served_model_name or name,
+                       eos_token_ids=_eos_ids(hf_config, tokenizer, resolved))
+
+
+@torch.no_grad()
+def _init_dummy(model: torch.nn.Module, hf_config, seed: int) -> None:
+    """Random weights from the config alone (``load_format='dummy'``), for speed measurements."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    std = float(getattr(hf_config, "initializer_range", 0.02))
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            cpu = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen) \
+                if p.numel() < (1 << 24) else None
+            if cpu is not None:
+                p.copy_(cpu)
+            else:  # large tensors: draw on the device
+                p.normal_(0.0, std)

@@ -1,0 +1,30 @@
+"""``architectures`` name in config.json -> our model class."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(config) -> type[nn.Module]:
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs:
+        # Configs built in code may lack `architectures`; fall back on model_type.
+        archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
+                 "mistral": ["MistralForCausalLM"]}.get(getattr(config, "model_type", ""), [])
+    for arch in archs:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise ValueError(f"Model architectures {archs or '[unknown]'} are not supported by Chorus. "
+                     f"Supported architectures: {', '.join(supported_architectures())}.")

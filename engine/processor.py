@@ -1,0 +1,137 @@
+"""User input -> validated ``EngineRequest``s. Every user error is a ``ValueError`` raised here.
+
+Handles prompt forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``), chat
+templates, length checks, the n > 1 fan-out (children share the prompt's KV blocks through the
+prefix cache) and adapter checks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional, Union
+
+from engine.config import ModelConfig
+from engine.request import EngineRequest
+from engine.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+class Processor:
+    def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, vocab_size: int,
+                 eos_token_ids: set[int], lora_enabled: bool) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.lora_enabled = lora_enabled
+        self.chat_template = _read_template(model_config.chat_template)
+
+    # ------------------------------------------------------------------ prompts
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """Return (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: the prompt cannot be empty.")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+
+    def _check_ids(self, ids) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt: the prompt cannot be empty.")
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"prompt_token_ids: token ids must be integers, got {t!r}.")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: token id {t} is out of vocabulary (size {self.vocab_size}).")
+            out.append(t)
+        return out
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None, continue_final_message: bool = False,
+                            **kwargs) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: at least one message is required.")
+        template = _read_template(chat_template) or self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("chat_template: the model's tokenizer has no chat template; pass --chat-template.")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, chat_template=template, **kwargs)
+        except Exception as e:  # jinja errors on malformed messages are user errors
+            raise ValueError(f"messages: the chat template could not render them: {e}") from e
+
+    def encode_chat(self, text: str) -> list[int]:
+        # The template already holds the special tokens: don't add BOS again.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ requests
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, lora_request=None,
+                priority: int = 0, arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
+                ) -> tuple[Optional[str], list[EngineRequest]]:
+        """Validate and tokenize; return (prompt text, one EngineRequest per sample of n)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: expected a SamplingParams.")
+        text, ids = self.tokenize_prompt(prompt)
+        return text, self.make_requests(request_id, text, ids, params, lora_request, priority, arrival_time,
+                                        cache_salt)
+
+    def make_requests(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams,
+                      lora_request=None, priority: int = 0, arrival_time: Optional[float] = None,
+                      cache_salt: Optional[str] = None) -> list[EngineRequest]:
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt: the prompt is {len(ids)} tokens long, but this model's maximum context length "
+                f"(max_model_len) is {self.max_model_len} tokens, which leaves no room for output.")
+        max_logprobs = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > max_logprobs:
+                raise ValueError(f"{name}: requested {v} logprobs, the maximum is {max_logprobs} "
+                                 "(raise --max-logprobs).")
+        if lora_request is not None and not self.lora_enabled:
+            raise ValueError("model: LoRA adapters are not enabled; start the engine with enable_lora=True.")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority: must be an integer, got {priority!r}.")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.time() if arrival_time is None else arrival_time
+        eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        children = []
+        for i in range(params.n):
+            p = params
+            rid = request_id
+            if params.n > 1:
+                p = params.clone()
+                p.n = 1
+                if params.seed is not None:
+                    p.seed = params.seed + i
+                rid = f"{i}_{request_id}"
+            children.append(EngineRequest(
+                request_id=rid, prompt=text, prompt_token_ids=list(ids), sampling_params=p,
+                eos_token_ids=eos, arrival_time=arrival, priority=priority, lora_request=lora_request,
+                cache_salt=cache_salt, max_tokens=max_tokens))
+        return children
+
+
+def _read_template(template: Optional[str]) -> Optional[str]:
+    """A chat template given as a file path or as the template text."""
+    if template is None:
+        return None
+    if "{" not in template and os.path.exists(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    return template

@@ -1,0 +1,57 @@
+"""Reference runs with transformers and vLLM's comparison rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RefOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    """Per generated token: top-k {token_id: logprob} of the raw log-softmax (+ the chosen token)."""
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, topk: int = 5) -> RefOutput:
+    """transformers' ``generate`` (greedy, EOS ignored) with each step's raw logits."""
+    gen_cfg = model.generation_config
+    gen_cfg.eos_token_id = None
+    gen_cfg.pad_token_id = model.config.pad_token_id
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, generation_config=gen_cfg)
+    toks = out.sequences[0, len(prompt_ids):].tolist()
+    lps = []
+    for step, logits in enumerate(out.logits):
+        lp = torch.log_softmax(logits[0].float(), dim=-1)
+        top = torch.topk(lp, topk)
+        d = {int(i): float(v) for i, v in zip(top.indices, top.values)}
+        d[toks[step]] = float(lp[toks[step]])
+        lps.append(d)
+    return RefOutput(toks, lps)
+
+
+def ours_as_ref(completion) -> RefOutput:
+    """A Chorus CompletionOutput (with logprobs) in the same shape."""
+    lps = [{tid: lp.logprob for tid, lp in d.items()} for d in completion.logprobs]
+    return RefOutput(list(completion.token_ids), lps)
+
+
+def check_logprobs_close(ref: RefOutput, ours: RefOutput, name: str, atol: float = 1e-3) -> int:
+    """vLLM's rule: tokens match, or at the first divergence each side's token is in the other's
+    top-k; logprobs of the common prefix agree within ``atol``. Returns the matching length."""
+    assert len(ours.token_ids) == len(ref.token_ids), f"{name}: lengths {len(ours.token_ids)} vs {len(ref.token_ids)}"
+    for i, (a, b) in enumerate(zip(ref.token_ids, ours.token_ids)):
+        ref_lp, our_lp = ref.logprobs[i], ours.logprobs[i]
+        if a != b:
+            assert b in ref_lp, f"{name}: step {i}: our token {b} not in HF top-k {sorted(ref_lp)}"
+            assert a in our_lp, f"{name}: step {i}: HF token {a} not in our top-k {sorted(our_lp)}"
+            return i
+        assert abs(ref_lp[a] - our_lp[b]) <= atol, \
+            f"{name}: step {i}: logprob {our_lp[b]:.6f} vs HF {ref_lp[a]:.6f}"
+        for tid, v in our_lp.items():
+            if tid in ref_lp:
+                assert abs(ref_lp[tid] - v) <= atol, f"{name}: step {i}: top token {tid} logprob differs"
+    return len(ref.token_ids)

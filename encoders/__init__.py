@@ -1,0 +1,1 @@
+"""Chorus encoders: vision towers, the Whisper audio encoder, the encoder runner."""

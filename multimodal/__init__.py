@@ -1,0 +1,1 @@
+"""Chorus media loading, processing and encoder-cache bookkeeping (images, audio)."""

@@ -1,0 +1,244 @@
+"""Turn a Llama-architecture GGUF file into a cached Hugging Face checkpoint directory.
+
+Parsing a GGUF is slow in pure Python (transformers' tokenizer load takes ~5 s, its model load
+~15-22 s), so the first use converts the file once into
+``cache_dir()/converted/<stem>-<key>/`` holding ``config.json``, the tokenizer files and
+``model.safetensors`` (float32, dequantized, q/k rows in HF order); every later use reads that
+directory like any HF checkpoint (~1 s).
+
+Conversion algorithm:
+  1. ``gguf.GGUFReader`` memory-maps the file (tensor bytes are read lazily).
+  2. The config is rebuilt from the metadata the way transformers' ``load_gguf_checkpoint`` does
+     (same key renames, ``tie_word_embeddings`` = no ``output.weight``), but without decoding the
+     49k-entry vocabulary arrays, which is what makes transformers slow.
+  3. Each tensor is dequantized with ``gguf.quants.dequantize`` to float32; for Llama, ``attn_q`` /
+     ``attn_k`` rows are un-permuted from llama.cpp's rope layout (``_unpermute_rope_rows``).
+  4. The tokenizer is built by transformers (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``).
+  5. Everything is written to a temporary directory that is renamed into place, so a crash or a
+     concurrent process never leaves a half-written cache (the loser of a race drops its copy).
+
+NOTE: the cache key is the file's absolute path, size and mtime: editing or replacing the file
+creates a new entry; old entries are never deleted automatically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from engine import envs
+
+# Bump when the layout of a converted directory changes: old entries are then ignored.
+CACHE_FORMAT_VERSION = 1
+SOURCE_FILE = "chorus_gguf_source.json"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", SOURCE_FILE)
+# Temporary directories older than this are leftovers of a crashed conversion.
+_STALE_TMP_S = 3600.0
+
+# GGUF architectures this loader maps to HF names, and whether q/k rows are rope-permuted.
+_PERMUTES_QK = {"llama": True, "qwen2": False}
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# Tensors HF models recompute from the config (llama3 rope frequency factors); not yielded.
+_IGNORED_TENSORS = {"rope_freqs.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+@dataclass
+class GgufMetadata:
+    """What the conversion needs from a GGUF header (no tensor data)."""
+
+    architecture: str
+    """``general.architecture``, e.g. "llama"."""
+    config_dict: dict[str, Any]
+    """The HF config as a dict (``model_type`` included), as transformers would build it."""
+    tensor_names: list[str]
+    """GGUF tensor names, e.g. "blk.0.attn_q.weight"."""
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    """The cache directory for ``gguf_path`` (it may not exist yet); keyed by path, size and mtime."""
+    gguf_path = Path(gguf_path).resolve()
+    st = gguf_path.stat()
+    key = f"v{CACHE_FORMAT_VERSION}|{gguf_path}|{st.st_size}|{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return envs.cache_dir() / "converted" / f"{gguf_path.stem}-{digest}"
+
+
+def is_converted(out_dir: Path) -> bool:
+    """True when ``out_dir`` is a complete conversion (it only ever appears complete, by rename)."""
+    return all((out_dir / name).is_file() for name in _REQUIRED_FILES)
+
+
+def ensure_converted(gguf_path: Path) -> Path:
+    """Return the converted HF directory of ``gguf_path``, converting it on first use."""
+    gguf_path = Path(gguf_path).resolve()
+    out_dir = converted_dir_for(gguf_path)
+    if is_converted(out_dir):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(out_dir.parent)
+    tmp_dir = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp_dir.mkdir()
+    start = time.perf_counter()
+    print(f"Chorus: converting {gguf_path.name} into a cached checkpoint at {out_dir} "
+          f"(first use only)...", file=sys.stderr, flush=True)
+    try:
+        _convert_into(gguf_path, tmp_dir)
+        _publish(tmp_dir, out_dir)
+    finally:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    print(f"Chorus: converted {gguf_path.name} in {time.perf_counter() - start:.1f} s.",
+          file=sys.stderr, flush=True)
+    return out_dir
+
+
+def read_metadata(reader) -> GgufMetadata:
+    """Build the HF config dict from a ``gguf.GGUFReader``, mirroring transformers' GGUF loader."""
+    from transformers import integrations as hf_integrations
+
+    config_mapping = hf_integrations.GGUF_CONFIG_MAPPING
+    # NOTE: GGUF_CONFIG_DEFAULTS_MAPPING is absent in older transformers.
+    defaults_mapping = getattr(hf_integrations, "GGUF_CONFIG_DEFAULTS_MAPPING", {})
+    fields = reader.fields
+    arch = _scalar(fields["general.architecture"])
+    if arch not in _PERMUTES_QK:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; Chorus reads {sorted(_PERMUTES_QK)} GGUF files. "
+            f"Convert the model to a Hugging Face checkpoint directory instead.")
+    tensor_names = [t.name for t in reader.tensors]
+    cfg: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    for key, value in defaults_mapping.get(arch, {}).items():
+        cfg.setdefault(key, value)
+    for gguf_key, field in fields.items():
+        prefix, _, rest = gguf_key.partition(".")
+        renames = config_mapping.get(prefix, {}) if prefix in ("general", "tokenizer", arch) else {}
+        hf_key = renames.get(rest)
+        if hf_key is None or hf_key == -1:
+            continue  # NOTE: skipping before decoding keeps the vocabulary arrays undecoded (fast)
+        cfg[hf_key] = _scalar(field)
+    if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in fields:
+        cfg["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
+    return GgufMetadata(architecture=arch, config_dict=cfg, tensor_names=tensor_names)
+
+
+def build_config(meta: GgufMetadata):
+    """The ``transformers.PretrainedConfig`` for ``meta`` (e.g. a ``LlamaConfig``)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[meta.config_dict["model_type"]].from_dict(dict(meta.config_dict))
+
+
+def iter_dequantized(reader, meta: GgufMetadata) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of the file, in HF layout."""
+    from gguf.quants import dequantize
+
+    permutes = _PERMUTES_QK[meta.architecture]
+    num_heads = int(meta.config_dict["num_attention_heads"])
+    num_kv_heads = int(meta.config_dict.get("num_key_value_heads") or num_heads)
+    for t in reader.tensors:
+        if t.name in _IGNORED_TENSORS:
+            continue
+        hf_name = hf_tensor_name(t.name)
+        w = dequantize(t.data, t.tensor_type)  # [out, in] (numpy order), float32
+        if permutes and ".attn_q." in t.name:
+            w = _unpermute_rope_rows(w, num_heads)
+        elif permutes and ".attn_k." in t.name:
+            w = _unpermute_rope_rows(w, num_kv_heads)
+        # NOTE: copy: F32 tensors come back as read-only views of the memory-mapped file.
+        yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Map a GGUF tensor name to its HF name.
+
+    Example: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight.
+    """
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    m = _GLOBAL_RE.match(gguf_name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in Chorus' Llama mapping.")
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (rope pairs interleaved per head -> HF's half split).
+
+    llama.cpp stores each head's rows as (dim/2, 2) pairs; HF stores them as (2, dim/2).
+    ``w`` is [n_head * head_dim, in] (or [n_head * head_dim] for a bias).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _convert_into(gguf_path: Path, out_dir: Path) -> None:
+    """Write config.json, model.safetensors, the tokenizer and the source record into ``out_dir``."""
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = read_metadata(reader)
+    build_config(meta).save_pretrained(out_dir)
+    tensors = dict(iter_dequantized(reader, meta))
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors, reader
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+    st = gguf_path.stat()
+    source = {"gguf_path": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+              "format_version": CACHE_FORMAT_VERSION, "architecture": meta.architecture}
+    (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2))
+
+
+def _publish(tmp_dir: Path, out_dir: Path) -> None:
+    """Rename ``tmp_dir`` to ``out_dir`` atomically; if another process got there first, keep theirs."""
+    try:
+        os.rename(tmp_dir, out_dir)
+    except OSError:
+        if is_converted(out_dir):
+            return  # a concurrent conversion finished first; ours is discarded by the caller
+        if out_dir.exists():  # an incomplete directory not written by us: replace it
+            shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp_dir, out_dir)
+
+
+def _remove_stale_tmp_dirs(converted_root: Path) -> None:
+    """Delete temporary directories that crashed conversions left behind."""
+    now = time.time()
+    for p in converted_root.glob(".tmp-*"):
+        try:
+            if now - p.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _scalar(field) -> Any:
+    """Decode a scalar (or string) GGUF metadata field to a Python value."""
+    value = field.contents()
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return value

@@ -1,0 +1,112 @@
+"""Read a Hugging Face checkpoint directory: its config, its dtype, and its weights one tensor at a time.
+
+Weight files, in order of preference:
+  1. ``model.safetensors.index.json`` (sharded; each shard opened lazily with ``safe_open``);
+  2. ``model.safetensors``;
+  3. any other ``*.safetensors`` in the directory (sorted by name);
+  4. ``pytorch_model.bin.index.json`` / ``pytorch_model.bin`` (``torch.load``, weights only, mmap).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+
+# Buffers some old checkpoints saved that every model recomputes; never yielded.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class WeightFiles:
+    """The weight files of one checkpoint directory."""
+
+    format: str
+    """"safetensors" or "bin" (a pickled torch state dict)."""
+    paths: list[Path]
+    """Files to read, in order; every tensor name appears in exactly one of them."""
+
+
+def find_weight_files(model_dir: Path) -> WeightFiles:
+    """Pick the weight files of ``model_dir`` (see the module docstring for the order)."""
+    if (model_dir / SAFE_INDEX).is_file():
+        return WeightFiles("safetensors", _shards_from_index(model_dir, SAFE_INDEX))
+    if (model_dir / SAFE_SINGLE).is_file():
+        return WeightFiles("safetensors", [model_dir / SAFE_SINGLE])
+    others = sorted(model_dir.glob("*.safetensors"))
+    if others:
+        return WeightFiles("safetensors", others)
+    if (model_dir / BIN_INDEX).is_file():
+        return WeightFiles("bin", _shards_from_index(model_dir, BIN_INDEX))
+    if (model_dir / BIN_SINGLE).is_file():
+        return WeightFiles("bin", [model_dir / BIN_SINGLE])
+    raise ValueError(
+        f"No weights in {str(model_dir)!r}: expected model.safetensors, a sharded "
+        f"model.safetensors.index.json, or pytorch_model.bin.")
+
+
+def iter_checkpoint_tensors(model_dir: Path, dtype: torch.dtype,
+                            skip_lm_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint, floating tensors cast to ``dtype``.
+
+    Args:
+        model_dir: a Hugging Face checkpoint directory.
+        dtype: the dtype floating-point tensors are cast to (integer tensors are left alone).
+        skip_lm_head: drop ``lm_head.weight`` (the model ties it to the embeddings).
+    """
+    files = find_weight_files(model_dir)
+    for path in files.paths:
+        for name, tensor in _iter_file(path, files.format):
+            if name.endswith(_SKIPPED_SUFFIXES) or (skip_lm_head and name == "lm_head.weight"):
+                continue
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            yield name, tensor
+
+
+def config_dtype(model_dir: Path) -> torch.dtype:
+    """The checkpoint's dtype from config.json (``dtype`` or the older ``torch_dtype``); float32 if absent."""
+    with open(model_dir / "config.json") as f:
+        cfg = json.load(f)
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if name is None:
+        text = cfg.get("text_config") or {}
+        name = text.get("dtype") or text.get("torch_dtype")
+    if isinstance(name, str):
+        name = name.removeprefix("torch.")
+    return _DTYPES.get(name, torch.float32) if name else torch.float32
+
+
+def _shards_from_index(model_dir: Path, index_name: str) -> list[Path]:
+    """The distinct shard files named by an index json, in first-appearance order."""
+    with open(model_dir / index_name) as f:
+        weight_map: dict[str, str] = json.load(f)["weight_map"]
+    shards = list(dict.fromkeys(weight_map.values()))
+    missing = [s for s in shards if not (model_dir / s).is_file()]
+    if missing:
+        raise ValueError(f"{index_name} in {str(model_dir)!r} names missing shard files: {missing}")
+    return [model_dir / s for s in shards]
+
+
+def _iter_file(path: Path, fmt: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one file; safetensors files are read one tensor at a time."""
+    if fmt == "safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    else:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        yield from state.items()

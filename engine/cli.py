@@ -1,0 +1,91 @@
+"""The ``chorus`` command: ``serve`` (OpenAI-compatible server), ``generate`` (one prompt, offline),
+``bench`` (the serving load generator in ``benchmarks/serve.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from engine.server.app import run_server
+    try:
+        run_server(args)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed if args.temperature > 0 else None)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate([args.prompt], params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    """Run ``benchmarks/serve.py`` (a source checkout ships it next to ``engine/``)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "serve.py"
+    if not script.exists():
+        print(f"chorus bench: {script} not found; run benchmarks/serve.py from a source checkout.",
+              file=sys.stderr)
+        return 2
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    sys.argv = [str(script), *argv]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine.server.args import add_serve_args
+    parser = argparse.ArgumentParser(prog="chorus", description="Chorus LLM serving engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+                           description="Serve a model over an OpenAI-compatible HTTP API (vLLM's flags).",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve)
+
+    gen = sub.add_parser("generate", help="Complete one prompt offline and print the text.")
+    gen.add_argument("--model", default=None, help="Model path (default: SmolLM2-135M-Instruct).")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="Send the prompt as a user message through the "
+                                                         "chat template.")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--dtype", default="auto")
+
+    sub.add_parser("bench", help="Load-test an OpenAI-compatible server (benchmarks/serve.py; "
+                                 "`chorus bench --help` for its flags).", add_help=False)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return _generate(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The FastAPI app: routes, API-key and body-size guards, error handlers, and ``run_server``.
+
+Routes (vLLM's): GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, GET /health, GET /version, GET /metrics; POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter when runtime adapter updating is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional, Union
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.async_llm import AsyncLLM
+from engine.server import args as serve_args
+from engine.server import metrics
+from engine.server.errors import (PayloadTooLargeError, ServiceUnavailableError, UnauthorizedError,
+                                  error_body, install_error_handlers)
+from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeChatRequest, TokenizeCompletionRequest)
+from engine.server.serving_chat import OpenAIServingChat
+from engine.server.serving_completion import OpenAIServingCompletion
+from engine.server.serving_models import OpenAIServingModels, parse_lora_modules
+from engine.server.serving_tokenize import OpenAIServingTokenization
+
+logger = logging.getLogger("chorus.server")
+
+CHORUS_VERSION = "0.1.0"
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+    base_model_name: Optional[str] = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+
+
+# ----------------------------------------------------------------------------------------
+# ASGI guards (pure ASGI so streaming responses pass through untouched)
+# ----------------------------------------------------------------------------------------
+async def _send_error(send: Send, status: int, body: dict) -> None:
+    resp = JSONResponse(body, status_code=status)
+    await resp({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never reads
+    return {"type": "http.disconnect"}
+
+
+class APIKeyMiddleware:
+    """401 on /v1/* without ``Authorization: Bearer <key>`` (other routes stay open, as vLLM)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope.get("method") != "OPTIONS"
+                and scope.get("path", "").startswith("/v1")):
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+                err = UnauthorizedError("Unauthorized: missing or invalid API key.")
+                await _send_error(send, 401, error_body(err.message, err.err_type, 401))
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for request bodies above ``max_bytes`` (by Content-Length, or counted when chunked)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                await self._refuse(send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        # No Content-Length (chunked): buffer up to the limit, then replay to the app.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        err = PayloadTooLargeError(f"Request body is larger than the limit of {self.max_bytes} bytes.")
+        await _send_error(send, 413, error_body(err.message, err.err_type, 413))
+
+
+# ----------------------------------------------------------------------------------------
+# App
+# ----------------------------------------------------------------------------------------
+def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None) -> FastAPI:
+    """Build the app around a running ``AsyncLLM``; the app shuts the engine down on exit."""
+    args = args or serve_args.make_serve_namespace()
+    served_names = args.served_model_name or [engine_client.model_name]
+    model_path = serve_args.resolve_model(args) or engine_client.model_name
+    models = OpenAIServingModels(engine_client, served_names, model_path,
+                                 parse_lora_modules(args.lora_modules))
+    registry, stat_logger = metrics.make_registry(engine_client, models.model_name)
+    engine_client.stat_loggers.append(stat_logger)
+    completion = OpenAIServingCompletion(engine_client, models)
+    chat = OpenAIServingChat(engine_client, models)
+    tokenization = OpenAIServingTokenization(engine_client, models)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await models.init_static_loras()
+        try:
+            yield
+        finally:
+            engine_client.shutdown()
+
+    app = FastAPI(title="Chorus", version=CHORUS_VERSION, lifespan=lifespan)
+    app.state.engine_client = engine_client
+    app.state.models = models
+    app.state.registry = registry
+    install_error_handlers(app)
+
+    def check_engine() -> None:
+        if engine_client.errored:
+            raise ServiceUnavailableError(f"The engine is not available: {engine_client.dead_error}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            engine_client.check_health()
+        except Exception as e:  # noqa: BLE001
+            return JSONResponse(error_body(f"The engine is not healthy: {e}", "ServiceUnavailableError", 503),
+                                status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": CHORUS_VERSION}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(models.show_available_models().model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        check_engine()
+        return await completion.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        check_engine()
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Union[TokenizeChatRequest, TokenizeCompletionRequest]) -> JSONResponse:
+        return JSONResponse(tokenization.tokenize(request).model_dump(mode="json"))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenization.detokenize(request).model_dump(mode="json"))
+
+    if serve_args.runtime_lora_updating(args):
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            await models.load_lora_adapter(request.lora_name, request.lora_path, request.base_model_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            await models.unload_lora_adapter(request.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+
+    # Outermost first: size limit, then API key, then CORS.
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=True,
+                       allow_methods=["*"], allow_headers=["*"])
+    key = serve_args.api_key(args)
+    if key:
+        app.add_middleware(APIKeyMiddleware, api_key=key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """``chorus serve``: load the engine, serve until SIGTERM/SIGINT, then shut down cleanly.
+
+    On a signal uvicorn stops accepting connections; in-flight requests get ``--shutdown-timeout``
+    seconds to finish, then the engine stops and the ones left end with a 503 error (streams: an
+    in-band error event and ``[DONE]``); the port is released and the process exits with 0.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logger.info("Loading model %s ...", serve_args.resolve_model(args) or "(default SmolLM2)")
+    engine_client = AsyncLLM.from_engine_args(log_requests=not args.disable_log_requests,
+                                              **serve_args.engine_kwargs(args))
+    app = build_app(engine_client, args)
+    host = args.host or "0.0.0.0"
+    config = uvicorn.Config(app, host=host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
+    logger.info("Serving %s on http://%s:%d", engine_client.model_name, host, args.port)
+    try:
+        _GracefulServer(config, engine_client, args.shutdown_timeout).run()
+    finally:
+        engine_client.shutdown()
+    logger.info("Chorus server stopped.")
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn.Server that, after the grace period, ends leftover requests through the engine and
+    does not re-raise the signal it caught (so a SIGTERM'd server exits with 0)."""
+
+    def __init__(self, config: uvicorn.Config, engine_client: AsyncLLM, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine_client = engine_client
+        self.grace_s = grace_s
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        logger.info("Signal %d received: shutting down (grace period %.1f s).", sig, self.grace_s)
+        super().handle_exit(sig, frame)
+        getattr(self, "_captured_signals", []).clear()
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        async def end_leftovers() -> None:
+            await asyncio.sleep(self.grace_s)
+            self.engine_client.shutdown()  # streams end with an in-band error, the rest with 503
+
+        task = asyncio.ensure_future(end_leftovers())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            task.cancel()

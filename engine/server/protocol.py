@@ -1,0 +1,314 @@
+"""OpenAI request and response bodies (pydantic), with vLLM's extra sampling fields.
+
+Requests allow unknown fields (ignored, as vLLM does) so newer clients keep working. Responses
+are dumped by the serving code; stream chunks go through ``sse_chunk`` so their shape matches
+OpenAI's byte for byte (compact JSON, ``usage`` only when asked for, empty ``delta`` at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = False
+    """Send one extra chunk (``choices: []``) with the request's usage before ``[DONE]``."""
+    continuous_usage_stats: Optional[bool] = False
+    """vLLM extension: every chunk carries the usage so far."""
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
+
+    model: Optional[str] = None
+    """Served model name or adapter name; None means the base model."""
+    frequency_penalty: Optional[float] = 0.0
+    presence_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    n: int = 1
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    """None: 1.0 (OpenAI's default)."""
+    top_p: Optional[float] = None
+    user: Optional[str] = None
+    # vLLM extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = None
+    priority: int = 0
+    request_id: Optional[str] = None
+    """vLLM extension: the id to use for this request (default: a random one)."""
+    return_tokens_as_token_ids: Optional[bool] = None
+    """vLLM extension: logprob tokens spelled ``token_id:{id}``."""
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    """Deprecated by OpenAI in favour of max_completion_tokens; None: up to the context length."""
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # vLLM extras
+    echo: bool = False
+    """Prepend the last message's content to the reply (when it has the reply's role)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: Optional[bool] = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+# ----------------------------------------------------------------------------------------
+# Responses
+# ----------------------------------------------------------------------------------------
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: Optional[int] = None
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: Optional[int] = 0
+    prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    """vLLM extension: the stop token id or stop string that ended the sample."""
+    prompt_logprobs: Optional[list[Optional[dict[int, Any]]]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: Optional[list[ChatCompletionLogProbsContent]] = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[str] = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = "stop"
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, Any]]]] = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+
+
+class ModelPermission(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: str = "model_permission"
+    created: int = Field(default_factory=now_s)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: Optional[str] = None
+    is_blocking: bool = False
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "chorus"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
+
+
+class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------
+# SSE framing
+# ----------------------------------------------------------------------------------------
+def dumps(obj: Any) -> str:
+    """Compact JSON, as OpenAI and vLLM send it."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_chunk(*, id: str, object: str, created: int, model: str, choices: list[BaseModel],
+                 usage: Optional[UsageInfo], include_usage_key: bool) -> str:
+    """One ``data:`` line. Choices dump all their fields (nulls included) except a delta's unset
+    ones, so the first chat delta is ``{"role":"assistant","content":""}`` and the last ``{}``.
+    ``usage`` is present (``null`` on content chunks) only when the client asked for usage."""
+    payload: dict[str, Any] = {"id": id, "object": object, "created": created, "model": model,
+                               "choices": [_dump_choice(c) for c in choices]}
+    if include_usage_key:
+        payload["usage"] = usage.model_dump(mode="json") if usage is not None else None
+    return sse_event(payload)
+
+
+def _dump_choice(choice: BaseModel) -> dict[str, Any]:
+    out = choice.model_dump(mode="json")
+    if isinstance(choice, ChatCompletionResponseStreamChoice):
+        out["delta"] = choice.delta.model_dump(mode="json", exclude_none=True)
+        if choice.logprobs is None:
+            out["logprobs"] = None
+    return out

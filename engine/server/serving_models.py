@@ -1,0 +1,128 @@
+"""The ``model`` field: served names, LoRA adapters by name, and ``/v1/models``.
+
+A request's ``model`` is either one of the served names (the base model) or an adapter name
+(``resolve_model_name`` -> ``LoRARequest``); anything else is a 404, as vLLM:
+``The model `x` does not exist.``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from engine.server.errors import BadRequestError, NotFoundError
+from engine.server.protocol import ModelCard, ModelList
+from lora.request import LoRARequest
+
+logger = logging.getLogger("chorus.server")
+
+
+@dataclass
+class LoRAModulePath:
+    """One ``--lora-modules`` item: ``name=path`` or ``{"name", "path", "base_model_name"}``."""
+
+    name: str
+    path: str
+    base_model_name: Optional[str] = None
+
+
+def parse_lora_modules(items: Optional[list[str]]) -> list[LoRAModulePath]:
+    """vLLM's LoRAParserAction: ``name=path`` when the item has '=' and no comma, else JSON."""
+    modules = []
+    for item in items or []:
+        if "=" in item and "," not in item:
+            name, path = item.split("=", 1)
+            modules.append(LoRAModulePath(name, path))
+            continue
+        try:
+            obj = json.loads(item)
+            modules.append(LoRAModulePath(obj["name"], obj["path"], obj.get("base_model_name")))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"--lora-modules item {item!r}: use name=path or "
+                             f'{{"name": ..., "path": ..., "base_model_name": ...}} ({e}).') from e
+    return modules
+
+
+class OpenAIServingModels:
+    """Resolves the ``model`` field and lists models; holds the adapter registry."""
+
+    def __init__(self, engine_client: Any, served_model_names: list[str], model_path: str,
+                 lora_modules: Optional[list[LoRAModulePath]] = None) -> None:
+        self.engine_client = engine_client
+        self.served_model_names = list(served_model_names)
+        self.model_path = model_path
+        self.static_lora_modules = list(lora_modules or [])
+        self.lora_requests: dict[str, LoRARequest] = {}
+        """Adapter name -> LoRARequest, for every adapter a request may name."""
+        self._lora_id_counter = itertools.count(1)
+        self._lora_lock = asyncio.Lock()
+
+    @property
+    def model_name(self) -> str:
+        """The name reported in responses for the base model (the first served name)."""
+        return self.served_model_names[0]
+
+    def is_base_model(self, name: Optional[str]) -> bool:
+        return name is None or name in self.served_model_names
+
+    def resolve_model_name(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """``model`` field -> None (base model) or the adapter's LoRARequest.
+
+        Raises:
+            NotFoundError: neither a served name nor a known adapter.
+        """
+        if self.is_base_model(name):
+            return None
+        lora = self.lora_requests.get(name)
+        if lora is not None:
+            return lora
+        raise NotFoundError(f"The model `{name}` does not exist.", param="model")
+
+    def response_model_name(self, name: Optional[str], lora: Optional[LoRARequest]) -> str:
+        return lora.lora_name if lora is not None else (name if name else self.model_name)
+
+    def show_available_models(self) -> ModelList:
+        max_len = self.engine_client.max_model_len
+        cards = [ModelCard(id=name, root=self.model_path, max_model_len=max_len)
+                 for name in self.served_model_names]
+        for lora in self.lora_requests.values():
+            cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path,
+                                   parent=lora.base_model_name or self.model_name))
+        return ModelList(data=cards)
+
+    # ------------------------------------------------------------------------------------
+    # Adapters (static ones at start-up; runtime load/unload when allowed)
+    # ------------------------------------------------------------------------------------
+    async def init_static_loras(self) -> None:
+        """Load every ``--lora-modules`` adapter; a failure aborts start-up (as vLLM)."""
+        for module in self.static_lora_modules:
+            await self.load_lora_adapter(module.name, module.path, module.base_model_name)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                base_model_name: Optional[str] = None) -> LoRARequest:
+        if not lora_name or not lora_path:
+            raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
+        async with self._lora_lock:
+            if lora_name in self.lora_requests or lora_name in self.served_model_names:
+                raise BadRequestError(f"The lora adapter '{lora_name}' has already been loaded.",
+                                      param="lora_name")
+            lora = LoRARequest(lora_name=lora_name, lora_int_id=next(self._lora_id_counter),
+                               lora_path=lora_path, base_model_name=base_model_name or self.model_name)
+            if hasattr(self.engine_client.engine, "add_lora"):
+                await self.engine_client.run_in_engine(lambda engine: engine.add_lora(lora))
+            self.lora_requests[lora_name] = lora
+            logger.info("Loaded LoRA adapter %s from %s.", lora_name, lora_path)
+            return lora
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        async with self._lora_lock:
+            lora = self.lora_requests.get(lora_name)
+            if lora is None:
+                raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.", param="lora_name")
+            if hasattr(self.engine_client.engine, "remove_lora"):
+                await self.engine_client.run_in_engine(lambda engine: engine.remove_lora(lora_name))
+            del self.lora_requests[lora_name]

@@ -1,0 +1,43 @@
+"""POST /tokenize (a completion prompt or chat messages) and POST /detokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.server.errors import BadRequestError
+from engine.server.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                    TokenizeCompletionRequest, TokenizeResponse)
+from engine.server.serving_chat import render_chat
+from engine.server.serving_models import OpenAIServingModels
+
+
+class OpenAIServingTokenization:
+
+    def __init__(self, engine_client: Any, models: OpenAIServingModels) -> None:
+        self.engine_client = engine_client
+        self.models = models
+
+    def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        self.models.resolve_model_name(req.model)
+        tokenizer = self.engine_client.tokenizer
+        if isinstance(req, TokenizeChatRequest):
+            token_ids = render_chat(self.engine_client, req.messages,
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message,
+                                    add_special_tokens=req.add_special_tokens,
+                                    chat_template=req.chat_template,
+                                    chat_template_kwargs=req.chat_template_kwargs).token_ids
+        else:
+            token_ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        token_strs = tokenizer.convert_ids_to_tokens(token_ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(token_ids), max_model_len=self.engine_client.max_model_len,
+                                tokens=token_ids, token_strs=token_strs)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.models.resolve_model_name(req.model)
+        vocab_size = len(self.engine_client.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequestError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab_size}).",
+                                  param="tokens")
+        return DetokenizeResponse(prompt=self.engine_client.tokenizer.decode(req.tokens))

@@ -1,0 +1,188 @@
+"""Per-request KV block lists on top of the block pool, with prefix caching.
+
+A request's ``block_hashes`` cover every FULL block of ``all_token_ids`` (prompt and generated
+tokens), chained, with extra keys so that KV computed under a different adapter, different
+media or a different cache salt never matches:
+
+- the adapter's ``lora_name`` on every block of a LoRA request;
+- ``(identifier, offset of the item relative to the block start)`` for each media item whose
+  placeholder range overlaps the block;
+- ``cache_salt`` on the first block only (the chain carries it to every later block).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_extra_keys(request: Request, start_token_idx: int, end_token_idx: int) -> Optional[tuple[Any, ...]]:
+    """Extra hash keys of the block covering tokens [start_token_idx, end_token_idx)."""
+    keys: list[Any] = []
+    if request.lora_request is not None:
+        keys.append(request.lora_request.lora_name)
+    for feature in request.mm_features:
+        offset, length = feature.placeholder.offset, feature.placeholder.length
+        if offset < end_token_idx and offset + length > start_token_idx:
+            keys.append((feature.identifier, offset - start_token_idx))
+    if start_token_idx == 0 and request.cache_salt:
+        keys.append(("salt", request.cache_salt))
+    return tuple(keys) if keys else None
+
+
+class KVCacheManager:
+    """Which KV blocks each request holds, and prefix-cache lookups.
+
+    Args:
+        block_size: tokens per block.
+        num_blocks: blocks in the cache, including the reserved null block 0.
+        max_model_len: prompt + output tokens per request at most.
+        enable_caching: reuse full blocks across requests by hash.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, max_model_len: int,
+                 enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # req_id -> its blocks, in token order.
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many of its leading blocks are registered in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        # Prefix-cache counters, in tokens, since start.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # --- hashing ------------------------------------------------------------------------
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        num_full = request.num_tokens // bs
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            start = i * bs
+            parent = hashes[i - 1] if i > 0 else None
+            hashes.append(hash_block_tokens(parent, tuple(tokens[start:start + bs]),
+                                            block_extra_keys(request, start, start + bs)))
+
+    # --- lookup and allocation ----------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of the request.
+
+        The hit is capped at ``num_tokens - 1`` tokens so the last token is always recomputed
+        (its logits are needed). Requests asking for prompt logprobs skip the lookup.
+
+        Returns:
+            (blocks, num_computed_tokens): the hit blocks (not yet referenced; pass them to
+            ``allocate_slots``) and the tokens they cover.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self.update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_hit_tokens = len(blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return blocks, num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+                       num_new_computed_tokens: int = 0,
+                       full_sequence_must_fit: bool = False) -> Optional[list[int]]:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        Args:
+            request: the request; its ``num_computed_tokens`` is the KV already held.
+            num_new_tokens: tokens to compute this step.
+            new_computed_blocks: prefix-hit blocks from ``get_computed_blocks`` (first
+                allocation only).
+            num_new_computed_tokens: tokens those blocks cover.
+            full_sequence_must_fit: admission gate: also require free blocks for all of the
+                request's current tokens, not just this chunk (avoids admitting a long prompt
+                that would only thrash).
+
+        Returns:
+            Ids of the blocks newly allocated (excluding prefix hits), or None when the pool
+            does not have enough free blocks; on None nothing changed.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_after = min(num_computed + num_new_tokens, self.max_model_len)
+        num_held = len(req_blocks) + len(new_computed_blocks)
+        num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - num_held)
+        # Prefix hits sitting in the free queue stop being free once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_needed = num_new_blocks + num_evictable_hits
+        if full_sequence_must_fit:
+            num_full_seq_blocks = max(0, cdiv(request.num_tokens, self.block_size) - num_held)
+            num_needed = max(num_needed, num_full_seq_blocks + num_evictable_hits)
+        if num_needed > self.block_pool.num_free_blocks:
+            return None
+
+        if new_computed_blocks:
+            assert not req_blocks, "prefix hits are only taken on the first allocation"
+            self.block_pool.touch(new_computed_blocks)
+        req_blocks = self.req_to_blocks.setdefault(req_id, req_blocks)
+        req_blocks.extend(new_computed_blocks)
+        if req_id not in self.num_cached_block:
+            self.num_cached_block[req_id] = len(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # NOTE: blocks become full once this step's tokens are computed; later readers are
+            # in later steps, or in this step behind the per-layer KV write, so caching now is
+            # safe. The just-sampled token (no KV yet) is never part of a cached block.
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
+            num_cached = self.num_cached_block[req_id]
+            if num_full > num_cached:
+                self.update_block_hashes(request)
+                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
+                self.num_cached_block[req_id] = num_full
+        return [b.block_id for b in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (so the chain's tail is evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    # --- queries ------------------------------------------------------------------------
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    @property
+    def usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
+
+    def can_fit_ever(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` tokens of KV fit in the whole (empty) cache."""
+        return cdiv(num_tokens, self.block_size) <= self.block_pool.num_usable_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

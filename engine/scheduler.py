@@ -1,0 +1,530 @@
+"""The scheduler: one token budget per step over running and waiting requests.
+
+Pure Python over ints and ids. It decides which tokens each request computes, which KV blocks
+hold them and which LoRA slot each adapter sits in; the runner only does what the resulting
+``SchedulerOutput`` says.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import (CachedRequestData, EngineCoreOutput, LoRASlotLoad, ModelRunnerOutput,
+                            NewRequestData, SchedulerOutput, SchedulerStats)
+from engine.request import Request, RequestStatus
+from engine.request_queue import create_request_queue
+from lora import NO_LORA
+from lora.slot_manager import LoRASlotManager
+
+
+LORA_RESERVE_AFTER_STEPS = 0
+"""Steps a waiting LoRA request may go without a slot before it reserves one (see
+``Scheduler._lora_admissible``)."""
+
+
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    """Tokens still available this step."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """req_id -> tokens this step."""
+    new_reqs: list[Request] = field(default_factory=list)
+    """Admitted from waiting this step (fresh or resumed after preemption)."""
+    running_reqs: list[Request] = field(default_factory=list)
+    """Already running, scheduled again."""
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> blocks allocated this step (running requests)."""
+    preempted: list[Request] = field(default_factory=list)
+    lora_loads: list[LoRASlotLoad] = field(default_factory=list)
+
+
+@dataclass
+class _LoRAReservation:
+    """Anti-starvation state: the oldest waiting LoRA request that could not get a slot."""
+
+    req_id: str
+    """The request the next free slot is reserved for."""
+    drain_slot: int
+    """Slot that admits no new requests until it is idle (so it frees up for ``req_id``)."""
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix caching, recompute preemption and
+    LoRA slot assignment.
+
+    Args:
+        scheduler_config: token budget, max running requests, policy, chunk cap.
+        cache_config: block size and prefix caching.
+        max_model_len: prompt + output tokens per request at most.
+        num_kv_blocks: KV blocks in the cache, including the reserved null block 0.
+        lora_config: adapter slots; None when adapters are disabled.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 max_model_len: int, num_kv_blocks: int,
+                 lora_config: Optional[LoRAConfig] = None) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            self.block_size, num_kv_blocks, max_model_len, cache_config.enable_prefix_caching)
+        self.lora_config = lora_config
+        self.lora_slots = LoRASlotManager(lora_config.max_loras) if lora_config is not None else None
+        self._lora_reservation: Optional[_LoRAReservation] = None
+        # req_id -> step at which a waiting LoRA request first found no slot.
+        self._lora_blocked_since: dict[str, int] = {}
+        self.lora_reserve_after_steps = LORA_RESERVE_AFTER_STEPS
+
+        # Every unfinished request by id.
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        # Running requests in admission order (the back is preempted first under fcfs).
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(): the runner drops their rows.
+        self.finished_req_ids: set[str] = set()
+
+        # Counters for get_stats().
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.max_reqs_per_step = 0
+        self.last_num_scheduled_tokens = 0
+
+    # ----------------------------------------------------------------------------------
+    # Admission
+    # ----------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ValueError if it could never run."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"Request id {rid!r} is already in use.")
+        prompt_len = request.num_prompt_tokens
+        if prompt_len + 1 > self.max_model_len:
+            raise ValueError(
+                f"Request {rid!r}: the prompt has {prompt_len} tokens but max_model_len="
+                f"{self.max_model_len} leaves no room for one output token; shorten the prompt "
+                "or raise max_model_len.")
+        if request.lora_request is not None and self.lora_slots is None:
+            raise ValueError(f"Request {rid!r} names adapter {request.lora_request.lora_name!r} but "
+                             "LoRA is disabled; start the engine with a LoRA config (--enable-lora).")
+        max_total_tokens = min(prompt_len + request.max_tokens, self.max_model_len)
+        # NOTE: the last sampled token never gets KV, hence the -1.
+        if not self.kv_cache_manager.can_fit_ever(max_total_tokens - 1):
+            n = self.kv_cache_manager.num_usable_blocks
+            raise ValueError(
+                f"KV cache has {n} blocks of {self.block_size} tokens ({n * self.block_size} tokens); "
+                f"request {rid!r} needs up to {max_total_tokens} tokens (prompt {prompt_len} + "
+                f"max_tokens {request.max_tokens}, within max_model_len {self.max_model_len}); raise kv_cache_space / gpu_memory_utilization / "
+                "num_gpu_blocks_override or lower max_tokens / max_model_len.")
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.add_request(request)
+
+    # ----------------------------------------------------------------------------------
+    # schedule()
+    # ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide one step.
+
+        Algorithm: no prefill/decode phases; each request's ``num_computed_tokens`` chases
+        its ``num_tokens``.
+        (1) RUNNING requests first, in order: each gets min(remaining, budget,
+            long_prefill_token_threshold). When KV blocks run out, preempt (free, recompute
+            later) the back of ``running`` (fcfs) or the worst-ranked request (priority),
+            giving back its tokens if it was already scheduled; if the victim is the request
+            itself, move on (under fcfs it was the last one).
+        (2) Only if nothing was preempted: WAITING requests in queue order while budget and
+            ``max_num_seqs`` allow: take prefix-cache hits, check the LoRA slot (a request
+            whose adapter cannot get one is skipped without blocking those behind it; see
+            ``_lora_admissible`` for the anti-starvation rule), allocate blocks for the chunk
+            (admitting only if the whole current sequence fits), stop at the first request
+            that does not fit.
+        (3) Emit new requests in full, known ones as deltas, then advance
+            ``num_computed_tokens`` right away so the next step continues the chunk.
+        """
+        self._validate_lora_reservation()
+        plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = self._build_output(plan)
+        for req_id, n in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.finished_req_ids = set()
+        self.num_steps += 1
+        self.max_reqs_per_step = max(self.max_reqs_per_step, len(plan.num_scheduled_tokens))
+        self.last_num_scheduled_tokens = output.total_num_scheduled_tokens
+        return output
+
+    def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
+        n = request.num_tokens - num_computed
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold > 0:
+            n = min(n, threshold)
+        return min(n, token_budget, self.max_model_len - 1 - num_computed)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        idx = 0
+        while idx < len(self.running) and plan.token_budget > 0:
+            request = self.running[idx]
+            n = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            if n <= 0:
+                idx += 1
+                continue
+            while True:
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, n)
+                if new_block_ids is not None:
+                    break
+                victim = self._pick_preemption_victim()
+                victim_idx = self.running.index(victim)
+                del self.running[victim_idx]
+                if victim_idx < idx:
+                    idx -= 1
+                self._unschedule(plan, victim)
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                # The request preempted itself (fcfs: it was last, so this ends the loop).
+                # Under priority, better-ranked requests after it may still fit: go on.
+                continue
+            plan.running_reqs.append(request)
+            plan.new_block_ids[request.request_id] = new_block_ids
+            plan.num_scheduled_tokens[request.request_id] = n
+            plan.token_budget -= n
+            idx += 1
+
+    def _pick_preemption_victim(self) -> Request:
+        if self.scheduler_config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(plan: _StepPlan, request: Request) -> None:
+        """Give back a request's tokens if it was already scheduled this step."""
+        n = plan.num_scheduled_tokens.pop(request.request_id, None)
+        if n is None:
+            return
+        plan.token_budget += n
+        plan.running_reqs.remove(request)
+        plan.new_block_ids.pop(request.request_id, None)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free everything, back to the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        if request.lora_request is not None:
+            assert self.lora_slots is not None
+            self.lora_slots.release(request.lora_request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []
+        # The first request (in queue order) that needed a new adapter slot and got none.
+        first_slotless: Optional[Request] = None
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting.peek_request()
+            if request.lora_request is not None and not self._lora_admissible(request):
+                skipped.append(self.waiting.pop_request())
+                if first_slotless is None and self._needs_new_slot(request):
+                    first_slotless = request
+                continue
+            hit_blocks, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + num_hit_tokens
+            n = self._num_new_tokens(request, num_computed, plan.token_budget)
+            new_block_ids = None
+            if n > 0:
+                new_block_ids = self.kv_cache_manager.allocate_slots(
+                    request, n, hit_blocks, num_hit_tokens, full_sequence_must_fit=True)
+            if new_block_ids is None:
+                break
+            self.waiting.pop_request()
+            self._admit(plan, request, num_computed, n)
+        self.waiting.prepend_requests(skipped)
+        if first_slotless is not None:
+            self._maybe_reserve_lora_slot(first_slotless)
+
+    def _admit(self, plan: _StepPlan, request: Request, num_computed: int, num_new_tokens: int) -> None:
+        if request.lora_request is not None:
+            assert self.lora_slots is not None
+            grant = self.lora_slots.acquire(request.lora_request)
+            assert grant is not None, "checked by _lora_admissible"
+            if grant.load_needed:
+                plan.lora_loads.append(LoRASlotLoad(grant.lora_slot, request.lora_request))
+            if self._lora_reservation is not None and self._lora_reservation.req_id == request.request_id:
+                self._lora_reservation = None
+            self._lora_blocked_since.pop(request.request_id, None)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        if request.scheduled_time is None:
+            request.scheduled_time = time.time()
+        self.running.append(request)
+        plan.new_reqs.append(request)
+        plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+        plan.token_budget -= num_new_tokens
+
+    # ----------------------------------------------------------------------------------
+    # LoRA slots and anti-starvation
+    # ----------------------------------------------------------------------------------
+    def _lora_admissible(self, request: Request) -> bool:
+        """Whether a waiting LoRA request may take a slot reference now.
+
+        Anti-starvation rule (reserve-and-drain): after a step's admissions, if no
+        reservation exists, the first waiting request in queue order that needed a new slot
+        and got none (the oldest such, under fcfs) becomes the *holder* once it has waited
+        ``lora_reserve_after_steps`` steps, and one busy slot (the one expected to idle
+        soonest) becomes the *drain slot*. While a reservation exists: (a) only the holder
+        may bring a new adapter into a slot, and (b) the drain slot takes no new requests.
+        So the drain slot only loses requests; each finishes within its max_tokens, the slot
+        idles, and the holder takes it (or any slot that idles first) at its next turn, along
+        with every waiting request of its adapter. The next holder is again the oldest
+        slotless request, so under fcfs a request waits about (distinct adapters queued
+        ahead of it + 1) x (grace + one drain), plus any wait for KV blocks or budget.
+        Requests of other resident adapters and base-model requests keep flowing meanwhile.
+        Under the priority policy the bound holds among requests of equal or better rank.
+        """
+        assert self.lora_slots is not None and request.lora_request is not None
+        reservation = self._lora_reservation
+        is_holder = reservation is not None and reservation.req_id == request.request_id
+        slot = self.lora_slots.slot_of(request.lora_request.lora_name)
+        if slot is not None:
+            return reservation is None or is_holder or slot != reservation.drain_slot
+        if (reservation is None or is_holder) and self.lora_slots.can_acquire(request.lora_request):
+            return True
+        self._lora_blocked_since.setdefault(request.request_id, self.num_steps)
+        return False
+
+    def _needs_new_slot(self, request: Request) -> bool:
+        assert self.lora_slots is not None and request.lora_request is not None
+        return self.lora_slots.slot_of(request.lora_request.lora_name) is None
+
+    def _maybe_reserve_lora_slot(self, oldest_slotless: Request) -> None:
+        """Make ``oldest_slotless`` the reservation holder if due (see ``_lora_admissible``)."""
+        assert self.lora_slots is not None and oldest_slotless.lora_request is not None
+        if self._lora_reservation is not None or not self._needs_new_slot(oldest_slotless):
+            return
+        if self.lora_slots.can_acquire(oldest_slotless.lora_request):
+            return  # a slot idles now: it gets it next step, as the oldest in line
+        blocked_since = self._lora_blocked_since.get(oldest_slotless.request_id, self.num_steps)
+        if self.num_steps - blocked_since < self.lora_reserve_after_steps:
+            return
+        # Drain the slot expected to idle soonest: fewest decode steps left among its requests.
+        steps_left: dict[int, int] = {}
+        for r in self.running:
+            if r.lora_request is not None:
+                slot = self.lora_slots.slot_of(r.lora_request.lora_name)
+                assert slot is not None
+                steps_left[slot] = max(steps_left.get(slot, 0), r.max_tokens - r.num_output_tokens)
+        drain_slot = self.lora_slots.pick_drain_slot(steps_left)
+        assert drain_slot is not None, "no slot can be acquired, so every slot is busy"
+        self._lora_reservation = _LoRAReservation(oldest_slotless.request_id, drain_slot)
+
+    def _validate_lora_reservation(self) -> None:
+        """Drop the reservation when its holder is no longer waiting (aborted)."""
+        res = self._lora_reservation
+        if res is None:
+            return
+        holder = self.requests.get(res.req_id)
+        if holder is None or holder.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self._lora_reservation = None
+
+    def _lora_slot(self, request: Request) -> int:
+        if request.lora_request is None or self.lora_slots is None:
+            return NO_LORA
+        slot = self.lora_slots.slot_of(request.lora_request.lora_name)
+        assert slot is not None, f"{request} runs without a resident adapter"
+        return slot
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload an adapter once no unfinished request uses it.
+
+        Returns:
+            False while requests (running or waiting) still use it (the engine retries each
+            step); True once its slot, if any, is freed.
+        """
+        for request in self.requests.values():
+            if request.lora_request is not None and request.lora_request.lora_name == lora_name:
+                return False
+        if self.lora_slots is not None:
+            self.lora_slots.remove(lora_name)
+        return True
+
+    # ----------------------------------------------------------------------------------
+    # Output
+    # ----------------------------------------------------------------------------------
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                all_token_ids=list(r.all_token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling_params=r.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                lora_slot=self._lora_slot(r),
+                mm_features=r.mm_features,
+            ) for r in plan.new_reqs
+        ]
+        cached = CachedRequestData()
+        for r in plan.running_reqs:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(plan.new_block_ids[r.request_id])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            cached.lora_slots.append(self._lora_slot(r))
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=set(self.finished_req_ids),
+            preempted_req_ids={r.request_id for r in plan.preempted},
+            lora_loads=plan.lora_loads,
+        )
+
+    # ----------------------------------------------------------------------------------
+    # update_from_output()
+    # ----------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, check stops, free finished requests, emit outputs."""
+        row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        now = time.time()
+        any_finished = False
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted after it was scheduled
+            row = row_of.get(req_id)
+            sampled = runner_output.sampled_token_ids[row] if row is not None else []
+            new_token_ids = self._append_and_check_stop(request, sampled)
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if new_token_ids and request.first_token_time is None:
+                request.first_token_time = now
+            finished = request.is_finished()
+            if finished:
+                any_finished = True
+                self._free_request(request, held_slot=True)
+            if new_token_ids or prompt_logprobs is not None or finished:
+                outputs.append(EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=runner_output.logprobs.get(req_id) if new_token_ids else None,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.get_finish_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                ))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
+        new_token_ids: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_ids([token_id])
+            new_token_ids.append(token_id)
+            if self._check_stop(request, token_id):
+                break
+        return new_token_ids
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """EOS, then stop_token_ids (both only once min_tokens exist), then length."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None
+                return True
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ----------------------------------------------------------------------------------
+    # Finishing from outside, freeing
+    # ----------------------------------------------------------------------------------
+    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string). Unknown ids are ignored.
+
+        Their ids go into the next ``finished_req_ids``; the engine emits the final output.
+        """
+        assert RequestStatus.is_finished(finished_status), finished_status
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        from_waiting: list[Request] = []
+        from_running = False
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            held_slot = request.status == RequestStatus.RUNNING
+            if held_slot:
+                from_running = True
+            else:
+                from_waiting.append(request)
+            request.status = finished_status
+            self._free_request(request, held_slot)
+        if from_running:
+            self.running = [r for r in self.running if not r.is_finished()]
+        if from_waiting:
+            self.waiting.remove_requests(from_waiting)
+
+    def _free_request(self, request: Request, held_slot: bool) -> None:
+        """Release KV blocks and the adapter slot reference; forget the request."""
+        self.kv_cache_manager.free(request)
+        if held_slot and request.lora_request is not None:
+            assert self.lora_slots is not None
+            self.lora_slots.release(request.lora_request)
+        request.finished_time = time.time()
+        self._lora_blocked_since.pop(request.request_id, None)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ----------------------------------------------------------------------------------
+    # Queries
+    # ----------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return len(self.requests) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing done) while blocks are in use."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            max_reqs_per_step=self.max_reqs_per_step,
+            num_scheduled_tokens=self.last_num_scheduled_tokens,
+            num_active_loras=self.lora_slots.num_resident if self.lora_slots is not None else 0,
+        )

@@ -10,6 +10,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One converted copy of the default GGUF model shared by every test run (and the server's subprocesses).
+os.environ.setdefault("CHORUS_CACHE", str(__import__("pathlib").Path(__file__).resolve().parents[1] / ".cache" / "chorus"))
 
 import torch  # noqa: E402
 

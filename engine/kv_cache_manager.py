@@ -4,7 +4,8 @@ A request's ``block_hashes`` cover every FULL block of ``all_token_ids`` (prompt
 tokens), chained, with extra keys so that KV computed under a different adapter, different
 media or a different cache salt never matches:
 
-- the adapter's ``lora_name`` on every block of a LoRA request;
+- the adapter's ``(lora_name, lora_int_id)`` on every block of a LoRA request: the id changes
+  when an adapter is unloaded and another is loaded under the same name, so stale KV never hits;
 - ``(identifier, offset of the item relative to the block start)`` for each media item whose
   placeholder range overlaps the block;
 - ``cache_salt`` on the first block only (the chain carries it to every later block).
@@ -26,7 +27,7 @@ def block_extra_keys(request: Request, start_token_idx: int, end_token_idx: int)
     """Extra hash keys of the block covering tokens [start_token_idx, end_token_idx)."""
     keys: list[Any] = []
     if request.lora_request is not None:
-        keys.append(request.lora_request.lora_name)
+        keys.append(("lora", request.lora_request.lora_name, request.lora_request.lora_int_id))
     for feature in request.mm_features:
         offset, length = feature.placeholder.offset, feature.placeholder.length
         if offset < end_token_idx and offset + length > start_token_idx:

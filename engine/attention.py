@@ -81,12 +81,15 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                          meta: AttentionMetadata, scale: float, k_new: Optional[torch.Tensor] = None,
+                          v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context.
 
     q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim].
-    Decodes (one query token) are batched into one padded SDPA call; prefill chunks run
-    one SDPA call each, with the mask shifted by the cached prefix length.
+    Decodes (one query token) are batched into one padded attention; prefill chunks run one
+    SDPA call each, with the mask shifted by the cached prefix length. A chunk with no cached
+    prefix attends to this step's ``k_new``/``v_new`` ([num_tokens, num_kv_heads, head_dim])
+    directly (plain causal SDPA, no gather), when they are given.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -118,17 +121,24 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qlen, slen = end - start, seq_lens[i]
         if qlen == 0:
             continue
-        nblk = (slen + block_size - 1) // block_size
-        bt = meta.block_tables[i, :nblk]
-        k = k_cache[bt].reshape(nblk * block_size, num_kv_heads, head_dim)[:slen]
-        v = v_cache[bt].reshape(nblk * block_size, num_kv_heads, head_dim)[:slen]
-        qi = q[start:end].transpose(0, 1)                                    # [H, qlen, d]
-        ki = k.transpose(0, 1).repeat_interleave(group, dim=0)               # [H, slen, d]
-        vi = v.transpose(0, 1).repeat_interleave(group, dim=0)
         ctx = slen - qlen
-        # Query j (absolute position ctx + j) sees keys 0..ctx + j.
-        mask = torch.arange(slen, device=q.device)[None, :] <= (ctx + torch.arange(qlen, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(qi.float(), ki.float(), vi.float(), attn_mask=mask, scale=scale)
+        if ctx == 0 and k_new is not None:
+            k, v = k_new[start:end], v_new[start:end]
+        else:
+            nblk = (slen + block_size - 1) // block_size
+            bt = meta.block_tables[i, :nblk]
+            k = k_cache[bt].reshape(nblk * block_size, num_kv_heads, head_dim)[:slen]
+            v = v_cache[bt].reshape(nblk * block_size, num_kv_heads, head_dim)[:slen]
+        qi = q[start:end].transpose(0, 1).float()                            # [H, qlen, d]
+        ki = k.transpose(0, 1).float()                                       # [Hkv, slen, d]
+        vi = v.transpose(0, 1).float()
+        if ctx == 0:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            # Query j (absolute position ctx + j) sees keys 0..ctx + j.
+            mask = (torch.arange(slen, device=q.device)[None, :]
+                    <= (ctx + torch.arange(qlen, device=q.device))[:, None])
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
@@ -151,12 +161,13 @@ class AttentionBackend:
         else:
             write_kv_torch(k, v, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_new=None,
+               v_new=None) -> torch.Tensor:
         if self.name == "triton":
             from kernels.paged_attention import paged_attention
             return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, meta.max_query_len, meta.max_seq_len, scale)
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new)
 
 
 def select_backend(device: torch.device) -> AttentionBackend:

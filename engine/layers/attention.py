@@ -31,5 +31,5 @@ class PagedAttention(nn.Module):
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]."""
         meta = get_attention_metadata()
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

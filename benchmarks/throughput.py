@@ -1,0 +1,208 @@
+"""Offline throughput: Chorus ``LLM.generate`` vs transformers on the same model and prompts, one run.
+
+Examples:
+    # CPU, the default SmolLM2-135M-Instruct, 64 prompts of 128 tokens, 64 new tokens each
+    python benchmarks/throughput.py --num-prompts 64 --input-len 128 --output-len 64
+    # H200, a Llama-3-8B-shaped model with random bf16 weights, lengths drawn per request
+    python benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
+        --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 256
+
+Transformers runs padded batched ``generate`` (left padding, batches of ``--hf-batch-size``, each
+batch runs to its longest output; only requested tokens count) and, with ``--hf-continuous``,
+its continuous-batching ``generate_batch``. EOS is ignored everywhere. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def parse_range(s: str) -> tuple[int, int]:
+    if ":" in s:
+        a, b = s.split(":")
+        return int(a), int(b)
+    return int(s), int(s)
+
+
+def make_workload(n: int, in_range, out_range, vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        plen = rng.randint(*in_range)
+        prompts.append([rng.randrange(100, vocab - 100) for _ in range(plen)])
+        outs.append(rng.randint(*out_range))
+    return prompts, outs
+
+
+def dummy_checkpoint(out_dir: Path, dtype: str) -> Path:
+    """A config-only HF directory for ``load_format=dummy`` (and the same config for transformers)."""
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(**LLAMA3_8B, dtype=dtype, architectures=["LlamaForCausalLM"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(out_dir)
+    return out_dir
+
+
+def run_chorus(args, prompts, outs) -> dict:
+    from engine import LLM, SamplingParams
+    kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0, enforce_eager=args.enforce_eager)
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
+    if args.load_format == "dummy":
+        kw["load_format"] = "dummy"
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **kw)
+    load_s = time.perf_counter() - t0
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
+    # Warm-up (kernel compilation, graph capture, allocator) outside the timed run.
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_out = sum(len(r.outputs[0].token_ids) for r in res)
+    assert n_out == sum(outs), (n_out, sum(outs))
+    stats = llm.llm_engine.get_stats()
+    del llm
+    return dict(system="chorus", seconds=dt, output_tokens=n_out, requests=len(prompts),
+                output_tok_s=n_out / dt, req_s=len(prompts) / dt, load_s=load_s,
+                preemptions=stats.num_preemptions, steps=stats.num_steps)
+
+
+def load_hf(args):
+    from transformers import AutoModelForCausalLM
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.load_format == "dummy":
+        from transformers import AutoConfig
+        cfg = AutoConfig.from_pretrained(args.model)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        from engine.loader import checkpoint_dir, resolve_model
+        model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(resolve_model(args.model)), dtype=dtype)
+        model.to(device)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    return model, device
+
+
+def run_hf_padded(model, device, prompts, outs, batch_size: int) -> dict:
+    pad = 0
+    total_out = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        bp, bo = prompts[i:i + batch_size], outs[i:i + batch_size]
+        width = max(len(p) for p in bp)
+        ids = torch.full((len(bp), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(bp):
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        with torch.no_grad():
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(bo),
+                           min_new_tokens=max(bo), do_sample=False, pad_token_id=pad)
+        total_out += sum(bo)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return dict(system=f"hf-generate-padded(bs={batch_size})", seconds=dt, output_tokens=total_out,
+                requests=len(prompts), output_tok_s=total_out / dt, req_s=len(prompts) / dt)
+
+
+def run_hf_continuous(model, device, prompts, outs) -> dict:
+    from transformers import GenerationConfig
+    gc = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=None, pad_token_id=0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate_batch(inputs=prompts, generation_config=gc)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    total = len(prompts) * max(outs)  # generate_batch has one max_new_tokens for all
+    return dict(system="hf-generate_batch(continuous)", seconds=dt, output_tokens=total,
+                requests=len(prompts), output_tok_s=total / dt, req_s=len(prompts) / dt)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--llama3-8b-dummy", action="store_true", help="Llama-3-8B shape, random weights")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", default="128", help="N or MIN:MAX (uniform)")
+    ap.add_argument("--output-len", default="64", help="N or MIN:MAX (uniform)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-max-prompts", type=int, default=None,
+                    help="run transformers on only the first N prompts (its tok/s is a rate)")
+    ap.add_argument("--hf-continuous", action="store_true", help="also run transformers' generate_batch")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/out/throughput.json")
+    args = ap.parse_args()
+    args.load_format = "auto"
+    if args.llama3_8b_dummy:
+        args.model = str(dummy_checkpoint(Path(os.environ.get("TMPDIR", "/tmp")) / "chorus-llama3-8b-dummy",
+                                          "bfloat16"))
+        args.load_format = "dummy"
+        if args.max_model_len is None:
+            args.max_model_len = 2048
+    vocab = LLAMA3_8B["vocab_size"] if args.llama3_8b_dummy else 49152
+    if args.model and not args.llama3_8b_dummy:
+        from engine.loader import load_config, resolve_model
+        vocab = load_config(resolve_model(args.model)).vocab_size
+    prompts, outs = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
+                                  vocab, args.seed)
+    rows = [run_chorus(args, prompts, outs)]
+    if not args.skip_hf:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        model, device = load_hf(args)
+        k = args.hf_max_prompts or len(prompts)
+        rows.append(run_hf_padded(model, device, prompts[:k], outs[:k], args.hf_batch_size))
+        if args.hf_continuous:
+            rows.append(run_hf_continuous(model, device, prompts[:k], outs[:k]))
+    best_hf = max((r["output_tok_s"] for r in rows[1:]), default=None)
+    for r in rows:
+        r["vs_best_hf"] = r["output_tok_s"] / best_hf if best_hf else None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
+    print(f"\nworkload: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
+          f"model {args.model or 'SmolLM2-135M-Instruct'}, device {device}")
+    print(f"{'system':40s} {'requests':>8s} {'seconds':>9s} {'out tok/s':>10s} {'req/s':>8s} {'x best HF':>9s}")
+    for r in rows:
+        ratio = f"{r['vs_best_hf']:.2f}" if r["vs_best_hf"] else "-"
+        print(f"{r['system']:40s} {r['requests']:8d} {r['seconds']:9.2f} {r['output_tok_s']:10.1f} "
+              f"{r['req_s']:8.2f} {ratio:>9s}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(args=vars(args), device=device, rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""Paged attention for a mixed batch of prefill chunks and decodes (one Triton kernel).
+
+Algorithm: the flat query tokens of each request are cut into q-blocks of ``BLOCK_Q`` tokens;
+one program takes one q-block and one KV head, stacks the ``group`` query heads that share that
+KV head into the rows of its tile (``BLOCK_M = BLOCK_Q * group`` rows, GQA without repeating
+K/V) and runs a flash-attention online softmax over KV tiles of ``TILE_N`` keys, gathered from
+the cache through the request's block table. The grid is ``num_tokens // BLOCK_Q + num_reqs``
+q-block programs (an upper bound; vLLM's unified-attention layout) and each program finds its
+request from ``query_start_loc`` on the device, so no host sync is needed.
+
+Split-KV (flash-decoding): with ``num_splits > 1`` the KV range of every q-block is cut into
+``num_splits`` segments, each program writes an unnormalized partial (acc, running max, sum),
+and a second kernel merges them. The wrapper turns it on by itself for pure-decode batches
+too small to fill the GPU; the kernel itself is correct for any batch (tests force it).
+
+The torch twin is ``kernels.reference.paged_attention_ref``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import triton
+import triton.language as tl
+
+from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted,
+                           next_power_of_2, num_sms)
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, pid_qb, num_reqs, BLOCK_Q: tl.constexpr, CHUNK: tl.constexpr):
+    """The request whose q-blocks include program ``pid_qb``.
+
+    Request i owns programs [qsl[i] // BLOCK_Q + i, qsl[i + 1] // BLOCK_Q + i + 1), at least
+    cdiv(qlen_i, BLOCK_Q) of them; that first-program column strictly increases, so the answer
+    is #{i : qsl[i] // BLOCK_Q + i <= pid_qb} - 1. NOTE: counted with CHUNK-wide vector loads
+    (one memory round trip up to CHUNK requests) instead of a binary search's log2(num_reqs)
+    dependent loads.
+    """
+    n = 0
+    for c0 in range(0, num_reqs, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        ok = i < num_reqs
+        first = tl.load(query_start_loc_ptr + i, mask=ok, other=0) // BLOCK_Q + i
+        n += tl.sum(((first <= pid_qb) & ok).to(tl.int32), axis=0)
+    return n - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale_log2, num_reqs, num_heads,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_c_blk, stride_c_slot, stride_c_head, stride_bt_req,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FIND_CHUNK: tl.constexpr,
+):
+    """Semantics (NUM_SPLITS == 1; scores in log2 units, qk_scale_log2 = scale * log2(e)):
+
+        for each request i, qlen = qsl[i+1] - qsl[i], ctx = seq_lens[i] - qlen:
+          for j in range(qlen), h in range(num_heads):
+            t = qsl[i] + j; kvh = h // GROUP
+            keys p = 0 .. ctx + j, K[p] = k_cache[block_tables[i, p // BLOCK_SIZE], p % BLOCK_SIZE, kvh]
+            s[p] = q[t, h] . K[p] * qk_scale_log2
+            out[t, h] = sum_p 2^(s[p] - max s) V[p] / sum_p 2^(s[p] - max s)   (fp32, stored in out's dtype)
+
+    With NUM_SPLITS > 1, program (qb, kvh, seg) covers only its segment of the key tiles and
+    stores acc = sum_p 2^(s[p] - m) V[p], m = max s, l = sum_p 2^(s[p] - m) into the partials
+    ([num_tokens, num_heads, NUM_SPLITS, (HEAD_PAD)]) for ``_merge_splits_kernel``.
+    """
+    pid_qb = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seg = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, pid_qb, num_reqs, BLOCK_Q, FIND_CHUNK)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    qb_local = pid_qb - (q_start // BLOCK_Q + req)
+    if qb_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    # Rows of the tile: (query token, query head in this KV head's group).
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = qb_local * BLOCK_Q + rows // GROUP                      # [BLOCK_M] index within the request
+    head = kv_head * GROUP + rows % GROUP                           # [BLOCK_M]
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_tok < q_len)
+    q_pos = ctx_len + q_tok                                         # absolute position of each row
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    q_off = (q_start + q_tok).to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys [0, kv_end) are visible to at least one row of this q-block.
+    kv_end = ctx_len + tl.minimum((qb_local + 1) * BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    if NUM_SPLITS == 1:
+        tile_lo = 0
+        tile_hi = num_tiles
+    else:
+        tiles_per_seg = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = seg * tiles_per_seg
+        tile_hi = tl.minimum(tile_lo + tiles_per_seg, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+    for tile in range(tile_lo, tile_hi):
+        kpos = tile * TILE_N + tl.arange(0, TILE_N)                 # [TILE_N]
+        k_ok = kpos < kv_end
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_c_blk + (kpos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
+        k_t = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
+                      mask=k_ok[None, :] & dim_ok[:, None], other=0.0)       # [HEAD_PAD, TILE_N]
+        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
+                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)         # [TILE_N, HEAD_PAD]
+        if UPCAST:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale_log2   # [BLOCK_M, TILE_N]
+        visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # NOTE: a row with no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    tok = (q_start + q_tok).to(tl.int64)
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = tok * stride_o_tok + head * stride_o_head
+        tl.store(out_ptr + o_off[:, None] + dims[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        part = (tok * num_heads + head) * NUM_SPLITS + seg                 # [BLOCK_M]
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads,
+                         stride_o_tok, stride_o_head,
+                         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Semantics: for each token t and head h (one program each), over segments g:
+
+        M = max_g m[t, h, g]
+        out[t, h] = sum_g 2^(m_g - M) acc[t, h, g] / sum_g 2^(m_g - M) l[t, h, g]
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    segs = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_PAD)
+    base = (tok * num_heads + head) * NUM_SPLITS
+    m = tl.load(part_max_ptr + base + segs)                                # [NUM_SPLITS]
+    l = tl.load(part_sum_ptr + base + segs)
+    acc = tl.load(part_acc_ptr + (base + segs)[:, None] * HEAD_PAD + dims[None, :])  # [NUM_SPLITS, HEAD_PAD]
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)
+    denom = tl.sum(w * l, axis=0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + dims, o.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    """Tile sizes for one launch (all compile-time constants of the kernel)."""
+
+    block_m: int        # rows per program: BLOCK_Q query tokens x GROUP query heads (padded)
+    block_q: int        # query tokens per program
+    tile_n: int         # keys per inner-loop tile
+    head_pad: int       # head_dim rounded up to a power of two
+    num_splits: int     # KV segments per q-block (1: no split-KV)
+    num_warps: int
+    num_stages: int = 3
+
+
+def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: int, num_kv_heads: int,
+                   max_query_len: int, max_seq_len: int, num_splits: Optional[int]) -> _LaunchConfig:
+    interpreted = is_interpreted(device)
+    head_pad = max(16, next_power_of_2(head_dim))
+    min_m = 16 if (interpreted or max_query_len < 64) else 64
+    block_m = max(min_m, next_power_of_2(group))
+    block_q = block_m // group
+    tile_n = 32 if interpreted else (64 if head_pad <= 128 else 32)
+    if num_splits is None:
+        num_splits = 1
+        programs = num_reqs * num_kv_heads
+        sms = num_sms(device)
+        if not interpreted and max_query_len == 1 and programs < sms:
+            # Flash-decoding: enough segments for about one wave, each at least one KV tile
+            # (measured on H200, Llama-3-8B shapes, 512 ctx: batch 1 -> 8, 8 -> 4, 32 -> 1).
+            want = next_power_of_2(cdiv(sms, max(programs, 1)))
+            max_useful = max(1, cdiv(max_seq_len, tile_n))
+            while want > 1 and want > max_useful:
+                want //= 2
+            num_splits = min(want, MAX_SPLITS)
+    return _LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, head_pad=head_pad,
+                         num_splits=num_splits, num_warps=4 if head_pad <= 128 else 8)
+
+
+def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                  max_query_len, max_seq_len, scale, out, num_splits) -> None:
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    num_tokens, num_heads, head_dim = q.shape
+    dev = q.device
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=dev, contiguous=True)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_tensor("k_cache", k_cache, shape=(None, block_size, num_kv_heads, head_dim))
+    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape), device=dev,
+                 contiguous=True)
+    if block_size & (block_size - 1):
+        raise ValueError(f"k_cache: block_size {block_size} must be a power of two.")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"q: num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}.")
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=dev,
+                 contiguous=True)
+    num_reqs = query_start_loc.shape[0] - 1
+    if num_reqs < 0:
+        raise ValueError("query_start_loc: needs num_reqs + 1 >= 1 entries.")
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(num_reqs,), device=dev,
+                 contiguous=True)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=dev,
+                 last_dim_contiguous=True)
+    if block_tables.shape[0] != num_reqs:
+        raise ValueError(f"block_tables: {block_tables.shape[0]} rows for {num_reqs} requests.")
+    check_int("max_query_len", max_query_len)
+    check_int("max_seq_len", max_seq_len)
+    if block_tables.shape[1] * block_size < max_seq_len:
+        raise ValueError(f"block_tables: {block_tables.shape[1]} blocks of {block_size} cannot hold "
+                         f"max_seq_len {max_seq_len}.")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}.")
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), shape=tuple(q.shape), device=dev,
+                     last_dim_contiguous=True)
+    if num_splits is not None:
+        check_int("num_splits", num_splits, min_value=1)
+        if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+            raise ValueError(f"num_splits: {num_splits} must be a power of two <= {MAX_SPLITS}.")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    max_query_len: int, max_seq_len: int, scale: float,
+                    out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its paged context.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim] float16/bfloat16/float32 (last dim contiguous).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, contiguous;
+            this step's K/V must already be written.
+        query_start_loc: [num_reqs + 1] int32; request i owns q rows [qsl[i], qsl[i + 1]).
+        seq_lens: [num_reqs] int32; context after this step (cached prefix + new tokens).
+        block_tables: [num_reqs, max_num_blocks] int32 block ids per request.
+        max_query_len, max_seq_len: host ints (upper bounds; pick tiles and split-KV only).
+        scale: softmax scale, usually head_dim ** -0.5.
+        out: optional [num_tokens, num_heads, head_dim] output in q's dtype.
+        num_splits: KV segments per q-block (power of two <= 16); None picks one (split-KV only
+            for pure-decode batches too small to fill the GPU; always 1 under the interpreter).
+
+    Returns:
+        out, [num_tokens, num_heads, head_dim] in q's dtype. Rows past qsl[num_reqs] (padding
+        tokens) hold undefined values.
+    """
+    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                  max_query_len, max_seq_len, scale, out, num_splits)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)                                  # [num_tokens, num_heads, head_dim]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+
+    cfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, max_query_len, max_seq_len,
+                         num_splits)
+    if cfg.num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, cfg.num_splits, cfg.head_pad,
+                               dtype=torch.float32, device=q.device)   # [T, H, splits, head_pad]
+        part_max = torch.empty(num_tokens, num_heads, cfg.num_splits, dtype=torch.float32,
+                               device=q.device)                        # [T, H, splits]
+        part_sum = torch.empty_like(part_max)                          # [T, H, splits]
+    else:
+        part_acc = part_max = part_sum = out                           # unused
+    upcast = is_interpreted(q.device) or q.dtype == torch.float32
+    grid = (num_tokens // cfg.block_q + num_reqs, num_kv_heads, cfg.num_splits)
+    _paged_attention_kernel[grid](
+        out, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        float(scale) * LOG2E, num_reqs, num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad,
+        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
+        NUM_SPLITS=cfg.num_splits, UPCAST=upcast, FIND_CHUNK=min(256, max(16, next_power_of_2(num_reqs))),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad, NUM_SPLITS=cfg.num_splits,
+        )
+    return out

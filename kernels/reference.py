@@ -1,0 +1,96 @@
+"""Pure-torch twins of every kernel: slow, simple and obviously right (the test oracle).
+
+Each twin computes exactly the "Semantics:" loop of its kernel with plain indexing, in
+float64 (attention) or float32 (LoRA), and returns a new tensor instead of writing in place.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+NO_LORA = -1
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Twin of ``kernels.paged_attention.paged_attention``.
+
+    q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim] in q's dtype; rows no request owns are zero.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float64)  # [T, H, D]
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = qsl[i], qsl[i + 1]
+        ctx = seq_len - (end - start)
+        positions = torch.arange(seq_len)
+        slots = block_tables[i].cpu().long()[positions // block_size] * block_size + positions % block_size
+        slots = slots.to(k_cache.device)
+        k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].cpu().double()   # [L, KVH, D]
+        v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].cpu().double()
+        k = k.repeat_interleave(group, dim=1)                  # [L, H, D]: head h reads kv head h // group
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[start:end].cpu().double()                       # [qlen, H, D]
+        scores = torch.einsum("qhd,lhd->hql", qi, k) * scale   # [H, qlen, L]
+        # Query j sits at absolute position ctx + j and sees keys 0..ctx + j.
+        visible = positions[None, :] <= (ctx + torch.arange(end - start))[:, None]   # [qlen, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+    return out.to(q.dtype).to(q.device)
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``kernels.kv_write.write_kv``: returns updated copies of (k_cache, v_cache)."""
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_out[slot // block_size, slot % block_size] = k[t].to(k_cache.dtype)
+        v_out[slot // block_size, slot % block_size] = v[t].to(v_cache.dtype)
+    return k_out, v_out
+
+
+def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_lora_slots: torch.Tensor,
+                    scale: float = 1.0) -> torch.Tensor:
+    """Twin of ``kernels.lora_shrink.lora_shrink``.
+
+    x: [T, in_dim]; lora_a: [num_slices, max_loras, rank, in_dim].
+    Returns [num_slices, T, rank] float32: scale * x[t] @ lora_a[s, slot(t)].T; zero for base rows
+    (the kernel leaves those rows unspecified).
+    """
+    num_slices, _, rank, _ = lora_a.shape
+    out = torch.zeros(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    for t, slot in enumerate(token_lora_slots.tolist()):
+        if slot == NO_LORA:
+            continue
+        for s in range(num_slices):
+            out[s, t] = scale * (lora_a[s, slot].float() @ x[t].float())
+    return out
+
+
+def lora_expand_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
+                    token_lora_slots: torch.Tensor, y: torch.Tensor, slice_offsets: Sequence[int],
+                    add_inputs: bool = True) -> torch.Tensor:
+    """Twin of ``kernels.lora_expand.lora_expand``: returns an updated copy of y.
+
+    buf: [num_slices, T, rank] float32; lora_b_slices[s]: [max_loras, out_dim_s, rank];
+    y: [T, total_out]. y[t, off_s:off_s+out_s] (+)= buf[s, t] @ lora_b_s[slot(t)].T for LoRA rows.
+    """
+    y_out = y.clone()
+    for t, slot in enumerate(token_lora_slots.tolist()):
+        if slot == NO_LORA:
+            continue
+        for s, (b, off) in enumerate(zip(lora_b_slices, slice_offsets)):
+            delta = b[slot].float() @ buf[s, t].float()         # [out_dim_s]
+            cols = slice(off, off + b.shape[1])
+            base = y_out[t, cols].float() if add_inputs else 0.0
+            y_out[t, cols] = (base + delta).to(y.dtype)
+    return y_out

@@ -1,0 +1,259 @@
+"""LoRA shrink/expand kernels and the per-step meta builder against the torch twins.
+
+Parametrized over dtype x rank x adapter popularity (distinct, uniform, Zipf, identical)
+x base-model rows, with odd hidden sizes, 1..3 slices, 1..33 tokens and 1..4 slots.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels.lora_expand import lora_expand
+from kernels.lora_meta import NO_LORA, build_lora_kernel_meta
+from kernels.lora_shrink import lora_shrink
+from kernels.reference import lora_expand_ref, lora_shrink_ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""CPU tensors run the kernels through the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+RANKS = [1, 4, 8, 16]
+POPULARITY = ["distinct", "uniform", "zipf", "identical"]
+SHAPES = [(72, (48, 16, 16)), (100, (37,)), (37, (100, 72))]
+"""(in_dim, out_dim of each slice): packed qkv-like, one odd slice, two wide slices."""
+NUM_TOKENS = [1, 7, 33]
+MAX_LORAS = [1, 3, 4]
+
+Y_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+"""atol = rtol on y per dtype (about one ulp; the interpreter truncates to bf16)."""
+
+
+def make_slots(num_tokens: int, max_loras: int, popularity: str, with_base: bool, seed: int) -> torch.Tensor:
+    """Slots per token, request by request (chunks of 1..8 tokens share an adapter)."""
+    g = torch.Generator().manual_seed(seed)
+    chunks, left = [], num_tokens
+    while left:
+        n = min(left, int(torch.randint(1, 9, (1,), generator=g)))
+        chunks.append(n)
+        left -= n
+    if popularity == "distinct":
+        req_slots = [i % max_loras for i in range(len(chunks))]
+    elif popularity == "uniform":
+        req_slots = torch.randint(0, max_loras, (len(chunks),), generator=g).tolist()
+    elif popularity == "zipf":
+        probs = 1.0 / torch.arange(1, max_loras + 1, dtype=torch.float64) ** 1.2
+        perm = torch.randperm(max_loras, generator=g)
+        req_slots = perm[torch.multinomial(probs, len(chunks), replacement=True, generator=g)].tolist()
+    elif popularity == "identical":
+        req_slots = [max_loras - 1] * len(chunks)
+    else:
+        raise ValueError(popularity)
+    if with_base and len(chunks) > 1:
+        for i in range(len(chunks)):
+            if i == 0 or torch.rand(1, generator=g).item() < 0.3:
+                req_slots[i] = NO_LORA
+        if all(s == NO_LORA for s in req_slots):
+            req_slots[-1] = max_loras - 1
+    slots = [s for n, s in zip(chunks, req_slots) for _ in range(n)]
+    return torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+
+
+def randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(DEVICE)
+
+
+def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, shape, seed):
+    in_dim, out_dims = shape
+    g = torch.Generator().manual_seed(seed)
+    slots = make_slots(num_tokens, max_loras, popularity, with_base, seed)
+    meta = build_lora_kernel_meta(slots, max_loras)
+    num_slices = len(out_dims)
+    x = randn(g, num_tokens, in_dim).to(dtype)                                       # [T, in_dim]
+    lora_a = (randn(g, num_slices, max_loras, rank, in_dim) / in_dim ** 0.5).to(dtype)
+    lora_b = [randn(g, max_loras, n, rank).to(dtype) for n in out_dims]
+    offsets = [sum(out_dims[:s]) for s in range(num_slices)]
+    y = randn(g, num_tokens, sum(out_dims) + 3).to(dtype)                           # 3 spare columns
+
+    buf = torch.full((num_slices, num_tokens, rank), float("nan"), device=DEVICE)   # [S, T, rank] float32
+    lora_shrink(x, lora_a, meta, buf, scale=0.5)
+    buf_ref = lora_shrink_ref(x, lora_a, slots, scale=0.5)
+    lora_rows = slots != NO_LORA                                                     # base rows: unspecified
+    torch.testing.assert_close(buf[:, lora_rows], buf_ref[:, lora_rows], atol=1e-4, rtol=1e-4)
+
+    y_ref = lora_expand_ref(buf_ref, lora_b, slots, y, offsets)
+    lora_expand(buf_ref, lora_b, meta, y, offsets)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=Y_TOL[dtype], rtol=Y_TOL[dtype])
+    return slots, y, y_ref
+
+
+CASES = list(itertools.product(DTYPES, RANKS, POPULARITY, [False, True]))
+CASE_IDS = [f"{str(d).removeprefix('torch.')}-r{r}-{p}-{'base' if b else 'nobase'}" for d, r, p, b in CASES]
+
+
+@pytest.mark.parametrize("dtype,rank,popularity,with_base", CASES, ids=CASE_IDS)
+def test_shrink_expand_matches_ref(dtype, rank, popularity, with_base):
+    i = CASES.index((dtype, rank, popularity, with_base))
+    # Sizes rotate with the case index so every size meets every dtype and rank.
+    num_tokens = NUM_TOKENS[i % 3]
+    max_loras = MAX_LORAS[(i // 3) % 3] if num_tokens > 1 else 4
+    run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, SHAPES[(i // 9) % 3], seed=i)
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("max_loras", MAX_LORAS)
+@pytest.mark.parametrize("shape", SHAPES, ids=["qkv", "odd", "wide"])
+def test_sizes(num_tokens, max_loras, shape):
+    slots, y, y_ref = run_case(torch.float16, 8, "uniform", True, num_tokens, max_loras, shape,
+                               seed=num_tokens * 10 + max_loras)
+    base = slots == NO_LORA
+    assert torch.equal(y[base], y_ref[base])                                        # base rows untouched
+
+
+def test_split_k_matches():
+    slots = make_slots(33, 4, "zipf", True, seed=5)
+    meta = build_lora_kernel_meta(slots, 4)
+    x = torch.randn(33, 100, device=DEVICE)
+    lora_a = torch.randn(2, 4, 8, 100, device=DEVICE) * 0.1
+    for split_k in (2, 4):
+        out = torch.full((2, 33, 8), 3.0, device=DEVICE)
+        lora_shrink(x, lora_a, meta, out, split_k=split_k)
+        rows = slots != NO_LORA
+        expected = lora_shrink_ref(x, lora_a, slots)
+        torch.testing.assert_close(out[:, rows], expected[:, rows], atol=1e-4, rtol=1e-4)
+
+
+def test_expand_overwrite_and_spare_columns():
+    slots = torch.tensor([1, NO_LORA, 1, 0, 2, 2, 2], dtype=torch.int32, device=DEVICE)
+    meta = build_lora_kernel_meta(slots, 3)
+    buf = torch.randn(2, 7, 4, device=DEVICE)
+    lora_b = [torch.randn(3, 20, 4, device=DEVICE), torch.randn(3, 12, 4, device=DEVICE)]
+    y = torch.randn(7, 40, device=DEVICE)
+    y_ref = lora_expand_ref(buf, lora_b, slots, y, [5, 25], add_inputs=False)
+    lora_expand(buf, lora_b, meta, y, [5, 25], add_inputs=False)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_no_lora_touches_nothing():
+    slots = torch.full((5,), NO_LORA, dtype=torch.int32, device=DEVICE)
+    meta = build_lora_kernel_meta(slots, 4)
+    assert meta.no_lora and meta.num_active == 0
+    out = torch.full((1, 5, 8), 7.0, device=DEVICE)
+    lora_shrink(torch.randn(5, 16, device=DEVICE), torch.randn(1, 4, 8, 16, device=DEVICE), meta, out)
+    y = torch.randn(5, 16, device=DEVICE)
+    y0 = y.clone()
+    lora_expand(out, [torch.randn(4, 16, 8, device=DEVICE)], meta, y, [0])
+    assert torch.all(out == 7.0) and torch.equal(y, y0)
+
+
+def test_rejects_bad_inputs():
+    slots = torch.tensor([0, 1, NO_LORA], dtype=torch.int32, device=DEVICE)
+    meta = build_lora_kernel_meta(slots, 2)
+    x, a = torch.randn(3, 16, device=DEVICE), torch.randn(1, 2, 4, 16, device=DEVICE)
+    out = torch.zeros(1, 3, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="lora_a: dtype"):
+        lora_shrink(x, a.half(), meta, out)
+    with pytest.raises(ValueError, match="lora_a: expected shape"):
+        lora_shrink(x, torch.randn(1, 2, 4, 8, device=DEVICE), meta, out)
+    with pytest.raises(ValueError, match="out: dtype"):
+        lora_shrink(x, a, meta, out.half())
+    with pytest.raises(ValueError, match="meta: built for 3 tokens"):
+        lora_shrink(x[:2], a, meta, out[:, :2])
+    with pytest.raises(ValueError, match="meta: built for max_loras=2"):
+        lora_shrink(x, torch.randn(1, 3, 4, 16, device=DEVICE), meta, out)
+    with pytest.raises(ValueError, match="split_k"):
+        lora_shrink(x, a, meta, out, split_k=3)
+    b, y = [torch.randn(2, 8, 4, device=DEVICE)], torch.randn(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="exceed"):
+        lora_expand(out, b, meta, y, [4])
+    with pytest.raises(ValueError, match=r"lora_b_slices\[0\]: dtype"):
+        lora_expand(out, [b[0].half()], meta, y, [0])
+    with pytest.raises(ValueError, match="buf: expected shape"):
+        lora_expand(out, b + b, meta, torch.randn(3, 16, device=DEVICE), [0, 8])
+    with pytest.raises(ValueError, match="1..3 tensors"):
+        lora_expand(out.expand(4, 3, 4).contiguous(), b * 4, meta, torch.randn(3, 32, device=DEVICE),
+                    [0, 8, 16, 24])
+    with pytest.raises(ValueError, match="must be contiguous"):
+        lora_expand(out, [torch.randn(2, 4, 8, device=DEVICE).transpose(1, 2)], meta, y, [0])
+
+
+# ----------------------------------------------------------------------------------------
+# Meta builder
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("with_base", [False, True])
+def test_meta_groups_tokens(popularity, with_base):
+    max_loras = 5
+    slots = make_slots(40, max_loras, popularity, with_base, seed=7)
+    meta = build_lora_kernel_meta(slots, max_loras)
+    used = sorted(set(slots.tolist()) - {NO_LORA})
+    assert meta.num_active == len(used) and meta.no_lora == (not used)
+    assert meta.active_slots.tolist() == used + [-1] * (max_loras - len(used))
+    for name in ("sorted_token_ids", "active_slots", "num_tokens_per_slot", "slot_start"):
+        assert getattr(meta, name).dtype == torch.int32
+    assert meta.sorted_token_ids.shape == (40,) and meta.active_slots.shape == (max_loras,)
+    ids = meta.sorted_token_ids.tolist()
+    assert sorted(ids) == list(range(40))
+    num_lora_tokens = int((slots != NO_LORA).sum())
+    for a, slot in enumerate(used):
+        start, count = int(meta.slot_start[a]), int(meta.num_tokens_per_slot[a])
+        expect = [t for t in range(40) if slots[t] == slot]                 # stable: ascending ids
+        assert ids[start:start + count] == expect
+    assert ids[num_lora_tokens:] == [t for t in range(40) if slots[t] == NO_LORA]   # base tokens last
+    assert meta.num_tokens_per_slot[len(used):].tolist() == [0] * (max_loras - len(used))
+    assert meta.slot_start[len(used):].tolist() == [num_lora_tokens] * (max_loras - len(used))
+    assert meta.slot_start.tolist() == sorted(meta.slot_start.tolist())   # non-decreasing
+
+
+def test_meta_small_cases():
+    meta = build_lora_kernel_meta(torch.tensor([2, NO_LORA, 0, 2], dtype=torch.int32), 4)
+    assert meta.sorted_token_ids.tolist() == [2, 0, 3, 1]
+    assert meta.active_slots.tolist() == [0, 2, -1, -1]
+    assert meta.num_tokens_per_slot.tolist() == [1, 2, 0, 0]
+    assert meta.slot_start.tolist() == [0, 1, 3, 3]
+    assert meta.num_active == 2 and not meta.no_lora
+    empty = build_lora_kernel_meta(torch.zeros(0, dtype=torch.int32), 2)
+    assert empty.no_lora and empty.num_active == 0
+    given = build_lora_kernel_meta(torch.tensor([1, 1], dtype=torch.int64), 2, num_active=1)
+    assert given.num_active == 1 and given.token_lora_slots.dtype == torch.int32
+
+
+def test_meta_rejects_bad_slots():
+    with pytest.raises(ValueError, match="values must be in"):
+        build_lora_kernel_meta(torch.tensor([0, 4], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="values must be in"):
+        build_lora_kernel_meta(torch.tensor([-2], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="dtype"):
+        build_lora_kernel_meta(torch.tensor([0.0]), 4)
+    with pytest.raises(ValueError, match="num_active"):
+        build_lora_kernel_meta(torch.tensor([0], dtype=torch.int32), 1, num_active=2)
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: real sizes (Llama-3-8B qkv, 4096 -> 4096 + 1024 + 1024, rank 16)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,max_loras,popularity", [(64, 64, "distinct"), (256, 16, "zipf"),
+                                                             (256, 4, "identical"), (1, 4, "uniform")])
+def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity):
+    g = torch.Generator().manual_seed(0)
+    slots = make_slots(num_tokens, max_loras, popularity, True, seed=1)
+    meta = build_lora_kernel_meta(slots, max_loras)
+    out_dims = (4096, 1024, 1024)
+    x = randn(g, num_tokens, 4096).to(dtype)
+    lora_a = (randn(g, 3, max_loras, 16, 4096) / 64).to(dtype)
+    lora_b = [(randn(g, max_loras, n, 16) / 4).to(dtype) for n in out_dims]
+    buf = torch.empty(3, num_tokens, 16, device=DEVICE)
+    lora_shrink(x, lora_a, meta, buf)
+    buf_ref = lora_shrink_ref(x, lora_a, slots)
+    rows = slots != NO_LORA
+    torch.testing.assert_close(buf[:, rows], buf_ref[:, rows], atol=1e-3, rtol=1e-3)
+    y = randn(g, num_tokens, 6144).to(dtype)
+    y_ref = lora_expand_ref(buf_ref, lora_b, slots, y, [0, 4096, 5120])
+    lora_expand(buf_ref, lora_b, meta, y, [0, 4096, 5120])
+    tol = 2 * Y_TOL[dtype]
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)

@@ -1,0 +1,221 @@
+"""Paged attention: the Triton kernel and the engine's torch backend against the simple twin.
+
+Batches mix prefill chunks (with and without a cached prefix) and decodes in any order,
+with shuffled block ids so the block-table gather is exercised. Under TRITON_INTERPRET=1
+the grids stay tiny (a few requests, 2 KV heads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, paged_attention_torch
+from kernels.paged_attention import paged_attention
+from kernels.reference import paged_attention_ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""CPU tensors run the kernels through the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+"""atol = rtol per dtype (outputs are O(1); bf16 keeps 8 mantissa bits)."""
+
+LAYOUTS = {
+    # (query_len, cached_prefix_len) per request, in batch order.
+    "decodes": [(1, 40), (1, 7), (1, 0), (1, 65)],
+    "prefills": [(13, 0), (9, 21)],
+    "mixed": [(1, 30), (5, 7), (1, 64), (20, 0)],
+    "mixed_decodes_last": [(6, 33), (3, 0), (1, 15), (1, 1)],
+}
+
+
+@dataclass
+class AttnBatch:
+    """One step's attention inputs (all on CPU unless moved)."""
+
+    q: torch.Tensor                 # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor           # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor   # [num_reqs + 1] int32
+    seq_lens: torch.Tensor          # [num_reqs] int32
+    block_tables: torch.Tensor      # [num_reqs, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables)
+
+    def to(self, device) -> "AttnBatch":
+        return AttnBatch(*(t.to(device) for t in self.args()), self.max_query_len, self.max_seq_len)
+
+
+def make_batch(layout, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
+               seed=0, pad_tokens=0) -> AttnBatch:
+    g = torch.Generator().manual_seed(seed)
+    qlens = [q for q, _ in layout]
+    seq_lens = [q + c for q, c in layout]
+    blocks = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 2                                      # spare blocks hold noise
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    block_tables = torch.zeros(len(layout), max(max(blocks), 1), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        block_tables[i, :n] = perm[used:used + n]
+        used += n
+    num_tokens = sum(qlens) + pad_tokens
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    return AttnBatch(q, k_cache, v_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32), block_tables,
+                     max(qlens), max(seq_lens)).to(DEVICE)
+
+
+def run_kernel(b: AttnBatch, scale: float, **kw) -> torch.Tensor:
+    return paged_attention(*b.args(), b.max_query_len, b.max_seq_len, scale, **kw)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_ref_per_layout(layout, dtype):
+    b = make_batch(LAYOUTS[layout], dtype=dtype)
+    scale = 32 ** -0.5
+    out = run_kernel(b, scale)
+    assert out.dtype == dtype and out.shape == b.q.shape
+    assert_close(out, paged_attention_ref(*b.args(), scale), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
+def test_head_sizes(head_dim):
+    b = make_batch(LAYOUTS["mixed"], head_dim=head_dim, dtype=torch.float16, seed=head_dim)
+    scale = head_dim ** -0.5
+    assert_close(run_kernel(b, scale), paged_attention_ref(*b.args(), scale), torch.float16)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2), (4, 1), (32, 1)])
+def test_block_sizes_and_gqa(block_size, num_heads, num_kv_heads):
+    b = make_batch([(1, 50), (7, 20)], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
+                   block_size=block_size, seed=block_size + num_heads)
+    assert_close(run_kernel(b, 0.25), paged_attention_ref(*b.args(), 0.25), torch.float32)
+
+
+@pytest.mark.parametrize("layout,num_splits", [("decodes", 2), ("decodes", 8), ("mixed", 4)])
+def test_split_kv(layout, num_splits):
+    """Flash-decoding path: partials per KV segment merged by the second kernel (empty
+    segments included: 8 splits over <= 3 tiles)."""
+    b = make_batch(LAYOUTS[layout], head_dim=16, dtype=torch.float16, seed=num_splits)
+    assert_close(run_kernel(b, 0.25, num_splits=num_splits), paged_attention_ref(*b.args(), 0.25),
+                 torch.float16)
+
+
+def test_padding_tokens_and_out_argument():
+    """Rows past qsl[-1] (CUDA-graph padding) are ignored; ``out`` is filled and returned."""
+    b = make_batch(LAYOUTS["mixed"], pad_tokens=3)
+    out = torch.zeros_like(b.q)
+    ret = run_kernel(b, 0.2, out=out)
+    assert ret is out
+    n = int(b.query_start_loc[-1])
+    assert_close(out[:n], paged_attention_ref(*b.args(), 0.2)[:n], torch.float32)
+
+
+def test_strided_q_view_of_fused_qkv():
+    """q may be a view into a packed qkv output (token stride > num_heads * head_dim)."""
+    b = make_batch(LAYOUTS["mixed"], head_dim=16)
+    qkv = torch.randn(b.q.shape[0], 4 * 16 + 2 * 2 * 16, device=DEVICE)
+    qkv[:, :64] = b.q.reshape(-1, 64)
+    q_view = qkv[:, :64].view(-1, 4, 16)
+    assert not q_view.is_contiguous()
+    out = paged_attention(q_view, *b.args()[1:], b.max_query_len, b.max_seq_len, 0.25)
+    assert_close(out, paged_attention_ref(*b.args(), 0.25), torch.float32)
+
+
+def test_empty_request_in_batch():
+    """A request with zero query tokens this step owns no rows and must not disturb others."""
+    b = make_batch([(3, 5), (1, 9)], head_dim=16)
+    qsl = torch.tensor([0, 3, 3, 4], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([8, 4, 10], dtype=torch.int32, device=DEVICE)
+    bt = torch.cat([b.block_tables[:1], b.block_tables[:1], b.block_tables[1:]])
+    args = (b.q, b.k_cache, b.v_cache, qsl, seq_lens, bt)
+    out = paged_attention(*args, 3, 10, 0.25)
+    assert_close(out, paged_attention_ref(*args, 0.25), torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# engine.attention.paged_attention_torch (the CPU backend) against the same twin
+# ----------------------------------------------------------------------------------------
+def engine_meta(b: AttnBatch, layout) -> AttentionMetadata:
+    num_decode_reqs = 0
+    for qlen, _ in layout:                       # NOTE: the runner puts decodes first
+        if qlen != 1:
+            break
+        num_decode_reqs += 1
+    slot_mapping = torch.zeros(b.q.shape[0], dtype=torch.int64, device=DEVICE)   # unused by attention
+    return AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=b.query_start_loc,
+                             seq_lens=b.seq_lens, block_tables=b.block_tables,
+                             max_query_len=b.max_query_len, max_seq_len=b.max_seq_len,
+                             num_decode_reqs=num_decode_reqs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["decodes", "prefills", "mixed", "mixed_decodes_last"])
+def test_engine_torch_backend_matches_ref(layout, dtype):
+    rows = LAYOUTS[layout]
+    if layout == "mixed":                        # decodes first, as the runner orders them
+        rows = sorted(rows, key=lambda r: r[0] != 1)
+    b = make_batch(rows, num_heads=6, num_kv_heads=2, dtype=dtype)
+    scale = 32 ** -0.5
+    out = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, rows), scale)
+    assert_close(out, paged_attention_ref(*b.args(), scale), dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Wrapper checks
+# ----------------------------------------------------------------------------------------
+def test_rejects_bad_inputs():
+    b = make_batch(LAYOUTS["mixed"], head_dim=16)
+    q, kc, vc, qsl, sl, bt = b.args()
+    call = lambda *a, **kw: paged_attention(*a, b.max_query_len, b.max_seq_len, 0.25, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="k_cache: dtype"):
+        call(q, kc.half(), vc, qsl, sl, bt)
+    with pytest.raises(ValueError, match="v_cache: must be contiguous"):
+        call(q, kc, vc.transpose(0, 1).contiguous().transpose(0, 1), qsl, sl, bt)
+    with pytest.raises(ValueError, match="query_start_loc: dtype"):
+        call(q, kc, vc, qsl.long(), sl, bt)
+    with pytest.raises(ValueError, match="seq_lens: expected shape"):
+        call(q, kc, vc, qsl, sl[:-1], bt)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        call(q[:, :3], kc, vc, qsl, sl, bt)
+    with pytest.raises(ValueError, match="k_cache: expected shape"):
+        call(q[..., :8], kc, vc, qsl, sl, bt)
+    with pytest.raises(ValueError, match="num_splits"):
+        call(q, kc, vc, qsl, sl, bt, num_splits=3)
+    with pytest.raises(ValueError, match="q: last dim"):
+        call(q.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, qsl, sl, bt)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention(q, kc, vc, qsl, sl, bt[:, :1], b.max_query_len, b.max_seq_len, 0.25)
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: real sizes (Llama-3-8B attention shapes)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("layout", ["decode_batch", "mixed_long"])
+def test_gpu_real_sizes(layout, head_dim, dtype):
+    rows = {"decode_batch": [(1, 100 + 37 * i) for i in range(24)],
+            "mixed_long": [(1, 700), (300, 0), (1, 5), (129, 1000), (1, 2047)]}[layout]
+    b = make_batch(rows, num_heads=32, num_kv_heads=8, head_dim=head_dim, dtype=dtype, seed=head_dim)
+    scale = head_dim ** -0.5
+    ref = paged_attention_ref(*b.args(), scale)
+    assert_close(run_kernel(b, scale), ref, dtype)                   # auto split choice
+    assert_close(run_kernel(b, scale, num_splits=8), ref, dtype)     # forced split-KV

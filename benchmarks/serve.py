@@ -12,8 +12,8 @@ through the server's ``/tokenize`` when it has one, else ~1.3 tokens per word), 
 a .jsonl with ``{"prompt": ..., "output_len": ...}`` per line, a .json list of strings or such
 objects, or a text file with one prompt per line.
 
-Definitions (vLLM's): TTFT = request sent -> first non-empty text; ITL = gaps between successive
-text chunks; TPOT = (latency - TTFT) / (output tokens - 1), per request; output tokens come from
+Definitions (vLLM's): TTFT = request sent -> first chunk with a choice; ITL = gaps between
+successive such chunks; TPOT = (latency - TTFT) / (output tokens - 1), per request; output tokens come from
 the final usage chunk (``stream_options.include_usage``).
 """
 
@@ -160,8 +160,9 @@ async def send_one(client: httpx.AsyncClient, args: argparse.Namespace, model: s
                     res.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                     res.output_tokens = chunk["usage"].get("completion_tokens", 0)
                 for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if not text:
+                    # As vLLM's client: every chunk with a choice counts (its text may still be
+                    # empty, e.g. a partial UTF-8 character); for chat, every delta with content.
+                    if chat and (choice.get("delta") or {}).get("content") is None:
                         continue
                     now = time.perf_counter()
                     if num_chunks == 0:
@@ -176,7 +177,7 @@ async def send_one(client: httpx.AsyncClient, args: argparse.Namespace, model: s
         res.prompt_tokens = res.prompt_tokens or (p.input_len or 0)
         res.success = num_chunks > 0
         if not res.success:
-            res.error = "no text received"
+            res.error = "never received a chunk to time the first token"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res

@@ -92,6 +92,8 @@ class _AddCommand:
     priority: int
     arrival_time: float
     future: concurrent.futures.Future
+    processed: Optional[tuple[Any, Any]] = None
+    """(prompt text, engine requests) from ``engine.processor.process``, done on the event loop."""
 
 
 class AsyncLLM:
@@ -115,6 +117,8 @@ class AsyncLLM:
         self._dead_lock = threading.Lock()
         """Held while checking-and-enqueuing, and while marking dead + failing pending commands."""
         self._stats: SchedulerStats = self._safe_stats()
+        self._can_preprocess = hasattr(engine, "processor") and hasattr(engine, "add_processed")
+        """The engine's processor is stateless, so requests are validated on the event loop."""
         self._request_counter = itertools.count()
         self._thread = threading.Thread(target=self._run_engine_loop, name="chorus-engine", daemon=True)
         self._thread.start()
@@ -188,9 +192,16 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         state = _RequestState(request_id=request_id, params=sampling_params, queue=asyncio.Queue(),
                               arrival_s=time.monotonic())
+        arrival_time = time.time()
+        processed = None
+        if self._can_preprocess:
+            # Validate and tokenize here, off the engine thread (as vLLM's frontend processor):
+            # a bad request fails at once with ValueError and nothing reaches the engine.
+            processed = self.engine.processor.process(request_id, prompt, sampling_params, lora_request,
+                                                      priority, arrival_time)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_AddCommand(request_id, prompt, sampling_params, lora_request, priority,
-                                 time.time(), future))
+        self._submit(_AddCommand(request_id, prompt, sampling_params, lora_request, priority, arrival_time,
+                                 future, processed))
         self._states[request_id] = state
         stream = RequestStream(self, state)
         try:
@@ -359,9 +370,12 @@ class AsyncLLM:
             if not command.future.set_running_or_notify_cancel():
                 return  # the caller went away before the request was added
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        lora_request=command.lora_request, priority=command.priority,
-                                        arrival_time=command.arrival_time)
+                if command.processed is not None:
+                    self.engine.add_processed(command.request_id, *command.processed)
+                else:
+                    self.engine.add_request(command.request_id, command.prompt, command.params,
+                                            lora_request=command.lora_request, priority=command.priority,
+                                            arrival_time=command.arrival_time)
             except Exception as e:  # noqa: BLE001 - the caller decides (ValueError -> 400)
                 command.future.set_exception(e)
             else:

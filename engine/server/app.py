@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
 import uvicorn
@@ -133,6 +134,19 @@ class BodySizeLimitMiddleware:
 # ----------------------------------------------------------------------------------------
 # App
 # ----------------------------------------------------------------------------------------
+@dataclass
+class ServingState:
+    """Everything the routes use; also on ``app.state.serving`` for tests and extensions."""
+
+    engine_client: AsyncLLM
+    models: OpenAIServingModels
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    tokenization: OpenAIServingTokenization
+    registry: Any
+    """The app's prometheus CollectorRegistry."""
+
+
 def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None) -> FastAPI:
     """Build the app around a running ``AsyncLLM``; the app shuts the engine down on exit."""
     args = args or serve_args.make_serve_namespace()
@@ -142,9 +156,9 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
                                  parse_lora_modules(args.lora_modules))
     registry, stat_logger = metrics.make_registry(engine_client, models.model_name)
     engine_client.stat_loggers.append(stat_logger)
-    completion = OpenAIServingCompletion(engine_client, models)
-    chat = OpenAIServingChat(engine_client, models)
-    tokenization = OpenAIServingTokenization(engine_client, models)
+    st = ServingState(engine_client, models, OpenAIServingCompletion(engine_client, models),
+                      OpenAIServingChat(engine_client, models), OpenAIServingTokenization(engine_client, models),
+                      registry)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -155,19 +169,28 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
             engine_client.shutdown()
 
     app = FastAPI(title="Chorus", version=CHORUS_VERSION, lifespan=lifespan)
+    app.state.serving = st
     app.state.engine_client = engine_client
-    app.state.models = models
-    app.state.registry = registry
     install_error_handlers(app)
+    _add_utility_routes(app, st)
+    _add_generation_routes(app, st)
+    if serve_args.runtime_lora_updating(args):
+        _add_lora_routes(app, st)
+    # The middleware added last runs first: size limit, then API key, then CORS.
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=True,
+                       allow_methods=["*"], allow_headers=["*"])
+    key = serve_args.api_key(args)
+    if key:
+        app.add_middleware(APIKeyMiddleware, api_key=key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    return app
 
-    def check_engine() -> None:
-        if engine_client.errored:
-            raise ServiceUnavailableError(f"The engine is not available: {engine_client.dead_error}")
 
+def _add_utility_routes(app: FastAPI, st: ServingState) -> None:
     @app.get("/health")
     async def health() -> Response:
         try:
-            engine_client.check_health()
+            st.engine_client.check_health()
         except Exception as e:  # noqa: BLE001
             return JSONResponse(error_body(f"The engine is not healthy: {e}", "ServiceUnavailableError", 503),
                                 status_code=503)
@@ -179,49 +202,49 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
+        return Response(metrics.render(st.registry), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse(models.show_available_models().model_dump(mode="json"))
+        return JSONResponse(st.models.show_available_models().model_dump(mode="json"))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Union[TokenizeChatRequest, TokenizeCompletionRequest]) -> JSONResponse:
+        return JSONResponse(st.tokenization.tokenize(request).model_dump(mode="json"))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(st.tokenization.detokenize(request).model_dump(mode="json"))
+
+
+def _add_generation_routes(app: FastAPI, st: ServingState) -> None:
+    def check_engine() -> None:
+        if st.engine_client.errored:
+            raise ServiceUnavailableError(f"The engine is not available: {st.engine_client.dead_error}")
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         check_engine()
-        return await completion.create_completion(request, raw_request)
+        return await st.completion.create_completion(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         check_engine()
-        return await chat.create_chat_completion(request, raw_request)
+        return await st.chat.create_chat_completion(request, raw_request)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Union[TokenizeChatRequest, TokenizeCompletionRequest]) -> JSONResponse:
-        return JSONResponse(tokenization.tokenize(request).model_dump(mode="json"))
 
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(tokenization.detokenize(request).model_dump(mode="json"))
+def _add_lora_routes(app: FastAPI, st: ServingState) -> None:
+    """vLLM's runtime adapter routes (mounted only with --allow-runtime-lora-updating)."""
 
-    if serve_args.runtime_lora_updating(args):
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
-            await models.load_lora_adapter(request.lora_name, request.lora_path, request.base_model_name)
-            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        await st.models.load_lora_adapter(request.lora_name, request.lora_path, request.base_model_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
 
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
-            await models.unload_lora_adapter(request.lora_name)
-            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
-
-    # Outermost first: size limit, then API key, then CORS.
-    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=True,
-                       allow_methods=["*"], allow_headers=["*"])
-    key = serve_args.api_key(args)
-    if key:
-        app.add_middleware(APIKeyMiddleware, api_key=key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
-    return app
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        await st.models.unload_lora_adapter(request.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 
 def run_server(args: argparse.Namespace) -> None:

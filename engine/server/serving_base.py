@@ -32,6 +32,8 @@ def to_sampling_params(req: SamplingFields, *, max_tokens: Optional[int], logpro
     """Request fields -> SamplingParams (DELTA outputs). ValueError naming the field -> 400."""
     if req.logit_bias:
         raise BadRequestError("logit_bias is not supported by Chorus.", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
     return SamplingParams(
         n=req.n,
         presence_penalty=req.presence_penalty if req.presence_penalty is not None else 0.0,
@@ -70,18 +72,19 @@ class ServingBase:
     async def submit_all(self, prompts: list[Any], params: SamplingParams, base_request_id: str,
                          lora_request: Any, priority: int) -> list[RequestStream]:
         """Add one engine request per prompt; if any is rejected, abort the others and raise."""
-        streams: list[RequestStream] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                request_id = base_request_id if len(prompts) == 1 else f"{base_request_id}-{i}"
-                streams.append(await self.engine_client.add_request(
-                    prompt, params.clone() if i else params, request_id, lora_request=lora_request,
-                    priority=priority))
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
-        return streams
+        ids = [base_request_id] if len(prompts) == 1 else [f"{base_request_id}-{i}" for i in range(len(prompts))]
+        # All adds are queued before the first await, so the engine takes them in one go.
+        results = await asyncio.gather(
+            *[self.engine_client.add_request(prompt, params.clone() if i else params, rid,
+                                             lora_request=lora_request, priority=priority)
+              for i, (prompt, rid) in enumerate(zip(prompts, ids))], return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for r in results:
+                if isinstance(r, RequestStream):
+                    r.abort()
+            raise errors[0]
+        return list(results)
 
     def token_str(self, token_id: int, lp: Optional[Logprob], as_ids: bool) -> str:
         if as_ids:
@@ -126,6 +129,15 @@ class ServingBase:
                 token=token, logprob=_clamp(lp.logprob) if lp is not None else MIN_LOGPROB,
                 bytes=_utf8(token), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
+
+
+def serialize_prompt_logprobs(steps: Optional[list[Optional[dict[int, Logprob]]]]) -> Optional[list]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
+    if steps is None:
+        return None
+    return [None if step is None else {
+        tid: {"logprob": _clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for tid, lp in step.items()} for step in steps]
 
 
 def _top_n(step: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
@@ -209,11 +221,10 @@ async def run_unless_disconnected(raw_request: Request, work: Awaitable[T]) -> O
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(listen_for_disconnect(raw_request))
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    logger.info("Client disconnected; request cancelled.")
-    return None
+        if not task.done():  # client gone (or we were cancelled): abort the engine requests
+            task.cancel()
+            logger.info("Client disconnected; request cancelled.")
+    return task.result() if not task.cancelled() else None

@@ -22,7 +22,7 @@ from engine.server.protocol import (SSE_DONE, ChatCompletionRequest, ChatComplet
                                     ChatMessage, ChatResponseMessage, DeltaMessage, UsageInfo, now_s,
                                     random_id, sse_event, stream_chunk)
 from engine.server.serving_base import (ServingBase, merge_streams, run_unless_disconnected,
-                                        to_sampling_params)
+                                        serialize_prompt_logprobs, to_sampling_params)
 
 ASSISTANT = "assistant"
 
@@ -94,6 +94,9 @@ class OpenAIServingChat(ServingBase):
         model_name = self.models.response_model_name(req.model, lora)
         if req.tools and req.tool_choice not in (None, "none"):
             raise BadRequestError("Tool calling is not supported by Chorus.", param="tool_choice")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise BadRequestError("response_format other than 'text' (structured output) is not supported "
+                                  "by Chorus.", param="response_format")
         if req.top_logprobs and not req.logprobs:
             raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.",
                                   param="top_logprobs")
@@ -134,8 +137,11 @@ class OpenAIServingChat(ServingBase):
                        created: int, model_name: str, echo: str) -> ChatCompletionResponse:
         choices = [_Choice() for _ in range(req.n)]
         num_prompt_tokens = 0
+        prompt_logprobs = None
         async for _, out in merge_streams([stream]):
             num_prompt_tokens = len(out.prompt_token_ids or [])
+            if out.prompt_logprobs and prompt_logprobs is None:
+                prompt_logprobs = list(out.prompt_logprobs)
             for c in out.outputs:
                 ch = choices[c.index]
                 ch.text += c.text
@@ -154,7 +160,8 @@ class OpenAIServingChat(ServingBase):
                 index=idx, message=ChatResponseMessage(role=ASSISTANT, content=echo + ch.text),
                 logprobs=logprobs, finish_reason=ch.finish_reason, stop_reason=ch.stop_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=resp_choices,
-                                      usage=_usage(num_prompt_tokens, choices))
+                                      usage=_usage(num_prompt_tokens, choices),
+                                      prompt_logprobs=serialize_prompt_logprobs(prompt_logprobs))
 
     # ------------------------------------------------------------------------------------
     async def _stream(self, req: ChatCompletionRequest, stream: RequestStream, request_id: str,
@@ -175,13 +182,16 @@ class OpenAIServingChat(ServingBase):
                                                                             finish_reason=finish)],
                                 usage=usage, include_usage_key=include_usage)
 
+        first = True
         try:
-            for idx in range(req.n):
-                yield chunk(idx, DeltaMessage(role=ASSISTANT, content=""))
-                if echo:
-                    yield chunk(idx, DeltaMessage(content=echo))
             async for _, out in merge_streams([stream]):
                 num_prompt_tokens = len(out.prompt_token_ids or [])
+                if first:  # as vLLM: the role chunks go out with the first output (TTFT stays honest)
+                    first = False
+                    for idx in range(req.n):
+                        yield chunk(idx, DeltaMessage(role=ASSISTANT, content=""))
+                        if echo:
+                            yield chunk(idx, DeltaMessage(content=echo))
                 for c in out.outputs:
                     ch = choices[c.index]
                     ch.num_tokens += len(c.token_ids)

@@ -15,7 +15,7 @@ from engine.server.protocol import (SSE_DONE, CompletionRequest, CompletionRespo
                                     CompletionResponseChoice, CompletionResponseStreamChoice, UsageInfo,
                                     now_s, random_id, sse_event, stream_chunk)
 from engine.server.serving_base import (ServingBase, merge_streams, run_unless_disconnected,
-                                        to_sampling_params)
+                                        serialize_prompt_logprobs, to_sampling_params)
 
 
 @dataclass
@@ -92,9 +92,11 @@ class OpenAIServingCompletion(ServingBase):
             logprobs = (self.completion_logprobs(token_ids, steps, req.logprobs, offset,
                                                  bool(req.return_tokens_as_token_ids))
                         if req.logprobs is not None else None)
+            prompt_logprobs = serialize_prompt_logprobs(p.logprobs) if req.prompt_logprobs is not None else None
             resp_choices.append(CompletionResponseChoice(index=idx, text=text, logprobs=logprobs,
                                                          finish_reason=ch.finish_reason,
-                                                         stop_reason=ch.stop_reason))
+                                                         stop_reason=ch.stop_reason,
+                                                         prompt_logprobs=prompt_logprobs))
         usage = _usage(prompts, choices)
         return CompletionResponse(id=request_id, created=created, model=model_name, choices=resp_choices,
                                   usage=usage)
@@ -133,8 +135,9 @@ class OpenAIServingCompletion(ServingBase):
                     ch.token_ids += c.token_ids
                     if c.finish_reason is not None:
                         ch.finish_reason = c.finish_reason
-                    if not text and c.finish_reason is None and (req.logprobs is None or not token_ids):
-                        continue  # tokens whose text is still held back (partial UTF-8, stop strings)
+                    if not text and not token_ids and c.finish_reason is None:
+                        continue  # as vLLM: a chunk per output with new tokens, even if their text
+                        # is still held back (partial UTF-8, a possible stop string)
                     logprobs = None
                     if req.logprobs is not None:
                         logprobs = self.completion_logprobs(token_ids, steps, req.logprobs, ch.text_offset,

@@ -55,6 +55,23 @@ def test_serve_help_documents_every_flag():
     assert kw["served_model_name"] == "a" and args.port == 8000
 
 
+def test_api_key_from_environment(monkeypatch):
+    from engine.server.args import api_key, make_serve_namespace
+    monkeypatch.setenv("CHORUS_API_KEY", "from-env")
+    assert api_key(make_serve_namespace()) == "from-env"
+    assert api_key(make_serve_namespace(api_key="flag")) == "flag"
+
+
+def test_generate_prints_the_completion(tiny_llama_dir, capsys):
+    from engine import LLM, SamplingParams
+    from engine.cli import main
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "Hello", "--max-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    ref = LLM(model=str(tiny_llama_dir)).generate(["Hello"], SamplingParams(temperature=0, max_tokens=6),
+                                                  use_tqdm=False)[0].outputs[0].text
+    assert printed == ref + "\n"
+
+
 def _spawn(args: list[str], port: int, env_extra: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
     return subprocess.Popen([*chorus_cmd(), "serve", *args, "--host", "127.0.0.1", "--port", str(port),

@@ -95,3 +95,25 @@ def test_dropped_non_streaming_request_is_aborted(server):
     # And the server keeps serving.
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "A", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_benchmark_script_against_server(server, tmp_path):
+    """benchmarks/serve.py end to end (fixed concurrency, then Poisson arrivals) with JSON output."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    s = bench.main(["--base-url", server.url, "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "16",
+                    "--output-len", "5", "--out", str(out)])
+    assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 30
+    assert s["ttft_ms"]["mean"] > 0 and s["tpot_ms"]["p99"] > 0 and s["request_throughput"] > 0
+    assert json.loads(out.read_text())["completed"] == 6
+    s = bench.main(["--base-url", server.url, "--num-prompts", "4", "--request-rate", "50", "--output-len", "3",
+                    "--endpoint", "/v1/chat/completions", "--model", MODEL, "--num-warmups", "0"])
+    assert s["completed"] == 4 and s["total_output_tokens"] == 12

@@ -70,6 +70,7 @@ def test_api_key_guards_v1_only(server):
     ({"model": MODEL, "prompt": [10 ** 9]}, "prompt_token_ids"),
     ({"model": MODEL, "prompt": "word " * 100}, "prompt"),                       # longer than max_model_len
     ({"model": MODEL, "prompt": "A", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "A", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_completion_400(server, body, param):
     assert_error(post(server, "/v1/completions", body), 400, param)
@@ -84,6 +85,10 @@ def test_completion_400(server, body, param):
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 100}]}, "prompt"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "A"}], "max_completion_tokens": -1},
      "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "A"}],
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages"),
 ])
 def test_chat_400(server, body, param):
     assert_error(post(server, "/v1/chat/completions", body), 400, param)

@@ -303,3 +303,28 @@ def test_metrics_move(server):
     assert delta("chorus:engine_steps_total") >= 5
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert parse_metric(after, f"chorus:{gauge}", model_name=MODEL) == 0
+
+
+def test_chat_n_streams_every_choice(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "n": 2,
+            "temperature": 0.8, "seed": 5, "ignore_eos": True}
+    full = post(server, "/v1/chat/completions", body).json()
+    assert [c["index"] for c in full["choices"]] == [0, 1] and full["usage"]["completion_tokens"] == 8
+    _, raw = stream_raw(server, "/v1/chat/completions", {**body, "stream": True})
+    texts, finishes, roles = ["", ""], [None, None], [0, 0]
+    for chunk in sse_payloads(raw):
+        (c,) = chunk["choices"]
+        roles[c["index"]] += c["delta"].get("role") == "assistant"
+        texts[c["index"]] += c["delta"].get("content", "")
+        finishes[c["index"]] = c["finish_reason"] or finishes[c["index"]]
+    assert roles == [1, 1] and finishes == ["length", "length"]
+    assert texts == [c["message"]["content"] for c in full["choices"]]  # same seed, same samples
+
+
+def test_prompt_logprobs(server):
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": TINY_PROMPTS[0], "max_tokens": 2,
+                                         "prompt_logprobs": 1}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == r["usage"]["prompt_tokens"] and plp[0] is None
+    for step in plp[1:]:
+        assert 1 <= len(step) <= 2 and all(set(v) == {"logprob", "rank", "decoded_token"} for v in step.values())

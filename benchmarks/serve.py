@@ -90,13 +90,15 @@ async def random_prompts_calibrated(client: httpx.AsyncClient, model: str, num: 
     tokens_per_word = 1.3
     probe = " ".join(rng.choice(WORDS) for _ in range(200))
     try:
-        r = await client.post("/tokenize", json={"model": model, "prompt": probe, "add_special_tokens": False})
+        r = await client.post("/tokenize",
+                              json={"model": model, "prompt": probe, "add_special_tokens": False})
         if r.status_code == 200:
             tokens_per_word = max(r.json()["count"], 1) / 200
     except httpx.HTTPError:
         pass
     num_words = max(1, round(input_len / tokens_per_word))
-    return [BenchPrompt(" ".join(rng.choice(WORDS) for _ in range(num_words)), output_len) for _ in range(num)]
+    return [BenchPrompt(" ".join(rng.choice(WORDS) for _ in range(num_words)), output_len)
+            for _ in range(num)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -288,13 +290,15 @@ def print_table(s: dict[str, Any]) -> None:
     rows = [("Model", s["model"]), ("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
             ("Max concurrency", s["max_concurrency"] or "-"), ("Request rate (req/s)", s["request_rate"]),
             ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
-            ("Total input tokens", s["total_input_tokens"]), ("Total generated tokens", s["total_output_tokens"]),
+            ("Total input tokens", s["total_input_tokens"]),
+            ("Total generated tokens", s["total_output_tokens"]),
             ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
     for k, v in rows:
         print(f"{k:<40}{v!s:>16}")
-    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+    for key, title in (("ttft_ms", "Time to First Token"),
+                       ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
         print(f"{' ' + title + ' ':-^56}")
         for stat, value in s[key].items():

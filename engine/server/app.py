@@ -157,8 +157,8 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
     registry, stat_logger = metrics.make_registry(engine_client, models.model_name)
     engine_client.stat_loggers.append(stat_logger)
     st = ServingState(engine_client, models, OpenAIServingCompletion(engine_client, models),
-                      OpenAIServingChat(engine_client, models), OpenAIServingTokenization(engine_client, models),
-                      registry)
+                      OpenAIServingChat(engine_client, models),
+                      OpenAIServingTokenization(engine_client, models), registry)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

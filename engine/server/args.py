@@ -56,9 +56,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--max-model-len", type=_human_int, default=None,
                      help="Context length (prompt + output) per request; accepts 4k/4K. Default: the "
                           "model's max_position_embeddings.")
-    eng.add_argument("--max-num-seqs", type=int, default=256, help="Most requests in one step (default: 256).")
+    eng.add_argument("--max-num-seqs", type=int, default=256,
+                     help="Most requests in one step (default: 256).")
     eng.add_argument("--max-num-batched-tokens", type=_human_int, default=None,
-                     help="Token budget per step: prefill chunks + decodes (default: max(8192, max-model-len)).")
+                     help="Token budget per step: prefill chunks + decodes "
+                          "(default: max(8192, max-model-len)).")
     eng.add_argument("--block-size", type=int, default=16, help="Tokens per KV cache block (default: 16).")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="Reuse KV blocks of earlier requests with the same prefix (default: on).")
@@ -72,7 +74,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                      help="fcfs: arrival order; priority: lower 'priority' field first, then arrival.")
     eng.add_argument("--max-logprobs", type=int, default=20,
-                     help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for (default: 20).")
+                     help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for "
+                          "(default: 20).")
     eng.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="auto: CUDA when available, else CPU.")
     eng.add_argument("--enforce-eager", action="store_true", help="Disable CUDA graphs.")
@@ -80,10 +83,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
 
     lora = p.add_argument_group("LoRA")
-    lora.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters (the 'model' field picks one).")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="Serve LoRA adapters (the 'model' field picks one).")
     lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                      help='Adapters loaded at start-up: name=path or JSON {"name", "path", "base_model_name"}.')
-    lora.add_argument("--max-loras", type=int, default=None, help="Distinct adapters in one step (GPU slots).")
+                      help='Adapters loaded at start-up: name=path or JSON '
+                           '{"name", "path", "base_model_name"}.')
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="Distinct adapters in one step (GPU slots).")
     lora.add_argument("--max-lora-rank", type=int, default=None, help="Largest adapter rank (slot size).")
     lora.add_argument("--max-cpu-loras", type=int, default=None, help="Adapters kept in host memory (LRU).")
     lora.add_argument("--allow-runtime-lora-updating", action="store_true",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -22,6 +22,8 @@ from prometheus_client.registry import Collector
 from engine.sampling_params import SamplingParams
 
 PREFIX = "chorus:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""Content-Type of /metrics (Prometheus text format)."""
 LABELS = ("model_name", "engine")
 
 TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -72,7 +74,8 @@ class PrometheusStatLogger:
                                            token_buckets)
         self.req_generation_tokens = histogram("request_generation_tokens",
                                                "Generated tokens per finished request.", token_buckets)
-        self.req_params_n = histogram("request_params_n", "The n of each finished request.", [1, 2, 5, 10, 20])
+        self.req_params_n = histogram("request_params_n", "The n of each finished request.",
+                                      [1, 2, 5, 10, 20])
         self.req_params_max_tokens = histogram("request_params_max_tokens",
                                                "The max_tokens of each finished request.", token_buckets)
 
@@ -126,7 +129,8 @@ class EngineStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
-        yield counter("num_preemptions", "Preemptions (requests freed to recompute later).", s.num_preemptions)
+        yield counter("num_preemptions", "Preemptions (requests freed to recompute later).",
+                      s.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", s.num_steps)
         yield gauge("max_num_reqs_per_step", "Most requests scheduled in one engine step since start.",
                     s.max_reqs_per_step)

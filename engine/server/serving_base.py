@@ -33,7 +33,8 @@ def to_sampling_params(req: SamplingFields, *, max_tokens: Optional[int], logpro
     if req.logit_bias:
         raise BadRequestError("logit_bias is not supported by Chorus.", param="logit_bias")
     if req.stream_options is not None and not req.stream:
-        raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
+        raise BadRequestError("Stream options can only be defined when `stream=True`.",
+                              param="stream_options")
     return SamplingParams(
         n=req.n,
         presence_penalty=req.presence_penalty if req.presence_penalty is not None else 0.0,
@@ -72,12 +73,13 @@ class ServingBase:
     async def submit_all(self, prompts: list[Any], params: SamplingParams, base_request_id: str,
                          lora_request: Any, priority: int) -> list[RequestStream]:
         """Add one engine request per prompt; if any is rejected, abort the others and raise."""
-        ids = [base_request_id] if len(prompts) == 1 else [f"{base_request_id}-{i}" for i in range(len(prompts))]
+        ids = ([base_request_id] if len(prompts) == 1
+               else [f"{base_request_id}-{i}" for i in range(len(prompts))])
         # All adds are queued before the first await, so the engine takes them in one go.
         results = await asyncio.gather(
             *[self.engine_client.add_request(prompt, params.clone() if i else params, rid,
                                              lora_request=lora_request, priority=priority)
-              for i, (prompt, rid) in enumerate(zip(prompts, ids))], return_exceptions=True)
+              for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True))], return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r in results:
@@ -132,7 +134,8 @@ class ServingBase:
 
 
 def serialize_prompt_logprobs(steps: Optional[list[Optional[dict[int, Logprob]]]]) -> Optional[list]:
-    """vLLM's ``prompt_logprobs`` field: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
+    """vLLM's ``prompt_logprobs`` field: per prompt token None or
+    {token_id: {logprob, rank, decoded_token}}."""
     if steps is None:
         return None
     return [None if step is None else {

@@ -92,7 +92,8 @@ class OpenAIServingCompletion(ServingBase):
             logprobs = (self.completion_logprobs(token_ids, steps, req.logprobs, offset,
                                                  bool(req.return_tokens_as_token_ids))
                         if req.logprobs is not None else None)
-            prompt_logprobs = serialize_prompt_logprobs(p.logprobs) if req.prompt_logprobs is not None else None
+            prompt_logprobs = (serialize_prompt_logprobs(p.logprobs)
+                               if req.prompt_logprobs is not None else None)
             resp_choices.append(CompletionResponseChoice(index=idx, text=text, logprobs=logprobs,
                                                          finish_reason=ch.finish_reason,
                                                          stop_reason=ch.stop_reason,

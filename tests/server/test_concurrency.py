@@ -50,12 +50,13 @@ def test_32_concurrent_streams_batched_and_right(server, tiny_llama_dir):
     async def run_all():
         async with httpx.AsyncClient(base_url=server.url, timeout=120,
                                      limits=httpx.Limits(max_connections=64)) as client:
-            return await asyncio.gather(*[_stream_one(client, p, n) for p, n in zip(prompts, lengths)])
+            return await asyncio.gather(*[_stream_one(client, p, n)
+                                          for p, n in zip(prompts, lengths, strict=True)])
 
     results = asyncio.run(run_all())
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
-    ref = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
-                       use_tqdm=False)
+    ref = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                 for n in lengths], use_tqdm=False)
     assert [t for t, _ in results] == [o.outputs[0].text for o in ref]
     assert all(f == "length" for _, f in results)
     # Batched: some step ran many requests at once, and far fewer steps than 32 requests x ~10 tokens.
@@ -87,7 +88,8 @@ def test_dropped_stream_is_aborted_and_blocks_freed(server):
 
 def test_dropped_non_streaming_request_is_aborted(server):
     success_before = server.metric("chorus:request_success_total")
-    body = {"model": MODEL, "prompt": TINY_PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": TINY_PROMPTS[0], "max_tokens": 240, "temperature": 0,
+            "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
     assert wait_until(lambda: _idle_and_free(server), timeout_s=10)
@@ -109,11 +111,12 @@ def test_benchmark_script_against_server(server, tmp_path):
     sys.modules[spec.name] = bench  # dataclasses look their module up there
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
-    s = bench.main(["--base-url", server.url, "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "16",
-                    "--output-len", "5", "--out", str(out)])
+    s = bench.main(["--base-url", server.url, "--num-prompts", "6", "--max-concurrency", "3",
+                    "--input-len", "16", "--output-len", "5", "--out", str(out)])
     assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 30
     assert s["ttft_ms"]["mean"] > 0 and s["tpot_ms"]["p99"] > 0 and s["request_throughput"] > 0
     assert json.loads(out.read_text())["completed"] == 6
-    s = bench.main(["--base-url", server.url, "--num-prompts", "4", "--request-rate", "50", "--output-len", "3",
-                    "--endpoint", "/v1/chat/completions", "--model", MODEL, "--num-warmups", "0"])
+    s = bench.main(["--base-url", server.url, "--num-prompts", "4", "--request-rate", "50",
+                    "--output-len", "3", "--endpoint", "/v1/chat/completions", "--model", MODEL,
+                    "--num-warmups", "0"])
     assert s["completed"] == 4 and s["total_output_tokens"] == 12

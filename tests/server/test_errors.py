@@ -87,7 +87,8 @@ def test_completion_400(server, body, param):
      "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "A"}],
       "response_format": {"type": "json_object"}}, "response_format"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ({"model": MODEL,
+      "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages"),
 ])
 def test_chat_400(server, body, param):
@@ -102,10 +103,11 @@ def test_invalid_json_is_400_not_422(server):
 
 def test_unknown_model_404(server):
     for path, body in [("/v1/completions", {"model": "nope", "prompt": "A"}),
-                       ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "A"}]})]:
+                       ("/v1/chat/completions",
+                        {"model": "nope", "messages": [{"role": "user", "content": "A"}]})]:
         err = assert_error(post(server, path, body), 404, "model")
-        assert err == {"message": "The model `nope` does not exist.", "type": "NotFoundError", "param": "model",
-                       "code": 404}
+        assert err == {"message": "The model `nope` does not exist.", "type": "NotFoundError",
+                       "param": "model", "code": 404}
     client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="A")
@@ -130,14 +132,16 @@ def test_server_still_serves_after_errors(server):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "A", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     chunked_ok = httpx.post(server.url + "/v1/completions", timeout=30,
-                            content=iter([json.dumps({"model": MODEL, "prompt": "A", "max_tokens": 2}).encode()]),
+                            content=iter([json.dumps({"model": MODEL, "prompt": "A",
+                                                      "max_tokens": 2}).encode()]),
                             headers={**AUTH, "Content-Type": "application/json"})
     assert chunked_ok.status_code == 200
 
 
 def test_engine_fault_gives_503_and_unhealthy(server):
     """Runs last in this module: it kills the engine loop."""
-    body = {"model": MODEL, "prompt": "A", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "A", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: {"))

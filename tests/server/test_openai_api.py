@@ -200,8 +200,8 @@ def test_n_prompt_list_and_token_ids(server, offline):
     assert post(server, "/detokenize", {"tokens": tok}).json()["prompt"] == TINY_PROMPTS[3]
     by_text = post(server, "/v1/completions", {"model": MODEL, "prompt": [TINY_PROMPTS[0], TINY_PROMPTS[3]],
                                                "max_tokens": 6, "temperature": 0, "n": 2, "ignore_eos": True})
-    by_ids = post(server, "/v1/completions", {"model": MODEL, "prompt": tok, "max_tokens": 6, "temperature": 0,
-                                              "ignore_eos": True})
+    by_ids = post(server, "/v1/completions", {"model": MODEL, "prompt": tok, "max_tokens": 6,
+                                              "temperature": 0, "ignore_eos": True})
     choices = by_text.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert choices[0]["text"] == choices[1]["text"]  # greedy samples agree
@@ -219,13 +219,13 @@ def test_completion_logprobs_shape(server):
                                          "temperature": 0, "logprobs": 3, "ignore_eos": True}).json()
     lp = r["choices"][0]["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 6
-    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+    assert {len(lp[k]) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")} == {6}
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
         # Keys are token strings, so byte-fallback tokens that all print as U+FFFD may collide.
         assert 1 <= len(top) <= 3 and token in top  # greedy: the sampled token is the best one
         assert logprob == pytest.approx(max(top.values())) and logprob <= 0
     assert lp["text_offset"][0] == 0
-    assert all(b >= a for a, b in zip(lp["text_offset"], lp["text_offset"][1:]))
+    assert all(b >= a for a, b in zip(lp["text_offset"], lp["text_offset"][1:], strict=False))
 
 
 def test_chat_logprobs_shape(server):
@@ -240,8 +240,8 @@ def test_chat_logprobs_shape(server):
         assert len(item["top_logprobs"]) == 2
         assert item["top_logprobs"][0]["logprob"] == pytest.approx(item["logprob"])
         assert item["top_logprobs"][0]["logprob"] >= item["top_logprobs"][1]["logprob"]
-    plain = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                  "max_tokens": 2}).json()
+    plain = post(server, "/v1/chat/completions",
+                 {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).json()
     assert plain["choices"][0]["logprobs"] is None
 
 
@@ -327,4 +327,5 @@ def test_prompt_logprobs(server):
     plp = r["choices"][0]["prompt_logprobs"]
     assert len(plp) == r["usage"]["prompt_tokens"] and plp[0] is None
     for step in plp[1:]:
-        assert 1 <= len(step) <= 2 and all(set(v) == {"logprob", "rank", "decoded_token"} for v in step.values())
+        assert 1 <= len(step) <= 2
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in step.values())

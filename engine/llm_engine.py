@@ -112,7 +112,42 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
+        if self.lora_manager is not None and self.lora_manager.pending_removals():
+            self._retry_lora_removals()
         return outputs
+
+    # ------------------------------------------------------------------ adapters
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter now (validate, read into host memory) so requests can name it.
+
+        Loading a name that is being unloaded keeps it. Raises ``LoRAAdapterNotFoundError``
+        (missing path or files) or another ``ValueError`` (an adapter that cannot be served).
+        """
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora=True.")
+        self.lora_manager.register(lora_request, keep_if_removing=True)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload an adapter: new requests naming it are refused at once; requests still using it
+        finish first, then its slot and host copy are freed (retried after every step).
+
+        Returns:
+            False if no adapter of that name is loaded.
+        """
+        if self.lora_manager is None or not self.lora_manager.begin_remove(lora_name):
+            return False
+        self._retry_lora_removals()
+        return True
+
+    def list_loras(self) -> list:
+        """The ``LoRARequest`` of every loaded adapter (not those being unloaded)."""
+        return [] if self.lora_manager is None else self.lora_manager.list_loras()
+
+    def _retry_lora_removals(self) -> None:
+        for name in self.lora_manager.pending_removals():
+            if self.scheduler.remove_lora(name):
+                self.lora_manager.remove(name)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

@@ -1,0 +1,72 @@
+"""Host-memory store of loaded adapters: an LRU over ``max_cpu_loras`` entries.
+
+The store holds the only host copy of each adapter's tensors (page-locked on CUDA so slot loads
+are non-blocking copies). Putting an adapter beyond capacity evicts the least recently used one;
+the manager reloads an evicted adapter from disk when a slot needs it again. ``remove`` drops the
+entry, so nothing here keeps the tensors alive afterwards.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+from lora.peft_adapter import LoRAAdapter
+
+
+class AdapterStore:
+    """LRU of ``LoRAAdapter``s by name.
+
+    Args:
+        capacity: adapters kept at once (``max_cpu_loras``).
+        pin_memory: pin each adapter's tensors when it is put (CUDA engines).
+    """
+
+    def __init__(self, capacity: int, pin_memory: bool = False) -> None:
+        if capacity < 1:
+            raise ValueError(f"max_cpu_loras={capacity} must be >= 1.")
+        self.capacity = capacity
+        self.pin_memory = pin_memory
+        self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # oldest first
+        self.num_loads = 0
+        """Adapters put since start (a reload after eviction counts again)."""
+        self.num_evictions = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._adapters
+
+    def __len__(self) -> int:
+        return len(self._adapters)
+
+    def names(self) -> list[str]:
+        """Adapter names, least recently used first."""
+        return list(self._adapters)
+
+    def get(self, name: str) -> Optional[LoRAAdapter]:
+        """The adapter (marked most recently used), or None if not held."""
+        adapter = self._adapters.get(name)
+        if adapter is not None:
+            self._adapters.move_to_end(name)
+        return adapter
+
+    def put(self, adapter: LoRAAdapter) -> list[str]:
+        """Hold ``adapter`` (replacing one of the same name); returns the names evicted for room."""
+        if self.pin_memory:
+            adapter.pin_memory()
+        self._adapters.pop(adapter.name, None)
+        self._adapters[adapter.name] = adapter
+        self.num_loads += 1
+        evicted = []
+        while len(self._adapters) > self.capacity:
+            name, _ = self._adapters.popitem(last=False)
+            evicted.append(name)
+            self.num_evictions += 1
+        return evicted
+
+    def remove(self, name: str) -> bool:
+        """Drop an adapter; returns whether it was held."""
+        return self._adapters.pop(name, None) is not None
+
+    def nbytes(self) -> int:
+        """Host bytes of every held adapter's tensors."""
+        return sum(a.nbytes() for a in self._adapters.values())

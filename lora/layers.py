@@ -1,0 +1,139 @@
+"""Per-layer LoRA slot buffers and the batched update ``y += (x @ A^T) @ B^T`` per token.
+
+One ``LinearLoRASlots`` hangs off each adapted ``engine.layers.linear.Linear`` as its ``lora``
+hook. Its buffers are preallocated for ``max_loras`` slots of ``max_rank``:
+
+- ``lora_a``: [num_slices, max_loras, max_rank, input_size], one A per output slice (q/k/v or
+  gate/up each have their own A);
+- ``lora_b_{s}``: [max_loras, output_size_s, max_rank] per slice ``s``, with the adapter's scale
+  already folded in.
+
+Ranks below ``max_rank`` are zero-padded, and slices an adapter does not target are zero, so
+they add nothing. Compute goes through the Triton shrink/expand kernels on CUDA and through a
+segment-wise torch path elsewhere (one matmul pair per active slot, checked against the kernels'
+pure-torch twins in the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from lora.batch import LoRABatchState
+from lora.peft_adapter import LoRASliceWeights
+
+BACKENDS = ("triton", "torch")
+
+
+class LinearLoRASlots(nn.Module):
+    """Slot buffers of one (possibly packed) Linear and the hook that applies them.
+
+    Args:
+        input_size: the Linear's input features.
+        output_sizes: its packed output slices (e.g. [q, kv, kv]).
+        max_loras: slots.
+        max_rank: rank of every slot.
+        dtype, device: of the buffers.
+        state: the manager's per-step batch holder, shared by every layer.
+        backend: "triton" (CUDA kernels) or "torch".
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, state: LoRABatchState, backend: str) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"LoRA backend {backend!r}: use one of {BACKENDS}.")
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.num_slices = len(output_sizes)
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.backend = backend
+        self.state = state
+        offs, acc = [], 0
+        for size in self.output_sizes:
+            offs.append(acc)
+            acc += size
+        self.slice_offsets = offs
+        self.register_buffer("lora_a", torch.zeros(
+            self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
+            persistent=False)                               # [num_slices, max_loras, max_rank, in]
+        for s, size in enumerate(self.output_sizes):
+            self.register_buffer(f"lora_b_{s}", torch.zeros(
+                max_loras, size, max_rank, dtype=dtype, device=device),
+                persistent=False)                           # [max_loras, out_s, max_rank]
+
+    @property
+    def lora_b(self) -> list[torch.Tensor]:
+        """Per slice: [max_loras, output_size_s, max_rank]."""
+        return [getattr(self, f"lora_b_{s}") for s in range(self.num_slices)]
+
+    # ------------------------------------------------------------------ slots
+    def set_slice(self, lora_slot: int, slice_idx: int, weights: Optional[LoRASliceWeights]) -> None:
+        """Copy one projection's A/B into a slot, zero-padding the rank; None zeroes the slice."""
+        a_dst = self.lora_a[slice_idx, lora_slot]                   # [max_rank, in]
+        b_dst = self.lora_b[slice_idx][lora_slot]                   # [out_s, max_rank]
+        if weights is None:
+            a_dst.zero_()
+            b_dst.zero_()
+            return
+        rank = weights.lora_a.shape[0]
+        # NOTE: shapes were checked against the base model when the adapter was loaded.
+        assert rank <= self.max_rank and weights.lora_a.shape[1] == self.input_size
+        assert weights.lora_b.shape == (self.output_sizes[slice_idx], rank)
+        a_dst[:rank].copy_(weights.lora_a, non_blocking=True)
+        a_dst[rank:].zero_()
+        b_dst[:, :rank].copy_(weights.lora_b, non_blocking=True)
+        b_dst[:, rank:].zero_()
+
+    def clear_slot(self, lora_slot: int) -> None:
+        for s in range(self.num_slices):
+            self.set_slice(lora_slot, s, None)
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Add each token's adapter update into y in place.
+
+        x: [num_tokens, input_size]; y: [num_tokens, sum(output_sizes)] (the base output).
+        """
+        batch = self.state.batch
+        if batch is None or batch.no_lora:
+            return y
+        x2 = x.reshape(-1, self.input_size)
+        y2 = y.view(-1, y.shape[-1])
+        assert x2.shape[0] == batch.num_tokens, \
+            f"LoRA batch has {batch.num_tokens} tokens, the layer got {x2.shape[0]}"
+        if self.backend == "triton":
+            self._forward_triton(x2, y2, batch)
+        else:
+            self._forward_torch(x2, y2, batch)
+        return y
+
+    def _forward_triton(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
+        from kernels.lora_expand import lora_expand
+        from kernels.lora_shrink import lora_shrink
+
+        buf = self.state.shrink_buffer(self.num_slices, x.shape[0], self.max_rank, x.device)  # [S, T, R] f32
+        lora_shrink(x.contiguous(), self.lora_a, batch.meta, buf, 1.0)
+        lora_expand(buf, self.lora_b, batch.meta, y, self.slice_offsets, add_inputs=True)
+
+    def _forward_torch(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
+        lora_b = self.lora_b
+        for seg in batch.segments:
+            xs = x if seg.token_ids is None else x.index_select(0, seg.token_ids)     # [n, in]
+            a = self.lora_a[:, seg.lora_slot].float()                                  # [S, R, in]
+            buf = torch.matmul(xs.float().unsqueeze(0), a.transpose(1, 2))            # [S, n, R] f32
+            delta = torch.cat([buf[s] @ lora_b[s][seg.lora_slot].float().t()
+                               for s in range(self.num_slices)], dim=1)                # [n, sum out_s]
+            # NOTE: every column of y gets a slice (zero where the adapter has none), so one
+            # row-wise add into the contiguous y; index_add_ on a column view is very slow on CPU.
+            if seg.token_ids is None:
+                y += delta.to(y.dtype)
+            else:
+                y.index_add_(0, seg.token_ids, delta.to(y.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_sizes}, max_loras={self.max_loras}, "
+                f"max_rank={self.max_rank}, backend={self.backend}")

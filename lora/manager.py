@@ -1,0 +1,239 @@
+"""``LoRAManager``: the runner-side owner of adapter weights (host store and GPU slot buffers).
+
+Life of an adapter:
+
+1. ``register`` (when a request names it, or ``LLMEngine.add_lora``): read and check the PEFT
+   directory once, keep the tensors in the host store (LRU over ``max_cpu_loras``).
+2. ``load_slots`` (before a step, as the scheduler's ``lora_loads`` say): copy the adapter from
+   the host store (reloading it from disk if the LRU dropped it) into its slot of every adapted
+   layer; projections it does not target are zeroed.
+3. ``set_batch`` (once per step): group the step's tokens by slot; every layer reads it.
+4. ``remove``: forget the adapter, drop its host copy and zero its slot. The engine calls it
+   only once the scheduler says no request uses the adapter any more.
+
+Decision and storage live apart: the scheduler decides which adapter sits in which slot; this
+class only copies what the step message says.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from lora.adapter_store import AdapterStore
+from lora.batch import LoRABatchState, build_lora_batch
+from lora.errors import InvalidLoRAAdapterError, LoRAAdapterError, LoRAAdapterNotFoundError
+from lora.layers import LinearLoRASlots
+from lora.peft_adapter import LoRAAdapter, LoRATargets, load_peft_adapter
+from lora.peft_adapter import max_rank_in as _max_rank_in
+from lora.request import LoRARequest
+
+logger = logging.getLogger("chorus.lora")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LoRAManager:
+    """Wraps the model's projections with slot buffers and moves adapters between disk, host and slots.
+
+    Args:
+        lora_config: ``engine.config.LoRAConfig`` (max_loras, max_lora_rank, max_cpu_loras, lora_dtype).
+        model: the loaded base model; its q/k/v/o/gate/up/down ``Linear``s get a ``lora`` hook.
+        device: where the slot buffers live.
+        dtype: the model dtype (the slot dtype when ``lora_dtype`` is "auto").
+        backend: "triton" or "torch"; None picks triton on CUDA, torch elsewhere.
+    """
+
+    def __init__(self, lora_config, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                 backend: Optional[str] = None) -> None:
+        self.config = lora_config
+        self.max_loras: int = lora_config.max_loras
+        self.max_lora_rank: int = lora_config.max_lora_rank
+        self.device = torch.device(device)
+        self.lora_dtype = dtype if lora_config.lora_dtype == "auto" else _DTYPES[lora_config.lora_dtype]
+        self.backend = backend or ("triton" if self.device.type == "cuda" else "torch")
+        if self.backend == "triton" and self.lora_dtype != dtype:
+            raise ValueError(f"lora_dtype={lora_config.lora_dtype} differs from the model dtype {dtype}; the "
+                             "CUDA LoRA kernels need them equal: use lora_dtype='auto'.")
+        self.targets = LoRATargets.from_model(model)
+        if not self.targets.slices:
+            raise ValueError(f"{type(model).__name__} has no q/k/v/o/gate/up/down projections an adapter "
+                             "could update; start the engine without enable_lora.")
+        self.state = LoRABatchState()
+        self.layers: dict[str, LinearLoRASlots] = {}
+        """Our Linear module name -> its slot buffers (also set as that Linear's ``lora``)."""
+        for name in self.targets.module_names:
+            linear = model.get_submodule(name)
+            slots = LinearLoRASlots(linear.input_size, linear.output_sizes, self.max_loras,
+                                    self.max_lora_rank, self.lora_dtype, self.device, self.state,
+                                    self.backend)
+            linear.lora = slots
+            self.layers[name] = slots
+        self.store = AdapterStore(lora_config.max_cpu_loras, pin_memory=self.device.type == "cuda")
+        self._registered: dict[str, LoRARequest] = {}
+        """Adapters users may run, by name (validated once; weights may be evicted from the store)."""
+        self._removing: set[str] = set()
+        """Adapters being unloaded: new requests are refused; freed once their requests finish."""
+        self._slot_names: list[Optional[str]] = [None] * self.max_loras
+        """Adapter whose weights sit in each slot (None: zeroed)."""
+        self.num_slot_loads = 0
+        """Slot loads since start (a swap back into a slot counts again)."""
+        logger.info("LoRA: %d slots of rank %d on %d layers (%.1f MiB), host LRU of %d adapters, %s backend",
+                    self.max_loras, self.max_lora_rank, len(self.layers), self.slot_nbytes() / (1 << 20),
+                    self.store.capacity, self.backend)
+
+    # ------------------------------------------------------------------ registry
+    def register(self, lora_request: LoRARequest, keep_if_removing: bool = False) -> None:
+        """Make an adapter known: validate it and load it into the host store (once per name).
+
+        Args:
+            lora_request: the adapter.
+            keep_if_removing: an explicit load (``add_lora``): an adapter being unloaded is kept
+                instead of refused.
+
+        Raises:
+            LoRAAdapterNotFoundError: the path or its files are missing, or the adapter is being unloaded.
+            InvalidLoRAAdapterError: it cannot be served (see ``lora.peft_adapter``), or the name is
+                already registered with a different path.
+        """
+        name = lora_request.lora_name
+        if name in self._removing and not keep_if_removing:
+            raise LoRAAdapterNotFoundError(
+                f"LoRA adapter {name!r} is being unloaded; load it again to use it.")
+        known = self._registered.get(name)
+        if known is not None:
+            if not _same_path(known.lora_path, lora_request.lora_path):
+                raise InvalidLoRAAdapterError(
+                    f"LoRA adapter {name!r} is already loaded from {known.lora_path!r}; unload it (and let "
+                    f"its requests finish) before loading {lora_request.lora_path!r} under the same name.")
+            self._removing.discard(name)
+            return
+        self.store.put(self._read(lora_request))
+        self._registered[name] = lora_request
+        logger.info("LoRA adapter %r registered from %s", name, lora_request.lora_path)
+
+    def _read(self, lora_request: LoRARequest) -> LoRAAdapter:
+        return load_peft_adapter(lora_request.lora_name, lora_request.lora_path, self.targets,
+                                 self.max_lora_rank, self.lora_dtype)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """Registered adapters users may run (not those being unloaded), in registration order."""
+        return [r for n, r in self._registered.items() if n not in self._removing]
+
+    def is_registered(self, lora_name: str) -> bool:
+        return lora_name in self._registered and lora_name not in self._removing
+
+    def holds(self, lora_name: str) -> bool:
+        """Whether any copy of the adapter remains: registry, host store or a slot."""
+        return (lora_name in self._registered or lora_name in self.store
+                or lora_name in self._slot_names)
+
+    def slot_of(self, lora_name: str) -> Optional[int]:
+        """The slot holding the adapter's weights, or None."""
+        return self._slot_names.index(lora_name) if lora_name in self._slot_names else None
+
+    # ------------------------------------------------------------------ removal
+    def begin_remove(self, lora_name: str) -> bool:
+        """Mark an adapter for unloading: new requests are refused from now on.
+
+        Returns:
+            Whether the adapter was registered.
+        """
+        if lora_name not in self._registered:
+            return False
+        self._removing.add(lora_name)
+        return True
+
+    def pending_removals(self) -> list[str]:
+        return sorted(self._removing)
+
+    def remove(self, lora_name: str) -> bool:
+        """Free an adapter now: forget it, drop its host copy and zero its slot.
+
+        NOTE: the caller makes sure no scheduled request uses it (``Scheduler.remove_lora``).
+
+        Returns:
+            Whether anything was held.
+        """
+        held = self.holds(lora_name)
+        for slot, name in enumerate(self._slot_names):
+            if name == lora_name:
+                for layer in self.layers.values():
+                    layer.clear_slot(slot)
+                self._slot_names[slot] = None
+        self.store.remove(lora_name)
+        self._registered.pop(lora_name, None)
+        self._removing.discard(lora_name)
+        if held:
+            logger.info("LoRA adapter %r removed", lora_name)
+        return held
+
+    # ------------------------------------------------------------------ per step
+    def load_slots(self, loads: Sequence) -> None:
+        """Copy adapters into slots, as the step's ``lora_loads`` (``LoRASlotLoad``s) say."""
+        for load in loads:
+            self.load_slot(load.lora_slot, load.lora_request)
+
+    def load_slot(self, lora_slot: int, lora_request: LoRARequest) -> None:
+        """Copy one adapter into ``lora_slot`` of every adapted layer (zeroing untargeted slices)."""
+        if not 0 <= lora_slot < self.max_loras:
+            raise RuntimeError(f"LoRA slot {lora_slot} out of range [0, {self.max_loras}).")
+        adapter = self._host_copy(lora_request)
+        for module_name, layer in self.layers.items():
+            for s in range(layer.num_slices):
+                layer.set_slice(lora_slot, s, adapter.weights.get((module_name, s)))
+        for slot, name in enumerate(self._slot_names):
+            if name == adapter.name:
+                self._slot_names[slot] = None   # moved: the old copy is stale
+        self._slot_names[lora_slot] = adapter.name
+        self.num_slot_loads += 1
+
+    def _host_copy(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The adapter from the host store, re-read from disk if the LRU dropped it."""
+        name = lora_request.lora_name
+        adapter = self.store.get(name)
+        if adapter is not None:
+            return adapter
+        req = self._registered.get(name, lora_request)
+        try:
+            adapter = self._read(req)
+        except LoRAAdapterError as e:
+            raise RuntimeError(f"LoRA adapter {name!r} left host memory (max_cpu_loras="
+                               f"{self.store.capacity}) and could not be read again: {e}") from e
+        self.store.put(adapter)
+        self._registered.setdefault(name, req)
+        return adapter
+
+    def set_batch(self, token_lora_slots: Optional[torch.Tensor]) -> None:
+        """Group this step's tokens by slot (once; every layer reads the result).
+
+        Args:
+            token_lora_slots: [num_tokens] int32 slot per token, NO_LORA (-1) for base-model tokens.
+        """
+        if token_lora_slots is None or all(n is None for n in self._slot_names):
+            self.state.batch = None   # no adapter resident: nothing to add, no grouping, no sync
+            return
+        self.state.batch = build_lora_batch(token_lora_slots, self.max_loras,
+                                            with_segments=self.backend == "torch")
+
+    # ------------------------------------------------------------------ sizes
+    def slot_nbytes(self) -> int:
+        """Device bytes of every slot buffer."""
+        return sum(b.numel() * b.element_size() for layer in self.layers.values() for b in layer.buffers())
+
+    @staticmethod
+    def max_rank_in(paths: Sequence[str], at_least: int = 16) -> int:
+        """Largest rank among the adapters in ``paths`` and at least ``at_least``: the default
+        ``max_lora_rank`` when adapters are given at start-up."""
+        return _max_rank_in(list(paths), at_least)
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except OSError:
+        return a == b

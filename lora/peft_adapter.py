@@ -1,0 +1,437 @@
+"""Read and check PEFT LoRA adapter directories against the base model.
+
+A PEFT directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or
+``adapter_model.bin``). Tensor names look like
+``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``; A is ``[r, in]`` and B is
+``[out, r]``. The safetensors keys, not ``target_modules``, decide which projections get an
+update (as vLLM). Every problem becomes one ``InvalidLoRAAdapterError`` (or
+``LoRAAdapterNotFoundError`` for missing files) whose message lists all problems; nothing here
+``assert``s on user input.
+
+Loading folds the scale (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA; per module when
+``rank_pattern`` / ``alpha_pattern`` are set) into B, so the kernels run with scale 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from lora.errors import InvalidLoRAAdapterError, LoRAAdapterNotFoundError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""PEFT module suffixes an adapter may target (q/k/v and gate/up land in packed slices)."""
+_EMBEDDING_MODULES = ("embed_tokens", "lm_head", "wte", "wpe", "embed_out", "output")
+
+# <module>.<kind>[.<adapter name>][.weight], optionally under PeftModel's "base_model.model." prefix.
+_LORA_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+?)\."
+    r"(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+    r"(?:\.[^.]+)?(?:\.weight)?$")
+_PREFIX = "base_model.model."
+
+
+# ----------------------------------------------------------------------------------------
+# What the base model offers
+# ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetSlice:
+    """Where one PEFT projection lands in the base model."""
+
+    module_name: str
+    """Our (possibly packed) ``Linear``, e.g. ``model.layers.0.self_attn.qkv_proj``."""
+    slice_idx: int
+    """Output slice of that Linear (q=0, k=1, v=2; gate=0, up=1; 0 for unpacked)."""
+    input_size: int
+    """Columns of A (the projection's input features)."""
+    output_size: int
+    """Rows of B (this slice's output features)."""
+
+
+@dataclass
+class LoRATargets:
+    """Every projection of the base model an adapter may target, by PEFT module name."""
+
+    slices: dict[str, TargetSlice]
+    """PEFT module name (``model.layers.0.self_attn.q_proj``) -> its place in our modules."""
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "LoRATargets":
+        """Map PEFT names onto the model's ``Linear`` modules through ``packed_modules_mapping``."""
+        from engine.layers.linear import Linear
+
+        packed = getattr(model, "packed_modules_mapping", {})
+        slices: dict[str, TargetSlice] = {}
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            parent, _, suffix = name.rpartition(".")
+            children = [(peft_name, idx) for peft_name, (packed_name, idx) in packed.items()
+                        if packed_name == suffix]
+            if not children and suffix in SUPPORTED_TARGET_MODULES:
+                children = [(suffix, 0)]
+            for peft_name, idx in children:
+                if peft_name not in SUPPORTED_TARGET_MODULES:
+                    continue
+                peft_module = f"{parent}.{peft_name}" if parent else peft_name
+                slices[peft_module] = TargetSlice(name, idx, module.input_size, module.output_sizes[idx])
+        return cls(slices)
+
+    @property
+    def module_names(self) -> list[str]:
+        """Our Linear modules that some PEFT projection maps to (the ones that get slot buffers)."""
+        return sorted({s.module_name for s in self.slices.values()})
+
+
+# ----------------------------------------------------------------------------------------
+# adapter_config.json
+# ----------------------------------------------------------------------------------------
+@dataclass
+class PEFTAdapterConfig:
+    """The fields of ``adapter_config.json`` that matter for serving."""
+
+    r: int
+    """Default rank."""
+    lora_alpha: float
+    """Default alpha; the scale is alpha / r (alpha / sqrt(r) with rsLoRA)."""
+    use_rslora: bool = False
+    target_modules: Union[list[str], str, None] = None
+    """Module suffixes or full names (list), or a regex matched against full module names."""
+    fan_in_fan_out: bool = False
+    """Set for Conv1D-style models; A/B stored transposed are accepted when it is."""
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    """Regex -> rank for modules that deviate from ``r``."""
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    """Regex -> alpha for modules that deviate from ``lora_alpha``."""
+    base_model_name_or_path: Optional[str] = None
+
+    @property
+    def max_rank(self) -> int:
+        return max([self.r, *self.rank_pattern.values()])
+
+    def scaling(self, module_name: str) -> float:
+        """The factor PEFT multiplies ``B @ A`` by in ``module_name`` (its base-model name)."""
+        r = self.rank_pattern.get(_pattern_key(self.rank_pattern, module_name), self.r)
+        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module_name), self.lora_alpha)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def _pattern_key(patterns: dict, module_name: str) -> Optional[str]:
+    """PEFT's ``get_pattern_key``: the first pattern matching a suffix of the module name."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return key
+    return None
+
+
+def resolve_adapter_path(path: str) -> Path:
+    """Absolute local path of an adapter directory (``~`` expanded); raises if it does not exist."""
+    if not path:
+        raise LoRAAdapterNotFoundError("lora_path is empty: give the adapter's PEFT directory.")
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise LoRAAdapterNotFoundError(f"LoRA adapter path {path!r} does not exist or is not a directory.")
+    return p.resolve()
+
+
+def read_adapter_config(path: Union[str, Path], max_lora_rank: Optional[int] = None) -> PEFTAdapterConfig:
+    """Read ``adapter_config.json`` and reject what we cannot serve.
+
+    Args:
+        path: the adapter directory.
+        max_lora_rank: the slot rank; larger adapter ranks are rejected (None: not checked).
+
+    Raises:
+        LoRAAdapterNotFoundError: the directory or its config is missing or unreadable.
+        InvalidLoRAAdapterError: every unsupported option, listed in one message.
+    """
+    d = resolve_adapter_path(str(path))
+    cfg_file = d / CONFIG_FILE
+    try:
+        text = cfg_file.read_text()
+    except OSError as e:
+        raise LoRAAdapterNotFoundError(f"LoRA adapter {str(path)!r}: cannot read {CONFIG_FILE} ({e}).") from e
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not valid JSON ({e}).")
+    if not isinstance(raw, dict):
+        raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} must hold a JSON object.")
+    problems = _config_problems(raw, max_lora_rank)
+    if problems:
+        raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r} cannot be served: " + " ".join(problems))
+    return PEFTAdapterConfig(
+        r=int(raw["r"]), lora_alpha=float(raw.get("lora_alpha", raw["r"])),
+        use_rslora=bool(raw.get("use_rslora", False)), target_modules=raw.get("target_modules"),
+        fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
+        rank_pattern={str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
+        alpha_pattern={str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
+        base_model_name_or_path=raw.get("base_model_name_or_path"))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _config_problems(raw: dict, max_lora_rank: Optional[int]) -> list[str]:
+    """Every reason the config cannot be served, as sentences (empty when it can)."""
+    problems: list[str] = []
+    peft_type = raw.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        problems.append(f"peft_type is {peft_type!r}; only LoRA adapters (peft_type 'LORA') are supported.")
+    r = raw.get("r")
+    if not _is_int(r) or r < 1:
+        problems.append(f"r must be a positive integer, got {r!r}.")
+    alpha = raw.get("lora_alpha", r)
+    if not _is_number(alpha):
+        problems.append(f"lora_alpha must be a number, got {alpha!r}.")
+    rank_pattern = raw.get("rank_pattern") or {}
+    alpha_pattern = raw.get("alpha_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not all(_is_int(v) and v >= 1 for v in rank_pattern.values()):
+        problems.append(f"rank_pattern must map patterns to positive integers, got {rank_pattern!r}.")
+        rank_pattern = {}
+    if not isinstance(alpha_pattern, dict) or not all(_is_number(v) for v in alpha_pattern.values()):
+        problems.append(f"alpha_pattern must map patterns to numbers, got {alpha_pattern!r}.")
+    if max_lora_rank is not None and _is_int(r):
+        rank = max([r, *rank_pattern.values()])
+        if rank > max_lora_rank:
+            problems.append(f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}; "
+                            f"start the engine with --max-lora-rank {rank} or more.")
+    if raw.get("use_dora"):
+        problems.append("DoRA (use_dora) is not supported.")
+    if raw.get("modules_to_save"):
+        problems.append(f"modules_to_save ({raw['modules_to_save']!r}) is not supported: "
+                        "the adapter must not replace base-model modules.")
+    bias = raw.get("bias", "none")
+    if bias not in (None, "none"):
+        problems.append(f"bias={bias!r}: adapters with trained biases are not supported (only 'none').")
+    if raw.get("lora_bias"):
+        problems.append("lora_bias (a bias on lora_B) is not supported.")
+    for key, what in (("trainable_token_indices", "trainable tokens"),
+                      ("layer_replication", "layer replication"),
+                      ("alora_invocation_tokens", "activated LoRA (aLoRA)"), ("use_qalora", "QA-LoRA"),
+                      ("target_parameters", "target_parameters (LoRA on raw parameters)")):
+        if raw.get(key):
+            problems.append(f"{key}: {what} is not supported.")
+    problems.extend(_target_module_problems(raw.get("target_modules"), bool(raw.get("target_parameters"))))
+    return problems
+
+
+def _target_module_problems(targets, has_target_parameters: bool) -> list[str]:
+    if targets is None:
+        return [] if has_target_parameters else ["target_modules is missing."]
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return []
+        try:
+            re.compile(targets)
+        except re.error as e:
+            return [f"target_modules regex {targets!r} does not compile ({e})."]
+        return []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        return [f"target_modules must be a list of names or a regex string, got {targets!r}."]
+    embedding = [t for t in targets if t.rpartition(".")[2] in _EMBEDDING_MODULES]
+    unknown = [t for t in targets
+               if t.rpartition(".")[2] not in SUPPORTED_TARGET_MODULES and t not in embedding]
+    problems = []
+    if embedding:
+        problems.append(f"LoRA on embeddings or the LM head ({embedding}) is not supported.")
+    if unknown:
+        problems.append(f"unknown target modules {unknown}; supported: {list(SUPPORTED_TARGET_MODULES)}.")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------
+@dataclass
+class LoRASliceWeights:
+    """One projection's update, ready to copy into a slot (scale already folded into B)."""
+
+    lora_a: torch.Tensor
+    """[rank, input_size]."""
+    lora_b: torch.Tensor
+    """[output_size, rank], multiplied by the module's scale."""
+
+
+@dataclass
+class LoRAAdapter:
+    """A validated adapter in host memory: what the store keeps and slots copy from."""
+
+    name: str
+    path: str
+    """Resolved adapter directory (for reloads after the host LRU evicted it)."""
+    rank: int
+    """Largest rank over its modules (<= max_lora_rank)."""
+    config: PEFTAdapterConfig
+    weights: dict[tuple[str, int], LoRASliceWeights]
+    """(our Linear module name, slice index) -> weights; projections it does not target are absent."""
+
+    def nbytes(self) -> int:
+        return sum(w.lora_a.numel() * w.lora_a.element_size() + w.lora_b.numel() * w.lora_b.element_size()
+                   for w in self.weights.values())
+
+    def pin_memory(self) -> "LoRAAdapter":
+        """Move every tensor to page-locked host memory (fast non-blocking copies to the GPU)."""
+        for w in self.weights.values():
+            w.lora_a = w.lora_a.pin_memory()
+            w.lora_b = w.lora_b.pin_memory()
+        return self
+
+
+def read_adapter_tensors(path: Union[str, Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``adapter_model.safetensors`` (preferred) or ``adapter_model.bin``, on CPU."""
+    d = resolve_adapter_path(str(path))
+    for fname in WEIGHT_FILES:
+        f = d / fname
+        if not f.is_file():
+            continue
+        try:
+            if fname.endswith(".safetensors"):
+                from safetensors.torch import load_file
+                return load_file(str(f), device="cpu")
+            state = torch.load(str(f), map_location="cpu", weights_only=True)
+        except OSError as e:
+            raise LoRAAdapterNotFoundError(f"LoRA adapter {str(path)!r}: cannot read {fname} ({e}).") from e
+        except Exception as e:  # corrupt file: safetensors/pickle raise various types
+            raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r}: {fname} is not a valid "
+                                          f"weights file ({type(e).__name__}: {e}).") from e
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r}: {fname} must hold a dict of tensors.")
+        return state
+    raise LoRAAdapterNotFoundError(
+        f"LoRA adapter {str(path)!r} has no weights: expected {' or '.join(WEIGHT_FILES)}.")
+
+
+def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank: int,
+                      dtype: torch.dtype) -> LoRAAdapter:
+    """Read, check and prepare one PEFT adapter for the base model described by ``targets``.
+
+    Args:
+        name: the adapter's name (for messages).
+        path: the PEFT directory.
+        targets: projections of the base model an adapter may update.
+        max_lora_rank: slot rank; larger ranks are rejected.
+        dtype: dtype of the returned tensors (the slot dtype).
+
+    Raises:
+        LoRAAdapterNotFoundError: missing directory or files.
+        InvalidLoRAAdapterError: unsupported options, too large a rank, unknown modules or
+            shapes that do not fit the base model (all problems in one message).
+    """
+    config = read_adapter_config(path, max_lora_rank)
+    tensors = read_adapter_tensors(path)
+    pairs, problems = _group_lora_tensors(tensors, targets)
+    weights: dict[tuple[str, int], LoRASliceWeights] = {}
+    max_rank = 0
+    for peft_module, (a, b) in sorted(pairs.items()):
+        target = targets.slices[peft_module]
+        fitted = _fit_shapes(peft_module, a, b, target, config.fan_in_fan_out)
+        if isinstance(fitted, str):
+            problems.append(fitted)
+            continue
+        a, b = fitted
+        rank = a.shape[0]
+        if rank > max_lora_rank:
+            problems.append(f"{peft_module} has rank {rank}, greater than max_lora_rank {max_lora_rank}; "
+                            f"start the engine with --max-lora-rank {rank} or more.")
+            continue
+        max_rank = max(max_rank, rank)
+        scale = config.scaling(peft_module)
+        weights[(target.module_name, target.slice_idx)] = LoRASliceWeights(
+            lora_a=a.to(torch.float32).to(dtype).contiguous(),                  # [rank, in]
+            lora_b=(b.to(torch.float32) * scale).to(dtype).contiguous())        # [out, rank]
+    if not problems and not weights:
+        problems.append("it holds no lora_A/lora_B tensors.")
+    if problems:
+        raise InvalidLoRAAdapterError(
+            f"LoRA adapter {name!r} ({path}) cannot be served: " + " ".join(problems))
+    return LoRAAdapter(name=name, path=str(resolve_adapter_path(path)), rank=max_rank, config=config,
+                       weights=weights)
+
+
+def _group_lora_tensors(tensors: dict[str, torch.Tensor], targets: LoRATargets
+                        ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
+    """PEFT module name -> (A, B), plus a sentence per tensor we cannot place."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    embedding, unknown, missing_modules, base_weights = set(), set(), set(), set()
+    for key, tensor in tensors.items():
+        m = _LORA_KEY_RE.match(key)
+        if m is None:
+            base_weights.add(key[len(_PREFIX):] if key.startswith(_PREFIX) else key)
+            continue
+        module, kind = m.group("module"), m.group("kind")
+        suffix = module.rpartition(".")[2]
+        if kind.startswith("lora_embedding") or suffix in _EMBEDDING_MODULES:
+            embedding.add(module)
+        elif kind == "lora_magnitude_vector":
+            unknown.add(f"{module} (DoRA magnitude)")
+        elif module in targets.slices:
+            halves.setdefault(module, {})[kind] = tensor
+        elif suffix in SUPPORTED_TARGET_MODULES:
+            missing_modules.add(module)
+        else:
+            unknown.add(module)
+    problems = []
+    if embedding:
+        problems.append(f"LoRA on embeddings or the LM head ({sorted(embedding)[:3]}) is not supported.")
+    if base_weights:
+        problems.append(f"it carries base-model weights ({sorted(base_weights)[:3]}), e.g. from "
+                        "modules_to_save or a resized vocabulary; that is not supported.")
+    if unknown:
+        problems.append(f"expected target modules in {list(SUPPORTED_TARGET_MODULES)} but received "
+                        f"{sorted(unknown)[:3]}.")
+    if missing_modules:
+        problems.append(f"tensors for {sorted(missing_modules)[:3]} do not fit the base model, "
+                        "which has no such module (an adapter for a different model?).")
+    pairs = {}
+    for module, h in halves.items():
+        if "lora_A" not in h or "lora_B" not in h:
+            problems.append(f"{module} has only {'lora_A' if 'lora_A' in h else 'lora_B'}.")
+            continue
+        pairs[module] = (h["lora_A"], h["lora_B"])
+    return pairs, problems
+
+
+def _fit_shapes(peft_module: str, a: torch.Tensor, b: torch.Tensor, target: TargetSlice,
+                fan_in_fan_out: bool):
+    """(A [r, in], B [out, r]) as the base model needs them, or a sentence saying why not."""
+    want = f"A [r, {target.input_size}] and B [{target.output_size}, r]"
+    if a.dim() != 2 or b.dim() != 2:
+        return f"{peft_module}: A and B must be matrices, got shapes {tuple(a.shape)} and {tuple(b.shape)}."
+
+    def fits(a_, b_) -> bool:
+        return (a_.shape[1] == target.input_size and b_.shape[0] == target.output_size
+                and a_.shape[0] == b_.shape[1])
+
+    if fits(a, b):
+        return a, b
+    if fan_in_fan_out and fits(a.t(), b.t()):
+        return a.t(), b.t()
+    return (f"{peft_module}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit the base model, "
+            f"which needs {want} (an adapter for a different model?).")
+
+
+def max_rank_in(paths: list[str], at_least: int = 16) -> int:
+    """Largest rank among the adapters in ``paths`` (configs only), and at least ``at_least``.
+
+    The default for ``max_lora_rank`` when adapters are given at start-up.
+    """
+    rank = at_least
+    for p in paths:
+        rank = max(rank, read_adapter_config(p).max_rank)
+    return rank

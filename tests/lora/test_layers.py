@@ -1,0 +1,140 @@
+"""LoRA slot buffers and the batched update against a hand-written x @ A.T @ B.T * scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.linear import Linear
+from kernels.reference import lora_expand_ref, lora_shrink_ref
+from lora.batch import LoRABatchState, build_lora_batch
+from lora.layers import LinearLoRASlots
+from lora.peft_adapter import LoRASliceWeights
+
+IN, OUTS, MAX_LORAS, MAX_RANK = 24, [16, 8, 8], 3, 8
+
+
+def _layer(backend: str, dtype=torch.float32, outs=OUTS):
+    torch.manual_seed(0)
+    base = Linear(IN, outs)
+    base.weight.data.normal_()
+    state = LoRABatchState()
+    slots = LinearLoRASlots(IN, outs, MAX_LORAS, MAX_RANK, dtype, torch.device("cpu"), state, backend)
+    base.lora = slots
+    return base, slots, state
+
+
+def _adapters(outs=OUTS):
+    """Slot 0: rank 4 on slices 0 and 2; slot 2: rank 8 on every slice; slot 1 empty."""
+    g = torch.Generator().manual_seed(1)
+    ad = {}
+    for slot, rank, slices in ((0, 4, (0, 2)), (2, 8, (0, 1, 2))):
+        scale = 2.0 / rank
+        ad[slot] = {s: (torch.randn(rank, IN, generator=g), torch.randn(outs[s], rank, generator=g), scale)
+                    for s in slices}
+    return ad
+
+
+def _load(slots, adapters):
+    for slot, per_slice in adapters.items():
+        for s in range(slots.num_slices):
+            w = per_slice.get(s)
+            slots.set_slice(slot, s, None if w is None else LoRASliceWeights(w[0], w[1] * w[2]))
+
+
+def _manual(x, base_y, token_slots, adapters, outs=OUTS):
+    y = base_y.clone()
+    offs = [sum(outs[:s]) for s in range(len(outs))]
+    for t, slot in enumerate(token_slots):
+        for s, (a, b, scale) in adapters.get(slot, {}).items():
+            y[t, offs[s]:offs[s] + outs[s]] += (x[t] @ a.t() @ b.t()) * scale
+    return y
+
+
+def _backends():
+    out = ["torch"]
+    try:
+        import kernels.lora_expand  # noqa: F401
+        import kernels.lora_shrink  # noqa: F401
+        out.append("triton")   # on CPU: TRITON_INTERPRET=1 (set by conftest)
+    except Exception:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("token_slots", [
+    [0, 2, -1, 2, 0, 0, -1, 2, 1],     # mixed, base rows, a slot with zeros
+    [2, 2, 2, 2],                       # one slot owns every token
+    [0],                                # one decode row
+])
+def test_matches_manual(backend, token_slots):
+    base, slots, state = _layer(backend)
+    adapters = _adapters()
+    _load(slots, adapters)
+    x = torch.randn(len(token_slots), IN)
+    base_y = torch.nn.functional.linear(x, base.weight)
+    state.batch = build_lora_batch(torch.tensor(token_slots, dtype=torch.int32), MAX_LORAS,
+                                   with_segments=backend == "torch")
+    y = base(x)
+    torch.testing.assert_close(y, _manual(x, base_y, token_slots, adapters), rtol=1e-4, atol=1e-4)
+
+
+def test_torch_path_matches_kernel_twins():
+    base, slots, state = _layer("torch")
+    _load(slots, _adapters())
+    token_slots = torch.tensor([2, 0, -1, 0, 2, 1, 2], dtype=torch.int32)
+    x = torch.randn(7, IN)
+    base_y = torch.nn.functional.linear(x, base.weight)
+    buf = lora_shrink_ref(x, slots.lora_a, token_slots)
+    want = lora_expand_ref(buf, slots.lora_b, token_slots, base_y, slots.slice_offsets)
+    state.batch = build_lora_batch(token_slots, MAX_LORAS, with_segments=True)
+    torch.testing.assert_close(base(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_batch_or_base_only_leaves_output_alone():
+    base, slots, state = _layer("torch")
+    _load(slots, _adapters())
+    x = torch.randn(3, IN)
+    want = torch.nn.functional.linear(x, base.weight)
+    torch.testing.assert_close(base(x), want)                  # no batch yet
+    state.batch = build_lora_batch(torch.full((3,), -1, dtype=torch.int32), MAX_LORAS, with_segments=True)
+    assert state.batch.no_lora
+    torch.testing.assert_close(base(x), want)
+
+
+def test_slots_are_zero_padded_and_untargeted_slices_zero():
+    _, slots, _ = _layer("torch")
+    adapters = _adapters()
+    _load(slots, {2: adapters[2]})            # rank 8 everywhere in slot 2
+    _load(slots, {2: adapters[0]})            # then rank 4 on slices 0 and 2 into the same slot
+    a, b = slots.lora_a, slots.lora_b
+    assert a.shape == (3, MAX_LORAS, MAX_RANK, IN)
+    assert [t.shape for t in b] == [(MAX_LORAS, o, MAX_RANK) for o in OUTS]
+    torch.testing.assert_close(a[0, 2, :4], adapters[0][0][0])
+    assert a[0, 2, 4:].abs().sum() == 0 and b[0][2][:, 4:].abs().sum() == 0   # padding
+    assert a[1, 2].abs().sum() == 0 and b[1][2].abs().sum() == 0              # k slice untargeted
+    torch.testing.assert_close(b[2][2][:, :4], adapters[0][2][1] * adapters[0][2][2])
+    assert a[:, 0].abs().sum() == 0 and a[:, 1].abs().sum() == 0              # other slots untouched
+    slots.clear_slot(2)
+    assert a.abs().sum() == 0 and all(t.abs().sum() == 0 for t in b)
+
+
+def test_unpacked_layer_and_bfloat16():
+    outs = [16]
+    base, slots, state = _layer("torch", dtype=torch.bfloat16, outs=outs)
+    base.weight.data = base.weight.data.bfloat16()
+    g = torch.Generator().manual_seed(3)
+    adapters = {1: {0: (torch.randn(8, IN, generator=g), torch.randn(16, 8, generator=g), 0.5)}}
+    for s, (a, b_, sc) in adapters[1].items():
+        slots.set_slice(1, s, LoRASliceWeights(a.bfloat16(), (b_ * sc).bfloat16()))
+    x = torch.randn(5, IN).bfloat16()
+    token_slots = [1, -1, 1, 1, -1]
+    slots_t = torch.tensor(token_slots, dtype=torch.int32)
+    state.batch = build_lora_batch(slots_t, MAX_LORAS, with_segments=True)
+    y = base(x)
+    a_bf, b_bf = adapters[1][0][0].bfloat16().float(), (adapters[1][0][1] * 0.5).bfloat16().float()
+    want = _manual(x.float(), torch.nn.functional.linear(x, base.weight).float(), token_slots,
+                   {1: {0: (a_bf, b_bf, 1.0)}}, outs)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=5e-2)

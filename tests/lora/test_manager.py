@@ -1,0 +1,176 @@
+"""Host store LRU, LoRAManager slots and removal, and the engine's add/remove/list_loras."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import LoRAConfig
+from lora import LoRARequest
+from lora.adapter_store import AdapterStore
+from lora.errors import InvalidLoRAAdapterError, LoRAAdapterNotFoundError
+from lora.manager import LoRAManager
+from lora.peft_adapter import LoRAAdapter, LoRASliceWeights, PEFTAdapterConfig
+from tests.lora.utils import ALL_TARGETS, build_peft_adapter, edit_adapter_config
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mgr-adapters")
+    specs = [(4, ALL_TARGETS), (8, ["q_proj", "v_proj"]), (8, ["down_proj"])]
+    return [build_peft_adapter(tiny_llama_dir, root / f"a{i}", r=r, lora_alpha=2 * r, target_modules=t,
+                               seed=i) for i, (r, t) in enumerate(specs)]
+
+
+def _model(tiny_llama_dir):
+    from transformers import AutoConfig
+
+    from engine.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM(AutoConfig.from_pretrained(tiny_llama_dir), 512)
+
+
+def _req(i, path):
+    return LoRARequest(f"a{i}", i + 1, str(path))
+
+
+def _fake_adapter(name):
+    w = LoRASliceWeights(torch.zeros(2, 3), torch.zeros(4, 2))
+    return LoRAAdapter(name, "/x", 2, PEFTAdapterConfig(r=2, lora_alpha=2), {("m", 0): w})
+
+
+def test_store_lru_evicts_least_recently_used():
+    store = AdapterStore(2)
+    assert store.put(_fake_adapter("a")) == [] and store.put(_fake_adapter("b")) == []
+    store.get("a")                                   # a is now the most recent
+    assert store.put(_fake_adapter("c")) == ["b"]
+    assert store.names() == ["a", "c"] and "b" not in store
+    assert store.remove("a") and not store.remove("a")
+    assert store.nbytes() == (6 + 8) * 4
+    with pytest.raises(ValueError):
+        AdapterStore(0)
+
+
+def test_manager_wraps_every_projection(tiny_llama_dir):
+    model = _model(tiny_llama_dir)
+    mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), model, torch.device("cpu"), torch.float32)
+    assert len(mgr.layers) == 8
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.lora is mgr.layers["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.lora.lora_a.shape == (3, 2, 8, 64)
+    assert mgr.slot_nbytes() > 0 and mgr.backend == "torch"
+
+
+def test_register_reload_after_eviction(tiny_llama_dir, adapters):
+    mgr = LoRAManager(LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=2), _model(tiny_llama_dir),
+                      torch.device("cpu"), torch.float32)
+    reqs = [_req(i, p) for i, p in enumerate(adapters)]
+    for r in reqs:
+        mgr.register(r)
+    assert mgr.store.names() == ["a1", "a2"] and mgr.store.num_evictions == 1
+    assert [r.lora_name for r in mgr.list_loras()] == ["a0", "a1", "a2"]   # still registered
+    mgr.register(reqs[0])                      # known name: no reload at registration
+    assert mgr.store.num_loads == 3
+    mgr.load_slot(0, reqs[0])                  # needs its weights: reloaded from disk
+    assert mgr.store.num_loads == 4 and "a0" in mgr.store and mgr.slot_of("a0") == 0
+    layer = mgr.layers["model.layers.1.mlp.down_proj"]
+    w = mgr.store.get("a0").weights[("model.layers.1.mlp.down_proj", 0)]
+    torch.testing.assert_close(layer.lora_a[0, 0, :4], w.lora_a)
+    mgr.load_slot(0, reqs[2])                  # a2 only targets down_proj: q/k/v slices zeroed
+    assert mgr.layers["model.layers.0.self_attn.qkv_proj"].lora_a[:, 0].abs().sum() == 0
+    assert mgr.slot_of("a0") is None and mgr.slot_of("a2") == 0
+
+
+def test_register_errors(tiny_llama_dir, adapters, tmp_path):
+    mgr = LoRAManager(LoRAConfig(max_loras=1, max_lora_rank=4), _model(tiny_llama_dir),
+                      torch.device("cpu"), torch.float32)
+    with pytest.raises(InvalidLoRAAdapterError, match="greater than max_lora_rank 4"):
+        mgr.register(_req(1, adapters[1]))
+    with pytest.raises(LoRAAdapterNotFoundError):
+        mgr.register(LoRARequest("ghost", 9, str(tmp_path / "missing")))
+    mgr.register(_req(0, adapters[0]))
+    with pytest.raises(InvalidLoRAAdapterError, match="already loaded from"):
+        mgr.register(LoRARequest("a0", 1, str(adapters[2])))
+    assert [r.lora_name for r in mgr.list_loras()] == ["a0"]
+
+
+def test_remove_frees_host_copy_and_slot(tiny_llama_dir, adapters):
+    mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), _model(tiny_llama_dir),
+                      torch.device("cpu"), torch.float32)
+    r0, r1 = _req(0, adapters[0]), _req(1, adapters[1])
+    mgr.register(r0)
+    mgr.register(r1)
+    mgr.load_slot(0, r0)
+    mgr.load_slot(1, r1)
+    refs = [weakref.ref(w.lora_a) for w in mgr.store.get("a0").weights.values()]
+    assert mgr.remove("a0")
+    gc.collect()
+    assert all(r() is None for r in refs), "a tensor of the removed adapter is still referenced"
+    assert not mgr.holds("a0") and "a0" not in mgr.store and mgr.slot_of("a0") is None
+    for layer in mgr.layers.values():
+        assert layer.lora_a[:, 0].abs().sum() == 0 and all(b[0].abs().sum() == 0 for b in layer.lora_b)
+    qkv = mgr.layers["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.lora_a[0, 1].abs().sum() > 0                      # the other adapter's slot is intact
+    assert not mgr.remove("a0")
+
+
+# ------------------------------------------------------------------------------------------ engine
+def _params(n=8):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_engine_remove_waits_for_running_requests(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    r0 = _req(0, adapters[0])
+    first = llm.generate("Hello", _params(), lora_request=r0, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("running", "Hello", _params(12), lora_request=r0)
+    engine.step()
+    assert engine.remove_lora("a0")
+    assert engine.lora_manager.holds("a0")                # still used by "running"
+    assert [r.lora_name for r in engine.list_loras()] == []
+    with pytest.raises(LoRAAdapterNotFoundError, match="being unloaded"):
+        engine.add_request("late", "Hello", _params(), lora_request=r0)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert outs["running"].outputs[0].token_ids[:8] == first   # finished on the adapter's weights
+    assert not engine.lora_manager.holds("a0")
+    assert engine.scheduler.lora_slots.slot_of("a0") is None
+    assert not engine.remove_lora("a0")
+    # Loading it again works, and gives the same output.
+    assert engine.add_lora(r0)
+    again = llm.generate("Hello", _params(), lora_request=r0, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == first
+
+
+def test_engine_add_lora_errors_and_keeps_serving(tiny_llama_dir, adapters, tmp_path):
+    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=1, max_lora_rank=4)
+    engine = llm.llm_engine
+    with pytest.raises(LoRAAdapterNotFoundError):
+        engine.add_lora(LoRARequest("ghost", 5, str(tmp_path / "missing")))
+    with pytest.raises(InvalidLoRAAdapterError, match="greater than max_lora_rank"):
+        engine.add_lora(_req(1, adapters[1]))
+    dora = tmp_path / "dora"
+    import shutil
+    shutil.copytree(adapters[0], dora)
+    edit_adapter_config(dora, use_dora=True)
+    with pytest.raises(ValueError, match="DoRA"):
+        engine.add_request("bad", "Hello", _params(), lora_request=LoRARequest("dora", 6, str(dora)))
+    assert not engine.has_unfinished_requests()
+    assert engine.add_lora(_req(0, adapters[0])) and engine.add_lora(_req(0, adapters[0]))
+    assert [r.lora_name for r in engine.list_loras()] == ["a0"]
+    out = llm.generate(["Hello", "A"], _params(), lora_request=[None, _req(0, adapters[0])], use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+def test_engine_without_lora(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir))
+    assert llm.llm_engine.list_loras() == [] and not llm.llm_engine.remove_lora("a0")
+    with pytest.raises(ValueError, match="not enabled"):
+        llm.llm_engine.add_lora(_req(0, adapters[0]))

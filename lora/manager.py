@@ -233,6 +233,8 @@ class LoRAManager:
 
 
 def _same_path(a: str, b: str) -> bool:
+    if a == b:
+        return True   # the common case (every request of a known adapter): no filesystem calls
     try:
         return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
     except OSError:

@@ -54,6 +54,8 @@ class LLM:
             p.output_kind = RequestOutputKind.FINAL_ONLY
             rid = str(next(self._counter))
             text, children = engine.processor.process(rid, prompt, p, lora, prio)
+            if lora is not None and engine.lora_manager is not None:
+                engine.lora_manager.register(lora)  # a bad adapter fails here, before anything is queued
             staged.append((rid, text, children))
         for rid, text, children in staged:
             engine.add_processed(rid, text, children)

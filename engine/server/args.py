@@ -118,6 +118,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
+    if args.lora_modules:
+        # Adapters named at start-up imply --enable-lora, and size the slots: max_lora_rank
+        # defaults to the largest rank among them (at least 16), so nobody has to tune it.
+        kwargs["enable_lora"] = True
+        if args.max_lora_rank is None:
+            from engine.server.serving_models import parse_lora_modules
+            from lora.manager import LoRAManager
+            paths = [m.path for m in parse_lora_modules(args.lora_modules)]
+            kwargs["max_lora_rank"] = LoRAManager.max_rank_in(paths)
     return kwargs
 
 

@@ -78,6 +78,9 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(f"The engine is not available: {exc}")
+    from lora.errors import LoRAAdapterNotFoundError
+    if isinstance(exc, LoRAAdapterNotFoundError):
+        return NotFoundError(str(exc), param="lora_path")
     if isinstance(exc, (ValueError, TypeError)):
         return BadRequestError(str(exc), param=_guess_param(str(exc)))
     logger.exception("Internal error while serving a request.", exc_info=exc)

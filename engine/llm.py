@@ -27,6 +27,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config defaults (vLLM's behaviour)."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
@@ -43,7 +47,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         n = len(prompts)
-        params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        params = self._per_prompt(sampling_params or self.get_default_sampling_params(), n, "sampling_params")
         loras = self._per_prompt(lora_request, n, "lora_request")
         prios = self._per_prompt(priority, n, "priority") if isinstance(priority, list) else [priority or 0] * n
         engine = self.llm_engine

@@ -35,6 +35,7 @@ class LLMEngine:
         loaded = build_model(probe.model_config, self.device)
         self.engine_config: EngineConfig = engine_args.create_engine_config(loaded.max_model_len)
         self.max_model_len = loaded.max_model_len
+        self.default_sampling_params: dict = loaded.default_sampling  # generation_config defaults
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.model_name
         self.hf_config = loaded.hf_config

@@ -27,6 +27,9 @@ class LoadedModel:
     """Default served name: the default model's name or the path given."""
     eos_token_ids: set[int]
     """Tokenizer eos + config eos + generation_config eos."""
+    default_sampling: dict
+    """Sampling fields the checkpoint's generation_config.json sets (temperature, top_p, ...):
+    vLLM's ``--generation-config auto`` defaults for requests that leave them unset."""
 
 
 @contextlib.contextmanager
@@ -73,6 +76,23 @@ def _eos_ids(hf_config, tokenizer, resolved) -> set[int]:
     return ids
 
 
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_from_generation_config(resolved) -> dict:
+    """The sampling fields generation_config.json sets explicitly, under SamplingParams' names."""
+    import json
+    path = resolved.path / "generation_config.json" if resolved.kind == "hf" else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {ours: raw[theirs] for theirs, ours in _SAMPLING_KEYS.items() if raw.get(theirs) is not None}
+
+
 def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     from engine.loader import checkpoint_dtype, iter_weights, load_config, load_tokenizer, resolve_model
     from engine.model_runner import resolve_dtype
@@ -88,7 +108,7 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     if model_config.load_format == "dummy":
         _init_dummy(model, hf_config, model_config.seed)
     else:
-        model.load_weights(iter_weights(resolved, dtype))
+        model.load_weights(iter_weights(resolved, dtype, device))
     model.eval()
     if model_config.model is None:
         from engine.loader.default_model import DEFAULT_MODEL_NAME
@@ -97,23 +117,25 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
         name = model_config.model
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, dtype=dtype,
                        max_model_len=max_model_len, model_name=model_config.served_model_name or name,
-                       eos_token_ids=_eos_ids(hf_config, tokenizer, resolved))
+                       eos_token_ids=_eos_ids(hf_config, tokenizer, resolved),
+                       default_sampling=default_sampling_from_generation_config(resolved))
 
 
 @torch.no_grad()
 def _init_dummy(model: torch.nn.Module, hf_config, seed: int) -> None:
-    """Random weights from the config alone (``load_format='dummy'``), for speed measurements."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights from the config alone (``load_format='dummy'``), for speed measurements.
+
+    Drawn where the parameters live, from one generator on that device (an 8B model fills in
+    well under a second on a GPU); norms are ones and biases zeros.
+    """
+    params = list(model.named_parameters())
+    device = params[0][1].device if params else torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
     std = float(getattr(hf_config, "initializer_range", 0.02))
-    for name, p in model.named_parameters():
+    for name, p in params:
         if name.endswith("norm.weight") or "layernorm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
         else:
-            cpu = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen) \
-                if p.numel() < (1 << 24) else None
-            if cpu is not None:
-                p.copy_(cpu)
-            else:  # large tensors: draw on the device
-                p.normal_(0.0, std)
+            p.normal_(0.0, std, generator=gen)

@@ -28,8 +28,17 @@ MIN_LOGPROB = -9999.0
 
 
 def to_sampling_params(req: SamplingFields, *, max_tokens: Optional[int], logprobs: Optional[int],
-                       prompt_logprobs: Optional[int] = None) -> SamplingParams:
-    """Request fields -> SamplingParams (DELTA outputs). ValueError naming the field -> 400."""
+                       prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None) -> SamplingParams:
+    """Request fields -> SamplingParams (DELTA outputs). ValueError naming the field -> 400.
+
+    Fields the request leaves unset take the checkpoint's generation_config values (``defaults``),
+    then OpenAI's defaults, as vLLM does.
+    """
+    d = defaults or {}
+
+    def pick(value, name: str, fallback):
+        return value if value is not None else d.get(name, fallback)
+
     if req.logit_bias:
         raise BadRequestError("logit_bias is not supported by Chorus.", param="logit_bias")
     if req.stream_options is not None and not req.stream:
@@ -39,11 +48,11 @@ def to_sampling_params(req: SamplingFields, *, max_tokens: Optional[int], logpro
         n=req.n,
         presence_penalty=req.presence_penalty if req.presence_penalty is not None else 0.0,
         frequency_penalty=req.frequency_penalty if req.frequency_penalty is not None else 0.0,
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
-        temperature=req.temperature if req.temperature is not None else 1.0,
-        top_p=req.top_p if req.top_p is not None else 1.0,
-        top_k=req.top_k if req.top_k is not None else 0,
-        min_p=req.min_p if req.min_p is not None else 0.0,
+        repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
+        temperature=pick(req.temperature, "temperature", 1.0),
+        top_p=pick(req.top_p, "top_p", 1.0),
+        top_k=pick(req.top_k, "top_k", 0),
+        min_p=pick(req.min_p, "min_p", 0.0),
         seed=req.seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,

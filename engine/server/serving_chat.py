@@ -107,7 +107,8 @@ class OpenAIServingChat(ServingBase):
                              chat_template_kwargs=req.chat_template_kwargs)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top)
+        params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
+                                    defaults=self.engine_client.engine.default_sampling_params)
         request_id = req.request_id or raw_request.headers.get("X-Request-Id") or random_id("chatcmpl")
         engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
         streams = await self.submit_all([engine_prompt], params, request_id, lora, req.priority)

@@ -150,3 +150,30 @@ def test_unknown_architecture_and_missing_path(tmp_path, tiny_llama_dir):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         LLM(str(d))
+
+
+def test_generation_config_defaults(tmp_path, tiny_llama_dir, tiny_prompts):
+    """vLLM's --generation-config auto: the checkpoint's sampling fields are the defaults."""
+    import json
+    import shutil
+
+    from engine.server.protocol import CompletionRequest
+    from engine.server.serving_base import to_sampling_params
+
+    d = tmp_path / "with-gen-config"
+    shutil.copytree(tiny_llama_dir, d)
+    gc = json.loads((d / "generation_config.json").read_text())
+    gc.update(temperature=0.0, top_p=0.5, max_new_tokens=5)
+    (d / "generation_config.json").write_text(json.dumps(gc))
+    llm = LLM(str(d))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+    outs = [llm.generate([tiny_prompts[0]], use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+    assert outs[0] == outs[1] and len(outs[0]) <= 5
+    # Server side: unset request fields take the defaults, set ones win.
+    eng = llm.llm_engine.default_sampling_params
+    p = to_sampling_params(CompletionRequest(model="m", prompt="x"), max_tokens=4, logprobs=None, defaults=eng)
+    assert (p.temperature, p.top_p) == (0.0, 1.0)  # greedy neutralizes top_p
+    p = to_sampling_params(CompletionRequest(model="m", prompt="x", temperature=0.7), max_tokens=4, logprobs=None,
+                           defaults=eng)
+    assert (p.temperature, p.top_p) == (0.7, 0.5)

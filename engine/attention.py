@@ -80,6 +80,15 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D], block_table [R, nblk] -> [R, nblk * block_size * Hkv * D].
+
+    ``index_select`` on a flat view: several times faster on CPU than advanced indexing.
+    """
+    flat = cache.view(cache.shape[0], -1)
+    return flat.index_select(0, block_table.reshape(-1).to(torch.long)).view(block_table.shape[0], -1)
+
+
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, k_new: Optional[torch.Tensor] = None,
                           v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -102,19 +111,15 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if nd > 0:
         max_len = max(seq_lens[:nd])
         nblk = (max_len + block_size - 1) // block_size
-        bt = meta.block_tables[:nd, :nblk]                                  # [nd, nblk]
-        k = k_cache[bt].reshape(nd, nblk * block_size, num_kv_heads, head_dim)[:, :max_len]
-        v = v_cache[bt].reshape(nd, nblk * block_size, num_kv_heads, head_dim)[:, :max_len]
+        padded = nblk * block_size
+        k = _gather_blocks(k_cache, meta.block_tables[:nd, :nblk]).view(nd, padded, num_kv_heads, head_dim)
+        v = _gather_blocks(v_cache, meta.block_tables[:nd, :nblk]).view(nd, padded, num_kv_heads, head_dim)
         lens = meta.seq_lens[:nd].to(torch.long)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [nd, max_len]
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim).float()
-        kd = k.permute(0, 2, 1, 3).float()                                   # [nd, kvh, L, d]
-        vd = v.permute(0, 2, 1, 3).float()
-        scores = torch.einsum("bhgd,bhld->bhgl", qd, kd) * scale             # [nd, kvh, g, L]
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        od = torch.einsum("bhgl,bhld->bhgd", probs, vd)
-        out[:nd] = od.reshape(nd, num_heads, head_dim).to(q.dtype)
+        mask = torch.arange(padded, device=q.device)[None, :] < lens[:, None]  # [nd, padded]
+        od = F.scaled_dot_product_attention(
+            q[:nd, :, None, :].float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)  # [nd, H, 1, d]
+        out[:nd] = od[:, :, 0].to(q.dtype)
 
     for i in range(nd, len(seq_lens)):
         start, end = qsl[i], qsl[i + 1]
@@ -126,9 +131,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             k, v = k_new[start:end], v_new[start:end]
         else:
             nblk = (slen + block_size - 1) // block_size
-            bt = meta.block_tables[i, :nblk]
-            k = k_cache[bt].reshape(nblk * block_size, num_kv_heads, head_dim)[:slen]
-            v = v_cache[bt].reshape(nblk * block_size, num_kv_heads, head_dim)[:slen]
+            bt = meta.block_tables[i:i + 1, :nblk]
+            k = _gather_blocks(k_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
+            v = _gather_blocks(v_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
         qi = q[start:end].transpose(0, 1).float()                            # [H, qlen, d]
         ki = k.transpose(0, 1).float()                                       # [Hkv, slen, d]
         vi = v.transpose(0, 1).float()

@@ -44,16 +44,18 @@ def load_config(resolved: ResolvedModel, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(str(checkpoint_dir(resolved)), trust_remote_code=trust_remote_code)
 
 
-def iter_weights(resolved: ResolvedModel, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(resolved: ResolvedModel, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_parameter_name, tensor)`` for every weight, floating tensors cast to ``dtype``.
 
-    ``lm_head.weight`` is never yielded when the config ties it to the embeddings.
+    ``lm_head.weight`` is never yielded when the config ties it to the embeddings. Safetensors
+    tensors are read straight onto ``device`` (and cast there).
     """
     from engine.loader.safetensors_loader import iter_checkpoint_tensors
 
     model_dir = checkpoint_dir(resolved)
     tied = bool(getattr(load_config(resolved), "tie_word_embeddings", False))
-    return iter_checkpoint_tensors(model_dir, dtype, skip_lm_head=tied)
+    return iter_checkpoint_tensors(model_dir, dtype, skip_lm_head=tied, device=device)
 
 
 def checkpoint_dtype(resolved: ResolvedModel) -> torch.dtype:

@@ -56,18 +56,20 @@ def find_weight_files(model_dir: Path) -> WeightFiles:
         f"model.safetensors.index.json, or pytorch_model.bin.")
 
 
-def iter_checkpoint_tensors(model_dir: Path, dtype: torch.dtype,
-                            skip_lm_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(model_dir: Path, dtype: torch.dtype, skip_lm_head: bool,
+                            device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint, floating tensors cast to ``dtype``.
 
     Args:
         model_dir: a Hugging Face checkpoint directory.
         dtype: the dtype floating-point tensors are cast to (integer tensors are left alone).
         skip_lm_head: drop ``lm_head.weight`` (the model ties it to the embeddings).
+        device: where safetensors tensors are materialized (e.g. "cuda": read straight to the
+            GPU, then cast there); pickled ``.bin`` checkpoints are always read on the CPU.
     """
     files = find_weight_files(model_dir)
     for path in files.paths:
-        for name, tensor in _iter_file(path, files.format):
+        for name, tensor in _iter_file(path, files.format, str(device)):
             if name.endswith(_SKIPPED_SUFFIXES) or (skip_lm_head and name == "lm_head.weight"):
                 continue
             if tensor.is_floating_point() and tensor.dtype != dtype:
@@ -99,12 +101,12 @@ def _shards_from_index(model_dir: Path, index_name: str) -> list[Path]:
     return [model_dir / s for s in shards]
 
 
-def _iter_file(path: Path, fmt: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors of one file; safetensors files are read one tensor at a time."""
+def _iter_file(path: Path, fmt: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one file; safetensors files are read one tensor at a time, on ``device``."""
     if fmt == "safetensors":
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(str(path), framework="pt", device=device) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
     else:

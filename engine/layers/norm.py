@@ -1,4 +1,8 @@
-"""RMSNorm, computed in float32 like transformers'."""
+"""RMSNorm, computed in float32 like transformers'.
+
+On CUDA one fused Triton kernel (``kernels.layer_ops.add_rms_norm``) does the residual add and
+the norm, updating the residual in place; ``forward_torch`` is its twin and the CPU path.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
+
+        NOTE: on CUDA, with ``residual`` given, ``x`` and ``residual`` are overwritten (the
+        returned tensors are those two); callers never reuse them.
+        """
+        if x.is_cuda:
+            from kernels.layer_ops import add_rms_norm
+            if residual is None:
+                return add_rms_norm(x, self.weight, self.eps)
+            return add_rms_norm(x, self.weight, self.eps, residual=residual, out=x), residual
+        return self.forward_torch(x, residual)
+
+    def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
             x = x + residual
             residual = x

@@ -3,6 +3,8 @@
 Every rope variant a config may carry (default, linear, dynamic, yarn, longrope, llama3) gets
 its inverse frequencies from transformers' ``ROPE_INIT_FUNCTIONS``, so the numbers match the
 reference exactly; the cos/sin table is computed once for ``max_position`` positions.
+On CUDA one Triton kernel (``kernels.layer_ops.rotary_embedding_``) rotates q and k in place;
+``forward_torch`` is its twin and the CPU path.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         self.rotary_dim = rotary_dim
         positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq.float()[None, :]          # [max_position, rotary_dim / 2]
+        inv_freq = inv_freq.float().to(positions.device)
+        freqs = positions[:, None] * inv_freq[None, :]                   # [max_position, rotary_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)                          # [max_position, rotary_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
@@ -49,7 +52,15 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [T]; q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k)."""
+        """positions: [T]; q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k) (in place on CUDA)."""
+        if q.is_cuda:
+            from kernels.layer_ops import rotary_embedding_
+            half = self.rotary_dim // 2
+            rotary_embedding_(positions, q, k, self.cos[:, :half], self.sin[:, :half], self.rotary_dim)
+            return q, k
+        return self.forward_torch(positions, q, k)
+
+    def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].to(q.dtype)[:, None, :]               # [T, 1, rotary_dim]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         r = self.rotary_dim

@@ -48,12 +48,20 @@ def make_workload(n: int, in_range, out_range, vocab: int, seed: int):
     return prompts, outs
 
 
-def dummy_checkpoint(out_dir: Path, dtype: str) -> Path:
-    """A config-only HF directory for ``load_format=dummy`` (and the same config for transformers)."""
-    from transformers import LlamaConfig
-    cfg = LlamaConfig(**LLAMA3_8B, dtype=dtype, architectures=["LlamaForCausalLM"])
+def dummy_checkpoint(out_dir: Path, dtype: str, shape: dict = LLAMA3_8B) -> Path:
+    """A config-only HF directory for ``load_format=dummy`` (and the same config for transformers),
+    with a word-level tokenizer of one token per id (the benchmarks send token ids; detokenizing
+    still needs a vocabulary that covers every id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    cfg = LlamaConfig(**shape, dtype=dtype, architectures=["LlamaForCausalLM"])
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(out_dir)
+    if not (out_dir / "tokenizer.json").is_file():
+        vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
+        tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", eos_token="t1").save_pretrained(out_dir)
     return out_dir
 
 
@@ -70,22 +78,30 @@ def run_chorus(args, prompts, outs) -> dict:
     llm = LLM(args.model, **kw)
     load_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
-    # Warm-up (kernel compilation, graph capture, allocator) outside the timed run.
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    # Warm-up outside the timed run: Triton compiles its prefill / mixed-batch variants, the
+    # allocator grows. Prompts reversed so the prefix cache does not serve the timed run.
+    warm = [{"prompt_token_ids": p[::-1]} for p in prompts[:args.warmup_prompts]]
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    timer = None
     if torch.cuda.is_available():
+        from engine.model_runner import StepTimer
         torch.cuda.synchronize()
+        timer = llm.llm_engine.runner.step_timer = StepTimer()
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    busy = timer.summary() if timer is not None else {}
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
     stats = llm.llm_engine.get_stats()
     del llm
-    return dict(system="chorus", seconds=dt, output_tokens=n_out, requests=len(prompts),
-                output_tok_s=n_out / dt, req_s=len(prompts) / dt, load_s=load_s,
-                preemptions=stats.num_preemptions, steps=stats.num_steps)
+    return dict(system="chorus" + (" (eager)" if args.enforce_eager else ""), seconds=dt, output_tokens=n_out,
+                requests=len(prompts), output_tok_s=n_out / dt, req_s=len(prompts) / dt, load_s=load_s,
+                preemptions=stats.num_preemptions, steps=stats.num_steps,
+                gpu_busy_fraction=busy.get("busy_fraction"), gpu_busy_ms=busy.get("gpu_busy_ms"),
+                gpu_span_ms=busy.get("span_ms"))
 
 
 def load_hf(args):
@@ -157,6 +173,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--warmup-prompts", type=int, default=32, help="untimed requests run first")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-max-prompts", type=int, default=None,
                     help="run transformers on only the first N prompts (its tok/s is a rate)")
@@ -180,6 +197,8 @@ def main() -> None:
                                   vocab, args.seed)
     rows = [run_chorus(args, prompts, outs)]
     if not args.skip_hf:
+        import gc
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         model, device = load_hf(args)
@@ -193,11 +212,14 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
     print(f"\nworkload: {args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
           f"model {args.model or 'SmolLM2-135M-Instruct'}, device {device}")
-    print(f"{'system':40s} {'requests':>8s} {'seconds':>9s} {'out tok/s':>10s} {'req/s':>8s} {'x best HF':>9s}")
+    print(f"{'system':40s} {'requests':>8s} {'seconds':>9s} {'out tok/s':>10s} {'req/s':>8s} "
+          f"{'x best HF':>9s} "
+          f"{'GPU busy':>8s}")
     for r in rows:
         ratio = f"{r['vs_best_hf']:.2f}" if r["vs_best_hf"] else "-"
+        busy = f"{r['gpu_busy_fraction']:.3f}" if r.get("gpu_busy_fraction") is not None else "-"
         print(f"{r['system']:40s} {r['requests']:8d} {r['seconds']:9.2f} {r['output_tok_s']:10.1f} "
-              f"{r['req_s']:8.2f} {ratio:>9s}")
+              f"{r['req_s']:8.2f} {ratio:>9s} {busy:>8s}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(args=vars(args), device=device, rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=2)

@@ -35,6 +35,8 @@ class EngineArgs:
     enforce_eager: bool = False
     load_format: str = "auto"
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool = True
+    """Overlap scheduling / output processing of one step with the device work of the next."""
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: Optional[int] = None
@@ -72,5 +74,6 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=mnbt, max_num_seqs=self.max_num_seqs, policy=self.scheduling_policy,
-                long_prefill_token_threshold=self.long_prefill_token_threshold),
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                async_scheduling=self.async_scheduling),
             lora_config=lora, device=self.device, enforce_eager=self.enforce_eager)

@@ -91,6 +91,9 @@ class SchedulerConfig:
     """fcfs (arrival order) or priority (lower ``priority`` value first, then arrival)."""
     long_prefill_token_threshold: int = 0
     """Cap on one request's prefill chunk per step (0: only the budget caps it)."""
+    async_scheduling: bool = True
+    """Schedule step N+1 before step N's sampled ids are read (output placeholders), so host work
+    overlaps the device's; off: schedule -> run -> update, one step at a time."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

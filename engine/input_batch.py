@@ -1,4 +1,17 @@
-"""Runner-side per-request state and the flat step inputs built from it."""
+"""Runner-side per-request state, and the step buffers the flat inputs are built into.
+
+Hot-path rules (ARCHITECTURE.md, Style 7): every step tensor lives in a buffer allocated once and
+sized by the budgets (``max_num_batched_tokens`` tokens, ``max_num_seqs`` requests, the blocks
+of ``max_model_len``); the host builds each step in numpy views of pinned mirrors and sends them
+with non-blocking copies. The mirrors are double-buffered, so the host can build step N+1 while
+step N's copies may still be in flight (async scheduling), and every block table row lives in
+one persistent host table, so a step gathers rows instead of rebuilding lists.
+
+Tokens not yet on the host: under async scheduling, a request whose previous step sampled a
+token the host has not read yet has that token's position scheduled now. Its input id is
+filled on the device from the previous step's sampled ids (``StepInputs.num_placeholders``
+scatters), so no sync stands between two steps.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +24,8 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.sampling_params import SamplingParams
 
+NO_ROW = -1
+
 
 @dataclass
 class CachedRequestState:
@@ -18,7 +33,7 @@ class CachedRequestState:
 
     req_id: str
     token_ids: list[int]
-    """Prompt + every output token sampled so far."""
+    """Prompt + every output token the host has read so far (one may still be on the device)."""
     num_prompt_tokens: int
     sampling_params: SamplingParams
     eos_token_ids: set[int]
@@ -30,93 +45,263 @@ class CachedRequestState:
     lora_slot: int = -1
     active: bool = True
     """False while preempted (state kept, row dropped)."""
+    row: int = NO_ROW
+    """Row of the persistent host block table (NO_ROW while preempted)."""
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+class BlockTableRows:
+    """Persistent host block table: one row of block ids per active request.
+
+    ``rows`` [capacity, max_blocks_per_req] int32; rows are handed out on admission and taken
+    back when a request finishes or is preempted. Grows (doubling) if ever full.
+    """
+
+    def __init__(self, capacity: int, max_blocks_per_req: int) -> None:
+        self.rows = np.zeros((capacity, max_blocks_per_req), dtype=np.int32)  # [capacity, max_blocks]
+        self.num_blocks = np.zeros(capacity, dtype=np.int64)                  # [capacity]
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self._free:
+            old = self.rows.shape[0]
+            self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
+            self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        row = self._free.pop()
+        self.num_blocks[row] = 0
+        self.append(row, block_ids)
+        return row
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        n = int(self.num_blocks[row])
+        if n + len(block_ids) > self.rows.shape[1]:
+            raise RuntimeError(f"request holds {n + len(block_ids)} blocks, more than max_model_len "
+                               f"allows ({self.rows.shape[1]})")
+        self.rows[row, n:n + len(block_ids)] = block_ids
+        self.num_blocks[row] = n + len(block_ids)
+
+    def remove(self, row: int) -> None:
+        if row != NO_ROW:
+            self._free.append(row)
+
+
 @dataclass
 class StepInputs:
-    """Flat tensors for one forward pass, plus where to read logits."""
+    """Views of the step buffers for one forward pass, plus where to read logits."""
 
     req_ids: list[str]
     """Scheduled requests in row order (decodes first)."""
+    num_tokens: int
+    """Real tokens this step (the model runs ``num_tokens_padded``)."""
+    num_tokens_padded: int
+    """Tokens the forward pass runs: num_tokens, or the CUDA-graph batch size (1 token per row)."""
     input_ids: torch.Tensor
-    """[num_tokens] int64."""
+    """[num_tokens_padded] int64."""
     positions: torch.Tensor
-    """[num_tokens] int64."""
+    """[num_tokens_padded] int64."""
     attn_metadata: AttentionMetadata
     sample_req_ids: list[str]
     """Requests that sample a token this step (their chunk reaches the end of known tokens)."""
     logits_indices: torch.Tensor
     """[num_sampled] int64: token index whose hidden state yields each sampled request's logits."""
+    all_rows_sample: bool
+    """Every request samples, one row each in request order (logits_indices = last token of each)."""
     token_lora_slots: Optional[torch.Tensor] = None
     """[num_tokens] int32 adapter slot per token (-1: base model); None when LoRA is off."""
     prompt_logprob_ranges: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """req_id -> (first token index in the batch, count, first prompt position) for prompt logprobs."""
+    num_placeholders: int = 0
+    """Input ids taken on the device from the previous step's sampled ids."""
 
 
-def build_step_inputs(states: list[CachedRequestState], num_scheduled: list[int], block_size: int,
-                      device: torch.device, with_lora: bool) -> StepInputs:
-    """Lay scheduled tokens out flat. ``states``/``num_scheduled`` must put decodes (1 token) first."""
-    num_reqs = len(states)
-    qlens = np.asarray(num_scheduled, dtype=np.int64)
-    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(qlens, out=qsl[1:])
-    num_tokens = int(qsl[-1])
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    seq_lens = np.empty(num_reqs, dtype=np.int64)
-    max_blocks = max(len(s.block_ids) for s in states)
-    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-    lora_slots = np.empty(num_tokens, dtype=np.int32) if with_lora else None
-    sample_req_ids: list[str] = []
-    logits_indices: list[int] = []
-    prompt_ranges: dict[str, tuple[int, int, int]] = {}
-    num_decodes = 0
-    for i, (s, n) in enumerate(zip(states, num_scheduled)):
-        start, end = int(qsl[i]), int(qsl[i + 1])
-        c = s.num_computed_tokens
-        input_ids[start:end] = s.token_ids[c:c + n]
-        pos = np.arange(c, c + n, dtype=np.int64)
-        positions[start:end] = pos
-        bids = np.asarray(s.block_ids, dtype=np.int64)
-        slot_mapping[start:end] = bids[pos // block_size] * block_size + pos % block_size
-        seq_lens[i] = c + n
-        block_tables[i, :len(s.block_ids)] = s.block_ids
-        if lora_slots is not None:
-            lora_slots[start:end] = s.lora_slot
-        if n == 1 and i == num_decodes:
-            num_decodes += 1
-        if c + n >= len(s.token_ids):
-            sample_req_ids.append(s.req_id)
-            logits_indices.append(end - 1)
-        if s.sampling_params.prompt_logprobs is not None and c < s.num_prompt_tokens:
-            # Logits at position p score prompt token p + 1; the last prompt position scores
-            # the first output token, which is not a prompt logprob.
-            last = min(c + n, s.num_prompt_tokens - 1)
-            if last > c:
-                prompt_ranges[s.req_id] = (start, last - c, c + 1)
+class _HostMirror:
+    """One set of host staging arrays (pinned on CUDA), as torch tensors and numpy views."""
 
-    def t(a, dtype=torch.int64):
-        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks: int, pin: bool) -> None:
+        def alloc(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
-    meta = AttentionMetadata(
-        slot_mapping=t(slot_mapping),
-        query_start_loc=t(qsl, torch.int32),
-        seq_lens=t(seq_lens, torch.int32),
-        block_tables=t(block_tables, torch.int32),
-        max_query_len=int(qlens.max()) if num_reqs else 0,
-        max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-        num_decode_reqs=num_decodes,
-        query_start_loc_cpu=qsl.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-    )
-    return StepInputs(
-        req_ids=[s.req_id for s in states], input_ids=t(input_ids), positions=t(positions),
-        attn_metadata=meta, sample_req_ids=sample_req_ids,
-        logits_indices=t(np.asarray(logits_indices, dtype=np.int64)),
-        token_lora_slots=t(lora_slots, torch.int32) if lora_slots is not None else None,
-        prompt_logprob_ranges=prompt_ranges)
+        self.input_ids = alloc(max_num_tokens, torch.int64)                   # [max_tokens]
+        self.positions = alloc(max_num_tokens, torch.int64)                   # [max_tokens]
+        self.slot_mapping = alloc(max_num_tokens, torch.int64)                # [max_tokens]
+        self.token_lora_slots = alloc(max_num_tokens, torch.int32)            # [max_tokens]
+        self.query_start_loc = alloc(max_num_reqs + 1, torch.int32)           # [max_reqs + 1]
+        self.seq_lens = alloc(max_num_reqs, torch.int32)                      # [max_reqs]
+        self.block_tables = alloc((max_num_reqs, max_blocks), torch.int32)    # [max_reqs, max_blocks]
+        self.logits_indices = alloc(max_num_reqs, torch.int64)                # [max_reqs]
+        self.placeholder_dst = alloc(max_num_reqs, torch.int64)               # [max_reqs] token index
+        self.placeholder_src = alloc(max_num_reqs, torch.int64)               # [max_reqs] previous row
+        self.np = {k: v.numpy() for k, v in vars(self).items()}
+        self.copied: Optional[torch.cuda.Event] = torch.cuda.Event() if pin else None
+        """Recorded after this mirror's copies; waited on before the mirror is written again."""
+
+
+class StepBuffers:
+    """Device step tensors sized by the budgets, with two host mirrors used in turn.
+
+    Args:
+        max_num_tokens: ``max_num_batched_tokens`` (and at least the largest CUDA-graph batch).
+        max_num_reqs: ``max_num_seqs``.
+        max_blocks_per_req: blocks of a ``max_model_len`` request.
+        device: where the model runs; on CUDA the mirrors are pinned and copies non-blocking.
+    """
+
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
+                 device: torch.device) -> None:
+        self.device = device
+        self.max_num_tokens = max_num_tokens
+        self.max_num_reqs = max_num_reqs
+        self.max_blocks_per_req = max_blocks_per_req
+        pin = device.type == "cuda"
+
+        def alloc(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = alloc(max_num_tokens, torch.int64)                   # [max_tokens]
+        self.positions = alloc(max_num_tokens, torch.int64)                   # [max_tokens]
+        self.slot_mapping = alloc(max_num_tokens, torch.int64)                # [max_tokens]
+        self.token_lora_slots = alloc(max_num_tokens, torch.int32)            # [max_tokens]
+        self.query_start_loc = alloc(max_num_reqs + 1, torch.int32)           # [max_reqs + 1]
+        self.seq_lens = alloc(max_num_reqs, torch.int32)                      # [max_reqs]
+        self.block_tables = alloc((max_num_reqs, max_blocks_per_req), torch.int32)  # [max_reqs, max_blocks]
+        self.logits_indices = alloc(max_num_reqs, torch.int64)                # [max_reqs]
+        self.placeholder_dst = alloc(max_num_reqs, torch.int64)               # [max_reqs]
+        self.placeholder_src = alloc(max_num_reqs, torch.int64)               # [max_reqs]
+        self._mirrors = [_HostMirror(max_num_tokens, max_num_reqs, max_blocks_per_req, pin) for _ in range(2)]
+        self._turn = 0
+        self._non_blocking = pin
+
+    def _next_mirror(self) -> _HostMirror:
+        mirror = self._mirrors[self._turn]
+        self._turn ^= 1
+        if mirror.copied is not None:
+            mirror.copied.synchronize()   # its previous copies are done (normally long ago)
+        return mirror
+
+    def _send(self, mirror: _HostMirror, name: str, count: int) -> None:
+        getattr(self, name)[:count].copy_(getattr(mirror, name)[:count], non_blocking=self._non_blocking)
+
+    def prepare(self, states: list[CachedRequestState], num_scheduled: list[int], table: BlockTableRows,
+                block_size: int, with_lora: bool, num_reqs_padded: Optional[int] = None,
+                prev_sampled_rows: Optional[dict[str, int]] = None,
+                prev_sampled: Optional[torch.Tensor] = None) -> StepInputs:
+        """Lay the step's tokens out flat and send them to the device.
+
+        Args:
+            states, num_scheduled: the scheduled requests and their token counts, decodes first.
+            table: the persistent block table holding each state's row.
+            block_size: tokens per KV block.
+            with_lora: also fill per-token adapter slots.
+            num_reqs_padded: pad to this many one-token requests (a CUDA-graph batch size);
+                padding rows attend one null-block key, write no KV (slot -1) and are not read.
+            prev_sampled_rows, prev_sampled: the previous step's sampled ids on the device and
+                each request's row in them, for input ids the host does not have yet.
+        """
+        m = self._next_mirror()
+        a = m.np
+        num_reqs = len(states)
+        padded_reqs = num_reqs_padded or num_reqs
+        counts = np.asarray(num_scheduled, dtype=np.int64)                    # [R]
+        num_tokens = int(counts.sum())
+        padded_tokens = num_tokens + (padded_reqs - num_reqs)
+        if padded_tokens > self.max_num_tokens or padded_reqs > self.max_num_reqs:
+            raise RuntimeError(f"step of {padded_tokens} tokens / {padded_reqs} requests exceeds the "
+                               f"buffers ({self.max_num_tokens} / {self.max_num_reqs})")
+
+        qsl = a["query_start_loc"]
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1:num_reqs + 1])
+        qsl[num_reqs + 1:padded_reqs + 1] = num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
+        computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)  # [R]
+        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)                      # [R]
+        seq_lens = computed + counts                                                         # [R]
+        a["seq_lens"][:num_reqs] = seq_lens
+        a["seq_lens"][num_reqs:padded_reqs] = 1
+        req_of_token = np.repeat(np.arange(num_reqs), counts)                                # [T]
+        pos = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]            # [T]
+        a["positions"][:num_tokens] = pos
+        a["positions"][num_tokens:padded_tokens] = 0
+        a["slot_mapping"][:num_tokens] = (table.rows[rows[req_of_token], pos // block_size].astype(np.int64)
+                                          * block_size + pos % block_size)
+        a["slot_mapping"][num_tokens:padded_tokens] = -1
+        a["block_tables"][:num_reqs] = table.rows[rows]
+        a["block_tables"][num_reqs:padded_reqs] = 0
+        a["input_ids"][num_tokens:padded_tokens] = 0
+
+        ids = a["input_ids"]
+        sample_req_ids: list[str] = []
+        sample_token_idx: list[int] = []
+        prompt_ranges: dict[str, tuple[int, int, int]] = {}
+        num_ph = 0
+        num_decodes = 0
+        for i, s in enumerate(states):
+            start, n, c = int(qsl[i]), int(counts[i]), int(computed[i])
+            known = len(s.token_ids)
+            end_known = min(c + n, known)
+            if n == 1:
+                if c < known:
+                    ids[start] = s.token_ids[c]
+                if i == num_decodes:
+                    num_decodes += 1
+            elif end_known > c:
+                ids[start:start + end_known - c] = s.token_ids[c:end_known]
+            if c + n > known:
+                # NOTE: only the one token sampled by the previous step can be unknown here.
+                assert c + n == known + 1 and prev_sampled_rows is not None, (s.req_id, c, n, known)
+                a["placeholder_dst"][num_ph] = start + n - 1
+                a["placeholder_src"][num_ph] = prev_sampled_rows[s.req_id]
+                num_ph += 1
+            if c + n >= known:
+                sample_req_ids.append(s.req_id)
+                sample_token_idx.append(start + n - 1)
+            if with_lora:
+                a["token_lora_slots"][start:start + n] = s.lora_slot
+            if s.sampling_params.prompt_logprobs is not None and c < s.num_prompt_tokens:
+                # Logits at position p score prompt token p + 1; the last prompt position scores
+                # the first output token, which is not a prompt logprob.
+                last = min(c + n, s.num_prompt_tokens - 1)
+                if last > c:
+                    prompt_ranges[s.req_id] = (start, last - c, c + 1)
+        num_sampled = len(sample_req_ids)
+        a["logits_indices"][:num_sampled] = sample_token_idx
+
+        for name, count in (("input_ids", padded_tokens), ("positions", padded_tokens),
+                            ("slot_mapping", padded_tokens), ("query_start_loc", padded_reqs + 1),
+                            ("seq_lens", padded_reqs), ("block_tables", padded_reqs),
+                            ("logits_indices", num_sampled), ("placeholder_dst", num_ph),
+                            ("placeholder_src", num_ph)):
+            self._send(m, name, count)
+        if with_lora:
+            self._send(m, "token_lora_slots", num_tokens)
+        if num_ph:
+            # Input ids the host does not have: the previous step's samples, gathered on the device.
+            self.input_ids.index_copy_(0, self.placeholder_dst[:num_ph],
+                                       prev_sampled.index_select(0, self.placeholder_src[:num_ph]))
+        if m.copied is not None:
+            m.copied.record()
+
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:padded_tokens],
+            query_start_loc=self.query_start_loc[:padded_reqs + 1],
+            seq_lens=self.seq_lens[:padded_reqs],
+            block_tables=self.block_tables[:padded_reqs],
+            max_query_len=int(counts.max()) if num_reqs else 0,
+            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            num_decode_reqs=num_decodes + (padded_reqs - num_reqs),
+            query_start_loc_cpu=qsl[:padded_reqs + 1].tolist(),
+            seq_lens_cpu=a["seq_lens"][:padded_reqs].tolist(),
+        )
+        all_rows_sample = num_sampled == num_reqs and num_tokens == num_reqs
+        return StepInputs(
+            req_ids=[s.req_id for s in states], num_tokens=num_tokens, num_tokens_padded=padded_tokens,
+            input_ids=self.input_ids[:padded_tokens], positions=self.positions[:padded_tokens],
+            attn_metadata=meta, sample_req_ids=sample_req_ids,
+            logits_indices=self.logits_indices[:num_sampled], all_rows_sample=all_rows_sample,
+            token_lora_slots=self.token_lora_slots[:num_tokens] if with_lora else None,
+            prompt_logprob_ranges=prompt_ranges, num_placeholders=num_ph)

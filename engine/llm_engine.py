@@ -1,6 +1,8 @@
 """``LLMEngine``: processor -> scheduler -> model runner -> output processor, one ``step()`` at a time.
 
-Synchronous and single-threaded; ``LLM`` drives it offline and ``AsyncLLM`` from a thread.
+Single-threaded; ``LLM`` drives it offline and ``AsyncLLM`` from a thread. With async scheduling
+(the default) each ``step()`` schedules and launches step N+1 before it reads step N's sampled
+ids, so scheduling, update and detokenization of one step overlap the device's work on the next.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import torch
 
 from engine.arg_utils import EngineArgs
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, max_blocks_needed, resolve_device
+from engine.model_runner import ModelRunner, PendingOutput, max_blocks_needed, resolve_device
 from engine.models.builder import build_model
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput, SchedulerStats
+from engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.processor import Processor, PromptType
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -58,6 +60,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # parent request id -> child request ids still known to the scheduler
         self._children: dict[str, list[str]] = {}
+        self.async_scheduling = cfg.scheduler_config.async_scheduling
+        # Async scheduling: the launched step whose output has not been processed yet.
+        self._in_flight: Optional[tuple[SchedulerOutput, PendingOutput]] = None
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
@@ -97,15 +102,36 @@ class LLMEngine:
         return self.output_processor.abort(child_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished()
+        return (self.scheduler.has_unfinished_requests() or self.output_processor.has_unfinished()
+                or self._in_flight is not None)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._children)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return the request outputs that became ready.
+
+        Async scheduling: schedule step N+1 (requests whose step-N token is still on the device
+        count it as a placeholder), launch it, then wait for step N's sampled ids (the one host
+        sync) and process them while the device runs N+1. A request that step N finished drops
+        the token N+1 computed for it (``update_from_output`` no longer knows it).
+        """
         so = self.scheduler.schedule()
-        runner_out = self.runner.execute(so)
+        if not self.async_scheduling:
+            return self._process(so, self.runner.execute(so))
+        pending = self.runner.execute_async(so)
+        prev, self._in_flight = self._in_flight, None
+        outputs = self._process(*prev) if prev is not None else []
+        if so.total_num_scheduled_tokens > 0:
+            self._in_flight = (so, pending)
+        else:
+            outputs += self._process(so, pending)
+        return outputs
+
+    def _process(self, so: SchedulerOutput, result: ModelRunnerOutput | PendingOutput) -> list[RequestOutput]:
+        """Update the scheduler with one step's result and turn it into request outputs."""
+        runner_out = result.get() if isinstance(result, PendingOutput) else result
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:

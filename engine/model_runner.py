@@ -1,8 +1,12 @@
-"""Model runner: owns every tensor (weights, KV cache, adapter slots) and executes steps.
+"""Model runner: owns every tensor (weights, KV cache, adapter slots, step buffers) and executes steps.
 
-``execute(SchedulerOutput) -> ModelRunnerOutput``: apply the step's diff to the per-request
-state, build flat inputs once, run the decoder under ``forward_context``, compute logits only
-where a token is sampled (or prompt logprobs were asked for), sample, and return host lists.
+``execute_async(SchedulerOutput) -> PendingOutput``: apply the step's diff to the per-request
+state, build flat inputs once into the persistent step buffers (non-blocking copies), run the
+decoder (a CUDA graph for decode-only steps on CUDA, eagerly otherwise) and compute logits only
+where a token is sampled, sample, and start one non-blocking device->host copy of the sampled
+ids. Nothing waits for the device: ``PendingOutput.get()`` is the step's one host sync, so the
+engine can schedule and launch step N+1 before reading step N's tokens (async scheduling; step
+N's ids reach step N+1's inputs on the device). ``execute(so)`` is the synchronous form.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import torch
 
 from engine.attention import forward_context, select_backend
 from engine.config import EngineConfig
-from engine.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from engine.input_batch import NO_ROW, BlockTableRows, CachedRequestState, StepBuffers, StepInputs
 from engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.sampler import Sampler, compute_prompt_logprobs
-from engine.sampling_metadata import build_sampling_metadata
+from engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("chorus.runner")
 
@@ -41,6 +46,95 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device
     return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def _sampling_is_simple(p: SamplingParams) -> bool:
+    """Sampling that needs no token history on the host (no penalties, no min_tokens)."""
+    return (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+            and p.min_tokens == 0)
+
+
+class PendingOutput:
+    """One step's result, possibly still on the device; ``get()`` waits for it (the step's sync).
+
+    Resolving appends the sampled ids to the runner's request states, in step order (the runner
+    resolves every earlier step first).
+    """
+
+    def __init__(self, runner: "ModelRunner", req_ids: list[str], sampled_states: list[CachedRequestState],
+                 host_ids: Optional[torch.Tensor | list[int]], ready: Optional[torch.cuda.Event],
+                 logprobs: Optional[dict[str, LogprobsLists]] = None,
+                 prompt_logprobs: Optional[dict[str, LogprobsLists]] = None) -> None:
+        self._runner = runner
+        self._req_ids = req_ids
+        self._sampled_states = sampled_states
+        self._host_ids = host_ids
+        """[num_sampled] int64 pinned host tensor filled by a non-blocking copy, or a host list."""
+        self._ready = ready
+        """Recorded after the copy (None: already on the host)."""
+        self._logprobs = logprobs or {}
+        self._prompt_logprobs = prompt_logprobs or {}
+        self._output: Optional[ModelRunnerOutput] = None
+
+    @classmethod
+    def done(cls, runner: "ModelRunner", output: ModelRunnerOutput) -> "PendingOutput":
+        p = cls(runner, output.req_ids, [], None, None)
+        p._output = output
+        return p
+
+    @property
+    def resolved(self) -> bool:
+        return self._output is not None
+
+    def get(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._runner.resolve_through(self)
+        assert self._output is not None
+        return self._output
+
+    def _resolve(self) -> None:
+        if self._ready is not None:
+            self._ready.synchronize()
+        ids = self._host_ids.tolist() if isinstance(self._host_ids, torch.Tensor) else (self._host_ids or [])
+        sampled = {}
+        for state, token_id in zip(self._sampled_states, ids):
+            state.token_ids.append(token_id)
+            sampled[state.req_id] = [token_id]
+        self._output = ModelRunnerOutput(
+            req_ids=self._req_ids, sampled_token_ids=[sampled.get(r, []) for r in self._req_ids],
+            logprobs=self._logprobs, prompt_logprobs=self._prompt_logprobs)
+
+
+class StepTimer:
+    """CUDA events around each step's device work, for the GPU-busy fraction of wall time.
+
+    Step i's interval runs from the event recorded before its input copies to the one after its
+    sampled-id copy; intervals never overlap (one stream). busy = sum(intervals) / span, where
+    span runs from the first start to the last end. NOTE: launch gaps inside an eager step count
+    as busy; CUDA-graph steps have none.
+    """
+
+    def __init__(self) -> None:
+        self.intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: Optional[torch.cuda.Event] = None
+
+    def begin(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def end(self) -> None:
+        stop = torch.cuda.Event(enable_timing=True)
+        stop.record()
+        self.intervals.append((self._start, stop))
+
+    def summary(self) -> dict:
+        torch.cuda.synchronize()
+        if not self.intervals:
+            return dict(steps=0, gpu_busy_ms=0.0, span_ms=0.0, busy_fraction=0.0)
+        busy = sum(a.elapsed_time(b) for a, b in self.intervals)
+        span = self.intervals[0][0].elapsed_time(self.intervals[-1][1])
+        return dict(steps=len(self.intervals), gpu_busy_ms=busy, span_ms=span,
+                    busy_fraction=busy / span if span > 0 else 0.0)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -51,11 +145,24 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.cache_config.block_size
         self.vocab_size = hf_config.vocab_size
+        self.max_model_len = config.model_config.max_model_len or getattr(
+            hf_config, "max_position_embeddings", 2048)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.lora_manager = None  # set by the engine when LoRA is enabled
         self.num_blocks = 0
         self.logprobs_mode = config.model_config.logprobs_mode
+        self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
+        """Capture decode graphs when the KV cache is allocated (off: ``enforce_eager``)."""
+        self.buffers: Optional[StepBuffers] = None
+        self.block_table: Optional[BlockTableRows] = None
+        self.graphs = None
+        self.step_timer: Optional[StepTimer] = None
+        """Set to a ``StepTimer`` (CUDA) to record each step's device interval."""
+        self._unresolved: list[PendingOutput] = []
+        self._prev_sampled: Optional[tuple[torch.Tensor, dict[str, int]]] = None
+        """The last sampling step's ids on the device, and each request's row in them."""
+        self._sampling_cache: Optional[tuple[tuple[str, ...], SamplingMetadata]] = None
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -70,11 +177,9 @@ class ModelRunner:
         per_block = self.kv_bytes_per_block()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used_by_us = torch.cuda.memory_allocated(self.device)
             activation_reserve = self._activation_reserve_bytes()
             budget = total * cc.gpu_memory_utilization - (total - free) - activation_reserve
             budget = max(budget, 0)
-            del used_by_us
         else:
             budget = cc.kv_cache_space * (1 << 30)
         num = int(budget // per_block)
@@ -94,7 +199,8 @@ class ModelRunner:
         return int(sc.max_num_batched_tokens * per_token + logits + (512 << 20))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer."""
+        """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer; then the
+        step buffers, and the decode CUDA graphs (CUDA, unless ``enforce_eager``)."""
         self.num_blocks = num_blocks
         backend = select_backend(self.device)
         for attn in self.model.attention_layers():
@@ -105,26 +211,55 @@ class ModelRunner:
             attn.backend = backend
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.kv_bytes_per_block() / (1 << 30))
+        self._init_step_buffers()
+        if self.use_cuda_graphs and self.lora_manager is None:
+            self.capture_cuda_graphs()
+
+    def _init_step_buffers(self) -> None:
+        from engine.cuda_graphs import graph_batch_sizes
+        sc = self.config.scheduler_config
+        max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
+        self._graph_sizes = graph_batch_sizes(sc.max_num_seqs, sc.max_num_batched_tokens)
+        max_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
+        self.buffers = StepBuffers(max_tokens, sc.max_num_seqs, max_blocks_per_req, self.device)
+        self.block_table = BlockTableRows(sc.max_num_seqs, max_blocks_per_req)
+
+    def capture_cuda_graphs(self) -> None:
+        from engine.cuda_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self.model, self.buffers, self.max_model_len, self._graph_sizes)
+        self.graphs.capture()
 
     # ------------------------------------------------------------------ state updates
     def _apply_diff(self, so: SchedulerOutput) -> None:
+        table = self.block_table
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            s = self.requests.pop(rid, None)
+            if s is not None:
+                table.remove(s.row)
+                s.row = NO_ROW
         for rid in so.preempted_req_ids:
-            if rid in self.requests:
-                self.requests[rid].active = False
+            s = self.requests.get(rid)
+            if s is not None:
+                s.active = False
+                table.remove(s.row)
+                s.row = NO_ROW
         for new in so.scheduled_new_reqs:
             old = self.requests.get(new.req_id)
+            if old is not None:
+                table.remove(old.row)
+                old.row = NO_ROW
             generator = old.generator if old is not None else self._make_generator(new.sampling_params.seed)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, token_ids=list(new.all_token_ids), num_prompt_tokens=new.num_prompt_tokens,
-                sampling_params=new.sampling_params, eos_token_ids=set(getattr(new, "eos_token_ids", ()) or ()),
+                sampling_params=new.sampling_params,
+                eos_token_ids=set(getattr(new, "eos_token_ids", ()) or ()),
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=generator, lora_slot=new.lora_slot)
+                generator=generator, lora_slot=new.lora_slot, row=table.add(new.block_ids))
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             s = self.requests[rid]
             s.block_ids.extend(cached.new_block_ids[i])
+            table.append(s.row, cached.new_block_ids[i])
             s.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.lora_slots:
                 s.lora_slot = cached.lora_slots[i]
@@ -137,54 +272,125 @@ class ModelRunner:
         g.manual_seed(seed)
         return g
 
+    # ------------------------------------------------------------------ resolving outputs
+    def resolve_through(self, pending: PendingOutput) -> None:
+        """Resolve every unresolved step up to and including ``pending``, oldest first."""
+        while self._unresolved:
+            p = self._unresolved.pop(0)
+            p._resolve()
+            if p is pending:
+                return
+
+    def _resolve_all(self, keep_last: bool = False) -> None:
+        while len(self._unresolved) > (1 if keep_last else 0):
+            self._unresolved.pop(0)._resolve()
+
     # ------------------------------------------------------------------ step
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled ids."""
+        return self.execute_async(so).get()
+
+    @torch.inference_mode()
+    def execute_async(self, so: SchedulerOutput) -> PendingOutput:
+        """Launch one step; the returned handle's ``get()`` waits for its sampled ids."""
+        if self.buffers is None:
+            raise RuntimeError("allocate_kv_cache() must run before the first step.")
+        self._resolve_all(keep_last=True)   # at most one step in flight besides this one
         self._apply_diff(so)
         if self.lora_manager is not None and so.lora_loads:
             self.lora_manager.load_slots(so.lora_loads)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return PendingOutput.done(self, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
         counts = [so.num_scheduled_tokens[r] for r in order]
-        inputs = build_step_inputs(states, counts, self.block_size, self.device,
-                                   with_lora=self.lora_manager is not None)
+        if not all(_sampling_is_simple(s.sampling_params) for s in states):
+            self._resolve_all()   # penalties / min_tokens need every token on the host
+        graph_batch_size = self._graph_batch_size(states, counts)
+        if self.step_timer is not None:
+            self.step_timer.begin()
+        prev_ids, prev_rows = self._prev_sampled if self._prev_sampled is not None else (None, None)
+        inputs = self.buffers.prepare(states, counts, self.block_table, self.block_size,
+                                      with_lora=self.lora_manager is not None,
+                                      num_reqs_padded=graph_batch_size, prev_sampled_rows=prev_rows,
+                                      prev_sampled=prev_ids)
         if self.lora_manager is not None:
             self.lora_manager.set_batch(inputs.token_lora_slots)
-        with forward_context(inputs.attn_metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)          # [T, hidden]
-        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
-        sampled = self._sample(inputs, hidden)
+        logits, prompt_logprobs = self._forward(inputs, graph_batch_size)
+        pending = self._sample(inputs, logits, prompt_logprobs)
         for s, n in zip(states, counts):
             s.num_computed_tokens += n
-        sampled_lists = [sampled.get(r, ([], None))[0] for r in inputs.req_ids]
-        logprobs = {r: lp for r, (_, lp) in sampled.items() if lp is not None}
-        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_lists,
-                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if self.step_timer is not None:
+            self.step_timer.end()
+        self._unresolved.append(pending)
+        return pending
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, tuple[list[int], Optional[LogprobsLists]]]:
+    def _graph_batch_size(self, states: list[CachedRequestState], counts: list[int]) -> Optional[int]:
+        """The CUDA-graph bucket for a decode-only step, or None to run eagerly."""
+        if self.graphs is None or self.lora_manager is not None or max(counts) != 1:
+            return None
+        if any(s.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
+               for s in states):
+            return None
+        return self.graphs.batch_size_for(len(states))
+
+    def _forward(self, inputs: StepInputs, graph_batch_size: Optional[int]
+                 ) -> tuple[Optional[torch.Tensor], dict[str, LogprobsLists]]:
+        """Logits [num_sampled, vocab] float32 of the sampling rows (None if none), prompt logprobs."""
+        if graph_batch_size is not None:
+            all_logits = self.graphs.replay(graph_batch_size)            # [batch_size, vocab]
+            if inputs.all_rows_sample:
+                return all_logits[:len(inputs.req_ids)], {}
+            return all_logits[inputs.logits_indices], {}
+        with forward_context(inputs.attn_metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)      # [T, hidden]
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if not inputs.sample_req_ids:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])   # [R, vocab] f32
+            return None, prompt_logprobs
+        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logprobs  # [R, vocab] f32
+
+    def _sample(self, inputs: StepInputs, logits: Optional[torch.Tensor],
+                prompt_logprobs: dict[str, LogprobsLists]) -> PendingOutput:
+        if logits is None:
+            return PendingOutput(self, inputs.req_ids, [], None, None, prompt_logprobs=prompt_logprobs)
         states = [self.requests[r] for r in inputs.sample_req_ids]
+        out = self.sampler(logits, self._sampling_metadata(states), to_host=False)
+        self._prev_sampled = (out.sampled_token_ids, {s.req_id: i for i, s in enumerate(states)})
+        logprobs = {}
+        if out.logprobs is not None:
+            for i, s in enumerate(states):
+                if s.sampling_params.logprobs is not None:
+                    n = s.sampling_params.logprobs + 1
+                    logprobs[s.req_id] = LogprobsLists(token_ids=[out.logprobs.token_ids[i][:n]],
+                                                       logprobs=[out.logprobs.logprobs[i][:n]],
+                                                       ranks=[out.logprobs.ranks[i]])
+        if out.sampled_token_id_list is not None:
+            host_ids, ready = out.sampled_token_id_list, None
+        elif self.device.type == "cuda":
+            host_ids = torch.empty(len(states), dtype=torch.int64, pin_memory=True)   # [num_sampled]
+            host_ids.copy_(out.sampled_token_ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host_ids, ready = out.sampled_token_ids.tolist(), None
+        return PendingOutput(self, inputs.req_ids, states, host_ids, ready, logprobs, prompt_logprobs)
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        """The step's sampling tensors; reused while the same requests sample with simple params."""
+        key = tuple(s.req_id for s in states)
+        simple = all(_sampling_is_simple(s.sampling_params) for s in states)
+        if simple and self._sampling_cache is not None and self._sampling_cache[0] == key:
+            return self._sampling_cache[1]
+        if simple:
+            prompts = outputs = [[] for _ in states]   # only penalties and min_tokens read them
+        else:
+            prompts = [s.token_ids[:s.num_prompt_tokens] for s in states]
+            outputs = [s.output_token_ids for s in states]
         meta = build_sampling_metadata(
-            [s.sampling_params for s in states], [s.generator for s in states],
-            [s.token_ids[:s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
+            [s.sampling_params for s in states], [s.generator for s in states], prompts, outputs,
             [s.eos_token_ids for s in states], self.vocab_size, self.device, self.logprobs_mode)
-        out = self.sampler(logits, meta)
-        token_ids = out.sampled_token_id_list
-        result = {}
-        for i, s in enumerate(states):
-            s.token_ids.append(token_ids[i])
-            lp = None
-            if out.logprobs is not None and s.sampling_params.logprobs is not None:
-                n = s.sampling_params.logprobs + 1
-                lp = LogprobsLists(token_ids=[out.logprobs.token_ids[i][:n]],
-                                   logprobs=[out.logprobs.logprobs[i][:n]],
-                                   ranks=[out.logprobs.ranks[i]])
-            result[s.req_id] = ([token_ids[i]], lp)
-        return result
+        self._sampling_cache = (key, meta) if simple else None
+        return meta
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
         out: dict[str, LogprobsLists] = {}

@@ -109,6 +109,10 @@ class Request:
         # prompt + outputs; appended in place as tokens arrive.
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens scheduled to be sampled whose ids have not come back yet. The
+        # scheduler treats them as known (it schedules their positions one step ahead); the runner
+        # feeds their ids from the device; update_from_output swaps each for the real id.
+        self.num_output_placeholders = 0
         # Tokens served from the prefix cache at first scheduling (-1 until then).
         self.num_cached_tokens = -1
         self.num_preemptions = 0

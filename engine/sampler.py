@@ -36,8 +36,9 @@ class SamplerOutput:
 
     sampled_token_ids: torch.Tensor
     """[R] int64 on the logits' device (for feeding the next step without a copy back)."""
-    sampled_token_id_list: list[int]
-    """The same R ids on the host, from the call's single device->host copy."""
+    sampled_token_id_list: Optional[list[int]]
+    """The same R ids on the host, from the call's single device->host copy; None when the caller
+    asked for no copy (``to_host=False``) and no row wants logprobs (the caller copies later)."""
     logprobs: Optional[LogprobsLists]
     """Rows in order; a row that asked for N logprobs has N + 1 entries ([sampled, top1..topN]),
     one that did not has empty lists and rank 0. None when no row asked."""
@@ -192,13 +193,17 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor
 class Sampler:
     """Stateless: all per-request state comes in ``SamplingMetadata`` (generators included)."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row. ``logits`` [R, vocab] float32 is not modified."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, to_host: bool = True) -> SamplerOutput:
+        """Sample one token per row. ``logits`` [R, vocab] float32 is not modified.
+
+        With ``to_host=False`` nothing waits for the device unless some row wants logprobs: the
+        ids stay on the device (``sampled_token_id_list`` None) for an async copy by the caller.
+        """
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, (logits.shape, meta.num_rows)
         if (meta.all_greedy and meta.no_penalties and meta.max_num_logprobs is None
                 and meta.min_tokens_row_ids is None):
             sampled = logits.argmax(dim=-1)  # [R] fast path: nothing else to do
-            return SamplerOutput(sampled, sampled.tolist(), None)
+            return SamplerOutput(sampled, sampled.tolist() if to_host else None, None)
 
         want_logprobs = meta.max_num_logprobs is not None
         raw_mode = meta.logprobs_mode.startswith("raw")
@@ -218,7 +223,7 @@ class Sampler:
                 sampled = torch.where(meta.is_greedy, greedy_ids, sampled)
 
         if not want_logprobs:
-            return SamplerOutput(sampled, sampled.tolist(), None)
+            return SamplerOutput(sampled, sampled.tolist() if to_host else None, None)
         source = raw if raw_mode else processed
         if meta.logprobs_mode.endswith("logprobs"):
             source = source.log_softmax(dim=-1)

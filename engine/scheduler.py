@@ -148,6 +148,11 @@ class Scheduler:
             that does not fit.
         (3) Emit new requests in full, known ones as deltas, then advance
             ``num_computed_tokens`` right away so the next step continues the chunk.
+        Async scheduling: a request whose step reaches the end of its tokens gets an output
+        placeholder (``num_output_placeholders``), counted as a known token, so the next
+        ``schedule()`` may run before this step's ``update_from_output()`` and schedule the
+        placeholder's position (the runner takes its id from the device). A request whose
+        placeholders already reach ``max_tokens`` is not scheduled again.
         """
         self._validate_lora_reservation()
         plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
@@ -156,7 +161,10 @@ class Scheduler:
             self._schedule_waiting(plan)
         output = self._build_output(plan)
         for req_id, n in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1   # this step samples a token
         self.finished_req_ids = set()
         self.num_steps += 1
         self.max_reqs_per_step = max(self.max_reqs_per_step, len(plan.num_scheduled_tokens))
@@ -164,7 +172,7 @@ class Scheduler:
         return output
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
-        n = request.num_tokens - num_computed
+        n = request.num_tokens + request.num_output_placeholders - num_computed
         threshold = self.scheduler_config.long_prefill_token_threshold
         if threshold > 0:
             n = min(n, threshold)
@@ -174,6 +182,10 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and plan.token_budget > 0:
             request = self.running[idx]
+            if (request.num_output_placeholders
+                    and request.num_output_tokens + request.num_output_placeholders >= request.max_tokens):
+                idx += 1   # its in-flight token is its last (async scheduling)
+                continue
             n = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if n <= 0:
                 idx += 1
@@ -236,6 +248,10 @@ class Scheduler:
         max_num_seqs = self.scheduler_config.max_num_seqs
         while len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.peek_request()
+            if request.num_output_placeholders:
+                # Preempted while its last token was in flight: resume once the token is back.
+                skipped.append(self.waiting.pop_request())
+                continue
             if request.lora_request is not None and not self._lora_admissible(request):
                 skipped.append(self.waiting.pop_request())
                 if first_slotless is None and self._needs_new_slot(request):
@@ -413,6 +429,9 @@ class Scheduler:
                 continue  # aborted after it was scheduled
             row = row_of.get(req_id)
             sampled = runner_output.sampled_token_ids[row] if row is not None else []
+            if sampled:
+                request.num_output_placeholders = max(0, request.num_output_placeholders - len(sampled))
+            was_running = request.status == RequestStatus.RUNNING
             new_token_ids = self._append_and_check_stop(request, sampled)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if new_token_ids and request.first_token_time is None:
@@ -420,7 +439,10 @@ class Scheduler:
             finished = request.is_finished()
             if finished:
                 any_finished = True
-                self._free_request(request, held_slot=True)
+                if not was_running:
+                    # Async scheduling: preempted after this step was launched, finished by its token.
+                    self.waiting.remove_requests([request])
+                self._free_request(request, held_slot=was_running)
             if new_token_ids or prompt_logprobs is not None or finished:
                 outputs.append(EngineCoreOutput(
                     req_id=req_id,

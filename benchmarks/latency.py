@@ -1,0 +1,237 @@
+"""Decode step time vs its memory-bandwidth floor, and transformers' per-token time, in one run.
+
+Examples:
+    # H200: Llama-3-8B shape, random bf16 weights, 512-token contexts
+    python benchmarks/latency.py --llama3-8b-dummy --batch-sizes 1,32,128,256 --context-len 512
+    # CPU smoke test on a small checkpoint
+    python benchmarks/latency.py --model PATH --batch-sizes 1,4 --context-len 32 --steps 4
+
+Per batch size B: B requests with random ``--context-len``-token prompts are prefilled, then the
+engine runs decode-only steps (a CUDA graph each on CUDA, with async scheduling). Reported:
+  * step ms: wall time per ``LLMEngine.step()`` in steady decode (what a user sees per token);
+  * gpu ms: device time of one step (CUDA events around each step's work);
+  * busy: GPU-busy fraction of wall time over those steps (sum of step intervals / span);
+  * eager ms: the same steps with CUDA graphs off (the runner's eager path);
+  * floor ms: (weight bytes + KV bytes read per step) / copy bandwidth, the bandwidth measured
+    first as a device-to-device copy (bytes read + written);
+  * HF ms/token: transformers ``generate`` on the same shapes, (t(1 + k new) - t(1 new)) / k.
+Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.throughput import LLAMA3_8B, dummy_checkpoint  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_copy_bandwidth(num_bytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    stop.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(stop) / 1e3 / iters
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / seconds
+
+
+def floor_bytes(hf_cfg, weight_bytes: int, embed_bytes: int, batch: int, context_len: float,
+                elem_bytes: int = 2) -> dict:
+    """Bytes a decode step must read: every weight once (the embedding only for B rows) + the KV."""
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    kv_per_token = 2 * hf_cfg.num_hidden_layers * hf_cfg.num_key_value_heads * head_dim * elem_bytes
+    weights = weight_bytes - embed_bytes + batch * hf_cfg.hidden_size * elem_bytes
+    kv = int(batch * context_len * kv_per_token)
+    return dict(weight_bytes=weights, kv_bytes=kv, total_bytes=weights + kv)
+
+
+def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def _run_steps(engine, steps: int) -> float:
+    """Wall seconds per engine step over ``steps`` steady steps."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) -> list[dict]:
+    from engine import LLM, SamplingParams
+    from engine.model_runner import StepTimer
+
+    max_b = max(batch_sizes)
+    llm = LLM(model_dir, load_format=args.load_format, dtype=args.dtype,
+              max_model_len=args.context_len + 2 * args.steps + 64, max_num_seqs=max_b,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+              gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
+    engine = llm.llm_engine
+    runner = engine.runner
+    hf_cfg = engine.hf_config
+    elem = torch.finfo(engine.dtype).bits // 8
+    weight_bytes = sum(p.numel() for p in runner.model.parameters()) * elem
+    embed_bytes = runner.model.model.embed_tokens.weight.numel() * elem
+    cuda = torch.cuda.is_available()
+    rows = []
+    for b in batch_sizes:
+        prompts = _random_prompts(b, args.context_len, hf_cfg.vocab_size, seed=b)
+        params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 16, ignore_eos=True)
+        ids = [f"lat{b}-{i}" for i in range(b)]
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, {"prompt_token_ids": p}, params)
+        while True:   # prefill (chunked) until every request decodes
+            engine.step()
+            st = engine.scheduler
+            if len(st.waiting) == 0 and st.last_num_scheduled_tokens == b:
+                break
+        _run_steps(engine, 4)                                   # warm decode
+        if cuda:
+            runner.step_timer = StepTimer()
+        step_s = _run_steps(engine, args.steps)
+        timing = runner.step_timer.summary() if cuda else {}
+        runner.step_timer = None
+        graphs, runner.graphs = runner.graphs, None             # same steps, eager
+        _run_steps(engine, 2)
+        eager_s = _run_steps(engine, max(4, args.steps // 4))
+        runner.graphs = graphs
+        mean_ctx = args.context_len + 6 + args.steps / 2
+        fb = floor_bytes(hf_cfg, weight_bytes, embed_bytes, b, mean_ctx, elem)
+        floor_ms = fb["total_bytes"] / bandwidth * 1e3 if cuda else float("nan")
+        gpu_ms = timing.get("gpu_busy_ms", float("nan")) / max(1, timing.get("steps", 1))
+        rows.append(dict(batch=b, context_len=args.context_len, step_ms=step_s * 1e3, gpu_ms=gpu_ms,
+                         busy_fraction=timing.get("busy_fraction", float("nan")), eager_step_ms=eager_s * 1e3,
+                         floor_ms=floor_ms, step_over_floor=step_s * 1e3 / floor_ms,
+                         tok_s=b / step_s, graphs=graphs is not None, **fb))
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        print(f"chorus batch {b}: step {step_s * 1e3:.2f} ms, gpu {gpu_ms:.2f} ms, floor {floor_ms:.2f} ms, "
+              f"eager {eager_s * 1e3:.2f} ms, busy {timing.get('busy_fraction', float('nan')):.3f}",
+              flush=True)
+    del llm, engine, runner
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def hf_rows(args, model_dir: str, batch_sizes: list[int]) -> list[dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = AutoConfig.from_pretrained(model_dir)
+    if args.load_format == "dummy":
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        from engine.loader import checkpoint_dir, resolve_model
+        model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(resolve_model(model_dir)), dtype=dtype)
+        model.to(device)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    k = args.hf_new_tokens
+    rows = []
+
+    def gen(ids, n):
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        sync()
+        return time.perf_counter() - t0
+
+    for b in batch_sizes:
+        ids = torch.tensor(_random_prompts(b, args.context_len, cfg.vocab_size, seed=b), device=device)
+        gen(ids[:, :16], 2)                                     # warm-up
+        t1 = gen(ids, 1)
+        tk = gen(ids, 1 + k)
+        per_token = (tk - t1) / k
+        rows.append(dict(batch=b, hf_ms_per_token=per_token * 1e3, hf_tok_s=b / per_token, hf_prefill_s=t1))
+        print(f"hf batch {b}: {per_token * 1e3:.2f} ms/token ({b / per_token:.1f} tok/s)", flush=True)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--llama3-8b-dummy", action="store_true", help="Llama-3-8B shape, random bf16 weights")
+    ap.add_argument("--batch-sizes", default="1,32,128,256")
+    ap.add_argument("--context-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    ap.add_argument("--hf-new-tokens", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="benchmarks/out/latency.json")
+    args = ap.parse_args()
+    args.load_format = "auto"
+    if args.llama3_8b_dummy:
+        args.model = str(dummy_checkpoint(Path(os.environ.get("TMPDIR", "/tmp")) / "chorus-llama3-8b-dummy",
+                                          "bfloat16"))
+        args.load_format = "dummy"
+    if args.model is None:
+        ap.error("--model or --llama3-8b-dummy is required")
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
+    bandwidth = measure_copy_bandwidth()
+    print(f"device {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows = chorus_rows(args, args.model, batch_sizes, bandwidth)
+    hf = {} if args.skip_hf else {r["batch"]: r for r in hf_rows(args, args.model, batch_sizes)}
+    for r in rows:
+        r.update(hf.get(r["batch"], {}))
+        if "hf_ms_per_token" in r:
+            r["speedup_vs_hf"] = r["hf_ms_per_token"] / r["step_ms"]
+
+    name = "llama3-8b-dummy" if args.llama3_8b_dummy else args.model
+    print(f"\ncontext {args.context_len} tokens, model {name}, {device}, copy bw {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'batch':>5s} {'step ms':>8s} {'gpu ms':>7s} {'floor ms':>8s} {'x floor':>7s} {'busy':>6s} "
+          f"{'eager ms':>8s} {'tok/s':>8s} {'HF ms/tok':>9s} {'x HF':>6s}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['step_ms']:8.2f} {r['gpu_ms']:7.2f} {r['floor_ms']:8.2f} "
+              f"{r['step_over_floor']:7.2f} {r['busy_fraction']:6.3f} {r['eager_step_ms']:8.2f} "
+              f"{r['tok_s']:8.1f} "
+              f"{r.get('hf_ms_per_token', float('nan')):9.2f} {r.get('speedup_vs_hf', float('nan')):6.1f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(args=vars(args), device=device, copy_bandwidth_bytes_s=bandwidth, rows=rows,
+                       date=time.strftime("%Y-%m-%d")), f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

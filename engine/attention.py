@@ -121,10 +121,30 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)  # [nd, H, 1, d]
         out[:nd] = od[:, :, 0].to(q.dtype)
 
+    # Fresh prefills (no cached prefix) of equal length go through one batched causal SDPA call.
+    fresh: dict[int, list[int]] = {}
+    if k_new is not None:
+        for i in range(nd, len(seq_lens)):
+            qlen = qsl[i + 1] - qsl[i]
+            if qlen > 1 and seq_lens[i] == qlen:
+                fresh.setdefault(qlen, []).append(i)
+    for qlen, reqs in fresh.items():
+        if len(reqs) < 2:
+            continue
+        starts = torch.tensor([qsl[i] for i in reqs], device=q.device)
+        rows = (starts[:, None] + torch.arange(qlen, device=q.device)[None, :]).reshape(-1)  # [B * qlen]
+        shape = (len(reqs), qlen)
+        qb = q.index_select(0, rows).view(*shape, num_heads, head_dim).transpose(1, 2).float()
+        kb = k_new.index_select(0, rows).view(*shape, num_kv_heads, head_dim).transpose(1, 2).float()
+        vb = v_new.index_select(0, rows).view(*shape, num_kv_heads, head_dim).transpose(1, 2).float()
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=group > 1)
+        out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, num_heads, head_dim).to(q.dtype))
+    batched = {i for reqs in fresh.values() if len(reqs) > 1 for i in reqs}
+
     for i in range(nd, len(seq_lens)):
         start, end = qsl[i], qsl[i + 1]
         qlen, slen = end - start, seq_lens[i]
-        if qlen == 0:
+        if qlen == 0 or i in batched:
             continue
         ctx = slen - qlen
         if ctx == 0 and k_new is not None:

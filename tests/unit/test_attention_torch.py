@@ -1,0 +1,34 @@
+"""The CPU attention backend's fast paths (batched fresh prefills, batched decodes) against the twin."""
+
+import pytest
+import torch
+
+from engine.attention import paged_attention_torch
+from kernels.reference import paged_attention_ref
+from tests.kernels.test_kernel_paged_attention import assert_close, engine_meta, make_batch
+
+
+def _new_kv(b, layout):
+    """This step's K/V rows (already in the cache, as the runner writes them before attending)."""
+    bs = b.k_cache.shape[1]
+    ks, vs = [], []
+    for i, (qlen, ctx) in enumerate(layout):
+        pos = torch.arange(ctx, ctx + qlen)
+        slots = b.block_tables[i, pos // bs].long() * bs + pos % bs
+        ks.append(b.k_cache.flatten(0, 1)[slots])
+        vs.append(b.v_cache.flatten(0, 1)[slots])
+    return torch.cat(ks), torch.cat(vs)
+
+
+@pytest.mark.parametrize("layout", [
+    [(1, 30), (1, 9), (7, 0), (7, 0), (7, 0), (5, 0), (4, 12)],   # decodes, 3 equal fresh prefills, odd ones
+    [(16, 0), (16, 0)],
+    [(9, 0), (3, 5), (9, 0)],                                       # equal fresh prefills, not adjacent
+])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 6])
+def test_fast_paths_match_ref(layout, num_kv_heads):
+    b = make_batch(layout, num_heads=6, num_kv_heads=num_kv_heads)
+    k_new, v_new = _new_kv(b, layout)
+    scale = 32 ** -0.5
+    out = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, layout), scale, k_new, v_new)
+    assert_close(out, paged_attention_ref(*b.args(), scale), torch.float32)

@@ -45,6 +45,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)                          # [max_position, rotary_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self._step_cache = None
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -60,9 +61,18 @@ class RotaryEmbedding(nn.Module):
             return q, k
         return self.forward_torch(positions, q, k)
 
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        # Every layer of one forward passes the same positions tensor: gather cos/sin once.
+        cached = self._step_cache
+        if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
+            return cached[1], cached[2]
+        cos = self.cos[positions].to(dtype)[:, None, :]                 # [T, 1, rotary_dim]
+        sin = self.sin[positions].to(dtype)[:, None, :]
+        self._step_cache = (positions, cos, sin)
+        return cos, sin
+
     def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]               # [T, 1, rotary_dim]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        cos, sin = self._cos_sin(positions, q.dtype)
         r = self.rotary_dim
         if r == q.shape[-1]:
             return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

@@ -28,7 +28,7 @@ def _head_dim(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, max_position: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
@@ -40,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = Linear(self.q_size, [config.hidden_size], bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
+        self.rotary_emb = rotary_emb  # NOTE: one instance shared by every layer (one cos/sin gather per step)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -67,9 +67,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, max_position: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, max_position, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias, o_bias)
         self.mlp = LlamaMLP(config, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -90,8 +90,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, max_position, qkv_bias, o_bias, mlp_bias)
+            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
                            description="Serve a model over an OpenAI-compatible HTTP API (vLLM's flags).",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=argparse.HelpFormatter)
     add_serve_args(serve)
 
     gen = sub.add_parser("generate", help="Complete one prompt offline and print the text.")

@@ -78,20 +78,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "(default: 20).")
     eng.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="auto: CUDA when available, else CPU.")
-    eng.add_argument("--enforce-eager", action="store_true", help="Disable CUDA graphs.")
+    eng.add_argument("--enforce-eager", action="store_true",
+                     help="Disable CUDA graphs (on by default on CUDA for decode-only steps).")
+    eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                     help="Schedule step N+1 while the device runs step N (default: on).")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
 
     lora = p.add_argument_group("LoRA")
     lora.add_argument("--enable-lora", action="store_true",
-                      help="Serve LoRA adapters (the 'model' field picks one).")
+                      help="Serve LoRA adapters (the 'model' field picks one). Implied by --lora-modules.")
     lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                       help='Adapters loaded at start-up: name=path or JSON '
                            '{"name", "path", "base_model_name"}.')
     lora.add_argument("--max-loras", type=int, default=None,
-                      help="Distinct adapters in one step (GPU slots).")
-    lora.add_argument("--max-lora-rank", type=int, default=None, help="Largest adapter rank (slot size).")
-    lora.add_argument("--max-cpu-loras", type=int, default=None, help="Adapters kept in host memory (LRU).")
+                      help="Distinct adapters in one step: GPU slots preallocated per adapted layer "
+                           "(default: 4). Requests for an adapter without a slot wait, without "
+                           "blocking others and without starving.")
+    lora.add_argument("--max-lora-rank", type=int, default=None,
+                      help="Rank of every slot; smaller adapters are zero-padded (default: the largest rank "
+                           "among --lora-modules, at least 16).")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="Adapters kept in host memory, LRU; evicted ones reload from disk when needed "
+                           "(default: max(max-loras, 64)).")
     lora.add_argument("--allow-runtime-lora-updating", action="store_true",
                       help="Mount /v1/load_lora_adapter and /v1/unload_lora_adapter "
                            "(also $CHORUS_ALLOW_RUNTIME_LORA_UPDATING=1).")
@@ -114,7 +123,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         chat_template=args.chat_template, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, device=args.device, enforce_eager=args.enforce_eager,
-        load_format=args.load_format, enable_lora=args.enable_lora)
+        load_format=args.load_format, enable_lora=args.enable_lora,
+        async_scheduling=getattr(args, "async_scheduling", True))
     for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)

@@ -37,8 +37,10 @@ from typing import Callable
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# NOTE: this file is named kernels.py: drop its own folder from the path so that ``import
+# kernels.lora_shrink`` finds the repository's package, not this script.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(REPO))
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CTX_LEN = 32, 8, 128, 16, 512
 HIDDEN, KV_DIM, RANK, MAX_LORAS = 4096, 1024, 16, 64
@@ -202,7 +204,9 @@ def bench_kv_write(num_tokens: int, bw: float) -> list[Row]:
 # ----------------------------------------------------------------------------------------
 # LoRA shrink + expand
 # ----------------------------------------------------------------------------------------
-def bench_lora(out_dims: tuple[int, ...], num_adapters: int, batch: int, bw: float) -> list[Row]:
+def bench_lora(out_dims: tuple[int, ...], num_adapters: int, batch: int, bw: float,
+               fixed_grid: bool = False) -> list[Row]:
+    """``fixed_grid``: the CUDA-graph launch (grid over all MAX_LORAS slots, inactive ones exit)."""
     from kernels.lora_expand import lora_expand
     from kernels.lora_meta import build_lora_kernel_meta
     from kernels.lora_shrink import lora_shrink
@@ -211,7 +215,7 @@ def bench_lora(out_dims: tuple[int, ...], num_adapters: int, batch: int, bw: flo
     num_slices = len(out_dims)
     g = torch.Generator(device="cuda").manual_seed(num_adapters * 1000 + batch)
     slots = (torch.arange(batch, device="cuda") % num_adapters).to(torch.int32)    # [T] round robin
-    meta = build_lora_kernel_meta(slots, MAX_LORAS)
+    meta = build_lora_kernel_meta(slots, MAX_LORAS, fixed_grid=fixed_grid)
     x = torch.randn(batch, HIDDEN, device="cuda", dtype=DTYPE, generator=g)
     lora_a = torch.randn(num_slices, MAX_LORAS, RANK, HIDDEN, device="cuda", dtype=DTYPE, generator=g) / 64
     lora_b = [torch.randn(MAX_LORAS, n, RANK, device="cuda", dtype=DTYPE, generator=g) / 4 for n in out_dims]
@@ -233,7 +237,8 @@ def bench_lora(out_dims: tuple[int, ...], num_adapters: int, batch: int, bw: flo
     el = x.element_size()
     shrink_bytes = x.numel() * el + num_adapters * num_slices * RANK * HIDDEN * el + buf.numel() * 4
     expand_bytes = buf.numel() * 4 + num_adapters * sum(out_dims) * RANK * el + 2 * y.numel() * el
-    case = f"{HIDDEN}->{'+'.join(map(str, out_dims))} r={RANK} adapters={num_adapters} batch={batch}"
+    case = (f"{HIDDEN}->{'+'.join(map(str, out_dims))} r={RANK} adapters={num_adapters} batch={batch}"
+            + (" fixed" if fixed_grid else ""))
 
     def both():
         lora_shrink(x, lora_a, meta, buf)
@@ -259,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "kernels.json")
     parser.add_argument("--quick", action="store_true", help="one size per kernel")
+    parser.add_argument("--lora-only", action="store_true",
+                        help="only LoRA shrink/expand, fixed grid (the CUDA-graph launch): batch 64/256, 1/16/64 adapters")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA: no GPU visible, nothing measured.")
@@ -269,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     tiny = torch.zeros(1, device="cuda")
     rows: list[Row] = [row("launch_floor", "one 4-byte memset kernel", bench(tiny.zero_), 4, bw,
                            "latency floor of any one-kernel call")]
+    if args.lora_only:
+        for out_dims in [(HIDDEN,), (HIDDEN, KV_DIM, KV_DIM)]:
+            for batch in (64, 256):
+                for num_adapters in (1, 16, 64):
+                    rows += bench_lora(out_dims, num_adapters, batch, bw, fixed_grid=True)[:2]
+        return _report(args, rows, bw)
     for batch in ([32] if args.quick else [1, 32, 128, 256]):
         rows += bench_attention(batch, bw)
     for num_tokens in ([256] if args.quick else [1, 256, 4096]):
@@ -277,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch in ([64] if args.quick else [64, 256]):
             for num_adapters in ([4] if args.quick else [1, 4, 16, 64]):
                 rows += bench_lora(out_dims, num_adapters, batch, bw)
+    return _report(args, rows, bw)
+
+
+def _report(args, rows: list[Row], bw: float) -> int:
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_per_s": bw,

@@ -3,21 +3,22 @@ as a fraction of the base model, against transformers + PEFT mixed-adapter ``gen
 
 Examples:
     # H200: Llama-3-8B shape, random bf16 weights (no download), rank-16 adapters on all 7 projections
-    python benchmarks/multi_lora.py --batch-size 64 --input-len 512 --output-len 128
-    # the same with a larger batch and a shorter transformers run (its tok/s is a rate)
-    python benchmarks/multi_lora.py --batch-size 256 --hf-output-len 32
+    python benchmarks/multi_lora.py --batch-sizes 64,256 --input-len 512 --output-len 128
     # CPU smoke run on a tiny config
     python benchmarks/multi_lora.py --tiny
 
-Each run decodes ``--batch-size`` requests of ``--input-len`` random prompt tokens and
+Each run decodes ``--batch-sizes`` requests of ``--input-len`` random prompt tokens and
 ``--output-len`` new tokens (EOS ignored, greedy). With N adapters, request i runs adapter
 i % N. Adapters are random rank-``--rank`` PEFT directories (``--unique-adapter-files`` distinct
 weight files, shared round-robin by N distinct adapter *names*: each name takes its own slot,
 so the kernels read N distinct slots exactly as with N distinct weights). Chorus runs with
 ``max_loras`` = the largest N, prefix caching off (the same prompts are reused across runs),
-and a warm-up that puts the run's adapters in their slots first. "base" is an engine without
-LoRA; "x base" is each run's tok/s over it. transformers + PEFT holds every adapter and runs
-one padded batch with ``adapter_names`` (``__base__`` for N = 0). Prints a table, writes JSON.
+and a warm-up that puts the run's adapters in their slots first; one LoRA engine serves every
+adapter count (decode steps replay CUDA graphs with the LoRA kernels inside). "base" is an engine
+without LoRA; "x base" is each run's tok/s over it at the same batch. transformers + PEFT holds
+every adapter and runs one padded batch with ``adapter_names`` (``__base__`` for N = 0); its
+time for the full output is extrapolated from two short runs (``--hf-output-lens``) to keep it
+within minutes. Prints a table, writes JSON (after every row).
 """
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ def _sync() -> None:
 def chorus_engine(args, enable_lora: bool):
     from engine import LLM
 
-    kw = dict(load_format="dummy", dtype=args.dtype, max_num_seqs=args.batch_size, seed=0,
+    kw = dict(load_format="dummy", dtype=args.dtype, max_num_seqs=max(args.batch_sizes), seed=0,
               max_model_len=args.input_len + args.output_len + 16, enable_prefix_caching=False)
+    if torch.cuda.is_available():
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if enable_lora:
@@ -119,12 +122,15 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
 
     n = len(lora_requests)
     per_request = [lora_requests[i % n] if n else None for i in range(len(prompts))]
-    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    # Warm-up: compile kernels and put this run's adapters into their slots.
-    llm.generate([{"prompt_token_ids": p[:16]} for p in prompts[:max(n, 1)]], warm,
-                 lora_request=per_request[:max(n, 1)], use_tqdm=False)
+    warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    # Warm-up on the run's own prompts (prefill shapes compile, cuBLAS picks its kernels) and
+    # adapters (they move into their slots), so the timed run measures steady serving.
+    llm.generate([{"prompt_token_ids": p} for p in prompts], warm, lora_request=per_request, use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    steps0 = llm.llm_engine.get_stats().num_steps
+    engine = llm.llm_engine
+    steps0 = engine.get_stats().num_steps
+    graphs = engine.runner.graphs
+    replays0 = graphs.num_replays if graphs is not None else 0
     _sync()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=per_request,
@@ -133,32 +139,57 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == len(prompts) * args.output_len, n_out
-    return dict(system=label, num_adapters=n, seconds=dt, output_tokens=n_out, output_tok_s=n_out / dt,
-                steps=llm.llm_engine.get_stats().num_steps - steps0)
+    return dict(system=label, batch=len(prompts), num_adapters=n, seconds=dt, output_tokens=n_out,
+                output_tok_s=n_out / dt, steps=engine.get_stats().num_steps - steps0,
+                graph_steps=(graphs.num_replays if graphs is not None else 0) - replays0)
 
 
-def chorus_rows(args, prompts, adapter_dirs) -> list[dict]:
+def chorus_rows(args, prompts, adapter_dirs, report) -> list[dict]:
+    """One LoRA-off engine for the base rows, then one LoRA engine reused for every adapter count."""
     from lora import LoRARequest
 
-    rows = []
+    rows = report["rows"]
+    t0 = time.perf_counter()
     llm = chorus_engine(args, enable_lora=False)
-    rows.append(run_chorus(llm, args, prompts, [], "chorus base (LoRA off)"))
+    print(f"  base engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    for b in args.batch_sizes:
+        rows.append(run_chorus(llm, args, prompts[:b], [], "chorus base (LoRA off)"))
+        _show(rows[-1], report)
     del llm
     _free()
+    t0 = time.perf_counter()
     llm = chorus_engine(args, enable_lora=True)
     mgr = llm.llm_engine.lora_manager
     names = [LoRARequest(f"lora-{i}", i + 1, str(adapter_dirs[i % len(adapter_dirs)]))
              for i in range(max(args.num_adapters))]
     for r in names:
         llm.llm_engine.add_lora(r)
-    for n in args.num_adapters:
-        rows.append(run_chorus(llm, args, prompts, names[:n], f"chorus {n} adapters"))
-        print(f"  {rows[-1]['system']}: {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
-    rows[-1]["slot_mib"] = mgr.slot_nbytes() / (1 << 20)
-    rows[-1]["host_store_mib"] = mgr.store.nbytes() / (1 << 20)
+    print(f"  LoRA engine ready, {len(names)} adapters registered in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    for b in args.batch_sizes:
+        for n in args.num_adapters:
+            if n > b:
+                continue
+            rows.append(run_chorus(llm, args, prompts[:b], names[:n], f"chorus {n} adapters"))
+            _show(rows[-1], report)
+    report["lora_slot_mib"] = mgr.slot_nbytes() / (1 << 20)
+    report["lora_host_store_mib"] = mgr.store.nbytes() / (1 << 20)
     del llm, mgr
     _free()
     return rows
+
+
+def _show(row: dict, report: dict) -> None:
+    print(f"  {row['system']} batch {row['batch']}: {row['output_tok_s']:.1f} tok/s "
+          f"({row.get('steps', '-')} steps, {row.get('graph_steps', '-')} graph)", flush=True)
+    _dump(report)
+
+
+def _dump(report: dict) -> None:
+    """Write the JSON after every row, so a run cut short still leaves its numbers."""
+    out = Path(report["args"]["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
 
 
 def _free() -> None:
@@ -170,73 +201,103 @@ def _free() -> None:
 # ----------------------------------------------------------------------------------------
 # transformers + PEFT
 # ----------------------------------------------------------------------------------------
-def hf_rows(args, prompts, adapter_dirs) -> list[dict]:
-    from peft import PeftModel
+def hf_rows(args, prompts, adapter_dirs, report) -> list[dict]:
+    """PEFT mixed-adapter ``generate``; its time for ``output_len`` tokens is extrapolated from two
+    short runs: t(n) = t(n1) + (n - n1) * (t(n2) - t(n1)) / (n2 - n1) (prefill plus per-token decode).
+
+    Adapter 0 is read from disk; the others are added with ``add_adapter`` and random weights (speed
+    does not depend on the values, and reading 64 files through PEFT would take minutes).
+    """
+    from peft import LoraConfig, PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    t_start = time.perf_counter()
     cfg = AutoConfig.from_pretrained(args.model)
     with torch.device(device):
         base = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     n_max = max(args.num_adapters)
     pm = PeftModel.from_pretrained(base, str(adapter_dirs[0]), adapter_name="lora-0")
+    lcfg = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=[m.rpartition(".")[2] for m in TARGETS],
+                      init_lora_weights=False, lora_dropout=0.0)
     for i in range(1, n_max):
-        pm.load_adapter(str(adapter_dirs[i % len(adapter_dirs)]), adapter_name=f"lora-{i}")
+        pm.add_adapter(f"lora-{i}", lcfg)
     pm.to(device=device, dtype=dtype).eval()
-    ids = torch.tensor(prompts, device=device)                       # [batch, input_len]; equal lengths
-    rows = []
+    print(f"  hf+peft ready with {n_max} adapters in {time.perf_counter() - t_start:.1f} s", flush=True)
+    hb = args.hf_batch_size
+    ids = torch.tensor(prompts[:hb], device=device)                   # [batch, input_len]; equal lengths
+    n1, n2 = args.hf_output_lens
+    rows = report["rows"]
+    out = []
     for n in args.num_adapters:
-        names = [f"lora-{i % n}" if n else "__base__" for i in range(len(prompts))]
-        kw = dict(max_new_tokens=args.hf_output_len, min_new_tokens=args.hf_output_len, do_sample=False,
-                  pad_token_id=0, eos_token_id=None)
+        if time.perf_counter() - t_start > args.hf_time_budget:
+            print(f"  hf+peft: time budget ({args.hf_time_budget} s) spent, skipping {n} adapters", flush=True)
+            continue
+        names = [f"lora-{i % n}" if n else "__base__" for i in range(hb)]
+        times = []
         with torch.no_grad():
-            pm.generate(input_ids=ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]),
-                        adapter_names=names, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-            _sync()
-            t0 = time.perf_counter()
-            pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names, **kw)
-            _sync()
-        dt = time.perf_counter() - t0
-        n_out = len(prompts) * args.hf_output_len
-        rows.append(dict(system=f"hf+peft {n} adapters", num_adapters=n, seconds=dt, output_tokens=n_out,
-                         output_tok_s=n_out / dt))
-        print(f"  {rows[-1]['system']}: {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
+            pm.generate(input_ids=ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]), adapter_names=names,
+                        max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
+            for new in (n1, n2):
+                _sync()
+                t0 = time.perf_counter()
+                pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
+                            max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)
+                _sync()
+                times.append(time.perf_counter() - t0)
+        per_token = (times[1] - times[0]) / (n2 - n1)
+        dt = times[0] + (args.output_len - n1) * per_token
+        n_out = hb * args.output_len
+        row = dict(system=f"hf+peft {n} adapters", batch=hb, num_adapters=n, seconds=dt, output_tokens=n_out,
+                   output_tok_s=n_out / dt, measured=f"t({n1})={times[0]:.2f}s t({n2})={times[1]:.2f}s, "
+                   f"extrapolated to {args.output_len} new tokens")
+        rows.append(row)
+        out.append(row)
+        _show(row, report)
     del pm, base
     _free()
-    return rows
+    return out
 
 
 # ----------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny random config, CPU-friendly sizes")
-    ap.add_argument("--batch-size", type=int, default=None, help="requests per run (default 64)")
+    ap.add_argument("--batch-sizes", default=None, help="comma-separated requests per run (default 64)")
     ap.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 512; tiny: 32)")
     ap.add_argument("--output-len", type=int, default=None, help="new tokens (default 128; tiny: 8)")
-    ap.add_argument("--hf-output-len", type=int, default=None,
-                    help="new tokens for transformers + PEFT (default: --output-len); its tok/s is a rate")
+    ap.add_argument("--hf-batch-size", type=int, default=64, help="requests in transformers + PEFT's batch")
+    ap.add_argument("--hf-output-lens", default="1,9",
+                    help="two short transformers runs (new tokens) extrapolated to --output-len")
+    ap.add_argument("--hf-time-budget", type=float, default=150.0,
+                    help="seconds for transformers + PEFT; adapter counts past it are skipped")
     ap.add_argument("--num-adapters", default="0,1,4,16,64", help="comma-separated distinct adapter counts")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--unique-adapter-files", type=int, default=8,
+    ap.add_argument("--unique-adapter-files", type=int, default=4,
                     help="distinct random weight files written (names beyond reuse them round-robin)")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                    help="per Chorus engine (transformers runs after them in the same process)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--workdir", default="/tmp/chorus-multi-lora", help="where the config and adapters go")
     ap.add_argument("--out", default="benchmarks/out/multi_lora.json")
     args = ap.parse_args()
     shape = TINY if args.tiny else LLAMA3_8B
-    defaults = dict(batch_size=64, input_len=32, output_len=8) if args.tiny else \
-        dict(batch_size=64, input_len=512, output_len=128)
+    defaults = dict(batch_sizes="8" if args.tiny else "64", input_len=32 if args.tiny else 512,
+                    output_len=8 if args.tiny else 128)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.hf_output_len = args.hf_output_len or args.output_len
+    args.batch_sizes = [int(x) for x in str(args.batch_sizes).split(",")]
+    args.hf_batch_size = min(args.hf_batch_size, max(args.batch_sizes))
+    args.hf_output_lens = [int(x) for x in args.hf_output_lens.split(",")]
     args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     args.num_adapters = [int(x) for x in args.num_adapters.split(",")]
-    if max(args.num_adapters) > args.batch_size:
-        raise SystemExit(f"--num-adapters {max(args.num_adapters)} > --batch-size {args.batch_size}: "
+    if max(args.num_adapters) > max(args.batch_sizes):
+        raise SystemExit(f"--num-adapters {max(args.num_adapters)} > the largest batch: "
                          "some adapters would get no request.")
     work = Path(args.workdir) / ("tiny" if args.tiny else "llama3-8b")
     args.model = str(dummy_checkpoint(work / "model", shape, args.dtype))
@@ -246,37 +307,39 @@ def main() -> None:
                     if not (work / f"adapter-r{args.rank}-{i}" / "adapter_config.json").exists()
                     else work / f"adapter-r{args.rank}-{i}" for i in range(n_files)]
     print(f"adapters ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    prompts = make_prompts(args.batch_size, args.input_len, shape["vocab_size"], seed=0)
-
-    rows = chorus_rows(args, prompts, adapter_dirs)
-    base = rows[0]["output_tok_s"]
-    for r in rows:
-        r["x_base"] = r["output_tok_s"] / base
-    if not args.skip_hf:
-        hf = hf_rows(args, prompts, adapter_dirs)
-        hf_base = hf[0]["output_tok_s"] if hf[0]["num_adapters"] == 0 else None
-        for r in hf:
-            r["x_base"] = r["output_tok_s"] / hf_base if hf_base else None
-            ours = next((c for c in rows[1:] if c["num_adapters"] == r["num_adapters"]), None)
-            if ours is not None:
-                ours["x_hf_peft"] = ours["output_tok_s"] / r["output_tok_s"]
-        rows += hf
-
+    prompts = make_prompts(max(args.batch_sizes), args.input_len, shape["vocab_size"], seed=0)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
-    print(f"\nworkload: batch {args.batch_size}, input {args.input_len}, output {args.output_len} "
-          f"(hf+peft: {args.hf_output_len}), rank {args.rank} on all 7 projections, "
-          f"{'tiny' if args.tiny else 'Llama-3-8B'}-shaped {args.dtype}, device {device}")
-    print(f"{'system':28s} {'adapters':>8s} {'seconds':>9s} {'out tok/s':>10s} {'x base':>7s} "
-          f"{'x hf+peft':>9s}")
+    report = dict(args=vars(args), device=device, date=time.strftime("%Y-%m-%d"), rows=[])
+
+    rows = chorus_rows(args, prompts, adapter_dirs, report)
+    hf = [] if args.skip_hf else hf_rows(args, prompts, adapter_dirs, report)
+    _finish(args, report, rows, hf)
+
+
+def _finish(args, report: dict, rows: list[dict], hf: list[dict]) -> None:
+    """Fractions of the base run (same batch) and ratios to transformers + PEFT; table; JSON."""
+    chorus = [r for r in rows if r["system"].startswith("chorus")]
+    base = {r["batch"]: r["output_tok_s"] for r in chorus if "LoRA off" in r["system"]}
+    hf_by_n = {r["num_adapters"]: r["output_tok_s"] for r in hf}
+    hf_base = hf_by_n.get(0)
+    for r in chorus:
+        r["x_base"] = r["output_tok_s"] / base[r["batch"]] if r["batch"] in base else None
+        if "LoRA off" not in r["system"] and r["num_adapters"] in hf_by_n and r["batch"] == args.hf_batch_size:
+            r["x_hf_peft"] = r["output_tok_s"] / hf_by_n[r["num_adapters"]]
+    for r in hf:
+        r["x_base"] = r["output_tok_s"] / hf_base if hf_base else None
+    print(f"\nworkload: batch {args.batch_sizes}, input {args.input_len}, output {args.output_len}, rank "
+          f"{args.rank} on all 7 projections, {'tiny' if args.tiny else 'Llama-3-8B'}-shaped {args.dtype}, "
+          f"device {report['device']}; hf+peft: batch {args.hf_batch_size}, t({args.output_len}) extrapolated "
+          f"from {args.hf_output_lens[0]} and {args.hf_output_lens[1]} new tokens")
+    print(f"{'system':24s} {'batch':>5s} {'adapters':>8s} {'seconds':>8s} {'out tok/s':>10s} {'x base':>7s} "
+          f"{'x hf+peft':>9s} {'steps':>6s} {'graph':>6s}")
     for r in rows:
         xb = f"{r['x_base']:.3f}" if r.get("x_base") is not None else "-"
         xh = f"{r['x_hf_peft']:.1f}" if r.get("x_hf_peft") is not None else "-"
-        print(f"{r['system']:28s} {r['num_adapters']:8d} {r['seconds']:9.2f} {r['output_tok_s']:10.1f} "
-              f"{xb:>7s} {xh:>9s}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), device=device, rows=rows, date=time.strftime("%Y-%m-%d")), f,
-                  indent=2)
+        print(f"{r['system']:24s} {r['batch']:5d} {r['num_adapters']:8d} {r['seconds']:8.2f} "
+              f"{r['output_tok_s']:10.1f} {xb:>7s} {xh:>9s} {r.get('steps', '-'):>6} {r.get('graph_steps', '-'):>6}")
+    _dump(report)
     print(f"wrote {args.out}")
 
 

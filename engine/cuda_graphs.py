@@ -8,6 +8,10 @@ own: the runner writes the step into those buffers, then replays. Attention is c
 ``max_query_len=1`` and ``max_seq_len=max_model_len``: the Triton kernel's grid depends only on
 the batch size, and its split-KV segments are cut on the device from the real lengths, so one
 graph serves every context length. Mixed and prefill steps run eagerly.
+
+With LoRA, the shrink/expand kernels are captured with a fixed grid over every adapter slot and
+read the manager's static meta tensors (``lora.batch.LoRAMetaBuffers``), which ``set_batch``
+refills before each replay: one graph per bucket serves any mix of adapters and base rows.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, forward_context
@@ -49,11 +54,15 @@ class DecodeGraphs:
         buffers: the runner's step buffers (the graphs' static inputs).
         max_model_len: the attention bound the kernels are captured with.
         batch_sizes: buckets to capture.
+        lora_manager: the engine's ``LoRAManager`` when LoRA is on (its meta buffers are then
+            static graph inputs too), else None.
     """
 
     def __init__(self, model: torch.nn.Module, buffers: StepBuffers, max_model_len: int,
-                 batch_sizes: list[int]) -> None:
+                 batch_sizes: list[int], lora_manager=None) -> None:
         self.model = model
+        self.lora_manager = lora_manager
+        """``LoRAManager`` or None; captured graphs then include the fixed-grid LoRA kernels."""
         self.buffers = buffers
         self.max_model_len = max_model_len
         self.batch_sizes = sorted(batch_sizes)
@@ -78,6 +87,8 @@ class DecodeGraphs:
             torch.arange(batch_size + 1, dtype=torch.int32, device=buf.device))
         buf.seq_lens[:batch_size].fill_(1)
         buf.block_tables[:batch_size].zero_()
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch(np.full(batch_size, -1, dtype=np.int32), fixed_grid=True)
         return AttentionMetadata(
             slot_mapping=buf.slot_mapping[:batch_size], query_start_loc=buf.query_start_loc[:batch_size + 1],
             seq_lens=buf.seq_lens[:batch_size], block_tables=buf.block_tables[:batch_size],

@@ -112,8 +112,9 @@ class StepInputs:
     """[num_sampled] int64: token index whose hidden state yields each sampled request's logits."""
     all_rows_sample: bool
     """Every request samples, one row each in request order (logits_indices = last token of each)."""
-    token_lora_slots: Optional[torch.Tensor] = None
-    """[num_tokens] int32 adapter slot per token (-1: base model); None when LoRA is off."""
+    token_lora_slots: Optional[np.ndarray] = None
+    """[num_tokens_padded] int32 host array: adapter slot per token (-1: base model and graph
+    padding); None when LoRA is off. ``LoRAManager.set_batch`` groups it on the host."""
     prompt_logprob_ranges: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """req_id -> (first token index in the batch, count, first prompt position) for prompt logprobs."""
     num_placeholders: int = 0
@@ -166,7 +167,6 @@ class StepBuffers:
         self.input_ids = alloc(max_num_tokens, torch.int64)                   # [max_tokens]
         self.positions = alloc(max_num_tokens, torch.int64)                   # [max_tokens]
         self.slot_mapping = alloc(max_num_tokens, torch.int64)                # [max_tokens]
-        self.token_lora_slots = alloc(max_num_tokens, torch.int32)            # [max_tokens]
         self.query_start_loc = alloc(max_num_reqs + 1, torch.int32)           # [max_reqs + 1]
         self.seq_lens = alloc(max_num_reqs, torch.int32)                      # [max_reqs]
         self.block_tables = alloc((max_num_reqs, max_blocks_per_req), torch.int32)  # [max_reqs, max_blocks]
@@ -270,6 +270,10 @@ class StepBuffers:
                     prompt_ranges[s.req_id] = (start, last - c, c + 1)
         num_sampled = len(sample_req_ids)
         a["logits_indices"][:num_sampled] = sample_token_idx
+        lora_slots = None
+        if with_lora:
+            a["token_lora_slots"][num_tokens:padded_tokens] = -1     # graph padding runs the base model
+            lora_slots = a["token_lora_slots"][:padded_tokens].copy()
 
         for name, count in (("input_ids", padded_tokens), ("positions", padded_tokens),
                             ("slot_mapping", padded_tokens), ("query_start_loc", padded_reqs + 1),
@@ -277,8 +281,6 @@ class StepBuffers:
                             ("logits_indices", num_sampled), ("placeholder_dst", num_ph),
                             ("placeholder_src", num_ph)):
             self._send(m, name, count)
-        if with_lora:
-            self._send(m, "token_lora_slots", num_tokens)
         if num_ph:
             # Input ids the host does not have: the previous step's samples, gathered on the device.
             self.input_ids.index_copy_(0, self.placeholder_dst[:num_ph],
@@ -303,5 +305,5 @@ class StepBuffers:
             input_ids=self.input_ids[:padded_tokens], positions=self.positions[:padded_tokens],
             attn_metadata=meta, sample_req_ids=sample_req_ids,
             logits_indices=self.logits_indices[:num_sampled], all_rows_sample=all_rows_sample,
-            token_lora_slots=self.token_lora_slots[:num_tokens] if with_lora else None,
+            token_lora_slots=lora_slots,
             prompt_logprob_ranges=prompt_ranges, num_placeholders=num_ph)

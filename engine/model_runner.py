@@ -212,7 +212,7 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.kv_bytes_per_block() / (1 << 30))
         self._init_step_buffers()
-        if self.use_cuda_graphs and self.lora_manager is None:
+        if self.use_cuda_graphs:
             self.capture_cuda_graphs()
 
     def _init_step_buffers(self) -> None:
@@ -223,10 +223,13 @@ class ModelRunner:
         max_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
         self.buffers = StepBuffers(max_tokens, sc.max_num_seqs, max_blocks_per_req, self.device)
         self.block_table = BlockTableRows(sc.max_num_seqs, max_blocks_per_req)
+        if self.lora_manager is not None:
+            self.lora_manager.allocate_step_buffers(max_tokens)
 
     def capture_cuda_graphs(self) -> None:
         from engine.cuda_graphs import DecodeGraphs
-        self.graphs = DecodeGraphs(self.model, self.buffers, self.max_model_len, self._graph_sizes)
+        self.graphs = DecodeGraphs(self.model, self.buffers, self.max_model_len, self._graph_sizes,
+                                   lora_manager=self.lora_manager)
         self.graphs.capture()
 
     # ------------------------------------------------------------------ state updates
@@ -315,7 +318,8 @@ class ModelRunner:
                                       num_reqs_padded=graph_batch_size, prev_sampled_rows=prev_rows,
                                       prev_sampled=prev_ids)
         if self.lora_manager is not None:
-            self.lora_manager.set_batch(inputs.token_lora_slots)
+            # Graph steps: the fixed-grid launches captured for every adapter mix read the refilled buffers.
+            self.lora_manager.set_batch(inputs.token_lora_slots, fixed_grid=graph_batch_size is not None)
         logits, prompt_logprobs = self._forward(inputs, graph_batch_size)
         pending = self._sample(inputs, logits, prompt_logprobs)
         for s, n in zip(states, counts):
@@ -327,7 +331,7 @@ class ModelRunner:
 
     def _graph_batch_size(self, states: list[CachedRequestState], counts: list[int]) -> Optional[int]:
         """The CUDA-graph bucket for a decode-only step, or None to run eagerly."""
-        if self.graphs is None or self.lora_manager is not None or max(counts) != 1:
+        if self.graphs is None or max(counts) != 1:
             return None
         if any(s.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                for s in states):

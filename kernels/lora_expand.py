@@ -98,11 +98,11 @@ class _ExpandConfig:
 
 
 def _expand_config(device: torch.device, num_tokens: int, num_active: int, max_out: int,
-                   rank: int) -> _ExpandConfig:
+                   rank: int, fixed_grid: bool = False) -> _ExpandConfig:
     block_r = max(16, next_power_of_2(rank))
     if is_interpreted(device):
         return _ExpandConfig(16, min(64, max(16, next_power_of_2(max_out))), block_r, 4)
-    tokens_per_slot = num_tokens / max(num_active, 1)
+    tokens_per_slot = 1 if fixed_grid else num_tokens / max(num_active, 1)
     block_m = 16 if tokens_per_slot <= 16 else (32 if tokens_per_slot <= 64 else 64)
     return _ExpandConfig(block_m, 128, block_r, 4)
 
@@ -146,7 +146,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         return
 
     out_dims = [b.shape[1] for b in lora_b_slices]
-    cfg = _expand_config(dev, num_tokens, meta.num_active, max(out_dims), rank)
+    cfg = _expand_config(dev, num_tokens, meta.num_active, max(out_dims), rank, meta.fixed_grid)
     pad = MAX_SLICES - num_slices
     b_args = list(lora_b_slices) + [lora_b_slices[0]] * pad
     n_args = out_dims + [0] * pad

@@ -5,9 +5,15 @@ sorted by slot so that each active slot owns one contiguous segment of ``sorted_
 the kernels walk segments (SGMV), so each adapter's weights are read once per step however
 many tokens use it, and a decode row is simply a segment of length one.
 
-Shapes depend only on ``num_tokens`` and ``max_loras`` (CUDA-graph friendly); ``num_active``
-and ``no_lora`` are host values, the one host sync of the build unless the caller passes
-``num_active``.
+Shapes depend only on ``num_tokens`` and ``max_loras``. ``num_active`` and ``no_lora`` are host
+values that size the launch (the one host sync of the torch build unless the caller passes
+``num_active``). With ``fixed_grid`` (CUDA graphs) the launch covers all ``max_loras`` segments
+whatever the batch, so one captured graph serves every adapter mix: entries past the real active
+count are padding (slot -1, zero tokens) and their programs exit at once.
+
+``group_slots_host`` is the same grouping in numpy, for the runner, which knows every token's slot
+on the host: no device work and no sync; ``lora.batch.LoRAMetaBuffers`` copies it into static
+device buffers that the kernels (and the captured graphs) read.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from kernels.utils import check_int, check_tensor
@@ -40,9 +47,13 @@ class LoRAKernelMeta:
     """[max_loras] int32: offset of active_slots[a]'s segment in sorted_token_ids (padding
     entries: the number of LoRA tokens, so the column stays non-decreasing)."""
     num_active: int
-    """Host int: number of slots with >= 1 token (valid prefix of active_slots)."""
+    """Host int: segments the launch covers: the number of slots with >= 1 token (valid prefix
+    of active_slots), or max_loras with fixed_grid."""
     no_lora: bool
-    """Host bool: no token uses an adapter, so the LoRA kernels return at once."""
+    """Host bool: no token uses an adapter, so the LoRA kernels return at once (never with fixed_grid)."""
+    fixed_grid: bool = False
+    """Launch sizes depend only on num_tokens and max_loras, never on the data (CUDA graphs): the
+    kernels always launch and find inactive slots and empty segments on the device."""
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +65,7 @@ class LoRAKernelMeta:
 
 
 def build_lora_kernel_meta(token_lora_slots: torch.Tensor, max_loras: int,
-                           num_active: Optional[int] = None) -> LoRAKernelMeta:
+                           num_active: Optional[int] = None, fixed_grid: bool = False) -> LoRAKernelMeta:
     """Group tokens by adapter slot.
 
     Args:
@@ -62,6 +73,7 @@ def build_lora_kernel_meta(token_lora_slots: torch.Tensor, max_loras: int,
         max_loras: number of GPU adapter slots (fixes the shapes of the per-slot tensors).
         num_active: the number of distinct slots in use, when the caller knows it (the
             scheduler does; it must be exact); None computes it with one device-to-host copy.
+        fixed_grid: size launches by max_loras (no host sync; see ``LoRAKernelMeta.fixed_grid``).
 
     Returns:
         A ``LoRAKernelMeta`` on token_lora_slots' device.
@@ -87,6 +99,10 @@ def build_lora_kernel_meta(token_lora_slots: torch.Tensor, max_loras: int,
     starts_by_slot = torch.cumsum(counts_by_slot, 0) - counts_by_slot          # exclusive prefix sum
     num_lora_tokens = counts_by_slot.sum()
     slot_start = torch.where(active_sorted, starts_by_slot[order], num_lora_tokens).to(torch.int32)
+    if fixed_grid:
+        return LoRAKernelMeta(token_lora_slots=slots, sorted_token_ids=sorted_token_ids,
+                              active_slots=active_slots, num_tokens_per_slot=num_tokens_per_slot,
+                              slot_start=slot_start, num_active=max_loras, no_lora=False, fixed_grid=True)
     if num_active is None:
         num_active = int(active.sum().item())
     else:
@@ -96,3 +112,47 @@ def build_lora_kernel_meta(token_lora_slots: torch.Tensor, max_loras: int,
     return LoRAKernelMeta(token_lora_slots=slots, sorted_token_ids=sorted_token_ids,
                           active_slots=active_slots, num_tokens_per_slot=num_tokens_per_slot,
                           slot_start=slot_start, num_active=num_active, no_lora=num_active == 0)
+
+
+@dataclass
+class HostSlotGrouping:
+    """``build_lora_kernel_meta``'s columns computed on the host (numpy int32)."""
+
+    sorted_token_ids: np.ndarray
+    """[num_tokens]: token indices stably sorted by slot; base-model tokens last."""
+    active_slots: np.ndarray
+    """[max_loras]: slots with >= 1 token, ascending, padded with -1."""
+    num_tokens_per_slot: np.ndarray
+    """[max_loras]: tokens of active_slots[a] (0 for padding)."""
+    slot_start: np.ndarray
+    """[max_loras]: segment offsets (padding: the number of LoRA tokens)."""
+    num_active: int
+    """Slots with >= 1 token."""
+
+
+def group_slots_host(token_lora_slots: np.ndarray, max_loras: int) -> HostSlotGrouping:
+    """The grouping of ``build_lora_kernel_meta`` in numpy (same columns, same order).
+
+    Args:
+        token_lora_slots: [num_tokens] integer slots in [0, max_loras) or NO_LORA.
+        max_loras: number of GPU adapter slots.
+    """
+    slots = np.asarray(token_lora_slots)
+    if slots.ndim != 1 or not np.issubdtype(slots.dtype, np.integer):
+        raise ValueError(f"token_lora_slots: expected a 1-d integer array, got {slots.dtype} {slots.shape}.")
+    check_int("max_loras", max_loras, min_value=1)
+    if slots.size and (slots.min() < NO_LORA or slots.max() >= max_loras):
+        raise ValueError(f"token_lora_slots: values must be in [-1, {max_loras}), got "
+                         f"[{slots.min()}, {slots.max()}].")
+    key = np.where(slots < 0, max_loras, slots)                                   # [T]
+    sorted_token_ids = np.argsort(key, kind="stable").astype(np.int32)           # [T]
+    counts = np.bincount(key, minlength=max_loras + 1)[:max_loras]               # [max_loras]
+    active = np.flatnonzero(counts)                                              # ascending slot ids
+    n = active.size
+    active_slots = np.full(max_loras, -1, dtype=np.int32)                        # [max_loras]
+    active_slots[:n] = active
+    num_tokens_per_slot = np.zeros(max_loras, dtype=np.int32)                    # [max_loras]
+    num_tokens_per_slot[:n] = counts[active]
+    slot_start = np.full(max_loras, counts.sum(), dtype=np.int32)                # [max_loras]
+    slot_start[:n] = (np.cumsum(counts) - counts)[active]
+    return HostSlotGrouping(sorted_token_ids, active_slots, num_tokens_per_slot, slot_start, int(n))

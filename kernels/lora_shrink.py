@@ -7,7 +7,9 @@ multiplies them by that slot's A, so each adapter's A is streamed once per step 
 tokens; a decode row is a segment of one token. Programs find their segment by counting entries
 of the first-tile column ``slot_start // BLOCK_M + a`` (the grid is ``num_tokens // BLOCK_M
 + num_active`` tiles, an upper bound on the tiles of all segments), so no per-segment host work
-is needed and a program wastes no launch on another segment's empty tiles.
+is needed and a program wastes no launch on another segment's empty tiles. With a fixed-grid meta
+(CUDA graphs) ``num_active`` is ``max_loras``: padding entries (slot -1) and tiles past a
+segment's end return at once, so the launch never depends on the batch's adapter mix.
 
 The torch twin is ``kernels.reference.lora_shrink_ref``.
 """
@@ -111,15 +113,18 @@ class _ShrinkConfig:
 
 
 def _shrink_config(device: torch.device, num_tokens: int, num_active: int, num_slices: int,
-                   in_dim: int, rank: int, split_k: int | None) -> _ShrinkConfig:
+                   in_dim: int, rank: int, split_k: int | None, fixed_grid: bool = False) -> _ShrinkConfig:
+    """Tile sizes from the batch's shape; with ``fixed_grid`` only from num_tokens (the same for
+    every adapter mix, so a captured graph fits all): small tiles, split-K sized for one segment."""
     block_r = max(16, next_power_of_2(rank))
     if is_interpreted(device):
         return _ShrinkConfig(16, min(128, max(16, next_power_of_2(in_dim))), block_r, split_k or 1, 4)
-    tokens_per_slot = num_tokens / max(num_active, 1)
+    tokens_per_slot = 1 if fixed_grid else num_tokens / max(num_active, 1)
     block_m = 16 if tokens_per_slot <= 16 else (32 if tokens_per_slot <= 64 else 64)
     block_k = 128 if block_m <= 32 else 64
     if split_k is None:
-        programs = (num_tokens // block_m + num_active) * num_slices
+        # Fixed grid: programs with work are unknown; size split-K for the fewest (one segment).
+        programs = (num_tokens // block_m + (1 if fixed_grid else num_active)) * num_slices
         sms = num_sms(device)
         split_k = 1
         k_steps = cdiv(in_dim, block_k)
@@ -156,7 +161,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
         raise ValueError(f"split_k: {split_k} must be a power of two >= 1.")
     if meta.no_lora or num_tokens == 0:
         return
-    cfg = _shrink_config(dev, num_tokens, meta.num_active, num_slices, in_dim, rank, split_k)
+    cfg = _shrink_config(dev, num_tokens, meta.num_active, num_slices, in_dim, rank, split_k, meta.fixed_grid)
     if cfg.split_k > 1:
         out.zero_()                                  # the splits accumulate with atomic adds
     grid = (num_tokens // cfg.block_m + meta.num_active, num_slices, cfg.split_k)

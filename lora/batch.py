@@ -3,6 +3,11 @@
 ``LoRAManager.set_batch`` builds one ``LoRABatch`` per step; every ``LinearLoRASlots`` holds a
 reference to the manager's ``LoRABatchState`` and reads the current batch from it, so the
 grouping (a sort of the tokens by slot) is computed once, not once per layer.
+
+In the engine the grouping is computed on the host (the runner knows every token's slot there)
+and copied into ``LoRAMetaBuffers``: static device tensors that every kernel launch, and every
+captured decode CUDA graph, reads. ``fill`` rewrites them in place before the step runs (pinned,
+non-blocking copies; no host sync, no allocation), so a graph replay sees this step's adapters.
 """
 
 from __future__ import annotations
@@ -10,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
-from kernels.lora_meta import LoRAKernelMeta, build_lora_kernel_meta
+from kernels.lora_meta import LoRAKernelMeta, build_lora_kernel_meta, group_slots_host
 
 
 @dataclass
@@ -72,6 +78,13 @@ class LoRABatchState:
     """None before the first step (layers then add nothing)."""
     _shrink_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
 
+    def reserve(self, num_slices: int, num_tokens: int, rank: int, device: torch.device) -> None:
+        """Allocate the scratch buffer for the largest step up front.
+
+        NOTE: CUDA graphs keep the buffer's address; it must never be reallocated after capture.
+        """
+        self.shrink_buffer(num_slices, num_tokens, rank, device)
+
     def shrink_buffer(self, num_slices: int, num_tokens: int, rank: int,
                       device: torch.device) -> torch.Tensor:
         """A float32 [num_slices, num_tokens, rank] view of one scratch buffer that only grows.
@@ -85,3 +98,81 @@ class LoRABatchState:
                               dtype=torch.float32, device=device)                 # [capacity]
             self._shrink_buffer = buf
         return buf[:need].view(num_slices, num_tokens, rank)
+
+
+class LoRAMetaBuffers:
+    """Static device tensors holding one step's ``LoRAKernelMeta``, filled in place from the host.
+
+    Layout: one int32 device tensor ``[3 * max_loras + 2 * max_num_tokens]`` = active_slots |
+    num_tokens_per_slot | slot_start | token_lora_slots | sorted_token_ids, with two pinned host
+    mirrors used in turn (a mirror is rewritten only after its previous copy has finished).
+
+    Args:
+        max_num_tokens: the largest step (the runner's step-buffer size).
+        max_loras: GPU adapter slots.
+        device: where the kernels run.
+    """
+
+    def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.max_loras = max_loras
+        self.device = torch.device(device)
+        self._pinned = self.device.type == "cuda"
+        size = 3 * max_loras + 2 * max_num_tokens
+        self._dev = torch.full((size,), -1, dtype=torch.int32, device=self.device)          # [size]
+        self._mirrors = [torch.empty(size, dtype=torch.int32, pin_memory=self._pinned) for _ in range(2)]
+        self._copied: list[Optional[torch.cuda.Event]] = [None, None]
+        self._turn = 0
+        L, M = max_loras, max_num_tokens
+        d = self._dev
+        self.active_slots = d[0:L]                          # [max_loras]
+        self.num_tokens_per_slot = d[L:2 * L]               # [max_loras]
+        self.slot_start = d[2 * L:3 * L]                    # [max_loras]
+        self.token_lora_slots = d[3 * L:3 * L + M]          # [max_num_tokens]
+        self.sorted_token_ids = d[3 * L + M:3 * L + 2 * M]  # [max_num_tokens]
+
+    def fill(self, token_lora_slots: np.ndarray, fixed_grid: bool, with_segments: bool) -> LoRABatch:
+        """Group the step's tokens on the host and copy the columns into the device tensors.
+
+        Args:
+            token_lora_slots: [num_tokens] host slots (NO_LORA for base-model and padding rows).
+            fixed_grid: launches sized by max_loras (the CUDA-graph path; see ``LoRAKernelMeta``).
+            with_segments: also build host segments (torch path).
+
+        Returns:
+            A ``LoRABatch`` whose meta views these buffers (valid until the next ``fill``).
+        """
+        T, L, M = len(token_lora_slots), self.max_loras, self.max_num_tokens
+        if T > M:
+            raise RuntimeError(f"LoRA step of {T} tokens exceeds the meta buffers ({M}).")
+        g = group_slots_host(token_lora_slots, L)
+        i = self._turn
+        self._turn ^= 1
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()          # its previous copy is done (normally long ago)
+        h = self._mirrors[i].numpy()
+        h[0:L], h[L:2 * L], h[2 * L:3 * L] = g.active_slots, g.num_tokens_per_slot, g.slot_start
+        h[3 * L:3 * L + T] = token_lora_slots
+        h[3 * L + M:3 * L + M + T] = g.sorted_token_ids
+        nb = self._pinned
+        mirror = self._mirrors[i]
+        self._dev[:3 * L + T].copy_(mirror[:3 * L + T], non_blocking=nb)
+        self._dev[3 * L + M:3 * L + M + T].copy_(mirror[3 * L + M:3 * L + M + T], non_blocking=nb)
+        if self._pinned:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._copied[i] = ev
+        num_active = L if fixed_grid else g.num_active
+        meta = LoRAKernelMeta(token_lora_slots=self.token_lora_slots[:T],
+                              sorted_token_ids=self.sorted_token_ids[:T], active_slots=self.active_slots,
+                              num_tokens_per_slot=self.num_tokens_per_slot, slot_start=self.slot_start,
+                              num_active=num_active, no_lora=not fixed_grid and g.num_active == 0,
+                              fixed_grid=fixed_grid)
+        segments: list[LoRASegment] = []
+        if with_segments:
+            for a in range(g.num_active):
+                start, count = int(g.slot_start[a]), int(g.num_tokens_per_slot[a])
+                rows = None if count == T else torch.from_numpy(
+                    g.sorted_token_ids[start:start + count].astype(np.int64)).to(self.device)
+                segments.append(LoRASegment(int(g.active_slots[a]), rows))
+        return LoRABatch(meta=meta, segments=segments)

@@ -21,11 +21,12 @@ import logging
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from lora.adapter_store import AdapterStore
-from lora.batch import LoRABatchState, build_lora_batch
+from lora.batch import LoRABatchState, LoRAMetaBuffers
 from lora.errors import InvalidLoRAAdapterError, LoRAAdapterError, LoRAAdapterNotFoundError
 from lora.layers import LinearLoRASlots
 from lora.peft_adapter import LoRAAdapter, LoRATargets, load_peft_adapter
@@ -64,6 +65,8 @@ class LoRAManager:
             raise ValueError(f"{type(model).__name__} has no q/k/v/o/gate/up/down projections an adapter "
                              "could update; start the engine without enable_lora.")
         self.state = LoRABatchState()
+        self._meta_buffers: Optional[LoRAMetaBuffers] = None
+        """Static per-step meta tensors (``allocate_step_buffers``; else sized on first use)."""
         self.layers: dict[str, LinearLoRASlots] = {}
         """Our Linear module name -> its slot buffers (also set as that Linear's ``lora``)."""
         for name in self.targets.module_names:
@@ -208,17 +211,36 @@ class LoRAManager:
         self._registered.setdefault(name, req)
         return adapter
 
-    def set_batch(self, token_lora_slots: Optional[torch.Tensor]) -> None:
+    def allocate_step_buffers(self, max_num_tokens: int) -> None:
+        """Size the per-step meta tensors and the shrink scratch for the largest step, once.
+
+        NOTE: decode CUDA graphs read these tensors' addresses; nothing reallocates them later.
+        """
+        self._meta_buffers = LoRAMetaBuffers(max_num_tokens, self.max_loras, self.device)
+        max_slices = max(layer.num_slices for layer in self.layers.values())
+        self.state.reserve(max_slices, max_num_tokens, self.max_lora_rank, self.device)
+
+    def set_batch(self, token_lora_slots, fixed_grid: bool = False) -> None:
         """Group this step's tokens by slot (once; every layer reads the result).
 
         Args:
-            token_lora_slots: [num_tokens] int32 slot per token, NO_LORA (-1) for base-model tokens.
+            token_lora_slots: [num_tokens] slot per token, NO_LORA (-1) for base-model (and graph
+                padding) tokens: a host numpy array (the runner's; no device work, no sync) or a
+                tensor (copied to the host first).
+            fixed_grid: launch over every slot whatever the batch (decode CUDA graphs: the grid
+                captured must fit every later step); the kernels then always run.
         """
-        if token_lora_slots is None or all(n is None for n in self._slot_names):
+        if token_lora_slots is None or (not fixed_grid and all(n is None for n in self._slot_names)):
             self.state.batch = None   # no adapter resident: nothing to add, no grouping, no sync
             return
-        self.state.batch = build_lora_batch(token_lora_slots, self.max_loras,
-                                            with_segments=self.backend == "torch")
+        if isinstance(token_lora_slots, torch.Tensor):
+            token_lora_slots = token_lora_slots.cpu().numpy()
+        n = len(token_lora_slots)
+        if self._meta_buffers is None or self._meta_buffers.max_num_tokens < n:
+            # Outside the engine (tests, tools): sized on first use, grown as needed.
+            self._meta_buffers = LoRAMetaBuffers(max(n, 1), self.max_loras, self.device)
+        self.state.batch = self._meta_buffers.fill(np.asarray(token_lora_slots), fixed_grid,
+                                                   with_segments=self.backend == "torch")
 
     # ------------------------------------------------------------------ sizes
     def slot_nbytes(self) -> int:

@@ -65,11 +65,11 @@ def randn(g: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(DEVICE)
 
 
-def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, shape, seed):
+def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, shape, seed, fixed_grid=False):
     in_dim, out_dims = shape
     g = torch.Generator().manual_seed(seed)
     slots = make_slots(num_tokens, max_loras, popularity, with_base, seed)
-    meta = build_lora_kernel_meta(slots, max_loras)
+    meta = build_lora_kernel_meta(slots, max_loras, fixed_grid=fixed_grid)
     num_slices = len(out_dims)
     x = randn(g, num_tokens, in_dim).to(dtype)                                       # [T, in_dim]
     lora_a = (randn(g, num_slices, max_loras, rank, in_dim) / in_dim ** 0.5).to(dtype)
@@ -110,6 +110,48 @@ def test_sizes(num_tokens, max_loras, shape):
                                seed=num_tokens * 10 + max_loras)
     base = slots == NO_LORA
     assert torch.equal(y[base], y_ref[base])                                        # base rows untouched
+
+
+FIXED_CASES = list(itertools.product([torch.bfloat16, torch.float32], POPULARITY, [False, True]))
+
+
+@pytest.mark.parametrize("dtype,popularity,with_base", FIXED_CASES,
+                         ids=[f"{str(d).removeprefix('torch.')}-{p}-{'base' if b else 'nobase'}"
+                              for d, p, b in FIXED_CASES])
+def test_fixed_grid_matches_ref(dtype, popularity, with_base):
+    """The CUDA-graph launch (grid over every slot, padding entries exit) equals the twin."""
+    i = FIXED_CASES.index((dtype, popularity, with_base))
+    run_case(dtype, 16, popularity, with_base, NUM_TOKENS[i % 3] + 4, 5, SHAPES[i % 3], seed=100 + i,
+             fixed_grid=True)
+
+
+def test_fixed_grid_base_only_touches_nothing():
+    """A graph step with no adapter still launches; every program exits, y is unchanged."""
+    slots = torch.full((9,), NO_LORA, dtype=torch.int32, device=DEVICE)
+    meta = build_lora_kernel_meta(slots, 4, fixed_grid=True)
+    assert not meta.no_lora and meta.num_active == 4
+    buf = torch.zeros(1, 9, 8, device=DEVICE)
+    lora_shrink(torch.randn(9, 40, device=DEVICE), torch.randn(1, 4, 8, 40, device=DEVICE), meta, buf)
+    y = torch.randn(9, 24, device=DEVICE)
+    y0 = y.clone()
+    lora_expand(torch.randn(1, 9, 8, device=DEVICE), [torch.randn(4, 24, 8, device=DEVICE)], meta, y, [0])
+    assert torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("with_base", [False, True])
+def test_host_grouping_matches_torch_build(popularity, with_base):
+    from kernels.lora_meta import group_slots_host
+
+    for num_tokens, max_loras in ((1, 1), (7, 3), (33, 4), (64, 64)):
+        slots = make_slots(num_tokens, max_loras, popularity, with_base, seed=num_tokens)
+        meta = build_lora_kernel_meta(slots, max_loras)
+        g = group_slots_host(slots.cpu().numpy(), max_loras)
+        assert g.num_active == meta.num_active
+        for name in ("sorted_token_ids", "active_slots", "num_tokens_per_slot", "slot_start"):
+            assert getattr(g, name).tolist() == getattr(meta, name).tolist(), name
+    with pytest.raises(ValueError, match="values must be in"):
+        group_slots_host(torch.tensor([0, 3]).numpy(), 3)
 
 
 def test_split_k_matches():

@@ -80,6 +80,29 @@ def test_matches_manual(backend, token_slots):
     torch.testing.assert_close(y, _manual(x, base_y, token_slots, adapters), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("fixed_grid", [False, True], ids=["exact", "fixed_grid"])
+def test_meta_buffers_refilled_in_place(backend, fixed_grid):
+    """The engine's path: static meta tensors refilled per step (same storage), any adapter mix."""
+    from lora.batch import LoRAMetaBuffers
+
+    base, slots, state = _layer(backend)
+    adapters = _adapters()
+    _load(slots, adapters)
+    bufs = LoRAMetaBuffers(16, MAX_LORAS, torch.device("cpu"))
+    ptr = bufs.sorted_token_ids.data_ptr()
+    for token_slots in ([0, 1, -1, 1, 2, 0], [-1, -1, -1], [2, 2, 2, 2, 0]):
+        state.batch = bufs.fill(torch.tensor(token_slots, dtype=torch.int32).numpy(), fixed_grid,
+                                with_segments=backend == "torch")
+        assert state.batch.meta.sorted_token_ids.data_ptr() == ptr
+        assert state.batch.meta.no_lora == (not fixed_grid and set(token_slots) == {-1})
+        x = torch.randn(len(token_slots), IN)
+        y = base(x)
+        expected = _manual(x, y.clone(), token_slots, adapters)
+        slots(x, y)
+        torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_torch_path_matches_kernel_twins():
     base, slots, state = _layer("torch")
     _load(slots, _adapters())

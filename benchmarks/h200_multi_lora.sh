@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call for issue 4: the GPU LoRA tests (CUDA graphs on/off vs PEFT), the LoRA kernels
+# against their memory-traffic bound, then benchmarks/multi_lora.py. Logs and JSON under $OUT.
+set -u
+OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TRITON_CACHE_DIR=/tmp/triton-cache PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/device.txt"
+t0=$(date +%s)
+timeout 110 python3 -m pytest -q -x -p no:cacheprovider tests/lora/test_peft_parity.py -k cuda_graphs \
+  2>&1 | tee "$OUT/tests.log" | tail -15
+echo "== tests took $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 50 python3 benchmarks/kernels.py --lora-only --out "$OUT/lora_kernels.json" 2>&1 | tee "$OUT/lora_kernels.log" | tail -26
+echo "== kernels took $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 250 python3 benchmarks/multi_lora.py --batch-sizes 64,256 --input-len 512 --output-len 128 \
+  --hf-batch-size 64 --hf-output-lens 1,9 --hf-time-budget 90 --out "$OUT/multi_lora.json" 2>&1 \
+  | grep -v -i warn | tee "$OUT/multi_lora.log" | tail -32
+echo "== multi_lora took $(( $(date +%s) - t0 )) s"

@@ -14,7 +14,7 @@ timeout 110 python3 -m pytest -q -x -p no:cacheprovider tests/lora/test_peft_par
 echo "== tests took $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 50 python3 benchmarks/kernels.py --lora-only --out "$OUT/lora_kernels.json" 2>&1 | tee "$OUT/lora_kernels.log" | tail -26
 echo "== kernels took $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 250 python3 benchmarks/multi_lora.py --batch-sizes 64,256 --input-len 512 --output-len 128 \
-  --hf-batch-size 64 --hf-output-lens 1,9 --hf-time-budget 90 --out "$OUT/multi_lora.json" 2>&1 \
+timeout 480 python3 benchmarks/multi_lora.py --batch-sizes 64,256 --input-len 512 --output-len 128 \
+  --hf-batch-size 64 --hf-output-lens 1,9 --hf-time-budget 300 --out "$OUT/multi_lora.json" 2>&1 \
   | grep -v -i warn | tee "$OUT/multi_lora.log" | tail -32
 echo "== multi_lora took $(( $(date +%s) - t0 )) s"

@@ -11,32 +11,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.models.utils import RefOutput, check_logprobs_close, ours_as_ref
+from tests.models.utils import check_logprobs_close, hf_greedy, ours_as_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 MAX_TOKENS = 24
 BF16_LOGPROB_ATOL = 0.25
-
-
-def _hf_greedy_cuda(model, prompt_ids: list[int], max_new_tokens: int, topk: int = 5) -> RefOutput:
-    gen_cfg = model.generation_config
-    gen_cfg.eos_token_id = None
-    gen_cfg.pad_token_id = model.config.pad_token_id
-    ids = torch.tensor([prompt_ids], device="cuda")
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             generation_config=gen_cfg)
-    toks = out.sequences[0, len(prompt_ids):].tolist()
-    lps = []
-    for step, logits in enumerate(out.logits):
-        lp = torch.log_softmax(logits[0].float(), dim=-1)
-        top = torch.topk(lp, topk)
-        d = {int(i): float(v) for i, v in zip(top.indices, top.values)}
-        d[toks[step]] = float(lp[toks[step]])
-        lps.append(d)
-    return RefOutput(toks, lps)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -46,7 +26,7 @@ def cuda_refs(request, tiny_llama_dir, tiny_qwen2_dir, tiny_prompts):
     d = tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
     tok = AutoTokenizer.from_pretrained(d)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
-    refs = [_hf_greedy_cuda(hf, tok.encode(p), MAX_TOKENS) for p in tiny_prompts]
+    refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in tiny_prompts]
     del hf
     torch.cuda.empty_cache()
     return d, tiny_prompts, refs

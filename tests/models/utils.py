@@ -20,7 +20,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, topk: int = 5) 
     gen_cfg.eos_token_id = None
     gen_cfg.pad_token_id = model.config.pad_token_id
     with torch.no_grad():
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=model.device)
         # An explicit mask: otherwise generate() masks prompt tokens equal to pad_token_id.
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, generation_config=gen_cfg)

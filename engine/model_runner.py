@@ -255,7 +255,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, token_ids=list(new.all_token_ids), num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params,
-                eos_token_ids=set(getattr(new, "eos_token_ids", ()) or ()),
+                eos_token_ids=set(new.eos_token_ids),
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 generator=generator, lora_slot=new.lora_slot, row=table.add(new.block_ids))
         cached = so.scheduled_cached_reqs

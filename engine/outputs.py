@@ -35,6 +35,8 @@ class NewRequestData:
     lora_slot: int = -1
     """GPU slot of the request's adapter (NO_LORA = -1)."""
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    eos_token_ids: set[int] = field(default_factory=set)
+    """Ids the sampler masks while fewer than min_tokens outputs exist (empty with ignore_eos)."""
 
 
 @dataclass

@@ -395,6 +395,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 lora_slot=self._lora_slot(r),
                 mm_features=r.mm_features,
+                eos_token_ids=r.eos_token_ids,
             ) for r in plan.new_reqs
         ]
         cached = CachedRequestData()

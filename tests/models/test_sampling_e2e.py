@@ -177,3 +177,25 @@ def test_generation_config_defaults(tmp_path, tiny_llama_dir, tiny_prompts):
     p = to_sampling_params(CompletionRequest(model="m", prompt="x", temperature=0.7), max_tokens=4, logprobs=None,
                            defaults=eng)
     assert (p.temperature, p.top_p) == (0.7, 0.5)
+
+
+def test_min_tokens_masks_eos_in_the_sampler(tiny_llama_dir, tiny_prompts):
+    """With min_tokens, EOS is masked (not merely ignored): no EOS id appears before min_tokens."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tiny_llama_dir).eos_token_id
+    llm = LLM(str(tiny_llama_dir))
+    # Find a prompt whose greedy continuation hits EOS early.
+    early = None
+    for prompt in tiny_prompts:
+        ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+        if ids.finish_reason == "stop" and len(ids.token_ids) < 20:
+            early = (prompt, len(ids.token_ids))
+            break
+    if early is None:
+        pytest.skip("no prompt reaches EOS early on this checkpoint")
+    prompt, n = early
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, min_tokens=n + 3),
+                       use_tqdm=False)[0].outputs[0]
+    assert eos not in out.token_ids[:n + 3]
+    assert len(out.token_ids) >= n + 3

@@ -28,6 +28,9 @@ class Processor:
         self.eos_token_ids = eos_token_ids
         self.lora_enabled = lora_enabled
         self.chat_template = _read_template(model_config.chat_template)
+        self.reject_overlong_max_tokens = False
+        """True (the HTTP server, as vLLM's): prompt + max_tokens beyond max_model_len is a 400.
+        False (offline): max_tokens is capped at the room left and the output ends with 'length'."""
 
     # ------------------------------------------------------------------ prompts
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -107,6 +110,11 @@ class Processor:
         if not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}.")
         room = self.max_model_len - len(ids)
+        if self.reject_overlong_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens: this model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} "
+                "in the completion). Please reduce the length of the prompt or the completion.")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time
         eos = set() if params.ignore_eos else set(self.eos_token_ids)

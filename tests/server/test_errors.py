@@ -69,6 +69,7 @@ def test_api_key_guards_v1_only(server):
     ({"model": MODEL, "prompt": []}, "prompt"),
     ({"model": MODEL, "prompt": [10 ** 9]}, "prompt_token_ids"),
     ({"model": MODEL, "prompt": "word " * 100}, "prompt"),                       # longer than max_model_len
+    ({"model": MODEL, "prompt": "A", "max_tokens": 100_000}, "max_tokens"),      # prompt + max_tokens too long
     ({"model": MODEL, "prompt": "A", "logit_bias": {"1": 5}}, "logit_bias"),
     ({"model": MODEL, "prompt": "A", "stream_options": {"include_usage": True}}, "stream_options"),
 ])

@@ -56,7 +56,8 @@ class LLMEngine:
                                    cfg.lora_config)
         self.processor = Processor(self.tokenizer, cfg.model_config, self.max_model_len,
                                    loaded.hf_config.vocab_size, loaded.eos_token_ids,
-                                   lora_enabled=cfg.lora_config is not None)
+                                   lora_enabled=cfg.lora_config is not None,
+                                   max_n=cfg.scheduler_config.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
         # parent request id -> child request ids still known to the scheduler
         self._children: dict[str, list[str]] = {}

@@ -20,13 +20,15 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 class Processor:
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, vocab_size: int,
-                 eos_token_ids: set[int], lora_enabled: bool) -> None:
+                 eos_token_ids: set[int], lora_enabled: bool, max_n: int = 256) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.lora_enabled = lora_enabled
+        self.max_n = max_n
+        """Largest ``n``: one request may not fan out into more samples than can run at once."""
         self.chat_template = _read_template(model_config.chat_template)
         self.reject_overlong_max_tokens = False
         """True (the HTTP server, as vLLM's): prompt + max_tokens beyond max_model_len is a 400.
@@ -99,6 +101,8 @@ class Processor:
             raise ValueError(
                 f"prompt: the prompt is {len(ids)} tokens long, but this model's maximum context length "
                 f"(max_model_len) is {self.max_model_len} tokens, which leaves no room for output.")
+        if params.n > self.max_n:
+            raise ValueError(f"n: at most {self.max_n} samples per request (max_num_seqs), got {params.n}.")
         max_logprobs = self.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)

@@ -131,6 +131,8 @@ def test_bad_prompts_leave_engine_untouched(llm, tiny_prompts):
     assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="logprobs"):
         _gen(llm, [tiny_prompts[0]], SamplingParams(max_tokens=2, logprobs=1000))
+    with pytest.raises(ValueError, match="n: at most 256"):   # no fan-out into millions of requests
+        _gen(llm, [tiny_prompts[0]], SamplingParams(max_tokens=2, n=10**6))
     # The engine still serves everyone else.
     outs = _gen(llm, tiny_prompts[:2], SamplingParams(max_tokens=3, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]

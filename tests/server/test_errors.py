@@ -62,6 +62,7 @@ def test_api_key_guards_v1_only(server):
     ({"model": MODEL, "prompt": "A", "temperature": -1}, "temperature"),
     ({"model": MODEL, "prompt": "A", "top_p": 2}, "top_p"),
     ({"model": MODEL, "prompt": "A", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "A", "n": 100_000}, "n"),                        # more than max_num_seqs
     ({"model": MODEL, "prompt": "A", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "A", "logprobs": 6}, "logprobs"),                # > --max-logprobs
     ({"model": MODEL, "prompt": "A", "stop": [""]}, "stop"),

@@ -33,6 +33,8 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"
     device: str = "auto"
     enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 2048
+    """Largest step (tokens) with prefill chunks run as a CUDA graph; 0: those run eagerly."""
     load_format: str = "auto"
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True
@@ -76,4 +78,5 @@ class EngineArgs:
                 max_num_batched_tokens=mnbt, max_num_seqs=self.max_num_seqs, policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 async_scheduling=self.async_scheduling),
-            lora_config=lora, device=self.device, enforce_eager=self.enforce_eager)
+            lora_config=lora, device=self.device, enforce_eager=self.enforce_eager,
+            max_cudagraph_capture_size=self.max_cudagraph_capture_size)

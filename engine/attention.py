@@ -71,11 +71,14 @@ def get_attention_metadata() -> AttentionMetadata:
 # ----------------------------------------------------------------------------------------
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Store new K/V rows at their slots.
+    """Store new K/V rows at their slots (rows with slot -1 are skipped).
 
     k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
     """
     nb, bs, h, d = k_cache.shape
+    keep = slot_mapping >= 0                      # slot -1: padding token, writes nothing (as the kernel)
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

@@ -145,9 +145,16 @@ class EngineConfig:
     """auto (cuda when available, else cpu), cpu or cuda."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
+    max_cudagraph_capture_size: int = 2048
+    """Largest step (in tokens) with prefill chunks that runs as a CUDA graph (one graph per token
+    bucket up to this size; larger steps run eagerly, 0 turns mixed-step graphs off). Decode-only
+    steps have their own graphs per batch size up to max_num_seqs."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form options for experiments; nothing in the engine depends on them."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: use auto, cpu or cuda.")
+        if not isinstance(self.max_cudagraph_capture_size, int) or self.max_cudagraph_capture_size < 0:
+            raise ValueError(f"max_cudagraph_capture_size={self.max_cudagraph_capture_size!r}: use an integer "
+                             f">= 0 (0 runs steps with prefill chunks eagerly).")

@@ -1,25 +1,44 @@
-"""CUDA graphs for decode-only steps, one per batch-size bucket (vLLM's full decode graphs).
+"""CUDA graphs for decode-only steps (per batch size) and for mixed steps (per token count).
 
-A decode-only step of ``R`` requests runs the graph of the smallest bucket ``B >= R``; rows
-``R..B`` are padding (one token, null-block context, KV slot -1, logits ignored). Each graph
-reads the runner's persistent step buffers (``StepBuffers``: input ids, positions, slot mapping,
-query start locations, sequence lengths, block tables), so replaying needs no copies of its
-own: the runner writes the step into those buffers, then replays. Attention is captured with
-``max_query_len=1`` and ``max_seq_len=max_model_len``: the Triton kernel's grid depends only on
-the batch size, and its split-KV segments are cut on the device from the real lengths, so one
-graph serves every context length. Mixed and prefill steps run eagerly.
+Two kinds of graph, both reading the runner's persistent step buffers (``StepBuffers``: input
+ids, positions, slot mapping, query start locations, sequence lengths, block tables), so a replay
+needs no copies of its own: the runner writes the step into those buffers, then replays.
 
-With LoRA, the shrink/expand kernels are captured with a fixed grid over every adapter slot and
-read the manager's static meta tensors (``lora.batch.LoRAMetaBuffers``), which ``set_batch``
-refills before each replay: one graph per bucket serves any mix of adapters and base rows.
+- **Decode graphs** (vLLM's full decode graphs): a decode-only step of ``R`` requests runs the
+  graph of the smallest batch bucket ``B >= R``; rows ``R..B`` are padding requests (one token,
+  null-block context, KV slot -1, logits ignored). Attention is captured with
+  ``max_query_len=1`` and ``max_seq_len=max_model_len``: the kernel's grid depends only on the
+  batch size and its split-KV segments are cut on the device from the real lengths. The graph
+  ends with the logits of every row.
+- **Mixed graphs**: a step with prefill chunks of ``T`` tokens in all runs the graph of the
+  smallest token bucket ``T_b >= T`` (up to ``max_cudagraph_capture_size``). Requests are padded
+  to ``max_num_seqs`` with zero-token requests (their attention programs exit at once) and tokens
+  to ``T_b`` with rows that belong to no request (KV slot -1, adapter -1; their hidden states are
+  garbage and never read: every op of the decoder is row-wise except attention, which only reads
+  rows of real requests). The paged-attention grid is ``T_b // BLOCK_Q + max_num_seqs`` programs
+  that find their request on the device, so one graph serves every mix of prefill chunks and
+  decodes. The graph ends with the final hidden states; the runner gathers the sampled rows and
+  computes their logits eagerly (and prompt logprobs, if asked). Larger steps run eagerly: their
+  GEMMs take longer than the launches, which then overlap the device work.
+
+Why mixed graphs: an eager step of a 32-layer model issues ~350 launches (~24 ms of host time on
+our H200 host), longer than the device time of a step of a few hundred tokens, so while requests
+keep arriving (every step mixed) the GPU waited on Python.
+
+With LoRA, graphs are captured with the fixed-grid shrink/expand kernels reading the manager's
+static meta tensors (``lora.batch.LoRAMetaBuffers``), refilled by ``set_batch`` before each replay:
+one graph serves any mix of adapters and base rows. Decode buckets also get a variant without
+LoRA nodes, replayed when no request of the step uses an adapter (the base model pays nothing).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
+from unittest import mock
 
 import numpy as np
 import torch
@@ -30,96 +49,199 @@ from engine.input_batch import StepBuffers
 logger = logging.getLogger("chorus.cuda_graphs")
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-"""Graph batch sizes (requests), capped at ``max_num_seqs`` (which is always added)."""
+"""Decode graph batch sizes (requests), capped at ``max_num_seqs`` (which is always added)."""
+
+MIXED_TOKEN_BUCKETS = tuple(range(64, 1024 + 1, 64)) + tuple(range(1024 + 128, 4096 + 1, 128))
+"""Mixed graph token counts, capped at ``max_cudagraph_capture_size`` and the step budget.
+NOTE: steps of 64 tokens apart up to 1024, then 128: padding costs GEMM rows."""
 
 
 def graph_batch_sizes(max_num_seqs: int, max_num_tokens: int) -> list[int]:
-    """The buckets to capture, ascending."""
+    """The decode buckets to capture, ascending."""
     cap = min(max_num_seqs, max_num_tokens)
     return sorted({b for b in BATCH_SIZE_BUCKETS if b < cap} | {cap})
 
 
+def graph_token_sizes(max_num_batched_tokens: int, max_capture_size: int) -> list[int]:
+    """The mixed-step token buckets to capture, ascending (empty when ``max_capture_size`` is 0)."""
+    cap = min(max_num_batched_tokens, max_capture_size)
+    if cap <= 0:
+        return []
+    return sorted({b for b in MIXED_TOKEN_BUCKETS if b < cap} | {cap})
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Which captured graph runs a step."""
+
+    mixed: bool
+    """False: decode-only graph (one token per request); True: mixed-step graph."""
+    size: int
+    """Decode: batch size (requests = tokens). Mixed: tokens (requests padded to max_num_seqs)."""
+    lora: bool
+    """The fixed-grid LoRA kernels are in the graph (False: base model only)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.size
+
+    def __str__(self) -> str:
+        return f"{'mixed' if self.mixed else 'decode'}-{self.size}{'-lora' if self.lora else ''}"
+
+
 @dataclass
-class _DecodeGraph:
+class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor
-    """[batch_size, vocab] float32: the graph's output buffer, rewritten by every replay."""
+    output: torch.Tensor
+    """Decode: [batch_size, vocab] float32 logits. Mixed: [num_tokens, hidden] hidden states.
+    The graph's output buffer, rewritten by every replay."""
 
 
-class DecodeGraphs:
-    """Captures and replays the decode graphs of one model over one set of step buffers.
+class StepGraphs:
+    """Captures and replays the step graphs of one model over one set of step buffers.
 
     Args:
         model: has ``forward(input_ids, positions)`` and ``compute_logits(hidden)``.
         buffers: the runner's step buffers (the graphs' static inputs).
         max_model_len: the attention bound the kernels are captured with.
-        batch_sizes: buckets to capture.
+        batch_sizes: decode buckets to capture.
+        token_sizes: mixed-step token buckets to capture (may be empty).
+        max_num_reqs: requests of a mixed graph (``max_num_seqs``).
         lora_manager: the engine's ``LoRAManager`` when LoRA is on (its meta buffers are then
             static graph inputs too), else None.
     """
 
     def __init__(self, model: torch.nn.Module, buffers: StepBuffers, max_model_len: int,
-                 batch_sizes: list[int], lora_manager=None) -> None:
+                 batch_sizes: list[int], token_sizes: list[int], max_num_reqs: int,
+                 lora_manager=None) -> None:
         self.model = model
         self.lora_manager = lora_manager
-        """``LoRAManager`` or None; captured graphs then include the fixed-grid LoRA kernels."""
         self.buffers = buffers
         self.max_model_len = max_model_len
         self.batch_sizes = sorted(batch_sizes)
-        self.graphs: dict[int, _DecodeGraph] = {}
+        self.token_sizes = sorted(token_sizes)
+        self.max_num_reqs = max_num_reqs
+        self.graphs: dict[GraphKey, _Graph] = {}
         self.num_replays = 0
-        """Replays so far (tests check that decode steps took the graph path)."""
+        """Replays so far, both kinds (tests check that steps took the graph path)."""
+        self.num_mixed_replays = 0
+        """Replays of mixed-step graphs."""
+
+    # ------------------------------------------------------------------ lookup
+    def key_for(self, num_reqs: int, num_tokens: int, decode_only: bool, uses_lora: bool) -> Optional[GraphKey]:
+        """The graph for a step (None: run eagerly).
+
+        Args:
+            num_reqs, num_tokens: the step's real requests and tokens.
+            decode_only: every request runs exactly one token.
+            uses_lora: some request of the step runs an adapter.
+        """
+        with_lora = self.lora_manager is not None
+        if decode_only:
+            size = next((b for b in self.batch_sizes if b >= num_reqs), None)
+            if size is None:
+                return None
+            key = GraphKey(False, size, with_lora and uses_lora)
+            return key if key in self.graphs else None
+        if num_reqs > self.max_num_reqs:
+            return None
+        size = next((t for t in self.token_sizes if t >= num_tokens), None)
+        key = None if size is None else GraphKey(True, size, with_lora)
+        return key if key in self.graphs else None
 
     def batch_size_for(self, num_reqs: int) -> Optional[int]:
-        """Smallest captured bucket holding ``num_reqs`` requests (None: run eagerly)."""
-        for b in self.batch_sizes:
-            if b >= num_reqs:
-                return b if b in self.graphs else None
-        return None
+        """Smallest captured decode bucket holding ``num_reqs`` requests (None: none)."""
+        key = self.key_for(num_reqs, num_reqs, True, self.lora_manager is not None)
+        return None if key is None else key.size
 
-    def _dummy_metadata(self, batch_size: int) -> AttentionMetadata:
-        """Fill the buffers with ``batch_size`` padding requests and describe them."""
+    # ------------------------------------------------------------------ capture
+    def num_reqs_of(self, key: GraphKey) -> int:
+        """Requests a graph runs (real + padding)."""
+        return self.max_num_reqs if key.mixed else key.size
+
+    def graph_metadata(self, key: GraphKey) -> AttentionMetadata:
+        """The attention metadata a graph is captured with: views of the step buffers, and the
+        host bounds its kernels are sized by (max_query_len = the bucket for mixed graphs, 1 for
+        decode graphs; max_seq_len = max_model_len)."""
         buf = self.buffers
-        buf.input_ids[:batch_size].zero_()
-        buf.positions[:batch_size].zero_()
-        buf.slot_mapping[:batch_size].fill_(-1)
-        buf.query_start_loc[:batch_size + 1].copy_(
-            torch.arange(batch_size + 1, dtype=torch.int32, device=buf.device))
-        buf.seq_lens[:batch_size].fill_(1)
-        buf.block_tables[:batch_size].zero_()
-        if self.lora_manager is not None:
-            self.lora_manager.set_batch(np.full(batch_size, -1, dtype=np.int32), fixed_grid=True)
+        t, r = key.num_tokens, self.num_reqs_of(key)
         return AttentionMetadata(
-            slot_mapping=buf.slot_mapping[:batch_size], query_start_loc=buf.query_start_loc[:batch_size + 1],
-            seq_lens=buf.seq_lens[:batch_size], block_tables=buf.block_tables[:batch_size],
-            max_query_len=1, max_seq_len=self.max_model_len, num_decode_reqs=batch_size)
+            slot_mapping=buf.slot_mapping[:t], query_start_loc=buf.query_start_loc[:r + 1],
+            seq_lens=buf.seq_lens[:r], block_tables=buf.block_tables[:r],
+            max_query_len=t if key.mixed else 1, max_seq_len=self.max_model_len,
+            num_decode_reqs=0 if key.mixed else r)
 
-    def _forward(self, batch_size: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _fill_padding(self, key: GraphKey) -> None:
+        """Fill the buffers with padding only (what a capture runs over)."""
+        buf = self.buffers
+        t, r = key.num_tokens, self.num_reqs_of(key)
+        buf.input_ids[:t].zero_()
+        buf.positions[:t].zero_()
+        buf.slot_mapping[:t].fill_(-1)
+        if key.mixed:
+            buf.query_start_loc[:r + 1].zero_()
+            buf.seq_lens[:r].zero_()
+        else:
+            buf.query_start_loc[:r + 1].copy_(torch.arange(r + 1, dtype=torch.int32, device=buf.device))
+            buf.seq_lens[:r].fill_(1)
+        buf.block_tables[:r].zero_()
+        if self.lora_manager is not None:
+            # fixed_grid=False with no adapter token is "no LoRA": the layers add nothing, and
+            # the capture holds no LoRA node.
+            self.lora_manager.set_batch(np.full(t, -1, dtype=np.int32), fixed_grid=key.lora)
+
+    def _forward(self, key: GraphKey, meta: AttentionMetadata) -> torch.Tensor:
+        t = key.num_tokens
         with forward_context(meta):
-            hidden = self.model(self.buffers.input_ids[:batch_size], self.buffers.positions[:batch_size])
+            hidden = self.model(self.buffers.input_ids[:t], self.buffers.positions[:t])   # [t, hidden]
+        if key.mixed:
+            return hidden
         return self.model.compute_logits(hidden)                    # [batch_size, vocab] float32
+
+    def keys_to_capture(self) -> list[GraphKey]:
+        """Every graph, largest first (later captures reuse the pool memory of earlier ones)."""
+        lora = self.lora_manager is not None
+        keys = [GraphKey(True, t, lora) for t in self.token_sizes]
+        for b in self.batch_sizes:
+            keys.append(GraphKey(False, b, lora))
+            if lora:
+                keys.append(GraphKey(False, b, False))
+        return sorted(keys, key=lambda k: (k.num_tokens, k.mixed, k.lora), reverse=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared memory pool."""
+        """Capture every graph into one shared memory pool."""
         t0 = time.perf_counter()
         pool = None
-        for b in sorted(self.batch_sizes, reverse=True):
-            meta = self._dummy_metadata(b)
-            self._forward(b, meta)          # warm-up: Triton compiles, cuBLAS picks kernels
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(b, meta)
-            pool = graph.pool()
-            self.graphs[b] = _DecodeGraph(graph, logits)
+        gc.collect()
+        # NOTE: torch.cuda.graph runs gc.collect() and empty_cache() before every capture (~0.5 s
+        # each with a loaded model); once above is enough, as vLLM does.
+        with mock.patch("gc.collect", lambda *a, **k: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
+            for key in self.keys_to_capture():
+                self._fill_padding(key)
+                meta = self.graph_metadata(key)
+                self._forward(key, meta)          # warm-up: Triton compiles, cuBLAS picks kernels
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(key, meta)
+                pool = graph.pool()
+                self.graphs[key] = _Graph(graph, out)
         torch.cuda.synchronize()
-        logger.info("Captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
-                    self.batch_sizes, time.perf_counter() - t0)
+        logger.info("Captured %d CUDA graphs (decode batch sizes %s; mixed steps up to %s tokens) in %.1f s",
+                    len(self.graphs), self.batch_sizes, max(self.token_sizes, default=0),
+                    time.perf_counter() - t0)
 
-    def replay(self, batch_size: int) -> torch.Tensor:
-        """Run the bucket's graph over what the buffers hold now; returns its logits buffer."""
-        g = self.graphs[batch_size]
+    # ------------------------------------------------------------------ replay
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Run a graph over what the buffers hold now; returns its output buffer (see ``_Graph``)."""
+        g = self.graphs[key]
         g.graph.replay()
         self.num_replays += 1
-        return g.logits
+        if key.mixed:
+            self.num_mixed_replays += 1
+        return g.output
+
+
+DecodeGraphs = StepGraphs
+"""Former name (decode graphs only)."""

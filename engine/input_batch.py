@@ -189,7 +189,7 @@ class StepBuffers:
 
     def prepare(self, states: list[CachedRequestState], num_scheduled: list[int], table: BlockTableRows,
                 block_size: int, with_lora: bool, num_reqs_padded: Optional[int] = None,
-                prev_sampled_rows: Optional[dict[str, int]] = None,
+                num_tokens_padded: Optional[int] = None, prev_sampled_rows: Optional[dict[str, int]] = None,
                 prev_sampled: Optional[torch.Tensor] = None) -> StepInputs:
         """Lay the step's tokens out flat and send them to the device.
 
@@ -198,8 +198,12 @@ class StepBuffers:
             table: the persistent block table holding each state's row.
             block_size: tokens per KV block.
             with_lora: also fill per-token adapter slots.
-            num_reqs_padded: pad to this many one-token requests (a CUDA-graph batch size);
-                padding rows attend one null-block key, write no KV (slot -1) and are not read.
+            num_reqs_padded: pad to this many requests. Without num_tokens_padded (a decode
+                graph's batch size) each padding request has one token that attends one
+                null-block key, writes no KV (slot -1) and is not read.
+            num_tokens_padded: pad to this many tokens (a mixed graph's size): padding requests
+                then have no tokens, and the padding tokens belong to no request (KV slot -1,
+                adapter -1; their outputs are garbage and never read).
             prev_sampled_rows, prev_sampled: the previous step's sampled ids on the device and
                 each request's row in them, for input ids the host does not have yet.
         """
@@ -209,20 +213,23 @@ class StepBuffers:
         padded_reqs = num_reqs_padded or num_reqs
         counts = np.asarray(num_scheduled, dtype=np.int64)                    # [R]
         num_tokens = int(counts.sum())
-        padded_tokens = num_tokens + (padded_reqs - num_reqs)
-        if padded_tokens > self.max_num_tokens or padded_reqs > self.max_num_reqs:
-            raise RuntimeError(f"step of {padded_tokens} tokens / {padded_reqs} requests exceeds the "
-                               f"buffers ({self.max_num_tokens} / {self.max_num_reqs})")
+        pad_req_tokens = 1 if num_tokens_padded is None else 0               # tokens per padding request
+        padded_tokens = (num_tokens + (padded_reqs - num_reqs)) if num_tokens_padded is None else num_tokens_padded
+        if (padded_tokens > self.max_num_tokens or padded_reqs > self.max_num_reqs
+                or padded_tokens < num_tokens or padded_reqs < num_reqs):
+            raise RuntimeError(f"step of {num_tokens} tokens / {num_reqs} requests padded to {padded_tokens} / "
+                               f"{padded_reqs} does not fit the buffers ({self.max_num_tokens} / "
+                               f"{self.max_num_reqs})")
 
         qsl = a["query_start_loc"]
         qsl[0] = 0
         np.cumsum(counts, out=qsl[1:num_reqs + 1])
-        qsl[num_reqs + 1:padded_reqs + 1] = num_tokens + np.arange(1, padded_reqs - num_reqs + 1)
+        qsl[num_reqs + 1:padded_reqs + 1] = num_tokens + pad_req_tokens * np.arange(1, padded_reqs - num_reqs + 1)
         computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)  # [R]
         rows = np.fromiter((s.row for s in states), np.int64, num_reqs)                      # [R]
         seq_lens = computed + counts                                                         # [R]
         a["seq_lens"][:num_reqs] = seq_lens
-        a["seq_lens"][num_reqs:padded_reqs] = 1
+        a["seq_lens"][num_reqs:padded_reqs] = pad_req_tokens
         req_of_token = np.repeat(np.arange(num_reqs), counts)                                # [T]
         pos = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]            # [T]
         a["positions"][:num_tokens] = pos
@@ -295,7 +302,7 @@ class StepBuffers:
             block_tables=self.block_tables[:padded_reqs],
             max_query_len=int(counts.max()) if num_reqs else 0,
             max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-            num_decode_reqs=num_decodes + (padded_reqs - num_reqs),
+            num_decode_reqs=num_decodes + pad_req_tokens * (padded_reqs - num_reqs),
             query_start_loc_cpu=qsl[:padded_reqs + 1].tolist(),
             seq_lens_cpu=a["seq_lens"][:padded_reqs].tolist(),
         )

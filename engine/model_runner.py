@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from engine.attention import forward_context, select_backend
+from engine.cuda_graphs import GraphKey
 from engine.config import EngineConfig
 from engine.input_batch import NO_ROW, BlockTableRows, CachedRequestState, StepBuffers, StepInputs
 from engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -196,7 +197,11 @@ class ModelRunner:
         elem = torch.finfo(self.dtype).bits // 8
         per_token = (4 * h.hidden_size + 3 * h.intermediate_size) * elem
         logits = sc.max_num_seqs * h.vocab_size * 4 * 3
-        return int(sc.max_num_batched_tokens * per_token + logits + (512 << 20))
+        tokens = sc.max_num_batched_tokens
+        if self.use_cuda_graphs:
+            # The graph pool keeps the largest graph's activations while eager steps need their own.
+            tokens += min(sc.max_num_batched_tokens, self.config.max_cudagraph_capture_size)
+        return int(tokens * per_token + logits + (512 << 20))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer; then the
@@ -216,10 +221,12 @@ class ModelRunner:
             self.capture_cuda_graphs()
 
     def _init_step_buffers(self) -> None:
-        from engine.cuda_graphs import graph_batch_sizes
+        from engine.cuda_graphs import graph_batch_sizes, graph_token_sizes
         sc = self.config.scheduler_config
         max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
         self._graph_sizes = graph_batch_sizes(sc.max_num_seqs, sc.max_num_batched_tokens)
+        self._graph_token_sizes = graph_token_sizes(sc.max_num_batched_tokens,
+                                                    self.config.max_cudagraph_capture_size)
         max_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
         self.buffers = StepBuffers(max_tokens, sc.max_num_seqs, max_blocks_per_req, self.device)
         self.block_table = BlockTableRows(sc.max_num_seqs, max_blocks_per_req)
@@ -227,9 +234,10 @@ class ModelRunner:
             self.lora_manager.allocate_step_buffers(max_tokens)
 
     def capture_cuda_graphs(self) -> None:
-        from engine.cuda_graphs import DecodeGraphs
-        self.graphs = DecodeGraphs(self.model, self.buffers, self.max_model_len, self._graph_sizes,
-                                   lora_manager=self.lora_manager)
+        from engine.cuda_graphs import StepGraphs
+        self.graphs = StepGraphs(self.model, self.buffers, self.max_model_len, self._graph_sizes,
+                                 self._graph_token_sizes, self.config.scheduler_config.max_num_seqs,
+                                 lora_manager=self.lora_manager)
         self.graphs.capture()
 
     # ------------------------------------------------------------------ state updates
@@ -309,18 +317,25 @@ class ModelRunner:
         counts = [so.num_scheduled_tokens[r] for r in order]
         if not all(_sampling_is_simple(s.sampling_params) for s in states):
             self._resolve_all()   # penalties / min_tokens need every token on the host
-        graph_batch_size = self._graph_batch_size(states, counts)
+        graph_key = self._graph_key(states, counts)
         if self.step_timer is not None:
             self.step_timer.begin()
         prev_ids, prev_rows = self._prev_sampled if self._prev_sampled is not None else (None, None)
+        if graph_key is None:
+            reqs_padded = tokens_padded = None
+        elif graph_key.mixed:
+            reqs_padded, tokens_padded = self.graphs.max_num_reqs, graph_key.num_tokens
+        else:
+            reqs_padded, tokens_padded = graph_key.size, None
         inputs = self.buffers.prepare(states, counts, self.block_table, self.block_size,
                                       with_lora=self.lora_manager is not None,
-                                      num_reqs_padded=graph_batch_size, prev_sampled_rows=prev_rows,
-                                      prev_sampled=prev_ids)
+                                      num_reqs_padded=reqs_padded, num_tokens_padded=tokens_padded,
+                                      prev_sampled_rows=prev_rows, prev_sampled=prev_ids)
         if self.lora_manager is not None:
-            # Graph steps: the fixed-grid launches captured for every adapter mix read the refilled buffers.
-            self.lora_manager.set_batch(inputs.token_lora_slots, fixed_grid=graph_batch_size is not None)
-        logits, prompt_logprobs = self._forward(inputs, graph_batch_size)
+            # LoRA graphs: the fixed-grid launches captured for every adapter mix read the refilled buffers.
+            self.lora_manager.set_batch(inputs.token_lora_slots,
+                                        fixed_grid=graph_key is not None and graph_key.lora)
+        logits, prompt_logprobs = self._forward(inputs, graph_key)
         pending = self._sample(inputs, logits, prompt_logprobs)
         for s, n in zip(states, counts):
             s.num_computed_tokens += n
@@ -329,25 +344,30 @@ class ModelRunner:
         self._unresolved.append(pending)
         return pending
 
-    def _graph_batch_size(self, states: list[CachedRequestState], counts: list[int]) -> Optional[int]:
-        """The CUDA-graph bucket for a decode-only step, or None to run eagerly."""
-        if self.graphs is None or max(counts) != 1:
+    def _graph_key(self, states: list[CachedRequestState], counts: list[int]) -> Optional[GraphKey]:
+        """The CUDA graph that runs this step, or None to run eagerly."""
+        if self.graphs is None:
             return None
-        if any(s.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
-               for s in states):
-            return None
-        return self.graphs.batch_size_for(len(states))
+        decode_only = max(counts) == 1
+        if decode_only and any(s.sampling_params.prompt_logprobs is not None
+                               and s.num_computed_tokens < s.num_prompt_tokens for s in states):
+            return None   # decode graphs end in logits of the sampled rows only
+        uses_lora = self.lora_manager is not None and any(s.lora_slot >= 0 for s in states)
+        return self.graphs.key_for(len(states), sum(counts), decode_only, uses_lora)
 
-    def _forward(self, inputs: StepInputs, graph_batch_size: Optional[int]
+    def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey]
                  ) -> tuple[Optional[torch.Tensor], dict[str, LogprobsLists]]:
         """Logits [num_sampled, vocab] float32 of the sampling rows (None if none), prompt logprobs."""
-        if graph_batch_size is not None:
-            all_logits = self.graphs.replay(graph_batch_size)            # [batch_size, vocab]
+        if graph_key is not None and not graph_key.mixed:
+            all_logits = self.graphs.replay(graph_key)                   # [batch_size, vocab]
             if inputs.all_rows_sample:
                 return all_logits[:len(inputs.req_ids)], {}
             return all_logits[inputs.logits_indices], {}
-        with forward_context(inputs.attn_metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)      # [T, hidden]
+        if graph_key is not None:
+            hidden = self.graphs.replay(graph_key)                       # [T_padded, hidden]
+        else:
+            with forward_context(inputs.attn_metadata):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if not inputs.sample_req_ids:
             return None, prompt_logprobs

@@ -79,7 +79,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="auto: CUDA when available, else CPU.")
     eng.add_argument("--enforce-eager", action="store_true",
-                     help="Disable CUDA graphs (on by default on CUDA for decode-only steps).")
+                     help="Disable CUDA graphs (on by default on CUDA: decode-only steps per batch size, "
+                          "steps with prefill chunks per token count up to --max-cudagraph-capture-size).")
+    eng.add_argument("--max-cudagraph-capture-size", type=int, default=2048,
+                     help="Largest step in tokens with prefill chunks that replays a CUDA graph; larger "
+                          "steps run eagerly; 0: such steps always run eagerly (default: 2048).")
     eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                      help="Schedule step N+1 while the device runs step N (default: on).")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -123,7 +127,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         chat_template=args.chat_template, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, device=args.device, enforce_eager=args.enforce_eager,
-        load_format=args.load_format, enable_lora=args.enable_lora,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size, load_format=args.load_format, enable_lora=args.enable_lora,
         async_scheduling=getattr(args, "async_scheduling", True))
     for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, name) is not None:

@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from lora import LoRARequest
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter, peft_greedy, peft_reference_model
-from tests.models.utils import check_logprobs_close, ours_as_ref
+from tests.models.utils import EagerReplayGraphs, check_logprobs_close, ours_as_ref
 
 MAX_TOKENS = 32
 ADAPTERS = {   # name -> (r, alpha, target_modules, use_rslora)
@@ -116,6 +116,29 @@ def test_prefix_cache_never_shared_across_adapters(setup):
         outs.append(out.outputs[0].token_ids)
     assert outs[0] != outs[1] != outs[2] and outs[0] != outs[2]   # the same prompt, three models
     assert outs[6] == outs[1]
+
+
+def test_graph_path_with_lora_on_cpu(setup):
+    """The runner's CUDA-graph path (padded layouts, LoRA graph variants) run eagerly on CPU
+    (``EagerReplayGraphs``): mixed steps with adapters, decode steps with and without adapters,
+    all matching PEFT."""
+    s = setup
+    llm = LLM(s["dir"], enable_lora=True, max_loras=3, max_lora_rank=16, max_num_batched_tokens=48,
+              max_num_seqs=5, enable_prefix_caching=False)
+    graphs = EagerReplayGraphs.install(llm, token_sizes=[16, 32, 48])
+    kinds = []
+    replay = graphs.replay
+    graphs.replay = lambda key: kinds.append(key) or replay(key)
+    reqs = [None if a is None else s["lora_reqs"][a] for a in s["adapters"]]
+    # The base-model requests last: the final decode steps run the graph variant without LoRA.
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i] is None)
+    outputs = llm.generate([s["prompts"][i] for i in order], _params(), lora_request=[reqs[i] for i in order],
+                           use_tqdm=False)
+    for out, i in zip(outputs, order):
+        check_logprobs_close(s["refs"][i], ours_as_ref(out.outputs[0]), name=f"request {i} ({s['adapters'][i]})")
+    assert any(k.mixed and k.lora for k in kinds)
+    assert any(not k.mixed and k.lora for k in kinds)
+    assert any(not k.mixed and not k.lora for k in kinds)
 
 
 def _generate(s, **engine_kwargs):

@@ -58,17 +58,19 @@ def test_gpu_parity_bf16(cuda_refs, enforce_eager, async_scheduling):
         assert graphs is None
     else:
         assert graphs is not None and graphs.num_replays >= MAX_TOKENS - 2
+        assert graphs.num_mixed_replays >= 1          # the prefill step ran as a mixed-step graph
 
 
 def test_gpu_parity_chunked_prefill_and_preemption(cuda_refs):
-    """Mixed prefill-chunk + decode steps (eager, Triton attention over cached prefixes) and
-    recompute after preemption, with graphs on for the decode-only steps."""
+    """Mixed prefill-chunk + decode steps (mixed-step graphs, Triton attention over cached
+    prefixes) and recompute after preemption."""
     d, prompts, refs = cuda_refs
     llm = LLM(d, dtype="bfloat16", max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks_override=10,
               block_size=16)
     outputs = llm.generate(prompts, _params(), use_tqdm=False)
     _check(outputs, refs, prompts)
     assert llm.llm_engine.get_stats().num_preemptions > 0
+    assert llm.llm_engine.runner.graphs.num_mixed_replays > 0   # chunk + decode steps as graphs
 
 
 def test_gpu_stop_token_with_async_scheduling(cuda_refs):

@@ -57,3 +57,31 @@ def check_logprobs_close(ref: RefOutput, ours: RefOutput, name: str, atol: float
             if tid in ref_lp:
                 assert abs(ref_lp[tid] - v) <= atol, f"{name}: step {i}: top token {tid} logprob differs"
     return len(ref.token_ids)
+
+
+class EagerReplayGraphs:
+    """Stands in for ``engine.cuda_graphs.StepGraphs`` on CPU: same graph choice, same padded
+    step layout and the same captured metadata, but "replay" runs the forward eagerly over what
+    the buffers hold. Tests the runner's graph path (padding, LoRA variants, logits gathering)
+    where no CUDA graph can be captured."""
+
+    @staticmethod
+    def install(llm, token_sizes: list[int]):
+        from engine.cuda_graphs import StepGraphs
+
+        class _Graphs(StepGraphs):
+            def capture(self) -> None:
+                for key in self.keys_to_capture():
+                    self.graphs[key] = None
+
+            def replay(self, key):
+                self.num_replays += 1
+                self.num_mixed_replays += key.mixed
+                return self._forward(key, self.graph_metadata(key))
+
+        runner = llm.llm_engine.runner
+        graphs = _Graphs(runner.model, runner.buffers, runner.max_model_len, runner._graph_sizes, token_sizes,
+                         runner.config.scheduler_config.max_num_seqs, lora_manager=runner.lora_manager)
+        graphs.capture()
+        runner.graphs = graphs
+        return graphs

@@ -1,0 +1,120 @@
+"""Where one engine step's device time goes: kernel table per step kind (torch.profiler).
+
+Example (H200, Llama-3-8B shape, random bf16 weights):
+    python benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 1,256 --context-len 512
+
+For each batch size B: B requests with ``--context-len``-token prompts are prefilled, decode runs
+a few warm steps, then ``--steps`` decode steps are profiled; then one more request with a
+``--prefill-len`` prompt arrives and the mixed step (B decodes + one prefill) is profiled, with
+CUDA graphs (as the engine runs it) and eagerly. Prints, per case, the device time per step and
+the kernels by total time (us per step, launches per step); writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.throughput import dummy_checkpoint  # noqa: E402
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def _profile(engine, steps: int) -> tuple[dict, float]:
+    """Kernel name -> (device us, launches) per step, and wall ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    table: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name[:90]
+            table[name][0] += ev.device_time / steps if hasattr(ev, "device_time") else ev.cuda_time / steps
+            table[name][1] += 1 / steps
+    return dict(table), wall_ms
+
+
+def _show(label: str, table: dict, wall_ms: float, top: int) -> dict:
+    total = sum(v[0] for v in table.values())
+    launches = sum(v[1] for v in table.values())
+    print(f"\n== {label}: device {total / 1e3:.2f} ms/step, wall {wall_ms:.2f} ms/step, "
+          f"{launches:.0f} kernels/step")
+    print(f"{'kernel':90s} {'us/step':>9s} {'n/step':>7s} {'share':>6s}")
+    rows = sorted(table.items(), key=lambda kv: -kv[1][0])
+    for name, (us, n) in rows[:top]:
+        print(f"{name:90s} {us:9.1f} {n:7.1f} {us / max(total, 1e-9):6.1%}")
+    return dict(label=label, device_ms=total / 1e3, wall_ms=wall_ms, kernels_per_step=launches,
+                kernels=[dict(name=k, us_per_step=v[0], per_step=v[1]) for k, v in rows])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--llama3-8b-dummy", action="store_true")
+    ap.add_argument("--batch-sizes", default="1,256")
+    ap.add_argument("--context-len", type=int, default=512)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--out", default="benchmarks/out/profile_step.json")
+    args = ap.parse_args()
+    from engine import LLM, SamplingParams
+
+    model = args.model or str(dummy_checkpoint(Path("/tmp/chorus-llama3-8b-dummy"), "bfloat16"))
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(model, load_format="dummy" if args.llama3_8b_dummy or args.model is None else "auto",
+              max_num_seqs=max(batch_sizes) + 1, max_model_len=2048, enable_prefix_caching=False,
+              gpu_memory_utilization=0.9, seed=0)
+    engine = llm.llm_engine
+    vocab = engine.hf_config.vocab_size
+    report = []
+    for b in batch_sizes:
+        params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 64, ignore_eos=True)
+        ids = [f"p{b}-{i}" for i in range(b)]
+        for rid, p in zip(ids, _prompts(b, args.context_len, vocab, b)):
+            engine.add_request(rid, {"prompt_token_ids": p}, params)
+        while not (len(engine.scheduler.waiting) == 0 and engine.scheduler.last_num_scheduled_tokens == b):
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        table, wall = _profile(engine, args.steps)
+        report.append(_show(f"decode batch {b} (graph)", table, wall, args.top))
+        for mode in ("graph", "eager"):
+            graphs = engine.runner.graphs
+            if mode == "eager":
+                engine.runner.graphs = None
+            rid = f"mixed-{b}-{mode}"
+            engine.add_request(rid, {"prompt_token_ids": _prompts(1, args.prefill_len, vocab, 7)[0]}, params)
+            # The step after the arrival: b decodes + the new prompt (async scheduling: one step ahead).
+            table, wall = _profile(engine, 2)
+            engine.runner.graphs = graphs
+            report.append(_show(f"mixed: {b} decodes + {args.prefill_len}-token prefill ({mode}), "
+                                f"2 steps averaged", table, wall, args.top))
+            engine.abort_request([rid])
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -38,6 +38,9 @@ class AttentionMetadata:
     """Host copy of query_start_loc (the torch backend loops over requests)."""
     seq_lens_cpu: Optional[list[int]] = None
     """Host copy of seq_lens."""
+    captured: bool = False
+    """Built for a CUDA-graph capture: the host fields (max lengths, num_decode_reqs) describe the
+    graph's bucket, not the requests a replay will run."""
 
     @property
     def num_reqs(self) -> int:
@@ -194,7 +197,8 @@ class AttentionBackend:
         if self.name == "triton":
             from kernels.paged_attention import paged_attention
             return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, meta.max_query_len, meta.max_seq_len, scale)
+                                   meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
+                                   has_decodes=meta.captured or meta.num_decode_reqs > 0)
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new)
 
 

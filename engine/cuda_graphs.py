@@ -169,7 +169,7 @@ class StepGraphs:
             slot_mapping=buf.slot_mapping[:t], query_start_loc=buf.query_start_loc[:r + 1],
             seq_lens=buf.seq_lens[:r], block_tables=buf.block_tables[:r],
             max_query_len=t if key.mixed else 1, max_seq_len=self.max_model_len,
-            num_decode_reqs=0 if key.mixed else r)
+            num_decode_reqs=0 if key.mixed else r, captured=True)
 
     def _fill_padding(self, key: GraphKey) -> None:
         """Fill the buffers with padding only (what a capture runs over)."""

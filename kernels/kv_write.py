@@ -1,7 +1,10 @@
-"""Store this step's K/V rows into the paged cache at their slots (one Triton kernel).
+"""Store this step's K/V rows into the paged cache at their slots (Triton kernels).
 
-One program per token copies all of its KV heads for both K and V; padding tokens
+``write_kv``: one program per token copies all of its KV heads for both K and V; padding tokens
 (slot < 0) are skipped. The torch twin is ``kernels.reference.write_kv_ref``.
+
+``rotary_write_kv``: the rotary embedding of q and k fused with that write (the model's path on
+CUDA: one launch per layer instead of two). Twin: ``kernels.reference.rotary_write_kv_ref``.
 """
 
 from __future__ import annotations
@@ -77,3 +80,123 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         HEADS_PAD=next_power_of_2(num_kv_heads), DIM_PAD=next_power_of_2(head_dim),
         num_warps=4,
     )
+
+
+# ----------------------------------------------------------------------------------------
+# Rotary embedding fused with the KV write (one launch instead of two per layer)
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                            cos_ptr, sin_ptr, positions_ptr,
+                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                            stride_v_tok, stride_v_head, stride_c_blk, stride_c_slot, stride_c_head, stride_cs,
+                            NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+                            KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+                            TAIL_PAD: tl.constexpr):
+    """Semantics, one program per token t (p = positions[t], c = cos[p, :HALF], s = sin[p, :HALF]):
+
+        rot(x) = x with x[:HALF], x[HALF:2 * HALF] = x1 * c - x2 * s, x2 * c + x1 * s   (float32 math)
+        q[t, h] = rot(q[t, h]) for every q head; k[t, h] = rot(k[t, h]) for every kv head (in place)
+        slot = slot_mapping[t]
+        if slot >= 0:
+          k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = k[t]     # rotated
+          v_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = v[t]
+
+    Each thread stores only the elements it loaded (halves computed side by side), so the in-place
+    update has no cross-thread read-after-write hazard.
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
+
+    hq = tl.arange(0, Q_HEADS_PAD)
+    mq = (hq[:, None] < NUM_Q_HEADS) & d_ok[None, :]
+    offq = q_ptr + tok * stride_q_tok + hq[:, None] * stride_q_head + d[None, :]
+    x1 = tl.load(offq, mask=mq, other=0.0).to(tl.float32)
+    x2 = tl.load(offq + HALF, mask=mq, other=0.0).to(tl.float32)
+    tl.store(offq, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty), mask=mq)
+    tl.store(offq + HALF, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty), mask=mq)
+
+    hk = tl.arange(0, KV_HEADS_PAD)
+    mk = (hk[:, None] < NUM_KV_HEADS) & d_ok[None, :]
+    offk = k_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head + d[None, :]
+    y1 = tl.load(offk, mask=mk, other=0.0).to(tl.float32)
+    y2 = tl.load(offk + HALF, mask=mk, other=0.0).to(tl.float32)
+    r1 = (y1 * c - y2 * s).to(k_ptr.dtype.element_ty)
+    r2 = (y2 * c + y1 * s).to(k_ptr.dtype.element_ty)
+    tl.store(offk, r1, mask=mk)
+    tl.store(offk + HALF, r2, mask=mk)
+    if slot >= 0:
+        c_row = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+        offc = c_row + hk[:, None] * stride_c_head + d[None, :]
+        tl.store(k_cache_ptr + offc, r1.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(k_cache_ptr + offc + HALF, r2.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mk)
+        if TAIL_PAD > 0:   # dims past the rotary part (partial rotary) are copied as they are
+            tail = 2 * HALF + tl.arange(0, TAIL_PAD)
+            mt = (hk[:, None] < NUM_KV_HEADS) & (tail[None, :] < HEAD_DIM)
+            kt = tl.load(k_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head + tail[None, :], mask=mt)
+            tl.store(k_cache_ptr + c_row + hk[:, None] * stride_c_head + tail[None, :],
+                     kt.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mt)
+        dims = tl.arange(0, DIM_PAD)
+        mv = (hk[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+        v = tl.load(v_ptr + tok * stride_v_tok + hk[:, None] * stride_v_head + dims[None, :], mask=mv)
+        tl.store(v_cache_ptr + c_row + hk[:, None] * stride_c_head + dims[None, :],
+                 v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mv)
+
+
+def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate q and k in place (neox layout, first ``rotary_dim`` dims) and write the rotated k
+    and v into the paged cache: ``layer_ops.rotary_embedding_`` then ``write_kv``, in one launch.
+
+    Args:
+        positions: [num_tokens] int64 (or int32) absolute positions.
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; one
+            dtype, last dims contiguous (views of a packed qkv output work).
+        cos, sin: [max_position, >= rotary_dim / 2] float32 tables with one row stride.
+        rotary_dim: even, <= head_dim.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, one dtype.
+        slot_mapping: [num_tokens] int64; < 0 skips the token's cache write (its q/k still rotate).
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    num_tokens, num_heads, head_dim = q.shape
+    dev = q.device
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
+    num_kv_heads = k.shape[1]
+    check_tensor("k", k, shape=(num_tokens, num_kv_heads, head_dim))
+    check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape), device=dev, last_dim_contiguous=True)
+    check_tensor("positions", positions, dtypes=(torch.int64, torch.int32), shape=(num_tokens,), device=dev,
+                 contiguous=True)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim: {rotary_dim} must be even and in (0, head_dim={head_dim}].")
+    half = rotary_dim // 2
+    check_tensor("cos", cos, ndim=2, dtypes=(torch.float32,), device=dev, last_dim_contiguous=True)
+    check_tensor("sin", sin, dtypes=(torch.float32,), shape=tuple(cos.shape), device=dev,
+                 last_dim_contiguous=True)
+    if cos.shape[1] < half or cos.stride(0) != sin.stride(0):
+        raise ValueError(f"cos/sin: need >= {half} columns and one row stride, got shape "
+                         f"{tuple(cos.shape)}, strides {cos.stride()} / {sin.stride()}.")
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev, contiguous=True)
+    check_tensor("k_cache", k_cache, shape=(None, None, num_kv_heads, head_dim))
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=dev,
+                 contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,), device=dev,
+                 contiguous=True)
+    if num_tokens == 0:
+        return
+    tail = head_dim - 2 * half
+    _rotary_write_kv_kernel[(num_tokens,)](
+        q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=next_power_of_2(num_heads),
+        KV_HEADS_PAD=next_power_of_2(num_kv_heads), HALF_PAD=max(2, next_power_of_2(half)),
+        DIM_PAD=next_power_of_2(head_dim), TAIL_PAD=0 if tail == 0 else max(2, next_power_of_2(tail)),
+        num_warps=4)

@@ -19,6 +19,7 @@ The torch twin is ``kernels.reference.paged_attention_ref``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,8 @@ from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_inter
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
+ALL_ROWS, DECODE_ROWS, PREFILL_ROWS = 0, 1, 2
+"""Which requests one launch of the kernel serves (see ``_paged_attention_kernel``)."""
 
 
 @triton.jit
@@ -63,6 +66,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FIND_CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """Semantics (NUM_SPLITS == 1; scores in log2 units, qk_scale_log2 = scale * log2(e)):
 
@@ -76,17 +80,32 @@ def _paged_attention_kernel(
     With NUM_SPLITS > 1, program (qb, kvh, seg) covers only its segment of the key tiles and
     stores acc = sum_p 2^(s[p] - m) V[p], m = max s, l = sum_p 2^(s[p] - m) into the partials
     ([num_tokens, num_heads, NUM_SPLITS, (HEAD_PAD)]) for ``_merge_splits_kernel``.
+
+    ROWS picks the requests a launch serves: ALL_ROWS (grid: the q-block layout above);
+    DECODE_ROWS (grid: one program per request; only requests with exactly one query token);
+    PREFILL_ROWS (the q-block grid; only requests with more than one query token). A mixed batch
+    runs DECODE_ROWS with small tiles and PREFILL_ROWS with large ones: together they cover it.
     """
     pid_qb = tl.program_id(0)
     kv_head = tl.program_id(1)
     seg = tl.program_id(2)
 
-    req = _find_request(query_start_loc_ptr, pid_qb, num_reqs, BLOCK_Q, FIND_CHUNK)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    qb_local = pid_qb - (q_start // BLOCK_Q + req)
-    if qb_local * BLOCK_Q >= q_len:
-        return
+    if ROWS == 1:   # DECODE_ROWS
+        req = pid_qb
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        if q_len != 1:
+            return
+        qb_local = 0
+    else:
+        req = _find_request(query_start_loc_ptr, pid_qb, num_reqs, BLOCK_Q, FIND_CHUNK)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        qb_local = pid_qb - (q_start // BLOCK_Q + req)
+        if qb_local * BLOCK_Q >= q_len:
+            return
+        if ROWS == 2 and q_len == 1:   # PREFILL_ROWS
+            return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
@@ -196,6 +215,19 @@ class _LaunchConfig:
     num_stages: int = 3
 
 
+def _decode_overrides() -> dict:
+    """Tile overrides for decode launches from CHORUS_ATTN_DECODE_CONFIG ("tile_n=128,num_warps=8,
+    num_stages=4"; benchmarks/attention_sweep.py tries candidates this way)."""
+    raw = os.environ.get("CHORUS_ATTN_DECODE_CONFIG", "")
+    out = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, _, val = item.partition("=")
+        if key not in ("tile_n", "num_warps", "num_stages") or not val.isdigit():
+            raise ValueError(f"CHORUS_ATTN_DECODE_CONFIG: bad item {item!r}; use tile_n=, num_warps=, num_stages=.")
+        out[key] = int(val)
+    return out
+
+
 def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: int, num_kv_heads: int,
                    max_query_len: int, max_seq_len: int, num_splits: Optional[int]) -> _LaunchConfig:
     interpreted = is_interpreted(device)
@@ -204,6 +236,11 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     block_m = max(min_m, next_power_of_2(group))
     block_q = block_m // group
     tile_n = 32 if interpreted else (64 if head_pad <= 128 else 32)
+    num_warps, num_stages = (4 if head_pad <= 128 else 8), 3
+    if max_query_len == 1 and not interpreted:
+        o = _decode_overrides()
+        tile_n, num_warps, num_stages = (o.get("tile_n", tile_n), o.get("num_warps", num_warps),
+                                         o.get("num_stages", num_stages))
     if num_splits is None:
         num_splits = 1
         programs = num_reqs * num_kv_heads
@@ -217,7 +254,7 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
                 want //= 2
             num_splits = min(want, MAX_SPLITS)
     return _LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, head_pad=head_pad,
-                         num_splits=num_splits, num_warps=4 if head_pad <= 128 else 8)
+                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
@@ -264,7 +301,8 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float,
-                    out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
+                    split_decodes: Optional[bool] = None, has_decodes: bool = True) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     Args:
@@ -277,8 +315,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_query_len, max_seq_len: host ints (upper bounds; pick tiles and split-KV only).
         scale: softmax scale, usually head_dim ** -0.5.
         out: optional [num_tokens, num_heads, head_dim] output in q's dtype.
-        num_splits: KV segments per q-block (power of two <= 16); None picks one (split-KV only
-            for pure-decode batches too small to fill the GPU; always 1 under the interpreter).
+        num_splits: KV segments per q-block (power of two <= 16) of a one-launch batch; None picks
+            one (split-KV only for pure-decode batches too small to fill the GPU; always 1 under
+            the interpreter).
+        split_decodes: for a batch with prefill chunks (max_query_len > 1), run its one-token
+            requests in a launch of their own with decode-sized tiles, and the rest with prefill
+            tiles (no split-KV in either). None: when the prefill tiles are larger than a
+            decode's (max_query_len >= 64 on a GPU).
+        has_decodes: False skips the decode launch of a split batch (the caller knows no request
+            has one query token).
 
     Returns:
         out, [num_tokens, num_heads, head_dim] in q's dtype. Rows past qsl[num_reqs] (padding
@@ -297,7 +342,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     cfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, max_query_len, max_seq_len,
                          num_splits)
+    if split_decodes is None:
+        split_decodes = max_query_len > 1 and num_splits is None and cfg.block_m > max(16, next_power_of_2(group))
+    if max_query_len <= 1 or not split_decodes:
+        _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, cfg, ALL_ROWS)
+        return out
+    if has_decodes:
+        dcfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, 1, max_seq_len, 1)
+        _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, dcfg, DECODE_ROWS)
     if cfg.num_splits > 1:
+        cfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, max_query_len, max_seq_len, 1)
+    _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, cfg, PREFILL_ROWS)
+    return out
+
+
+def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, out: torch.Tensor,
+            cfg: _LaunchConfig, rows: int) -> None:
+    """One launch of the attention kernel (+ the split-KV merge) over the requests ``rows`` picks."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    if cfg.num_splits > 1:
+        if rows != ALL_ROWS:
+            raise ValueError("split-KV runs only in one-launch batches (the merge covers every row).")
         part_acc = torch.empty(num_tokens, num_heads, cfg.num_splits, cfg.head_pad,
                                dtype=torch.float32, device=q.device)   # [T, H, splits, head_pad]
         part_max = torch.empty(num_tokens, num_heads, cfg.num_splits, dtype=torch.float32,
@@ -306,7 +374,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_acc = part_max = part_sum = out                           # unused
     upcast = is_interpreted(q.device) or q.dtype == torch.float32
-    grid = (num_tokens // cfg.block_q + num_reqs, num_kv_heads, cfg.num_splits)
+    num_programs = num_reqs if rows == DECODE_ROWS else num_tokens // cfg.block_q + num_reqs
+    grid = (num_programs, num_kv_heads, cfg.num_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
@@ -316,7 +385,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
         NUM_SPLITS=cfg.num_splits, UPCAST=upcast, FIND_CHUNK=min(256, max(16, next_power_of_2(num_reqs))),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROWS=rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:
@@ -324,4 +393,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad, NUM_SPLITS=cfg.num_splits,
         )
-    return out

@@ -45,6 +45,28 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.to(q.dtype).to(q.device)
 
 
+def rotary_ref(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               rotary_dim: int) -> torch.Tensor:
+    """Twin of ``kernels.layer_ops.rotary_embedding_`` on one tensor: a rotated float32 copy of x
+    ([num_tokens, heads, head_dim]); cos/sin: [max_position, >= rotary_dim / 2]."""
+    half = rotary_dim // 2
+    out = x.float().clone()
+    c = cos[positions.long(), :half].float()[:, None, :]                   # [T, 1, half]
+    s = sin[positions.long(), :half].float()[:, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half:2 * half] = x2 * c + x1 * s
+    return out
+
+
+def rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping):
+    """Twin of ``kernels.kv_write.rotary_write_kv``: returns (q, k, k_cache, v_cache) updated copies."""
+    q_out = rotary_ref(positions, q, cos, sin, rotary_dim).to(q.dtype)
+    k_out = rotary_ref(positions, k, cos, sin, rotary_dim).to(k.dtype)
+    k_cache_out, v_cache_out = write_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
+    return q_out, k_out, k_cache_out, v_cache_out
+
+
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``kernels.kv_write.write_kv``: returns updated copies of (k_cache, v_cache)."""

@@ -27,9 +27,16 @@ class PagedAttention(nn.Module):
         self.v_cache: Optional[torch.Tensor] = None
         self.backend: Optional[AttentionBackend] = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                rotary=None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]. With ``rotary`` (a RotaryEmbedding) and
+        ``positions`` ([T]), q and k are rotated first (fused with the KV write on CUDA)."""
         meta = get_attention_metadata()
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if rotary is not None and q.is_cuda and self.backend.name == "triton":
+            rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -61,6 +61,15 @@ class RotaryEmbedding(nn.Module):
             return q, k
         return self.forward_torch(positions, q, k)
 
+    def apply_and_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """CUDA: rotate q and k in place and write the rotated k and v into the paged cache, in one
+        kernel (``kernels.kv_write.rotary_write_kv``)."""
+        from kernels.kv_write import rotary_write_kv
+        half = self.rotary_dim // 2
+        rotary_write_kv(positions, q, k, v, self.cos[:, :half], self.sin[:, :half], self.rotary_dim,
+                        k_cache, v_cache, slot_mapping)
+
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         # Every layer of one forward passes the same positions tensor: gather cos/sin once.
         cached = self._step_cache

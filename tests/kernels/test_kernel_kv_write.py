@@ -108,3 +108,59 @@ def test_gpu_real_sizes(dtype):
     k_ref, v_ref = write_kv_ref(k, v, kc, vc, slots)
     write_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
+
+
+# ----------------------------------------------------------------------------------------
+# rotary_write_kv: rotary on q/k in place fused with the cache write
+# ----------------------------------------------------------------------------------------
+def _rotary_tables(rotary_dim: int, max_pos: int = 300):
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]     # [max_pos, rotary_dim / 2]
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)                               # [max_pos, rotary_dim]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim",
+                         [(4, 2, 16, 16), (6, 2, 24, 12), (4, 4, 80, 80), (8, 1, 32, 20)])
+@pytest.mark.parametrize("pad", [(), (1, 5)])
+def test_rotary_write_kv_matches_ref(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, pad):
+    """Views of a packed qkv (strided), partial rotary (pass-through tail), padding slots."""
+    from kernels.kv_write import rotary_write_kv
+    from kernels.reference import rotary_write_kv_ref
+
+    k, v, kc, vc, slots = make_step(num_tokens=7, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                                    pad=pad, seed=num_heads + head_dim)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(7, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    q, kk, vv = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, kk, vv = (t.view(7, -1, head_dim) for t in (q, kk, vv))
+    positions = torch.tensor([0, 3, 17, 31, 32, 200, 299], dtype=torch.int64, device=DEVICE)
+    cos, sin = _rotary_tables(rotary_dim)
+    half = rotary_dim // 2
+    q_ref, k_ref, kc_ref, vc_ref = rotary_write_kv_ref(positions, q, kk, vv, cos, sin, rotary_dim, kc, vc, slots)
+    rotary_write_kv(positions, q, kk, vv, cos[:, :half], sin[:, :half], rotary_dim, kc, vc, slots)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.float(), q_ref.float(), **tol)
+    torch.testing.assert_close(kk.float(), k_ref.float(), **tol)
+    torch.testing.assert_close(kc.float(), kc_ref.float(), **tol)
+    assert torch.equal(vc, vc_ref)
+    # The cache holds exactly the (rotated) k the kernel left in place.
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(kc.view(-1, num_kv_heads, head_dim)[slot], kk[t].to(kc.dtype))
+
+
+def test_rotary_write_kv_rejects_bad_inputs():
+    from kernels.kv_write import rotary_write_kv
+
+    k, v, kc, vc, slots = make_step(num_tokens=3, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    q = torch.zeros(3, 4, 16, device=DEVICE)
+    pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    cos, sin = _rotary_tables(16)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        rotary_write_kv(pos, q, k, v, cos, sin, 15, kc, vc, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary_write_kv(pos, q, k, v, cos[:, :8], sin[:, :8], 16, kc, vc, slots[:2])
+    with pytest.raises(ValueError, match="v"):
+        rotary_write_kv(pos, q, k, v[:, :1], cos[:, :8], sin[:, :8], 16, kc, vc, slots)

@@ -116,6 +116,37 @@ def test_split_kv(layout, num_splits):
                  torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["mixed", "mixed_decodes_last", "decodes", "prefills"])
+def test_split_decode_and_prefill_launches(layout, dtype):
+    """A batch with prefill chunks split into a one-program-per-request decode launch and a
+    prefill launch that skips one-token requests: together they cover every row, in any order."""
+    b = make_batch(LAYOUTS[layout], head_dim=16, dtype=dtype, seed=3, pad_tokens=2)
+    n = int(b.query_start_loc[-1])
+    ref = paged_attention_ref(*b.args(), 0.25)[:n]
+    max_q = max(b.max_query_len, 2)      # a pure-decode layout is sent down the split path too
+    out = paged_attention(*b.args(), max_q, b.max_seq_len, 0.25, split_decodes=True)
+    assert_close(out[:n], ref, dtype)
+    if layout == "prefills":   # no one-token request: the decode launch may be skipped
+        out = paged_attention(*b.args(), max_q, b.max_seq_len, 0.25, split_decodes=True, has_decodes=False)
+        assert_close(out[:n], ref, dtype)
+
+
+def test_split_launches_each_cover_only_their_rows():
+    """The decode launch alone writes exactly the one-token requests' rows, the prefill launch
+    (has_decodes=False) exactly the others'."""
+    b = make_batch(LAYOUTS["mixed"], head_dim=16, seed=5)
+    qlens = [q for q, _ in LAYOUTS["mixed"]]
+    starts = [0] + torch.tensor(qlens).cumsum(0).tolist()
+    decode_rows = [starts[i] for i, q in enumerate(qlens) if q == 1]
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention(*b.args(), b.max_query_len, b.max_seq_len, 0.25, out=out, split_decodes=True,
+                    has_decodes=False)
+    written = ~torch.isnan(out[:, 0, 0]).cpu()
+    assert written.sum() == sum(q for q in qlens if q > 1)
+    assert not written[decode_rows].any()
+
+
 def test_padding_tokens_and_out_argument():
     """Rows past qsl[-1] (CUDA-graph padding) are ignored; ``out`` is filled and returned."""
     b = make_batch(LAYOUTS["mixed"], pad_tokens=3)

@@ -82,14 +82,14 @@ def main() -> None:
         for tile_n, nw, ns, sp in grid:
             os.environ["CHORUS_ATTN_DECODE_CONFIG"] = f"tile_n={tile_n},num_warps={nw},num_stages={ns}"
             try:
-                us = _time_us(lambda: paged_attention(q, k_cache, v_cache, qsl, seq_lens, bt, 1, 2048,
+                us = _time_us(lambda: paged_attention(q, k_cache, v_cache, qsl, seq_lens, bt, 1, ctx,
                                                       0.088, out, num_splits=sp))
             except Exception as e:   # a config the compiler rejects (shared memory)
                 print(f"  b={b} tile_n={tile_n} warps={nw} stages={ns} splits={sp}: {type(e).__name__}")
                 continue
             rows.append(dict(tile_n=tile_n, num_warps=nw, num_stages=ns, num_splits=sp, us=us))
         os.environ.pop("CHORUS_ATTN_DECODE_CONFIG", None)
-        default_us = _time_us(lambda: paged_attention(q, k_cache, v_cache, qsl, seq_lens, bt, 1, 2048, 0.088, out))
+        default_us = _time_us(lambda: paged_attention(q, k_cache, v_cache, qsl, seq_lens, bt, 1, ctx, 0.088, out))
         rows.sort(key=lambda r: r["us"])
         print(f"\nbatch {b}, ctx {ctx}: KV {kv_bytes / 1e6:.1f} MB, bound {bound_us:.1f} us, "
               f"default {default_us:.1f} us ({bound_us / default_us:.2f} of bound)")

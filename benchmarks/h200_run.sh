@@ -12,8 +12,8 @@ for phase in "$@"; do
   t0=$(date +%s)
   case $phase in
     tests)
-      timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_layer_ops.py \
-        tests/models/test_gpu_parity.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_layer_ops.py \
+        tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_kv_write.py tests/models/test_gpu_parity.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     smoke)
       python3 benchmarks/latency.py --llama3-8b-dummy --batch-sizes 1,64 --steps 8 --skip-hf \
         --out "$OUT/latency_smoke.json" 2>&1 | grep -v Warning | tail -20 ;;
@@ -21,8 +21,8 @@ for phase in "$@"; do
       timeout 200 python3 benchmarks/latency.py --llama3-8b-dummy --batch-sizes 1,32,128,256 --context-len 512 \
         --steps 32 --out "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" | grep -v Warning | tail -22 ;;
     throughput)
-      timeout 220 python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
-        --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64 --out "$OUT/throughput.json" 2>&1 \
+      timeout 330 python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
+        --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64 --hf-continuous --out "$OUT/throughput.json" 2>&1 \
         | tee "$OUT/throughput.log" | grep -v Warning | tail -12 ;;
   esac
   echo "== phase $phase took $(( $(date +%s) - t0 )) s"

@@ -1,18 +1,31 @@
-"""LoRA expand: y[t, slice] += buf[s, t] @ B_s[slot(t)].T (Punica SGMV, one Triton kernel).
+"""LoRA expand: y[t, slice] += (sum_j buf[s, j, t]) @ B_s[slot(t)].T (Punica SGMV, one Triton kernel).
 
 The counterpart of ``kernels.lora_shrink``: same segment walk over ``LoRAKernelMeta``, one
-program per (token tile of one adapter segment, output-column tile, slice). Slices are the
-parts of a packed projection (q, k, v of qkv_proj; gate, up of gate_up_proj), each with its own
-B tensor and output width, written side by side into y at ``slice_offsets``. Up to
-``MAX_SLICES`` slices go through one launch (their B pointers are separate kernel arguments).
+program per (token tile of one adapter segment, column range, slice). Slices are the parts of a
+packed projection (q, k, v of qkv_proj; gate, up of gate_up_proj), each with its own B tensor and
+output width, written side by side into y at ``slice_offsets``. Up to ``MAX_SLICES`` slices go
+through one launch (their B pointers are separate kernel arguments).
+
+A program loads its tokens' shrink output once, summing the ``split_k`` fp32 partials that
+``lora_shrink`` stored (``buf.shape[1]``), then walks ``n_tiles`` column tiles of ``block_n``
+(streaming that adapter's B), so the per-program work (segment search, token ids, partials)
+is paid once per ``block_n * n_tiles`` columns, not once per tile.
+
+Launch configs (``LoRAExpandConfig``) come from ``lora_expand_config``: as many column tiles per
+program as keep a few waves of programs with work when segments are as small as they can be.
+``CHORUS_LORA_EXPAND_CONFIG`` overrides fields, e.g. ``"block_m=16,block_n=256,n_tiles=4,
+num_warps=4,num_stages=2"`` (fields of ``LoRAExpandConfig``); ``lora.layers`` reads it once per
+layer.
 
 The torch twin is ``kernels.reference.lora_expand_ref``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -20,45 +33,49 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import LoRAKernelMeta
-from kernels.lora_shrink import _check_meta, _find_segment
-from kernels.utils import FLOAT_DTYPES, check_int, check_tensor, is_interpreted, next_power_of_2
+from kernels.lora_shrink import (PROGRAMS_PER_SM, ConfigOverride, _check_launch, _check_meta, _check_pow2,
+                                 _find_segment, tile_m_for)
+from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted, next_power_of_2,
+                           num_sms)
+
+EXPAND_CONFIG_ENV = "CHORUS_LORA_EXPAND_CONFIG"
+"""Environment variable with ``LoRAExpandConfig`` overrides, ``"field=int,..."``."""
 
 MAX_SLICES = 3
 
+MAX_N_TILES = 32
+"""The most column tiles one program walks."""
 
-# NOTE: no int specialization of sizes/offsets: the slice branches must agree on types.
-@triton.jit(do_not_specialize=["n0", "n1", "n2", "off0", "off1", "off2"])
+
+@triton.jit
 def _lora_expand_kernel(
     buf_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr,
     sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
-    num_active, rank, n0, n1, n2, off0, off1, off2,
-    stride_buf_slice, stride_buf_tok, stride_y_tok,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MAX_LORAS_PAD: tl.constexpr,
-    ADD_INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    num_active, rank, n0, n1, n2, off0, off1, off2, cols_per_program,
+    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    MAX_LORAS_PAD: tl.constexpr, ADD_INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Semantics (B_s = [b0, b1, b2][s], each [max_loras, n_s, rank] contiguous):
 
         for s in range(num_slices), t in range(num_tokens):
           if slot(t) >= 0:
-            delta = buf[s, t, :] @ B_s[slot(t)].T                         # fp32, [n_s]
+            h = sum(buf[s, j, t, :] for j in range(SPLIT_K))                 # fp32, [rank]
+            delta = h @ B_s[slot(t)].T                                        # fp32, [n_s]
             y[t, off_s:off_s + n_s] = (y[t, off_s:off_s + n_s] if ADD_INPUTS else 0) + delta
+
+    Program (m, n, s) covers columns [n * cols_per_program, (n + 1) * cols_per_program) of slice s.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    if pid_s == 0:
-        b_ptr = b0_ptr
-        n_out = n0
-        col0 = off0
-    elif pid_s == 1:
-        b_ptr = b1_ptr
-        n_out = n1
-        col0 = off1
-    else:
-        b_ptr = b2_ptr
-        n_out = n2
-        col0 = off2
-    if pid_n * BLOCK_N >= n_out:
+    # NOTE: selects, not if/else: a size of 1 is specialized to a constant and the branches
+    # would disagree on types; the sizes keep their divisibility, so y's accesses stay vectorized.
+    b_ptr = tl.where(pid_s == 0, b0_ptr, tl.where(pid_s == 1, b1_ptr, b2_ptr))
+    n_out = tl.where(pid_s == 0, n0, tl.where(pid_s == 1, n1, n2))
+    col0 = tl.where(pid_s == 0, off0, tl.where(pid_s == 1, off1, off2))
+    n_lo = pid_n * cols_per_program
+    if n_lo >= n_out:
         return
     slot, count, start, tile = _find_segment(active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, pid_m,
                                              num_active, BLOCK_M, MAX_LORAS_PAD)
@@ -70,49 +87,88 @@ def _lora_expand_kernel(
     tok = tl.load(sorted_token_ids_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)  # [BLOCK_M]
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n_out
+    mr_ok = m_ok[:, None] & r_ok[None, :]
+    buf_rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + tok[:, None] * stride_buf_tok
+                + offs_r[None, :])                                                     # [BLOCK_M, BLOCK_R]
+    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
+        h += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0)          # [BLOCK_M, BLOCK_R]
 
-    buf_rows = buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + tok[:, None] * stride_buf_tok
-    a = tl.load(buf_rows + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :],
-                other=0.0).to(tl.float32)                                             # [BLOCK_M, BLOCK_R]
-    b_base = b_ptr + slot.to(tl.int64) * n_out * rank
-    b_t = tl.load(b_base + offs_n[None, :] * rank + offs_r[:, None],
-                  mask=n_ok[None, :] & r_ok[:, None], other=0.0).to(tl.float32)       # [BLOCK_R, BLOCK_N]
-    delta = tl.dot(a, b_t, input_precision=DOT_PRECISION)                             # [BLOCK_M, BLOCK_N]
-
-    y_ptrs = y_ptr + tok[:, None] * stride_y_tok + (col0 + offs_n)[None, :]
-    y_mask = m_ok[:, None] & n_ok[None, :]
-    if ADD_INPUTS:
-        delta += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=y_mask)
+    b_rows = b_ptr + slot.to(tl.int64) * n_out * rank + offs_r[None, :]                # [1, BLOCK_R]
+    y_rows = y_ptr + tok[:, None] * stride_y_tok + col0                                 # [BLOCK_M, 1]
+    n_end = n_lo + cols_per_program
+    for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
+        offs_n = c0 + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < n_out) & (offs_n < n_end)          # two bounds: no min(), see lora_shrink
+        b = tl.load(b_rows + offs_n[:, None] * rank, mask=n_ok[:, None] & r_ok[None, :],
+                    other=0.0).to(tl.float32)                                           # [BLOCK_N, BLOCK_R]
+        delta = tl.dot(h, tl.trans(b), input_precision=DOT_PRECISION)                   # [BLOCK_M, BLOCK_N]
+        y_ptrs = y_rows + offs_n[None, :]
+        y_mask = m_ok[:, None] & n_ok[None, :]
+        if ADD_INPUTS:
+            delta += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @dataclass(frozen=True)
-class _ExpandConfig:
-    block_m: int     # tokens per tile
-    block_n: int     # output columns per tile
-    block_r: int     # rank, padded to a power of two >= 16
-    num_warps: int
-    num_stages: int = 3
+class LoRAExpandConfig:
+    """Launch parameters of the expand kernel (``CHORUS_LORA_EXPAND_CONFIG`` field names)."""
+
+    block_m: int = 16
+    """Tokens per tile: a power of two >= 16 (the smallest tl.dot tile)."""
+    block_n: int = 128
+    """Output columns per inner step: a power of two >= 16."""
+    n_tiles: int = 1
+    """Column tiles one program walks (a power of two <= MAX_N_TILES): a program covers
+    block_n * n_tiles columns of one slice."""
+    num_warps: int = 4
+    """Warps per program (1..16, a power of two)."""
+    num_stages: int = 2
+    """Software-pipelining depth of the column loop (>= 1)."""
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_m", self.block_m, 16)
+        _check_pow2("block_n", self.block_n, 16)
+        _check_pow2("n_tiles", self.n_tiles, 1, MAX_N_TILES)
+        _check_launch(self.num_warps, self.num_stages)
 
 
-def _expand_config(device: torch.device, num_tokens: int, num_active: int, max_out: int,
-                   rank: int, fixed_grid: bool = False) -> _ExpandConfig:
-    block_r = max(16, next_power_of_2(rank))
+@functools.lru_cache(maxsize=4096)
+def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, ...], device: torch.device,
+                       override: ConfigOverride = ()) -> LoRAExpandConfig:
+    """The default launch config for one expand, with ``override`` fields applied last.
+
+    Args:
+        num_tokens: rows of y.
+        num_segments: ``meta.num_active`` (max_loras with a fixed grid: sized for the worst case).
+        out_dims: output width of each slice.
+        device: where it runs (SM count; CPU means the interpreter: small tiles).
+        override: from ``kernels.lora_shrink.parse_config_override``.
+    """
+    block_m, tiles = tile_m_for(num_tokens, num_segments)
     if is_interpreted(device):
-        return _ExpandConfig(16, min(64, max(16, next_power_of_2(max_out))), block_r, 4)
-    tokens_per_slot = 1 if fixed_grid else num_tokens / max(num_active, 1)
-    block_m = 16 if tokens_per_slot <= 16 else (32 if tokens_per_slot <= 64 else 64)
-    return _ExpandConfig(block_m, 128, block_r, 4)
+        cfg = LoRAExpandConfig(16, min(32, max(16, next_power_of_2(max(out_dims)))), 2, 4)
+    else:
+        block_n = 256 if block_m <= 16 else 128
+
+        def programs(n_tiles: int) -> int:
+            return tiles * sum(cdiv(n, block_n * n_tiles) for n in out_dims)
+
+        # Most columns per program that still leave PROGRAMS_PER_SM programs with work per SM.
+        n_tiles, target = 1, PROGRAMS_PER_SM * num_sms(device)
+        while n_tiles * 2 <= MAX_N_TILES and programs(n_tiles * 2) >= target:
+            n_tiles *= 2
+        cfg = LoRAExpandConfig(block_m, block_n, n_tiles, 4, 2)
+    return dataclasses.replace(cfg, **dict(override))
 
 
 def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
-                y: torch.Tensor, slice_offsets: Sequence[int], add_inputs: bool = True) -> None:
-    """Add each LoRA token's B-projection of ``buf`` into its columns of y, in place.
+                y: torch.Tensor, slice_offsets: Sequence[int], add_inputs: bool = True, *,
+                config: Optional[LoRAExpandConfig] = None) -> None:
+    """Add each LoRA token's B-projection of its summed shrink partials into its columns of y, in place.
 
     Args:
-        buf: [num_slices, num_tokens, rank] float32 (the shrink output), contiguous.
+        buf: [num_slices, split_k, num_tokens, rank] float32 (``lora_shrink``'s partials), contiguous.
         lora_b_slices: num_slices (1..3) tensors [max_loras, out_dim_s, rank] in y's dtype, contiguous.
         meta: this step's ``LoRAKernelMeta``.
         y: [num_tokens, total_out] float16/bfloat16/float32, last dim contiguous.
@@ -120,6 +176,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
             (off_s + out_dim_s <= total_out).
         add_inputs: True adds to y (fp32 sum, then cast); False overwrites those columns.
             Rows of base-model tokens are never touched.
+        config: launch config; None: ``lora_expand_config``'s default.
     """
     check_tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, total_out = y.shape
@@ -127,9 +184,11 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
     if not isinstance(lora_b_slices, (list, tuple)) or not 1 <= len(lora_b_slices) <= MAX_SLICES:
         raise ValueError(f"lora_b_slices: expected a list/tuple of 1..{MAX_SLICES} tensors.")
     num_slices = len(lora_b_slices)
-    check_tensor("buf", buf, ndim=3, dtypes=(torch.float32,), device=dev, contiguous=True)
-    rank = buf.shape[2]
-    check_tensor("buf", buf, shape=(num_slices, num_tokens, rank))
+    check_tensor("buf", buf, ndim=4, dtypes=(torch.float32,), device=dev, contiguous=True)
+    split_k, rank = buf.shape[1], buf.shape[3]
+    check_tensor("buf", buf, shape=(num_slices, split_k, num_tokens, rank))
+    if split_k < 1:
+        raise ValueError("buf: split_k (dim 1) must be >= 1.")
     max_loras = lora_b_slices[0].shape[0] if isinstance(lora_b_slices[0], torch.Tensor) else -1
     for s, b in enumerate(lora_b_slices):
         check_tensor(f"lora_b_slices[{s}]", b, ndim=3, dtypes=(y.dtype,), shape=(max_loras, None, rank),
@@ -142,23 +201,25 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
             raise ValueError(f"slice_offsets[{s}]: columns [{off}, {off + b.shape[1]}) exceed y's "
                              f"{total_out}.")
     _check_meta(meta, num_tokens, max_loras, dev)
+    out_dims = tuple(b.shape[1] for b in lora_b_slices)
+    if config is None:
+        config = lora_expand_config(num_tokens, meta.num_active, out_dims, dev)
     if meta.no_lora or num_tokens == 0:
         return
 
-    out_dims = [b.shape[1] for b in lora_b_slices]
-    cfg = _expand_config(dev, num_tokens, meta.num_active, max(out_dims), rank, meta.fixed_grid)
     pad = MAX_SLICES - num_slices
     b_args = list(lora_b_slices) + [lora_b_slices[0]] * pad
-    n_args = out_dims + [0] * pad
+    n_args = list(out_dims) + [0] * pad
     off_args = [int(o) for o in slice_offsets] + [0] * pad
-    grid = (num_tokens // cfg.block_m + meta.num_active, triton.cdiv(max(out_dims), cfg.block_n), num_slices)
+    cols_per_program = config.block_n * config.n_tiles
+    grid = (num_tokens // config.block_m + meta.num_active, cdiv(max(out_dims), cols_per_program), num_slices)
     _lora_expand_kernel[grid](
         buf, y, *b_args,
         meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
-        meta.num_active, rank, *n_args, *off_args,
-        buf.stride(0), buf.stride(1), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        MAX_LORAS_PAD=next_power_of_2(max_loras),
+        meta.num_active, rank, *n_args, *off_args, cols_per_program,
+        buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
+        SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
         ADD_INPUTS=bool(add_inputs), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )

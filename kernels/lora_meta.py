@@ -14,6 +14,9 @@ count are padding (slot -1, zero tokens) and their programs exit at once.
 ``group_slots_host`` is the same grouping in numpy, for the runner, which knows every token's slot
 on the host: no device work and no sync; ``lora.batch.LoRAMetaBuffers`` copies it into static
 device buffers that the kernels (and the captured graphs) read.
+
+``max_split_k`` / ``shrink_buffer_rows`` are the sizing rule of the shrink's split-K partials
+buffer, here (no triton import) so that ``lora.batch`` can reserve it before any kernel runs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,26 @@ from kernels.utils import check_int, check_tensor
 
 NO_LORA = -1
 """Slot of a token that runs the base model only."""
+
+MAX_SPLIT_K = 16
+"""The most input-dim splits of one shrink tile (each stores its own fp32 partial)."""
+
+MAX_PARTIAL_ROWS = 4096
+"""split_k * num_tokens stays <= max(num_tokens, this): the partials of a big step stay small."""
+
+
+def max_split_k(num_tokens: int) -> int:
+    """The largest split_k any config uses for num_tokens tokens (a power of two)."""
+    cap = min(MAX_SPLIT_K, max(1, MAX_PARTIAL_ROWS // max(num_tokens, 1)))
+    return 1 << (cap.bit_length() - 1)
+
+
+def shrink_buffer_rows(num_tokens: int) -> int:
+    """split_k * num_tokens of the largest partials buffer a step of num_tokens tokens uses.
+
+    NOTE: non-decreasing in num_tokens, so a buffer reserved for the largest step fits every step.
+    """
+    return max(num_tokens, min(num_tokens * MAX_SPLIT_K, MAX_PARTIAL_ROWS))
 
 
 @dataclass

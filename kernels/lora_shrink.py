@@ -2,31 +2,58 @@
 
 Tokens are grouped by adapter slot in ``LoRAKernelMeta`` (one segment per active slot of
 ``sorted_token_ids``). One program computes a tile of ``BLOCK_M`` tokens of one segment for
-one slice (and one split of the input dim with split-K): it gathers the tokens' rows of x and
-multiplies them by that slot's A, so each adapter's A is streamed once per step for all of its
-tokens; a decode row is a segment of one token. Programs find their segment by counting entries
-of the first-tile column ``slot_start // BLOCK_M + a`` (the grid is ``num_tokens // BLOCK_M
-+ num_active`` tiles, an upper bound on the tiles of all segments), so no per-segment host work
-is needed and a program wastes no launch on another segment's empty tiles. With a fixed-grid meta
-(CUDA graphs) ``num_active`` is ``max_loras``: padding entries (slot -1) and tiles past a
-segment's end return at once, so the launch never depends on the batch's adapter mix.
+one slice and one of ``split_k`` contiguous chunks of the input dim: it gathers the tokens' rows
+of x and multiplies them by that slot's A, so each adapter's A is streamed once per step for all
+of its tokens; a decode row is a segment of one token. Programs find their segment by counting
+entries of the first-tile column ``slot_start // BLOCK_M + a`` (the grid is ``num_tokens //
+BLOCK_M + num_active`` tiles, an upper bound on the tiles of all segments), so no per-segment host
+work is needed. With a fixed-grid meta (CUDA graphs) ``num_active`` is ``max_loras``: padding
+entries (slot -1) and tiles past a segment's end return at once, so the launch never depends on
+the batch's adapter mix.
+
+Split-K without atomics: each split stores its own fp32 partial, ``out[slice, split, token]``,
+with plain stores, and ``kernels.lora_expand`` sums the ``split_k`` partials when it loads its
+input. So there is no memset and no atomic add; ``split_k`` is ``out.shape[1]``.
+
+Launch configs (``LoRAShrinkConfig``) come from ``lora_shrink_config``: tile sizes from the
+tokens per segment, and split_k so that the programs with work fill a few waves of the GPU even
+when every segment is as small as it can be (with a fixed grid: ``max_loras`` segments).
+``CHORUS_LORA_SHRINK_CONFIG`` overrides fields, e.g. ``"block_m=16,block_k=256,split_k=4,
+num_warps=4,num_stages=3"`` (fields of ``LoRAShrinkConfig``; split_k is clamped to
+``max_split_k``, so a reserved buffer always fits). ``lora.layers`` reads the variable once per
+layer; the kernel wrappers never read the environment.
 
 The torch twin is ``kernels.reference.lora_shrink_ref``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import LoRAKernelMeta
+from kernels.lora_meta import MAX_SPLIT_K, LoRAKernelMeta, max_split_k
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2, num_sms
 
+SHRINK_CONFIG_ENV = "CHORUS_LORA_SHRINK_CONFIG"
+"""Environment variable with ``LoRAShrinkConfig`` overrides, ``"field=int,..."``."""
 
+PROGRAMS_PER_SM = 2
+"""Programs with work the default configs aim for, per SM, with the smallest possible segments."""
+
+ConfigOverride = tuple[tuple[str, int], ...]
+"""Parsed ``field=int`` overrides of a launch config (hashable, so configs can be cached)."""
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------
 @triton.jit
 def _find_segment(active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, pid_m, num_active,
                   BLOCK_M: tl.constexpr, MAX_LORAS_PAD: tl.constexpr):
@@ -57,16 +84,19 @@ def _find_segment(active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, pid
 def _lora_shrink_kernel(
     x_ptr, lora_a_ptr, out_ptr,
     sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
-    num_active, in_dim, rank, scale,
-    stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank, stride_o_slice, stride_o_tok,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAX_LORAS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    num_active, in_dim, rank, k_per_split, scale,
+    stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank, stride_o_slice, stride_o_split, stride_o_tok,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, MAX_LORAS_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Semantics (with SPLIT_K > 1 the wrapper zeroes out first and the splits add atomically):
+    """Semantics (K_j = [j * k_per_split, (j + 1) * k_per_split) clipped to [0, in_dim)):
 
-        for s in range(num_slices), t in range(num_tokens):
+        for s in range(num_slices), j in range(split_k), t in range(num_tokens):
           if slot(t) >= 0:
-            out[s, t, :] = scale * x[t, :] @ lora_a[s, slot(t)].T      # fp32 accumulation
+            out[s, j, t, :] = scale * x[t, K_j] @ lora_a[s, slot(t)][:, K_j].T   # fp32 accumulation
+
+    Every split of a LoRA token is stored (zero for an empty K_j), so the sum over j is the full
+    product and nothing needs zeroing first. Rows of base-model tokens are not written.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -81,72 +111,155 @@ def _lora_shrink_kernel(
     tok = tl.load(sorted_token_ids_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)  # [BLOCK_M]
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    a_base = lora_a_ptr + pid_s.to(tl.int64) * stride_a_slice + slot.to(tl.int64) * stride_a_slot
+    a_rows = (lora_a_ptr + pid_s.to(tl.int64) * stride_a_slice + slot.to(tl.int64) * stride_a_slot
+              + offs_r[:, None] * stride_a_rank)                                       # [BLOCK_R, 1]
+    x_rows = x_ptr + tok[:, None] * stride_x_tok                                        # [BLOCK_M, 1]
 
+    k_lo = pid_k * k_per_split
+    k_end = k_lo + k_per_split
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(pid_k * BLOCK_K, in_dim, BLOCK_K * SPLIT_K):
+    for k0 in range(k_lo, tl.minimum(k_end, in_dim), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < in_dim
-        x = tl.load(x_ptr + tok[:, None] * stride_x_tok + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)      # [BLOCK_M, BLOCK_K]
-        a_t = tl.load(a_base + offs_r[None, :] * stride_a_rank + offs_k[:, None],
-                      mask=r_ok[None, :] & k_ok[:, None], other=0.0).to(tl.float32)    # [BLOCK_K, BLOCK_R]
-        acc += tl.dot(x, a_t, input_precision=DOT_PRECISION)
+        # NOTE: two bounds, each divisible by 16 (no min()), so the loads stay vectorized.
+        k_ok = (offs_k < in_dim) & (offs_k < k_end)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, BK]
+        a = tl.load(a_rows + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)   # [BR, BK]
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)                   # [BLOCK_M, BLOCK_R]
     acc = acc * scale
 
-    o_ptrs = out_ptr + pid_s.to(tl.int64) * stride_o_slice + tok[:, None] * stride_o_tok + offs_r[None, :]
-    o_mask = m_ok[:, None] & r_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(o_ptrs, acc, mask=o_mask)
-    else:
-        tl.atomic_add(o_ptrs, acc, mask=o_mask)
+    o_ptrs = (out_ptr + pid_s.to(tl.int64) * stride_o_slice + pid_k.to(tl.int64) * stride_o_split
+              + tok[:, None] * stride_o_tok + offs_r[None, :])
+    tl.store(o_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------
+# Launch configs
+# ----------------------------------------------------------------------------------------
+def _check_pow2(name: str, value: int, min_value: int, max_value: int = 1 << 30) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or not min_value <= value <= max_value
+            or value & (value - 1)):
+        raise ValueError(f"{name}: {value!r} must be a power of two in [{min_value}, {max_value}].")
+
+
+def _check_launch(num_warps: int, num_stages: int) -> None:
+    _check_pow2("num_warps", num_warps, 1, 16)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages: {num_stages!r} must be an int >= 1.")
 
 
 @dataclass(frozen=True)
-class _ShrinkConfig:
-    block_m: int     # tokens per tile
-    block_k: int     # input-dim chunk per inner step
-    block_r: int     # rank, padded to a power of two >= 16
-    split_k: int     # programs sharing one tile's input dim (atomic fp32 adds)
-    num_warps: int
+class LoRAShrinkConfig:
+    """Launch parameters of the shrink kernel (``CHORUS_LORA_SHRINK_CONFIG`` field names)."""
+
+    block_m: int = 16
+    """Tokens per tile: a power of two >= 16 (the smallest tl.dot tile)."""
+    block_k: int = 256
+    """Input-dim elements per inner step: a power of two >= 16."""
+    split_k: int = 1
+    """Programs splitting one tile's input dim, each storing its own fp32 partial (a power of two
+    <= MAX_SPLIT_K); the partials buffer's dim 1."""
+    num_warps: int = 4
+    """Warps per program (1..16, a power of two)."""
     num_stages: int = 3
+    """Software-pipelining depth of the input-dim loop (>= 1)."""
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_m", self.block_m, 16)
+        _check_pow2("block_k", self.block_k, 16)
+        _check_pow2("split_k", self.split_k, 1, MAX_SPLIT_K)
+        _check_launch(self.num_warps, self.num_stages)
 
 
-def _shrink_config(device: torch.device, num_tokens: int, num_active: int, num_slices: int,
-                   in_dim: int, rank: int, split_k: int | None, fixed_grid: bool = False) -> _ShrinkConfig:
-    """Tile sizes from the batch's shape; with ``fixed_grid`` only from num_tokens (the same for
-    every adapter mix, so a captured graph fits all): small tiles, split-K sized for one segment."""
-    block_r = max(16, next_power_of_2(rank))
+def parse_config_override(text: Optional[str], config_cls: type) -> ConfigOverride:
+    """Parse ``"field=int,field=int"`` (e.g. ``"block_k=256,split_k=4"``) against a config dataclass.
+
+    Raises ``ValueError`` naming the field for unknown names or non-integer values. Empty or
+    None gives no override.
+    """
+    if not text or not text.strip():
+        return ()
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    pairs = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in names:
+            raise ValueError(f"{config_cls.__name__} override {item.strip()!r}: expected field=int with "
+                             f"field in {sorted(names)}.")
+        try:
+            pairs[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{config_cls.__name__} override {key}={value.strip()!r}: "
+                             "not an integer.") from None
+    dataclasses.replace(config_cls(), **pairs)                    # validates the values now
+    return tuple(sorted(pairs.items()))
+
+
+def tile_m_for(num_tokens: int, num_segments: int) -> tuple[int, int]:
+    """(block_m, upper bound on the tiles with work) when num_tokens fall into num_segments segments.
+
+    The tiles are sized for the mean segment; ``num_segments`` is ``meta.num_active`` (with a fixed
+    grid: ``max_loras``, i.e. the worst case of as many segments as can exist).
+    """
+    segs = max(1, min(num_segments, num_tokens))
+    per_seg = num_tokens / segs
+    block_m = 16 if per_seg <= 16 else (32 if per_seg <= 64 else 64)
+    # Segment i has cdiv(c_i, block_m) <= 1 + (c_i - 1) / block_m tiles.
+    return block_m, segs + (num_tokens - segs) // block_m
+
+
+@functools.lru_cache(maxsize=4096)
+def lora_shrink_config(num_tokens: int, num_segments: int, num_slices: int, in_dim: int,
+                       device: torch.device, override: ConfigOverride = ()) -> LoRAShrinkConfig:
+    """The default launch config for one shrink, with ``override`` fields applied last.
+
+    Args:
+        num_tokens: rows of x.
+        num_segments: ``meta.num_active`` (max_loras with a fixed grid: sized for the worst case).
+        num_slices, in_dim: of lora_a.
+        device: where it runs (SM count; CPU means the interpreter: small tiles).
+        override: from ``parse_config_override`` (split_k is clamped to ``max_split_k``).
+    """
+    block_m, tiles = tile_m_for(num_tokens, num_segments)
     if is_interpreted(device):
-        return _ShrinkConfig(16, min(128, max(16, next_power_of_2(in_dim))), block_r, split_k or 1, 4)
-    tokens_per_slot = 1 if fixed_grid else num_tokens / max(num_active, 1)
-    block_m = 16 if tokens_per_slot <= 16 else (32 if tokens_per_slot <= 64 else 64)
-    block_k = 128 if block_m <= 32 else 64
-    if split_k is None:
-        # Fixed grid: programs with work are unknown; size split-K for the fewest (one segment).
-        programs = (num_tokens // block_m + (1 if fixed_grid else num_active)) * num_slices
-        sms = num_sms(device)
-        split_k = 1
-        k_steps = cdiv(in_dim, block_k)
-        while programs * split_k < 2 * sms and split_k * 2 <= min(16, k_steps // 2):
+        # Small tiles; two splits whenever in_dim has two chunks, so every caller's tests meet them.
+        split_k = 2 if in_dim > 16 and max_split_k(num_tokens) >= 2 else 1
+        cfg = LoRAShrinkConfig(16, min(64, max(16, next_power_of_2(cdiv(in_dim, split_k)))), split_k, 4)
+    else:
+        block_k = 256 if block_m <= 32 else 128
+        # Fewest splits that give PROGRAMS_PER_SM programs with work per SM, each split >= 2 steps.
+        split_k, k_steps, target = 1, cdiv(in_dim, block_k), PROGRAMS_PER_SM * num_sms(device)
+        while (tiles * num_slices * split_k < target and split_k * 2 <= max_split_k(num_tokens)
+               and 2 * split_k * 2 <= k_steps):
             split_k *= 2
-    return _ShrinkConfig(block_m, block_k, block_r, split_k, 4)
+        cfg = LoRAShrinkConfig(block_m, block_k, split_k, 4, 3)
+    cfg = dataclasses.replace(cfg, **dict(override))
+    return dataclasses.replace(cfg, split_k=min(cfg.split_k, max_split_k(num_tokens)))
 
 
+# ----------------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------------
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor,
-                scale: float = 1.0, *, split_k: int | None = None) -> None:
-    """out[s, t] = scale * x[t] @ lora_a[s, slot(t)].T for every LoRA token, in place.
+                scale: float = 1.0, *, config: Optional[LoRAShrinkConfig] = None) -> None:
+    """out[s, j, t] = scale * x[t, K_j] @ lora_a[s, slot(t), :, K_j].T for every LoRA token, in place.
 
     Args:
         x: [num_tokens, in_dim] float16/bfloat16/float32, last dim contiguous.
         lora_a: [num_slices, max_loras, rank, in_dim], x's dtype, contiguous.
         meta: this step's ``LoRAKernelMeta`` (num_tokens and max_loras must match).
-        out: [num_slices, num_tokens, rank] float32, contiguous. Only rows of LoRA tokens are
-            defined afterwards: rows of base-model tokens are unspecified (left as they were, or
-            zeroed with split-K), since ``lora_expand`` never reads them. If ``meta.no_lora``
-            nothing is launched.
+        out: [num_slices, split_k, num_tokens, rank] float32, contiguous: split j holds the
+            partial product over input chunk K_j (``split_chunk(in_dim, split_k)`` elements each);
+            their sum over dim 1 is the product (``lora_expand`` sums them). Rows of base-model
+            tokens are left as they were. If ``meta.no_lora`` nothing is launched.
         scale: multiplies the result (the alpha/r scale usually lives in B instead).
-        split_k: programs per tile along in_dim (power of two); None picks one.
+        config: launch config; its split_k must be out.shape[1]. None: ``lora_shrink_config``'s
+            default with out.shape[1] splits.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, in_dim = x.shape
@@ -154,27 +267,39 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
     check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, contiguous=True)
     num_slices, max_loras, rank, _ = lora_a.shape
     check_tensor("lora_a", lora_a, shape=(num_slices, max_loras, rank, in_dim))
-    check_tensor("out", out, dtypes=(torch.float32,), shape=(num_slices, num_tokens, rank), device=dev,
-                 contiguous=True)
+    check_tensor("out", out, ndim=4, dtypes=(torch.float32,), device=dev, contiguous=True)
+    split_k = out.shape[1]
+    check_tensor("out", out, shape=(num_slices, split_k, num_tokens, rank))
+    _check_pow2("out.shape[1] (split_k)", split_k, 1)
     _check_meta(meta, num_tokens, max_loras, dev)
-    if split_k is not None and (split_k < 1 or split_k & (split_k - 1)):
-        raise ValueError(f"split_k: {split_k} must be a power of two >= 1.")
+    if config is None:
+        config = dataclasses.replace(
+            lora_shrink_config(num_tokens, meta.num_active, num_slices, in_dim, dev), split_k=split_k)
+    elif config.split_k != split_k:
+        raise ValueError(f"config.split_k {config.split_k} != out.shape[1] {split_k}.")
     if meta.no_lora or num_tokens == 0:
         return
-    cfg = _shrink_config(dev, num_tokens, meta.num_active, num_slices, in_dim, rank, split_k, meta.fixed_grid)
-    if cfg.split_k > 1:
-        out.zero_()                                  # the splits accumulate with atomic adds
-    grid = (num_tokens // cfg.block_m + meta.num_active, num_slices, cfg.split_k)
+    grid = (num_tokens // config.block_m + meta.num_active, num_slices, split_k)
     _lora_shrink_kernel[grid](
         x, lora_a, out,
         meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
-        meta.num_active, in_dim, rank, float(scale),
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r, SPLIT_K=cfg.split_k,
+        meta.num_active, in_dim, rank, split_chunk(in_dim, split_k), float(scale),
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=config.block_m, BLOCK_K=config.block_k, BLOCK_R=max(16, next_power_of_2(rank)),
         MAX_LORAS_PAD=next_power_of_2(max_loras),
+        UPCAST=is_interpreted(dev) or x.dtype == torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def split_chunk(in_dim: int, split_k: int) -> int:
+    """Input-dim elements per split: cdiv(in_dim, split_k) rounded up to 16 (aligned loads).
+
+    NOTE: ``kernels.reference.lora_shrink_ref`` computes the same chunks.
+    """
+    return cdiv(cdiv(in_dim, split_k), 16) * 16
 
 
 def _check_meta(meta: LoRAKernelMeta, num_tokens: int, max_loras: int, device: torch.device) -> None:

@@ -6,7 +6,7 @@ float64 (attention) or float32 (LoRA), and returns a new tensor instead of writi
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -81,21 +81,28 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_lora_slots: torch.Tensor,
-                    scale: float = 1.0) -> torch.Tensor:
+                    scale: float = 1.0, split_k: Optional[int] = None) -> torch.Tensor:
     """Twin of ``kernels.lora_shrink.lora_shrink``.
 
     x: [T, in_dim]; lora_a: [num_slices, max_loras, rank, in_dim].
-    Returns [num_slices, T, rank] float32: scale * x[t] @ lora_a[s, slot(t)].T; zero for base rows
-    (the kernel leaves those rows unspecified).
+    Returns float32 scale * x[t] @ lora_a[s, slot(t)].T, zero for base rows (the kernel leaves
+    those rows as they were): [num_slices, T, rank] with split_k None; else the kernel's partials
+    [num_slices, split_k, T, rank], split j over inputs [j * c, (j + 1) * c) with
+    c = cdiv(in_dim, split_k) rounded up to 16 (``kernels.lora_shrink.split_chunk``).
     """
-    num_slices, _, rank, _ = lora_a.shape
-    out = torch.zeros(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    num_slices, _, rank, in_dim = lora_a.shape
+    splits = split_k or 1
+    chunk = (in_dim + splits - 1) // splits
+    chunk = (chunk + 15) // 16 * 16
+    out = torch.zeros(num_slices, splits, x.shape[0], rank, dtype=torch.float32, device=x.device)
     for t, slot in enumerate(token_lora_slots.tolist()):
         if slot == NO_LORA:
             continue
         for s in range(num_slices):
-            out[s, t] = scale * (lora_a[s, slot].float() @ x[t].float())
-    return out
+            for j in range(splits):
+                ks = slice(j * chunk, (j + 1) * chunk)
+                out[s, j, t] = scale * (lora_a[s, slot, :, ks].float() @ x[t, ks].float())
+    return out if split_k else out[:, 0]
 
 
 def lora_expand_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
@@ -103,15 +110,17 @@ def lora_expand_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
                     add_inputs: bool = True) -> torch.Tensor:
     """Twin of ``kernels.lora_expand.lora_expand``: returns an updated copy of y.
 
-    buf: [num_slices, T, rank] float32; lora_b_slices[s]: [max_loras, out_dim_s, rank];
-    y: [T, total_out]. y[t, off_s:off_s+out_s] (+)= buf[s, t] @ lora_b_s[slot(t)].T for LoRA rows.
+    buf: [num_slices, T, rank] or split partials [num_slices, split_k, T, rank] (summed), float32;
+    lora_b_slices[s]: [max_loras, out_dim_s, rank]; y: [T, total_out].
+    y[t, off_s:off_s+out_s] (+)= buf[s, t] @ lora_b_s[slot(t)].T for LoRA rows.
     """
+    h = buf.float().sum(1) if buf.dim() == 4 else buf.float()        # [num_slices, T, rank]
     y_out = y.clone()
     for t, slot in enumerate(token_lora_slots.tolist()):
         if slot == NO_LORA:
             continue
         for s, (b, off) in enumerate(zip(lora_b_slices, slice_offsets)):
-            delta = b[slot].float() @ buf[s, t].float()         # [out_dim_s]
+            delta = b[slot].float() @ h[s, t]                   # [out_dim_s]
             cols = slice(off, off + b.shape[1])
             base = y_out[t, cols].float() if add_inputs else 0.0
             y_out[t, cols] = (base + delta).to(y.dtype)

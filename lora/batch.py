@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kernels.lora_meta import LoRAKernelMeta, build_lora_kernel_meta, group_slots_host
+from kernels.lora_meta import LoRAKernelMeta, build_lora_kernel_meta, group_slots_host, shrink_buffer_rows
 
 
 @dataclass
@@ -77,27 +77,43 @@ class LoRABatchState:
     batch: Optional[LoRABatch] = None
     """None before the first step (layers then add nothing)."""
     _shrink_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
+    """[capacity] float32 scratch that every layer's shrink partials view."""
+    _reserved: bool = field(default=False, repr=False)
+    """``reserve`` ran: the buffer may be captured by CUDA graphs and is never reallocated."""
 
     def reserve(self, num_slices: int, num_tokens: int, rank: int, device: torch.device) -> None:
-        """Allocate the scratch buffer for the largest step up front.
+        """Allocate the scratch buffer for the largest step up front: num_slices x rank x
+        ``shrink_buffer_rows(num_tokens)`` floats, enough for the partials of any split_k the
+        shrink configs pick for up to num_tokens tokens (they clamp split_k to fit).
 
-        NOTE: CUDA graphs keep the buffer's address; it must never be reallocated after capture.
+        NOTE: CUDA graphs keep the buffer's address; it must never be reallocated after capture,
+        so after this call ``shrink_buffer`` raises instead of growing.
         """
-        self.shrink_buffer(num_slices, num_tokens, rank, device)
+        need = num_slices * shrink_buffer_rows(num_tokens) * rank
+        buf = self._shrink_buffer
+        if buf is None or buf.numel() < need or buf.device != device:
+            self._shrink_buffer = torch.empty(need, dtype=torch.float32, device=device)   # [capacity]
+        self._reserved = True
 
-    def shrink_buffer(self, num_slices: int, num_tokens: int, rank: int,
+    def shrink_buffer(self, num_slices: int, split_k: int, num_tokens: int, rank: int,
                       device: torch.device) -> torch.Tensor:
-        """A float32 [num_slices, num_tokens, rank] view of one scratch buffer that only grows.
+        """A float32 [num_slices, split_k, num_tokens, rank] view of the one scratch buffer.
 
+        Before ``reserve`` the buffer grows as needed (tests, tools); after it, a request that
+        does not fit is a bug (a larger step than reserved for) and raises.
         NOTE: layers run one after another, so one buffer serves them all.
         """
         buf = self._shrink_buffer
-        need = num_slices * num_tokens * rank
+        need = num_slices * split_k * num_tokens * rank
         if buf is None or buf.numel() < need or buf.device != device:
+            if self._reserved:
+                raise RuntimeError(f"LoRA shrink buffer: [{num_slices}, {split_k}, {num_tokens}, {rank}] "
+                                   f"does not fit the reserved {0 if buf is None else buf.numel()} floats "
+                                   f"on {None if buf is None else buf.device}.")
             buf = torch.empty(max(need, 2 * (0 if buf is None else buf.numel())),
                               dtype=torch.float32, device=device)                 # [capacity]
             self._shrink_buffer = buf
-        return buf[:need].view(num_slices, num_tokens, rank)
+        return buf[:need].view(num_slices, split_k, num_tokens, rank)
 
 
 class LoRAMetaBuffers:

@@ -12,10 +12,19 @@ Ranks below ``max_rank`` are zero-padded, and slices an adapter does not target 
 they add nothing. Compute goes through the Triton shrink/expand kernels on CUDA and through a
 segment-wise torch path elsewhere (one matmul pair per active slot, checked against the kernels'
 pure-torch twins in the tests).
+
+The Triton path per call: pick the shrink config (its split_k), take a [num_slices, split_k,
+num_tokens, max_rank] view of the shared scratch buffer, shrink into it (per-split partials,
+plain stores) and expand from it (summing the partials): two launches, no memset.
+``CHORUS_LORA_SHRINK_CONFIG`` / ``CHORUS_LORA_EXPAND_CONFIG`` override the kernels' launch
+configs (see ``kernels.lora_shrink`` / ``kernels.lora_expand``); ``kernel_overrides_from_env``
+reads them, once per layer.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -25,6 +34,29 @@ from lora.batch import LoRABatchState
 from lora.peft_adapter import LoRASliceWeights
 
 BACKENDS = ("triton", "torch")
+
+
+@dataclass(frozen=True)
+class LoRAKernelOverrides:
+    """Launch-config overrides of the Triton LoRA kernels (parsed ``field=int`` pairs)."""
+
+    shrink: tuple[tuple[str, int], ...] = ()
+    """``LoRAShrinkConfig`` fields from CHORUS_LORA_SHRINK_CONFIG."""
+    expand: tuple[tuple[str, int], ...] = ()
+    """``LoRAExpandConfig`` fields from CHORUS_LORA_EXPAND_CONFIG."""
+
+
+def kernel_overrides_from_env() -> LoRAKernelOverrides:
+    """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG (ValueError if bad).
+
+    NOTE: the only place these variables are read (imports triton: call it on the Triton path only).
+    """
+    from kernels.lora_expand import EXPAND_CONFIG_ENV, LoRAExpandConfig
+    from kernels.lora_shrink import SHRINK_CONFIG_ENV, LoRAShrinkConfig, parse_config_override
+
+    return LoRAKernelOverrides(
+        shrink=parse_config_override(os.environ.get(SHRINK_CONFIG_ENV), LoRAShrinkConfig),
+        expand=parse_config_override(os.environ.get(EXPAND_CONFIG_ENV), LoRAExpandConfig))
 
 
 class LinearLoRASlots(nn.Module):
@@ -57,6 +89,8 @@ class LinearLoRASlots(nn.Module):
             offs.append(acc)
             acc += size
         self.slice_offsets = offs
+        self.overrides = kernel_overrides_from_env() if backend == "triton" else LoRAKernelOverrides()
+        """Kernel launch-config overrides, read once here."""
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -112,12 +146,18 @@ class LinearLoRASlots(nn.Module):
         return y
 
     def _forward_triton(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
-        from kernels.lora_expand import lora_expand
-        from kernels.lora_shrink import lora_shrink
+        from kernels.lora_expand import lora_expand, lora_expand_config
+        from kernels.lora_shrink import lora_shrink, lora_shrink_config
 
-        buf = self.state.shrink_buffer(self.num_slices, x.shape[0], self.max_rank, x.device)  # [S, T, R] f32
-        lora_shrink(x.contiguous(), self.lora_a, batch.meta, buf, 1.0)
-        lora_expand(buf, self.lora_b, batch.meta, y, self.slice_offsets, add_inputs=True)
+        meta, num_tokens = batch.meta, x.shape[0]
+        shrink_cfg = lora_shrink_config(num_tokens, meta.num_active, self.num_slices, self.input_size,
+                                        x.device, self.overrides.shrink)
+        expand_cfg = lora_expand_config(num_tokens, meta.num_active, tuple(self.output_sizes), x.device,
+                                        self.overrides.expand)
+        buf = self.state.shrink_buffer(self.num_slices, shrink_cfg.split_k, num_tokens, self.max_rank,
+                                       x.device)                                  # [S, split_k, T, R] f32
+        lora_shrink(x.contiguous(), self.lora_a, meta, buf, 1.0, config=shrink_cfg)
+        lora_expand(buf, self.lora_b, meta, y, self.slice_offsets, add_inputs=True, config=expand_cfg)
 
     def _forward_torch(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
         lora_b = self.lora_b

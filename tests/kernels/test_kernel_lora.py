@@ -1,7 +1,8 @@
 """LoRA shrink/expand kernels and the per-step meta builder against the torch twins.
 
 Parametrized over dtype x rank x adapter popularity (distinct, uniform, Zipf, identical)
-x base-model rows, with odd hidden sizes, 1..3 slices, 1..33 tokens and 1..4 slots.
+x base-model rows, with odd hidden sizes, 1..3 slices, 1..33 tokens, 1..4 slots and split-K
+partials (1, 2, 8 splits), exact and fixed grid; plus explicit launch configs and overrides.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import itertools
 import pytest
 import torch
 
-from kernels.lora_expand import lora_expand
-from kernels.lora_meta import NO_LORA, build_lora_kernel_meta
-from kernels.lora_shrink import lora_shrink
+from kernels.lora_expand import LoRAExpandConfig, lora_expand, lora_expand_config
+from kernels.lora_meta import NO_LORA, build_lora_kernel_meta, max_split_k, shrink_buffer_rows
+from kernels.lora_shrink import LoRAShrinkConfig, lora_shrink, lora_shrink_config, parse_config_override
 from kernels.reference import lora_expand_ref, lora_shrink_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -26,6 +27,7 @@ SHAPES = [(72, (48, 16, 16)), (100, (37,)), (37, (100, 72))]
 """(in_dim, out_dim of each slice): packed qkv-like, one odd slice, two wide slices."""
 NUM_TOKENS = [1, 7, 33]
 MAX_LORAS = [1, 3, 4]
+SPLIT_K = [1, 2, 8]
 
 Y_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """atol = rtol on y per dtype (about one ulp; the interpreter truncates to bf16)."""
@@ -65,7 +67,8 @@ def randn(g: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(DEVICE)
 
 
-def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, shape, seed, fixed_grid=False):
+def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, shape, seed, fixed_grid=False,
+             split_k=1, shrink_cfg=None, expand_cfg=None):
     in_dim, out_dims = shape
     g = torch.Generator().manual_seed(seed)
     slots = make_slots(num_tokens, max_loras, popularity, with_base, seed)
@@ -77,14 +80,16 @@ def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, shape, s
     offsets = [sum(out_dims[:s]) for s in range(num_slices)]
     y = randn(g, num_tokens, sum(out_dims) + 3).to(dtype)                           # 3 spare columns
 
-    buf = torch.full((num_slices, num_tokens, rank), float("nan"), device=DEVICE)   # [S, T, rank] float32
-    lora_shrink(x, lora_a, meta, buf, scale=0.5)
-    buf_ref = lora_shrink_ref(x, lora_a, slots, scale=0.5)
-    lora_rows = slots != NO_LORA                                                     # base rows: unspecified
-    torch.testing.assert_close(buf[:, lora_rows], buf_ref[:, lora_rows], atol=1e-4, rtol=1e-4)
+    # NaN everywhere: every partial of a LoRA row must be stored (there is no memset).
+    buf = torch.full((num_slices, split_k, num_tokens, rank), float("nan"), device=DEVICE)  # [S, split, T, R]
+    lora_shrink(x, lora_a, meta, buf, scale=0.5, config=shrink_cfg)
+    buf_ref = lora_shrink_ref(x, lora_a, slots, scale=0.5, split_k=split_k)         # [S, split, T, rank]
+    lora_rows = slots != NO_LORA                                                     # base rows: untouched
+    torch.testing.assert_close(buf[:, :, lora_rows], buf_ref[:, :, lora_rows], atol=1e-4, rtol=1e-4)
+    assert torch.isnan(buf[:, :, ~lora_rows]).all()
 
     y_ref = lora_expand_ref(buf_ref, lora_b, slots, y, offsets)
-    lora_expand(buf_ref, lora_b, meta, y, offsets)
+    lora_expand(buf_ref, lora_b, meta, y, offsets, config=expand_cfg)
     torch.testing.assert_close(y.float(), y_ref.float(), atol=Y_TOL[dtype], rtol=Y_TOL[dtype])
     return slots, y, y_ref
 
@@ -99,7 +104,8 @@ def test_shrink_expand_matches_ref(dtype, rank, popularity, with_base):
     # Sizes rotate with the case index so every size meets every dtype and rank.
     num_tokens = NUM_TOKENS[i % 3]
     max_loras = MAX_LORAS[(i // 3) % 3] if num_tokens > 1 else 4
-    run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, SHAPES[(i // 9) % 3], seed=i)
+    run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, SHAPES[(i // 9) % 3], seed=i,
+             split_k=SPLIT_K[(i // 2) % 3])
 
 
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
@@ -107,7 +113,7 @@ def test_shrink_expand_matches_ref(dtype, rank, popularity, with_base):
 @pytest.mark.parametrize("shape", SHAPES, ids=["qkv", "odd", "wide"])
 def test_sizes(num_tokens, max_loras, shape):
     slots, y, y_ref = run_case(torch.float16, 8, "uniform", True, num_tokens, max_loras, shape,
-                               seed=num_tokens * 10 + max_loras)
+                               seed=num_tokens * 10 + max_loras, split_k=SPLIT_K[num_tokens % 3])
     base = slots == NO_LORA
     assert torch.equal(y[base], y_ref[base])                                        # base rows untouched
 
@@ -122,7 +128,7 @@ def test_fixed_grid_matches_ref(dtype, popularity, with_base):
     """The CUDA-graph launch (grid over every slot, padding entries exit) equals the twin."""
     i = FIXED_CASES.index((dtype, popularity, with_base))
     run_case(dtype, 16, popularity, with_base, NUM_TOKENS[i % 3] + 4, 5, SHAPES[i % 3], seed=100 + i,
-             fixed_grid=True)
+             fixed_grid=True, split_k=SPLIT_K[i % 3])
 
 
 def test_fixed_grid_base_only_touches_nothing():
@@ -130,11 +136,12 @@ def test_fixed_grid_base_only_touches_nothing():
     slots = torch.full((9,), NO_LORA, dtype=torch.int32, device=DEVICE)
     meta = build_lora_kernel_meta(slots, 4, fixed_grid=True)
     assert not meta.no_lora and meta.num_active == 4
-    buf = torch.zeros(1, 9, 8, device=DEVICE)
+    buf = torch.zeros(1, 2, 9, 8, device=DEVICE)
     lora_shrink(torch.randn(9, 40, device=DEVICE), torch.randn(1, 4, 8, 40, device=DEVICE), meta, buf)
+    assert torch.all(buf == 0)
     y = torch.randn(9, 24, device=DEVICE)
     y0 = y.clone()
-    lora_expand(torch.randn(1, 9, 8, device=DEVICE), [torch.randn(4, 24, 8, device=DEVICE)], meta, y, [0])
+    lora_expand(torch.randn(1, 2, 9, 8, device=DEVICE), [torch.randn(4, 24, 8, device=DEVICE)], meta, y, [0])
     assert torch.equal(y, y0)
 
 
@@ -154,23 +161,112 @@ def test_host_grouping_matches_torch_build(popularity, with_base):
         group_slots_host(torch.tensor([0, 3]).numpy(), 3)
 
 
-def test_split_k_matches():
+@pytest.mark.parametrize("split_k", [1, 2, 8, 16])
+@pytest.mark.parametrize("fixed_grid", [False, True], ids=["exact", "fixed_grid"])
+def test_split_k_partials(split_k, fixed_grid):
+    """Each split stores its own partial over its input chunk (empty chunks store zeros); the
+    expand sums them. in_dim 100 with 16 splits: chunks of 16, the last 9 splits are empty."""
     slots = make_slots(33, 4, "zipf", True, seed=5)
-    meta = build_lora_kernel_meta(slots, 4)
+    meta = build_lora_kernel_meta(slots, 4, fixed_grid=fixed_grid)
     x = torch.randn(33, 100, device=DEVICE)
     lora_a = torch.randn(2, 4, 8, 100, device=DEVICE) * 0.1
-    for split_k in (2, 4):
-        out = torch.full((2, 33, 8), 3.0, device=DEVICE)
-        lora_shrink(x, lora_a, meta, out, split_k=split_k)
-        rows = slots != NO_LORA
-        expected = lora_shrink_ref(x, lora_a, slots)
-        torch.testing.assert_close(out[:, rows], expected[:, rows], atol=1e-4, rtol=1e-4)
+    out = torch.full((2, split_k, 33, 8), float("nan"), device=DEVICE)                # [S, split, T, rank]
+    lora_shrink(x, lora_a, meta, out, config=LoRAShrinkConfig(block_k=16, split_k=split_k))
+    rows = slots != NO_LORA
+    partials = lora_shrink_ref(x, lora_a, slots, split_k=split_k)
+    torch.testing.assert_close(out[:, :, rows], partials[:, :, rows], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[:, :, rows].sum(1), lora_shrink_ref(x, lora_a, slots)[:, rows],
+                               atol=1e-4, rtol=1e-4)
+    lora_b = [torch.randn(4, 24, 8, device=DEVICE), torch.randn(4, 40, 8, device=DEVICE)]
+    y = torch.randn(33, 64, device=DEVICE)
+    y_ref = lora_expand_ref(partials, lora_b, slots, y, [0, 24])
+    lora_expand(out, lora_b, meta, y, [0, 24])
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_explicit_configs(block_m, dtype):
+    """Tiles of every size and programs walking several column tiles, exact and fixed grid."""
+    shrink_cfg = LoRAShrinkConfig(block_m=block_m, block_k=32, split_k=2, num_warps=8, num_stages=2)
+    for i, (n_tiles, block_n) in enumerate([(1, 16), (2, 16), (4, 32)]):
+        run_case(dtype, 8, POPULARITY[(i + block_m // 32) % 4], True, 70, 3, SHAPES[i], seed=block_m + i,
+                 fixed_grid=i == 1, split_k=2, shrink_cfg=shrink_cfg,
+                 expand_cfg=LoRAExpandConfig(block_m=block_m, block_n=block_n, n_tiles=n_tiles))
+
+
+@pytest.fixture
+def h200_sms(monkeypatch):
+    """Plan configs for a 132-SM GPU without one (the config functions are cached: cleared)."""
+    import kernels.lora_expand as ke
+    import kernels.lora_shrink as ks
+
+    monkeypatch.setattr(ks, "num_sms", lambda device: 132)
+    monkeypatch.setattr(ke, "num_sms", lambda device: 132)
+    ks.lora_shrink_config.cache_clear()
+    ke.lora_expand_config.cache_clear()
+    yield 132
+    ks.lora_shrink_config.cache_clear()
+    ke.lora_expand_config.cache_clear()
+
+
+LLAMA_LAYERS = [(3, 4096, (4096, 1024, 1024)), (1, 4096, (4096,)), (2, 4096, (14336, 14336)),
+                (1, 14336, (4096,))]
+"""(slices, in_dim, out_dims) of qkv, o, gate_up, down in Llama-3-8B."""
+
+
+def test_default_configs_fill_the_gpu(h200_sms):
+    """Decode with every slot a one-token segment (the fixed-grid worst case): the programs with
+    work are a few waves, not thousands; split_k never outgrows a reserved buffer."""
+    cuda = torch.device("cuda", 0)
+    for num_tokens in (1, 64, 256, 4096):
+        for segments in (1, 16, 64):
+            for slices, in_dim, outs in LLAMA_LAYERS:
+                cfg = lora_shrink_config(num_tokens, segments, slices, in_dim, cuda)
+                assert cfg.split_k * num_tokens <= shrink_buffer_rows(num_tokens)
+                if num_tokens in (64, 256) and segments == 64:
+                    tiles = 64 + (num_tokens - 64) // cfg.block_m
+                    assert 1.5 * h200_sms <= tiles * slices * cfg.split_k <= 8 * h200_sms, (cfg, slices)
+                    e = lora_expand_config(num_tokens, segments, outs, cuda)
+                    cols = e.block_n * e.n_tiles
+                    programs = tiles * sum(-(-n // cols) for n in outs)
+                    assert 1.5 * h200_sms <= programs <= 8 * h200_sms, (e, outs)
+    # Overrides win; split_k is clamped to what a reserved buffer holds.
+    cfg = lora_shrink_config(4096, 4, 1, 4096, cuda, (("block_k", 64), ("split_k", 16)))
+    assert cfg.block_k == 64 and cfg.split_k == 1
+    assert lora_expand_config(64, 64, (4096,), cuda, (("n_tiles", 2),)).n_tiles == 2
+
+
+def test_config_overrides_parse_and_validate():
+    assert parse_config_override("block_m=16, block_k=256,split_k=4,num_warps=4", LoRAShrinkConfig) == (
+        ("block_k", 256), ("block_m", 16), ("num_warps", 4), ("split_k", 4))
+    assert parse_config_override("", LoRAShrinkConfig) == ()
+    assert parse_config_override(None, LoRAExpandConfig) == ()
+    assert parse_config_override("block_n=64,n_tiles=8", LoRAExpandConfig) == (
+        ("block_n", 64), ("n_tiles", 8))
+    with pytest.raises(ValueError, match="field in"):
+        parse_config_override("block_n=64", LoRAShrinkConfig)
+    with pytest.raises(ValueError, match="not an integer"):
+        parse_config_override("block_k=big", LoRAShrinkConfig)
+    with pytest.raises(ValueError, match="split_k"):
+        parse_config_override("split_k=3", LoRAShrinkConfig)
+    with pytest.raises(ValueError, match="block_m"):
+        LoRAExpandConfig(block_m=8)
+    with pytest.raises(ValueError, match="n_tiles"):
+        LoRAExpandConfig(n_tiles=64)
+
+
+def test_split_k_cap_fits_reserved_buffer():
+    assert [max_split_k(t) for t in (1, 256, 300, 5000)] == [16, 16, 8, 1]
+    rows = [shrink_buffer_rows(t) for t in range(1, 6000)]
+    assert rows == sorted(rows)                                        # a reservation fits smaller steps
+    assert all(max_split_k(t) * t <= shrink_buffer_rows(t) for t in range(1, 6000))
 
 
 def test_expand_overwrite_and_spare_columns():
     slots = torch.tensor([1, NO_LORA, 1, 0, 2, 2, 2], dtype=torch.int32, device=DEVICE)
     meta = build_lora_kernel_meta(slots, 3)
-    buf = torch.randn(2, 7, 4, device=DEVICE)
+    buf = torch.randn(2, 1, 7, 4, device=DEVICE)
     lora_b = [torch.randn(3, 20, 4, device=DEVICE), torch.randn(3, 12, 4, device=DEVICE)]
     y = torch.randn(7, 40, device=DEVICE)
     y_ref = lora_expand_ref(buf, lora_b, slots, y, [5, 25], add_inputs=False)
@@ -182,7 +278,7 @@ def test_no_lora_touches_nothing():
     slots = torch.full((5,), NO_LORA, dtype=torch.int32, device=DEVICE)
     meta = build_lora_kernel_meta(slots, 4)
     assert meta.no_lora and meta.num_active == 0
-    out = torch.full((1, 5, 8), 7.0, device=DEVICE)
+    out = torch.full((1, 2, 5, 8), 7.0, device=DEVICE)
     lora_shrink(torch.randn(5, 16, device=DEVICE), torch.randn(1, 4, 8, 16, device=DEVICE), meta, out)
     y = torch.randn(5, 16, device=DEVICE)
     y0 = y.clone()
@@ -194,19 +290,23 @@ def test_rejects_bad_inputs():
     slots = torch.tensor([0, 1, NO_LORA], dtype=torch.int32, device=DEVICE)
     meta = build_lora_kernel_meta(slots, 2)
     x, a = torch.randn(3, 16, device=DEVICE), torch.randn(1, 2, 4, 16, device=DEVICE)
-    out = torch.zeros(1, 3, 4, device=DEVICE)
+    out = torch.zeros(1, 1, 3, 4, device=DEVICE)                                   # [S, split_k, T, rank]
     with pytest.raises(ValueError, match="lora_a: dtype"):
         lora_shrink(x, a.half(), meta, out)
     with pytest.raises(ValueError, match="lora_a: expected shape"):
         lora_shrink(x, torch.randn(1, 2, 4, 8, device=DEVICE), meta, out)
     with pytest.raises(ValueError, match="out: dtype"):
         lora_shrink(x, a, meta, out.half())
+    with pytest.raises(ValueError, match="out: expected 4 dims"):
+        lora_shrink(x, a, meta, out[:, 0])
     with pytest.raises(ValueError, match="meta: built for 3 tokens"):
-        lora_shrink(x[:2], a, meta, out[:, :2])
+        lora_shrink(x[:2], a, meta, out[:, :, :2].contiguous())
     with pytest.raises(ValueError, match="meta: built for max_loras=2"):
         lora_shrink(x, torch.randn(1, 3, 4, 16, device=DEVICE), meta, out)
     with pytest.raises(ValueError, match="split_k"):
-        lora_shrink(x, a, meta, out, split_k=3)
+        lora_shrink(x, a, meta, torch.zeros(1, 3, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"config.split_k 2 != out.shape\[1\] 1"):
+        lora_shrink(x, a, meta, out, config=LoRAShrinkConfig(split_k=2))
     b, y = [torch.randn(2, 8, 4, device=DEVICE)], torch.randn(3, 8, device=DEVICE)
     with pytest.raises(ValueError, match="exceed"):
         lora_expand(out, b, meta, y, [4])
@@ -214,8 +314,10 @@ def test_rejects_bad_inputs():
         lora_expand(out, [b[0].half()], meta, y, [0])
     with pytest.raises(ValueError, match="buf: expected shape"):
         lora_expand(out, b + b, meta, torch.randn(3, 16, device=DEVICE), [0, 8])
+    with pytest.raises(ValueError, match="buf: expected 4 dims"):
+        lora_expand(out[:, 0], b, meta, y, [0])
     with pytest.raises(ValueError, match="1..3 tensors"):
-        lora_expand(out.expand(4, 3, 4).contiguous(), b * 4, meta, torch.randn(3, 32, device=DEVICE),
+        lora_expand(out.expand(4, 1, 3, 4).contiguous(), b * 4, meta, torch.randn(3, 32, device=DEVICE),
                     [0, 8, 16, 24])
     with pytest.raises(ValueError, match="must be contiguous"):
         lora_expand(out, [torch.randn(2, 4, 8, device=DEVICE).transpose(1, 2)], meta, y, [0])
@@ -289,13 +391,14 @@ def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity):
     x = randn(g, num_tokens, 4096).to(dtype)
     lora_a = (randn(g, 3, max_loras, 16, 4096) / 64).to(dtype)
     lora_b = [(randn(g, max_loras, n, 16) / 4).to(dtype) for n in out_dims]
-    buf = torch.empty(3, num_tokens, 16, device=DEVICE)
+    split_k = lora_shrink_config(num_tokens, meta.num_active, 3, 4096, DEVICE).split_k
+    buf = torch.empty(3, split_k, num_tokens, 16, device=DEVICE)
     lora_shrink(x, lora_a, meta, buf)
-    buf_ref = lora_shrink_ref(x, lora_a, slots)
+    buf_ref = lora_shrink_ref(x, lora_a, slots, split_k=split_k)
     rows = slots != NO_LORA
-    torch.testing.assert_close(buf[:, rows], buf_ref[:, rows], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(buf[:, :, rows], buf_ref[:, :, rows], atol=1e-3, rtol=1e-3)
     y = randn(g, num_tokens, 6144).to(dtype)
     y_ref = lora_expand_ref(buf_ref, lora_b, slots, y, [0, 4096, 5120])
-    lora_expand(buf_ref, lora_b, meta, y, [0, 4096, 5120])
+    lora_expand(buf, lora_b, meta, y, [0, 4096, 5120])
     tol = 2 * Y_TOL[dtype]
     torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)

@@ -161,3 +161,44 @@ def test_unpacked_layer_and_bfloat16():
                    {1: {0: (a_bf, b_bf, 1.0)}}, outs)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=5e-2)
+
+
+def test_reserved_shrink_buffer_is_never_reallocated():
+    """CUDA graphs keep the partials buffer's address: after reserve, every split_k a config may
+    pick for up to the reserved tokens is a view of the same storage, and a bigger one raises."""
+    from kernels.lora_meta import max_split_k
+
+    state = LoRABatchState()
+    state.shrink_buffer(1, 1, 4, 8, torch.device("cpu"))             # grown freely before reserve
+    state.reserve(3, 64, 16, torch.device("cpu"))
+    ptr = state.shrink_buffer(3, 1, 1, 16, torch.device("cpu")).data_ptr()
+    for num_tokens in range(1, 65):
+        for split_k in (1, 2, 4, 8, 16):
+            if split_k <= max_split_k(num_tokens):
+                view = state.shrink_buffer(3, split_k, num_tokens, 16, torch.device("cpu"))
+                assert view.shape == (3, split_k, num_tokens, 16) and view.data_ptr() == ptr
+    with pytest.raises(RuntimeError, match="does not fit the reserved"):
+        state.shrink_buffer(3, 16, 65, 16, torch.device("cpu"))
+
+
+@pytest.mark.skipif("triton" not in _backends(), reason="needs triton")
+def test_kernel_config_overrides_from_env(monkeypatch):
+    """CHORUS_LORA_{SHRINK,EXPAND}_CONFIG are read when a layer is built and drive its launches."""
+    monkeypatch.setenv("CHORUS_LORA_SHRINK_CONFIG", "block_k=16,split_k=4")
+    monkeypatch.setenv("CHORUS_LORA_EXPAND_CONFIG", "block_n=16,n_tiles=2")
+    base, slots, state = _layer("triton")
+    assert slots.overrides.shrink == (("block_k", 16), ("split_k", 4))
+    assert slots.overrides.expand == (("block_n", 16), ("n_tiles", 2))
+    adapters = _adapters()
+    _load(slots, adapters)
+    token_slots = [0, 2, -1, 2, 1]
+    x = torch.randn(len(token_slots), IN)
+    base_y = torch.nn.functional.linear(x, base.weight)
+    state.batch = build_lora_batch(torch.tensor(token_slots, dtype=torch.int32), MAX_LORAS,
+                                   with_segments=False)
+    y = base(x)
+    torch.testing.assert_close(y, _manual(x, base_y, token_slots, adapters), rtol=1e-4, atol=1e-4)
+    assert state._shrink_buffer.numel() >= 3 * 4 * len(token_slots) * MAX_RANK     # 4 partials per row
+    monkeypatch.setenv("CHORUS_LORA_EXPAND_CONFIG", "block_k=16")
+    with pytest.raises(ValueError, match="LoRAExpandConfig override"):
+        _layer("triton")

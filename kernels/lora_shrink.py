@@ -231,9 +231,13 @@ def lora_shrink_config(num_tokens: int, num_segments: int, num_slices: int, in_d
         split_k = 2 if in_dim > 16 and max_split_k(num_tokens) >= 2 else 1
         cfg = LoRAShrinkConfig(16, min(64, max(16, next_power_of_2(cdiv(in_dim, split_k)))), split_k, 4)
     else:
-        block_k = 256 if block_m <= 32 else 128
-        # Fewest splits that give PROGRAMS_PER_SM programs with work per SM, each split >= 2 steps.
-        split_k, k_steps, target = 1, cdiv(in_dim, block_k), PROGRAMS_PER_SM * num_sms(device)
+        # NOTE: H200 sweep (benchmarks/kernels.py --lora-sweep, decode batch 64/256, 1-64 adapters):
+        # one-token segments want block_k 128 and ~8 split programs per SM (split_k 8 on every
+        # Llama-3-8B projection), not the 2 per SM that suit long segments.
+        block_k = 128 if block_m <= 16 else (256 if block_m <= 32 else 128)
+        per_sm = 8 if block_m <= 16 else PROGRAMS_PER_SM
+        # Fewest splits that give per_sm programs with work per SM, each split >= 2 steps.
+        split_k, k_steps, target = 1, cdiv(in_dim, block_k), per_sm * num_sms(device)
         while (tiles * num_slices * split_k < target and split_k * 2 <= max_split_k(num_tokens)
                and 2 * split_k * 2 <= k_steps):
             split_k *= 2

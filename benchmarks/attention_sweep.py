@@ -4,8 +4,8 @@ Example (H200; Llama-3-8B attention: 32 heads, 8 KV heads, head_dim 128, bf16, b
     python benchmarks/attention_sweep.py --batch-sizes 1,256 --context-len 534
 
 Each case times ``paged_attention`` on a decode batch (one query token per request) replayed from
-a CUDA graph of 10 calls, for every (tile_n, num_warps, num_stages[, num_splits]) candidate set
-through CHORUS_ATTN_DECODE_CONFIG, and reports it against the KV bytes it must read over the
+a CUDA graph of 10 calls, for every (tile_n, num_warps, num_stages[, num_splits]) candidate (the wrapper's
+``decode_tiles``; the engine takes the same overrides from CHORUS_ATTN_DECODE_CONFIG), and reports it against the KV bytes it must read over the
 measured copy bandwidth. Prints the best configs per batch and the default's time; writes JSON.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -80,15 +79,14 @@ def main() -> None:
             grid = itertools.product(tiles, [2, 4], [2, 3], [None, 4, 8, 16])
         rows = []
         for tile_n, nw, ns, sp in grid:
-            os.environ["CHORUS_ATTN_DECODE_CONFIG"] = f"tile_n={tile_n},num_warps={nw},num_stages={ns}"
+            tiles_cfg = dict(tile_n=tile_n, num_warps=nw, num_stages=ns)
             try:
                 us = _time_us(lambda: paged_attention(q, k_cache, v_cache, qsl, seq_lens, bt, 1, ctx,
-                                                      0.088, out, num_splits=sp))
+                                                      0.088, out, num_splits=sp, decode_tiles=tiles_cfg))
             except Exception as e:   # a config the compiler rejects (shared memory)
                 print(f"  b={b} tile_n={tile_n} warps={nw} stages={ns} splits={sp}: {type(e).__name__}")
                 continue
             rows.append(dict(tile_n=tile_n, num_warps=nw, num_stages=ns, num_splits=sp, us=us))
-        os.environ.pop("CHORUS_ATTN_DECODE_CONFIG", None)
         default_us = _time_us(lambda: paged_attention(q, k_cache, v_cache, qsl, seq_lens, bt, 1, ctx, 0.088, out))
         rows.sort(key=lambda r: r["us"])
         print(f"\nbatch {b}, ctx {ctx}: KV {kv_bytes / 1e6:.1f} MB, bound {bound_us:.1f} us, "

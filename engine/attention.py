@@ -184,6 +184,9 @@ class AttentionBackend:
         if name not in ("torch", "triton"):
             raise ValueError(f"attention backend {name!r}: use 'torch' or 'triton'.")
         self.name = name
+        from engine import envs
+        self.decode_tiles = envs.attn_decode_config()
+        """Decode attention tile overrides (CHORUS_ATTN_DECODE_CONFIG), read once."""
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         if self.name == "triton":
@@ -198,7 +201,8 @@ class AttentionBackend:
             from kernels.paged_attention import paged_attention
             return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
-                                   has_decodes=meta.captured or meta.num_decode_reqs > 0)
+                                   has_decodes=meta.captured or meta.num_decode_reqs > 0,
+                                   decode_tiles=self.decode_tiles)
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new)
 
 

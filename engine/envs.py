@@ -25,3 +25,29 @@ def num_threads() -> int | None:
     """CHORUS_NUM_THREADS: torch intra-op threads on CPU (default: torch's choice)."""
     v = os.environ.get("CHORUS_NUM_THREADS")
     return int(v) if v else None
+
+
+def lora_shrink_config() -> str | None:
+    """CHORUS_LORA_SHRINK_CONFIG: LoRA shrink launch overrides, e.g. "block_k=128,split_k=8"
+    (fields of ``kernels.lora_shrink.LoRAShrinkConfig``; for benchmarks and tuning)."""
+    return os.environ.get("CHORUS_LORA_SHRINK_CONFIG") or None
+
+
+def lora_expand_config() -> str | None:
+    """CHORUS_LORA_EXPAND_CONFIG: LoRA expand launch overrides, e.g. "block_n=128,n_tiles=2"
+    (fields of ``kernels.lora_expand.LoRAExpandConfig``)."""
+    return os.environ.get("CHORUS_LORA_EXPAND_CONFIG") or None
+
+
+def attn_decode_config() -> dict[str, int]:
+    """CHORUS_ATTN_DECODE_CONFIG: decode attention tile overrides, e.g. "tile_n=64,num_warps=4,
+    num_stages=2" (``benchmarks/attention_sweep.py`` passes candidates directly instead)."""
+    raw = os.environ.get("CHORUS_ATTN_DECODE_CONFIG", "")
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, _, val = item.partition("=")
+        if key not in ("tile_n", "num_warps", "num_stages") or not val.isdigit() or int(val) < 1:
+            raise ValueError(f"CHORUS_ATTN_DECODE_CONFIG: bad item {item!r}; use tile_n=, num_warps=, "
+                             f"num_stages= with positive integers.")
+        out[key] = int(val)
+    return out

@@ -38,9 +38,6 @@ from kernels.lora_shrink import (PROGRAMS_PER_SM, ConfigOverride, _check_launch,
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted, next_power_of_2,
                            num_sms)
 
-EXPAND_CONFIG_ENV = "CHORUS_LORA_EXPAND_CONFIG"
-"""Environment variable with ``LoRAExpandConfig`` overrides, ``"field=int,..."``."""
-
 MAX_SLICES = 3
 
 MAX_N_TILES = 32

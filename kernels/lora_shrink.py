@@ -20,7 +20,7 @@ tokens per segment, and split_k so that the programs with work fill a few waves 
 when every segment is as small as it can be (with a fixed grid: ``max_loras`` segments).
 ``CHORUS_LORA_SHRINK_CONFIG`` overrides fields, e.g. ``"block_m=16,block_k=256,split_k=4,
 num_warps=4,num_stages=3"`` (fields of ``LoRAShrinkConfig``; split_k is clamped to
-``max_split_k``, so a reserved buffer always fits). ``lora.layers`` reads the variable once per
+``max_split_k``, so a reserved buffer always fits). ``lora.layers`` reads it (through ``engine.envs``) once per
 layer; the kernel wrappers never read the environment.
 
 The torch twin is ``kernels.reference.lora_shrink_ref``.
@@ -40,9 +40,6 @@ import triton.language as tl
 
 from kernels.lora_meta import MAX_SPLIT_K, LoRAKernelMeta, max_split_k
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2, num_sms
-
-SHRINK_CONFIG_ENV = "CHORUS_LORA_SHRINK_CONFIG"
-"""Environment variable with ``LoRAShrinkConfig`` overrides, ``"field=int,..."``."""
 
 PROGRAMS_PER_SM = 2
 """Programs with work the default configs aim for, per SM, with the smallest possible segments."""

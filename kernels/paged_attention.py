@@ -19,7 +19,6 @@ The torch twin is ``kernels.reference.paged_attention_ref``.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -215,21 +214,9 @@ class _LaunchConfig:
     num_stages: int = 3
 
 
-def _decode_overrides() -> dict:
-    """Tile overrides for decode launches from CHORUS_ATTN_DECODE_CONFIG ("tile_n=128,num_warps=8,
-    num_stages=4"; benchmarks/attention_sweep.py tries candidates this way)."""
-    raw = os.environ.get("CHORUS_ATTN_DECODE_CONFIG", "")
-    out = {}
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        key, _, val = item.partition("=")
-        if key not in ("tile_n", "num_warps", "num_stages") or not val.isdigit():
-            raise ValueError(f"CHORUS_ATTN_DECODE_CONFIG: bad item {item!r}; use tile_n=, num_warps=, num_stages=.")
-        out[key] = int(val)
-    return out
-
-
 def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: int, num_kv_heads: int,
-                   max_query_len: int, max_seq_len: int, num_splits: Optional[int]) -> _LaunchConfig:
+                   max_query_len: int, max_seq_len: int, num_splits: Optional[int],
+                   decode_tiles: Optional[dict] = None) -> _LaunchConfig:
     interpreted = is_interpreted(device)
     head_pad = max(16, next_power_of_2(head_dim))
     min_m = 16 if (interpreted or max_query_len < 64) else 64
@@ -241,7 +228,7 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
         # Decode tiles from benchmarks/attention_sweep.py on H200 (Llama-3-8B heads, 534-token
         # contexts): 2 stages beat 3 at batch 1 (6.3 vs 7.5 us, 16 splits) and 256 (140.8 vs 146.3 us).
         num_stages = 2
-        o = _decode_overrides()
+        o = decode_tiles or {}
         tile_n, num_warps, num_stages = (o.get("tile_n", tile_n), o.get("num_warps", num_warps),
                                          o.get("num_stages", num_stages))
     if num_splits is None:
@@ -305,7 +292,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float,
                     out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
-                    split_decodes: Optional[bool] = None, has_decodes: bool = True) -> torch.Tensor:
+                    split_decodes: Optional[bool] = None, has_decodes: bool = True,
+                    decode_tiles: Optional[dict] = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     Args:
@@ -327,6 +315,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             decode's (max_query_len >= 64 on a GPU).
         has_decodes: False skips the decode launch of a split batch (the caller knows no request
             has one query token).
+        decode_tiles: overrides of the decode launches' tiles ({"tile_n", "num_warps",
+            "num_stages"}; the engine passes ``engine.envs.attn_decode_config()``).
 
     Returns:
         out, [num_tokens, num_heads, head_dim] in q's dtype. Rows past qsl[num_reqs] (padding
@@ -344,14 +334,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
 
     cfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, max_query_len, max_seq_len,
-                         num_splits)
+                         num_splits, decode_tiles)
     if split_decodes is None:
         split_decodes = max_query_len > 1 and num_splits is None and cfg.block_m > max(16, next_power_of_2(group))
     if max_query_len <= 1 or not split_decodes:
         _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, cfg, ALL_ROWS)
         return out
     if has_decodes:
-        dcfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, 1, max_seq_len, 1)
+        dcfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, 1, max_seq_len, 1, decode_tiles)
         _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, dcfg, DECODE_ROWS)
     if cfg.num_splits > 1:
         cfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, max_query_len, max_seq_len, 1)

@@ -23,7 +23,6 @@ reads them, once per layer.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,14 +48,14 @@ class LoRAKernelOverrides:
 def kernel_overrides_from_env() -> LoRAKernelOverrides:
     """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG (ValueError if bad).
 
-    NOTE: the only place these variables are read (imports triton: call it on the Triton path only).
+    NOTE: read through ``engine.envs``; imports triton: call it on the Triton path only.
     """
-    from kernels.lora_expand import EXPAND_CONFIG_ENV, LoRAExpandConfig
-    from kernels.lora_shrink import SHRINK_CONFIG_ENV, LoRAShrinkConfig, parse_config_override
+    from engine import envs
+    from kernels.lora_expand import LoRAExpandConfig
+    from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override
 
-    return LoRAKernelOverrides(
-        shrink=parse_config_override(os.environ.get(SHRINK_CONFIG_ENV), LoRAShrinkConfig),
-        expand=parse_config_override(os.environ.get(EXPAND_CONFIG_ENV), LoRAExpandConfig))
+    return LoRAKernelOverrides(shrink=parse_config_override(envs.lora_shrink_config(), LoRAShrinkConfig),
+                               expand=parse_config_override(envs.lora_expand_config(), LoRAExpandConfig))
 
 
 class LinearLoRASlots(nn.Module):

@@ -27,7 +27,7 @@ keep arriving (every step mixed) the GPU waited on Python.
 
 With LoRA, graphs are captured with the fixed-grid shrink/expand kernels reading the manager's
 static meta tensors (``lora.batch.LoRAMetaBuffers``), refilled by ``set_batch`` before each replay:
-one graph serves any mix of adapters and base rows. Decode buckets also get a variant without
+one graph serves any mix of adapters and base rows. Every bucket also gets a variant without
 LoRA nodes, replayed when no request of the step uses an adapter (the base model pays nothing).
 """
 
@@ -146,7 +146,7 @@ class StepGraphs:
         if num_reqs > self.max_num_reqs:
             return None
         size = next((t for t in self.token_sizes if t >= num_tokens), None)
-        key = None if size is None else GraphKey(True, size, with_lora)
+        key = None if size is None else GraphKey(True, size, with_lora and uses_lora)
         return key if key in self.graphs else None
 
     def batch_size_for(self, num_reqs: int) -> Optional[int]:
@@ -201,11 +201,12 @@ class StepGraphs:
     def keys_to_capture(self) -> list[GraphKey]:
         """Every graph, largest first (later captures reuse the pool memory of earlier ones)."""
         lora = self.lora_manager is not None
-        keys = [GraphKey(True, t, lora) for t in self.token_sizes]
-        for b in self.batch_sizes:
-            keys.append(GraphKey(False, b, lora))
-            if lora:
-                keys.append(GraphKey(False, b, False))
+        keys = []
+        for mixed, sizes in ((True, self.token_sizes), (False, self.batch_sizes)):
+            for size in sizes:
+                keys.append(GraphKey(mixed, size, lora))
+                if lora:
+                    keys.append(GraphKey(mixed, size, False))   # steps where no request runs an adapter
         return sorted(keys, key=lambda k: (k.num_tokens, k.mixed, k.lora), reverse=True)
 
     @torch.inference_mode()

@@ -139,6 +139,7 @@ def test_graph_path_with_lora_on_cpu(setup):
     assert any(k.mixed and k.lora for k in kinds)
     assert any(not k.mixed and k.lora for k in kinds)
     assert any(not k.mixed and not k.lora for k in kinds)
+    assert any(k.mixed and not k.lora for k in kinds)
 
 
 def _generate(s, **engine_kwargs):

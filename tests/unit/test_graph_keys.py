@@ -41,12 +41,13 @@ def test_decode_and_mixed_keys():
 def test_lora_variants():
     g = _graphs([1, 2, 4], [64], lora=True)
     keys = set(g.keys_to_capture())
-    # Decode buckets get both variants; mixed steps only the LoRA one.
+    # Every bucket has a LoRA variant and one without LoRA nodes.
     assert GraphKey(False, 2, True) in keys and GraphKey(False, 2, False) in keys
-    assert GraphKey(True, 64, True) in keys and GraphKey(True, 64, False) not in keys
+    assert GraphKey(True, 64, True) in keys and GraphKey(True, 64, False) in keys
     assert g.key_for(2, 2, decode_only=True, uses_lora=True) == GraphKey(False, 2, True)
     assert g.key_for(2, 2, decode_only=True, uses_lora=False) == GraphKey(False, 2, False)
-    assert g.key_for(2, 40, decode_only=False, uses_lora=False) == GraphKey(True, 64, True)
+    assert g.key_for(2, 40, decode_only=False, uses_lora=False) == GraphKey(True, 64, False)
+    assert g.key_for(2, 40, decode_only=False, uses_lora=True) == GraphKey(True, 64, True)
     # Largest first: later captures reuse the pool memory of earlier ones.
     order = g.keys_to_capture()
     assert [k.num_tokens for k in order] == sorted((k.num_tokens for k in order), reverse=True)

@@ -1,0 +1,29 @@
+"""Kernel-tuning environment variables: parsed in engine/envs.py, errors name the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import envs
+
+
+def test_attn_decode_config(monkeypatch):
+    monkeypatch.delenv("CHORUS_ATTN_DECODE_CONFIG", raising=False)
+    assert envs.attn_decode_config() == {}
+    monkeypatch.setenv("CHORUS_ATTN_DECODE_CONFIG", "tile_n=32, num_warps=2,num_stages=4")
+    assert envs.attn_decode_config() == {"tile_n": 32, "num_warps": 2, "num_stages": 4}
+    for bad in ("tile_n=0", "block_m=16", "tile_n=big", "tile_n"):
+        monkeypatch.setenv("CHORUS_ATTN_DECODE_CONFIG", bad)
+        with pytest.raises(ValueError, match="CHORUS_ATTN_DECODE_CONFIG"):
+            envs.attn_decode_config()
+
+
+def test_lora_kernel_configs(monkeypatch):
+    from kernels.lora_expand import LoRAExpandConfig
+    from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override
+
+    monkeypatch.setenv("CHORUS_LORA_SHRINK_CONFIG", "block_k=128,split_k=8")
+    monkeypatch.delenv("CHORUS_LORA_EXPAND_CONFIG", raising=False)
+    assert parse_config_override(envs.lora_shrink_config(), LoRAShrinkConfig) == (("block_k", 128), ("split_k", 8))
+    assert envs.lora_expand_config() is None
+    assert parse_config_override(envs.lora_expand_config(), LoRAExpandConfig) == ()

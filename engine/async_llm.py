@@ -16,6 +16,12 @@ queue while the engine has nothing to do, and polls it (non-blocking) between st
 An exception escaping ``step()`` (or a fault injected by a test) kills the loop: every in-flight
 stream gets ``EngineDeadError``, pending commands fail with it, and new requests are refused with
 it (the server turns it into 503 and a failed ``/health``).
+
+With ``engine_process=True`` (``chorus serve --engine-process``) the loop runs in a child process
+instead (``engine.engine_core``): the same commands travel through a pipe, the outputs come back
+through a receiver thread, and nothing of the engine's host work competes with HTTP for the GIL.
+Everything above holds in both modes; only ``run_in_engine`` (arbitrary callables) is thread-only,
+``call_engine`` (named methods) works in both.
 """
 
 from __future__ import annotations
@@ -100,14 +106,19 @@ class AsyncLLM:
     """Async front of an ``LLMEngine``: ``generate()`` streams ``RequestOutput``s per request.
 
     Args:
-        engine: a constructed ``LLMEngine`` (owned by this object from now on).
+        engine: a constructed ``LLMEngine`` (owned by this object from now on); with ``core``, the
+            ``EngineFacade`` of the engine process.
         log_requests: log each request's id, prompt head and params at INFO.
         stat_loggers: receivers of per-request timing and token counts (see ``StatLogger``).
+        core: an ``engine.engine_core.EngineCoreClient``: the engine runs in that process (then no
+            engine thread is started here).
     """
 
     def __init__(self, engine: Any, log_requests: bool = True,
-                 stat_loggers: Optional[list[StatLogger]] = None) -> None:
+                 stat_loggers: Optional[list[StatLogger]] = None, core: Any = None) -> None:
         self.engine = engine
+        self._core = core
+        """``EngineCoreClient`` when the engine runs in its own process, else None."""
         self.log_requests = log_requests
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self._commands: queue.Queue = queue.Queue()
@@ -116,17 +127,32 @@ class AsyncLLM:
         self._dead_error: Optional[EngineDeadError] = None
         self._dead_lock = threading.Lock()
         """Held while checking-and-enqueuing, and while marking dead + failing pending commands."""
-        self._stats: SchedulerStats = self._safe_stats()
-        self._can_preprocess = hasattr(engine, "processor") and hasattr(engine, "add_processed")
+        self._stats: SchedulerStats = self._safe_stats() if core is None else SchedulerStats()
+        self._can_preprocess = core is not None or (hasattr(engine, "processor") and hasattr(engine, "add_processed"))
         """The engine's processor is stateless, so requests are validated on the event loop."""
         self._request_counter = itertools.count()
         self._thread = threading.Thread(target=self._run_engine_loop, name="chorus-engine", daemon=True)
-        self._thread.start()
+        if core is None:
+            self._thread.start()
+        else:
+            core.start(on_outputs=lambda outputs, now_s: self._post(self._dispatch, outputs, now_s),
+                       on_stats=self._set_stats,
+                       on_dead=lambda message: self._mark_dead(EngineDeadError(message)))
 
     @classmethod
-    def from_engine_args(cls, log_requests: bool = True, **engine_kwargs: Any) -> "AsyncLLM":
+    def from_engine_args(cls, log_requests: bool = True, engine_process: bool = False,
+                         **engine_kwargs: Any) -> "AsyncLLM":
+        """Build the engine: in this process (a thread runs its loop) or, with ``engine_process``,
+        in a child process of its own."""
+        if engine_process:
+            from engine.engine_core import EngineCoreClient, EngineFacade
+            core = EngineCoreClient(engine_kwargs)
+            return cls(EngineFacade(core.facts), log_requests=log_requests, core=core)
         from engine.llm_engine import LLMEngine
         return cls(LLMEngine.from_engine_args(**engine_kwargs), log_requests=log_requests)
+
+    def _set_stats(self, stats: SchedulerStats) -> None:
+        self._stats = stats
 
     # ------------------------------------------------------------------------------------
     # Engine facts (read-only after construction, safe from any thread)
@@ -149,7 +175,10 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._dead_error is None and self._thread.is_alive()
+        return self._dead_error is None and self._loop_alive()
+
+    def _loop_alive(self) -> bool:
+        return self._core.is_alive() if self._core is not None else self._thread.is_alive()
 
     @property
     def errored(self) -> bool:
@@ -163,8 +192,8 @@ class AsyncLLM:
         """Raise ``EngineDeadError`` if the engine loop is not running."""
         if self._dead_error is not None:
             raise self._dead_error
-        if not self._thread.is_alive():
-            raise EngineDeadError("The engine thread is not running.")
+        if not self._loop_alive():
+            raise EngineDeadError("The engine loop is not running.")
 
     def get_stats(self) -> SchedulerStats:
         """The scheduler snapshot taken after the engine's latest step (or idle drain)."""
@@ -237,22 +266,48 @@ class AsyncLLM:
         self._put_nowait(("abort", ids))
 
     async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result.
-
-        The only safe way to call other engine methods (``add_lora``, ``remove_lora``, ...).
-        """
+        """Run ``fn(engine)`` on the engine thread between steps and return its result (thread
+        mode only: a callable cannot travel to the engine process; use ``call_engine`` there)."""
+        if self._core is not None:
+            raise RuntimeError("run_in_engine needs the in-process engine; use call_engine(method, ...).")
         self._bind_loop()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("call", fn, future))
         return await asyncio.wrap_future(future)
 
+    async def call_engine(self, method: str, *args: Any) -> Any:
+        """``engine.<method>(*args)`` between steps, in either mode (``add_lora``, ``remove_lora``,
+        ``list_loras``, ``reset_prefix_cache``; see ``engine.engine_core.CALLABLE_METHODS``)."""
+        if self._core is None:
+            return await self.run_in_engine(lambda engine: getattr(engine, method)(*args))
+        self._bind_loop()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._dead_lock:
+            if self._dead_error is not None:
+                raise self._dead_error
+        inner = self._core.call(method, *args)
+        inner.add_done_callback(lambda f: _transfer(f, future))
+        return await asyncio.wrap_future(future)
+
+    def has_engine_method(self, method: str) -> bool:
+        """Whether ``call_engine(method)`` is available (fake engines in tests may lack some)."""
+        if self._core is not None:
+            from engine.engine_core import CALLABLE_METHODS
+            return method in CALLABLE_METHODS
+        return hasattr(self.engine, method)
+
     def inject_fault(self, exc: Optional[BaseException] = None) -> None:
         """Test hook: make the engine loop raise ``exc`` before its next step (it dies)."""
+        if self._core is not None:
+            self._core.fault(exc or RuntimeError("injected engine fault"))
+            return
         self._put_nowait(("fault", exc or RuntimeError("injected engine fault")))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine loop; in-flight streams end with ``EngineDeadError``."""
-        if self._thread.is_alive():
+        if self._core is not None:
+            self._core.shutdown(timeout_s)
+        elif self._thread.is_alive():
             self._put_nowait(_STOP)
             self._thread.join(timeout_s)
         self._mark_dead(EngineDeadError("The engine was shut down."))
@@ -272,11 +327,17 @@ class AsyncLLM:
         with self._dead_lock:
             if self._dead_error is not None:
                 raise self._dead_error
+            if self._core is not None:   # only adds carry a future here (calls use call_engine)
+                self._core.add(command.request_id, *command.processed, command.future)
+                return
             self._commands.put(command)
 
     def _put_nowait(self, command: Any) -> None:
         with self._dead_lock:
             if self._dead_error is None:
+                if self._core is not None:   # ("abort", ids): the only command without a future
+                    self._core.abort(command[1])
+                    return
                 self._commands.put(command)
 
     def _dispatch(self, outputs: list[RequestOutput], now_s: float) -> None:
@@ -480,6 +541,18 @@ class RequestStream:
         if not self._closed:
             self._closed = True
             self._owner._release(self._state, send_abort)
+
+
+def _transfer(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:
+    """Copy a finished future's outcome into another (if that one was not cancelled)."""
+    if not dst.set_running_or_notify_cancel():
+        return
+    if src.cancelled():
+        dst.set_exception(EngineDeadError("The engine call was cancelled."))
+    elif src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
 
 
 def _short(prompt: Any, limit: int = 80) -> str:

@@ -84,6 +84,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--max-cudagraph-capture-size", type=int, default=2048,
                      help="Largest step in tokens with prefill chunks that replays a CUDA graph; larger "
                           "steps run eagerly; 0: such steps always run eagerly (default: 2048).")
+    eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                     help="Run the engine loop in a process of its own, so HTTP, SSE and tokenization "
+                          "never compete with it for the GIL (default: off; the loop runs in a thread).")
     eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                      help="Schedule step N+1 while the device runs step N (default: on).")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

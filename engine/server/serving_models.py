@@ -112,8 +112,8 @@ class OpenAIServingModels:
                                       param="lora_name")
             lora = LoRARequest(lora_name=lora_name, lora_int_id=next(self._lora_id_counter),
                                lora_path=lora_path, base_model_name=base_model_name or self.model_name)
-            if hasattr(self.engine_client.engine, "add_lora"):
-                await self.engine_client.run_in_engine(lambda engine: engine.add_lora(lora))
+            if self.engine_client.has_engine_method("add_lora"):
+                await self.engine_client.call_engine("add_lora", lora)
             self.lora_requests[lora_name] = lora
             logger.info("Loaded LoRA adapter %s from %s.", lora_name, lora_path)
             return lora
@@ -123,6 +123,6 @@ class OpenAIServingModels:
             lora = self.lora_requests.get(lora_name)
             if lora is None:
                 raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.", param="lora_name")
-            if hasattr(self.engine_client.engine, "remove_lora"):
-                await self.engine_client.run_in_engine(lambda engine: engine.remove_lora(lora_name))
+            if self.engine_client.has_engine_method("remove_lora"):
+                await self.engine_client.call_engine("remove_lora", lora_name)
             del self.lora_requests[lora_name]

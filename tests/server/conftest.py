@@ -74,7 +74,8 @@ def start_server(model: str, engine_kwargs: dict | None = None, **serve_override
     args = make_serve_namespace(model_tag=model, disable_log_requests=True, **serve_overrides)
     kwargs = to_engine_kwargs(args)
     kwargs.update(engine_kwargs or {})
-    engine_client = AsyncLLM.from_engine_args(log_requests=False, **kwargs)
+    engine_client = AsyncLLM.from_engine_args(log_requests=False,
+                                              engine_process=getattr(args, "engine_process", False), **kwargs)
     app = build_app(engine_client, args)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",

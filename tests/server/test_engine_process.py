@@ -1,0 +1,112 @@
+"""``--engine-process``: the engine loop in a child process behind the same HTTP API.
+
+Same outputs as the in-process (thread) engine, requests validated in the API process, aborts
+that free the child's KV blocks, LoRA load/unload by method name, stats for /metrics, engine death
+(a killed child) turned into 503s, and shutdown that stops the child.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.lora.utils import ALL_TARGETS, build_peft_adapter
+from tests.server.conftest import start_server, wait_until
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Paged attention keeps"]
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_llama_dir, tmp_path_factory):
+    return build_peft_adapter(tiny_llama_dir, tmp_path_factory.mktemp("ep-adapter") / "sql", r=8, lora_alpha=16,
+                              target_modules=ALL_TARGETS, seed=1)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama_dir):
+    common = dict(served_model_name=["tiny-llama"], max_model_len=256, enable_lora=True,
+                  allow_runtime_lora_updating=True, max_loras=2)
+    proc = start_server(str(tiny_llama_dir), engine_process=True, **common)
+    thread = start_server(str(tiny_llama_dir), engine_process=False, **common)
+    yield proc, thread
+    thread.stop()
+    proc.stop()
+
+
+def _complete(url: str, prompt: str, model: str = "tiny-llama") -> dict:
+    body = dict(model=model, prompt=prompt, max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_same_outputs_as_the_thread_engine(servers):
+    proc, thread = servers
+    assert proc.engine_client._core is not None and thread.engine_client._core is None
+    for prompt in PROMPTS:
+        a, b = _complete(proc.url, prompt), _complete(thread.url, prompt)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert a["choices"][0]["logprobs"]["top_logprobs"] == b["choices"][0]["logprobs"]["top_logprobs"]
+        assert a["usage"] == b["usage"]
+    # n > 1 and streaming through the pipe.
+    client = openai.OpenAI(base_url=proc.base_url, api_key="x", max_retries=0)
+    out = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=6, n=2, temperature=0)
+    assert len(out.choices) == 2 and out.choices[0].text == out.choices[1].text
+    chunks = list(client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == _complete(proc.url, PROMPTS[0])["choices"][0]["text"]
+
+
+def test_validation_happens_in_the_api_process(servers):
+    proc, _ = servers
+    r = httpx.post(proc.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(proc.url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404
+
+
+def test_disconnect_aborts_and_frees_blocks_in_the_child(servers):
+    proc, _ = servers
+    with httpx.stream("POST", proc.url + "/v1/completions",
+                      json={"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}, timeout=60) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i > 3:
+                break
+    stats = proc.engine_client.get_stats
+    assert wait_until(lambda: stats().num_running_reqs == 0 and stats().kv_cache_usage == 0.0)
+    assert proc.metric("chorus:num_requests_running") == 0
+
+
+def test_lora_load_and_unload_by_method_name(servers, adapter):
+    proc, thread = servers
+    for srv in (proc, thread):
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter)})
+        assert r.status_code == 200, r.text
+    assert _complete(proc.url, PROMPTS[0], model="sql")["choices"][0]["text"] == \
+        _complete(thread.url, PROMPTS[0], model="sql")["choices"][0]["text"]
+    r = httpx.post(proc.url + "/v1/load_lora_adapter", json={"lora_name": "ghost", "lora_path": "/no/such/dir"})
+    assert r.status_code == 404          # the child's LoRAAdapterNotFoundError crossed the pipe intact
+    for srv in (proc, thread):
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+    r = httpx.post(proc.url + "/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 404
+
+
+def test_killed_engine_process_gives_503_and_shutdown_stops_it(tiny_llama_dir):
+    srv = start_server(str(tiny_llama_dir), served_model_name=["tiny-llama"], max_model_len=128, engine_process=True)
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        proc = srv.engine_client._core._proc
+        proc.kill()
+        assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+    srv2 = start_server(str(tiny_llama_dir), served_model_name=["tiny-llama"], max_model_len=128, engine_process=True)
+    child = srv2.engine_client._core._proc
+    srv2.stop()
+    srv2.engine_client.shutdown()
+    assert wait_until(lambda: not child.is_alive())

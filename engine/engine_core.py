@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import signal
@@ -142,12 +143,17 @@ class _PromptElision:
 
 def _loop(engine, commands: "mp.Queue", results: "mp.Queue") -> None:
     elision = _PromptElision()
+    parent = os.getppid()
     while True:
         block = not engine.has_unfinished_requests()
         while True:
             try:
-                command = commands.get(block=block)
+                command = commands.get(block=block, timeout=_POLL_S if block else None)
             except queue.Empty:
+                if block and os.getppid() != parent:
+                    return   # the API process died without a word (SIGKILL): do not linger
+                if block:
+                    continue
                 break
             block = False
             if command[0] == "stop":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [latency] [throughput] [smoke]
+# Usage: bash benchmarks/h200_run.sh [tests] [latency] [throughput] [smoke] [serve]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -24,6 +24,13 @@ for phase in "$@"; do
       timeout 330 python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
         --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64 --hf-continuous --out "$OUT/throughput.json" 2>&1 \
         | tee "$OUT/throughput.log" | grep -v Warning | tail -12 ;;
+    serve)   # the same rates with the engine loop in a thread, then in its own process
+      python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \
+dummy_checkpoint(Path('/tmp/chorus-llama3-8b-dummy'), 'bfloat16')"
+      for mode in --no-engine-process --engine-process; do
+        OUT="$OUT/serve$mode" PORT=8123 timeout 280 bash benchmarks/serve_run.sh /tmp/chorus-llama3-8b-dummy \
+          "8:80 32:160 inf:160" --load-format dummy $mode 2>&1 | grep -E "Output token|TTFT|TPOT" ;
+      done ;;
   esac
   echo "== phase $phase took $(( $(date +%s) - t0 )) s"
 done

@@ -145,18 +145,28 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
 
 
 def chorus_rows(args, prompts, adapter_dirs, report) -> list[dict]:
-    """One LoRA-off engine for the base rows, then one LoRA engine reused for every adapter count."""
-    from lora import LoRARequest
+    """One LoRA-off engine for the base rows and one LoRA engine reused for every adapter count;
+    the LoRA-off engine first unless ``--base-last``."""
+    order = (_lora_rows, _base_rows) if args.base_last else (_base_rows, _lora_rows)
+    for run in order:
+        run(args, prompts, adapter_dirs, report)
+    return report["rows"]
 
-    rows = report["rows"]
+
+def _base_rows(args, prompts, adapter_dirs, report) -> None:
     t0 = time.perf_counter()
     llm = chorus_engine(args, enable_lora=False)
     print(f"  base engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     for b in args.batch_sizes:
-        rows.append(run_chorus(llm, args, prompts[:b], [], "chorus base (LoRA off)"))
-        _show(rows[-1], report)
+        report["rows"].append(run_chorus(llm, args, prompts[:b], [], "chorus base (LoRA off)"))
+        _show(report["rows"][-1], report)
     del llm
     _free()
+
+
+def _lora_rows(args, prompts, adapter_dirs, report) -> None:
+    from lora import LoRARequest
+
     t0 = time.perf_counter()
     llm = chorus_engine(args, enable_lora=True)
     mgr = llm.llm_engine.lora_manager
@@ -170,13 +180,12 @@ def chorus_rows(args, prompts, adapter_dirs, report) -> list[dict]:
         for n in args.num_adapters:
             if n > b:
                 continue
-            rows.append(run_chorus(llm, args, prompts[:b], names[:n], f"chorus {n} adapters"))
-            _show(rows[-1], report)
+            report["rows"].append(run_chorus(llm, args, prompts[:b], names[:n], f"chorus {n} adapters"))
+            _show(report["rows"][-1], report)
     report["lora_slot_mib"] = mgr.slot_nbytes() / (1 << 20)
     report["lora_host_store_mib"] = mgr.store.nbytes() / (1 << 20)
     del llm, mgr
     _free()
-    return rows
 
 
 def _show(row: dict, report: dict) -> None:
@@ -283,6 +292,9 @@ def main() -> None:
                     help="per Chorus engine (transformers runs after them in the same process)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--base-last", action="store_true",
+                    help="run the LoRA-off engine after the LoRA engine (its batch-256 run has been slower "
+                         "than the LoRA engine without adapters when it ran first; this checks the order)")
     ap.add_argument("--workdir", default="/tmp/chorus-multi-lora", help="where the config and adapters go")
     ap.add_argument("--out", default="benchmarks/out/multi_lora.json")
     args = ap.parse_args()

@@ -177,3 +177,34 @@ def test_cuda_graphs_with_lora_match_eager_and_peft(setup):
         check_logprobs_close(ours_as_ref(runs["bfloat16", True][i]), ours_as_ref(runs["bfloat16", False][i]),
                              name=f"bfloat16 graphs vs eager, request {i}", atol=0.05)
     assert exact >= 8, f"only {exact}/10 graph requests match PEFT exactly"
+
+
+VARIANTS = {   # adapter_config settings real adapters carry, beyond the 4 adapters above
+    "layers-to-transform": dict(r=8, lora_alpha=16, target_modules=ALL_TARGETS, layers_to_transform=[1]),
+    "rank-alpha-pattern": dict(r=4, lora_alpha=8, target_modules=ALL_TARGETS,
+                               rank_pattern={"q_proj": 16, "down_proj": 2}, alpha_pattern={"v_proj": 3.0}),
+    "all-linear": dict(r=8, lora_alpha=8, target_modules="all-linear"),
+    "exclude-modules": dict(r=8, lora_alpha=8, target_modules=ALL_TARGETS, exclude_modules=["o_proj"]),
+}
+
+
+def test_adapter_config_variants_match_peft(tiny_llama_dir, tiny_prompts, tmp_path_factory):
+    """layers_to_transform, rank/alpha patterns, "all-linear" and exclude_modules, all in one
+    generate call next to the base model: each request equals PEFT on its adapter."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("variant-adapters")
+    paths = {name: build_peft_adapter(tiny_llama_dir, root / name, seed=10 + i, **kw)
+             for i, (name, kw) in enumerate(VARIANTS.items())}
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    pm = peft_reference_model(tiny_llama_dir, paths)
+    plan = [(i % len(tiny_prompts), name) for i, name in enumerate(VARIANTS)] + [(0, None)]
+    refs = [peft_greedy(pm, a, tok.encode(tiny_prompts[p]), 16) for p, a in plan]
+    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=4, max_lora_rank=16)
+    reqs = [None if a is None else LoRARequest(a, i + 1, str(paths[a])) for i, (_, a) in enumerate(plan)]
+    outs = llm.generate([tiny_prompts[p] for p, _ in plan],
+                        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5),
+                        lora_request=reqs, use_tqdm=False)
+    for (p, a), ref, out in zip(plan, refs, outs):
+        check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=f"{a} / prompt {p}")
+    assert len({tuple(r.token_ids) for r in refs}) > 1          # the adapters change the output

@@ -208,3 +208,25 @@ def test_adapter_config_variants_match_peft(tiny_llama_dir, tiny_prompts, tmp_pa
     for (p, a), ref, out in zip(plan, refs, outs):
         check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=f"{a} / prompt {p}")
     assert len({tuple(r.token_ids) for r in refs}) > 1          # the adapters change the output
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("qwen2", {}),                                          # q/k/v biases under the adapter
+    ("llama", dict(num_key_value_heads=1, head_dim=24)),    # MQA, head_dim != hidden / heads
+    ("mistral", {}),
+], ids=["qwen2", "llama-mqa-hd24", "mistral"])
+def test_other_architectures_match_peft(arch, overrides, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import build_tiny_checkpoint
+
+    d = build_tiny_checkpoint(tmp_path / arch, arch=arch, seed=3, **overrides)
+    path = build_peft_adapter(d, tmp_path / "adapter", r=8, lora_alpha=16, target_modules=ALL_TARGETS, seed=7)
+    tok = AutoTokenizer.from_pretrained(d)
+    ids = tok.encode("The quick brown fox jumps")
+    ref = peft_greedy(peft_reference_model(d, {"a": path}), "a", ids, 16)
+    llm = LLM(str(d), enable_lora=True, max_loras=2, max_lora_rank=16)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                                 logprobs=5),
+                       lora_request=LoRARequest("a", 1, str(path)), use_tqdm=False)[0]
+    check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=arch)

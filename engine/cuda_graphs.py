@@ -242,7 +242,3 @@ class StepGraphs:
         if key.mixed:
             self.num_mixed_replays += 1
         return g.output
-
-
-DecodeGraphs = StepGraphs
-"""Former name (decode graphs only)."""

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layer_ops import _rotary_cos_sin, _rotate_heads_, check_rotary_args
 from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
 
 
@@ -49,6 +50,17 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     tl.store(v_cache_ptr + c_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int,
+                      num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+    """The cache and slot checks shared by ``write_kv`` and ``rotary_write_kv``."""
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device, contiguous=True)
+    check_tensor("k_cache", k_cache, shape=(None, None, num_kv_heads, head_dim))
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=device,
+                 contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,), device=device,
+                 contiguous=True)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write K/V rows into the paged cache in place.
@@ -63,12 +75,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     dev = k.device
     check_tensor("v", v, dtypes=FLOAT_DTYPES, shape=tuple(k.shape), device=dev, last_dim_contiguous=True)
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev, contiguous=True)
-    check_tensor("k_cache", k_cache, shape=(None, None, num_kv_heads, head_dim))
-    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=dev,
-                 contiguous=True)
-    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,), device=dev,
-                 contiguous=True)
+    _check_cache_args(k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, dev)
     if num_tokens == 0:
         return
     block_size = k_cache.shape[1]
@@ -103,34 +110,14 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
           k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = k[t]     # rotated
           v_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = v[t]
 
-    Each thread stores only the elements it loaded (halves computed side by side), so the in-place
-    update has no cross-thread read-after-write hazard.
+    The rotation is ``layer_ops._rotate_heads_``, the same as the unfused rotary kernel's.
     """
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
-    d = tl.arange(0, HALF_PAD)
-    d_ok = d < HALF
-    c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
-
-    hq = tl.arange(0, Q_HEADS_PAD)
-    mq = (hq[:, None] < NUM_Q_HEADS) & d_ok[None, :]
-    offq = q_ptr + tok * stride_q_tok + hq[:, None] * stride_q_head + d[None, :]
-    x1 = tl.load(offq, mask=mq, other=0.0).to(tl.float32)
-    x2 = tl.load(offq + HALF, mask=mq, other=0.0).to(tl.float32)
-    tl.store(offq, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty), mask=mq)
-    tl.store(offq + HALF, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty), mask=mq)
-
-    hk = tl.arange(0, KV_HEADS_PAD)
-    mk = (hk[:, None] < NUM_KV_HEADS) & d_ok[None, :]
-    offk = k_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head + d[None, :]
-    y1 = tl.load(offk, mask=mk, other=0.0).to(tl.float32)
-    y2 = tl.load(offk + HALF, mask=mk, other=0.0).to(tl.float32)
-    r1 = (y1 * c - y2 * s).to(k_ptr.dtype.element_ty)
-    r2 = (y2 * c + y1 * s).to(k_ptr.dtype.element_ty)
-    tl.store(offk, r1, mask=mk)
-    tl.store(offk + HALF, r2, mask=mk)
+    c, s, d, d_ok = _rotary_cos_sin(cos_ptr, sin_ptr, positions_ptr, tok, stride_cs, HALF, HALF_PAD)
+    _rotate_heads_(q_ptr, tok, stride_q_tok, stride_q_head, c, s, d, d_ok, NUM_Q_HEADS, Q_HEADS_PAD, HALF)
+    r1, r2, hk, mk = _rotate_heads_(k_ptr, tok, stride_k_tok, stride_k_head, c, s, d, d_ok, NUM_KV_HEADS,
+                                    KV_HEADS_PAD, HALF)
     if slot >= 0:
         c_row = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
         offc = c_row + hk[:, None] * stride_c_head + d[None, :]
@@ -164,30 +151,12 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, one dtype.
         slot_mapping: [num_tokens] int64; < 0 skips the token's cache write (its q/k still rotate).
     """
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    half = check_rotary_args(positions, q, k, cos, sin, rotary_dim)
     num_tokens, num_heads, head_dim = q.shape
     dev = q.device
-    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
     num_kv_heads = k.shape[1]
-    check_tensor("k", k, shape=(num_tokens, num_kv_heads, head_dim))
     check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape), device=dev, last_dim_contiguous=True)
-    check_tensor("positions", positions, dtypes=(torch.int64, torch.int32), shape=(num_tokens,), device=dev,
-                 contiguous=True)
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"rotary_dim: {rotary_dim} must be even and in (0, head_dim={head_dim}].")
-    half = rotary_dim // 2
-    check_tensor("cos", cos, ndim=2, dtypes=(torch.float32,), device=dev, last_dim_contiguous=True)
-    check_tensor("sin", sin, dtypes=(torch.float32,), shape=tuple(cos.shape), device=dev,
-                 last_dim_contiguous=True)
-    if cos.shape[1] < half or cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos/sin: need >= {half} columns and one row stride, got shape "
-                         f"{tuple(cos.shape)}, strides {cos.stride()} / {sin.stride()}.")
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev, contiguous=True)
-    check_tensor("k_cache", k_cache, shape=(None, None, num_kv_heads, head_dim))
-    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=dev,
-                 contiguous=True)
-    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,), device=dev,
-                 contiguous=True)
+    _check_cache_args(k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, dev)
     if num_tokens == 0:
         return
     tail = head_dim - 2 * half

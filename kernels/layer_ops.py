@@ -92,6 +92,38 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # Rotary embedding (neox / rotate-half layout), in place on q and k
 # ----------------------------------------------------------------------------------------
 @triton.jit
+def _rotary_cos_sin(cos_ptr, sin_ptr, positions_ptr, tok, stride_cs, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Row positions[tok] of the cos / sin tables: ([1, HALF_PAD] cos, sin, [HALF_PAD] dims, mask)."""
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
+    return c, s, d, d_ok
+
+
+@triton.jit
+def _rotate_heads_(x_ptr, tok, stride_tok, stride_head, c, s, d, d_ok,
+                   NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+    """Rotate the first 2 * HALF dims of every head of token ``tok`` in place.
+
+    Returns the rotated halves ([HEADS_PAD, HALF_PAD] each, in x's dtype), the head indices and
+    the mask. NOTE: each thread stores only the elements it loaded (the halves sit side by side
+    in one layout), so the in-place update has no cross-thread read-after-write hazard.
+    """
+    h = tl.arange(0, HEADS_PAD)
+    m = (h[:, None] < NUM_HEADS) & d_ok[None, :]
+    off = x_ptr + tok * stride_tok + h[:, None] * stride_head + d[None, :]
+    x1 = tl.load(off, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(off + HALF, mask=m, other=0.0).to(tl.float32)
+    r1 = (x1 * c - x2 * s).to(x_ptr.dtype.element_ty)
+    r2 = (x2 * c + x1 * s).to(x_ptr.dtype.element_ty)
+    tl.store(off, r1, mask=m)
+    tl.store(off + HALF, r2, mask=m)
+    return r1, r2, h, m
+
+
+@triton.jit
 def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, positions_ptr,
                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cs,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
@@ -103,43 +135,17 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, positions_ptr,
             x[:HALF], x[HALF:2 * HALF] = x1 * c - x2 * s, x2 * c + x1 * s     (float32, stored in x's dtype)
     """
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    d = tl.arange(0, HALF_PAD)
-    d_ok = d < HALF
-    c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)[None, :]
-
-    hq = tl.arange(0, Q_HEADS_PAD)
-    mq = (hq[:, None] < NUM_Q_HEADS) & d_ok[None, :]
-    offq = q_ptr + tok * stride_q_tok + hq[:, None] * stride_q_head + d[None, :]
-    x1 = tl.load(offq, mask=mq, other=0.0).to(tl.float32)
-    x2 = tl.load(offq + HALF, mask=mq, other=0.0).to(tl.float32)
-    tl.store(offq, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty), mask=mq)
-    tl.store(offq + HALF, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty), mask=mq)
-
-    hk = tl.arange(0, K_HEADS_PAD)
-    mk = (hk[:, None] < NUM_K_HEADS) & d_ok[None, :]
-    offk = k_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head + d[None, :]
-    y1 = tl.load(offk, mask=mk, other=0.0).to(tl.float32)
-    y2 = tl.load(offk + HALF, mask=mk, other=0.0).to(tl.float32)
-    tl.store(offk, (y1 * c - y2 * s).to(k_ptr.dtype.element_ty), mask=mk)
-    tl.store(offk + HALF, (y2 * c + y1 * s).to(k_ptr.dtype.element_ty), mask=mk)
+    c, s, d, d_ok = _rotary_cos_sin(cos_ptr, sin_ptr, positions_ptr, tok, stride_cs, HALF, HALF_PAD)
+    _rotate_heads_(q_ptr, tok, stride_q_tok, stride_q_head, c, s, d, d_ok, NUM_Q_HEADS, Q_HEADS_PAD, HALF)
+    _rotate_heads_(k_ptr, tok, stride_k_tok, stride_k_head, c, s, d, d_ok, NUM_K_HEADS, K_HEADS_PAD, HALF)
 
 
-def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, rotary_dim: int) -> None:
-    """Rotate the first ``rotary_dim`` dims of every q and k head in place (neox layout).
-
-    Args:
-        positions: [num_tokens] int64 (or int32) absolute positions.
-        q: [num_tokens, num_heads, head_dim], last dim contiguous (views of a packed qkv work).
-        k: [num_tokens, num_kv_heads, head_dim], q's dtype, last dim contiguous.
-        cos, sin: [max_position, >= rotary_dim / 2] float32 tables, row stride shared; column j
-            of row p is cos / sin of p * inv_freq[j] (with any rope scaling folded in).
-        rotary_dim: even, <= head_dim.
-    """
+def check_rotary_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, rotary_dim: int) -> int:
+    """Check the rotary inputs shared by ``rotary_embedding_`` and ``kv_write.rotary_write_kv``;
+    returns HALF = rotary_dim // 2."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, _, head_dim = q.shape
     dev = q.device
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
     check_tensor("k", k, shape=(num_tokens, None, head_dim))
@@ -154,6 +160,23 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if cos.shape[1] < half or cos.stride(0) != sin.stride(0):
         raise ValueError(f"cos/sin: need >= {half} columns and one row stride, got shape "
                          f"{tuple(cos.shape)}, strides {cos.stride()} / {sin.stride()}.")
+    return half
+
+
+def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, rotary_dim: int) -> None:
+    """Rotate the first ``rotary_dim`` dims of every q and k head in place (neox layout).
+
+    Args:
+        positions: [num_tokens] int64 (or int32) absolute positions.
+        q: [num_tokens, num_heads, head_dim], last dim contiguous (views of a packed qkv work).
+        k: [num_tokens, num_kv_heads, head_dim], q's dtype, last dim contiguous.
+        cos, sin: [max_position, >= rotary_dim / 2] float32 tables, row stride shared; column j
+            of row p is cos / sin of p * inv_freq[j] (with any rope scaling folded in).
+        rotary_dim: even, <= head_dim.
+    """
+    half = check_rotary_args(positions, q, k, cos, sin, rotary_dim)
+    num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
         return
     _rotary_kernel[(num_tokens,)](

@@ -51,3 +51,19 @@ def attn_decode_config() -> dict[str, int]:
                              f"num_stages= with positive integers.")
         out[key] = int(val)
     return out
+
+
+def gemv_config() -> dict[str, int]:
+    """CHORUS_GEMV_CONFIG: decode GEMV launch overrides, e.g. "block_n=32,block_k=256,num_warps=4,
+    num_stages=3" (fields of ``kernels.gemv.GemvConfig``; use_dot=0/1 too; ``benchmarks/gemv_sweep.py``
+    passes candidates directly instead)."""
+    raw = os.environ.get("CHORUS_GEMV_CONFIG", "")
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, _, val = (p.strip() for p in item.partition("="))
+        ok = val.isdigit() and (int(val) in (0, 1) if key == "use_dot" else int(val) >= 1)
+        if key not in ("block_n", "block_k", "num_warps", "num_stages", "use_dot") or not ok:
+            raise ValueError(f"CHORUS_GEMV_CONFIG: bad item {item!r}; use block_n=, block_k=, num_warps=, "
+                             f"num_stages= with positive integers (and use_dot=0 or 1).")
+        out[key] = int(val)
+    return out

@@ -1,0 +1,459 @@
+"""Decode GEMV: out = a @ weight.T for 1..16 token rows, with an optional fused prologue.
+
+At decode batch 1..16 every projection is a matrix-vector product bound by the weight read;
+cuBLAS runs it as a GEMV or a split-K GEMM (two launches with the reduce), and the RMSNorm in
+front of qkv / gate_up and the SiLU-and-mul in front of down are launches of their own. One
+Triton kernel here reads each weight tile once for all M rows and builds its input rows on the
+fly, so a projection plus its elementwise prologue is one launch:
+
+- ``gemv(x, weight, bias)``: out = x @ weight.T (+ bias).
+- ``silu_mul_gemv(gate_up, weight, bias)``: out = silu_and_mul(gate_up) @ weight.T (+ bias); the
+  product rows are never written to memory: every program recomputes them per K chunk.
+- ``add_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias)``: out = rmsnorm(x + residual)
+  @ weight.T (+ bias), and the residual sum as a new tensor. Every program computes the rows'
+  mean square itself (a first pass over the K inputs of each row, from L2), then the main loop
+  recomputes the normalized rows per K chunk; program 0 alone stores the residual sum.
+
+Grid: one program per BLOCK_N output columns, each looping over all of K (no split-K, so no
+reduce launch and no atomics). Two inner-product formulations, picked by ``GemvConfig.use_dot``:
+``tl.dot`` on the [BLOCK_M >= 16, BLOCK_K] input tile and the [BLOCK_N, BLOCK_K] weight tile,
+or an elementwise multiply of the [BLOCK_M, 1, BLOCK_K] and [1, BLOCK_N, BLOCK_K] tiles summed
+over K (BLOCK_M = next power of two >= M). ``benchmarks/gemv_sweep.py`` times both; on an H200
+tl.dot wins at every M from 1 to 16, so it is the default. The fused prologues build only the
+next_power_of_2(M) real rows and repeat them up to tl.dot's 16, and load their inputs one K
+chunk ahead (register prefetch). Every program rebuilds all M input rows, so that work grows
+with M: the fused launches pay off at M <= 2 and lose from M = 4-8 on (``gemv_config``'s note).
+
+Numerics: float32 accumulation, bias added in float32, one rounding to x's dtype at the end;
+the prologues round exactly as ``kernels.layer_ops`` does (see the kernel's docstring). The
+torch twins are the ``*_ref`` functions at the end of this module, composed from
+``RMSNorm.forward_torch``, ``silu_and_mul_torch`` and a float32 ``F.linear``;
+``tests/kernels/test_kernel_gemv.py`` compares the two.
+
+Launch configs: ``gemv_config(M, N, K)`` (defaults; ``CHORUS_GEMV_CONFIG`` overrides fields,
+read through ``engine.envs.gemv_config``); every wrapper also takes an explicit ``config=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import triton
+import triton.language as tl
+
+from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
+
+MAX_ROWS = 16
+"""Most token rows one call takes (the decode batches this kernel is for); more raise ValueError."""
+
+PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
+"""Values of the kernel's PROLOGUE constexpr: how the input rows are built from the inputs."""
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _load_inputs(x_ptr, r_ptr, nw_ptr, rows, row_ok, k0, K, stride_x, stride_r,
+                 BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Raw inputs of one [R, BLOCK_K] chunk (columns k0 + [0, BLOCK_K)), zero where masked:
+
+        PLAIN / ADD_RMSNORM:  (x, residual (x without one), norm_weight [BLOCK_K] (zeros for PLAIN))
+        SILU_MUL:             (gate, up, unused)
+
+    NOTE: split from ``_build_input`` so the fused loops can issue the next chunk's loads before
+    computing on this one (register prefetch). Without it every K step of every program waited
+    on an L2 round trip for its input rows (H200, down_proj with SiLU at M=1: 61 us, with it 32;
+    num_stages pipelines the weight loads only, whose tiles feed tl.dot directly).
+    """
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    mask = row_ok[:, None] & k_ok[None, :]
+    xp = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
+    p = tl.load(xp, mask=mask, other=0.0)
+    if PROLOGUE == 1:
+        q = tl.load(xp + K, mask=mask, other=0.0)
+    elif HAS_RESIDUAL:
+        q = tl.load(r_ptr + rows[:, None] * stride_r + offs_k[None, :], mask=mask, other=0.0)
+    else:
+        q = p
+    if PROLOGUE == 2:
+        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0)
+    else:
+        nw = tl.zeros([BLOCK_K], dtype=p.dtype)
+    return p, q, nw
+
+
+@triton.jit
+def _residual_sum(p, q, DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """s = DTYPE(x + residual) from ``_load_inputs``'s (x, residual) (x itself without residual)."""
+    if HAS_RESIDUAL:
+        return (p.to(tl.float32) + q.to(tl.float32)).to(DTYPE)
+    return p
+
+
+@triton.jit
+def _build_input(p, q, nw, rstd, DTYPE: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """[R, BLOCK_K] tile of the GEMV input a in DTYPE from ``_load_inputs``'s raw chunk;
+    ``rstd`` ([R, 1] float32) is read by the add_rmsnorm prologue only."""
+    if PROLOGUE == 1:      # SILU_MUL
+        g = p.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+        a = (act * q.to(tl.float32)).to(DTYPE)
+    elif PROLOGUE == 2:    # ADD_RMSNORM
+        s = _residual_sum(p, q, DTYPE, HAS_RESIDUAL)
+        n = (s.to(tl.float32) * rstd).to(DTYPE).to(tl.float32)
+        a = (nw.to(tl.float32)[None, :] * n).to(DTYPE)
+    else:                  # PLAIN
+        a = p
+    return a
+
+
+@triton.jit
+def _accumulate(acc, a, w, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_K: tl.constexpr,
+                USE_DOT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_MA, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T (float32).
+
+    With tl.dot and BLOCK_MA < BLOCK_M the rows of a are repeated to BLOCK_M (row r of acc gets
+    row r % BLOCK_MA: the first BLOCK_MA rows are the real ones)."""
+    if USE_DOT:
+        if BLOCK_MA < BLOCK_M:
+            a = tl.reshape(tl.broadcast_to(a[None, :, :], [BLOCK_M // BLOCK_MA, BLOCK_MA, BLOCK_K]),
+                           [BLOCK_M, BLOCK_K])
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+    else:
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
+                 M, N, K, eps, stride_x, stride_r,
+                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Semantics (dtype = out's dtype = x's dtype; float32 math unless rounded by dtype(.)):
+
+        for t in range(M):
+            if PROLOGUE == PLAIN:        a = x[t]                                       # [K]
+            if PROLOGUE == SILU_MUL:     g, u = x[t, :K], x[t, K:2K]
+                                         a = dtype(dtype(silu(g)) * u)
+            if PROLOGUE == ADD_RMSNORM:  s = dtype(x[t] + residual[t]) if HAS_RESIDUAL else x[t]
+                                         a = dtype(nw * dtype(s * rsqrt(mean(s^2) + eps)))
+                                         if HAS_RESIDUAL: res_out[t] = s      (program 0 only)
+            out[t] = dtype(a @ w.T + (b if HAS_BIAS else 0))                            # [N]
+
+    Program p covers columns [p * BLOCK_N, (p + 1) * BLOCK_N) of all M rows over all of K.
+    w: [N, K] contiguous; x / residual rows at strides stride_x / stride_r (last dim stride 1);
+    out: [M, N] and res_out: [M, K] contiguous. Every program computes mean(s^2) itself (a first
+    pass over K in BLOCK_KS chunks), then recomputes a per BLOCK_K chunk next to the weight tile.
+    res_out must not alias x or residual (other programs still read them while program 0 stores it).
+
+    Tiles: the input rows are built BLOCK_MA >= M at a time (the prologue's work scales with it);
+    tl.dot takes BLOCK_M = max(16, BLOCK_MA) rows, the BLOCK_MA rows repeated (the copies past
+    row M are computed and never stored). The elementwise form has BLOCK_M == BLOCK_MA.
+    """
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    offs_ma = tl.arange(0, BLOCK_MA)
+    ma_ok = offs_ma < M
+    rows_a = offs_ma.to(tl.int64)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K                                   # [BLOCK_N, 1]
+
+    rstd = tl.zeros([BLOCK_MA, 1], dtype=tl.float32)
+    if PROLOGUE == 2:
+        # Wide chunks (BLOCK_KS >= BLOCK_K, ~4096 elements), next chunk's loads issued first: this
+        # pass is a few L2 round trips every program pays before its first weight tile arrives.
+        ss = tl.zeros([BLOCK_MA], dtype=tl.float32)
+        p, q, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, 0, K, stride_x, stride_r,
+                                BLOCK_KS, 0, HAS_RESIDUAL)
+        for k0 in range(0, K, BLOCK_KS):
+            p_next, q_next, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, k0 + BLOCK_KS, K, stride_x,
+                                              stride_r, BLOCK_KS, 0, HAS_RESIDUAL)
+            s = _residual_sum(p, q, DTYPE, HAS_RESIDUAL)                                 # [BMA, BKS]
+            if HAS_RESIDUAL:
+                if pid == 0:
+                    offs_k = k0 + tl.arange(0, BLOCK_KS)
+                    tl.store(res_out_ptr + rows_a[:, None] * K + offs_k[None, :], s,
+                             mask=ma_ok[:, None] & (offs_k < K)[None, :])
+            sf = s.to(tl.float32)
+            ss += tl.sum(sf * sf, axis=1)
+            p, q = p_next, q_next
+        rstd = tl.rsqrt(ss / K + eps)[:, None]                                          # [BLOCK_MA, 1]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PROLOGUE == 0:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, BK]
+            a = tl.load(x_ptr + rows_a[:, None] * stride_x + offs_k[None, :], mask=ma_ok[:, None] & k_ok[None, :],
+                        other=0.0)                                                     # [BMA, BK]
+            acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+    else:
+        p, q, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, 0, K, stride_x, stride_r,
+                                BLOCK_K, PROLOGUE, HAS_RESIDUAL)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            p_next, q_next, nw_next = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, k0 + BLOCK_K, K,
+                                                   stride_x, stride_r, BLOCK_K, PROLOGUE, HAS_RESIDUAL)
+            a = _build_input(p, q, nw, rstd, DTYPE, PROLOGUE, HAS_RESIDUAL)               # [BMA, BK]
+            acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+            p, q, nw = p_next, q_next, nw_next
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    offs_m = tl.arange(0, BLOCK_M)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(DTYPE),
+             mask=(offs_m < M)[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------
+# Launch configs
+# ----------------------------------------------------------------------------------------
+def _check_pow2(name: str, value: object, min_value: int, max_value: int) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or not min_value <= value <= max_value
+            or value & (value - 1)):
+        raise ValueError(f"GemvConfig.{name}: {value!r} must be a power of two in [{min_value}, {max_value}].")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of the decode GEMV (``CHORUS_GEMV_CONFIG`` field names)."""
+
+    block_n: int = 32
+    """Output columns (weight rows) per program; the grid is cdiv(N, block_n). Power of two in
+    [1, 1024], >= 16 with use_dot."""
+    block_k: int = 256
+    """Input elements per inner step (weight tile [block_n, block_k]). Power of two in [16, 4096]."""
+    num_warps: int = 4
+    """Warps per program (power of two in [1, 16])."""
+    num_stages: int = 3
+    """Software-pipelining depth of the K loop (>= 1)."""
+    use_dot: int = 0
+    """1: tl.dot on a [BLOCK_M >= 16, block_k] input tile (rows past M are zero padding);
+    0: elementwise multiply + sum over K with BLOCK_M = next power of two >= M."""
+
+    def __post_init__(self) -> None:
+        if self.use_dot not in (0, 1) or isinstance(self.use_dot, float):
+            raise ValueError(f"GemvConfig.use_dot: {self.use_dot!r} must be 0 or 1.")
+        _check_pow2("block_n", self.block_n, 16 if self.use_dot else 1, 1024)
+        _check_pow2("block_k", self.block_k, 16, 4096)
+        _check_pow2("num_warps", self.num_warps, 1, 16)
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"GemvConfig.num_stages: {self.num_stages!r} must be an int >= 1.")
+
+    def block_m(self, num_rows: int) -> int:
+        """BLOCK_M for ``num_rows`` token rows: next power of two >= num_rows (>= 16 with use_dot)."""
+        return max(16 if self.use_dot else 1, next_power_of_2(num_rows))
+
+
+def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_MA, BLOCK_KS) of one launch.
+
+    BLOCK_MA: rows the prologue builds; the plain tl.dot form loads all BLOCK_M rows masked
+    (no extra work), the fused prologues build next_power_of_2(M) and repeat them for tl.dot.
+    BLOCK_KS: chunk of the add_rmsnorm statistics pass, ~4096 elements so that pass is one or a
+    few L2 round trips.
+    """
+    block_m = config.block_m(M)
+    block_ma = block_m if prologue == PLAIN else next_power_of_2(M)
+    block_ks = max(config.block_k, min(next_power_of_2(K), 4096 // block_ma))
+    return block_m, block_ma, block_ks
+
+
+def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN
+                ) -> GemvConfig:
+    """The default config for an [M, K] x [N, K]^T decode GEMV, with ``CHORUS_GEMV_CONFIG`` applied.
+
+    Args:
+        M, N, K: token rows, output columns (weight rows), inputs per row.
+        device: where it runs; a CPU device means the interpreter (small, quick tiles). None: CUDA.
+        prologue: PLAIN, SILU_MUL or ADD_RMSNORM.
+
+    NOTE: H200 sweep (``benchmarks/gemv_sweep.py``, Llama-3-8B shapes, bf16, M 1..16, weights from
+    HBM, CUDA graphs): tl.dot wins at every M (the elementwise form is 1.2-3x slower). Plain
+    GEMVs against cuBLAS (3 runs): o ahead (11.6 vs 12.5 us), lm_head 1.5-4% ahead, down on a
+    par, qkv within ~1 us either way, gate_up 1-3% behind. Plain: block_n 32 / block_k 512 for N <= 16384 (qkv, o, down: within 4% of each case's
+    best), block_n 64 / block_k 256 above (gate_up, lm_head: within 1.3%); 4 warps, 3 stages.
+    Fused prologues (every program rebuilds its input rows, so wider block_n pays above 16384):
+    block_n 32 / block_k 512 up to 16384, block_n 128 / block_k 128 above (within 5% of the best
+    of 8-10 candidates at M <= 4). Against norm / SiLU kernel + cuBLAS they are on a par or ahead
+    at M <= 2 (qkv -0.9..+0.9 us, gate_up -1..-2, down -1..+1, lm_head -10) and lose from M = 4-8
+    on (down at M 16: 62 vs 34 us): the rebuild's cost grows with M. Differences under ~1 us
+    are within run-to-run noise.
+    """
+    from engine import envs
+
+    if device is not None and is_interpreted(device):
+        cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
+                         num_warps=4, num_stages=1, use_dot=0)
+    elif N <= 16384:
+        cfg = GemvConfig(32, 512, 4, 3, 1)
+    else:
+        cfg = GemvConfig(64, 256, 4, 3, 1) if prologue == PLAIN else GemvConfig(128, 128, 4, 3, 1)
+    override = envs.gemv_config()
+    return dataclasses.replace(cfg, **override) if override else cfg
+
+
+# ----------------------------------------------------------------------------------------
+# Wrappers
+# ----------------------------------------------------------------------------------------
+def _check_rows(name: str, x: torch.Tensor) -> int:
+    check_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"{name}: {x.shape[0]} rows; the decode GEMV takes at most {MAX_ROWS} "
+                         f"(use torch.matmul for larger batches).")
+    return x.shape[0]
+
+
+def _check_weights(x: torch.Tensor, K: int, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   config: Optional[GemvConfig]) -> int:
+    """Check weight [N, K] (contiguous, x's dtype and device), bias [N] and config; returns N."""
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device, contiguous=True)
+    check_tensor("weight", weight, shape=(None, K))
+    N = weight.shape[0]
+    if N < 1 or K < 1:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} must have N >= 1 rows and K >= 1 columns.")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(x.dtype,), shape=(N,), device=x.device, contiguous=True)
+    if config is not None and not isinstance(config, GemvConfig):
+        raise ValueError(f"config: expected a GemvConfig, got {type(config).__name__}.")
+    return N
+
+
+def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
+            eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], res_out: Optional[torch.Tensor],
+            config: Optional[GemvConfig]) -> torch.Tensor:
+    M, (N, K) = x.shape[0], weight.shape
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)                            # [M, N]
+    if M == 0:
+        return out
+    if config is None:
+        config = gemv_config(M, N, K, x.device, prologue)
+    block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
+    upcast = is_interpreted(x.device)
+    _gemv_kernel[(cdiv(N, config.block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, out, res_out if res_out is not None else out,
+        M, N, K, float(eps), x.stride(0), residual.stride(0) if residual is not None else 0,
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_MA=block_ma, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_KS=block_ks,
+        USE_DOT=bool(config.use_dot), UPCAST=upcast,
+        DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+         config: Optional[GemvConfig] = None) -> torch.Tensor:
+    """out = x @ weight.T (+ bias) for a decode batch, float32 accumulation.
+
+    Args:
+        x: [M, K], 0 <= M <= 16, float16/bfloat16/float32, last dim contiguous (row stride free).
+        weight: [N, K] (nn.Linear layout), x's dtype, contiguous.
+        bias: optional [N], x's dtype, contiguous; added in float32 before the final rounding.
+        config: launch config; None: ``gemv_config(M, N, K, x.device)``.
+
+    Returns:
+        out: a new [M, N] tensor in x's dtype.
+    """
+    _check_rows("x", x)
+    _check_weights(x, x.shape[1], weight, bias, config)
+    return _launch(PLAIN, x, None, None, 0.0, weight, bias, None, config)
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                  config: Optional[GemvConfig] = None) -> torch.Tensor:
+    """out = silu_and_mul(gate_up) @ weight.T (+ bias), the product rows never written to memory.
+
+    Args:
+        gate_up: [M, 2 * K] (gate | up), 0 <= M <= 16, float16/bfloat16/float32, last dim contiguous.
+            The input row is a = dtype(dtype(silu(gate)) * up), rounded as ``layer_ops.silu_and_mul``.
+        weight: [N, K], gate_up's dtype, contiguous.
+        bias: optional [N], gate_up's dtype, contiguous.
+        config: launch config; None: ``gemv_config(M, N, K, gate_up.device, SILU_MUL)``.
+
+    Returns:
+        out: a new [M, N] tensor in gate_up's dtype.
+    """
+    _check_rows("gate_up", gate_up)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up: last dim {gate_up.shape[1]} must be even (gate | up).")
+    _check_weights(gate_up, gate_up.shape[1] // 2, weight, bias, config)
+    return _launch(SILU_MUL, gate_up, None, None, 0.0, weight, bias, None, config)
+
+
+def add_rms_norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                      config: Optional[GemvConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out = rmsnorm(x + residual) @ weight.T (+ bias), and the residual sum.
+
+    Args:
+        x: [M, K], 0 <= M <= 16, float16/bfloat16/float32, last dim contiguous. Not modified.
+        residual: optional [M, K] in x's dtype, last dim contiguous. Not modified.
+        norm_weight: [K] RMSNorm weight, x's dtype, contiguous.
+        eps: added to the mean square.
+        weight: [N, K], x's dtype, contiguous.
+        bias: optional [N], x's dtype, contiguous.
+        config: launch config; None: ``gemv_config(M, N, K, x.device, ADD_RMSNORM)``.
+
+    Returns:
+        (out, residual_out): out a new [M, N] tensor; residual_out = dtype(x + residual) as a new
+        contiguous [M, K] tensor, or ``x`` itself (no copy) when residual is None. Rounding as
+        ``layer_ops.add_rms_norm``: s = dtype(x + residual), a = dtype(nw * dtype(s * rsqrt(mean(s^2) + eps))).
+    """
+    M = _check_rows("x", x)
+    K = x.shape[1]
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), shape=(M, K), device=x.device,
+                     last_dim_contiguous=True)
+    check_tensor("norm_weight", norm_weight, dtypes=(x.dtype,), shape=(K,), device=x.device, contiguous=True)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps: expected a float >= 0, got {eps!r}.")
+    _check_weights(x, K, weight, bias, config)
+    res_out = torch.empty(M, K, dtype=x.dtype, device=x.device) if residual is not None else None   # [M, K]
+    out = _launch(ADD_RMSNORM, x, residual, norm_weight, eps, weight, bias, res_out, config)
+    return out, (res_out if res_out is not None else x)
+
+
+# ----------------------------------------------------------------------------------------
+# Torch twins (the test oracle)
+# ----------------------------------------------------------------------------------------
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Twin of ``gemv``: a float32 ``F.linear`` rounded once to x's dtype."""
+    b = bias.float() if bias is not None else None
+    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+def silu_mul_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Twin of ``silu_mul_gemv``: ``silu_and_mul_torch`` (rounded to the dtype) then ``gemv_ref``."""
+    from engine.layers.activation import silu_and_mul_torch
+
+    return gemv_ref(silu_and_mul_torch(gate_up), weight, bias)
+
+
+def add_rms_norm_gemv_ref(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                          weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``add_rms_norm_gemv``: ``RMSNorm.forward_torch`` then ``gemv_ref``; returns
+    (out, residual sum) (x itself when residual is None)."""
+    from engine.layers.norm import RMSNorm
+
+    norm = RMSNorm(x.shape[1], eps).to(x.device)
+    norm.weight.data = norm_weight
+    if residual is None:
+        return gemv_ref(norm.forward_torch(x), weight, bias), x
+    n, s = norm.forward_torch(x, residual)
+    return gemv_ref(n, weight, bias), s

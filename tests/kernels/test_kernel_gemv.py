@@ -1,0 +1,202 @@
+"""Decode GEMV (plain, SiLU-and-mul prologue, add + RMSNorm prologue): the Triton kernel against its
+torch twins (``kernels.gemv.*_ref``). CPU tensors run through the interpreter with small explicit tiles
+(N and K tails, both inner-product formulations); the CUDA tests run Llama-3-8B sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.gemv import (GemvConfig, add_rms_norm_gemv, add_rms_norm_gemv_ref, gemv, gemv_config, gemv_ref,
+                          silu_mul_gemv, silu_mul_gemv_ref)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+PROLOGUES = ["plain", "silu_mul", "add_rmsnorm", "rmsnorm"]     # rmsnorm: add_rms_norm_gemv with residual None
+EPS = 1e-5
+
+
+def _tol(dtype):
+    # As test_kernel_layer_ops: roundings may land one ulp apart (the interpreter truncates fp32 -> bf16).
+    return dict(float32=(1e-5, 1e-5), float16=(2e-3, 2e-3), bfloat16=(2e-2, 2e-2))[str(dtype).split(".")[1]]
+
+
+def _rows(m: int, width: int, dtype, g, strided: bool, scale: float = 1.0) -> torch.Tensor:
+    """[m, width] random rows; with ``strided`` a column slice of a wider buffer (row stride > width)."""
+    buf = (scale * torch.randn(m, width + (24 if strided else 0), generator=g)).to(dtype).to(DEVICE)
+    return buf[:, 8:8 + width] if strided else buf
+
+
+def _case(prologue: str, m: int, n: int, k: int, dtype, bias: bool, strided: bool, seed: int = 0):
+    """Inputs of one call: (args for the kernel wrapper / twin, without config)."""
+    g = torch.Generator().manual_seed(seed + 1000 * m + n + k)
+    weight = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    if prologue == "plain":
+        return (_rows(m, k, dtype, g, strided), weight, b)
+    if prologue == "silu_mul":
+        return (_rows(m, 2 * k, dtype, g, strided), weight, b)
+    x = _rows(m, k, dtype, g, strided)
+    residual = _rows(m, k, dtype, g, strided) if prologue == "add_rmsnorm" else None
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    return (x, residual, norm_weight, EPS, weight, b)
+
+
+def _run(prologue: str, args, config):
+    """(kernel out, kernel residual_out or None, twin out, twin residual_out or None)."""
+    if prologue == "plain":
+        return gemv(*args, config=config), None, gemv_ref(*args), None
+    if prologue == "silu_mul":
+        return silu_mul_gemv(*args, config=config), None, silu_mul_gemv_ref(*args), None
+    out, res = add_rms_norm_gemv(*args, config=config)
+    ref_out, ref_res = add_rms_norm_gemv_ref(*args)
+    return out, res, ref_out, ref_res
+
+
+def _check(prologue: str, args, config, dtype):
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    before = [a.clone() for a in inputs]
+    out, res, ref_out, ref_res = _run(prologue, args, config)
+    rtol, atol = _tol(dtype)
+    assert out.dtype == dtype and out.shape == ref_out.shape and out.is_contiguous()
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=rtol, atol=atol)
+    for a, b in zip(inputs, before):                      # x / residual / weights untouched
+        assert torch.equal(a, b)
+    if prologue == "rmsnorm":
+        assert res is args[0]                             # x itself, no copy
+    elif prologue == "add_rmsnorm":
+        x, residual = args[0], args[1]
+        assert res.data_ptr() not in (x.data_ptr(), residual.data_ptr()) and res.is_contiguous()
+        if dtype == torch.bfloat16 and DEVICE.type == "cpu":
+            # One ulp apart at most: the interpreter truncates where torch rounds to nearest.
+            torch.testing.assert_close(res.float(), ref_res.float(), rtol=2 ** -7, atol=1e-6)
+        else:
+            assert torch.equal(res, ref_res)
+
+
+# N, K: tails of both (40 = 2.5 x 16, 200 = 3 x 64 + 8); bias and strided rows on one of the two.
+SHAPES = [(40, 200, True, True), (96, 64, False, False)]
+
+
+@pytest.mark.parametrize("n,k,bias,strided", SHAPES)
+@pytest.mark.parametrize("use_dot", [0, 1])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_matches_twin(prologue, dtype, m, use_dot, n, k, bias, strided):
+    config = GemvConfig(block_n=16 if n == 40 else 32, block_k=64 if k == 200 else 32, num_warps=4,
+                        num_stages=1, use_dot=use_dot)
+    _check(prologue, _case(prologue, m, n, k, dtype, bias, strided), config, dtype)
+
+
+@pytest.mark.parametrize("use_dot", [0, 1])
+@pytest.mark.parametrize("m", [9, 16])
+@pytest.mark.parametrize("prologue", ["add_rmsnorm", "rmsnorm"])
+def test_rmsnorm_stats_chunks(prologue, m, use_dot):
+    """K = 520 over 256-wide statistics chunks (4096 // BLOCK_M_rows): three passes with a tail."""
+    config = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=1, use_dot=use_dot)
+    _check(prologue, _case(prologue, m, 24, 520, torch.bfloat16, True, True), config, torch.bfloat16)
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_default_config(prologue):
+    """config=None: the device's default tiles (interpreter: one tile over N here, K tail of 8)."""
+    _check(prologue, _case(prologue, 5, 24, 136, torch.float32, True, False), None, torch.float32)
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_zero_rows(prologue):
+    args = _case(prologue, 0, 24, 32, torch.float32, False, False)
+    out, res, _, _ = _run(prologue, args, None)
+    assert out.shape == (0, 24)
+    if res is not None:
+        assert res.shape == (0, 32)
+
+
+def test_gemv_config_env(monkeypatch):
+    monkeypatch.delenv("CHORUS_GEMV_CONFIG", raising=False)
+    base = gemv_config(4, 6144, 4096)
+    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=64, block_k=128,num_stages=2,use_dot=1")
+    cfg = gemv_config(4, 6144, 4096)
+    assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot) == (64, 128, base.num_warps, 2, 1)
+    for bad in ("block_n=0", "tile_n=32", "use_dot=2", "num_warps=x"):
+        monkeypatch.setenv("CHORUS_GEMV_CONFIG", bad)
+        with pytest.raises(ValueError, match="CHORUS_GEMV_CONFIG"):
+            gemv_config(4, 6144, 4096)
+    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=24")              # parsed, rejected by GemvConfig
+    with pytest.raises(ValueError, match="block_n"):
+        gemv_config(4, 6144, 4096)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="block_n"):
+        GemvConfig(block_n=24)
+    with pytest.raises(ValueError, match="block_n"):
+        GemvConfig(block_n=8, use_dot=1)                                 # tl.dot needs >= 16
+    with pytest.raises(ValueError, match="block_k"):
+        GemvConfig(block_k=8)
+    with pytest.raises(ValueError, match="num_warps"):
+        GemvConfig(num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        GemvConfig(num_stages=0)
+    with pytest.raises(ValueError, match="use_dot"):
+        GemvConfig(use_dot=2)
+    assert GemvConfig(use_dot=0).block_m(3) == 4 and GemvConfig(use_dot=1).block_m(3) == 16
+    assert GemvConfig(use_dot=0).block_m(1) == 1
+
+
+def test_checks_reject_bad_inputs():
+    f32 = dict(device=DEVICE)
+    x, w = torch.randn(2, 32, **f32), torch.randn(24, 32, **f32)
+    with pytest.raises(ValueError, match="at most 16"):
+        gemv(torch.randn(17, 32, **f32), w)
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        gemv(x, torch.randn(24, 40, **f32))                                  # K mismatch
+    with pytest.raises(ValueError, match="weight: must be contiguous"):
+        gemv(x, torch.randn(32, 24, **f32).t())
+    with pytest.raises(ValueError, match="weight: dtype"):
+        gemv(x, w.half())
+    with pytest.raises(ValueError, match="x: last dim must have stride 1"):
+        gemv(torch.randn(32, 2, **f32).t(), w)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(x, w, torch.randn(23, **f32))
+    with pytest.raises(ValueError, match="bias: dtype"):
+        gemv(x, w, torch.randn(24, **f32).half())
+    with pytest.raises(ValueError, match="config"):
+        gemv(x, w, config=dict(block_n=16))
+    with pytest.raises(ValueError, match="even"):
+        silu_mul_gemv(torch.randn(2, 63, **f32), w)
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        silu_mul_gemv(torch.randn(2, 32, **f32), w)                           # K = 16, weight has 32
+    with pytest.raises(ValueError, match="at most 16"):
+        silu_mul_gemv(torch.randn(20, 64, **f32), w)
+    nw = torch.ones(32, **f32)
+    with pytest.raises(ValueError, match="residual: expected shape"):
+        add_rms_norm_gemv(x, torch.randn(3, 32, **f32), nw, EPS, w)
+    with pytest.raises(ValueError, match="residual: dtype"):
+        add_rms_norm_gemv(x, x.half(), nw, EPS, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        add_rms_norm_gemv(x, None, torch.ones(31, **f32), EPS, w)
+    with pytest.raises(ValueError, match="eps"):
+        add_rms_norm_gemv(x, None, nw, -1.0, w)
+    with pytest.raises(ValueError, match="weight: dtype"):
+        add_rms_norm_gemv(x, None, nw, EPS, w.to(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------
+# CUDA: Llama-3-8B decode sizes
+# ----------------------------------------------------------------------------------------
+CUDA_CASES = [("plain", 6144, 4096), ("plain", 4096, 4096), ("plain", 28672, 4096), ("plain", 4096, 14336),
+              ("silu_mul", 4096, 14336), ("add_rmsnorm", 6144, 4096), ("add_rmsnorm", 28672, 4096),
+              ("rmsnorm", 6144, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", [None, GemvConfig(32, 256, 4, 3, 0), GemvConfig(32, 256, 4, 3, 1)],
+                         ids=["default", "elementwise", "dot"])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("prologue,n,k", CUDA_CASES)
+def test_gpu_real_sizes(prologue, n, k, m, config):
+    _check(prologue, _case(prologue, m, n, k, torch.bfloat16, bias=(n == 6144), strided=(m == 4)), config,
+           torch.bfloat16)

@@ -53,6 +53,18 @@ def attn_decode_config() -> dict[str, int]:
     return out
 
 
+def decode_gemv_max_tokens() -> int:
+    """CHORUS_DECODE_GEMV_MAX_TOKENS: on CUDA, steps of at most this many tokens run their
+    projections as ``kernels.gemv`` launches fused with the norm / SiLU-and-mul before them
+    (``engine.layers.fused``); 0 turns that off (cuBLAS + separate kernels). Default 2: the H200
+    sweep (``benchmarks/gemv_sweep.py``) has the fused kernels on a par or ahead at 1-2 rows and
+    behind from 4 rows on, where rebuilding the input per program costs more than a launch."""
+    raw = os.environ.get("CHORUS_DECODE_GEMV_MAX_TOKENS", "2")
+    if not raw.isdigit() or int(raw) > 16:
+        raise ValueError(f"CHORUS_DECODE_GEMV_MAX_TOKENS={raw!r}: use an integer from 0 to 16.")
+    return int(raw)
+
+
 def gemv_config() -> dict[str, int]:
     """CHORUS_GEMV_CONFIG: decode GEMV launch overrides, e.g. "block_n=32,block_k=256,num_warps=4,
     num_stages=3" (fields of ``kernels.gemv.GemvConfig``; use_dot=0/1 too; ``benchmarks/gemv_sweep.py``

@@ -126,14 +126,20 @@ class LinearLoRASlots(nn.Module):
             self.set_slice(lora_slot, s, None)
 
     # ------------------------------------------------------------------ compute
+    def adds_nothing(self) -> bool:
+        """True when this step runs no adapter here (``forward`` would return y untouched), so the
+        base projection may run fused with its neighbours (``engine.layers.linear``)."""
+        batch = self.state.batch
+        return batch is None or batch.no_lora
+
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add each token's adapter update into y in place.
 
         x: [num_tokens, input_size]; y: [num_tokens, sum(output_sizes)] (the base output).
         """
-        batch = self.state.batch
-        if batch is None or batch.no_lora:
+        if self.adds_nothing():
             return y
+        batch = self.state.batch
         x2 = x.reshape(-1, self.input_size)
         y2 = y.view(-1, y.shape[-1])
         assert x2.shape[0] == batch.num_tokens, \

@@ -12,8 +12,8 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
-from engine.layers.activation import silu_and_mul
 from engine.layers.attention import PagedAttention
+from engine.layers.fused import linear_forward, norm_linear, silu_mul_linear
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -43,13 +43,14 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # NOTE: one instance shared by every layer (one cos/sin gather per step)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)                                       # [T, q + 2 kv]
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv: [T, q + 2 kv], the output of ``qkv_proj`` (run fused with the input norm by the
+        decoder layer) -> [T, hidden]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
+        return linear_forward(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):
@@ -61,8 +62,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2 * intermediate], the output of ``gate_up_proj`` (run fused with the
+        post-attention norm by the decoder layer) -> [T, hidden]."""
+        return silu_mul_linear(self.down_proj, gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,14 +77,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual)."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

@@ -230,3 +230,20 @@ def test_other_architectures_match_peft(arch, overrides, tmp_path):
                                                                  logprobs=5),
                        lora_request=LoRARequest("a", 1, str(path)), use_tqdm=False)[0]
     check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=arch)
+
+
+def test_fused_decode_path_with_adapters_on_cpu(setup, monkeypatch):
+    """Small steps take the fused GEMV path (forced on CPU) only where no adapter runs: steps
+    with adapters keep the unfused projections and their LoRA updates; all outputs match PEFT."""
+    from tests.models.test_fused_decode import force_fused_on_cpu
+
+    s = setup
+    calls = force_fused_on_cpu(monkeypatch)
+    llm = LLM(s["dir"], enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=2)
+    # The base-model requests last: the final decode steps hold no adapter.
+    order = sorted(range(len(s["adapters"])), key=lambda i: s["adapters"][i] is None)
+    reqs = [None if s["adapters"][i] is None else s["lora_reqs"][s["adapters"][i]] for i in order]
+    outputs = llm.generate([s["prompts"][i] for i in order], _params(), lora_request=reqs, use_tqdm=False)
+    for out, i in zip(outputs, order):
+        check_logprobs_close(s["refs"][i], ours_as_ref(out.outputs[0]), name=f"request {i} ({s['adapters'][i]})")
+    assert calls["add_rms_norm_gemv"] > 0

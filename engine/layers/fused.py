@@ -1,0 +1,66 @@
+"""Decode-step fusions around the projections: norm -> projection and SiLU-and-mul -> projection.
+
+At batch 1-16 a decode step is a chain of weight-bound GEMVs with a tiny elementwise kernel
+between each pair (add + RMSNorm before qkv and gate/up, SiLU-and-mul before down). On CUDA,
+while a step has at most ``decode_gemv_max_tokens()`` tokens and no adapter update on the
+projection, ``kernels.gemv`` runs each pair as one launch: the GEMV recomputes the elementwise
+prologue per input chunk instead of reading a materialized activation, and it needs no split-K
+reduce. Everywhere else (CPU, prefill-sized steps, a LoRA update in the step) the same functions
+run the unfused modules, which are the fused kernels' reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from engine import envs
+from engine.layers.activation import silu_and_mul
+from engine.layers.linear import Linear
+from engine.layers.norm import RMSNorm
+
+
+@functools.lru_cache(maxsize=None)
+def decode_gemv_max_tokens() -> int:
+    """Largest step (tokens) that takes the fused GEMV path; 0 turns it off (read once)."""
+    return envs.decode_gemv_max_tokens()
+
+
+def use_decode_gemv(linear: Linear, x: torch.Tensor) -> bool:
+    """True when ``linear(x)`` may run as ``kernels.gemv`` (CUDA, few tokens, no adapter update)."""
+    return (x.is_cuda and 0 < x.shape[0] <= decode_gemv_max_tokens() and x.dtype == linear.weight.dtype
+            and (linear.lora is None or linear.lora.adds_nothing()))
+
+
+def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Optional[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(s)), s) with s = x + residual, or s = x when ``residual`` is None.
+
+    x, residual: [num_tokens, hidden]. NOTE: like ``RMSNorm.forward``, the unfused CUDA path
+    overwrites ``x`` and ``residual``; callers never reuse them.
+    """
+    if use_decode_gemv(linear, x):
+        from kernels.gemv import add_rms_norm_gemv
+        return add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    if residual is None:
+        return linear(norm(x)), x
+    h, residual = norm(x, residual)
+    return linear(h), residual
+
+
+def silu_mul_linear(linear: Linear, gate_up: torch.Tensor) -> torch.Tensor:
+    """linear(silu(gate) * up) for gate_up: [num_tokens, 2 * d] (gate | up)."""
+    if use_decode_gemv(linear, gate_up):
+        from kernels.gemv import silu_mul_gemv
+        return silu_mul_gemv(gate_up, linear.weight, linear.bias)
+    return linear(silu_and_mul(gate_up))
+
+
+def linear_forward(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), as one ``kernels.gemv`` launch when the decode path applies."""
+    if use_decode_gemv(linear, x):
+        from kernels.gemv import gemv
+        return gemv(x, linear.weight, linear.bias)
+    return linear(x)

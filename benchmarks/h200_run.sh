@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [latency] [throughput] [smoke] [serve]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -13,7 +13,27 @@ for phase in "$@"; do
   case $phase in
     tests)
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_layer_ops.py \
-        tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_kv_write.py tests/models/test_gpu_parity.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+        tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_kv_write.py tests/models/test_gpu_parity.py tests/models/test_fused_decode.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    lora-tests)
+      timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/lora/test_peft_parity.py tests/kernels/test_kernel_lora.py \
+        tests/kernels/test_kernel_gemv.py -k "cuda or gpu" 2>&1 | tee "$OUT/lora_tests.log" | tail -8 ;;
+    gemv)      # decode GEMV configs vs cuBLAS (and the fused norm / SiLU-and-mul prologues)
+      timeout 150 python3 benchmarks/gemv_sweep.py --out "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/gemv_sweep.log" | tail -60 ;;
+    profile)   # kernel tables: decode batch 1 and 256 (base model), decode batch 64 with 16 adapters
+      timeout 150 python3 benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 1,256 --skip-mixed --top 16 \
+        --out "$OUT/profile_base.json" 2>&1 | grep -v Warning | tee "$OUT/profile_base.log" | tail -40
+      timeout 150 python3 benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 64 --skip-mixed --top 16 \
+        --lora-adapters 16 --out "$OUT/profile_lora.json" 2>&1 | grep -v Warning | tee "$OUT/profile_lora.log" | tail -22 ;;
+    seqs)      # offline throughput vs max_num_seqs / max_num_batched_tokens (vLLM's H100-class LLM defaults: 1024 / 16384)
+      for cfg in ${SEQS_CFGS:-"256 8192" "512 16384" "1024 16384"}; do
+        set -- $cfg
+        timeout 200 python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
+          --output-len 64:512 --skip-hf --max-num-seqs $1 --max-num-batched-tokens $2 --out "$OUT/throughput_seqs$1.json" 2>&1 \
+          | tee "$OUT/throughput_seqs$1.log" | grep -v Warning | tail -9
+      done ;;
+    latency-ab)   # batch 1 and 2 with the fused decode GEMVs off (cuBLAS + separate norm / SiLU kernels)
+      CHORUS_DECODE_GEMV_MAX_TOKENS=0 timeout 150 python3 benchmarks/latency.py --llama3-8b-dummy --batch-sizes 1,2 \
+        --context-len 512 --steps 32 --skip-hf --out "$OUT/latency_gemv_off.json" 2>&1 | grep -v Warning | tail -6 ;;
     smoke)
       python3 benchmarks/latency.py --llama3-8b-dummy --batch-sizes 1,64 --steps 8 --skip-hf \
         --out "$OUT/latency_smoke.json" 2>&1 | grep -v Warning | tail -20 ;;

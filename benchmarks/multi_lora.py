@@ -131,17 +131,33 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
     steps0 = engine.get_stats().num_steps
     graphs = engine.runner.graphs
     replays0 = graphs.num_replays if graphs is not None else 0
+    timer = retries0 = None
+    if torch.cuda.is_available():
+        from engine.model_runner import StepTimer
+        timer = engine.runner.step_timer = StepTimer()
+        retries0 = _alloc_retries()
     _sync()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=per_request,
                         use_tqdm=False)
     _sync()
     dt = time.perf_counter() - t0
+    by_kind, retries = None, None
+    if timer is not None:
+        by_kind = timer.summary()["by_kind"]
+        engine.runner.step_timer = None
+        retries = _alloc_retries() - retries0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == len(prompts) * args.output_len, n_out
     return dict(system=label, batch=len(prompts), num_adapters=n, seconds=dt, output_tokens=n_out,
                 output_tok_s=n_out / dt, steps=engine.get_stats().num_steps - steps0,
-                graph_steps=(graphs.num_replays if graphs is not None else 0) - replays0)
+                graph_steps=(graphs.num_replays if graphs is not None else 0) - replays0,
+                steps_by_kind=by_kind, alloc_retries=retries)
+
+
+def _alloc_retries() -> int:
+    """cudaMalloc retries (the caching allocator freed its cache to fit): >0 means memory thrash."""
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 def chorus_rows(args, prompts, adapter_dirs, report) -> list[dict]:
@@ -191,6 +207,11 @@ def _lora_rows(args, prompts, adapter_dirs, report) -> None:
 def _show(row: dict, report: dict) -> None:
     print(f"  {row['system']} batch {row['batch']}: {row['output_tok_s']:.1f} tok/s "
           f"({row.get('steps', '-')} steps, {row.get('graph_steps', '-')} graph)", flush=True)
+    for kind, k in sorted((row.get("steps_by_kind") or {}).items()):
+        print(f"    {kind:13s} {k['steps']:5d} steps  GPU {k['gpu_ms'] / 1e3:6.2f} s  "
+              f"{k['gpu_ms'] / max(1, k['steps']):7.2f} ms/step", flush=True)
+    if row.get("alloc_retries"):
+        print(f"    allocator retries: {row['alloc_retries']}", flush=True)
     _dump(report)
 
 

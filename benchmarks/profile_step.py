@@ -65,6 +65,25 @@ def _show(label: str, table: dict, wall_ms: float, top: int) -> dict:
                 kernels=[dict(name=k, us_per_step=v[0], per_step=v[1]) for k, v in rows])
 
 
+def _adapters(engine, args) -> list:
+    """``--lora-adapters`` random PEFT adapters on disk, registered with the engine."""
+    import tempfile
+
+    from benchmarks.multi_lora import write_random_adapter
+    from lora import LoRARequest
+
+    cfg = engine.hf_config
+    shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                 num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                 num_key_value_heads=cfg.num_key_value_heads)
+    root = Path(tempfile.mkdtemp(prefix="chorus-profile-lora-"))
+    dirs = [write_random_adapter(root / f"a{i}", shape, args.lora_rank, seed=i) for i in range(min(4, args.lora_adapters))]
+    reqs = [LoRARequest(f"lora-{i}", i + 1, str(dirs[i % len(dirs)])) for i in range(args.lora_adapters)]
+    for r in reqs:
+        engine.add_lora(r)
+    return reqs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -74,30 +93,41 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--lora-adapters", type=int, default=0,
+                    help="N > 0: a LoRA engine, request i runs random rank-16 adapter i %% N (7 projections)")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--skip-mixed", action="store_true", help="profile decode steps only")
     ap.add_argument("--out", default="benchmarks/out/profile_step.json")
     args = ap.parse_args()
     from engine import LLM, SamplingParams
 
     model = args.model or str(dummy_checkpoint(Path("/tmp/chorus-llama3-8b-dummy"), "bfloat16"))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    lora_kw = {}
+    if args.lora_adapters:
+        lora_kw = dict(enable_lora=True, max_loras=args.lora_adapters, max_lora_rank=args.lora_rank,
+                       max_cpu_loras=args.lora_adapters)
     llm = LLM(model, load_format="dummy" if args.llama3_8b_dummy or args.model is None else "auto",
               max_num_seqs=max(batch_sizes) + 1, max_model_len=2048, enable_prefix_caching=False,
-              gpu_memory_utilization=0.9, seed=0)
+              gpu_memory_utilization=0.9, seed=0, **lora_kw)
     engine = llm.llm_engine
+    loras = _adapters(engine, args) if args.lora_adapters else []
     vocab = engine.hf_config.vocab_size
     report = []
     for b in batch_sizes:
         params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 64, ignore_eos=True)
         ids = [f"p{b}-{i}" for i in range(b)]
-        for rid, p in zip(ids, _prompts(b, args.context_len, vocab, b)):
-            engine.add_request(rid, {"prompt_token_ids": p}, params)
+        for i, (rid, p) in enumerate(zip(ids, _prompts(b, args.context_len, vocab, b))):
+            engine.add_request(rid, {"prompt_token_ids": p}, params,
+                               lora_request=loras[i % len(loras)] if loras else None)
         while not (len(engine.scheduler.waiting) == 0 and engine.scheduler.last_num_scheduled_tokens == b):
             engine.step()
         for _ in range(4):
             engine.step()
         table, wall = _profile(engine, args.steps)
-        report.append(_show(f"decode batch {b} (graph)", table, wall, args.top))
-        for mode in ("graph", "eager"):
+        lora = f", {args.lora_adapters} adapters" if loras else ""
+        report.append(_show(f"decode batch {b}{lora} (graph)", table, wall, args.top))
+        for mode in () if args.skip_mixed else ("graph", "eager"):
             graphs = engine.runner.graphs
             if mode == "eager":
                 engine.runner.graphs = None

@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -87,6 +88,7 @@ def run_chorus(args, prompts, outs) -> dict:
         from engine.model_runner import StepTimer
         torch.cuda.synchronize()
         timer = llm.llm_engine.runner.step_timer = StepTimer()
+    retries0 = _alloc_retries()
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if torch.cuda.is_available():
@@ -101,7 +103,25 @@ def run_chorus(args, prompts, outs) -> dict:
                 requests=len(prompts), output_tok_s=n_out / dt, req_s=len(prompts) / dt, load_s=load_s,
                 preemptions=stats.num_preemptions, steps=stats.num_steps,
                 gpu_busy_fraction=busy.get("busy_fraction"), gpu_busy_ms=busy.get("gpu_busy_ms"),
-                gpu_span_ms=busy.get("span_ms"))
+                gpu_span_ms=busy.get("span_ms"), steps_by_kind=busy.get("by_kind"),
+                alloc_retries=None if retries0 is None else _alloc_retries() - retries0)
+
+
+def _alloc_retries() -> Optional[int]:
+    """cudaMalloc retries (the caching allocator freed its cache to fit): >0 means memory thrash."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
+def print_steps_by_kind(by_kind: Optional[dict]) -> None:
+    """Device time per step kind (decode graph / mixed graph / eager): where a run's time went."""
+    if not by_kind:
+        return
+    print(f"{'step kind':14s} {'steps':>6s} {'GPU s':>7s} {'ms/step':>8s} {'tokens':>9s} {'run (padded)':>13s}")
+    for kind, k in sorted(by_kind.items()):
+        print(f"{kind:14s} {k['steps']:6d} {k['gpu_ms'] / 1e3:7.2f} {k['gpu_ms'] / max(1, k['steps']):8.2f} "
+              f"{k['tokens']:9d} {k['tokens_run']:13d}")
 
 
 def load_hf(args):
@@ -223,6 +243,9 @@ def main() -> None:
         busy = f"{r['gpu_busy_fraction']:.3f}" if r.get("gpu_busy_fraction") is not None else "-"
         print(f"{r['system']:40s} {r['requests']:8d} {r['seconds']:9.2f} {r['output_tok_s']:10.1f} "
               f"{r['req_s']:8.2f} {ratio:>9s} {busy:>8s}")
+    print_steps_by_kind(rows[0].get("steps_by_kind"))
+    if rows[0].get("alloc_retries") is not None:
+        print(f"allocator retries during the Chorus run: {rows[0]['alloc_retries']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(args=vars(args), device=device, rows=rows, date=time.strftime("%Y-%m-%d")), f, indent=2)

@@ -110,16 +110,19 @@ class StepTimer:
     Step i's interval runs from the event recorded before its input copies to the one after its
     sampled-id copy; intervals never overlap (one stream). busy = sum(intervals) / span, where
     span runs from the first start to the last end. NOTE: launch gaps inside an eager step count
-    as busy; CUDA-graph steps have none.
+    as busy; CUDA-graph steps have none. Each step also carries its kind ("decode graph",
+    "mixed graph", "eager") and token counts, so ``summary`` can say where the device time went.
     """
 
     def __init__(self) -> None:
         self.intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.kinds: list[tuple[str, int, int]] = []   # (kind, num_tokens, num_tokens run incl. padding)
         self._start: Optional[torch.cuda.Event] = None
 
-    def begin(self) -> None:
+    def begin(self, kind: str = "step", num_tokens: int = 0, num_tokens_run: int = 0) -> None:
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record()
+        self.kinds.append((kind, num_tokens, num_tokens_run or num_tokens))
 
     def end(self) -> None:
         stop = torch.cuda.Event(enable_timing=True)
@@ -129,11 +132,19 @@ class StepTimer:
     def summary(self) -> dict:
         torch.cuda.synchronize()
         if not self.intervals:
-            return dict(steps=0, gpu_busy_ms=0.0, span_ms=0.0, busy_fraction=0.0)
-        busy = sum(a.elapsed_time(b) for a, b in self.intervals)
+            return dict(steps=0, gpu_busy_ms=0.0, span_ms=0.0, busy_fraction=0.0, by_kind={})
+        times = [a.elapsed_time(b) for a, b in self.intervals]
+        busy = sum(times)
         span = self.intervals[0][0].elapsed_time(self.intervals[-1][1])
+        by_kind: dict[str, dict] = {}
+        for (kind, n, n_run), ms in zip(self.kinds, times):
+            k = by_kind.setdefault(kind, dict(steps=0, gpu_ms=0.0, tokens=0, tokens_run=0))
+            k["steps"] += 1
+            k["gpu_ms"] += ms
+            k["tokens"] += n
+            k["tokens_run"] += n_run
         return dict(steps=len(self.intervals), gpu_busy_ms=busy, span_ms=span,
-                    busy_fraction=busy / span if span > 0 else 0.0)
+                    busy_fraction=busy / span if span > 0 else 0.0, by_kind=by_kind)
 
 
 class ModelRunner:
@@ -319,7 +330,9 @@ class ModelRunner:
             self._resolve_all()   # penalties / min_tokens need every token on the host
         graph_key = self._graph_key(states, counts)
         if self.step_timer is not None:
-            self.step_timer.begin()
+            kind = "eager" if graph_key is None else ("mixed graph" if graph_key.mixed else "decode graph")
+            run = graph_key.num_tokens if graph_key is not None else sum(counts)
+            self.step_timer.begin(kind, sum(counts), run)
         prev_ids, prev_rows = self._prev_sampled if self._prev_sampled is not None else (None, None)
         if graph_key is None:
             reqs_padded = tokens_padded = None

@@ -25,11 +25,11 @@ for phase in "$@"; do
       timeout 150 python3 benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 64 --skip-mixed --top 16 \
         --lora-adapters 16 --out "$OUT/profile_lora.json" 2>&1 | grep -v Warning | tee "$OUT/profile_lora.log" | tail -22 ;;
     seqs)      # offline throughput vs max_num_seqs / max_num_batched_tokens (vLLM's H100-class LLM defaults: 1024 / 16384)
-      for cfg in ${SEQS_CFGS:-"256 8192" "512 16384" "1024 16384"}; do
-        set -- $cfg
+      for cfg in ${SEQS_CFGS:-256:8192 512:16384 1024:16384}; do   # max_num_seqs:max_num_batched_tokens
+        seqs=${cfg%%:*}; toks=${cfg##*:}
         timeout 200 python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
-          --output-len 64:512 --skip-hf --max-num-seqs $1 --max-num-batched-tokens $2 --out "$OUT/throughput_seqs$1.json" 2>&1 \
-          | tee "$OUT/throughput_seqs$1.log" | grep -v Warning | tail -9
+          --output-len 64:512 --skip-hf --max-num-seqs $seqs --max-num-batched-tokens $toks \
+          --out "$OUT/throughput_seqs$seqs.json" 2>&1 | tee "$OUT/throughput_seqs$seqs.log" | grep -v Warning | tail -9
       done ;;
     latency-ab)   # batch 1 and 2 with the fused decode GEMVs off (cuBLAS + separate norm / SiLU kernels)
       CHORUS_DECODE_GEMV_MAX_TOKENS=0 timeout 150 python3 benchmarks/latency.py --llama3-8b-dummy --batch-sizes 1,2 \
@@ -49,7 +49,7 @@ for phase in "$@"; do
 dummy_checkpoint(Path('/tmp/chorus-llama3-8b-dummy'), 'bfloat16')"
       for mode in --no-engine-process --engine-process; do
         OUT="$OUT/serve$mode" PORT=8123 timeout 280 bash benchmarks/serve_run.sh /tmp/chorus-llama3-8b-dummy \
-          "8:80 32:160 inf:160" --load-format dummy $mode 2>&1 | grep -E "Output token|TTFT|TPOT" ;
+          "${SERVE_RATES:-8:80 32:160 inf:160}" --load-format dummy $mode 2>&1 | grep -E "Output token|TTFT|TPOT" ;
       done ;;
   esac
   echo "== phase $phase took $(( $(date +%s) - t0 )) s"

@@ -68,7 +68,9 @@ def dummy_checkpoint(out_dir: Path, dtype: str, shape: dict = LLAMA3_8B) -> Path
 
 def run_chorus(args, prompts, outs) -> dict:
     from engine import LLM, SamplingParams
-    kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0, enforce_eager=args.enforce_eager)
+    kw = dict(dtype=args.dtype, seed=0, enforce_eager=args.enforce_eager)
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_model_len:
@@ -98,10 +100,12 @@ def run_chorus(args, prompts, outs) -> dict:
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
     stats = llm.llm_engine.get_stats()
+    sc = llm.llm_engine.engine_config.scheduler_config
     del llm
     return dict(system="chorus" + (" (eager)" if args.enforce_eager else ""), seconds=dt, output_tokens=n_out,
                 requests=len(prompts), output_tok_s=n_out / dt, req_s=len(prompts) / dt, load_s=load_s,
-                preemptions=stats.num_preemptions, steps=stats.num_steps,
+                preemptions=stats.num_preemptions, steps=stats.num_steps, max_num_seqs=sc.max_num_seqs,
+                max_num_batched_tokens=sc.max_num_batched_tokens,
                 gpu_busy_fraction=busy.get("busy_fraction"), gpu_busy_ms=busy.get("gpu_busy_ms"),
                 gpu_span_ms=busy.get("span_ms"), steps_by_kind=busy.get("by_kind"),
                 alloc_retries=None if retries0 is None else _alloc_retries() - retries0)
@@ -189,7 +193,7 @@ def main() -> None:
     ap.add_argument("--input-len", default="128", help="N or MIN:MAX (uniform)")
     ap.add_argument("--output-len", default="64", help="N or MIN:MAX (uniform)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (vLLM's rule)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -243,6 +247,8 @@ def main() -> None:
         busy = f"{r['gpu_busy_fraction']:.3f}" if r.get("gpu_busy_fraction") is not None else "-"
         print(f"{r['system']:40s} {r['requests']:8d} {r['seconds']:9.2f} {r['output_tok_s']:10.1f} "
               f"{r['req_s']:8.2f} {ratio:>9s} {busy:>8s}")
+    print(f"Chorus limits: max_num_seqs {rows[0]['max_num_seqs']}, max_num_batched_tokens "
+          f"{rows[0]['max_num_batched_tokens']}, {rows[0]['preemptions']} preemptions")
     print_steps_by_kind(rows[0].get("steps_by_kind"))
     if rows[0].get("alloc_retries") is not None:
         print(f"allocator retries during the Chorus run: {rows[0]['alloc_retries']}")

@@ -48,8 +48,8 @@ from engine.input_batch import StepBuffers
 
 logger = logging.getLogger("chorus.cuda_graphs")
 
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768,
-                      896, 1024)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 576, 640,
+                      704, 768, 832, 896, 960, 1024)
 """Decode graph batch sizes (requests), capped at ``max_num_seqs`` (which is always added)."""
 
 MIXED_TOKEN_BUCKETS = tuple(range(64, 1024 + 1, 64)) + tuple(range(1024 + 128, 4096 + 1, 128))

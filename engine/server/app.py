@@ -258,7 +258,7 @@ def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logger.info("Loading model %s ...", serve_args.resolve_model(args) or "(default SmolLM2)")
     engine_client = AsyncLLM.from_engine_args(log_requests=not args.disable_log_requests,
-                                              engine_process=args.engine_process,
+                                              engine_process=serve_args.use_engine_process(args),
                                               **serve_args.engine_kwargs(args))
     app = build_app(engine_client, args)
     host = args.host or "0.0.0.0"

@@ -56,8 +56,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--max-model-len", type=_human_int, default=None,
                      help="Context length (prompt + output) per request; accepts 4k/4K. Default: the "
                           "model's max_position_embeddings.")
-    eng.add_argument("--max-num-seqs", type=int, default=256,
-                     help="Most requests in one step (default: 256).")
+    eng.add_argument("--max-num-seqs", type=int, default=None,
+                     help="Most requests in one step (default, as vLLM's: 1024 on a CUDA GPU with "
+                          ">= 70 GiB that is not an A100, else 256).")
     eng.add_argument("--max-num-batched-tokens", type=_human_int, default=None,
                      help="Token budget per step: prefill chunks + decodes "
                           "(default: max(8192, max-model-len)).")
@@ -84,9 +85,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--max-cudagraph-capture-size", type=int, default=2048,
                      help="Largest step in tokens with prefill chunks that replays a CUDA graph; larger "
                           "steps run eagerly; 0: such steps always run eagerly (default: 2048).")
-    eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                      help="Run the engine loop in a process of its own, so HTTP, SSE and tokenization "
-                          "never compete with it for the GIL (default: off; the loop runs in a thread).")
+                          "never compete with it for the GIL (default: on with CUDA, where it served "
+                          "2.6x the output tokens of the thread at saturation; off on CPU, where a "
+                          "thread is faster).")
     eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                      help="Schedule step N+1 while the device runs step N (default: on).")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -131,7 +134,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         chat_template=args.chat_template, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, device=args.device, enforce_eager=args.enforce_eager,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size, load_format=args.load_format, enable_lora=args.enable_lora,
-        async_scheduling=getattr(args, "async_scheduling", True))
+        async_scheduling=getattr(args, "async_scheduling", True), usage_context="server")
     for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -161,3 +164,14 @@ def make_serve_namespace(**overrides: Any) -> argparse.Namespace:
     for k, v in overrides.items():
         setattr(ns, k, v)
     return ns
+
+
+def use_engine_process(args: argparse.Namespace) -> bool:
+    """``--engine-process``, or when not given: on when the engine runs on CUDA."""
+    if args.engine_process is not None:
+        return args.engine_process
+    from engine.model_runner import resolve_device
+    try:
+        return resolve_device(args.device).type == "cuda"
+    except ValueError:
+        return False   # device=cuda without a GPU: the engine's own check reports it

@@ -31,7 +31,7 @@ def decode_gemv_max_tokens() -> int:
 def use_decode_gemv(linear: Linear, x: torch.Tensor) -> bool:
     """True when ``linear(x)`` may run as ``kernels.gemv`` (CUDA, few tokens, no adapter update)."""
     return (x.is_cuda and 0 < x.shape[0] <= decode_gemv_max_tokens() and x.dtype == linear.weight.dtype
-            and (linear.lora is None or linear.lora.adds_nothing()))
+            and x.dim() == 2 and x.stride(-1) == 1 and (linear.lora is None or linear.lora.adds_nothing()))
 
 
 def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Optional[torch.Tensor]

@@ -21,25 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.kernel_timing import time_graph_calls  # noqa: E402
 from benchmarks.latency import measure_copy_bandwidth  # noqa: E402
 
 
 def _time_us(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) * 1e3 / (reps * 10)
+    return time_graph_calls(lambda i: fn(), calls=10, reps=reps)
 
 
 def main() -> None:

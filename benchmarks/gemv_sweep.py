@@ -30,30 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.kernel_timing import time_graph_calls  # noqa: E402
+from benchmarks.latency import measure_copy_bandwidth  # noqa: E402
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 """Llama-3-8B projections: name -> (N, K) of the [N, K] weight."""
 FUSED = {"qkv": "add_rmsnorm", "gate_up": "add_rmsnorm", "lm_head": "add_rmsnorm", "down": "silu_mul"}
 """The prologue each projection's input goes through first (o_proj has none)."""
 EPS = 1e-5
-
-
-def measure_copy_bandwidth(num_bytes: int = 2 << 30, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (as latency.py)."""
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    stop.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(stop) / 1e3 / iters
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * num_bytes / seconds
 
 
 def candidate_configs(m: int):
@@ -82,22 +67,7 @@ def candidate_configs(m: int):
 
 def time_graph(fn, calls: int, reps: int) -> float:
     """us per call of fn(i) (i = call index in the graph): a CUDA graph of ``calls`` calls, replayed."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    del g
-    return start.elapsed_time(stop) * 1e3 / (reps * calls)
+    return time_graph_calls(fn, calls, reps)
 
 
 def cfg_dict(cfg) -> dict:

@@ -68,6 +68,28 @@ def time_graph(fn: Callable[[], object], reps: int = 50) -> float:
     return float(torch.tensor([s.elapsed_time(e) for s, e in times]).median()) * 1e3
 
 
+def time_graph_calls(fn: Callable[[int], object], calls: int = 10, reps: int = 10) -> float:
+    """Device microseconds per call of ``fn(i)``: one CUDA graph of ``calls`` back-to-back calls
+    (``i`` = the call's index, e.g. to cycle through weight copies larger than L2), replayed
+    ``reps`` times; no flush, so consecutive calls overlap their tails as in a model step."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(stop) * 1e3 / (reps * calls)
+
+
 def time_host(fn: Callable[[], object], calls: int = 50) -> float:
     """Host microseconds per eager call (the GPU queue absorbs the launches)."""
     torch.cuda.synchronize()

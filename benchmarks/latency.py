@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.throughput import LLAMA3_8B, dummy_checkpoint  # noqa: E402
+from benchmarks.throughput import dummy_checkpoint  # noqa: E402
 
 
 def sync() -> None:

@@ -14,13 +14,18 @@ Cases (Llama-3-8B shapes, bf16):
     batch 1/32/128/256 (and the engine's torch backend for comparison);
   - KV write: 8 KV heads x 128, 1/256/4096 tokens;
   - LoRA shrink + expand, rank 16: o_proj-like 4096 -> 4096 and qkv 4096 -> 4096+1024+1024,
-    1/4/16/64 distinct adapters at batch 64/256 (one token per request, round robin).
+    1/4/16/64 distinct adapters at batch 64/256 (one token per request, round robin); and the
+    fused one-launch kernel (``kernels.lora_fused``) on the same case ("lora_fused").
 
 ``--lora-only``: the LoRA kernels alone, fixed grid (the CUDA-graph launch, max_loras 64), batch
-64/256 x 1/16/64 adapters: shrink and expand per kernel, then ``lora_decoder_layer`` rows: the 4
-LoRA layers of one Llama-3-8B decoder layer (qkv, o, gate_up, down: shrink + expand each, through
-``LinearLoRASlots`` with its default or env-overridden configs) in one CUDA graph; gpu us is
-"us per decoder layer" and the note gives "ms per step" (x32 layers).
+64/256 x 1/16/64 adapters: shrink and expand per kernel; per LoRA layer of a Llama-3-8B decoder
+layer (qkv, o, gate_up, down) the split pair ("lora_shrink+expand") next to the fused kernel
+("lora_fused", its note: split time / fused time), default configs; then ``lora_decoder_layer``
+rows: the 4 LoRA layers of one decoder layer (shrink + expand each, through ``LinearLoRASlots``
+with its default or env-overridden configs) in one CUDA graph, each followed by
+``lora_decoder_fused``: the same with the layers' kernel choice set to "fused" (as
+CHORUS_LORA_KERNEL=fused; CHORUS_LORA_FUSED_CONFIG applies); gpu us is "us per decoder layer" and
+the note gives "ms per step" (x32 layers).
 
 ``--lora-sweep``: per LoRA layer (qkv 4096->[4096,1024,1024], o 4096->4096, gate_up
 4096->[14336,14336], down 14336->4096), batch 64/256 x 1/16/64 adapters (max_loras 64, rank 16,
@@ -63,7 +68,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.kernel_timing import (DTYPE, Row, bench, measure_copy_bandwidth, print_table,  # noqa: E402
                                       row)
 from benchmarks.lora_sweep import (HIDDEN, KV_DIM, LLAMA3_8B, MAX_LORAS, RANK, SMOKE,  # noqa: E402
-                                   excess_error, bench_lora_decoder_layer, print_sweep, run_lora_sweep)
+                                   bench_lora_decoder_layer, bench_lora_layer_kernels, excess_error,
+                                   print_sweep, run_lora_sweep)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CTX_LEN = 32, 8, 128, 16, 512
 
@@ -136,6 +142,7 @@ def bench_lora(out_dims: tuple[int, ...], num_adapters: int, batch: int, bw: flo
                fixed_grid: bool = False) -> list[Row]:
     """``fixed_grid``: the CUDA-graph launch (grid over all MAX_LORAS slots, inactive ones exit)."""
     from kernels.lora_expand import lora_expand
+    from kernels.lora_fused import lora_shrink_expand
     from kernels.lora_meta import build_lora_kernel_meta
     from kernels.lora_shrink import lora_shrink, lora_shrink_config
     from kernels.reference import lora_expand_ref, lora_shrink_ref
@@ -173,12 +180,22 @@ def bench_lora(out_dims: tuple[int, ...], num_adapters: int, batch: int, bw: flo
         lora_shrink(x, lora_a, meta, buf)
         lora_expand(buf, lora_b, meta, y, offsets)
 
+    y_fused = y.clone()
+    lora_shrink_expand(x, lora_a, lora_b, meta, y_fused, offsets)
+    if excess_error(y_fused, y_ref) > 0:
+        raise AssertionError(f"lora_fused {out_dims} adapters={num_adapters} batch={batch}: "
+                             f"error beyond tolerance {excess_error(y_fused, y_ref):.3g}")
+    fused_bytes = shrink_bytes + expand_bytes - 2 * buf.numel() * 4                # no partials
+
     t_shrink = bench(lambda: lora_shrink(x, lora_a, meta, buf))
     t_expand = bench(lambda: lora_expand(buf, lora_b, meta, y, offsets))
+    t_both = bench(both)
+    t_fused = bench(lambda: lora_shrink_expand(x, lora_a, lora_b, meta, y, offsets))
     return [row("lora_shrink", case, t_shrink, shrink_bytes, bw),
             row("lora_expand", case, t_expand, expand_bytes, bw),
-            row("lora_shrink+expand", case, bench(both), shrink_bytes + expand_bytes, bw,
-                f"maxerr={max(err_s, err_e):.2g}")]
+            row("lora_shrink+expand", case, t_both, shrink_bytes + expand_bytes, bw,
+                f"maxerr={max(err_s, err_e):.2g}"),
+            row("lora_fused", case, t_fused, fused_bytes, bw, f"{t_both.gpu_us / t_fused.gpu_us:.2f}x split")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one size per kernel")
     parser.add_argument("--lora-only", action="store_true",
                         help="only LoRA: shrink/expand per kernel, fixed grid (the CUDA-graph launch), batch "
-                             "64/256, 1/16/64 adapters, and the 4 LoRA layers of a decoder layer in one "
-                             "graph")
+                             "64/256, 1/16/64 adapters, split pair vs fused kernel per LoRA layer, and the 4 "
+                             "LoRA layers of a decoder layer in one graph (split, then fused)")
     parser.add_argument("--lora-sweep", action="store_true",
                         help="time candidate shrink/expand launch configs per LoRA layer (decode, fixed "
                              "grid); "
@@ -237,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                         rows += bench_lora(out_dims, num_adapters, batch, bw, fixed_grid=True)[:2]
         for batch in shapes.batches:
             for num_adapters in shapes.adapters:
-                rows.append(bench_lora_decoder_layer(shapes, batch, num_adapters, device, bw))
+                rows += bench_lora_layer_kernels(shapes, batch, num_adapters, device, bw)
+                split = bench_lora_decoder_layer(shapes, batch, num_adapters, device, bw)
+                fused = bench_lora_decoder_layer(shapes, batch, num_adapters, device, bw, kernel="fused")
+                fused.note += f"; {split.gpu_us / fused.gpu_us:.2f}x split"
+                rows += [split, fused]
         return _report(args, rows, bw)
     for batch in ([32] if args.quick else [1, 32, 128, 256]):
         rows += bench_attention(batch, bw)

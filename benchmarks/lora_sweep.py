@@ -1,5 +1,6 @@
-"""LoRA per decoder layer (the 4 LoRA layers through the engine's path) and the launch-config sweep
-of the shrink/expand kernels; ``benchmarks/kernels.py --lora-only / --lora-sweep`` run them.
+"""LoRA per decoder layer (the 4 LoRA layers through the engine's path), per LoRA layer (the split
+shrink + expand pair vs the fused one-launch kernel, ``kernels.lora_fused``) and the launch-config
+sweep of the shrink/expand kernels; ``benchmarks/kernels.py --lora-only / --lora-sweep`` run them.
 """
 
 from __future__ import annotations
@@ -93,6 +94,29 @@ def lora_pair(case: LoRALayerCase, shrink_cfg, expand_cfg, partials: torch.Tenso
     return run
 
 
+def lora_fused_call(case: LoRALayerCase, cfg, y: torch.Tensor):
+    """The fused shrink + expand of one LoRA layer (``kernels.lora_fused``) with an explicit config."""
+    from kernels.lora_fused import lora_shrink_expand
+
+    def run() -> None:
+        lora_shrink_expand(case.x, case.lora_a, case.lora_b, case.meta, y, case.offsets, config=cfg)
+    return run
+
+
+def default_configs(case: LoRALayerCase, device: torch.device) -> tuple:
+    """(shrink, expand, fused) default launch configs of one LoRA layer case (no env overrides)."""
+    from kernels.lora_expand import lora_expand_config
+    from kernels.lora_fused import lora_fused_config
+    from kernels.lora_shrink import lora_shrink_config
+
+    T, in_dim = case.x.shape
+    out_dims = tuple(b.shape[1] for b in case.lora_b)
+    num_active = case.meta.num_active
+    return (lora_shrink_config(T, num_active, case.lora_a.shape[0], in_dim, device),
+            lora_expand_config(T, num_active, out_dims, device),
+            lora_fused_config(T, num_active, in_dim, out_dims, device))
+
+
 def shrink_candidates(default, in_dim: int, smoke: bool) -> list:
     """block_k x split_k x num_warps, pruned: no split shorter than one block, 8 warps only for
     wide blocks. The default config is always included."""
@@ -136,16 +160,13 @@ def _cfg_str(cfg) -> str:
 def sweep_lora_case(case: LoRALayerCase, device: torch.device, smoke: bool) -> dict:
     """Time shrink+expand pairs: every shrink candidate with the default expand, then every
     expand candidate with the best shrink. Each candidate is checked against the twins first."""
-    from kernels.lora_expand import lora_expand_config
     from kernels.lora_meta import MAX_SPLIT_K
-    from kernels.lora_shrink import lora_shrink_config
 
     T, in_dim = case.x.shape
     S, R = case.lora_a.shape[0], case.lora_a.shape[2]
     out_dims = tuple(b.shape[1] for b in case.lora_b)
     partials = torch.empty(S * MAX_SPLIT_K * T * R, dtype=torch.float32, device=device)  # [capacity]
-    d_shrink = lora_shrink_config(T, case.meta.num_active, S, in_dim, device)
-    d_expand = lora_expand_config(T, case.meta.num_active, out_dims, device)
+    d_shrink, d_expand, _ = default_configs(case, device)
 
     def measure(s_cfg, e_cfg) -> float:
         y = case.y.clone()
@@ -212,10 +233,48 @@ def print_sweep(results: list[dict], shapes: LoRABenchShapes) -> None:
                   f"{d * shapes.num_layers / 1e3:>15.3f} {b * shapes.num_layers / 1e3:>12.3f}")
 
 
+def bench_lora_layer_kernels(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
+                             bw: float) -> list[Row]:
+    """Per LoRA layer of a decoder layer: the split pair ("lora_shrink+expand", two launches) and the
+    fused kernel ("lora_fused", one launch), default configs, each checked against the twins, timed
+    alike; the bound of both is the layer's compulsory bytes (no partials)."""
+    from kernels.lora_meta import MAX_SPLIT_K
+
+    rows = []
+    for name in shapes.layers:
+        case = make_lora_case(name, shapes, batch, num_adapters, device)
+        S, T, R = case.lora_a.shape[0], case.x.shape[0], case.lora_a.shape[2]
+        partials = torch.empty(S * MAX_SPLIT_K * T * R, dtype=torch.float32, device=device)  # [capacity]
+        d_shrink, d_expand, d_fused = default_configs(case, device)
+        runs = {"lora_shrink+expand": lambda y: lora_pair(case, d_shrink, d_expand, partials, y),
+                "lora_fused": lambda y: lora_fused_call(case, d_fused, y)}
+        times = {}
+        for kernel, make_run in runs.items():
+            y = case.y.clone()
+            make_run(y)()
+            err = excess_error(y, case.y_ref)
+            if not err <= 0:
+                raise AssertionError(f"{kernel} {name} batch={batch} adapters={num_adapters}: "
+                                     f"error beyond tolerance {err:.3g}")
+            times[kernel] = bench(make_run(y))
+        label = (f"{name} {case.x.shape[1]}->{'+'.join(str(b.shape[1]) for b in case.lora_b)} "
+                 f"adapters={num_adapters} batch={batch}")
+        split, fused = times["lora_shrink+expand"], times["lora_fused"]
+        rows.append(row("lora_shrink+expand", label, split, case.compulsory_bytes, bw,
+                        f"split_k={d_shrink.split_k} n_tiles={d_expand.n_tiles}"))
+        rows.append(row("lora_fused", label, fused, case.compulsory_bytes, bw,
+                        f"{split.gpu_us / fused.gpu_us:.2f}x split; {_cfg_str(d_fused)}"))
+    return rows
+
+
 def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
-                             bw: float) -> Row:
+                             bw: float, kernel: str = "split") -> Row:
     """The 4 LoRA layers of one decoder layer through ``LinearLoRASlots`` (the engine's path:
-    default or env-overridden configs, the shared reserved partials buffer), one CUDA graph."""
+    default or env-overridden configs, the shared reserved partials buffer), one CUDA graph.
+
+    ``kernel``: the layers' kernel choice ("split" or "fused", as CHORUS_LORA_KERNEL; set here
+    whatever the environment says, so that one run times both).
+    """
     from lora.batch import LoRABatch, LoRABatchState
     from lora.layers import LinearLoRASlots
 
@@ -226,6 +285,7 @@ def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: 
         case = make_lora_case(name, shapes, batch, num_adapters, device)
         layer = LinearLoRASlots(in_dim, list(out_dims), shapes.max_loras, shapes.rank, DTYPE, device, state,
                                 "triton")
+        layer.overrides = dataclasses.replace(layer.overrides, kernel=kernel)
         layer.lora_a.copy_(case.lora_a)
         for dst, src in zip(layer.lora_b, case.lora_b):
             dst.copy_(src)
@@ -234,7 +294,7 @@ def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: 
         layer(case.x, y)
         err = excess_error(y, case.y_ref)
         if not err <= 0:
-            raise AssertionError(f"decoder layer {name} batch={batch} adapters={num_adapters}: "
+            raise AssertionError(f"decoder layer {name} ({kernel}) batch={batch} adapters={num_adapters}: "
                                  f"error beyond tolerance {err:.3g}")
         layers.append((layer, case.x, y))
         nbytes += case.compulsory_bytes
@@ -246,5 +306,5 @@ def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: 
     t = bench(step)
     case = f"{'+'.join(shapes.layers)} adapters={num_adapters} batch={batch}"
     per_step_ms = t.gpu_us * shapes.num_layers / 1e3
-    return row("lora_decoder_layer", case, t, nbytes, bw,
+    return row("lora_decoder_layer" if kernel == "split" else f"lora_decoder_{kernel}", case, t, nbytes, bw,
                f"x{shapes.num_layers} layers = {per_step_ms:.3f} ms/step")

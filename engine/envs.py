@@ -79,3 +79,22 @@ def gemv_config() -> dict[str, int]:
                              f"num_stages= with positive integers (and use_dot=0 or 1).")
         out[key] = int(val)
     return out
+
+
+def lora_kernel() -> str:
+    """CHORUS_LORA_KERNEL: how the Triton LoRA path runs each adapted layer: "split" (default: the
+    shrink and expand kernels, two launches), "fused" (``kernels.lora_fused``: one launch that
+    recomputes the shrink per column program; for decode-sized steps) or "auto" (fused for steps of
+    at most ``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens, split above)."""
+    value = os.environ.get("CHORUS_LORA_KERNEL", "")
+    kernel = value.strip().lower() or "split"
+    if kernel not in ("split", "fused", "auto"):
+        raise ValueError(f"CHORUS_LORA_KERNEL={value!r}: use split, fused or auto "
+                         "(or unset it for split).")
+    return kernel
+
+
+def lora_fused_config() -> str | None:
+    """CHORUS_LORA_FUSED_CONFIG: fused LoRA kernel launch overrides, e.g. "block_k=256,n_tiles=4"
+    (fields of ``kernels.lora_fused.LoRAFusedConfig``)."""
+    return os.environ.get("CHORUS_LORA_FUSED_CONFIG") or None

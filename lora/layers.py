@@ -19,6 +19,12 @@ plain stores) and expand from it (summing the partials): two launches, no memset
 ``CHORUS_LORA_SHRINK_CONFIG`` / ``CHORUS_LORA_EXPAND_CONFIG`` override the kernels' launch
 configs (see ``kernels.lora_shrink`` / ``kernels.lora_expand``); ``kernel_overrides_from_env``
 reads them, once per layer.
+
+``CHORUS_LORA_KERNEL=fused`` (or ``auto`` for steps of at most
+``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens) runs ``kernels.lora_fused.lora_shrink_expand``
+instead: one launch, no scratch buffer, the shrink recomputed per column program (for decode);
+``CHORUS_LORA_FUSED_CONFIG`` overrides its launch config. Read once per layer too; the default
+("split") is the pair above.
 """
 
 from __future__ import annotations
@@ -43,19 +49,28 @@ class LoRAKernelOverrides:
     """``LoRAShrinkConfig`` fields from CHORUS_LORA_SHRINK_CONFIG."""
     expand: tuple[tuple[str, int], ...] = ()
     """``LoRAExpandConfig`` fields from CHORUS_LORA_EXPAND_CONFIG."""
+    fused: tuple[tuple[str, int], ...] = ()
+    """``LoRAFusedConfig`` fields from CHORUS_LORA_FUSED_CONFIG."""
+    kernel: str = "split"
+    """CHORUS_LORA_KERNEL: "split" (shrink + expand), "fused" (``lora_shrink_expand``) or "auto"
+    (fused for steps of at most ``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens)."""
 
 
 def kernel_overrides_from_env() -> LoRAKernelOverrides:
-    """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG (ValueError if bad).
+    """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG /
+    CHORUS_LORA_FUSED_CONFIG / CHORUS_LORA_KERNEL (ValueError if bad).
 
     NOTE: read through ``engine.envs``; imports triton: call it on the Triton path only.
     """
     from engine import envs
     from kernels.lora_expand import LoRAExpandConfig
+    from kernels.lora_fused import LoRAFusedConfig
     from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override
 
     return LoRAKernelOverrides(shrink=parse_config_override(envs.lora_shrink_config(), LoRAShrinkConfig),
-                               expand=parse_config_override(envs.lora_expand_config(), LoRAExpandConfig))
+                               expand=parse_config_override(envs.lora_expand_config(), LoRAExpandConfig),
+                               fused=parse_config_override(envs.lora_fused_config(), LoRAFusedConfig),
+                               kernel=envs.lora_kernel())
 
 
 class LinearLoRASlots(nn.Module):
@@ -151,6 +166,8 @@ class LinearLoRASlots(nn.Module):
         return y
 
     def _forward_triton(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
+        if self.overrides.kernel != "split" and self._forward_fused(x, y, batch):
+            return
         from kernels.lora_expand import lora_expand, lora_expand_config
         from kernels.lora_shrink import lora_shrink, lora_shrink_config
 
@@ -163,6 +180,18 @@ class LinearLoRASlots(nn.Module):
                                        x.device)                                  # [S, split_k, T, R] f32
         lora_shrink(x.contiguous(), self.lora_a, meta, buf, 1.0, config=shrink_cfg)
         lora_expand(buf, self.lora_b, meta, y, self.slice_offsets, add_inputs=True, config=expand_cfg)
+
+    def _forward_fused(self, x: torch.Tensor, y: torch.Tensor, batch) -> bool:
+        """The one-launch kernel when the layer's kernel choice takes it for this step; False: not taken."""
+        from kernels.lora_fused import FUSED_MAX_TOKENS, lora_fused_config, lora_shrink_expand
+
+        meta, num_tokens = batch.meta, x.shape[0]
+        if self.overrides.kernel == "auto" and num_tokens > FUSED_MAX_TOKENS:
+            return False
+        cfg = lora_fused_config(num_tokens, meta.num_active, self.input_size, tuple(self.output_sizes),
+                                x.device, self.overrides.fused)
+        lora_shrink_expand(x.contiguous(), self.lora_a, self.lora_b, meta, y, self.slice_offsets, config=cfg)
+        return True
 
     def _forward_torch(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
         lora_b = self.lora_b

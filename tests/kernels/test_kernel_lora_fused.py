@@ -230,3 +230,30 @@ def test_rejects_bad_inputs():
                            meta, y, [0])
     with pytest.raises(ValueError, match="config: expected LoRAFusedConfig"):
         lora_shrink_expand(x, a, b, meta, y, [0], config={"block_m": 16})
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: real sizes (Llama-3-8B qkv and down, rank 16) with the CUDA default configs
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,max_loras,popularity,fixed_grid", [
+    (64, 64, "distinct", True), (256, 16, "zipf", True), (64, 4, "identical", False),
+    (1, 4, "uniform", False)])
+@pytest.mark.parametrize("in_dim,out_dims", [(4096, (4096, 1024, 1024)), (14336, (4096,))],
+                         ids=["qkv", "down"])
+def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity, fixed_grid, in_dim, out_dims):
+    g = torch.Generator().manual_seed(0)
+    slots = make_slots(num_tokens, max_loras, popularity, True, seed=1)
+    meta = build_lora_kernel_meta(slots, max_loras, fixed_grid=fixed_grid)
+    x = randn(g, num_tokens, in_dim).to(dtype)
+    lora_a = (randn(g, len(out_dims), max_loras, 16, in_dim) / in_dim ** 0.5).to(dtype)
+    lora_b = [(randn(g, max_loras, n, 16) / 4).to(dtype) for n in out_dims]
+    offsets = [sum(out_dims[:s]) for s in range(len(out_dims))]
+    y0 = randn(g, num_tokens, sum(out_dims)).to(dtype)
+    y = y0.clone()
+    lora_shrink_expand(x, lora_a, lora_b, meta, y, offsets)
+    y_ref = lora_shrink_expand_ref(x, lora_a, lora_b, slots, y0, offsets)
+    tol = 2 * Y_TOL[dtype]
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)

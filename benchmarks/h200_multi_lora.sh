@@ -21,3 +21,9 @@ timeout 330 python3 benchmarks/multi_lora.py --batch-sizes 64,256 --input-len 51
 echo "== multi_lora took $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout ${SWEEP_S:-60} python3 benchmarks/kernels.py --lora-sweep --out "$OUT/lora_sweep.json" 2>&1 | tee "$OUT/lora_sweep.log" | tail -30
 echo "== sweep took $(( $(date +%s) - t0 )) s"
+if [ -n "${FUSED:-}" ]; then   # FUSED=1: the same Chorus rows with the one-launch LoRA kernel (kernels/lora_fused.py)
+  t0=$(date +%s)
+  CHORUS_LORA_KERNEL=fused timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 64,256 --input-len 512 \
+    --output-len 128 --skip-hf --out "$OUT/multi_lora_fused.json" 2>&1 | grep -v -i warn | tee "$OUT/multi_lora_fused.log" | tail -24
+  echo "== multi_lora (fused LoRA kernel) took $(( $(date +%s) - t0 )) s"
+fi

@@ -16,7 +16,8 @@ for phase in "$@"; do
         tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_kv_write.py tests/models/test_gpu_parity.py tests/models/test_fused_decode.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     lora-tests)
       timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/lora/test_peft_parity.py tests/kernels/test_kernel_lora.py \
-        tests/kernels/test_kernel_gemv.py -k "cuda or gpu" 2>&1 | tee "$OUT/lora_tests.log" | tail -8 ;;
+        tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_lora_fused.py tests/lora/test_fused_lora_path.py \
+        -k "cuda or gpu" 2>&1 | tee "$OUT/lora_tests.log" | tail -8 ;;
     gemv)      # decode GEMV configs vs cuBLAS (and the fused norm / SiLU-and-mul prologues)
       timeout 150 python3 benchmarks/gemv_sweep.py --out "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/gemv_sweep.log" | tail -60 ;;
     profile)   # kernel tables: decode batch 1 and 256 (base model), decode batch 64 with 16 adapters

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from kernels.lora_meta import LoRAKernelMeta
 from kernels.lora_shrink import (PROGRAMS_PER_SM, ConfigOverride, _check_launch, _check_meta, _check_pow2,
-                                 _find_segment, tile_m_for)
+                                 _find_segment, _tile_tokens, tile_m_for)
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted, next_power_of_2,
                            num_sms)
 
@@ -42,6 +42,43 @@ MAX_SLICES = 3
 
 MAX_N_TILES = 32
 """The most column tiles one program walks."""
+
+
+@triton.jit
+def _slice_of(pid_s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, off0, off1, off2):
+    """(B pointer, output width, first column in y) of slice ``pid_s``.
+
+    NOTE: selects, not if/else: a size of 1 is specialized to a constant and the branches would
+    disagree on types; the sizes keep their divisibility, so y's accesses stay vectorized.
+    """
+    b_ptr = tl.where(pid_s == 0, b0_ptr, tl.where(pid_s == 1, b1_ptr, b2_ptr))
+    n_out = tl.where(pid_s == 0, n0, tl.where(pid_s == 1, n1, n2))
+    col0 = tl.where(pid_s == 0, off0, tl.where(pid_s == 1, off1, off2))
+    return b_ptr, n_out, col0
+
+
+@triton.jit
+def _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ADD_INPUTS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """y[tok, col0 + n] = (y[tok, col0 + n] if ADD_INPUTS else 0) + h @ B[slot][n].T for the columns
+    n in [n_lo, n_lo + cols_per_program) of the slice (h: [BLOCK_M, BLOCK_R] fp32)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    b_rows = b_ptr + slot.to(tl.int64) * n_out * rank + offs_r[None, :]                # [1, BLOCK_R]
+    y_rows = y_ptr + tok[:, None] * stride_y_tok + col0                                 # [BLOCK_M, 1]
+    n_end = n_lo + cols_per_program
+    for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
+        offs_n = c0 + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < n_out) & (offs_n < n_end)          # two bounds: no min(), see lora_shrink
+        b = tl.load(b_rows + offs_n[:, None] * rank, mask=n_ok[:, None] & r_ok[None, :],
+                    other=0.0).to(tl.float32)                                           # [BLOCK_N, BLOCK_R]
+        delta = tl.dot(h, tl.trans(b), input_precision=DOT_PRECISION)                   # [BLOCK_M, BLOCK_N]
+        y_ptrs = y_rows + offs_n[None, :]
+        y_mask = m_ok[:, None] & n_ok[None, :]
+        if ADD_INPUTS:
+            delta += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -66,11 +103,7 @@ def _lora_expand_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    # NOTE: selects, not if/else: a size of 1 is specialized to a constant and the branches
-    # would disagree on types; the sizes keep their divisibility, so y's accesses stay vectorized.
-    b_ptr = tl.where(pid_s == 0, b0_ptr, tl.where(pid_s == 1, b1_ptr, b2_ptr))
-    n_out = tl.where(pid_s == 0, n0, tl.where(pid_s == 1, n1, n2))
-    col0 = tl.where(pid_s == 0, off0, tl.where(pid_s == 1, off1, off2))
+    b_ptr, n_out, col0 = _slice_of(pid_s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, off0, off1, off2)
     n_lo = pid_n * cols_per_program
     if n_lo >= n_out:
         return
@@ -78,33 +111,17 @@ def _lora_expand_kernel(
                                              num_active, BLOCK_M, MAX_LORAS_PAD)
     if slot < 0 or tile * BLOCK_M >= count:
         return
+    tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
 
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < count
-    tok = tl.load(sorted_token_ids_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)  # [BLOCK_M]
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    mr_ok = m_ok[:, None] & r_ok[None, :]
+    mr_ok = m_ok[:, None] & (offs_r < rank)[None, :]
     buf_rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + tok[:, None] * stride_buf_tok
                 + offs_r[None, :])                                                     # [BLOCK_M, BLOCK_R]
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
         h += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0)          # [BLOCK_M, BLOCK_R]
-
-    b_rows = b_ptr + slot.to(tl.int64) * n_out * rank + offs_r[None, :]                # [1, BLOCK_R]
-    y_rows = y_ptr + tok[:, None] * stride_y_tok + col0                                 # [BLOCK_M, 1]
-    n_end = n_lo + cols_per_program
-    for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
-        offs_n = c0 + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n < n_out) & (offs_n < n_end)          # two bounds: no min(), see lora_shrink
-        b = tl.load(b_rows + offs_n[:, None] * rank, mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0).to(tl.float32)                                           # [BLOCK_N, BLOCK_R]
-        delta = tl.dot(h, tl.trans(b), input_precision=DOT_PRECISION)                   # [BLOCK_M, BLOCK_N]
-        y_ptrs = y_rows + offs_n[None, :]
-        y_mask = m_ok[:, None] & n_ok[None, :]
-        if ADD_INPUTS:
-            delta += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=y_mask)
+    _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
+                 BLOCK_N, BLOCK_R, ADD_INPUTS, DOT_PRECISION)
 
 
 @dataclass(frozen=True)

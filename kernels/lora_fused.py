@@ -38,10 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import MAX_N_TILES, MAX_SLICES
+from kernels.lora_expand import MAX_N_TILES, MAX_SLICES, _expand_tile, _slice_of
 from kernels.lora_meta import LoRAKernelMeta
 from kernels.lora_shrink import (PROGRAMS_PER_SM, ConfigOverride, _check_launch, _check_meta, _check_pow2,
-                                 _find_segment, tile_m_for)
+                                 _find_segment, _shrink_tile, _tile_tokens, tile_m_for)
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted, next_power_of_2,
                            num_sms)
 
@@ -77,10 +77,7 @@ def _lora_fused_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    # NOTE: selects, not if/else, as in lora_expand (a size of 1 is specialized to a constant).
-    b_ptr = tl.where(pid_s == 0, b0_ptr, tl.where(pid_s == 1, b1_ptr, b2_ptr))
-    n_out = tl.where(pid_s == 0, n0, tl.where(pid_s == 1, n1, n2))
-    col0 = tl.where(pid_s == 0, off0, tl.where(pid_s == 1, off1, off2))
+    b_ptr, n_out, col0 = _slice_of(pid_s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, off0, off1, off2)
     n_lo = pid_n * cols_per_program
     if n_lo >= n_out:
         return
@@ -88,42 +85,14 @@ def _lora_fused_kernel(
                                              num_active, BLOCK_M, MAX_LORAS_PAD)
     if slot < 0 or tile * BLOCK_M >= count:
         return
-
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < count
-    tok = tl.load(sorted_token_ids_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)  # [BLOCK_M]
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-
-    # Shrink over the whole input dim: h = x[tok] @ A[s, slot].T, fp32.
-    a_rows = (lora_a_ptr + pid_s.to(tl.int64) * stride_a_slice + slot.to(tl.int64) * stride_a_slot
-              + offs_r[:, None] * stride_a_rank)                                       # [BLOCK_R, 1]
-    x_rows = x_ptr + tok[:, None] * stride_x_tok                                        # [BLOCK_M, 1]
-    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, in_dim, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < in_dim
-        xk = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        ak = tl.load(a_rows + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BR, BK]
-        if UPCAST:
-            xk = xk.to(tl.float32)
-            ak = ak.to(tl.float32)
-        h += tl.dot(xk, tl.trans(ak), input_precision=SHRINK_PRECISION)                # [BLOCK_M, BLOCK_R]
-
-    # Expand over this program's columns: y[tok, cols] += h @ B_s[slot][cols].T.
-    b_rows = b_ptr + slot.to(tl.int64) * n_out * rank + offs_r[None, :]                # [1, BLOCK_R]
-    y_rows = y_ptr + tok[:, None] * stride_y_tok + col0                                 # [BLOCK_M, 1]
-    n_end = n_lo + cols_per_program
-    for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
-        offs_n = c0 + tl.arange(0, BLOCK_N)
-        n_ok = (offs_n < n_out) & (offs_n < n_end)          # two bounds: no min(), see lora_shrink
-        bn = tl.load(b_rows + offs_n[:, None] * rank, mask=n_ok[:, None] & r_ok[None, :],
-                     other=0.0).to(tl.float32)                                          # [BLOCK_N, BLOCK_R]
-        y_ptrs = y_rows + offs_n[None, :]
-        y_mask = m_ok[:, None] & n_ok[None, :]
-        out = tl.dot(h, tl.trans(bn), input_precision=EXPAND_PRECISION)                # [BLOCK_M, BLOCK_N]
-        out += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
+    # Shrink over the whole input dim (h = x[tok] @ A[s, slot].T, fp32), then expand this
+    # program's columns: y[tok, cols] += h @ B_s[slot][cols].T.
+    h = _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, slot, pid_s, 0, in_dim, in_dim, rank,
+                     stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank,
+                     BLOCK_M, BLOCK_K, BLOCK_R, UPCAST, SHRINK_PRECISION)                 # [BM, BR] f32
+    _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
+                 BLOCK_N, BLOCK_R, True, EXPAND_PRECISION)
 
 
 # ----------------------------------------------------------------------------------------

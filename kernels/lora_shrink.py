@@ -78,6 +78,41 @@ def _find_segment(active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, pid
 
 
 @triton.jit
+def _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M: tl.constexpr):
+    """Token rows of tile ``tile`` of the segment at ``start`` (``count`` tokens): (tok [BLOCK_M]
+    int64, m_ok [BLOCK_M])."""
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < count
+    tok = tl.load(sorted_token_ids_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
+    return tok, m_ok
+
+
+@triton.jit
+def _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, slot, pid_s, k_lo, k_end, in_dim, rank,
+                 stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] fp32 = x[tok, K] @ lora_a[pid_s, slot][:, K].T, K = [k_lo, min(k_end, in_dim))."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    a_rows = (lora_a_ptr + pid_s.to(tl.int64) * stride_a_slice + slot.to(tl.int64) * stride_a_slot
+              + offs_r[:, None] * stride_a_rank)                                       # [BLOCK_R, 1]
+    x_rows = x_ptr + tok[:, None] * stride_x_tok                                        # [BLOCK_M, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_end, in_dim), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        # NOTE: two bounds, each divisible by 16 (no min()), so the loads stay vectorized.
+        k_ok = (offs_k < in_dim) & (offs_k < k_end)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, BK]
+        a = tl.load(a_rows + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)   # [BR, BK]
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)                   # [BLOCK_M, BLOCK_R]
+    return acc
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, lora_a_ptr, out_ptr,
     sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
@@ -102,31 +137,13 @@ def _lora_shrink_kernel(
                                              num_active, BLOCK_M, MAX_LORAS_PAD)
     if slot < 0 or tile * BLOCK_M >= count:
         return
-
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < count
-    tok = tl.load(sorted_token_ids_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)  # [BLOCK_M]
+    tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
+    k_lo = pid_k * k_per_split
+    acc = _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, slot, pid_s, k_lo, k_lo + k_per_split, in_dim, rank,
+                       stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank,
+                       BLOCK_M, BLOCK_K, BLOCK_R, UPCAST, DOT_PRECISION) * scale              # [BM, BR] f32
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    a_rows = (lora_a_ptr + pid_s.to(tl.int64) * stride_a_slice + slot.to(tl.int64) * stride_a_slot
-              + offs_r[:, None] * stride_a_rank)                                       # [BLOCK_R, 1]
-    x_rows = x_ptr + tok[:, None] * stride_x_tok                                        # [BLOCK_M, 1]
-
-    k_lo = pid_k * k_per_split
-    k_end = k_lo + k_per_split
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_end, in_dim), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        # NOTE: two bounds, each divisible by 16 (no min()), so the loads stay vectorized.
-        k_ok = (offs_k < in_dim) & (offs_k < k_end)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, BK]
-        a = tl.load(a_rows + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)   # [BR, BK]
-        if UPCAST:
-            x = x.to(tl.float32)
-            a = a.to(tl.float32)
-        acc += tl.dot(x, tl.trans(a), input_precision=DOT_PRECISION)                   # [BLOCK_M, BLOCK_R]
-    acc = acc * scale
-
     o_ptrs = (out_ptr + pid_s.to(tl.int64) * stride_o_slice + pid_k.to(tl.int64) * stride_o_split
               + tok[:, None] * stride_o_tok + offs_r[None, :])
     tl.store(o_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])

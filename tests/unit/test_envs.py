@@ -27,3 +27,29 @@ def test_lora_kernel_configs(monkeypatch):
     assert parse_config_override(envs.lora_shrink_config(), LoRAShrinkConfig) == (("block_k", 128), ("split_k", 8))
     assert envs.lora_expand_config() is None
     assert parse_config_override(envs.lora_expand_config(), LoRAExpandConfig) == ()
+
+
+def test_decode_gemv_max_tokens(monkeypatch):
+    monkeypatch.delenv("CHORUS_DECODE_GEMV_MAX_TOKENS", raising=False)
+    assert envs.decode_gemv_max_tokens() == 2
+    monkeypatch.setenv("CHORUS_DECODE_GEMV_MAX_TOKENS", "0")
+    assert envs.decode_gemv_max_tokens() == 0
+    for bad in ("17", "-1", "two"):
+        monkeypatch.setenv("CHORUS_DECODE_GEMV_MAX_TOKENS", bad)
+        with pytest.raises(ValueError, match="CHORUS_DECODE_GEMV_MAX_TOKENS"):
+            envs.decode_gemv_max_tokens()
+
+
+def test_gemv_and_lora_kernel_choice(monkeypatch):
+    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=64,use_dot=1")
+    assert envs.gemv_config() == {"block_n": 64, "use_dot": 1}
+    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_m=16")
+    with pytest.raises(ValueError, match="CHORUS_GEMV_CONFIG"):
+        envs.gemv_config()
+    monkeypatch.delenv("CHORUS_LORA_KERNEL", raising=False)
+    assert envs.lora_kernel() == "split"
+    monkeypatch.setenv("CHORUS_LORA_KERNEL", "fused")
+    assert envs.lora_kernel() == "fused"
+    monkeypatch.setenv("CHORUS_LORA_KERNEL", "fast")
+    with pytest.raises(ValueError, match="CHORUS_LORA_KERNEL"):
+        envs.lora_kernel()

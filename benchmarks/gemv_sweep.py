@@ -65,11 +65,6 @@ def candidate_configs(m: int):
     return out
 
 
-def time_graph(fn, calls: int, reps: int) -> float:
-    """us per call of fn(i) (i = call index in the graph): a CUDA graph of ``calls`` calls, replayed."""
-    return time_graph_calls(fn, calls, reps)
-
-
 def cfg_dict(cfg) -> dict:
     return dict(block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 use_dot=cfg.use_dot)
@@ -117,13 +112,13 @@ def sweep_fused(prologue: str, x: torch.Tensor, ws: list, copies: int, top_plain
         def fused_fn(cfg):
             return lambda i: silu_mul_gemv(gate_up, ws[i % copies], config=cfg)
         default = gemv_config(m, n, k, prologue=SILU_MUL)
-    out = dict(prologue=prologue, unfused_us=time_graph(unfused, args.calls, args.reps),
-               default=dict(config=cfg_dict(default), us=time_graph(fused_fn(default), args.calls, args.reps)))
+    out = dict(prologue=prologue, unfused_us=time_graph_calls(unfused, args.calls, args.reps),
+               default=dict(config=cfg_dict(default), us=time_graph_calls(fused_fn(default), args.calls, args.reps)))
     cands = list(dict.fromkeys(top_plain + [GemvConfig(*c, 1) for c in FUSED_EXTRA]))
     results = []
     for cfg in cands:
         try:
-            us = time_graph(fused_fn(cfg), args.calls, args.reps)
+            us = time_graph_calls(fused_fn(cfg), args.calls, args.reps)
         except Exception as e:
             print(f"  fused {prologue} {cfg_str(cfg)}: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
@@ -151,19 +146,19 @@ def sweep_shape(name: str, n: int, k: int, ms: list[int], args, bw: float, l2: i
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=dtype)
         ref = torch.matmul(x, ws[0].t()).float()
-        cublas_us = time_graph(lambda i: torch.matmul(x, ws[i % copies].t()), args.calls, args.reps)
+        cublas_us = time_graph_calls(lambda i: torch.matmul(x, ws[i % copies].t()), args.calls, args.reps)
         results = []
         for cfg in candidate_configs(m):
             try:
                 err = (gemv(x, ws[0], config=cfg).float() - ref).abs().max().item()
-                us = time_graph(lambda i: gemv(x, ws[i % copies], config=cfg), args.calls, args.reps)
+                us = time_graph_calls(lambda i: gemv(x, ws[i % copies], config=cfg), args.calls, args.reps)
             except Exception as e:    # a config the compiler rejects (shared memory, registers)
                 print(f"  {name} M={m} {cfg_str(cfg)}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                 continue
             results.append(dict(config=cfg_dict(cfg), us=us, max_err=err, cfg=cfg))
         results.sort(key=lambda r: r["us"])
         default = gemv_config(m, n, k)
-        default_us = time_graph(lambda i: gemv(x, ws[i % copies], config=default), args.calls, args.reps)
+        default_us = time_graph_calls(lambda i: gemv(x, ws[i % copies], config=default), args.calls, args.reps)
         best = results[0] if results else None
         row = dict(shape=name, N=n, K=k, M=m, weight_bytes=wbytes, copies=copies, cublas_us=cublas_us,
                    default=dict(config=cfg_dict(default), us=default_us),

@@ -133,9 +133,10 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
     replays0 = graphs.num_replays if graphs is not None else 0
     timer = retries0 = None
     if torch.cuda.is_available():
+        from benchmarks.throughput import alloc_retries
         from engine.model_runner import StepTimer
         timer = engine.runner.step_timer = StepTimer()
-        retries0 = _alloc_retries()
+        retries0 = alloc_retries()
     _sync()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=per_request,
@@ -146,7 +147,7 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
     if timer is not None:
         by_kind = timer.summary()["by_kind"]
         engine.runner.step_timer = None
-        retries = _alloc_retries() - retries0
+        retries = alloc_retries() - retries0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == len(prompts) * args.output_len, n_out
     return dict(system=label, batch=len(prompts), num_adapters=n, seconds=dt, output_tokens=n_out,
@@ -154,10 +155,6 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
                 graph_steps=(graphs.num_replays if graphs is not None else 0) - replays0,
                 steps_by_kind=by_kind, alloc_retries=retries)
 
-
-def _alloc_retries() -> int:
-    """cudaMalloc retries (the caching allocator freed its cache to fit): >0 means memory thrash."""
-    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 def chorus_rows(args, prompts, adapter_dirs, report) -> list[dict]:

@@ -90,7 +90,7 @@ def run_chorus(args, prompts, outs) -> dict:
         from engine.model_runner import StepTimer
         torch.cuda.synchronize()
         timer = llm.llm_engine.runner.step_timer = StepTimer()
-    retries0 = _alloc_retries()
+    retries0 = alloc_retries()
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if torch.cuda.is_available():
@@ -108,10 +108,10 @@ def run_chorus(args, prompts, outs) -> dict:
                 max_num_batched_tokens=sc.max_num_batched_tokens,
                 gpu_busy_fraction=busy.get("busy_fraction"), gpu_busy_ms=busy.get("gpu_busy_ms"),
                 gpu_span_ms=busy.get("span_ms"), steps_by_kind=busy.get("by_kind"),
-                alloc_retries=None if retries0 is None else _alloc_retries() - retries0)
+                alloc_retries=None if retries0 is None else alloc_retries() - retries0)
 
 
-def _alloc_retries() -> Optional[int]:
+def alloc_retries() -> Optional[int]:
     """cudaMalloc retries (the caching allocator freed its cache to fit): >0 means memory thrash."""
     if not torch.cuda.is_available():
         return None

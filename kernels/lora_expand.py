@@ -169,17 +169,38 @@ def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, 
             # Llama-3-8B); within ~5% of the best of 40 candidates on every decode case.
             cfg = LoRAExpandConfig(block_m, 128, 4 if max(out_dims) > 8192 else 2, 4, 2)
         else:
-            block_n = 128
-
-            def programs(n_tiles: int) -> int:
-                return tiles * sum(cdiv(n, block_n * n_tiles) for n in out_dims)
-
-            # Most columns per program that still leave PROGRAMS_PER_SM programs with work per SM.
-            n_tiles, target = 1, PROGRAMS_PER_SM * num_sms(device)
-            while n_tiles * 2 <= MAX_N_TILES and programs(n_tiles * 2) >= target:
-                n_tiles *= 2
-            cfg = LoRAExpandConfig(block_m, block_n, n_tiles, 4, 2)
+            cfg = LoRAExpandConfig(block_m, 128, widest_n_tiles(tiles, out_dims, 128, device), 4, 2)
     return dataclasses.replace(cfg, **dict(override))
+
+
+def widest_n_tiles(tiles: int, out_dims: tuple[int, ...], block_n: int, device: torch.device) -> int:
+    """Most column tiles per program (a power of two <= MAX_N_TILES) that still leave
+    PROGRAMS_PER_SM programs with work per SM, for ``tiles`` token tiles over the slices' columns."""
+    def programs(n_tiles: int) -> int:
+        return tiles * sum(cdiv(n, block_n * n_tiles) for n in out_dims)
+
+    n_tiles, target = 1, PROGRAMS_PER_SM * num_sms(device)
+    while n_tiles * 2 <= MAX_N_TILES and programs(n_tiles * 2) >= target:
+        n_tiles *= 2
+    return n_tiles
+
+
+def check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, max_loras: int, rank: int,
+                   slice_offsets: Sequence[int]) -> tuple[int, ...]:
+    """B of each slice fits lora_a (slots, rank) and y (dtype, device, columns); returns out_dims."""
+    for s, b in enumerate(lora_b_slices):
+        check_tensor(f"lora_b_slices[{s}]", b, ndim=3, dtypes=(y.dtype,), shape=(max_loras, None, rank),
+                     device=y.device, contiguous=True)
+    if not isinstance(slice_offsets, (list, tuple)) or len(slice_offsets) != len(lora_b_slices):
+        raise ValueError(f"slice_offsets: expected {len(lora_b_slices)} host ints (one per slice), "
+                         f"got {slice_offsets!r}.")
+    total_out = y.shape[1]
+    for s, (b, off) in enumerate(zip(lora_b_slices, slice_offsets)):
+        check_int(f"slice_offsets[{s}]", off)
+        if off + b.shape[1] > total_out:
+            raise ValueError(f"slice_offsets[{s}]: columns [{off}, {off + b.shape[1]}) exceed y's "
+                             f"{total_out}.")
+    return tuple(b.shape[1] for b in lora_b_slices)
 
 
 def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
@@ -210,18 +231,8 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
     if split_k < 1:
         raise ValueError("buf: split_k (dim 1) must be >= 1.")
     max_loras = lora_b_slices[0].shape[0] if isinstance(lora_b_slices[0], torch.Tensor) else -1
-    for s, b in enumerate(lora_b_slices):
-        check_tensor(f"lora_b_slices[{s}]", b, ndim=3, dtypes=(y.dtype,), shape=(max_loras, None, rank),
-                     device=dev, contiguous=True)
-    if len(slice_offsets) != num_slices:
-        raise ValueError(f"slice_offsets: {len(slice_offsets)} offsets for {num_slices} slices.")
-    for s, (b, off) in enumerate(zip(lora_b_slices, slice_offsets)):
-        check_int(f"slice_offsets[{s}]", off)
-        if off + b.shape[1] > total_out:
-            raise ValueError(f"slice_offsets[{s}]: columns [{off}, {off + b.shape[1]}) exceed y's "
-                             f"{total_out}.")
+    out_dims = check_b_slices(lora_b_slices, y, max_loras, rank, slice_offsets)
     _check_meta(meta, num_tokens, max_loras, dev)
-    out_dims = tuple(b.shape[1] for b in lora_b_slices)
     if config is None:
         config = lora_expand_config(num_tokens, meta.num_active, out_dims, dev)
     if meta.no_lora or num_tokens == 0:

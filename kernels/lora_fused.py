@@ -38,12 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import MAX_N_TILES, MAX_SLICES, _expand_tile, _slice_of
+from kernels.lora_expand import MAX_N_TILES, MAX_SLICES, _expand_tile, _slice_of, check_b_slices, widest_n_tiles
 from kernels.lora_meta import LoRAKernelMeta
-from kernels.lora_shrink import (PROGRAMS_PER_SM, ConfigOverride, _check_launch, _check_meta, _check_pow2,
-                                 _find_segment, _shrink_tile, _tile_tokens, tile_m_for)
-from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted, next_power_of_2,
-                           num_sms)
+from kernels.lora_shrink import (ConfigOverride, _check_launch, _check_meta, _check_pow2, _find_segment,
+                                 _shrink_tile, _tile_tokens, tile_m_for)
+from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
 FUSED_MAX_TOKENS = 256
 """With ``CHORUS_LORA_KERNEL=auto``, steps of at most this many tokens take the fused kernel (the
@@ -147,15 +146,7 @@ def lora_fused_config(num_tokens: int, num_segments: int, in_dim: int, out_dims:
         # NOTE: unmeasured guesses (no GPU run of this kernel yet): block_k 256 as the shrink's long
         # segments; block_n 128 as the expand; then the most columns per program (least shrink
         # recomputation) that still leave PROGRAMS_PER_SM programs with work per SM.
-        block_n = 128
-
-        def programs(n_tiles: int) -> int:
-            return tiles * sum(cdiv(n, block_n * n_tiles) for n in out_dims)
-
-        n_tiles, target = 1, PROGRAMS_PER_SM * num_sms(device)
-        while n_tiles * 2 <= MAX_N_TILES and programs(n_tiles * 2) >= target:
-            n_tiles *= 2
-        cfg = LoRAFusedConfig(block_m, 256, block_n, n_tiles, 4, 3)
+        cfg = LoRAFusedConfig(block_m, 256, 128, widest_n_tiles(tiles, out_dims, 128, device), 4, 3)
     return dataclasses.replace(cfg, **dict(override))
 
 
@@ -193,7 +184,7 @@ def lora_shrink_expand(x: torch.Tensor, lora_a: torch.Tensor, lora_b_slices: Seq
     check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, contiguous=True)
     max_loras, rank = lora_a.shape[1], lora_a.shape[2]
     check_tensor("lora_a", lora_a, shape=(num_slices, max_loras, rank, in_dim))
-    out_dims = _check_b_slices(lora_b_slices, y, max_loras, rank, slice_offsets)
+    out_dims = check_b_slices(lora_b_slices, y, max_loras, rank, slice_offsets)
     _check_meta(meta, num_tokens, max_loras, dev)
     if config is None:
         config = lora_fused_config(num_tokens, meta.num_active, in_dim, out_dims, dev)
@@ -218,21 +209,3 @@ def lora_shrink_expand(x: torch.Tensor, lora_a: torch.Tensor, lora_b_slices: Seq
         EXPAND_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-
-
-def _check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, max_loras: int, rank: int,
-                    slice_offsets: Sequence[int]) -> tuple[int, ...]:
-    """B of each slice fits lora_a (slots, rank) and y (dtype, device, columns); returns out_dims."""
-    for s, b in enumerate(lora_b_slices):
-        check_tensor(f"lora_b_slices[{s}]", b, ndim=3, dtypes=(y.dtype,), shape=(max_loras, None, rank),
-                     device=y.device, contiguous=True)
-    if not isinstance(slice_offsets, (list, tuple)) or len(slice_offsets) != len(lora_b_slices):
-        raise ValueError(f"slice_offsets: expected {len(lora_b_slices)} host ints (one per slice), "
-                         f"got {slice_offsets!r}.")
-    total_out = y.shape[1]
-    for s, (b, off) in enumerate(zip(lora_b_slices, slice_offsets)):
-        check_int(f"slice_offsets[{s}]", off)
-        if off + b.shape[1] > total_out:
-            raise ValueError(f"slice_offsets[{s}]: columns [{off}, {off + b.shape[1]}) exceed y's "
-                             f"{total_out}.")
-    return tuple(b.shape[1] for b in lora_b_slices)

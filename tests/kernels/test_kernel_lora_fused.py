@@ -145,9 +145,10 @@ def test_no_lora_touches_nothing():
 @pytest.fixture
 def h200_sms(monkeypatch):
     """Plan configs for a 132-SM GPU without one (the config function is cached: cleared)."""
+    import kernels.lora_expand as ke
     import kernels.lora_fused as kf
 
-    monkeypatch.setattr(kf, "num_sms", lambda device: 132)
+    monkeypatch.setattr(ke, "num_sms", lambda device: 132)   # widest_n_tiles reads it there
     kf.lora_fused_config.cache_clear()
     yield 132
     kf.lora_fused_config.cache_clear()

@@ -94,6 +94,18 @@ def lora_kernel() -> str:
     return kernel
 
 
+def lora_overlap() -> bool:
+    """CHORUS_LORA_OVERLAP: "1" (default) issues each CUDA layer's LoRA shrink on a side stream
+    before the base GEMM, so the two run concurrently, and joins before the expand (split kernel
+    path only; ``lora.layers``); "0" runs GEMM, shrink and expand one after another."""
+    value = os.environ.get("CHORUS_LORA_OVERLAP", "")
+    flag = value.strip() or "1"
+    if flag not in ("0", "1"):
+        raise ValueError(f"CHORUS_LORA_OVERLAP={value!r}: use 1 (overlap) or 0 (sequential), "
+                         "or unset it for 1.")
+    return flag == "1"
+
+
 def lora_fused_config() -> str | None:
     """CHORUS_LORA_FUSED_CONFIG: fused LoRA kernel launch overrides, e.g. "block_k=256,n_tiles=4"
     (fields of ``kernels.lora_fused.LoRAFusedConfig``)."""

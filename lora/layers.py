@@ -25,18 +25,30 @@ reads them, once per layer.
 instead: one launch, no scratch buffer, the shrink recomputed per column program (for decode);
 ``CHORUS_LORA_FUSED_CONFIG`` overrides its launch config. Read once per layer too; the default
 ("split") is the pair above.
+
+Overlap (``CHORUS_LORA_OVERLAP``, default on): the shrink reads x only, so ``begin(x)`` issues it on
+a per-device side stream before the base GEMM and ``finish(pending, y)`` joins that stream before
+the expand; ``engine.layers.linear.Linear`` calls the two around its ``F.linear``. It applies to the
+split pair only (the fused kernel is one launch that adds into y: nothing to run before the
+GEMM), and the fork and the join are ``wait_stream`` calls, which CUDA graph capture records as
+graph edges. On CPU (the Triton interpreter in the tests) the same two phases run on the one stream.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
 
 from lora.batch import LoRABatchState
 from lora.peft_adapter import LoRASliceWeights
+
+if TYPE_CHECKING:
+    from kernels.lora_expand import LoRAExpandConfig
+    from kernels.lora_shrink import LoRAShrinkConfig
 
 BACKENDS = ("triton", "torch")
 
@@ -73,6 +85,38 @@ def kernel_overrides_from_env() -> LoRAKernelOverrides:
                                kernel=envs.lora_kernel())
 
 
+@functools.lru_cache(maxsize=None)
+def side_stream(device_index: int) -> torch.cuda.Stream:
+    """The stream LoRA shrinks overlap the base GEMMs on: one per device, created on first use
+    (the engine's warm-up forward, before any CUDA graph capture) and shared by every layer."""
+    return torch.cuda.Stream(device=device_index)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One step's launch plan of the split pair (shrink then expand) for one layer."""
+
+    buf: torch.Tensor
+    """[num_slices, split_k, num_tokens, max_rank] float32 view of the shared shrink scratch."""
+    shrink_cfg: LoRAShrinkConfig
+    """The shrink's launch config (its split_k is buf.shape[1])."""
+    expand_cfg: LoRAExpandConfig
+    """The expand's launch config."""
+
+
+@dataclass
+class LoRAPending:
+    """An adapter update that ``LinearLoRASlots.begin`` started and ``finish`` adds into y."""
+
+    x: torch.Tensor
+    """[num_tokens, input_size] the layer input; contiguous when ``plan`` is set. Held until
+    ``finish`` so that the tensor the shrink reads outlives it (see ``begin``)."""
+    plan: Optional[SplitPlan] = None
+    """Set when ``begin`` issued the shrink into ``plan.buf``; None: ``finish`` runs ``forward``."""
+    side: Optional[torch.cuda.Stream] = None
+    """The side stream the shrink went to, joined by ``finish``; None: the current stream."""
+
+
 class LinearLoRASlots(nn.Module):
     """Slot buffers of one (possibly packed) Linear and the hook that applies them.
 
@@ -105,6 +149,11 @@ class LinearLoRASlots(nn.Module):
         self.slice_offsets = offs
         self.overrides = kernel_overrides_from_env() if backend == "triton" else LoRAKernelOverrides()
         """Kernel launch-config overrides, read once here."""
+        from engine import envs  # NOTE: here, not at the top: ``engine`` imports this package
+
+        self.overlap = backend == "triton" and envs.lora_overlap()
+        """CHORUS_LORA_OVERLAP (read once here): ``begin`` issues the split path's shrink before the
+        base GEMM, on ``side_stream`` for CUDA inputs."""
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -155,21 +204,86 @@ class LinearLoRASlots(nn.Module):
         if self.adds_nothing():
             return y
         batch = self.state.batch
-        x2 = x.reshape(-1, self.input_size)
+        x2 = self._rows(x)
         y2 = y.view(-1, y.shape[-1])
-        assert x2.shape[0] == batch.num_tokens, \
-            f"LoRA batch has {batch.num_tokens} tokens, the layer got {x2.shape[0]}"
         if self.backend == "triton":
             self._forward_triton(x2, y2, batch)
         else:
             self._forward_torch(x2, y2, batch)
         return y
 
+    def begin(self, x: torch.Tensor) -> LoRAPending:
+        """First half of ``forward`` for a caller that computes y in between: issue the shrink of
+        x now, on ``side_stream`` for CUDA inputs, so it runs alongside the base GEMM. Only on the
+        split path with ``self.overlap``; otherwise nothing is issued and ``finish`` runs ``forward``.
+
+        x: [num_tokens, input_size]. NOTE: ``finish`` must follow before the forward returns; it
+        joins the side stream, without which the adapter update is missing from y and a CUDA graph
+        capture fails (a side stream left unjoined).
+        """
+        if not self.overlap or self.adds_nothing():
+            return LoRAPending(x)
+        batch = self.state.batch
+        x2 = self._rows(x)
+        if self._takes_fused(x2.shape[0]):
+            return LoRAPending(x)
+        # NOTE: the copy (if any), the scratch view and the configs are made on the current stream,
+        # before the fork; the side stream only launches the shrink, so it allocates nothing.
+        x2 = x2.contiguous()                                                   # [T, in]
+        plan = self._plan_split(x2, batch)
+        if not x2.is_cuda:
+            self._shrink(x2, plan, batch)
+            return LoRAPending(x2, plan)
+        side = side_stream(x2.device.index)
+        # NOTE: the fork makes the side stream wait for everything issued so far: x, the step's
+        # meta tensors, and the previous layer's expand, which reads the scratch buffer this
+        # shrink rewrites. x2 is not record_stream'ed (not allowed during graph capture): it stays
+        # alive because the caller holds x and the pending handle holds x2, and once it is freed
+        # the allocator can hand its memory only to later work on the current stream, which
+        # ``finish`` has made wait for the side stream.
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._shrink(x2, plan, batch)
+        return LoRAPending(x2, plan, side)
+
+    def finish(self, pending: LoRAPending, y: torch.Tensor) -> torch.Tensor:
+        """Second half: join the side stream (if ``begin`` forked) and add the update into y in place.
+
+        y: [num_tokens, sum(output_sizes)] (the base output), computed from the same x.
+        """
+        if pending.plan is None:
+            return self.forward(pending.x, y)
+        if pending.side is not None:
+            torch.cuda.current_stream().wait_stream(pending.side)
+        self._expand(pending.plan, y.view(-1, y.shape[-1]), self.state.batch)
+        return y
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as [num_tokens, input_size], checked against the step's batch."""
+        x2 = x.reshape(-1, self.input_size)
+        num_tokens = self.state.batch.num_tokens
+        assert x2.shape[0] == num_tokens, f"LoRA batch has {num_tokens} tokens, the layer got {x2.shape[0]}"
+        return x2
+
     def _forward_triton(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
-        if self.overrides.kernel != "split" and self._forward_fused(x, y, batch):
+        if self._takes_fused(x.shape[0]):
+            self._forward_fused(x, y, batch)
             return
-        from kernels.lora_expand import lora_expand, lora_expand_config
-        from kernels.lora_shrink import lora_shrink, lora_shrink_config
+        x = x.contiguous()
+        plan = self._plan_split(x, batch)
+        self._shrink(x, plan, batch)
+        self._expand(plan, y, batch)
+
+    def _takes_fused(self, num_tokens: int) -> bool:
+        """The layer's kernel choice runs the one-launch fused kernel for a step of num_tokens."""
+        from kernels.lora_fused import FUSED_MAX_TOKENS
+
+        kernel = self.overrides.kernel
+        return kernel == "fused" or (kernel == "auto" and num_tokens <= FUSED_MAX_TOKENS)
+
+    def _plan_split(self, x: torch.Tensor, batch) -> SplitPlan:
+        from kernels.lora_expand import lora_expand_config
+        from kernels.lora_shrink import lora_shrink_config
 
         meta, num_tokens = batch.meta, x.shape[0]
         shrink_cfg = lora_shrink_config(num_tokens, meta.num_active, self.num_slices, self.input_size,
@@ -178,20 +292,29 @@ class LinearLoRASlots(nn.Module):
                                         self.overrides.expand)
         buf = self.state.shrink_buffer(self.num_slices, shrink_cfg.split_k, num_tokens, self.max_rank,
                                        x.device)                                  # [S, split_k, T, R] f32
-        lora_shrink(x.contiguous(), self.lora_a, meta, buf, 1.0, config=shrink_cfg)
-        lora_expand(buf, self.lora_b, meta, y, self.slice_offsets, add_inputs=True, config=expand_cfg)
+        return SplitPlan(buf, shrink_cfg, expand_cfg)
 
-    def _forward_fused(self, x: torch.Tensor, y: torch.Tensor, batch) -> bool:
-        """The one-launch kernel when the layer's kernel choice takes it for this step; False: not taken."""
-        from kernels.lora_fused import FUSED_MAX_TOKENS, lora_fused_config, lora_shrink_expand
+    def _shrink(self, x: torch.Tensor, plan: SplitPlan, batch) -> None:
+        """plan.buf = per-split partials of x @ A^T (x contiguous)."""
+        from kernels.lora_shrink import lora_shrink
+
+        lora_shrink(x, self.lora_a, batch.meta, plan.buf, 1.0, config=plan.shrink_cfg)
+
+    def _expand(self, plan: SplitPlan, y: torch.Tensor, batch) -> None:
+        """y += sum of plan.buf's partials @ B^T, per slice."""
+        from kernels.lora_expand import lora_expand
+
+        lora_expand(plan.buf, self.lora_b, batch.meta, y, self.slice_offsets, add_inputs=True,
+                    config=plan.expand_cfg)
+
+    def _forward_fused(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
+        """The one-launch kernel (the layer's kernel choice takes it for this step)."""
+        from kernels.lora_fused import lora_fused_config, lora_shrink_expand
 
         meta, num_tokens = batch.meta, x.shape[0]
-        if self.overrides.kernel == "auto" and num_tokens > FUSED_MAX_TOKENS:
-            return False
         cfg = lora_fused_config(num_tokens, meta.num_active, self.input_size, tuple(self.output_sizes),
                                 x.device, self.overrides.fused)
         lora_shrink_expand(x.contiguous(), self.lora_a, self.lora_b, meta, y, self.slice_offsets, config=cfg)
-        return True
 
     def _forward_torch(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
         lora_b = self.lora_b

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from lora.layers import LinearLoRASlots
 
 
 class Linear(nn.Module):
@@ -24,7 +27,7 @@ class Linear(nn.Module):
         self.output_size = sum(output_sizes)
         self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)  # [out, in]
         self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False) if bias else None
-        self.lora: Optional[nn.Module] = None
+        self.lora: Optional[LinearLoRASlots] = None
 
     def slice_offsets(self) -> list[int]:
         offs, acc = [], 0
@@ -46,7 +49,11 @@ class Linear(nn.Module):
         param.data[start:start + size].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [num_tokens, output_size]
-        if self.lora is not None:
-            self.lora(x, y)
+        if self.lora is None or self.lora.adds_nothing():
+            return F.linear(x, self.weight, self.bias)  # [num_tokens, output_size]
+        # The LoRA shrink needs x only: ``begin`` issues it (on a side stream on CUDA) so it runs
+        # alongside the GEMM, and ``finish`` joins it and adds the expand into y.
+        pending = self.lora.begin(x)
+        y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]
+        self.lora.finish(pending, y)
         return y

@@ -53,3 +53,15 @@ def test_gemv_and_lora_kernel_choice(monkeypatch):
     monkeypatch.setenv("CHORUS_LORA_KERNEL", "fast")
     with pytest.raises(ValueError, match="CHORUS_LORA_KERNEL"):
         envs.lora_kernel()
+
+
+def test_lora_overlap(monkeypatch):
+    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
+    assert envs.lora_overlap() is True
+    for value, want in (("0", False), ("1", True), (" 0 ", False), ("", True)):
+        monkeypatch.setenv("CHORUS_LORA_OVERLAP", value)
+        assert envs.lora_overlap() is want, value
+    for bad in ("yes", "2", "off", "true"):
+        monkeypatch.setenv("CHORUS_LORA_OVERLAP", bad)
+        with pytest.raises(ValueError, match=f"CHORUS_LORA_OVERLAP='{bad}': use 1 .* or 0"):
+            envs.lora_overlap()

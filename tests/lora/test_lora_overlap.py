@@ -1,0 +1,160 @@
+"""``LinearLoRASlots.begin`` / ``finish`` (CHORUS_LORA_OVERLAP): the split path's shrink issued
+before the base GEMM, on a side stream on CUDA, and the expand after the join.
+
+CPU (Triton interpreter): the two phases give exactly ``forward``'s y on both backends, the shrink
+runs in ``begin`` only on the Triton split path with overlap on, and the choice is read once per
+layer. GPU: overlap on and off give identical outputs eagerly and through a CUDA graph, and a
+side stream held back by a sleep shows that ``finish`` waits for the shrink.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lora.batch import LoRAMetaBuffers, build_lora_batch
+from lora.layers import side_stream
+from tests.lora.test_fused_lora_path import KernelCalls
+from tests.lora.test_layers import IN, MAX_LORAS, MAX_RANK, _adapters, _backends, _layer, _load, _manual
+
+STEPS = [[0, 2, -1, 2, 0, 0, -1, 2, 1], [2, 2, 2, 2], [0]]
+"""Mixed with base rows and a slot without weights; one slot owns every token; one decode row."""
+
+
+def _input(num_tokens: int, strided: bool, seed: int = 0) -> torch.Tensor:
+    """[num_tokens, IN], contiguous or a transposed (non-contiguous) view."""
+    g = torch.Generator().manual_seed(seed)
+    if strided:
+        return torch.randn(IN, num_tokens, generator=g).t()
+    return torch.randn(num_tokens, IN, generator=g)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("overlap", ["1", "0"])
+@pytest.mark.parametrize("kernel", ["split", "fused"])
+@pytest.mark.parametrize("token_slots", STEPS, ids=["mixed", "one-slot", "decode-row"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_begin_finish_equals_forward(backend, overlap, kernel, token_slots, strided, monkeypatch):
+    monkeypatch.setenv("CHORUS_LORA_OVERLAP", overlap)
+    monkeypatch.setenv("CHORUS_LORA_KERNEL", kernel)
+    base, slots, state = _layer(backend)
+    adapters = _adapters()
+    _load(slots, adapters)
+    calls = KernelCalls(monkeypatch)
+    x = _input(len(token_slots), strided)
+    base_y = F.linear(x, base.weight)                                   # [T, sum(OUTS)]
+    state.batch = build_lora_batch(torch.tensor(token_slots, dtype=torch.int32), MAX_LORAS,
+                                   with_segments=backend == "torch")
+    y_forward = slots(x, base_y.clone())
+
+    early_shrink = backend == "triton" and overlap == "1" and kernel == "split"
+    before = calls.counts()
+    pending = slots.begin(x)
+    assert (pending.plan is not None) == early_shrink
+    assert pending.side is None                                         # CPU: no side stream
+    assert calls.counts() == (before[0], before[1] + early_shrink)       # the shrink ran in begin
+    y_two_phase = base_y.clone()
+    assert slots.finish(pending, y_two_phase) is y_two_phase
+    if backend == "triton":
+        assert calls.counts() == (before[0] + (kernel == "fused"), before[1] + (kernel == "split"))
+
+    assert torch.equal(y_two_phase, y_forward)
+    torch.testing.assert_close(y_forward, _manual(x, base_y, token_slots, adapters), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(base(x), y_forward, rtol=0, atol=0)     # Linear.forward: begin, GEMM, finish
+
+
+def test_begin_finish_add_nothing_without_adapters():
+    base, slots, state = _layer("triton")
+    _load(slots, _adapters())
+    x = _input(3, False)
+    y = F.linear(x, base.weight)
+    want = y.clone()
+    for batch in (None, build_lora_batch(torch.tensor([-1, -1, -1], dtype=torch.int32), MAX_LORAS,
+                                         with_segments=False)):
+        state.batch = batch
+        pending = slots.begin(x)
+        assert pending.plan is None
+        assert torch.equal(slots.finish(pending, y), want)
+
+
+def test_overlap_read_once_per_layer(monkeypatch):
+    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
+    assert _layer("triton")[1].overlap is True                          # default on
+    assert _layer("torch")[1].overlap is False                          # the torch path never overlaps
+    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "0")
+    base, slots, state = _layer("triton")
+    assert slots.overlap is False
+    _load(slots, _adapters())
+    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "bogus")                  # after construction: not read
+    state.batch = build_lora_batch(torch.tensor([0, 2], dtype=torch.int32), MAX_LORAS, with_segments=False)
+    assert slots.begin(_input(2, False)).plan is None
+    with pytest.raises(ValueError, match="CHORUS_LORA_OVERLAP='bogus'"):
+        _layer("triton")
+    _layer("torch")                                                     # reads nothing
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: the side stream, eagerly and inside a CUDA graph
+# ----------------------------------------------------------------------------------------
+SLEEP_CYCLES = 200_000_000
+"""~0.1 s of ``torch.cuda._sleep`` on the side stream: without the join, the expand would read
+the NaN-filled scratch buffer long before the shrink overwrites it."""
+
+
+def _cuda_layer(overlap: str, num_tokens: int, monkeypatch):
+    """A Triton-backend layer on CUDA with the reserved scratch and static meta of the graph path."""
+    monkeypatch.setenv("CHORUS_LORA_OVERLAP", overlap)
+    monkeypatch.setenv("CHORUS_LORA_KERNEL", "split")                   # the path that overlaps
+    dev = torch.device("cuda")
+    base, slots, state = _layer("triton")
+    _load(slots, _adapters())
+    base.to(dev)
+    state.reserve(slots.num_slices, num_tokens, MAX_RANK, dev)
+    return base, slots, state, LoRAMetaBuffers(num_tokens, MAX_LORAS, dev)
+
+
+def _poison_scratch(state) -> None:
+    """NaN into the whole shrink scratch (on the current stream), so a read before the shrink shows."""
+    state._shrink_buffer.fill_(float("nan"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_overlap_eager_and_graph_match(monkeypatch):
+    eager_slots = np.array(STEPS[0], dtype=np.int32)
+    graph_slots = np.array([1, 0, 2, 2, -1, 0, 2, 0, 0], dtype=np.int32)      # another mix, same size
+    num_tokens = len(eager_slots)
+    x_eager, x_graph = _input(num_tokens, False, seed=1), _input(num_tokens, False, seed=2)
+    results = {}
+    for overlap in ("0", "1"):
+        base, slots, state, meta_bufs = _cuda_layer(overlap, num_tokens, monkeypatch)
+        assert slots.overlap is (overlap == "1")
+        x = x_eager.cuda()                                              # [T, IN], the graph's static input
+        state.batch = meta_bufs.fill(eager_slots, fixed_grid=True, with_segments=False)
+        _poison_scratch(state)
+        if slots.overlap:
+            side = side_stream(x.device.index)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(SLEEP_CYCLES)                         # holds the shrink back
+        eager = base(x)                         # also the warm-up: Triton compiles, the side stream exists
+        torch.cuda.synchronize()
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = base(x)
+        x.copy_(x_graph)
+        state.batch = meta_bufs.fill(graph_slots, fixed_grid=True, with_segments=False)
+        _poison_scratch(state)
+        graph.replay()
+        torch.cuda.synchronize()
+        results[overlap] = (eager.cpu(), static_y.cpu(), base.weight.cpu())
+
+    (eager_off, graph_off, weight), (eager_on, graph_on, _) = results["0"], results["1"]
+    assert torch.equal(eager_on, eager_off)
+    assert torch.equal(graph_on, graph_off)
+    adapters = _adapters()
+    for x, token_slots, y in ((x_eager, eager_slots, eager_on), (x_graph, graph_slots, graph_on)):
+        want = _manual(x, F.linear(x, weight), token_slots.tolist(), adapters)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)

@@ -135,13 +135,20 @@ def sweep_fused(prologue: str, x: torch.Tensor, ws: list, copies: int, top_plain
     return out
 
 
+def weight_copies(n: int, k: int, l2: int) -> list[torch.Tensor]:
+    """Distinct random bf16 [n, k] CUDA weights totalling > 2x the L2 (at least 2), so a graph that
+    cycles through them reads each from HBM, as a 32-layer step does."""
+    copies = max(2, math.ceil(2 * l2 / (n * k * 2)) + 1)
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+
+
 def sweep_shape(name: str, n: int, k: int, ms: list[int], args, bw: float, l2: int) -> list[dict]:
     from kernels.gemv import gemv, gemv_config
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     wbytes = n * k * 2
-    copies = max(2, math.ceil(2 * l2 / wbytes) + 1)
-    ws = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+    ws = weight_copies(n, k, l2)
+    copies = len(ws)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=dev, dtype=dtype)
@@ -186,6 +193,23 @@ def sweep_shape(name: str, n: int, k: int, ms: list[int], args, bw: float, l2: i
     return rows
 
 
+def parse_shapes(ap: argparse.ArgumentParser, value: str) -> list[str]:
+    """--shapes: a comma list of ``SHAPES`` names (argparse error otherwise)."""
+    shapes = [s.strip() for s in value.split(",") if s.strip()]
+    for s in shapes:
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    return shapes
+
+
+def write_json(path: str, props, bw: float, l2: int, calls: int, rows: list, **extra) -> None:
+    """The sweep's JSON: device, copy bandwidth, L2 size, calls per graph, rows (+ extra keys)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(dict(device=props.name, copy_bandwidth_bytes_s=bw, l2_bytes=l2,
+                                          calls_per_graph=calls, rows=rows, **extra), indent=1))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
@@ -196,10 +220,7 @@ def main() -> None:
     ap.add_argument("--no-fused", action="store_true", help="skip the fused-prologue comparisons")
     ap.add_argument("--out", default="benchmarks/out/gemv_sweep.json")
     args = ap.parse_args()
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    for s in shapes:
-        if s not in SHAPES:
-            ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    shapes = parse_shapes(ap, args.shapes)
     ms = [int(v) for v in args.ms.split(",")]
     if any(not 1 <= m <= 16 for m in ms):
         ap.error("--ms: each M must be in 1..16")
@@ -231,10 +252,7 @@ def main() -> None:
               f"{f.get('unfused_us', math.nan):8.1f} {fused_us:8.1f} "
               f"{f['default']['us'] if f else math.nan:13.1f}")
     print(f"\nsweep took {time.time() - t0:.0f} s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(device=props.name, copy_bandwidth_bytes_s=bw, l2_bytes=l2,
-                                              calls_per_graph=args.calls, rows=rows), indent=1))
-    print(f"wrote {args.out}")
+    write_json(args.out, props, bw, l2, args.calls, rows)
 
 
 if __name__ == "__main__":

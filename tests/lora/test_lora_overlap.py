@@ -158,3 +158,56 @@ def test_cuda_overlap_eager_and_graph_match(monkeypatch):
     for x, token_slots, y in ((x_eager, eager_slots, eager_on), (x_graph, graph_slots, graph_on)):
         want = _manual(x, F.linear(x, weight), token_slots.tolist(), adapters)
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("token_slots", STEPS, ids=["mixed", "one-slot", "decode-row"])
+def test_forward_deferred_delta_completes_y(token_slots, monkeypatch):
+    """``Linear.forward_deferred``: the base y plus the float32 delta (zero on base-model rows)
+    rounded once is exactly ``forward``'s y; the delta views the state's shared scratch."""
+    monkeypatch.delenv("CHORUS_LORA_DEFER_MAX_TOKENS", raising=False)
+    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "1")
+    base, slots, state = _layer("triton")
+    adapters = _adapters()
+    _load(slots, adapters)
+    x = _input(len(token_slots), strided=True, seed=4)
+    state.batch = build_lora_batch(torch.tensor(token_slots, dtype=torch.int32), MAX_LORAS, with_segments=False)
+    assert slots.defers(len(token_slots))
+    y, delta = base.forward_deferred(x)
+    assert delta is not None and delta.dtype == torch.float32 and delta.shape == y.shape
+    torch.testing.assert_close(y, F.linear(x, base.weight), rtol=0, atol=0)     # y: the base output only
+    assert delta.data_ptr() == state.delta_buffer(*y.shape, y.device).data_ptr()
+    base_rows = [t for t, s in enumerate(token_slots) if s not in adapters]
+    assert torch.all(delta[base_rows] == 0)
+    assert torch.equal((y.float() + delta).to(y.dtype), base(x))
+    torch.testing.assert_close(base(x), _manual(x, F.linear(x, base.weight), token_slots, adapters),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("env,backend,kernel,num_tokens,defers", [
+    ({}, "triton", "split", 512, True),
+    ({}, "triton", "split", 513, False),                                    # above the default 512
+    ({"CHORUS_LORA_DEFER_MAX_TOKENS": "0"}, "triton", "split", 1, False),
+    ({"CHORUS_LORA_OVERLAP": "0"}, "triton", "split", 1, False),
+    ({}, "triton", "fused", 1, False),                                      # one launch: nothing to defer
+    ({}, "torch", "split", 1, False),
+])
+def test_when_a_layer_defers(env, backend, kernel, num_tokens, defers, monkeypatch):
+    for name in ("CHORUS_LORA_OVERLAP", "CHORUS_LORA_DEFER_MAX_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CHORUS_LORA_KERNEL", kernel)
+    base, slots, state = _layer(backend)
+    _load(slots, _adapters())
+    state.batch = build_lora_batch(torch.zeros(num_tokens, dtype=torch.int32), MAX_LORAS,
+                                   with_segments=backend == "torch")
+    assert slots.defers(num_tokens) == defers
+    x = _input(num_tokens, strided=False)
+    y, delta = base.forward_deferred(x)
+    assert (delta is not None) == defers
+    want = base(x)
+    got = y if delta is None else (y.float() + delta).to(y.dtype)
+    assert torch.equal(got, want)
+    state.batch = build_lora_batch(torch.full((num_tokens,), -1, dtype=torch.int32), MAX_LORAS,
+                                   with_segments=backend == "torch")
+    assert not slots.defers(num_tokens)                                    # no adapter in the step

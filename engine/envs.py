@@ -106,19 +106,6 @@ def lora_overlap() -> bool:
     return flag == "1"
 
 
-def lora_defer_max_tokens() -> int:
-    """CHORUS_LORA_DEFER_MAX_TOKENS: with CHORUS_LORA_OVERLAP on, steps of at most this many tokens
-    run each deferrable LoRA update whole (shrink and expand) on the side stream, into a float32
-    delta that the next kernel (add + RMSNorm, SiLU-and-mul) adds, so the expand no longer waits
-    for the base GEMM (``engine.layers.linear.Linear.forward_deferred``). Default 512 (decode
-    steps; the delta scratch is tokens x the widest adapted output x 4 bytes); 0 turns it off."""
-    raw = os.environ.get("CHORUS_LORA_DEFER_MAX_TOKENS", "512").strip()
-    if not raw.isdigit() or int(raw) > 65536:
-        raise ValueError(f"CHORUS_LORA_DEFER_MAX_TOKENS={raw!r}: use an integer from 0 to 65536 "
-                         "(0 turns deferred LoRA updates off).")
-    return int(raw)
-
-
 def lora_fused_config() -> str | None:
     """CHORUS_LORA_FUSED_CONFIG: fused LoRA kernel launch overrides, e.g. "block_k=256,n_tiles=4"
     (fields of ``kernels.lora_fused.LoRAFusedConfig``)."""

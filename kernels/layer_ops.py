@@ -27,13 +27,11 @@ from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
 # add + RMSNorm
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, delta_ptr, hidden, eps,
-                         stride_x, stride_r, stride_o, stride_d,
-                         HAS_RESIDUAL: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, hidden, eps,
+                         stride_x, stride_r, stride_o,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     """Semantics, one program per row t (dtype = x's dtype, math in float32):
 
-        if HAS_DELTA:
-            x[t] = dtype(x[t] + delta[t])                            (read only: x is not written)
         if HAS_RESIDUAL:
             s = dtype(x[t] + residual[t]); residual[t] = s          (in place)
         else:
@@ -45,9 +43,6 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, delta_ptr, hi
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_d + cols, mask=mask, other=0.0)
-        x = (x + d).to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(residual_ptr.dtype.element_ty)
@@ -60,8 +55,7 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, delta_ptr, hi
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                 x_delta: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RMSNorm of ``x`` (or of ``x + residual``, which is then stored into ``residual``).
 
     Args:
@@ -70,8 +64,6 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         eps: added to the mean square.
         residual: optional [num_tokens, hidden] in x's dtype, last dim contiguous; updated in place.
         out: optional output ([num_tokens, hidden], x's dtype); may be ``x`` itself.
-        x_delta: optional [num_tokens, hidden] float32, last dim contiguous: a pending update of x
-            (a deferred LoRA delta), applied first as x = dtype(x + x_delta).
 
     Returns:
         out: the normalized rows.
@@ -86,24 +78,14 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         out = torch.empty_like(x)                                  # [num_tokens, hidden]
     check_tensor("out", out, dtypes=(x.dtype,), shape=(num_tokens, hidden), device=x.device,
                  last_dim_contiguous=True)
-    _check_delta(x_delta, x)
     if num_tokens == 0:
         return out
     block = next_power_of_2(hidden)
     _add_rms_norm_kernel[(num_tokens,)](
-        x, residual if residual is not None else x, weight, out, x_delta if x_delta is not None else x,
-        hidden, float(eps), x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        x_delta.stride(0) if x_delta is not None else 0,
-        HAS_RESIDUAL=residual is not None, HAS_DELTA=x_delta is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)))
+        x, residual if residual is not None else x, weight, out, hidden, float(eps),
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out
-
-
-def _check_delta(x_delta: Optional[torch.Tensor], x: torch.Tensor) -> None:
-    """A pending update of x: float32, x's shape and device, last dim contiguous (or None)."""
-    if x_delta is not None:
-        check_tensor("x_delta", x_delta, dtypes=(torch.float32,), shape=tuple(x.shape), device=x.device,
-                     last_dim_contiguous=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -209,11 +191,9 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 # SiLU-and-mul
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, d, stride_x, stride_o, stride_d,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
     """Semantics, program (t, j) covers columns [j * BLOCK, (j + 1) * BLOCK) of row t:
 
-        if HAS_DELTA: x[t] = dtype(x[t] + delta[t])                 (read only: x is not written)
         out[t, c] = dtype(dtype(silu(x[t, c])) * x[t, d + c])      (gate | up packed in x)
     """
     row = tl.program_id(0).to(tl.int64)
@@ -221,22 +201,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, d, stride_x, stride_o, strid
     mask = cols < d
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DELTA:
-        dg = tl.load(delta_ptr + row * stride_d + cols, mask=mask, other=0.0)
-        du = tl.load(delta_ptr + row * stride_d + d + cols, mask=mask, other=0.0)
-        g = (g + dg).to(out_ptr.dtype.element_ty).to(tl.float32)
-        u = (u + du).to(out_ptr.dtype.element_ty).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None,
-                 x_delta: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x: [num_tokens, 2 * d] (gate | up), last dim contiguous -> [num_tokens, d] = silu(gate) * up.
-
-    x_delta: optional [num_tokens, 2 * d] float32, last dim contiguous: a pending update of x (a
-    deferred LoRA delta), applied first as x = dtype(x + x_delta).
-    """
+def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] (gate | up), last dim contiguous -> [num_tokens, d] = silu(gate) * up."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, width = x.shape
     if width % 2:
@@ -246,12 +216,9 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None,
         out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)   # [num_tokens, d]
     check_tensor("out", out, dtypes=(x.dtype,), shape=(num_tokens, d), device=x.device,
                  last_dim_contiguous=True)
-    _check_delta(x_delta, x)
     if num_tokens == 0:
         return out
     block = min(1024, next_power_of_2(d))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        x, out, x_delta if x_delta is not None else x, d, x.stride(0), out.stride(0),
-        x_delta.stride(0) if x_delta is not None else 0, HAS_DELTA=x_delta is not None, BLOCK=block,
-        num_warps=4)
+        x, out, d, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out

@@ -185,23 +185,12 @@ def widest_n_tiles(tiles: int, out_dims: tuple[int, ...], block_n: int, device: 
     return n_tiles
 
 
-def dot_precision(lora_b: torch.Tensor) -> str:
-    """tl.dot precision of the B-projection: exact float32 for float32 B, tf32 for half-precision B
-    (so a float32 accumulator y gets the same products as y in B's dtype)."""
-    return "ieee" if lora_b.dtype == torch.float32 else "tf32"
-
-
 def check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, max_loras: int, rank: int,
                    slice_offsets: Sequence[int]) -> tuple[int, ...]:
-    """B of each slice fits lora_a (slots, rank) and y (dtype, device, columns); returns out_dims.
-
-    B is in y's dtype, except that a float32 y (an accumulator of LoRA updates, ``lora.layers``'
-    deferred path) takes B of any float dtype; every slice has one dtype."""
-    dtypes = FLOAT_DTYPES if y.dtype == torch.float32 else (y.dtype,)
+    """B of each slice fits lora_a (slots, rank) and y (dtype, device, columns); returns out_dims."""
     for s, b in enumerate(lora_b_slices):
-        check_tensor(f"lora_b_slices[{s}]", b, ndim=3, dtypes=dtypes, shape=(max_loras, None, rank),
+        check_tensor(f"lora_b_slices[{s}]", b, ndim=3, dtypes=(y.dtype,), shape=(max_loras, None, rank),
                      device=y.device, contiguous=True)
-        dtypes = (b.dtype,)
     if not isinstance(slice_offsets, (list, tuple)) or len(slice_offsets) != len(lora_b_slices):
         raise ValueError(f"slice_offsets: expected {len(lora_b_slices)} host ints (one per slice), "
                          f"got {slice_offsets!r}.")
@@ -221,8 +210,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
 
     Args:
         buf: [num_slices, split_k, num_tokens, rank] float32 (``lora_shrink``'s partials), contiguous.
-        lora_b_slices: num_slices (1..3) tensors [max_loras, out_dim_s, rank] in y's dtype (any float
-            dtype for a float32 y), contiguous.
+        lora_b_slices: num_slices (1..3) tensors [max_loras, out_dim_s, rank] in y's dtype, contiguous.
         meta: this step's ``LoRAKernelMeta``.
         y: [num_tokens, total_out] float16/bfloat16/float32, last dim contiguous.
         slice_offsets: num_slices host ints, column of y where slice s starts
@@ -263,6 +251,6 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
         SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
-        ADD_INPUTS=bool(add_inputs), DOT_PRECISION=dot_precision(lora_b_slices[0]),
+        ADD_INPUTS=bool(add_inputs), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

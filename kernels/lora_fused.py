@@ -38,8 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import (MAX_N_TILES, MAX_SLICES, _expand_tile, _slice_of, check_b_slices, dot_precision,
-                                 widest_n_tiles)
+from kernels.lora_expand import MAX_N_TILES, MAX_SLICES, _expand_tile, _slice_of, check_b_slices, widest_n_tiles
 from kernels.lora_meta import LoRAKernelMeta
 from kernels.lora_shrink import (ConfigOverride, _check_launch, _check_meta, _check_pow2, _find_segment,
                                  _shrink_tile, _tile_tokens, tile_m_for)
@@ -207,6 +206,6 @@ def lora_shrink_expand(x: torch.Tensor, lora_a: torch.Tensor, lora_b_slices: Seq
         BLOCK_R=max(16, next_power_of_2(rank)), MAX_LORAS_PAD=next_power_of_2(max_loras),
         UPCAST=is_interpreted(dev) or x.dtype == torch.float32,
         SHRINK_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        EXPAND_PRECISION=dot_precision(lora_b_slices[0]),
+        EXPAND_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

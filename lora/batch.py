@@ -78,61 +78,42 @@ class LoRABatchState:
     """None before the first step (layers then add nothing)."""
     _shrink_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
     """[capacity] float32 scratch that every layer's shrink partials view."""
-    _delta_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
-    """[capacity] float32 scratch that a deferred layer's update views (``delta_buffer``)."""
     _reserved: bool = field(default=False, repr=False)
-    """``reserve`` ran: the buffers may be captured by CUDA graphs and are never reallocated."""
+    """``reserve`` ran: the buffer may be captured by CUDA graphs and is never reallocated."""
 
-    def reserve(self, num_slices: int, num_tokens: int, rank: int, device: torch.device,
-                delta_tokens: int = 0, delta_width: int = 0) -> None:
-        """Allocate the scratch buffers for the largest step up front: num_slices x rank x
+    def reserve(self, num_slices: int, num_tokens: int, rank: int, device: torch.device) -> None:
+        """Allocate the scratch buffer for the largest step up front: num_slices x rank x
         ``shrink_buffer_rows(num_tokens)`` floats, enough for the partials of any split_k the
-        shrink configs pick for up to num_tokens tokens (they clamp split_k to fit), and
-        delta_tokens x delta_width floats for the deferred updates (the widest adapted layer's
-        output for the largest step that defers).
+        shrink configs pick for up to num_tokens tokens (they clamp split_k to fit).
 
-        NOTE: CUDA graphs keep the buffers' addresses; they must never be reallocated after
-        capture, so after this call ``shrink_buffer`` / ``delta_buffer`` raise instead of growing.
+        NOTE: CUDA graphs keep the buffer's address; it must never be reallocated after capture,
+        so after this call ``shrink_buffer`` raises instead of growing.
         """
-        for name, need in (("_shrink_buffer", num_slices * shrink_buffer_rows(num_tokens) * rank),
-                           ("_delta_buffer", delta_tokens * delta_width)):
-            buf = getattr(self, name)
-            if need and (buf is None or buf.numel() < need or buf.device != device):
-                setattr(self, name, torch.empty(need, dtype=torch.float32, device=device))   # [capacity]
+        need = num_slices * shrink_buffer_rows(num_tokens) * rank
+        buf = self._shrink_buffer
+        if buf is None or buf.numel() < need or buf.device != device:
+            self._shrink_buffer = torch.empty(need, dtype=torch.float32, device=device)   # [capacity]
         self._reserved = True
 
     def shrink_buffer(self, num_slices: int, split_k: int, num_tokens: int, rank: int,
                       device: torch.device) -> torch.Tensor:
-        """A float32 [num_slices, split_k, num_tokens, rank] view of the one shrink scratch buffer.
+        """A float32 [num_slices, split_k, num_tokens, rank] view of the one scratch buffer.
 
         Before ``reserve`` the buffer grows as needed (tests, tools); after it, a request that
         does not fit is a bug (a larger step than reserved for) and raises.
         NOTE: layers run one after another, so one buffer serves them all.
         """
-        flat = self._scratch("_shrink_buffer", num_slices * split_k * num_tokens * rank, device,
-                             f"[{num_slices}, {split_k}, {num_tokens}, {rank}]")
-        return flat.view(num_slices, split_k, num_tokens, rank)
-
-    def delta_buffer(self, num_tokens: int, width: int, device: torch.device) -> torch.Tensor:
-        """A float32 [num_tokens, width] view of the one delta scratch buffer (same growth rule).
-
-        NOTE: one deferred update is pending at a time (its consumer runs before the next layer
-        defers), so one buffer serves every layer."""
-        return self._scratch("_delta_buffer", num_tokens * width, device, f"[{num_tokens}, {width}]").view(
-            num_tokens, width)
-
-    def _scratch(self, name: str, need: int, device: torch.device, what: str) -> torch.Tensor:
-        """The first ``need`` floats of buffer ``name``, grown (doubling) before ``reserve``."""
-        buf = getattr(self, name)
+        buf = self._shrink_buffer
+        need = num_slices * split_k * num_tokens * rank
         if buf is None or buf.numel() < need or buf.device != device:
             if self._reserved:
-                raise RuntimeError(f"LoRA scratch {name.strip('_')}: {what} does not fit the reserved "
-                                   f"{0 if buf is None else buf.numel()} floats on "
-                                   f"{None if buf is None else buf.device}.")
+                raise RuntimeError(f"LoRA shrink buffer: [{num_slices}, {split_k}, {num_tokens}, {rank}] "
+                                   f"does not fit the reserved {0 if buf is None else buf.numel()} floats "
+                                   f"on {None if buf is None else buf.device}.")
             buf = torch.empty(max(need, 2 * (0 if buf is None else buf.numel())),
                               dtype=torch.float32, device=device)                 # [capacity]
-            setattr(self, name, buf)
-        return buf[:need]
+            self._shrink_buffer = buf
+        return buf[:need].view(num_slices, split_k, num_tokens, rank)
 
 
 class LoRAMetaBuffers:

@@ -115,10 +115,6 @@ class LoRAPending:
     """Set when ``begin`` issued the shrink into ``plan.buf``; None: ``finish`` runs ``forward``."""
     side: Optional[torch.cuda.Stream] = None
     """The side stream the shrink went to, joined by ``finish``; None: the current stream."""
-    delta: Optional[torch.Tensor] = None
-    """Deferred begin (``begin(x, defer=True)``): [num_tokens, sum(output_sizes)] float32 view of the
-    state's delta scratch, into which the side stream also runs the expand (zero on base-model
-    rows); ``join`` hands it to the caller, whose consumer kernel adds it into y."""
 
 
 class LinearLoRASlots(nn.Module):
@@ -158,10 +154,6 @@ class LinearLoRASlots(nn.Module):
         self.overlap = backend == "triton" and envs.lora_overlap()
         """CHORUS_LORA_OVERLAP (read once here): ``begin`` issues the split path's shrink before the
         base GEMM, on ``side_stream`` for CUDA inputs."""
-        self.defer_max_tokens = envs.lora_defer_max_tokens() if self.overlap else 0
-        """CHORUS_LORA_DEFER_MAX_TOKENS (read once here): steps of at most this many tokens may run
-        the whole update (shrink and expand) on the side stream into a float32 delta that the
-        caller's next kernel adds (``begin(x, defer=True)``, ``engine.layers.linear``); 0: never."""
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -220,42 +212,28 @@ class LinearLoRASlots(nn.Module):
             self._forward_torch(x2, y2, batch)
         return y
 
-    def defers(self, num_tokens: int) -> bool:
-        """``begin(x, defer=True)`` takes the deferred path for a step of num_tokens tokens: an
-        adapter runs here, overlap is on, the step is small enough and takes the split kernels."""
-        return (0 < num_tokens <= self.defer_max_tokens and not self.adds_nothing()
-                and not self._takes_fused(num_tokens))
-
-    def begin(self, x: torch.Tensor, defer: bool = False) -> LoRAPending:
+    def begin(self, x: torch.Tensor) -> LoRAPending:
         """First half of ``forward`` for a caller that computes y in between: issue the shrink of
         x now, on ``side_stream`` for CUDA inputs, so it runs alongside the base GEMM. Only on the
         split path with ``self.overlap``; otherwise nothing is issued and ``finish`` runs ``forward``.
 
-        With ``defer`` (callers check ``defers`` first) the side stream also zeroes the delta
-        scratch and runs the expand into it, so neither kernel waits for the GEMM; ``join`` then
-        returns the delta instead of adding it (the caller's next kernel adds it into y).
-
-        x: [num_tokens, input_size]. NOTE: ``finish`` (or ``join``) must follow before the forward
-        returns; it joins the side stream, without which the adapter update is missing from y and
-        a CUDA graph capture fails (a side stream left unjoined).
+        x: [num_tokens, input_size]. NOTE: ``finish`` must follow before the forward returns; it
+        joins the side stream, without which the adapter update is missing from y and a CUDA graph
+        capture fails (a side stream left unjoined).
         """
         if not self.overlap or self.adds_nothing():
             return LoRAPending(x)
         batch = self.state.batch
         x2 = self._rows(x)
-        num_tokens = x2.shape[0]
-        if self._takes_fused(num_tokens):
+        if self._takes_fused(x2.shape[0]):
             return LoRAPending(x)
-        # NOTE: the copy (if any), the scratch views and the configs are made on the current
-        # stream, before the fork; the side stream only launches kernels, so it allocates nothing.
+        # NOTE: the copy (if any), the scratch view and the configs are made on the current stream,
+        # before the fork; the side stream only launches the shrink, so it allocates nothing.
         x2 = x2.contiguous()                                                   # [T, in]
         plan = self._plan_split(x2, batch)
-        delta = None
-        if defer and self.defers(num_tokens):
-            delta = self.state.delta_buffer(num_tokens, sum(self.output_sizes), x2.device)   # [T, N] f32
         if not x2.is_cuda:
-            self._shrink_and_defer(x2, plan, batch, delta)
-            return LoRAPending(x2, plan, None, delta)
+            self._shrink(x2, plan, batch)
+            return LoRAPending(x2, plan)
         side = side_stream(x2.device.index)
         # NOTE: the fork makes the side stream wait for everything issued so far: x, the step's
         # meta tensors, and the previous layer's expand, which reads the scratch buffer this
@@ -263,29 +241,10 @@ class LinearLoRASlots(nn.Module):
         # alive because the caller holds x and the pending handle holds x2, and once it is freed
         # the allocator can hand its memory only to later work on the current stream, which
         # ``finish`` has made wait for the side stream.
-        # With ``delta``: the one delta scratch is shared by every layer; the fork also orders this
-        # layer's zeroing after the kernel that consumed the previous layer's delta (callers issue
-        # that consumer before the next deferred ``begin``).
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._shrink_and_defer(x2, plan, batch, delta)
-        return LoRAPending(x2, plan, side, delta)
-
-    def _shrink_and_defer(self, x: torch.Tensor, plan: SplitPlan, batch, delta: Optional[torch.Tensor]) -> None:
-        """The shrink, and with ``delta`` the expand into it: delta = 0, then += the update."""
-        self._shrink(x, plan, batch)
-        if delta is not None:
-            delta.zero_()
-            self._expand(plan, delta, batch)
-
-    def join(self, pending: LoRAPending) -> torch.Tensor:
-        """End of a deferred ``begin``: make the current stream wait for the side stream and return
-        the [num_tokens, sum(output_sizes)] float32 delta (valid until the next deferred begin)."""
-        if pending.delta is None:
-            raise RuntimeError("join() needs a deferred begin(x, defer=True) that took the deferred path.")
-        if pending.side is not None:
-            torch.cuda.current_stream().wait_stream(pending.side)
-        return pending.delta
+            self._shrink(x2, plan, batch)
+        return LoRAPending(x2, plan, side)
 
     def finish(self, pending: LoRAPending, y: torch.Tensor) -> torch.Tensor:
         """Second half: join the side stream (if ``begin`` forked) and add the update into y in place.
@@ -294,8 +253,6 @@ class LinearLoRASlots(nn.Module):
         """
         if pending.plan is None:
             return self.forward(pending.x, y)
-        if pending.delta is not None:
-            raise RuntimeError("finish() after a deferred begin: call join() and add its delta instead.")
         if pending.side is not None:
             torch.cuda.current_stream().wait_stream(pending.side)
         self._expand(pending.plan, y.view(-1, y.shape[-1]), self.state.batch)

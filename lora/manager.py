@@ -212,17 +212,13 @@ class LoRAManager:
         return adapter
 
     def allocate_step_buffers(self, max_num_tokens: int) -> None:
-        """Size the per-step meta tensors and the shrink and delta scratch for the largest step, once.
+        """Size the per-step meta tensors and the shrink scratch for the largest step, once.
 
         NOTE: decode CUDA graphs read these tensors' addresses; nothing reallocates them later.
         """
         self._meta_buffers = LoRAMetaBuffers(max_num_tokens, self.max_loras, self.device)
-        layers = list(self.layers.values())
-        max_slices = max(layer.num_slices for layer in layers)
-        delta_tokens = min(max_num_tokens, max(layer.defer_max_tokens for layer in layers))
-        delta_width = max(sum(layer.output_sizes) for layer in layers)
-        self.state.reserve(max_slices, max_num_tokens, self.max_lora_rank, self.device,
-                           delta_tokens=delta_tokens, delta_width=delta_width)
+        max_slices = max(layer.num_slices for layer in self.layers.values())
+        self.state.reserve(max_slices, max_num_tokens, self.max_lora_rank, self.device)
 
     def set_batch(self, token_lora_slots, fixed_grid: bool = False) -> None:
         """Group this step's tokens by slot (once; every layer reads the result).

@@ -57,19 +57,3 @@ class Linear(nn.Module):
         y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]
         self.lora.finish(pending, y)
         return y
-
-    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(y, delta): the base output and, when this step's adapter update is deferred, its float32
-        [num_tokens, output_size] delta, which the caller's next kernel must add (x' = dtype(y +
-        delta): ``RMSNorm(..., x_delta=)``, ``silu_and_mul(..., x_delta=)``) before the next deferred
-        projection runs (the delta scratch is shared). delta None: y already holds the update.
-
-        Deferred (``LinearLoRASlots.defers``: CUDA-sized decode steps with overlap on), the LoRA
-        shrink and expand both run on the side stream alongside the GEMM, so the critical path is
-        max(GEMM, LoRA) instead of GEMM + expand.
-        """
-        if self.lora is None or not self.lora.defers(x.reshape(-1, self.input_size).shape[0]):
-            return self.forward(x), None
-        pending = self.lora.begin(x, defer=True)
-        y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]
-        return y, self.lora.join(pending)

@@ -18,26 +18,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                x_delta: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
 
-        x_delta: optional float32 [num_tokens, hidden], a pending update of x (a deferred LoRA
-        delta, ``engine.layers.linear``): x is first replaced by dtype(x + x_delta).
         NOTE: on CUDA, with ``residual`` given, ``x`` and ``residual`` are overwritten (the
         returned tensors are those two); callers never reuse them.
         """
         if x.is_cuda:
             from kernels.layer_ops import add_rms_norm
             if residual is None:
-                return add_rms_norm(x, self.weight, self.eps, x_delta=x_delta)
-            return add_rms_norm(x, self.weight, self.eps, residual=residual, out=x, x_delta=x_delta), residual
-        return self.forward_torch(x, residual, x_delta)
+                return add_rms_norm(x, self.weight, self.eps)
+            return add_rms_norm(x, self.weight, self.eps, residual=residual, out=x), residual
+        return self.forward_torch(x, residual)
 
-    def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                      x_delta: Optional[torch.Tensor] = None):
-        if x_delta is not None:
-            x = (x.float() + x_delta).to(x.dtype)
+    def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
             x = x + residual
             residual = x

@@ -43,14 +43,14 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # NOTE: one instance shared by every layer (one cos/sin gather per step)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """qkv: [T, q + 2 kv], the output of ``qkv_proj`` (run fused with the input norm by the
-        decoder layer) -> (o_proj's output [T, hidden], its deferred LoRA delta or None)."""
+        decoder layer) -> [T, hidden]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        return linear_forward(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb), defer=True)
+        return linear_forward(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):
@@ -62,12 +62,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias)
 
-    def forward(self, gate_up: torch.Tensor, gate_up_delta: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2 * intermediate], the output of ``gate_up_proj`` (run fused with the
-        post-attention norm by the decoder layer), and its deferred LoRA delta or None ->
-        (down_proj's output [T, hidden], its deferred LoRA delta or None)."""
-        return silu_mul_linear(self.down_proj, gate_up, gate_up_delta, defer=True)
+        post-attention norm by the decoder layer) -> [T, hidden]."""
+        return silu_mul_linear(self.down_proj, gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -78,22 +76,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, hidden_delta=None):
-        """hidden: [T, hidden] (the embeddings when ``residual`` is None) and the deferred LoRA
-        delta still owed to it (or None) -> (output, residual, output's deferred delta or None).
-
-        Deferred deltas (``engine.layers.fused``): o_proj's, gate_up_proj's and down_proj's LoRA
-        updates run beside their GEMMs and are added by the next kernel (add + RMSNorm,
-        SiLU-and-mul, the next layer's add + RMSNorm); qkv_proj's is added in place, as the
-        attention reads its output directly.
-        """
-        qkv, residual, _ = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual,
-                                       x_delta=hidden_delta)
-        hidden, o_delta = self.self_attn(positions, qkv)
-        gate_up, residual, gate_up_delta = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj,
-                                                       hidden, residual, x_delta=o_delta, defer=True)
-        hidden, down_delta = self.mlp(gate_up, gate_up_delta)
-        return hidden, residual, down_delta
+    def forward(self, positions, hidden, residual):
+        """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual)."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -110,10 +98,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        residual, delta = None, None
+        residual = None
         for layer in self.layers:
-            hidden, residual, delta = layer(positions, hidden, residual, delta)
-        hidden, _ = self.norm(hidden, residual, x_delta=delta)
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
 

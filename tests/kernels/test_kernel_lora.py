@@ -287,28 +287,6 @@ def test_no_lora_touches_nothing():
     assert torch.all(out == 7.0) and torch.equal(y, y0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_expand_into_float32_accumulator(dtype):
-    """A float32 y (the deferred path's delta) with half-precision B: zero, expand, then one
-    rounding dtype(y + delta) gives exactly the expand into y itself."""
-    slots = torch.tensor([1, NO_LORA, 0, 1, 1], dtype=torch.int32, device=DEVICE)
-    meta = build_lora_kernel_meta(slots, 2)
-    g = torch.Generator().manual_seed(5)
-    buf = torch.randn(2, 1, 5, 8, generator=g).to(DEVICE)                          # [S, split_k, T, R]
-    lora_b = [torch.randn(2, 24, 8, generator=g).to(dtype).to(DEVICE),
-              torch.randn(2, 8, 8, generator=g).to(dtype).to(DEVICE)]
-    y = torch.randn(5, 32, generator=g).to(dtype).to(DEVICE)
-    delta = torch.zeros(5, 32, device=DEVICE)
-    lora_expand(buf, lora_b, meta, delta, [0, 24])
-    assert torch.all(delta[1] == 0) and delta.abs().sum() > 0                      # base row untouched
-    y_direct = y.clone()
-    lora_expand(buf, lora_b, meta, y_direct, [0, 24])
-    if DEVICE.type == "cuda" or dtype != torch.bfloat16:
-        assert torch.equal((y.float() + delta).to(dtype), y_direct)
-    else:   # the interpreter truncates fp32 -> bf16 where torch rounds
-        torch.testing.assert_close((y.float() + delta).to(dtype), y_direct, rtol=2e-2, atol=2e-2)
-
-
 def test_rejects_bad_inputs():
     slots = torch.tensor([0, 1, NO_LORA], dtype=torch.int32, device=DEVICE)
     meta = build_lora_kernel_meta(slots, 2)
@@ -333,11 +311,8 @@ def test_rejects_bad_inputs():
     b, y = [torch.randn(2, 8, 4, device=DEVICE)], torch.randn(3, 8, device=DEVICE)
     with pytest.raises(ValueError, match="exceed"):
         lora_expand(out, b, meta, y, [4])
-    with pytest.raises(ValueError, match=r"lora_b_slices\[0\]: dtype"):     # B in y's dtype ...
-        lora_expand(out, b, meta, y.half(), [0])
-    with pytest.raises(ValueError, match=r"lora_b_slices\[1\]: dtype"):     # ... or one dtype (float32 y)
-        lora_expand(out.expand(2, 1, 3, 4).contiguous(), [b[0].half(), b[0]], meta, torch.randn(3, 16, device=DEVICE),
-                    [0, 8])
+    with pytest.raises(ValueError, match=r"lora_b_slices\[0\]: dtype"):
+        lora_expand(out, [b[0].half()], meta, y, [0])
     with pytest.raises(ValueError, match="buf: expected shape"):
         lora_expand(out, b + b, meta, torch.randn(3, 16, device=DEVICE), [0, 8])
     with pytest.raises(ValueError, match="buf: expected 4 dims"):

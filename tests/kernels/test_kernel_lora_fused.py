@@ -212,8 +212,8 @@ def test_rejects_bad_inputs():
                            torch.randn(3, 32, device=DEVICE), [0, 8, 16, 24])
     with pytest.raises(ValueError, match="1..3 tensors"):
         lora_shrink_expand(x, a, b[0], meta, y, [0])
-    with pytest.raises(ValueError, match=r"lora_b_slices\[0\]: dtype"):    # B in y's dtype (float32 y: any)
-        lora_shrink_expand(x.half(), a.half(), b, meta, y.half(), [0])
+    with pytest.raises(ValueError, match=r"lora_b_slices\[0\]: dtype"):
+        lora_shrink_expand(x, a, [b[0].half()], meta, y, [0])
     with pytest.raises(ValueError, match=r"lora_b_slices\[0\]: expected shape"):
         lora_shrink_expand(x, a, [torch.randn(2, 8, 5, device=DEVICE)], meta, y, [0])    # rank 5 vs 4
     with pytest.raises(ValueError, match="must be contiguous"):

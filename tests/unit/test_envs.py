@@ -55,18 +55,6 @@ def test_gemv_and_lora_kernel_choice(monkeypatch):
         envs.lora_kernel()
 
 
-def test_lora_defer_max_tokens(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_DEFER_MAX_TOKENS", raising=False)
-    assert envs.lora_defer_max_tokens() == 512
-    for value, want in (("0", 0), ("64", 64), (" 1024 ", 1024)):
-        monkeypatch.setenv("CHORUS_LORA_DEFER_MAX_TOKENS", value)
-        assert envs.lora_defer_max_tokens() == want, value
-    for bad in ("-1", "many", "1e3", "70000"):
-        monkeypatch.setenv("CHORUS_LORA_DEFER_MAX_TOKENS", bad)
-        with pytest.raises(ValueError, match="CHORUS_LORA_DEFER_MAX_TOKENS=.*0 turns deferred"):
-            envs.lora_defer_max_tokens()
-
-
 def test_lora_overlap(monkeypatch):
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     assert envs.lora_overlap() is True

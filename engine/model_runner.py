@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Optional
 
 import torch
@@ -227,6 +228,12 @@ class ModelRunner:
             attn.backend = backend
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.kv_bytes_per_block() / (1 << 30))
+        if self.device.type == "cuda":
+            attn = self.model.attention_layers()[0]
+            t0 = time.perf_counter()
+            calls = backend.warm_up(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale)
+            logger.info("Attention kernels for eager steps compiled (%d calls) in %.1f s", calls,
+                        time.perf_counter() - t0)
         self._init_step_buffers()
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()

@@ -81,7 +81,7 @@ def _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols
         tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
 def _lora_expand_kernel(
     buf_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr,
     sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,

@@ -51,7 +51,7 @@ is not recomputed per column program. NOTE: a guess, unmeasured: set it from the
 rows of ``benchmarks/kernels.py --lora-only``."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
 def _lora_fused_kernel(
     x_ptr, lora_a_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr,
     sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,

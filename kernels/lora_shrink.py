@@ -112,7 +112,7 @@ def _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, slot, pid_s, k_lo, k_end, in_dim,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
 def _lora_shrink_kernel(
     x_ptr, lora_a_ptr, out_ptr,
     sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,

@@ -55,7 +55,7 @@ def _find_request(query_start_loc_ptr, pid_qb, num_reqs, BLOCK_Q: tl.constexpr, 
     return n - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_heads"])   # one binary whatever the step's request count
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -247,6 +247,13 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
                          num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
+def find_chunk(num_reqs: int) -> int:
+    """``_find_request``'s vector width: 16 up to 16 requests, else 256 (one masked load covers up to
+    256). NOTE: two values only, since each is a compile of its own (a step's first compile stalls
+    it ~1 s on an H200; ``engine.attention.AttentionBackend.warm_up`` compiles both at start-up)."""
+    return 16 if num_reqs <= 16 else 256
+
+
 def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                   max_query_len, max_seq_len, scale, out, num_splits) -> None:
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -377,7 +384,7 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
-        NUM_SPLITS=cfg.num_splits, UPCAST=upcast, FIND_CHUNK=min(256, max(16, next_power_of_2(num_reqs))),
+        NUM_SPLITS=cfg.num_splits, UPCAST=upcast, FIND_CHUNK=find_chunk(num_reqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROWS=rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention_torch
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import find_chunk, paged_attention
 from kernels.reference import paged_attention_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -232,6 +232,32 @@ def test_rejects_bad_inputs():
         call(q.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, qsl, sl, bt)
     with pytest.raises(ValueError, match="block_tables"):
         paged_attention(q, kc, vc, qsl, sl, bt[:, :1], b.max_query_len, b.max_seq_len, 0.25)
+
+
+def test_warm_up_runs_every_eager_variant_and_leaves_the_cache_alone(monkeypatch):
+    """``AttentionBackend.warm_up`` (start-up compile of the eager-step variants): one attention
+    call per (request count, longest query, decodes or not) case, on both ``find_chunk`` widths,
+    reading the cache only; the torch backend does nothing."""
+    import kernels.paged_attention as pa
+    from engine.attention import AttentionBackend
+
+    launches = []
+    launch = pa._launch
+    monkeypatch.setattr(pa, "_launch", lambda *a: launches.append((a[4].shape[0], a[-2], a[-1])) or launch(*a))
+    kc = torch.randn(3, 16, 2, 32, device=DEVICE, dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32)
+    vc = torch.randn_like(kc)
+    before = (kc.clone(), vc.clone())
+    calls = AttentionBackend("triton").warm_up(kc, vc, 4, 32 ** -0.5)
+    assert calls == 10 and len(launches) >= calls
+    assert {pa.find_chunk(num_reqs) for num_reqs, _, _ in launches} == {16, 256}
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    if DEVICE.type == "cuda":   # 64-token prefill tiles split the decodes off into a launch of their own
+        assert {rows for _, _, rows in launches} == {pa.ALL_ROWS, pa.DECODE_ROWS, pa.PREFILL_ROWS}
+    assert AttentionBackend("torch").warm_up(kc, vc, 4, 0.1) == 0
+
+
+def test_find_chunk_has_two_widths():
+    assert [find_chunk(n) for n in (1, 16, 17, 256, 5000)] == [16, 16, 256, 256, 256]
 
 
 # ----------------------------------------------------------------------------------------

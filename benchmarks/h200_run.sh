@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -45,6 +45,13 @@ for phase in "$@"; do
       timeout 330 python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
         --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64 --hf-continuous --out "$OUT/throughput.json" 2>&1 \
         | tee "$OUT/throughput.log" | grep -v Warning | tail -12 ;;
+    serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
+      # first burst right after start shows whether start-up compiled the eager attention variants
+      python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \
+dummy_checkpoint(Path('/tmp/chorus-llama3-8b-dummy'), 'bfloat16')"
+      OUT="$OUT/serve-defaults" PORT=8123 timeout 280 bash benchmarks/serve_run.sh /tmp/chorus-llama3-8b-dummy \
+        "${SERVE_RATES:-inf:160 32:160 inf:256}" --load-format dummy 2>&1 | grep -E "Output token|TTFT|TPOT"
+      grep -E "compiled|Captured" "$OUT/serve-defaults/server.log" ;;
     serve)   # the same rates with the engine loop in a thread, then in its own process
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \
 dummy_checkpoint(Path('/tmp/chorus-llama3-8b-dummy'), 'bfloat16')"

@@ -15,7 +15,9 @@ so the kernels read N distinct slots exactly as with N distinct weights). Chorus
 ``max_loras`` = the largest N, prefix caching off (the same prompts are reused across runs),
 and a warm-up that puts the run's adapters in their slots first; one LoRA engine serves every
 adapter count (decode steps replay CUDA graphs with the LoRA kernels inside). "base" is an engine
-without LoRA; "x base" is each run's tok/s over it at the same batch. transformers + PEFT holds
+without LoRA; "x base" is each run's tok/s over it at the same batch ("x base dev": the same over
+the steps' device time, CUDA only, without the host's share of the wall clock, which moves "x base"
+by a few percent between runs). transformers + PEFT holds
 every adapter and runs one padded batch with ``adapter_names`` (``__base__`` for N = 0); its
 time for the full output is extrapolated from two short runs (``--hf-output-lens``) to keep it
 within minutes. Prints a table, writes JSON (after every row).
@@ -150,8 +152,9 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
         retries = alloc_retries() - retries0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == len(prompts) * args.output_len, n_out
-    return dict(system=label, batch=len(prompts), num_adapters=n, seconds=dt, output_tokens=n_out,
-                output_tok_s=n_out / dt, steps=engine.get_stats().num_steps - steps0,
+    device_s = sum(k["gpu_ms"] for k in by_kind.values()) / 1e3 if by_kind else None
+    return dict(system=label, batch=len(prompts), num_adapters=n, seconds=dt, device_seconds=device_s,
+                output_tokens=n_out, output_tok_s=n_out / dt, steps=engine.get_stats().num_steps - steps0,
                 graph_steps=(graphs.num_replays if graphs is not None else 0) - replays0,
                 steps_by_kind=by_kind, alloc_retries=retries)
 
@@ -351,10 +354,15 @@ def _finish(args, report: dict, rows: list[dict], hf: list[dict]) -> None:
     """Fractions of the base run (same batch) and ratios to transformers + PEFT; table; JSON."""
     chorus = [r for r in rows if r["system"].startswith("chorus")]
     base = {r["batch"]: r["output_tok_s"] for r in chorus if "LoRA off" in r["system"]}
+    base_dev = {r["batch"]: r.get("device_seconds") for r in chorus if "LoRA off" in r["system"]}
     hf_by_n = {r["num_adapters"]: r["output_tok_s"] for r in hf}
     hf_base = hf_by_n.get(0)
     for r in chorus:
         r["x_base"] = r["output_tok_s"] / base[r["batch"]] if r["batch"] in base else None
+        # The same ratio over device time (the steps' CUDA events): without the host's share of
+        # the wall clock, which moves the wall ratio by a few percent from run to run.
+        b, d = base_dev.get(r["batch"]), r.get("device_seconds")
+        r["x_base_device"] = b / d if b and d else None
         if "LoRA off" not in r["system"] and r["num_adapters"] in hf_by_n and r["batch"] == args.hf_batch_size:
             r["x_hf_peft"] = r["output_tok_s"] / hf_by_n[r["num_adapters"]]
     for r in hf:
@@ -363,13 +371,16 @@ def _finish(args, report: dict, rows: list[dict], hf: list[dict]) -> None:
           f"{args.rank} on all 7 projections, {'tiny' if args.tiny else 'Llama-3-8B'}-shaped {args.dtype}, "
           f"device {report['device']}; hf+peft: batch {args.hf_batch_size}, t({args.output_len}) extrapolated "
           f"from {args.hf_output_lens[0]} and {args.hf_output_lens[1]} new tokens")
-    print(f"{'system':24s} {'batch':>5s} {'adapters':>8s} {'seconds':>8s} {'out tok/s':>10s} {'x base':>7s} "
-          f"{'x hf+peft':>9s} {'steps':>6s} {'graph':>6s}")
+    print(f"{'system':24s} {'batch':>5s} {'adapters':>8s} {'seconds':>8s} {'device s':>8s} {'out tok/s':>10s} "
+          f"{'x base':>7s} {'x base dev':>10s} {'x hf+peft':>9s} {'steps':>6s} {'graph':>6s}")
     for r in rows:
         xb = f"{r['x_base']:.3f}" if r.get("x_base") is not None else "-"
+        xd = f"{r['x_base_device']:.3f}" if r.get("x_base_device") is not None else "-"
         xh = f"{r['x_hf_peft']:.1f}" if r.get("x_hf_peft") is not None else "-"
-        print(f"{r['system']:24s} {r['batch']:5d} {r['num_adapters']:8d} {r['seconds']:8.2f} "
-              f"{r['output_tok_s']:10.1f} {xb:>7s} {xh:>9s} {r.get('steps', '-'):>6} {r.get('graph_steps', '-'):>6}")
+        ds = f"{r['device_seconds']:.2f}" if r.get("device_seconds") is not None else "-"
+        print(f"{r['system']:24s} {r['batch']:5d} {r['num_adapters']:8d} {r['seconds']:8.2f} {ds:>8s} "
+              f"{r['output_tok_s']:10.1f} {xb:>7s} {xd:>10s} {xh:>9s} {r.get('steps', '-'):>6} "
+              f"{r.get('graph_steps', '-'):>6}")
     _dump(report)
     print(f"wrote {args.out}")
 

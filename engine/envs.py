@@ -39,6 +39,19 @@ def lora_expand_config() -> str | None:
     return os.environ.get("CHORUS_LORA_EXPAND_CONFIG") or None
 
 
+def gemm_sm_carveout() -> int:
+    """CHORUS_GEMM_SM_CARVEOUT: SMs the cuBLAS GEMMs leave free (torch's experimental SM carve-out,
+    applied on CUDA when the model runner starts), so that kernels on the LoRA side stream can run
+    beside them; 0 (default) leaves cuBLAS the whole GPU. An experiment knob: on an H200 the LoRA
+    shrink overlap gained 0.35-0.6 ms per batch-64 decode step, and moving the expand onto the side
+    stream as well gained nothing (benchmarks/RESULTS.md, "Multi-LoRA"), a sign that cuBLAS' GEMMs
+    fill every SM; not measured yet."""
+    raw = os.environ.get("CHORUS_GEMM_SM_CARVEOUT", "0").strip()
+    if not raw.isdigit() or int(raw) > 128:
+        raise ValueError(f"CHORUS_GEMM_SM_CARVEOUT={raw!r}: use an integer from 0 to 128 (SMs left free).")
+    return int(raw)
+
+
 def attn_decode_config() -> dict[str, int]:
     """CHORUS_ATTN_DECODE_CONFIG: decode attention tile overrides, e.g. "tile_n=64,num_warps=4,
     num_stages=2" (``benchmarks/attention_sweep.py`` passes candidates directly instead)."""

@@ -148,6 +148,19 @@ class StepTimer:
                     busy_fraction=busy / span if span > 0 else 0.0, by_kind=by_kind)
 
 
+def _apply_gemm_sm_carveout() -> None:
+    """CHORUS_GEMM_SM_CARVEOUT (``engine.envs.gemm_sm_carveout``): leave SMs free of cuBLAS' GEMMs."""
+    from engine import envs
+
+    carveout = envs.gemm_sm_carveout()
+    if carveout:
+        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            raise ValueError(f"CHORUS_GEMM_SM_CARVEOUT={carveout}: torch {torch.__version__} has no SM "
+                             "carve-out for matmuls; unset it.")
+        torch._C._set_sm_carveout_experimental(carveout)
+        logger.info("cuBLAS GEMMs leave %d SMs free (CHORUS_GEMM_SM_CARVEOUT)", carveout)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -167,6 +180,8 @@ class ModelRunner:
         self.logprobs_mode = config.model_config.logprobs_mode
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
         """Capture decode graphs when the KV cache is allocated (off: ``enforce_eager``)."""
+        if device.type == "cuda":
+            _apply_gemm_sm_carveout()
         self.buffers: Optional[StepBuffers] = None
         self.block_table: Optional[BlockTableRows] = None
         self.graphs = None

@@ -55,6 +55,17 @@ def test_gemv_and_lora_kernel_choice(monkeypatch):
         envs.lora_kernel()
 
 
+def test_gemm_sm_carveout(monkeypatch):
+    monkeypatch.delenv("CHORUS_GEMM_SM_CARVEOUT", raising=False)
+    assert envs.gemm_sm_carveout() == 0
+    monkeypatch.setenv("CHORUS_GEMM_SM_CARVEOUT", " 16 ")
+    assert envs.gemm_sm_carveout() == 16
+    for bad in ("-4", "all", "129"):
+        monkeypatch.setenv("CHORUS_GEMM_SM_CARVEOUT", bad)
+        with pytest.raises(ValueError, match="CHORUS_GEMM_SM_CARVEOUT=.*from 0 to 128"):
+            envs.gemm_sm_carveout()
+
+
 def test_lora_overlap(monkeypatch):
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     assert envs.lora_overlap() is True

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -45,6 +45,12 @@ for phase in "$@"; do
       timeout 330 python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
         --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64 --hf-continuous --out "$OUT/throughput.json" 2>&1 \
         | tee "$OUT/throughput.log" | grep -v Warning | tail -12 ;;
+    lora-carveout)   # multi-LoRA at batch 64 with cuBLAS leaving 0 / 8 / 16 SMs to the LoRA side stream
+      for sms in ${CARVEOUTS:-0 8 16}; do
+        CHORUS_GEMM_SM_CARVEOUT=$sms timeout 120 python3 benchmarks/multi_lora.py --batch-sizes 64 --input-len 512 \
+          --output-len 128 --skip-hf --num-adapters 16,64 --base-last --out "$OUT/ml_carveout$sms.json" 2>&1 \
+          | grep -E "^chorus|decode graph" | sed "s/^/carveout $sms: /"
+      done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

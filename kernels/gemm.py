@@ -6,8 +6,9 @@ the tensor cores alone set the time, and few output tiles (o_proj at M = 256 has
 128 x 128 for 132 SMs) leave SMs idle. cuBLAS picks one kernel per shape from its heuristics;
 this kernel exists so ``benchmarks/gemm_sweep.py`` can measure whether a tile shape chosen per
 (M, N, K) does better there. Measured on an H200 (benchmarks/RESULTS.md, "GEMM sweep"): no. The
-best of 84 configs (pointer and TMA loads) is within 1% of cuBLAS summed over a decoder layer at
-M = 128 / 256 / 512 (both at ~600-770 TFLOPS), so the engine keeps cuBLAS and does not call this.
+best of 84 configs (pointer and TMA loads), picked per projection, is 2.7% / 0.5% / 0.1% faster
+than cuBLAS summed over a decoder layer at M = 128 / 256 / 512 (both at ~600-770 TFLOPS), too
+little for a second GEMM path, so the engine keeps cuBLAS and does not call this.
 
 Grid: one program per [BLOCK_M, BLOCK_N] output tile, the M tiles of one column range adjacent
 in launch order (program id = pid_n * num_m_tiles + pid_m), so the programs that read the same

@@ -45,7 +45,12 @@ for phase in "$@"; do
       timeout 330 python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
         --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64 --hf-continuous --out "$OUT/throughput.json" 2>&1 \
         | tee "$OUT/throughput.log" | grep -v Warning | tail -12 ;;
-    lora-carveout)   # multi-LoRA at batch 64 with cuBLAS leaving 0 / 8 / 16 SMs to the LoRA side stream
+    lora-carveout)   # LoRA + base GEMMs per decoder layer (serial vs overlapped), then multi-LoRA at batch
+      # 64, with cuBLAS leaving 0 / 8 / 16 SMs to the LoRA side stream (CHORUS_GEMM_SM_CARVEOUT)
+      for sms in ${CARVEOUTS:-0 8 16}; do
+        CHORUS_GEMM_SM_CARVEOUT=$sms timeout 90 python3 benchmarks/kernels.py --lora-only \
+          --out "$OUT/lora_kernels_carveout$sms.json" 2>&1 | grep -E "gemms_" | sed "s/^/carveout $sms: /"
+      done
       for sms in ${CARVEOUTS:-0 8 16}; do
         CHORUS_GEMM_SM_CARVEOUT=$sms timeout 120 python3 benchmarks/multi_lora.py --batch-sizes 64 --input-len 512 \
           --output-len 128 --skip-hf --num-adapters 16,64 --base-last --out "$OUT/ml_carveout$sms.json" 2>&1 \

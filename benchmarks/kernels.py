@@ -25,7 +25,11 @@ rows: the 4 LoRA layers of one decoder layer (shrink + expand each, through ``Li
 with its default or env-overridden configs) in one CUDA graph, each followed by
 ``lora_decoder_fused``: the same with the layers' kernel choice set to "fused" (as
 CHORUS_LORA_KERNEL=fused; CHORUS_LORA_FUSED_CONFIG applies); gpu us is "us per decoder layer" and
-the note gives "ms per step" (x32 layers).
+the note gives "ms per step" (x32 layers). Then the same decoder layer as the engine runs it, base
+GEMMs included (``Linear`` + its LoRA hook): "gemms_base" (no adapter in the step), "gemms_lora_serial"
+(overlap off) and "gemms_lora_overlap" (the shrink on the side stream); their notes give the LoRA
+cost over the base GEMMs, which shows how much the overlap hides (run with CHORUS_GEMM_SM_CARVEOUT=N
+to leave cuBLAS N fewer SMs).
 
 ``--lora-sweep``: per LoRA layer (qkv 4096->[4096,1024,1024], o 4096->4096, gate_up
 4096->[14336,14336], down 14336->4096), batch 64/256 x 1/16/64 adapters (max_loras 64, rank 16,
@@ -68,8 +72,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.kernel_timing import (DTYPE, Row, bench, measure_copy_bandwidth, print_table,  # noqa: E402
                                       row)
 from benchmarks.lora_sweep import (HIDDEN, KV_DIM, LLAMA3_8B, MAX_LORAS, RANK, SMOKE,  # noqa: E402
-                                   bench_lora_decoder_layer, bench_lora_layer_kernels, excess_error,
-                                   print_sweep, run_lora_sweep)
+                                   bench_lora_decoder_layer, bench_lora_layer_kernels, bench_lora_with_gemms,
+                                   excess_error, print_sweep, run_lora_sweep)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CTX_LEN = 32, 8, 128, 16, 512
 
@@ -243,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows: list[Row] = []
     if torch.cuda.is_available():
+        from engine.model_runner import apply_gemm_sm_carveout
+        apply_gemm_sm_carveout()                  # CHORUS_GEMM_SM_CARVEOUT, as the engine does
         tiny = torch.zeros(1, device="cuda")
         rows.append(row("launch_floor", "one 4-byte memset kernel", bench(tiny.zero_), 4, bw,
                         "latency floor of any one-kernel call"))
@@ -259,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 fused = bench_lora_decoder_layer(shapes, batch, num_adapters, device, bw, kernel="fused")
                 fused.note += f"; {split.gpu_us / fused.gpu_us:.2f}x split"
                 rows += [split, fused]
+                rows += bench_lora_with_gemms(shapes, batch, num_adapters, device, bw)
         return _report(args, rows, bw)
     for batch in ([32] if args.quick else [1, 32, 128, 256]):
         rows += bench_attention(batch, bw)

@@ -267,14 +267,11 @@ def bench_lora_layer_kernels(shapes: LoRABenchShapes, batch: int, num_adapters: 
     return rows
 
 
-def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
-                             bw: float, kernel: str = "split") -> Row:
-    """The 4 LoRA layers of one decoder layer through ``LinearLoRASlots`` (the engine's path:
-    default or env-overridden configs, the shared reserved partials buffer), one CUDA graph.
-
-    ``kernel``: the layers' kernel choice ("split" or "fused", as CHORUS_LORA_KERNEL; set here
-    whatever the environment says, so that one run times both).
-    """
+def _decoder_lora_layers(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
+                         kernel: str = "split"):
+    """(state, [(LinearLoRASlots, x, y)], compulsory bytes): one decoder layer's LoRA layers built
+    the engine's way (a reserved shared partials buffer, one grouping for every layer), each checked
+    once against its reference. ``kernel``: the layers' kernel choice ("split" or "fused")."""
     from lora.batch import LoRABatch, LoRABatchState
     from lora.layers import LinearLoRASlots
 
@@ -298,6 +295,18 @@ def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: 
                                  f"error beyond tolerance {err:.3g}")
         layers.append((layer, case.x, y))
         nbytes += case.compulsory_bytes
+    return state, layers, nbytes
+
+
+def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
+                             bw: float, kernel: str = "split") -> Row:
+    """The 4 LoRA layers of one decoder layer through ``LinearLoRASlots`` (the engine's path:
+    default or env-overridden configs, the shared reserved partials buffer), one CUDA graph.
+
+    ``kernel``: the layers' kernel choice ("split" or "fused", as CHORUS_LORA_KERNEL; set here
+    whatever the environment says, so that one run times both).
+    """
+    _, layers, nbytes = _decoder_lora_layers(shapes, batch, num_adapters, device, kernel)
 
     def step() -> None:
         for layer, x, y in layers:
@@ -308,3 +317,43 @@ def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: 
     per_step_ms = t.gpu_us * shapes.num_layers / 1e3
     return row("lora_decoder_layer" if kernel == "split" else f"lora_decoder_{kernel}", case, t, nbytes, bw,
                f"x{shapes.num_layers} layers = {per_step_ms:.3f} ms/step")
+
+
+def bench_lora_with_gemms(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
+                          bw: float) -> list[Row]:
+    """One decoder layer's 4 projections as the engine runs them (``engine.layers.linear.Linear``:
+    the cuBLAS GEMM plus its LoRA hook), one CUDA graph each: the base GEMMs alone (no adapter in
+    the step), then with the adapters, shrink after the GEMM (overlap off) and shrink on the side
+    stream beside it (overlap on, the default). A LoRA row's note gives its cost over the base row;
+    the drop from off to on is what the overlap hides. CHORUS_GEMM_SM_CARVEOUT applies when set
+    (``benchmarks/kernels.py`` applies it first)."""
+    from engine.layers.linear import Linear
+
+    state, layers, nbytes = _decoder_lora_layers(shapes, batch, num_adapters, device)
+    linears = []
+    for (slots, x, _), (in_dim, out_dims) in zip(layers, shapes.layers.values()):
+        lin = Linear(in_dim, list(out_dims)).to(device=device, dtype=DTYPE)
+        lin.weight.data.normal_(std=in_dim ** -0.5)
+        lin.lora = slots
+        linears.append((lin, x))
+    weight_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin, _ in linears)
+
+    def step() -> None:
+        for lin, x in linears:
+            lin(x)
+
+    lora_batch, state.batch = state.batch, None
+    base = bench(step)
+    case = f"{'+'.join(shapes.layers)} adapters={num_adapters} batch={batch}"
+    rows = [row("gemms_base", f"{'+'.join(shapes.layers)} batch={batch}", base, weight_bytes, bw,
+                "the 4 GEMMs, no adapter in the step")]
+    state.batch = lora_batch
+    for overlap in (False, True):
+        for slots, _, _ in layers:
+            slots.overlap = overlap
+        t = bench(step)
+        cost_ms = (t.gpu_us - base.gpu_us) * shapes.num_layers / 1e3
+        rows.append(row(f"gemms_lora_{'overlap' if overlap else 'serial'}", case, t, weight_bytes + nbytes, bw,
+                        f"LoRA +{t.gpu_us - base.gpu_us:.1f} us/layer = +{cost_ms:.3f} ms/step"))
+    return rows
+

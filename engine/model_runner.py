@@ -148,7 +148,7 @@ class StepTimer:
                     busy_fraction=busy / span if span > 0 else 0.0, by_kind=by_kind)
 
 
-def _apply_gemm_sm_carveout() -> None:
+def apply_gemm_sm_carveout() -> None:
     """CHORUS_GEMM_SM_CARVEOUT (``engine.envs.gemm_sm_carveout``): leave SMs free of cuBLAS' GEMMs."""
     from engine import envs
 
@@ -181,7 +181,7 @@ class ModelRunner:
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
         """Capture decode graphs when the KV cache is allocated (off: ``enforce_eager``)."""
         if device.type == "cuda":
-            _apply_gemm_sm_carveout()
+            apply_gemm_sm_carveout()
         self.buffers: Optional[StepBuffers] = None
         self.block_table: Optional[BlockTableRows] = None
         self.graphs = None

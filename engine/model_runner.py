@@ -250,6 +250,7 @@ class ModelRunner:
             logger.info("Attention kernels for eager steps compiled (%d calls) in %.1f s", calls,
                         time.perf_counter() - t0)
         self._init_step_buffers()
+        self.warm_up_lora_kernels()
         if self.use_cuda_graphs:
             self.capture_cuda_graphs()
 
@@ -265,6 +266,17 @@ class ModelRunner:
         self.block_table = BlockTableRows(sc.max_num_seqs, max_blocks_per_req)
         if self.lora_manager is not None:
             self.lora_manager.allocate_step_buffers(max_tokens)
+
+    def warm_up_lora_kernels(self) -> None:
+        """Compile the LoRA kernels of eager steps (those no CUDA graph covers) at start-up (CUDA)."""
+        if self.lora_manager is None or self.device.type != "cuda":
+            return
+        sc = self.config.scheduler_config
+        first_eager = max(self._graph_token_sizes, default=0) + 1 if self.use_cuda_graphs else 1
+        t0 = time.perf_counter()
+        calls = self.lora_manager.warm_up_kernels(first_eager, sc.max_num_batched_tokens)
+        logger.info("LoRA kernels for eager steps of %d-%d tokens compiled (%d calls) in %.1f s", first_eager,
+                    sc.max_num_batched_tokens, calls, time.perf_counter() - t0)
 
     def capture_cuda_graphs(self) -> None:
         from engine.cuda_graphs import StepGraphs

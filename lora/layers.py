@@ -274,6 +274,22 @@ class LinearLoRASlots(nn.Module):
         self._shrink(x, plan, batch)
         self._expand(plan, y, batch)
 
+    def launch_key(self, num_tokens: int, num_active: int) -> tuple:
+        """The launch configs ``forward`` takes on the Triton backend for a step of num_tokens tokens
+        over num_active adapters: with the layer's shapes, what Triton compiles a kernel for
+        (``LoRAManager.warm_up_kernels`` compiles each distinct key once)."""
+        from kernels.lora_expand import lora_expand_config
+        from kernels.lora_fused import lora_fused_config
+        from kernels.lora_shrink import lora_shrink_config
+
+        dev, outs = self.lora_a.device, tuple(self.output_sizes)
+        if self._takes_fused(num_tokens):
+            return ("fused", lora_fused_config(num_tokens, num_active, self.input_size, outs, dev,
+                                               self.overrides.fused))
+        return ("split", lora_shrink_config(num_tokens, num_active, self.num_slices, self.input_size, dev,
+                                            self.overrides.shrink),
+                lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand))
+
     def _takes_fused(self, num_tokens: int) -> bool:
         """The layer's kernel choice runs the one-launch fused kernel for a step of num_tokens."""
         from kernels.lora_fused import FUSED_MAX_TOKENS

@@ -174,3 +174,33 @@ def test_engine_without_lora(tiny_llama_dir, adapters):
     assert llm.llm_engine.list_loras() == [] and not llm.llm_engine.remove_lora("a0")
     with pytest.raises(ValueError, match="not enabled"):
         llm.llm_engine.add_lora(_req(0, adapters[0]))
+
+
+def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
+    """``LoRAManager.warm_up_kernels`` (start-up compile of the eager steps' LoRA kernels): one
+    layer call per distinct (shapes, launch configs) key over the token range, zero slots left
+    untouched, no batch left behind; nothing on the torch backend."""
+    if torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET (set on CPU-only machines)")
+    from lora.layers import LinearLoRASlots
+
+    model = _model(tiny_llama_dir)
+    mgr = LoRAManager(LoRAConfig(max_loras=4, max_lora_rank=8), model, torch.device("cpu"), torch.float32,
+                      backend="triton")
+    keys, forward = [], LinearLoRASlots.forward
+
+    def spy(self, x, y):
+        keys.append((self.input_size, tuple(self.output_sizes),
+                     self.launch_key(x.shape[0], self.state.batch.meta.num_active)))
+        return forward(self, x, y)
+    monkeypatch.setattr(LinearLoRASlots, "forward", spy)
+    calls = mgr.warm_up_kernels(70, 200)
+    assert calls == len(keys) == len(set(keys)) > 1                      # each key once
+    shapes = {(layer.input_size, tuple(layer.output_sizes)) for layer in mgr.layers.values()}
+    assert {k[:2] for k in keys} == shapes                                # every layer shape
+    assert mgr.state.batch is None
+    assert all(torch.count_nonzero(layer.lora_a) == 0 for layer in mgr.layers.values())
+    assert mgr.warm_up_kernels(201, 200) == 0
+    torch_mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), _model(tiny_llama_dir),
+                            torch.device("cpu"), torch.float32)
+    assert torch_mgr.warm_up_kernels(1, 64) == 0

@@ -238,12 +238,15 @@ class LoRAManager:
                               | {t for t in range(min_tokens, min(max_tokens, 64) + 1)})
         actives = sorted({a for a in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, self.max_loras)
                           if a <= self.max_loras})
+        # Layers of one shape share their launch keys (the kernel choice is read once, from the
+        # environment): one layer per shape is enough, not every decoder layer's.
+        by_shape = {(layer.input_size, tuple(layer.output_sizes)): layer for layer in self.layers.values()}
         seen, calls = set(), 0
-        for layer in self.layers.values():
+        for shape, layer in by_shape.items():
             for t in token_counts:
-                for a in actives:
-                    key = (layer.input_size, tuple(layer.output_sizes), layer.launch_key(t, min(a, t)))
-                    if a > t or key in seen:
+                for a in (a for a in actives if a <= t):
+                    key = (shape, layer.launch_key(t, a))
+                    if key in seen:
                         continue
                     seen.add(key)
                     self.state.batch = self._meta_for(t).fill(np.arange(t, dtype=np.int32) % a, False,

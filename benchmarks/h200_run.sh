@@ -61,7 +61,7 @@ for phase in "$@"; do
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \
 dummy_checkpoint(Path('/tmp/chorus-llama3-8b-dummy'), 'bfloat16')"
       OUT="$OUT/serve-defaults" PORT=8123 timeout 280 bash benchmarks/serve_run.sh /tmp/chorus-llama3-8b-dummy \
-        "${SERVE_RATES:-inf:160 32:160 inf:256}" --load-format dummy 2>&1 | grep -E "Output token|TTFT|TPOT"
+        "${SERVE_RATES:-inf:160 32:160 inf:256}" --load-format dummy 2>&1 | grep -E "server ready|Output token|TTFT|TPOT"
       grep -E "compiled|Captured" "$OUT/serve-defaults/server.log" ;;
     serve)   # the same rates with the engine loop in a thread, then in its own process
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

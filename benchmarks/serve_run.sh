@@ -12,11 +12,13 @@ python3 -m engine.cli serve "$MODEL_DIR" --port "$PORT" --host 127.0.0.1 --max-m
   --no-enable-prefix-caching --disable-log-requests --disable-uvicorn-access-log \
   --uvicorn-log-level warning "$@" > "$OUT/server.log" 2>&1 &
 SERVER=$!
+START=$(date +%s)
 for _ in $(seq 1 300); do
   curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
   kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -30 "$OUT/server.log"; exit 1; }
   sleep 1
 done
+echo "server ready after $(( $(date +%s) - START )) s"
 for run in $RUNS; do
   rate=${run%%:*}; n=${run##*:}
   python3 benchmarks/serve.py --base-url "http://127.0.0.1:$PORT" --num-prompts "$n" --request-rate "$rate" \

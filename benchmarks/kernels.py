@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                              "print the best per case and the default's time")
     parser.add_argument("--smoke", action="store_true",
                         help="with --lora-only/--lora-sweep: tiny shapes, runs on CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="with --lora-only: print the kernel timeline (stream, start, duration) of one "
+                             "decoder layer's GEMMs + overlapped LoRA at the first batch size")
     args = parser.parse_args(argv)
     if args.smoke and not (args.lora_only or args.lora_sweep):
         parser.error("--smoke needs --lora-only or --lora-sweep")
@@ -265,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                 fused = bench_lora_decoder_layer(shapes, batch, num_adapters, device, bw, kernel="fused")
                 fused.note += f"; {split.gpu_us / fused.gpu_us:.2f}x split"
                 rows += [split, fused]
-                rows += bench_lora_with_gemms(shapes, batch, num_adapters, device, bw)
+                rows += bench_lora_with_gemms(shapes, batch, num_adapters, device, bw,
+                                              timeline=args.timeline and batch == shapes.batches[0])
         return _report(args, rows, bw)
     for batch in ([32] if args.quick else [1, 32, 128, 256]):
         rows += bench_attention(batch, bw)

@@ -320,11 +320,13 @@ def bench_lora_decoder_layer(shapes: LoRABenchShapes, batch: int, num_adapters: 
 
 
 def bench_lora_with_gemms(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
-                          bw: float) -> list[Row]:
+                          bw: float, timeline: bool = False) -> list[Row]:
     """One decoder layer's 4 projections as the engine runs them (``engine.layers.linear.Linear``:
     the cuBLAS GEMM plus its LoRA hook), one CUDA graph each: the base GEMMs alone (no adapter in
     the step), then with the adapters, shrink after the GEMM (overlap off) and shrink on the side
-    stream beside it (overlap on, the default). A LoRA row's note gives its cost over the base row;
+    stream beside it (overlap on, the default), and the same with the side stream at the highest
+    priority ("overlap_hiprio", CUDA only). ``timeline``: also print the overlap case's kernel
+    timeline (``print_timeline``). A LoRA row's note gives its cost over the base row;
     the drop from off to on is what the overlap hides. CHORUS_GEMM_SM_CARVEOUT applies when set
     (``benchmarks/kernels.py`` applies it first)."""
     from engine.layers.linear import Linear
@@ -348,12 +350,58 @@ def bench_lora_with_gemms(shapes: LoRABenchShapes, batch: int, num_adapters: int
     rows = [row("gemms_base", f"{'+'.join(shapes.layers)} batch={batch}", base, weight_bytes, bw,
                 "the 4 GEMMs, no adapter in the step")]
     state.batch = lora_batch
-    for overlap in (False, True):
+    variants = [("serial", False, None), ("overlap", True, None)]
+    if torch.cuda.is_available():
+        # The side stream at the highest priority: its CTAs go first whenever an SM frees up.
+        variants.append(("overlap_hiprio", True, torch.cuda.Stream(device=device, priority=-1)))
+    import lora.layers as lora_layers
+
+    default_side = lora_layers.side_stream
+    for name, overlap, stream in variants:
         for slots, _, _ in layers:
             slots.overlap = overlap
-        t = bench(step)
+        if stream is not None:
+            lora_layers.side_stream = lambda _index, s=stream: s
+        try:
+            t = bench(step)
+            if name == "overlap" and timeline and torch.cuda.is_available():
+                print_timeline(step, f"{case} overlap")
+        finally:
+            lora_layers.side_stream = default_side
         cost_ms = (t.gpu_us - base.gpu_us) * shapes.num_layers / 1e3
-        rows.append(row(f"gemms_lora_{'overlap' if overlap else 'serial'}", case, t, weight_bytes + nbytes, bw,
+        rows.append(row(f"gemms_lora_{name}", case, t, weight_bytes + nbytes, bw,
                         f"LoRA +{t.gpu_us - base.gpu_us:.1f} us/layer = +{cost_ms:.3f} ms/step"))
     return rows
+
+
+def print_timeline(fn, title: str) -> None:
+    """Print the kernels of one CUDA-graph replay of fn as the profiler saw them: stream, start
+    (us from the first kernel), duration, name. Shows whether side-stream kernels really run beside
+    the main stream's (overlapping intervals) or only after them."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    fn()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name)).get("traceEvents", [])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    print(f"timeline: {title}: {len(kernels)} kernels")
+    if not kernels:
+        return
+    t0 = kernels[0]["ts"]
+    for e in kernels:
+        print(f"  stream {e.get('args', {}).get('stream', '?'):>4}  start {e['ts'] - t0:8.1f}  "
+              f"dur {e['dur']:7.1f}  {e['name'][:90]}")
 

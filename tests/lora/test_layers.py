@@ -202,3 +202,47 @@ def test_kernel_config_overrides_from_env(monkeypatch):
     monkeypatch.setenv("CHORUS_LORA_EXPAND_CONFIG", "block_k=16")
     with pytest.raises(ValueError, match="LoRAExpandConfig override"):
         _layer("triton")
+
+
+@pytest.mark.skipif("triton" not in _backends(), reason="needs triton")
+def test_expand_kernel_choice(monkeypatch):
+    """Small steps of few adapters expand with the column-block kernel, others with the segment
+    kernel; a fixed-grid step takes the column-block one only when its graph was captured for few
+    adapters (max_active), and both give the same y."""
+    from kernels.lora_expand import LoRAExpandConfig
+    from kernels.lora_expand_cols import EXPAND_COLS_MAX_ADAPTERS, EXPAND_COLS_MAX_TOKENS, LoRAExpandColsConfig
+    from lora.batch import LoRAMetaBuffers
+
+    cpu = torch.device("cpu")
+    state = LoRABatchState()
+    slots = LinearLoRASlots(IN, OUTS, 8, MAX_RANK, torch.float32, cpu, state, "triton")
+    assert isinstance(slots._expand_config(16, EXPAND_COLS_MAX_ADAPTERS, cpu), LoRAExpandColsConfig)
+    assert isinstance(slots._expand_config(16, EXPAND_COLS_MAX_ADAPTERS + 1, cpu), LoRAExpandConfig)
+    assert isinstance(slots._expand_config(EXPAND_COLS_MAX_TOKENS + 1, 1, cpu), LoRAExpandConfig)
+    assert slots.expand_cols_adapters(16) == EXPAND_COLS_MAX_ADAPTERS
+    assert slots.expand_cols_adapters(EXPAND_COLS_MAX_TOKENS + 1) is None
+
+    base = Linear(IN, OUTS)
+    base.weight.data.normal_()
+    base.lora = slots
+    adapters = _adapters()
+    _load(slots, adapters)
+    bufs = LoRAMetaBuffers(16, 8, cpu)
+    token_slots = [0, 2, -1, 2, 0]
+    x = torch.randn(len(token_slots), IN)
+    expected = _manual(x, torch.nn.functional.linear(x, base.weight), token_slots, adapters)
+    used = []
+    for max_active in (None, 4):
+        state.batch = bufs.fill(torch.tensor(token_slots, dtype=torch.int32).numpy(), True, False,
+                                max_active=max_active)
+        assert state.batch.meta.active_bound == (8 if max_active is None else 4)
+        used.append(type(slots._plan_split(x, state.batch).expand_cfg))
+        torch.testing.assert_close(base(x), expected, atol=1e-4, rtol=1e-4)
+    assert used == [LoRAExpandConfig, LoRAExpandColsConfig]
+    with pytest.raises(RuntimeError, match="graph choice and the batch disagree"):
+        bufs.fill(torch.tensor([0, 1, 2], dtype=torch.int32).numpy(), True, False, max_active=2)
+
+    monkeypatch.setenv("CHORUS_LORA_EXPAND_COLS_MAX_TOKENS", "0")
+    off = LinearLoRASlots(IN, OUTS, 8, MAX_RANK, torch.float32, cpu, state, "triton")
+    assert off.expand_cols_adapters(1) is None
+    assert isinstance(off._expand_config(1, 1, cpu), LoRAExpandConfig)

@@ -12,12 +12,9 @@ so a fixed-grid launch loops over the active ones only), and for each streams th
 block_n] fp32 tile; then one coalesced read-modify-write of y. So every program has work, each
 adapter's B is read once per column block, and the loads of successive adapters pipeline.
 
-It pays while one token tile covers the step (the B of every active adapter is read once per
-token tile) and the adapters are few (the loop over them is sequential), so ``lora.layers`` takes
-it for steps of at most ``EXPAND_COLS_MAX_TOKENS`` tokens running at most
-``EXPAND_COLS_MAX_ADAPTERS`` adapters (``CHORUS_LORA_EXPAND_COLS_MAX_TOKENS`` overrides the token
-bound; 0 turns it off), and ``lora_expand`` otherwise. CUDA graphs capture a few-adapters variant
-of each LoRA graph of such sizes for it (``engine.cuda_graphs``).
+It pays while one token tile covers the step: the B of every active adapter is read once per
+token tile, so ``lora.layers`` takes it for steps of at most ``EXPAND_COLS_MAX_TOKENS`` tokens
+(``CHORUS_LORA_EXPAND_COLS_MAX_TOKENS`` overrides; 0 turns it off) and ``lora_expand`` above.
 ``CHORUS_LORA_EXPAND_COLS_CONFIG`` overrides ``LoRAExpandColsConfig`` fields (e.g.
 ``"block_n=64,num_warps=4,num_stages=3"``).
 
@@ -42,13 +39,7 @@ from kernels.lora_shrink import ConfigOverride, _check_launch, _check_meta, _che
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2, num_sms
 
 EXPAND_COLS_MAX_TOKENS = 128
-"""Steps of at most this many tokens take this kernel by default (``lora.layers``)..."""
-
-EXPAND_COLS_MAX_ADAPTERS = 4
-"""...when they run at most this many adapters. The adapter loop is sequential (~0.35 us per
-adapter on an H200): at decode batch 64 this kernel took 0.64-0.77x the segment kernel's time per
-Llama-3-8B projection with 1 adapter, 0.94-1.32x with 16 and 1.13-2.6x with 64
-(``benchmarks/kernels.py --lora-only``, expand rows)."""
+"""Steps of at most this many tokens take this kernel by default (``lora.layers``)."""
 
 MAX_BLOCK_T = 256
 """The largest token tile (the fp32 accumulator is block_t x block_n registers)."""

@@ -77,16 +77,6 @@ class LoRAKernelMeta:
     fixed_grid: bool = False
     """Launch sizes depend only on num_tokens and max_loras, never on the data (CUDA graphs): the
     kernels always launch and find inactive slots and empty segments on the device."""
-    max_active: Optional[int] = None
-    """Host int: the most slots with >= 1 token that this launch must serve, which picks the
-    kernels (``lora.layers``: few adapters expand with ``kernels.lora_expand_cols``). None:
-    ``num_active`` (exact: the real count; fixed grid: max_loras). A CUDA graph captured for
-    steps of few adapters sets it with a fixed grid."""
-
-    @property
-    def active_bound(self) -> int:
-        """``max_active``, or ``num_active`` when unset."""
-        return self.num_active if self.max_active is None else self.max_active
 
     @property
     def num_tokens(self) -> int:

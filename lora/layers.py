@@ -312,26 +312,16 @@ class LinearLoRASlots(nn.Module):
         kernel = self.overrides.kernel
         return kernel == "fused" or (kernel == "auto" and num_tokens <= FUSED_MAX_TOKENS)
 
-    def expand_cols_adapters(self, num_tokens: int) -> Optional[int]:
-        """The most adapters a step of num_tokens tokens may run for the expand to take the
-        column-block kernel (``kernels.lora_expand_cols``); None: never at this size."""
-        from kernels.lora_expand_cols import EXPAND_COLS_MAX_ADAPTERS, EXPAND_COLS_MAX_TOKENS
-
-        limit = self.overrides.expand_cols_max_tokens
-        if num_tokens > (EXPAND_COLS_MAX_TOKENS if limit is None else limit):
-            return None
-        return EXPAND_COLS_MAX_ADAPTERS
-
     def _expand_config(self, num_tokens: int, num_active: int, device: torch.device):
-        """The expand's launch config for a step of num_tokens tokens over at most num_active
-        adapters (``LoRAKernelMeta.active_bound``): a ``LoRAExpandColsConfig`` for small steps of
-        few adapters (``expand_cols_adapters``), else a ``LoRAExpandConfig``."""
+        """The expand's launch config for a step of num_tokens tokens over num_active adapters: a
+        ``LoRAExpandColsConfig`` for steps of at most the column-block threshold, else a
+        ``LoRAExpandConfig``."""
         from kernels.lora_expand import lora_expand_config
-        from kernels.lora_expand_cols import lora_expand_cols_config
+        from kernels.lora_expand_cols import EXPAND_COLS_MAX_TOKENS, lora_expand_cols_config
 
         outs = tuple(self.output_sizes)
-        bound = self.expand_cols_adapters(num_tokens)
-        if bound is not None and num_active <= bound:
+        limit = self.overrides.expand_cols_max_tokens
+        if num_tokens <= (EXPAND_COLS_MAX_TOKENS if limit is None else limit):
             return lora_expand_cols_config(num_tokens, outs, device, self.overrides.expand_cols)
         return lora_expand_config(num_tokens, num_active, outs, device, self.overrides.expand)
 
@@ -341,7 +331,7 @@ class LinearLoRASlots(nn.Module):
         meta, num_tokens = batch.meta, x.shape[0]
         shrink_cfg = lora_shrink_config(num_tokens, meta.num_active, self.num_slices, self.input_size,
                                         x.device, self.overrides.shrink)
-        expand_cfg = self._expand_config(num_tokens, meta.active_bound, x.device)
+        expand_cfg = self._expand_config(num_tokens, meta.num_active, x.device)
         buf = self.state.shrink_buffer(self.num_slices, shrink_cfg.split_k, num_tokens, self.max_rank,
                                        x.device)                                  # [S, split_k, T, R] f32
         return SplitPlan(buf, shrink_cfg, expand_cfg)

@@ -257,7 +257,7 @@ class LoRAManager:
         self.state.batch = None
         return calls
 
-    def set_batch(self, token_lora_slots, fixed_grid: bool = False, max_active: Optional[int] = None) -> None:
+    def set_batch(self, token_lora_slots, fixed_grid: bool = False) -> None:
         """Group this step's tokens by slot (once; every layer reads the result).
 
         Args:
@@ -266,8 +266,6 @@ class LoRAManager:
                 tensor (copied to the host first).
             fixed_grid: launch over every slot whatever the batch (decode CUDA graphs: the grid
                 captured must fit every later step); the kernels then always run.
-            max_active: with fixed_grid, the most adapters the step may run (a graph captured for
-                few adapters, see ``few_adapters_bound``); None: max_loras.
         """
         if token_lora_slots is None or (not fixed_grid and all(n is None for n in self._slot_names)):
             self.state.batch = None   # no adapter resident: nothing to add, no grouping, no sync
@@ -275,18 +273,7 @@ class LoRAManager:
         if isinstance(token_lora_slots, torch.Tensor):
             token_lora_slots = token_lora_slots.cpu().numpy()
         self.state.batch = self._meta_for(len(token_lora_slots)).fill(
-            np.asarray(token_lora_slots), fixed_grid, with_segments=self.backend == "torch", max_active=max_active)
-
-    def few_adapters_bound(self, num_tokens: int) -> Optional[int]:
-        """The adapter count up to which a step of num_tokens tokens runs other LoRA kernels than
-        with more adapters (the column-block expand, ``kernels.lora_expand_cols``), so that CUDA
-        graphs capture a variant for such steps; None when the kernels do not depend on it
-        (torch backend, the column-block expand off, or a larger step)."""
-        if self.backend != "triton" or not self.layers:
-            return None
-        layer = next(iter(self.layers.values()))
-        bound = layer.expand_cols_adapters(num_tokens)
-        return bound if bound is not None and bound < self.max_loras else None
+            np.asarray(token_lora_slots), fixed_grid, with_segments=self.backend == "torch")
 
     def _meta_for(self, num_tokens: int) -> LoRAMetaBuffers:
         """The meta buffers, fit for a step of num_tokens tokens."""

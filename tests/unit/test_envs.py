@@ -76,14 +76,3 @@ def test_lora_overlap(monkeypatch):
         monkeypatch.setenv("CHORUS_LORA_OVERLAP", bad)
         with pytest.raises(ValueError, match=f"CHORUS_LORA_OVERLAP='{bad}': use 1 .* or 0"):
             envs.lora_overlap()
-
-
-def test_lora_expand_cols_max_tokens(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_EXPAND_COLS_MAX_TOKENS", raising=False)
-    assert envs.lora_expand_cols_max_tokens() is None
-    monkeypatch.setenv("CHORUS_LORA_EXPAND_COLS_MAX_TOKENS", " 0 ")
-    assert envs.lora_expand_cols_max_tokens() == 0
-    for bad in ("-1", "many", "1.5"):
-        monkeypatch.setenv("CHORUS_LORA_EXPAND_COLS_MAX_TOKENS", bad)
-        with pytest.raises(ValueError, match="CHORUS_LORA_EXPAND_COLS_MAX_TOKENS=.*token count"):
-            envs.lora_expand_cols_max_tokens()

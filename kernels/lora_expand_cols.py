@@ -87,17 +87,15 @@ def _lora_expand_cols_kernel(
     # Active slots are a prefix of active_slots (padding is -1): count them here, so that a
     # fixed-grid launch (max_loras entries) loops over the active ones only.
     a_idx = tl.arange(0, MAX_LORAS_PAD)
-    slots = tl.load(active_slots_ptr + a_idx, mask=a_idx < max_loras, other=-1)           # [MAX_LORAS_PAD]
-    num_active = tl.sum((slots >= 0).to(tl.int32), axis=0)
+    num_active = tl.sum((tl.load(active_slots_ptr + a_idx, mask=a_idx < max_loras, other=-1) >= 0).to(tl.int32),
+                        axis=0)
     offs_n = n_lo + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_out
     b_mask = n_ok[:, None] & r_ok[None, :]
     b_cols = b_ptr + offs_n[:, None] * rank + offs_r[None, :]                           # [BLOCK_N, BLOCK_R]
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for a in range(0, num_active):
-        # NOTE: picked from the registers, not loaded: B's address then depends on the loop index
-        # only, so the software pipeline can fetch the next adapters' B while this one multiplies.
-        slot = tl.sum(tl.where(a_idx == a, slots, 0), axis=0)
+        slot = tl.load(active_slots_ptr + a)
         b = tl.load(b_cols + slot.to(tl.int64) * n_out * rank, mask=b_mask, other=0.0).to(tl.float32)
         h_a = tl.where((tslot == slot)[:, None], h, 0.0)                                # [BLOCK_T, BLOCK_R]
         acc += tl.dot(h_a, tl.trans(b), input_precision=DOT_PRECISION)                 # [BLOCK_T, BLOCK_N]

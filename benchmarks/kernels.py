@@ -18,8 +18,7 @@ Cases (Llama-3-8B shapes, bf16):
     fused one-launch kernel (``kernels.lora_fused``) on the same case ("lora_fused").
 
 ``--lora-only``: the LoRA kernels alone, fixed grid (the CUDA-graph launch, max_loras 64), batch
-64/256 x 1/16/64 adapters: shrink and expand per kernel; per LoRA layer the two expand kernels
-("expand_segments", "expand_cols", the latter's note with the best of a few configs); per LoRA layer of a Llama-3-8B decoder
+64/256 x 1/16/64 adapters: shrink and expand per kernel; per LoRA layer of a Llama-3-8B decoder
 layer (qkv, o, gate_up, down) the split pair ("lora_shrink+expand") next to the fused kernel
 ("lora_fused", its note: split time / fused time), default configs; then ``lora_decoder_layer``
 rows: the 4 LoRA layers of one decoder layer (shrink + expand each, through ``LinearLoRASlots``
@@ -73,8 +72,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.kernel_timing import (DTYPE, Row, bench, measure_copy_bandwidth, print_table,  # noqa: E402
                                       row)
 from benchmarks.lora_sweep import (HIDDEN, KV_DIM, LLAMA3_8B, MAX_LORAS, RANK, SMOKE,  # noqa: E402
-                                   bench_expand_kernels, bench_lora_decoder_layer, bench_lora_layer_kernels,
-                                   bench_lora_with_gemms, excess_error, print_sweep, run_lora_sweep)
+                                   bench_lora_decoder_layer, bench_lora_layer_kernels, bench_lora_with_gemms,
+                                   excess_error, print_sweep, run_lora_sweep)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CTX_LEN = 32, 8, 128, 16, 512
 
@@ -264,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
                         rows += bench_lora(out_dims, num_adapters, batch, bw, fixed_grid=True)[:2]
         for batch in shapes.batches:
             for num_adapters in shapes.adapters:
-                rows += bench_expand_kernels(shapes, batch, num_adapters, device, bw)
                 rows += bench_lora_layer_kernels(shapes, batch, num_adapters, device, bw)
                 split = bench_lora_decoder_layer(shapes, batch, num_adapters, device, bw)
                 fused = bench_lora_decoder_layer(shapes, batch, num_adapters, device, bw, kernel="fused")

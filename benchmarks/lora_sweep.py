@@ -267,61 +267,6 @@ def bench_lora_layer_kernels(shapes: LoRABenchShapes, batch: int, num_adapters: 
     return rows
 
 
-EXPAND_COLS_CANDIDATES = [(bn, st, w) for bn in (32, 64, 128) for st in (2, 4) for w in (4,)] + [
-    (64, 3, 8), (128, 3, 8)]
-"""(block_n, num_stages, num_warps) of ``kernels.lora_expand_cols`` that ``bench_expand_kernels`` times."""
-
-
-def bench_expand_kernels(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
-                         bw: float) -> list[Row]:
-    """Per LoRA layer, the expand alone (fixed grid, partials of the default shrink): the
-    segment kernel (``kernels.lora_expand``, "expand_segments") against the column-block kernel
-    (``kernels.lora_expand_cols``, "expand_cols", default config); on CUDA the note also gives the
-    best of EXPAND_COLS_CANDIDATES (device time of a graph replay). Bound: B of the active
-    adapters + y read and written + the partials read."""
-    import dataclasses as dc
-
-    from kernels.lora_expand import lora_expand
-    from kernels.lora_expand_cols import lora_expand_cols, lora_expand_cols_config
-    from kernels.lora_shrink import lora_shrink
-
-    rows = []
-    for name in shapes.layers:
-        case = make_lora_case(name, shapes, batch, num_adapters, device)
-        d_shrink, d_expand, _ = default_configs(case, device)
-        S, T, R = case.lora_a.shape[0], case.x.shape[0], case.lora_a.shape[2]
-        buf = torch.empty(S, d_shrink.split_k, T, R, dtype=torch.float32, device=device)
-        lora_shrink(case.x, case.lora_a, case.meta, buf, config=d_shrink)
-        out_dims = tuple(b.shape[1] for b in case.lora_b)
-        d_cols = lora_expand_cols_config(T, out_dims, device)
-        nbytes = (num_adapters * R * sum(out_dims) + 2 * case.y.numel()) * case.y.element_size() + buf.numel() * 4
-        label = f"{name} ->{'+'.join(map(str, out_dims))} adapters={num_adapters} batch={batch}"
-        y = case.y.clone()
-
-        def seg() -> None:
-            lora_expand(buf, case.lora_b, case.meta, y, case.offsets, config=d_expand)
-
-        def cols(cfg=d_cols) -> None:
-            lora_expand_cols(buf, case.lora_b, case.meta, y, case.offsets, config=cfg)
-
-        for fn in (seg, cols):                          # each checked once: y = y0 + delta
-            y.copy_(case.y)
-            fn()
-            err = excess_error(y, case.y_ref)
-            if not err <= 0:
-                raise AssertionError(f"{fn.__name__} {label}: error beyond tolerance {err:.3g}")
-        t_seg, t_cols = bench(seg), bench(cols)
-        note = f"{t_seg.gpu_us / t_cols.gpu_us:.2f}x segments; {_cfg_str(d_cols)}"
-        if torch.cuda.is_available():
-            best = min(((time_device(lambda c=c: cols(c)), c) for c in
-                        (dc.replace(d_cols, block_n=bn, num_stages=st, num_warps=w)
-                         for bn, st, w in EXPAND_COLS_CANDIDATES)), key=lambda p: p[0])
-            note += f"; best {best[0]:.1f} us at {_cfg_str(best[1])}"
-        rows.append(row("expand_segments", label, t_seg, nbytes, bw, _cfg_str(d_expand)))
-        rows.append(row("expand_cols", label, t_cols, nbytes, bw, note))
-    return rows
-
-
 def _decoder_lora_layers(shapes: LoRABenchShapes, batch: int, num_adapters: int, device: torch.device,
                          kernel: str = "split"):
     """(state, [(LinearLoRASlots, x, y)], compulsory bytes): one decoder layer's LoRA layers built

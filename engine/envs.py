@@ -44,10 +44,8 @@ def gemm_sm_carveout() -> int:
     applied on CUDA when the model runner starts), so that kernels on the LoRA side stream can run
     beside them; 0 (default) leaves cuBLAS the whole GPU. An experiment knob: on an H200 the LoRA
     shrink overlap gained 0.35-0.6 ms per batch-64 decode step, and moving the expand onto the side
-    stream as well gained nothing (benchmarks/RESULTS.md, "Multi-LoRA"). torch applies the carve-out
-    to cuBLASLt only (an H200 probe: the default cuBLAS path ran a batch-64 gate_up GEMM in 72.8 us
-    with and without a 66-SM carve-out, cuBLASLt in 71.0 and 79.4 us), so a non-zero value also
-    makes cuBLASLt torch's preferred BLAS library. Off by default: no gain measured."""
+    stream as well gained nothing (benchmarks/RESULTS.md, "Multi-LoRA"), a sign that cuBLAS' GEMMs
+    fill every SM; not measured yet."""
     raw = os.environ.get("CHORUS_GEMM_SM_CARVEOUT", "0").strip()
     if not raw.isdigit() or int(raw) > 128:
         raise ValueError(f"CHORUS_GEMM_SM_CARVEOUT={raw!r}: use an integer from 0 to 128 (SMs left free).")
@@ -94,25 +92,6 @@ def gemv_config() -> dict[str, int]:
                              f"num_stages= with positive integers (and use_dot=0 or 1).")
         out[key] = int(val)
     return out
-
-
-def lora_expand_cols_max_tokens() -> int | None:
-    """CHORUS_LORA_EXPAND_COLS_MAX_TOKENS: steps of at most this many tokens run the LoRA expand as
-    ``kernels.lora_expand_cols`` (one program per column block, looping over the adapters) instead of
-    ``kernels.lora_expand``; 0 never; unset: ``kernels.lora_expand_cols.EXPAND_COLS_MAX_TOKENS``."""
-    raw = os.environ.get("CHORUS_LORA_EXPAND_COLS_MAX_TOKENS", "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise ValueError(f"CHORUS_LORA_EXPAND_COLS_MAX_TOKENS={raw!r}: use a token count >= 0 "
-                         "(0 turns the column-block expand off), or unset it for the default.")
-    return int(raw)
-
-
-def lora_expand_cols_config() -> str | None:
-    """CHORUS_LORA_EXPAND_COLS_CONFIG: column-block LoRA expand launch overrides, e.g.
-    "block_n=64,num_stages=3" (fields of ``kernels.lora_expand_cols.LoRAExpandColsConfig``)."""
-    return os.environ.get("CHORUS_LORA_EXPAND_COLS_CONFIG") or None
 
 
 def lora_kernel() -> str:

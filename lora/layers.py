@@ -15,11 +15,7 @@ pure-torch twins in the tests).
 
 The Triton path per call: pick the shrink config (its split_k), take a [num_slices, split_k,
 num_tokens, max_rank] view of the shared scratch buffer, shrink into it (per-split partials,
-plain stores) and expand from it (summing the partials): two launches, no memset. Steps of at
-most ``kernels.lora_expand_cols.EXPAND_COLS_MAX_TOKENS`` tokens (decode) expand with
-``kernels.lora_expand_cols`` (one program per column block over all tokens, looping over the
-adapters; CHORUS_LORA_EXPAND_COLS_MAX_TOKENS / CHORUS_LORA_EXPAND_COLS_CONFIG), larger ones with
-``kernels.lora_expand`` (one program per adapter segment and column range).
+plain stores) and expand from it (summing the partials): two launches, no memset.
 ``CHORUS_LORA_SHRINK_CONFIG`` / ``CHORUS_LORA_EXPAND_CONFIG`` override the kernels' launch
 configs (see ``kernels.lora_shrink`` / ``kernels.lora_expand``); ``kernel_overrides_from_env``
 reads them, once per layer.
@@ -52,7 +48,6 @@ from lora.peft_adapter import LoRASliceWeights
 
 if TYPE_CHECKING:
     from kernels.lora_expand import LoRAExpandConfig
-    from kernels.lora_expand_cols import LoRAExpandColsConfig
     from kernels.lora_shrink import LoRAShrinkConfig
 
 BACKENDS = ("triton", "torch")
@@ -68,11 +63,6 @@ class LoRAKernelOverrides:
     """``LoRAExpandConfig`` fields from CHORUS_LORA_EXPAND_CONFIG."""
     fused: tuple[tuple[str, int], ...] = ()
     """``LoRAFusedConfig`` fields from CHORUS_LORA_FUSED_CONFIG."""
-    expand_cols: tuple[tuple[str, int], ...] = ()
-    """``LoRAExpandColsConfig`` fields from CHORUS_LORA_EXPAND_COLS_CONFIG."""
-    expand_cols_max_tokens: Optional[int] = None
-    """CHORUS_LORA_EXPAND_COLS_MAX_TOKENS: steps of at most this many tokens expand with
-    ``kernels.lora_expand_cols``; None: its EXPAND_COLS_MAX_TOKENS; 0: never."""
     kernel: str = "split"
     """CHORUS_LORA_KERNEL: "split" (shrink + expand), "fused" (``lora_shrink_expand``) or "auto"
     (fused for steps of at most ``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens)."""
@@ -80,24 +70,19 @@ class LoRAKernelOverrides:
 
 def kernel_overrides_from_env() -> LoRAKernelOverrides:
     """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG /
-    CHORUS_LORA_FUSED_CONFIG / CHORUS_LORA_KERNEL / CHORUS_LORA_EXPAND_COLS_CONFIG /
-    CHORUS_LORA_EXPAND_COLS_MAX_TOKENS (ValueError if bad).
+    CHORUS_LORA_FUSED_CONFIG / CHORUS_LORA_KERNEL (ValueError if bad).
 
     NOTE: read through ``engine.envs``; imports triton: call it on the Triton path only.
     """
     from engine import envs
     from kernels.lora_expand import LoRAExpandConfig
-    from kernels.lora_expand_cols import LoRAExpandColsConfig
     from kernels.lora_fused import LoRAFusedConfig
     from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override
 
     return LoRAKernelOverrides(shrink=parse_config_override(envs.lora_shrink_config(), LoRAShrinkConfig),
                                expand=parse_config_override(envs.lora_expand_config(), LoRAExpandConfig),
                                fused=parse_config_override(envs.lora_fused_config(), LoRAFusedConfig),
-                               kernel=envs.lora_kernel(),
-                               expand_cols=parse_config_override(envs.lora_expand_cols_config(),
-                                                                 LoRAExpandColsConfig),
-                               expand_cols_max_tokens=envs.lora_expand_cols_max_tokens())
+                               kernel=envs.lora_kernel())
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,9 +100,8 @@ class SplitPlan:
     """[num_slices, split_k, num_tokens, max_rank] float32 view of the shared shrink scratch."""
     shrink_cfg: LoRAShrinkConfig
     """The shrink's launch config (its split_k is buf.shape[1])."""
-    expand_cfg: LoRAExpandConfig | LoRAExpandColsConfig
-    """The expand's launch config; its type picks the kernel (``kernels.lora_expand`` or, for small
-    steps, ``kernels.lora_expand_cols``)."""
+    expand_cfg: LoRAExpandConfig
+    """The expand's launch config."""
 
 
 @dataclass
@@ -294,6 +278,7 @@ class LinearLoRASlots(nn.Module):
         """The launch configs ``forward`` takes on the Triton backend for a step of num_tokens tokens
         over num_active adapters: with the layer's shapes, what Triton compiles a kernel for
         (``LoRAManager.warm_up_kernels`` compiles each distinct key once)."""
+        from kernels.lora_expand import lora_expand_config
         from kernels.lora_fused import lora_fused_config
         from kernels.lora_shrink import lora_shrink_config
 
@@ -303,7 +288,7 @@ class LinearLoRASlots(nn.Module):
                                                self.overrides.fused))
         return ("split", lora_shrink_config(num_tokens, num_active, self.num_slices, self.input_size, dev,
                                             self.overrides.shrink),
-                self._expand_config(num_tokens, num_active, dev))
+                lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand))
 
     def _takes_fused(self, num_tokens: int) -> bool:
         """The layer's kernel choice runs the one-launch fused kernel for a step of num_tokens."""
@@ -312,26 +297,15 @@ class LinearLoRASlots(nn.Module):
         kernel = self.overrides.kernel
         return kernel == "fused" or (kernel == "auto" and num_tokens <= FUSED_MAX_TOKENS)
 
-    def _expand_config(self, num_tokens: int, num_active: int, device: torch.device):
-        """The expand's launch config for a step of num_tokens tokens over num_active adapters: a
-        ``LoRAExpandColsConfig`` for steps of at most the column-block threshold, else a
-        ``LoRAExpandConfig``."""
-        from kernels.lora_expand import lora_expand_config
-        from kernels.lora_expand_cols import EXPAND_COLS_MAX_TOKENS, lora_expand_cols_config
-
-        outs = tuple(self.output_sizes)
-        limit = self.overrides.expand_cols_max_tokens
-        if num_tokens <= (EXPAND_COLS_MAX_TOKENS if limit is None else limit):
-            return lora_expand_cols_config(num_tokens, outs, device, self.overrides.expand_cols)
-        return lora_expand_config(num_tokens, num_active, outs, device, self.overrides.expand)
-
     def _plan_split(self, x: torch.Tensor, batch) -> SplitPlan:
+        from kernels.lora_expand import lora_expand_config
         from kernels.lora_shrink import lora_shrink_config
 
         meta, num_tokens = batch.meta, x.shape[0]
         shrink_cfg = lora_shrink_config(num_tokens, meta.num_active, self.num_slices, self.input_size,
                                         x.device, self.overrides.shrink)
-        expand_cfg = self._expand_config(num_tokens, meta.num_active, x.device)
+        expand_cfg = lora_expand_config(num_tokens, meta.num_active, tuple(self.output_sizes), x.device,
+                                        self.overrides.expand)
         buf = self.state.shrink_buffer(self.num_slices, shrink_cfg.split_k, num_tokens, self.max_rank,
                                        x.device)                                  # [S, split_k, T, R] f32
         return SplitPlan(buf, shrink_cfg, expand_cfg)
@@ -344,11 +318,10 @@ class LinearLoRASlots(nn.Module):
 
     def _expand(self, plan: SplitPlan, y: torch.Tensor, batch) -> None:
         """y += sum of plan.buf's partials @ B^T, per slice."""
-        from kernels.lora_expand import LoRAExpandConfig, lora_expand
-        from kernels.lora_expand_cols import lora_expand_cols
+        from kernels.lora_expand import lora_expand
 
-        expand = lora_expand if isinstance(plan.expand_cfg, LoRAExpandConfig) else lora_expand_cols
-        expand(plan.buf, self.lora_b, batch.meta, y, self.slice_offsets, add_inputs=True, config=plan.expand_cfg)
+        lora_expand(plan.buf, self.lora_b, batch.meta, y, self.slice_offsets, add_inputs=True,
+                    config=plan.expand_cfg)
 
     def _forward_fused(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
         """The one-launch kernel (the layer's kernel choice takes it for this step)."""

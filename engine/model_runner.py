@@ -157,8 +157,10 @@ def apply_gemm_sm_carveout() -> None:
         if not hasattr(torch._C, "_set_sm_carveout_experimental"):
             raise ValueError(f"CHORUS_GEMM_SM_CARVEOUT={carveout}: torch {torch.__version__} has no SM "
                              "carve-out for matmuls; unset it.")
+        # NOTE: torch honours the carve-out on its cuBLASLt path only (see envs.gemm_sm_carveout).
+        torch.backends.cuda.preferred_blas_library("cublaslt")
         torch._C._set_sm_carveout_experimental(carveout)
-        logger.info("cuBLAS GEMMs leave %d SMs free (CHORUS_GEMM_SM_CARVEOUT)", carveout)
+        logger.info("cuBLASLt GEMMs leave %d SMs free (CHORUS_GEMM_SM_CARVEOUT)", carveout)
 
 
 class ModelRunner:

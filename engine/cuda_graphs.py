@@ -81,13 +81,18 @@ class GraphKey:
     """Decode: batch size (requests = tokens). Mixed: tokens (requests padded to max_num_seqs)."""
     lora: bool
     """The fixed-grid LoRA kernels are in the graph (False: base model only)."""
+    few_adapters: int = 0
+    """Decode graphs with lora: > 0 for the variant serving steps of at most this many adapters,
+    whose fixed-grid LoRA launches cover that many segments instead of max_loras
+    (``LoRAManager.few_adapters_bound``); 0 serves any number."""
 
     @property
     def num_tokens(self) -> int:
         return self.size
 
     def __str__(self) -> str:
-        return f"{'mixed' if self.mixed else 'decode'}-{self.size}{'-lora' if self.lora else ''}"
+        few = f"<={self.few_adapters}" if self.few_adapters else ""
+        return f"{'mixed' if self.mixed else 'decode'}-{self.size}{'-lora' + few if self.lora else ''}"
 
 
 @dataclass
@@ -129,30 +134,34 @@ class StepGraphs:
         """Replays of mixed-step graphs."""
 
     # ------------------------------------------------------------------ lookup
-    def key_for(self, num_reqs: int, num_tokens: int, decode_only: bool, uses_lora: bool) -> Optional[GraphKey]:
+    def key_for(self, num_reqs: int, num_tokens: int, decode_only: bool, num_adapters: int) -> Optional[GraphKey]:
         """The graph for a step (None: run eagerly).
 
         Args:
             num_reqs, num_tokens: the step's real requests and tokens.
             decode_only: every request runs exactly one token.
-            uses_lora: some request of the step runs an adapter.
+            num_adapters: distinct adapters the step's requests run (0: base model only).
         """
-        with_lora = self.lora_manager is not None
+        lora = self.lora_manager is not None and num_adapters > 0
         if decode_only:
             size = next((b for b in self.batch_sizes if b >= num_reqs), None)
-            if size is None:
-                return None
-            key = GraphKey(False, size, with_lora and uses_lora)
-            return key if key in self.graphs else None
-        if num_reqs > self.max_num_reqs:
+        elif num_reqs > self.max_num_reqs:
+            size = None
+        else:
+            size = next((t for t in self.token_sizes if t >= num_tokens), None)
+        if size is None:
             return None
-        size = next((t for t in self.token_sizes if t >= num_tokens), None)
-        key = None if size is None else GraphKey(True, size, with_lora and uses_lora)
+        if lora and decode_only:
+            few = self.lora_manager.few_adapters_bound(size)
+            key = GraphKey(not decode_only, size, True, few)
+            if few is not None and num_adapters <= few and key in self.graphs:
+                return key
+        key = GraphKey(not decode_only, size, lora)
         return key if key in self.graphs else None
 
     def batch_size_for(self, num_reqs: int) -> Optional[int]:
         """Smallest captured decode bucket holding ``num_reqs`` requests (None: none)."""
-        key = self.key_for(num_reqs, num_reqs, True, self.lora_manager is not None)
+        key = self.key_for(num_reqs, num_reqs, True, int(self.lora_manager is not None))
         return None if key is None else key.size
 
     # ------------------------------------------------------------------ capture
@@ -189,7 +198,8 @@ class StepGraphs:
         if self.lora_manager is not None:
             # fixed_grid=False with no adapter token is "no LoRA": the layers add nothing, and
             # the capture holds no LoRA node.
-            self.lora_manager.set_batch(np.full(t, -1, dtype=np.int32), fixed_grid=key.lora)
+            self.lora_manager.set_batch(np.full(t, -1, dtype=np.int32), fixed_grid=key.lora,
+                                        max_active=key.few_adapters or None)
 
     def _forward(self, key: GraphKey, meta: AttentionMetadata) -> torch.Tensor:
         t = key.num_tokens
@@ -208,7 +218,10 @@ class StepGraphs:
                 keys.append(GraphKey(mixed, size, lora))
                 if lora:
                     keys.append(GraphKey(mixed, size, False))   # steps where no request runs an adapter
-        return sorted(keys, key=lambda k: (k.num_tokens, k.mixed, k.lora), reverse=True)
+                    few = None if mixed else self.lora_manager.few_adapters_bound(size)
+                    if few is not None:                         # decode steps of few adapters: smaller grids
+                        keys.append(GraphKey(mixed, size, True, few))
+        return sorted(keys, key=lambda k: (k.num_tokens, k.mixed, k.lora, k.few_adapters), reverse=True)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -382,8 +382,10 @@ class ModelRunner:
                                       prev_sampled_rows=prev_rows, prev_sampled=prev_ids)
         if self.lora_manager is not None:
             # LoRA graphs: the fixed-grid launches captured for every adapter mix read the refilled buffers.
+            few = graph_key.few_adapters if graph_key is not None else 0
             self.lora_manager.set_batch(inputs.token_lora_slots,
-                                        fixed_grid=graph_key is not None and graph_key.lora)
+                                        fixed_grid=graph_key is not None and graph_key.lora,
+                                        max_active=few or None)
         logits, prompt_logprobs = self._forward(inputs, graph_key)
         pending = self._sample(inputs, logits, prompt_logprobs)
         for s, n in zip(states, counts):
@@ -401,8 +403,8 @@ class ModelRunner:
         if decode_only and any(s.sampling_params.prompt_logprobs is not None
                                and s.num_computed_tokens < s.num_prompt_tokens for s in states):
             return None   # decode graphs end in logits of the sampled rows only
-        uses_lora = self.lora_manager is not None and any(s.lora_slot >= 0 for s in states)
-        return self.graphs.key_for(len(states), sum(counts), decode_only, uses_lora)
+        num_adapters = len({s.lora_slot for s in states if s.lora_slot >= 0}) if self.lora_manager is not None else 0
+        return self.graphs.key_for(len(states), sum(counts), decode_only, num_adapters)
 
     def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey]
                  ) -> tuple[Optional[torch.Tensor], dict[str, LogprobsLists]]:

@@ -147,13 +147,18 @@ class LoRAMetaBuffers:
         self.token_lora_slots = d[3 * L:3 * L + M]          # [max_num_tokens]
         self.sorted_token_ids = d[3 * L + M:3 * L + 2 * M]  # [max_num_tokens]
 
-    def fill(self, token_lora_slots: np.ndarray, fixed_grid: bool, with_segments: bool) -> LoRABatch:
+    def fill(self, token_lora_slots: np.ndarray, fixed_grid: bool, with_segments: bool,
+             max_active: Optional[int] = None) -> LoRABatch:
         """Group the step's tokens on the host and copy the columns into the device tensors.
 
         Args:
             token_lora_slots: [num_tokens] host slots (NO_LORA for base-model and padding rows).
             fixed_grid: launches sized by max_loras (the CUDA-graph path; see ``LoRAKernelMeta``).
             with_segments: also build host segments (torch path).
+            max_active: with fixed_grid, the most active slots the launch serves (a graph captured
+                for few adapters): the launches cover that many segments instead of max_loras
+                (the active slots are a prefix of active_slots). None: max_loras. RuntimeError if
+                the step has more.
 
         Returns:
             A ``LoRABatch`` whose meta views these buffers (valid until the next ``fill``).
@@ -162,6 +167,9 @@ class LoRAMetaBuffers:
         if T > M:
             raise RuntimeError(f"LoRA step of {T} tokens exceeds the meta buffers ({M}).")
         g = group_slots_host(token_lora_slots, L)
+        if max_active is not None and (not fixed_grid or g.num_active > max_active):
+            raise RuntimeError(f"LoRA step with {g.num_active} adapters for a launch of at most {max_active} "
+                               f"(fixed_grid={fixed_grid}): the graph choice and the batch disagree.")
         i = self._turn
         self._turn ^= 1
         if self._copied[i] is not None:
@@ -178,7 +186,7 @@ class LoRAMetaBuffers:
             ev = torch.cuda.Event()
             ev.record()
             self._copied[i] = ev
-        num_active = L if fixed_grid else g.num_active
+        num_active = (max_active or L) if fixed_grid else g.num_active
         meta = LoRAKernelMeta(token_lora_slots=self.token_lora_slots[:T],
                               sorted_token_ids=self.sorted_token_ids[:T], active_slots=self.active_slots,
                               num_tokens_per_slot=self.num_tokens_per_slot, slot_start=self.slot_start,

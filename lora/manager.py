@@ -38,6 +38,13 @@ logger = logging.getLogger("chorus.lora")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+GRAPH_FEW_ADAPTERS = 16
+"""Decode CUDA graphs of a Triton LoRA engine with more slots than this get a variant for steps of at
+most this many adapters (``few_adapters_bound``). On an H200 (Llama-3-8B shape, batch 64, rank 16)
+the decode step with 16 adapters took 7.62 ms with launches over 64 slots and 7.35 ms over 16; with
+1 adapter 7.21 ms over 64 slots, 6.93 over 16 (``benchmarks/multi_lora.py``)."""
+
+
 class LoRAManager:
     """Wraps the model's projections with slot buffers and moves adapters between disk, host and slots.
 
@@ -257,7 +264,7 @@ class LoRAManager:
         self.state.batch = None
         return calls
 
-    def set_batch(self, token_lora_slots, fixed_grid: bool = False) -> None:
+    def set_batch(self, token_lora_slots, fixed_grid: bool = False, max_active: Optional[int] = None) -> None:
         """Group this step's tokens by slot (once; every layer reads the result).
 
         Args:
@@ -266,6 +273,8 @@ class LoRAManager:
                 tensor (copied to the host first).
             fixed_grid: launch over every slot whatever the batch (decode CUDA graphs: the grid
                 captured must fit every later step); the kernels then always run.
+            max_active: with fixed_grid, the most adapters the step may run (a graph captured for
+                few adapters, see ``few_adapters_bound``); None: max_loras.
         """
         if token_lora_slots is None or (not fixed_grid and all(n is None for n in self._slot_names)):
             self.state.batch = None   # no adapter resident: nothing to add, no grouping, no sync
@@ -273,7 +282,16 @@ class LoRAManager:
         if isinstance(token_lora_slots, torch.Tensor):
             token_lora_slots = token_lora_slots.cpu().numpy()
         self.state.batch = self._meta_for(len(token_lora_slots)).fill(
-            np.asarray(token_lora_slots), fixed_grid, with_segments=self.backend == "torch")
+            np.asarray(token_lora_slots), fixed_grid, with_segments=self.backend == "torch", max_active=max_active)
+
+    def few_adapters_bound(self, num_tokens: int) -> Optional[int]:
+        """The adapter count of the CUDA-graph variant for steps of few adapters (None: no such
+        variant): its fixed-grid launches cover GRAPH_FEW_ADAPTERS segments instead of max_loras,
+        so fewer of their programs find an empty segment. Decode steps only (num_tokens is the
+        decode batch), on the Triton backend, when max_loras is larger than the bound."""
+        if self.backend != "triton" or self.max_loras <= GRAPH_FEW_ADAPTERS:
+            return None
+        return GRAPH_FEW_ADAPTERS
 
     def _meta_for(self, num_tokens: int) -> LoRAMetaBuffers:
         """The meta buffers, fit for a step of num_tokens tokens."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,3 +203,24 @@ def test_kernel_config_overrides_from_env(monkeypatch):
     monkeypatch.setenv("CHORUS_LORA_EXPAND_CONFIG", "block_k=16")
     with pytest.raises(ValueError, match="LoRAExpandConfig override"):
         _layer("triton")
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_fixed_grid_over_few_adapters(backend):
+    """A decode graph captured for few adapters launches over that many segments (not max_loras):
+    the same y for any step within the bound, and a step with more adapters is refused."""
+    from lora.batch import LoRAMetaBuffers
+
+    base, slots, state = _layer(backend)
+    adapters = _adapters()
+    _load(slots, adapters)
+    bufs = LoRAMetaBuffers(16, MAX_LORAS, torch.device("cpu"))
+    for token_slots in ([0, 2, -1, 2, 0], [2, 2, -1], [-1, -1]):
+        state.batch = bufs.fill(np.array(token_slots, dtype=np.int32), True, backend == "torch", max_active=2)
+        assert state.batch.meta.num_active == 2 and state.batch.meta.fixed_grid
+        x = torch.randn(len(token_slots), IN)
+        y = base(x)
+        torch.testing.assert_close(y, _manual(x, torch.nn.functional.linear(x, base.weight), token_slots,
+                                              adapters), atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="graph choice and the batch disagree"):
+        bufs.fill(np.array([0, 1, 2], dtype=np.int32), True, False, max_active=2)

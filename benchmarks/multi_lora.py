@@ -12,7 +12,7 @@ Each run decodes ``--batch-sizes`` requests of ``--input-len`` random prompt tok
 i % N. Adapters are random rank-``--rank`` PEFT directories (``--unique-adapter-files`` distinct
 weight files, shared round-robin by N distinct adapter *names*: each name takes its own slot,
 so the kernels read N distinct slots exactly as with N distinct weights). Chorus runs with
-``max_loras`` = the largest N, prefix caching off (the same prompts are reused across runs),
+``max_loras`` = the largest N (``--max-loras`` sets it), prefix caching off (the same prompts are reused across runs),
 and a warm-up that puts the run's adapters in their slots first; one LoRA engine serves every
 adapter count (decode steps replay CUDA graphs with the LoRA kernels inside). "base" is an engine
 without LoRA; "x base" is each run's tok/s over it at the same batch ("x base dev": the same over
@@ -114,8 +114,8 @@ def chorus_engine(args, enable_lora: bool):
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if enable_lora:
-        kw.update(enable_lora=True, max_loras=max(max(args.num_adapters), 1), max_lora_rank=args.rank,
-                  max_cpu_loras=max(max(args.num_adapters), 1))
+        slots = args.max_loras or max(max(args.num_adapters), 1)
+        kw.update(enable_lora=True, max_loras=slots, max_lora_rank=args.rank, max_cpu_loras=slots)
     return LLM(args.model, **kw)
 
 
@@ -306,6 +306,9 @@ def main() -> None:
                     help="seconds for transformers + PEFT; adapter counts past it are skipped")
     ap.add_argument("--num-adapters", default="0,1,4,16,64", help="comma-separated distinct adapter counts")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--max-loras", type=int, default=None,
+                    help="GPU adapter slots of the LoRA engine (default: the largest --num-adapters); "
+                         "decode steps of at most 16 adapters launch over 16 slots when it is larger")
     ap.add_argument("--unique-adapter-files", type=int, default=4,
                     help="distinct random weight files written (names beyond reuse them round-robin)")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
@@ -330,6 +333,9 @@ def main() -> None:
     args.hf_output_lens = [int(x) for x in args.hf_output_lens.split(",")]
     args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     args.num_adapters = [int(x) for x in args.num_adapters.split(",")]
+    if args.max_loras is not None and args.max_loras < max(max(args.num_adapters), 1):
+        raise SystemExit(f"--max-loras {args.max_loras} < --num-adapters {max(args.num_adapters)}: "
+                         "a run's adapters must all fit in the GPU slots at once.")
     if max(args.num_adapters) > max(args.batch_sizes):
         raise SystemExit(f"--num-adapters {max(args.num_adapters)} > the largest batch: "
                          "some adapters would get no request.")

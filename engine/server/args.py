@@ -104,7 +104,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     lora.add_argument("--max-loras", type=int, default=None,
                       help="Distinct adapters in one step: GPU slots preallocated per adapted layer "
                            "(default: 4). Requests for an adapter without a slot wait, without "
-                           "blocking others and without starving.")
+                           "blocking others and without starving. On CUDA, above 16 the decode graphs "
+                           "are also captured for steps of at most 16 adapters, whose LoRA kernels then "
+                           "launch over 16 slots only.")
     lora.add_argument("--max-lora-rank", type=int, default=None,
                       help="Rank of every slot; smaller adapters are zero-padded (default: the largest rank "
                            "among --lora-modules, at least 16).")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -56,6 +56,11 @@ for phase in "$@"; do
           --output-len 128 --skip-hf --num-adapters 16,64 --base-last --out "$OUT/ml_carveout$sms.json" 2>&1 \
           | grep -E "^chorus|decode graph" | sed "s/^/carveout $sms: /"
       done ;;
+    multi-lora)   # the issue-4 table without transformers + PEFT: batch 64 (1/4/16/64 adapters) and 256 (16/64), 64 slots
+      timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 64 --input-len 512 --output-len 128 --skip-hf \
+        --num-adapters 1,4,16,64 --base-last --out "$OUT/multi_lora_b64.json" 2>&1 | grep -E "^chorus|decode graph|eager"
+      timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
+        --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/multi_lora_b256.json" 2>&1 | grep -E "^chorus|decode graph|eager" ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

@@ -403,7 +403,9 @@ class ModelRunner:
         if decode_only and any(s.sampling_params.prompt_logprobs is not None
                                and s.num_computed_tokens < s.num_prompt_tokens for s in states):
             return None   # decode graphs end in logits of the sampled rows only
-        num_adapters = len({s.lora_slot for s in states if s.lora_slot >= 0}) if self.lora_manager is not None else 0
+        num_adapters = 0
+        if self.lora_manager is not None:
+            num_adapters = len({s.lora_slot for s in states if s.lora_slot >= 0})   # distinct adapters
         return self.graphs.key_for(len(states), sum(counts), decode_only, num_adapters)
 
     def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey]

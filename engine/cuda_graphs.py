@@ -153,7 +153,7 @@ class StepGraphs:
             return None
         if lora and decode_only:
             few = self.lora_manager.few_adapters_bound(size)
-            key = GraphKey(not decode_only, size, True, few)
+            key = GraphKey(False, size, True, few)
             if few is not None and num_adapters <= few and key in self.graphs:
                 return key
         key = GraphKey(not decode_only, size, lora)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-delta]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -16,7 +16,7 @@ for phase in "$@"; do
         tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_kv_write.py tests/models/test_gpu_parity.py tests/models/test_fused_decode.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     lora-tests)
       timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/lora/test_peft_parity.py tests/kernels/test_kernel_lora.py \
-        tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_lora_fused.py tests/lora/test_fused_lora_path.py tests/lora/test_lora_overlap.py \
+        tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_lora_fused.py tests/lora/test_fused_lora_path.py \
         -k "cuda or gpu" 2>&1 | tee "$OUT/lora_tests.log" | tail -8 ;;
     gemv)      # decode GEMV configs vs cuBLAS (and the fused norm / SiLU-and-mul prologues)
       timeout 150 python3 benchmarks/gemv_sweep.py --out "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/gemv_sweep.log" | tail -60 ;;
@@ -61,14 +61,6 @@ for phase in "$@"; do
         --num-adapters 1,4,16,64 --base-last --out "$OUT/multi_lora_b64.json" 2>&1 | grep -E "^chorus|decode graph|eager"
       timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
         --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/multi_lora_b256.json" 2>&1 | grep -E "^chorus|decode graph|eager" ;;
-    lora-delta)   # the delta path (CHORUS_LORA_DELTA_MAX_TOKENS) off / on: per decoder layer, then batch 64 end to end
-      timeout 150 python3 benchmarks/kernels.py --lora-only --out "$OUT/lora_kernels.json" 2>&1 \
-        | grep -E "gemms_|lora_decoder_layer" | tee "$OUT/lora_kernels.log"
-      for delta in ${DELTAS:-0 128}; do
-        CHORUS_LORA_DELTA_MAX_TOKENS=$delta timeout 200 python3 benchmarks/multi_lora.py --batch-sizes 64 \
-          --input-len 512 --output-len 128 --skip-hf --num-adapters ${DELTA_ADAPTERS:-16,64} --max-loras 64 --base-last \
-          --out "$OUT/ml_delta$delta.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/delta $delta: /"
-      done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

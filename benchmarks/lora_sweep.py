@@ -277,7 +277,6 @@ def _decoder_lora_layers(shapes: LoRABenchShapes, batch: int, num_adapters: int,
 
     state = LoRABatchState()
     state.reserve(max(len(o) for _, o in shapes.layers.values()), batch, shapes.rank, device)
-    state.reserve_delta(batch, max(sum(o) for _, o in shapes.layers.values()), DTYPE, device)
     layers, nbytes = [], 0
     for name, (in_dim, out_dims) in shapes.layers.items():
         case = make_lora_case(name, shapes, batch, num_adapters, device)
@@ -324,10 +323,10 @@ def bench_lora_with_gemms(shapes: LoRABenchShapes, batch: int, num_adapters: int
                           bw: float, timeline: bool = False) -> list[Row]:
     """One decoder layer's 4 projections as the engine runs them (``engine.layers.linear.Linear``:
     the cuBLAS GEMM plus its LoRA hook), one CUDA graph each: the base GEMMs alone (no adapter in
-    the step), then with the adapters, shrink after the GEMM (overlap off), shrink on the side
-    stream beside it and the expand after the GEMM (overlap on, "overlap"), and shrink and expand
-    on the side stream, only the delta's add after the GEMM (the delta path, "overlap_delta").
-    ``timeline``: also print the kernel timelines of the two overlap cases (``print_timeline``). A LoRA row's note gives its cost over the base row;
+    the step), then with the adapters, shrink after the GEMM (overlap off) and shrink on the side
+    stream beside it (overlap on, the default), and the same with the side stream at the highest
+    priority ("overlap_hiprio", CUDA only). ``timeline``: also print the overlap case's kernel
+    timeline (``print_timeline``). A LoRA row's note gives its cost over the base row;
     the drop from off to on is what the overlap hides. CHORUS_GEMM_SM_CARVEOUT applies when set
     (``benchmarks/kernels.py`` applies it first)."""
     from engine.layers.linear import Linear
@@ -351,13 +350,24 @@ def bench_lora_with_gemms(shapes: LoRABenchShapes, batch: int, num_adapters: int
     rows = [row("gemms_base", f"{'+'.join(shapes.layers)} batch={batch}", base, weight_bytes, bw,
                 "the 4 GEMMs, no adapter in the step")]
     state.batch = lora_batch
-    variants = [("serial", False, 0), ("overlap", True, 0), ("overlap_delta", True, batch)]
-    for name, overlap, delta_max_tokens in variants:
+    variants = [("serial", False, None), ("overlap", True, None)]
+    if torch.cuda.is_available():
+        # The side stream at the highest priority: its CTAs go first whenever an SM frees up.
+        variants.append(("overlap_hiprio", True, torch.cuda.Stream(device=device, priority=-1)))
+    import lora.layers as lora_layers
+
+    default_side = lora_layers.side_stream
+    for name, overlap, stream in variants:
         for slots, _, _ in layers:
-            slots.overlap, slots.delta_max_tokens = overlap, delta_max_tokens
-        t = bench(step)
-        if name != "serial" and timeline and torch.cuda.is_available():
-            print_timeline(step, f"{case} {name}")
+            slots.overlap = overlap
+        if stream is not None:
+            lora_layers.side_stream = lambda _index, s=stream: s
+        try:
+            t = bench(step)
+            if name == "overlap" and timeline and torch.cuda.is_available():
+                print_timeline(step, f"{case} overlap")
+        finally:
+            lora_layers.side_stream = default_side
         cost_ms = (t.gpu_us - base.gpu_us) * shapes.num_layers / 1e3
         rows.append(row(f"gemms_lora_{name}", case, t, weight_bytes + nbytes, bw,
                         f"LoRA +{t.gpu_us - base.gpu_us:.1f} us/layer = +{cost_ms:.3f} ms/step"))

@@ -121,20 +121,6 @@ def lora_overlap() -> bool:
     return flag == "1"
 
 
-def lora_delta_max_tokens() -> int:
-    """CHORUS_LORA_DELTA_MAX_TOKENS: with the overlap on, steps of at most this many tokens run the
-    whole LoRA update (shrink, then expand into a scratch delta) on the side stream beside the base
-    GEMM, and the main stream only adds the delta into y after it (``lora.layers``): the expand
-    leaves the critical path, where at batch 64 it cost ~9 us per projection. Larger steps expand
-    into y after the GEMM (the scratch delta would be a [tokens, out] tensor per projection, and
-    its add re-reads y). 0 turns it off. Default 128."""
-    raw = os.environ.get("CHORUS_LORA_DELTA_MAX_TOKENS", "128")
-    if not raw.strip().isdigit() or int(raw) > 8192:
-        raise ValueError(f"CHORUS_LORA_DELTA_MAX_TOKENS={raw!r}: use an integer from 0 to 8192 "
-                         "(0: off).")
-    return int(raw)
-
-
 def lora_fused_config() -> str | None:
     """CHORUS_LORA_FUSED_CONFIG: fused LoRA kernel launch overrides, e.g. "block_k=256,n_tiles=4"
     (fields of ``kernels.lora_fused.LoRAFusedConfig``)."""

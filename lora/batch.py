@@ -78,11 +78,8 @@ class LoRABatchState:
     """None before the first step (layers then add nothing)."""
     _shrink_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
     """[capacity] float32 scratch that every layer's shrink partials view."""
-    _delta_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
-    """[capacity] scratch in the model dtype that small steps' expands write their deltas into
-    (``LinearLoRASlots`` with the delta path)."""
     _reserved: bool = field(default=False, repr=False)
-    """``reserve`` ran: the buffers may be captured by CUDA graphs and are never reallocated."""
+    """``reserve`` ran: the buffer may be captured by CUDA graphs and is never reallocated."""
 
     def reserve(self, num_slices: int, num_tokens: int, rank: int, device: torch.device) -> None:
         """Allocate the scratch buffer for the largest step up front: num_slices x rank x
@@ -97,34 +94,6 @@ class LoRABatchState:
         if buf is None or buf.numel() < need or buf.device != device:
             self._shrink_buffer = torch.empty(need, dtype=torch.float32, device=device)   # [capacity]
         self._reserved = True
-
-    def reserve_delta(self, num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the delta scratch for steps of up to num_tokens tokens over up to width columns
-        (the widest adapted projection) now; like ``reserve``, it is never reallocated after."""
-        need = num_tokens * width
-        buf = self._delta_buffer
-        if need and (buf is None or buf.numel() < need or buf.device != device or buf.dtype != dtype):
-            self._delta_buffer = torch.empty(need, dtype=dtype, device=device)            # [capacity]
-        self._reserved = True
-
-    def delta_buffer(self, num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A [num_tokens, width] view of the one delta scratch (contents undefined).
-
-        Grows before ``reserve``; after it, a request that does not fit raises (as ``shrink_buffer``).
-        NOTE: layers run one after another and each consumes its delta before the next layer's
-        side-stream work starts (the fork waits for the main stream), so one buffer serves them all.
-        """
-        buf = self._delta_buffer
-        need = num_tokens * width
-        if buf is None or buf.numel() < need or buf.device != device or buf.dtype != dtype:
-            if self._reserved:
-                raise RuntimeError(f"LoRA delta buffer: [{num_tokens}, {width}] {dtype} does not fit the "
-                                   f"reserved {0 if buf is None else buf.numel()} elements "
-                                   f"({None if buf is None else buf.dtype} on {None if buf is None else buf.device}).")
-            buf = torch.empty(max(need, 2 * (0 if buf is None else buf.numel())), dtype=dtype,
-                              device=device)                                     # [capacity]
-            self._delta_buffer = buf
-        return buf[:need].view(num_tokens, width)
 
     def shrink_buffer(self, num_slices: int, split_k: int, num_tokens: int, rank: int,
                       device: torch.device) -> torch.Tensor:

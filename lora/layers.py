@@ -32,12 +32,6 @@ the expand; ``engine.layers.linear.Linear`` calls the two around its ``F.linear`
 split pair only (the fused kernel is one launch that adds into y: nothing to run before the
 GEMM), and the fork and the join are ``wait_stream`` calls, which CUDA graph capture records as
 graph edges. On CPU (the Triton interpreter in the tests) the same two phases run on the one stream.
-
-Delta path (``CHORUS_LORA_DELTA_MAX_TOKENS``, default 128; overlap on): for steps of at most that
-many tokens the side stream runs the expand too, into a zeroed [T, out] scratch delta in y's dtype
-(``LoRABatchState.delta_buffer``), and ``finish`` only adds the delta into y. The expand then runs
-beside the GEMM instead of after it; what is left on the critical path is one elementwise add.
-The delta is rounded to y's dtype before the add (as PEFT's ``base + lora_B(lora_A(x))`` is).
 """
 
 from __future__ import annotations
@@ -121,9 +115,6 @@ class LoRAPending:
     """Set when ``begin`` issued the shrink into ``plan.buf``; None: ``finish`` runs ``forward``."""
     side: Optional[torch.cuda.Stream] = None
     """The side stream the shrink went to, joined by ``finish``; None: the current stream."""
-    delta: Optional[torch.Tensor] = None
-    """[num_tokens, sum(output_sizes)] in y's dtype: set when ``begin`` also ran the expand (into
-    this zeroed scratch), so ``finish`` only adds it into y."""
 
 
 class LinearLoRASlots(nn.Module):
@@ -163,9 +154,6 @@ class LinearLoRASlots(nn.Module):
         self.overlap = backend == "triton" and envs.lora_overlap()
         """CHORUS_LORA_OVERLAP (read once here): ``begin`` issues the split path's shrink before the
         base GEMM, on ``side_stream`` for CUDA inputs."""
-        self.delta_max_tokens = envs.lora_delta_max_tokens() if self.overlap else 0
-        """CHORUS_LORA_DELTA_MAX_TOKENS (read once here; 0 without the overlap): steps of at most
-        this many tokens also expand in ``begin``, into a scratch delta (the delta path)."""
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -243,13 +231,9 @@ class LinearLoRASlots(nn.Module):
         # before the fork; the side stream only launches the shrink, so it allocates nothing.
         x2 = x2.contiguous()                                                   # [T, in]
         plan = self._plan_split(x2, batch)
-        delta = None
-        if x2.shape[0] <= self.delta_max_tokens:
-            delta = self.state.delta_buffer(x2.shape[0], sum(self.output_sizes), self.lora_a.dtype,
-                                            x2.device)                             # [T, out]
         if not x2.is_cuda:
-            self._shrink_expand(x2, plan, batch, delta)
-            return LoRAPending(x2, plan, delta=delta)
+            self._shrink(x2, plan, batch)
+            return LoRAPending(x2, plan)
         side = side_stream(x2.device.index)
         # NOTE: the fork makes the side stream wait for everything issued so far: x, the step's
         # meta tensors, and the previous layer's expand, which reads the scratch buffer this
@@ -257,12 +241,10 @@ class LinearLoRASlots(nn.Module):
         # alive because the caller holds x and the pending handle holds x2, and once it is freed
         # the allocator can hand its memory only to later work on the current stream, which
         # ``finish`` has made wait for the side stream.
-        # With the delta path, the previous layer's add (which reads the delta scratch) is
-        # among that work too.
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._shrink_expand(x2, plan, batch, delta)
-        return LoRAPending(x2, plan, side, delta)
+            self._shrink(x2, plan, batch)
+        return LoRAPending(x2, plan, side)
 
     def finish(self, pending: LoRAPending, y: torch.Tensor) -> torch.Tensor:
         """Second half: join the side stream (if ``begin`` forked) and add the update into y in place.
@@ -273,19 +255,8 @@ class LinearLoRASlots(nn.Module):
             return self.forward(pending.x, y)
         if pending.side is not None:
             torch.cuda.current_stream().wait_stream(pending.side)
-        y2 = y.view(-1, y.shape[-1])
-        if pending.delta is not None:
-            y2.add_(pending.delta)
-        else:
-            self._expand(pending.plan, y2, self.state.batch)
+        self._expand(pending.plan, y.view(-1, y.shape[-1]), self.state.batch)
         return y
-
-    def _shrink_expand(self, x: torch.Tensor, plan: SplitPlan, batch, delta: Optional[torch.Tensor]) -> None:
-        """``begin``'s work: the shrink, and with a delta scratch the expand into it too."""
-        self._shrink(x, plan, batch)
-        if delta is not None:
-            delta.zero_()                       # base-model rows get no expand and must add 0
-            self._expand(plan, delta, batch)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """x as [num_tokens, input_size], checked against the step's batch."""

@@ -226,9 +226,6 @@ class LoRAManager:
         self._meta_buffers = LoRAMetaBuffers(max_num_tokens, self.max_loras, self.device)
         max_slices = max(layer.num_slices for layer in self.layers.values())
         self.state.reserve(max_slices, max_num_tokens, self.max_lora_rank, self.device)
-        delta_tokens = min(max_num_tokens, max(layer.delta_max_tokens for layer in self.layers.values()))
-        width = max(sum(layer.output_sizes) for layer in self.layers.values())
-        self.state.reserve_delta(delta_tokens, width, self.lora_dtype, self.device)
 
     def warm_up_kernels(self, min_tokens: int, max_tokens: int) -> int:
         """Compile the Triton LoRA kernels for eager steps of min_tokens..max_tokens tokens now

@@ -182,22 +182,6 @@ def test_reserved_shrink_buffer_is_never_reallocated():
         state.shrink_buffer(3, 16, 65, 16, torch.device("cpu"))
 
 
-def test_reserved_delta_buffer_is_never_reallocated():
-    """The delta path's scratch: views of one storage for every step up to the reserved size, in the
-    reserved dtype; a bigger step or another dtype raises instead of reallocating."""
-    state, cpu = LoRABatchState(), torch.device("cpu")
-    state.delta_buffer(2, 8, torch.float32, cpu)                       # grown freely before reserve
-    state.reserve_delta(16, 40, torch.bfloat16, cpu)
-    ptr = state.delta_buffer(1, 40, torch.bfloat16, cpu).data_ptr()
-    for num_tokens, width in ((16, 40), (16, 24), (3, 40)):
-        view = state.delta_buffer(num_tokens, width, torch.bfloat16, cpu)
-        assert view.shape == (num_tokens, width) and view.data_ptr() == ptr
-    with pytest.raises(RuntimeError, match="does not fit the reserved"):
-        state.delta_buffer(17, 40, torch.bfloat16, cpu)
-    with pytest.raises(RuntimeError, match="does not fit the reserved"):
-        state.delta_buffer(2, 8, torch.float32, cpu)
-
-
 @pytest.mark.skipif("triton" not in _backends(), reason="needs triton")
 def test_kernel_config_overrides_from_env(monkeypatch):
     """CHORUS_LORA_{SHRINK,EXPAND}_CONFIG are read when a layer is built and drive its launches."""

@@ -1,6 +1,5 @@
 """``LinearLoRASlots.begin`` / ``finish`` (CHORUS_LORA_OVERLAP): the split path's shrink issued
-before the base GEMM, on a side stream on CUDA, and the expand after the join (or, for small steps,
-the expand on the side stream too, into a scratch delta that the join adds: the delta path).
+before the base GEMM, on a side stream on CUDA, and the expand after the join.
 
 CPU (Triton interpreter): the two phases give exactly ``forward``'s y on both backends, the shrink
 runs in ``begin`` only on the Triton split path with overlap on, and the choice is read once per
@@ -37,10 +36,8 @@ def _input(num_tokens: int, strided: bool, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("kernel", ["split", "fused"])
 @pytest.mark.parametrize("token_slots", STEPS, ids=["mixed", "one-slot", "decode-row"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("delta_max", ["0", "128"], ids=["expand-after", "delta"])
-def test_begin_finish_equals_forward(backend, overlap, kernel, token_slots, strided, delta_max, monkeypatch):
+def test_begin_finish_equals_forward(backend, overlap, kernel, token_slots, strided, monkeypatch):
     monkeypatch.setenv("CHORUS_LORA_OVERLAP", overlap)
-    monkeypatch.setenv("CHORUS_LORA_DELTA_MAX_TOKENS", delta_max)
     monkeypatch.setenv("CHORUS_LORA_KERNEL", kernel)
     base, slots, state = _layer(backend)
     adapters = _adapters()
@@ -56,7 +53,6 @@ def test_begin_finish_equals_forward(backend, overlap, kernel, token_slots, stri
     before = calls.counts()
     pending = slots.begin(x)
     assert (pending.plan is not None) == early_shrink
-    assert (pending.delta is not None) == (early_shrink and delta_max != "0")   # expanded in begin
     assert pending.side is None                                         # CPU: no side stream
     assert calls.counts() == (before[0], before[1] + early_shrink)       # the shrink ran in begin
     y_two_phase = base_y.clone()
@@ -107,25 +103,21 @@ SLEEP_CYCLES = 200_000_000
 the NaN-filled scratch buffer long before the shrink overwrites it."""
 
 
-def _cuda_layer(overlap: str, num_tokens: int, monkeypatch, delta_max: str = "0"):
+def _cuda_layer(overlap: str, num_tokens: int, monkeypatch):
     """A Triton-backend layer on CUDA with the reserved scratch and static meta of the graph path."""
     monkeypatch.setenv("CHORUS_LORA_OVERLAP", overlap)
-    monkeypatch.setenv("CHORUS_LORA_DELTA_MAX_TOKENS", delta_max)
     monkeypatch.setenv("CHORUS_LORA_KERNEL", "split")                   # the path that overlaps
     dev = torch.device("cuda")
     base, slots, state = _layer("triton")
     _load(slots, _adapters())
     base.to(dev)
     state.reserve(slots.num_slices, num_tokens, MAX_RANK, dev)
-    state.reserve_delta(slots.delta_max_tokens, sum(slots.output_sizes), base.weight.dtype, dev)
     return base, slots, state, LoRAMetaBuffers(num_tokens, MAX_LORAS, dev)
 
 
 def _poison_scratch(state) -> None:
-    """NaN into the shrink (and delta) scratch (on the current stream), so a read before the write shows."""
+    """NaN into the whole shrink scratch (on the current stream), so a read before the shrink shows."""
     state._shrink_buffer.fill_(float("nan"))
-    if state._delta_buffer is not None:
-        state._delta_buffer.fill_(float("nan"))
 
 
 @pytest.mark.gpu
@@ -136,10 +128,9 @@ def test_cuda_overlap_eager_and_graph_match(monkeypatch):
     num_tokens = len(eager_slots)
     x_eager, x_graph = _input(num_tokens, False, seed=1), _input(num_tokens, False, seed=2)
     results = {}
-    for overlap, delta_max in (("0", "0"), ("1", "0"), ("1", "128")):
-        base, slots, state, meta_bufs = _cuda_layer(overlap, num_tokens, monkeypatch, delta_max)
+    for overlap in ("0", "1"):
+        base, slots, state, meta_bufs = _cuda_layer(overlap, num_tokens, monkeypatch)
         assert slots.overlap is (overlap == "1")
-        assert slots.delta_max_tokens == int(delta_max)
         x = x_eager.cuda()                                              # [T, IN], the graph's static input
         state.batch = meta_bufs.fill(eager_slots, fixed_grid=True, with_segments=False)
         _poison_scratch(state)
@@ -158,12 +149,11 @@ def test_cuda_overlap_eager_and_graph_match(monkeypatch):
         _poison_scratch(state)
         graph.replay()
         torch.cuda.synchronize()
-        results[overlap, delta_max] = (eager.cpu(), static_y.cpu(), base.weight.cpu())
+        results[overlap] = (eager.cpu(), static_y.cpu(), base.weight.cpu())
 
-    (eager_off, graph_off, weight), (eager_on, graph_on, _) = results["0", "0"], results["1", "0"]
-    eager_delta, graph_delta, _ = results["1", "128"]
-    assert torch.equal(eager_on, eager_off) and torch.equal(eager_delta, eager_off)
-    assert torch.equal(graph_on, graph_off) and torch.equal(graph_delta, graph_off)
+    (eager_off, graph_off, weight), (eager_on, graph_on, _) = results["0"], results["1"]
+    assert torch.equal(eager_on, eager_off)
+    assert torch.equal(graph_on, graph_off)
     adapters = _adapters()
     for x, token_slots, y in ((x_eager, eager_slots, eager_on), (x_graph, graph_slots, graph_on)):
         want = _manual(x, F.linear(x, weight), token_slots.tolist(), adapters)

@@ -76,15 +76,3 @@ def test_lora_overlap(monkeypatch):
         monkeypatch.setenv("CHORUS_LORA_OVERLAP", bad)
         with pytest.raises(ValueError, match=f"CHORUS_LORA_OVERLAP='{bad}': use 1 .* or 0"):
             envs.lora_overlap()
-
-
-def test_lora_delta_max_tokens(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_DELTA_MAX_TOKENS", raising=False)
-    assert envs.lora_delta_max_tokens() == 128
-    for value, want in (("0", 0), (" 64 ", 64), ("8192", 8192)):
-        monkeypatch.setenv("CHORUS_LORA_DELTA_MAX_TOKENS", value)
-        assert envs.lora_delta_max_tokens() == want, value
-    for bad in ("-1", "8193", "all", ""):
-        monkeypatch.setenv("CHORUS_LORA_DELTA_MAX_TOKENS", bad)
-        with pytest.raises(ValueError, match="CHORUS_LORA_DELTA_MAX_TOKENS=.*from 0 to 8192"):
-            envs.lora_delta_max_tokens()

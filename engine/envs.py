@@ -121,6 +121,20 @@ def lora_overlap() -> bool:
     return flag == "1"
 
 
+def lora_fuse_silu_mul() -> bool:
+    """CHORUS_LORA_FUSE_SILU_MUL: "1" (default) adds the gate/up projection's LoRA update inside
+    the SiLU-and-mul that follows it (``kernels.lora_expand_silu_mul``: one launch, and the
+    [tokens, 2 x intermediate] output is read once instead of read, written and read again); "0"
+    runs the expand into the projection output, then SiLU-and-mul. Applies on the Triton split path
+    with the overlap on (``lora.layers``)."""
+    value = os.environ.get("CHORUS_LORA_FUSE_SILU_MUL", "")
+    flag = value.strip() or "1"
+    if flag not in ("0", "1"):
+        raise ValueError(f"CHORUS_LORA_FUSE_SILU_MUL={value!r}: use 1 (fused) or 0 (expand, then "
+                         "SiLU-and-mul), or unset it for 1.")
+    return flag == "1"
+
+
 def lora_fused_config() -> str | None:
     """CHORUS_LORA_FUSED_CONFIG: fused LoRA kernel launch overrides, e.g. "block_k=256,n_tiles=4"
     (fields of ``kernels.lora_fused.LoRAFusedConfig``)."""

@@ -138,3 +138,16 @@ def lora_shrink_expand_ref(x: torch.Tensor, lora_a: torch.Tensor, lora_b_slices:
     """
     h = lora_shrink_ref(x, lora_a, token_lora_slots)                 # [num_slices, T, rank] f32
     return lora_expand_ref(h, lora_b_slices, token_lora_slots, y, slice_offsets, add_inputs=True)
+
+
+def lora_expand_silu_mul_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
+                             token_lora_slots: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.lora_expand_silu_mul.lora_expand_silu_mul``: a new [T, d] tensor.
+
+    ``lora_expand_ref`` into a copy of y (gate | up, slices at columns 0 and d), then
+    out = dtype(dtype(silu(gate)) * up) in float32 math.
+    """
+    d = y.shape[1] // 2
+    gu = lora_expand_ref(buf, lora_b_slices, token_lora_slots, y, [0, d]).float()     # [T, 2d]
+    act = torch.nn.functional.silu(gu[:, :d]).to(y.dtype).float()
+    return (act * gu[:, d:]).to(y.dtype)

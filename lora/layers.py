@@ -32,6 +32,11 @@ the expand; ``engine.layers.linear.Linear`` calls the two around its ``F.linear`
 split pair only (the fused kernel is one launch that adds into y: nothing to run before the
 GEMM), and the fork and the join are ``wait_stream`` calls, which CUDA graph capture records as
 graph edges. On CPU (the Triton interpreter in the tests) the same two phases run on the one stream.
+
+SiLU-and-mul fusion (``CHORUS_LORA_FUSE_SILU_MUL``, default on; gate/up layers, i.e. two slices
+of equal width, on the split path with the overlap): the MLP hands ``begin``'s pending update to
+``finish_silu_mul``, which adds it inside the SiLU-and-mul (``kernels.lora_expand_silu_mul``)
+instead of expanding into the projection output first (``engine.layers.linear.Linear.forward_deferred``).
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ class LoRAPending:
     """Set when ``begin`` issued the shrink into ``plan.buf``; None: ``finish`` runs ``forward``."""
     side: Optional[torch.cuda.Stream] = None
     """The side stream the shrink went to, joined by ``finish``; None: the current stream."""
+    owner: Optional["LinearLoRASlots"] = None
+    """The layer that issued it (``finish`` / ``finish_silu_mul`` of that layer complete it)."""
 
 
 class LinearLoRASlots(nn.Module):
@@ -154,6 +161,10 @@ class LinearLoRASlots(nn.Module):
         self.overlap = backend == "triton" and envs.lora_overlap()
         """CHORUS_LORA_OVERLAP (read once here): ``begin`` issues the split path's shrink before the
         base GEMM, on ``side_stream`` for CUDA inputs."""
+        self.fuse_silu_mul = (self.overlap and self.num_slices == 2
+                              and self.output_sizes[0] == self.output_sizes[1] and envs.lora_fuse_silu_mul())
+        """CHORUS_LORA_FUSE_SILU_MUL (read once here) on a gate/up-shaped layer with the overlap:
+        ``engine.layers.linear.Linear.forward_deferred`` leaves the update to ``finish_silu_mul``."""
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -233,7 +244,7 @@ class LinearLoRASlots(nn.Module):
         plan = self._plan_split(x2, batch)
         if not x2.is_cuda:
             self._shrink(x2, plan, batch)
-            return LoRAPending(x2, plan)
+            return LoRAPending(x2, plan, owner=self)
         side = side_stream(x2.device.index)
         # NOTE: the fork makes the side stream wait for everything issued so far: x, the step's
         # meta tensors, and the previous layer's expand, which reads the scratch buffer this
@@ -244,7 +255,7 @@ class LinearLoRASlots(nn.Module):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._shrink(x2, plan, batch)
-        return LoRAPending(x2, plan, side)
+        return LoRAPending(x2, plan, side, owner=self)
 
     def finish(self, pending: LoRAPending, y: torch.Tensor) -> torch.Tensor:
         """Second half: join the side stream (if ``begin`` forked) and add the update into y in place.
@@ -257,6 +268,25 @@ class LinearLoRASlots(nn.Module):
             torch.cuda.current_stream().wait_stream(pending.side)
         self._expand(pending.plan, y.view(-1, y.shape[-1]), self.state.batch)
         return y
+
+    def finish_silu_mul(self, pending: LoRAPending, y: torch.Tensor) -> torch.Tensor:
+        """SiLU-and-mul of y (gate | up) with the pending adapter update added inside it: one
+        ``kernels.lora_expand_silu_mul`` launch for a split plan of this (gate/up-shaped) layer;
+        otherwise ``finish`` then ``engine.layers.activation.silu_and_mul``. y is not modified
+        on the fused path.
+
+        y: [num_tokens, 2 * d] the base output; returns [num_tokens, d].
+        """
+        from engine.layers.activation import silu_and_mul
+
+        if pending.plan is None or not self.fuse_silu_mul:
+            return silu_and_mul(self.finish(pending, y))
+        from kernels.lora_expand_silu_mul import lora_expand_silu_mul
+
+        if pending.side is not None:
+            torch.cuda.current_stream().wait_stream(pending.side)
+        return lora_expand_silu_mul(pending.plan.buf, self.lora_b, self.state.batch.meta,
+                                    y.view(-1, y.shape[-1]), config=pending.plan.expand_cfg)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """x as [num_tokens, input_size], checked against the step's batch."""

@@ -259,7 +259,10 @@ class LoRAManager:
                     self.state.batch = self._meta_for(t).fill(np.arange(t, dtype=np.int32) % a, False,
                                                               with_segments=False)
                     x = torch.zeros(t, layer.input_size, dtype=layer.lora_a.dtype, device=self.device)
-                    layer(x, torch.zeros(t, sum(layer.output_sizes), dtype=x.dtype, device=self.device))
+                    y = torch.zeros(t, sum(layer.output_sizes), dtype=x.dtype, device=self.device)
+                    layer(x, y)
+                    if layer.fuse_silu_mul:          # the MLP's path: the update inside SiLU-and-mul
+                        layer.finish_silu_mul(layer.begin(x), y)
                     calls += 1
         self.state.batch = None
         return calls

@@ -12,7 +12,7 @@ run the unfused modules, which are the fused kernels' reference.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -20,6 +20,9 @@ from engine import envs
 from engine.layers.activation import silu_and_mul
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from lora.layers import LoRAPending
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,8 +53,28 @@ def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Option
     return linear(h), residual
 
 
-def silu_mul_linear(linear: Linear, gate_up: torch.Tensor) -> torch.Tensor:
-    """linear(silu(gate) * up) for gate_up: [num_tokens, 2 * d] (gate | up)."""
+def norm_linear_deferred(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Optional[torch.Tensor]
+                         ) -> tuple[torch.Tensor, Optional[LoRAPending], torch.Tensor]:
+    """``norm_linear`` that may leave the projection's adapter update to its consumer
+    (``Linear.forward_deferred``): (y, pending or None, s). For gate/up, whose consumer is
+    ``silu_mul_linear(..., pending)``."""
+    if use_decode_gemv(linear, x):
+        y, residual = norm_linear(norm, linear, x, residual)
+        return y, None, residual
+    if residual is None:
+        h, residual = norm(x), x
+    else:
+        h, residual = norm(x, residual)
+    y, pending = linear.forward_deferred(h)
+    return y, pending, residual
+
+
+def silu_mul_linear(linear: Linear, gate_up: torch.Tensor, pending: Optional[LoRAPending] = None) -> torch.Tensor:
+    """linear(silu(gate) * up) for gate_up: [num_tokens, 2 * d] (gate | up); ``pending``: the
+    gate/up projection's adapter update still to add (``norm_linear_deferred``), added inside the
+    SiLU-and-mul."""
+    if pending is not None:
+        return linear(pending.owner.finish_silu_mul(pending, gate_up))
     if use_decode_gemv(linear, gate_up):
         from kernels.gemv import silu_mul_gemv
         return silu_mul_gemv(gate_up, linear.weight, linear.bias)

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from lora.layers import LinearLoRASlots
+    from lora.layers import LinearLoRASlots, LoRAPending
 
 
 class Linear(nn.Module):
@@ -57,3 +57,16 @@ class Linear(nn.Module):
         y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]
         self.lora.finish(pending, y)
         return y
+
+    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+        """(y, pending): like ``forward``, but when the LoRA hook fuses its update into the
+        consumer (``LinearLoRASlots.fuse_silu_mul``: gate/up into SiLU-and-mul), y is the base
+        output and ``pending`` the update still to add; its consumer must complete it
+        (``pending.owner.finish_silu_mul(pending, y)``). pending is None when y is complete."""
+        if self.lora is None or not self.lora.fuse_silu_mul or self.lora.adds_nothing():
+            return self.forward(x), None
+        pending = self.lora.begin(x)
+        y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]
+        if pending.plan is None:                        # nothing issued early: the plain path
+            return self.lora.finish(pending, y), None
+        return y, pending

@@ -7,16 +7,19 @@ mixed prefill/decode step; attention finds each request's context through the st
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 import torch.nn as nn
 
 from engine.layers.attention import PagedAttention
-from engine.layers.fused import linear_forward, norm_linear, silu_mul_linear
+from engine.layers.fused import linear_forward, norm_linear, norm_linear_deferred, silu_mul_linear
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from lora.layers import LoRAPending
 
 
 def _num_kv_heads(config) -> int:
@@ -62,10 +65,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward(self, gate_up: torch.Tensor, lora_pending: Optional[LoRAPending] = None) -> torch.Tensor:
         """gate_up: [T, 2 * intermediate], the output of ``gate_up_proj`` (run fused with the
-        post-attention norm by the decoder layer) -> [T, hidden]."""
-        return silu_mul_linear(self.down_proj, gate_up)
+        post-attention norm by the decoder layer), without its adapter update when
+        ``lora_pending`` holds it -> [T, hidden]."""
+        return silu_mul_linear(self.down_proj, gate_up, lora_pending)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -80,8 +84,9 @@ class LlamaDecoderLayer(nn.Module):
         """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual)."""
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn(positions, qkv)
-        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp(gate_up), residual
+        gate_up, pending, residual = norm_linear_deferred(self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                                          hidden, residual)
+        return self.mlp(gate_up, pending), residual
 
 
 class LlamaModel(nn.Module):

@@ -14,6 +14,7 @@ from unittest.mock import Mock
 import pytest
 import torch
 
+import kernels.lora_expand_silu_mul as lora_expand_silu_mul
 import kernels.lora_fused as lora_fused
 import kernels.lora_shrink as lora_shrink
 from engine import LLM, SamplingParams
@@ -132,6 +133,8 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     monkeypatch.setenv("CHORUS_LORA_KERNEL", kernel)                    # read when the layers are built
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     calls = KernelCalls(monkeypatch)
+    silu_mul_spy = Mock(wraps=lora_expand_silu_mul.lora_expand_silu_mul)
+    monkeypatch.setattr(lora_expand_silu_mul, "lora_expand_silu_mul", silu_mul_spy)
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=16,
               enable_prefix_caching=False)
     manager = llm.llm_engine.lora_manager
@@ -147,5 +150,8 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     fused, split = calls.counts()
     used, unused = (fused, split) if kernel == "fused" else (split, fused)
     assert unused == 0 and used >= MAX_TOKENS * len(manager.layers)          # every step, every layer
+    # The split path adds the gate/up update inside SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL's default).
+    num_mlps = sum(name.endswith("gate_up_proj") for name in manager.layers)
+    assert (silu_mul_spy.call_count >= MAX_TOKENS * num_mlps) if kernel == "split" else silu_mul_spy.call_count == 0
     base = peft_greedy(pm, None, tok.encode(tiny_prompts[PLAN[0][0]]), 1)
     assert base.logprobs[0] != refs[0].logprobs[0]                       # the adapter changes the output

@@ -9,6 +9,8 @@ side stream held back by a sleep shows that ``finish`` waits for the shrink.
 
 from __future__ import annotations
 
+from unittest.mock import Mock
+
 import numpy as np
 import pytest
 import torch
@@ -158,3 +160,71 @@ def test_cuda_overlap_eager_and_graph_match(monkeypatch):
     for x, token_slots, y in ((x_eager, eager_slots, eager_on), (x_graph, graph_slots, graph_on)):
         want = _manual(x, F.linear(x, weight), token_slots.tolist(), adapters)
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------
+# The gate/up update fused into SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL)
+# ----------------------------------------------------------------------------------------
+GATE_UP = [12, 12]
+
+
+def _gate_up_adapters():
+    """Slot 0: rank 4 on gate only; slot 2: rank 8 on gate and up; slot 1 empty."""
+    g = torch.Generator().manual_seed(5)
+    return {slot: {s: (torch.randn(rank, IN, generator=g), torch.randn(GATE_UP[s], rank, generator=g), 2.0 / rank)
+                   for s in slices}
+            for slot, rank, slices in ((0, 4, (0,)), (2, 8, (0, 1)))}
+
+
+@pytest.mark.parametrize("fuse", ["1", "0"])
+@pytest.mark.parametrize("token_slots", STEPS, ids=["mixed", "one-slot", "decode-row"])
+def test_forward_deferred_then_silu_mul_equals_unfused(fuse, token_slots, monkeypatch):
+    """``Linear.forward_deferred`` on a gate/up-shaped layer leaves the update pending (fused) or
+    adds it (unfused); either way SiLU-and-mul of the result is silu_and_mul(forward(x))."""
+    from engine.layers.activation import silu_and_mul_torch
+    from kernels import lora_expand, lora_expand_silu_mul
+
+    monkeypatch.setenv("CHORUS_LORA_FUSE_SILU_MUL", fuse)
+    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
+    monkeypatch.delenv("CHORUS_LORA_KERNEL", raising=False)
+    base, slots, state = _layer("triton", outs=GATE_UP)
+    assert slots.fuse_silu_mul is (fuse == "1")
+    adapters = _gate_up_adapters()
+    _load(slots, adapters)
+    x = _input(len(token_slots), False)
+    state.batch = build_lora_batch(torch.tensor(token_slots, dtype=torch.int32), MAX_LORAS, with_segments=False)
+    want = silu_and_mul_torch(_manual(x, F.linear(x, base.weight), token_slots, adapters, GATE_UP))
+
+    fused_spy = Mock(wraps=lora_expand_silu_mul.lora_expand_silu_mul)
+    expand_spy = Mock(wraps=lora_expand.lora_expand)
+    monkeypatch.setattr(lora_expand_silu_mul, "lora_expand_silu_mul", fused_spy)
+    monkeypatch.setattr(lora_expand, "lora_expand", expand_spy)
+    y, pending = base.forward_deferred(x)
+    if fuse == "1":
+        assert pending is not None and pending.owner is slots
+        assert torch.equal(y, F.linear(x, base.weight))                   # the update is not in y yet
+        act = slots.finish_silu_mul(pending, y)
+        assert (fused_spy.call_count, expand_spy.call_count) == (1, 0)
+    else:
+        assert pending is None
+        act = silu_and_mul_torch(y)
+        assert (fused_spy.call_count, expand_spy.call_count) == (0, 1)
+    torch.testing.assert_close(act, want, rtol=1e-4, atol=1e-4)
+
+
+def test_silu_mul_fusion_only_on_gate_up_shapes(monkeypatch):
+    """Read once per layer; only two equal slices on the overlapped Triton split path fuse."""
+    monkeypatch.delenv("CHORUS_LORA_FUSE_SILU_MUL", raising=False)
+    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
+    assert _layer("triton", outs=GATE_UP)[1].fuse_silu_mul is True
+    assert _layer("triton")[1].fuse_silu_mul is False                   # q/k/v: three slices
+    assert _layer("triton", outs=[12, 8])[1].fuse_silu_mul is False     # unequal widths
+    assert _layer("torch", outs=GATE_UP)[1].fuse_silu_mul is False
+    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "0")
+    assert _layer("triton", outs=GATE_UP)[1].fuse_silu_mul is False
+    base, slots, state = _layer("torch", outs=GATE_UP)                  # the torch path: y complete
+    _load(slots, _gate_up_adapters())
+    state.batch = build_lora_batch(torch.tensor([0, 2], dtype=torch.int32), MAX_LORAS, with_segments=True)
+    x = _input(2, False)
+    y, pending = base.forward_deferred(x)
+    assert pending is None and torch.equal(y, base(x))

@@ -194,8 +194,16 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
                      self.launch_key(x.shape[0], self.state.batch.meta.num_active)))
         return forward(self, x, y)
     monkeypatch.setattr(LinearLoRASlots, "forward", spy)
+    silu_mul_shapes, finish_silu_mul = [], LinearLoRASlots.finish_silu_mul
+
+    def silu_mul_spy(self, pending, y):
+        silu_mul_shapes.append((self.input_size, tuple(self.output_sizes)))
+        return finish_silu_mul(self, pending, y)
+    monkeypatch.setattr(LinearLoRASlots, "finish_silu_mul", silu_mul_spy)
     calls = mgr.warm_up_kernels(70, 200)
     assert calls == len(keys) == len(set(keys)) > 1                      # each key once
+    gate_up = [k[:2] for k in keys if k[:2] == (model.config.hidden_size, (model.config.intermediate_size,) * 2)]
+    assert silu_mul_shapes == gate_up and gate_up                        # the MLP's fused kernel too
     shapes = {(layer.input_size, tuple(layer.output_sizes)) for layer in mgr.layers.values()}
     assert {k[:2] for k in keys} == shapes                                # every layer shape
     assert mgr.state.batch is None

@@ -76,3 +76,15 @@ def test_lora_overlap(monkeypatch):
         monkeypatch.setenv("CHORUS_LORA_OVERLAP", bad)
         with pytest.raises(ValueError, match=f"CHORUS_LORA_OVERLAP='{bad}': use 1 .* or 0"):
             envs.lora_overlap()
+
+
+def test_lora_fuse_silu_mul(monkeypatch):
+    monkeypatch.delenv("CHORUS_LORA_FUSE_SILU_MUL", raising=False)
+    assert envs.lora_fuse_silu_mul() is True
+    for value, want in (("0", False), ("1", True), (" 0 ", False), ("", True)):
+        monkeypatch.setenv("CHORUS_LORA_FUSE_SILU_MUL", value)
+        assert envs.lora_fuse_silu_mul() is want, value
+    for bad in ("yes", "2", "off"):
+        monkeypatch.setenv("CHORUS_LORA_FUSE_SILU_MUL", bad)
+        with pytest.raises(ValueError, match=f"CHORUS_LORA_FUSE_SILU_MUL='{bad}': use 1 .* or 0"):
+            envs.lora_fuse_silu_mul()

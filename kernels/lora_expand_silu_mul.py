@@ -1,0 +1,171 @@
+"""LoRA expand fused into SiLU-and-mul: out[t] = silu(gate[t] + dg[t]) * (up[t] + du[t]), one launch.
+
+The MLP's packed gate/up projection is followed by SiLU-and-mul, which reads the whole [T, 2d]
+projection output anyway. The split LoRA path adds the adapter update into that output first
+(``kernels.lora_expand``: a read-modify-write of [T, 2d], and a launch on the critical path
+after the GEMM), then SiLU-and-mul reads it again. This kernel does both from the shrink's
+partials: dg = h_gate @ B_gate[slot].T and du = h_up @ B_up[slot].T per token, added to the
+GEMM's gate and up in registers, and only the [T, d] activation is written. At a prefill step of
+16384 tokens on Llama-3-8B that removes 1.9 GB of traffic per decoder layer; at decode it removes
+one launch per layer.
+
+Programs: token tiles x column ranges (``block_n * n_tiles`` columns of d). The first
+``num_tokens // block_m + num_active`` token tiles walk the adapter segments as the expand does
+(``LoRAKernelMeta``); the next ``cdiv(num_tokens, block_m)`` cover the base-model rows, which
+``group_slots_host`` sorts after every adapter's rows (delta 0: plain SiLU-and-mul). Tiles
+without rows return at once.
+
+Numerics, as the unfused pair (expand, then ``kernels.layer_ops.silu_and_mul``): fp32 deltas,
+gate and up rounded to the activation dtype after the add, SiLU's output rounded before ``* up``.
+
+Launch configs are the expand's (``LoRAExpandConfig``, ``lora_expand_config`` with the two
+slices' widths). The torch twin is ``kernels.reference.lora_expand_silu_mul_ref``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+import triton
+import triton.language as tl
+
+from kernels.lora_expand import LoRAExpandConfig, check_b_slices, lora_expand_config
+from kernels.lora_meta import LoRAKernelMeta
+from kernels.lora_shrink import _check_meta, _find_segment, _tile_tokens
+from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, next_power_of_2
+
+
+@triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
+def _lora_expand_silu_mul_kernel(
+    buf_ptr, y_ptr, out_ptr, bg_ptr, bu_ptr,
+    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
+    num_tokens, num_active, rank, d, cols_per_program,
+    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok, stride_out_tok,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    MAX_LORAS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Semantics (dtype = y's dtype; B_gate, B_up each [max_loras, d, rank] contiguous):
+
+        for t in range(num_tokens):
+          if slot(t) >= 0:
+            dg = (sum_j buf[0, j, t]) @ B_gate[slot(t)].T ; du = (sum_j buf[1, j, t]) @ B_up[slot(t)].T
+          else:
+            dg = du = 0
+          g = dtype(y[t, :d] + dg) ; u = dtype(y[t, d:2d] + du)            (fp32 sums)
+          out[t] = dtype(dtype(silu(g)) * u)
+
+    Program (m, n) covers columns [n * cols_per_program, (n + 1) * cols_per_program) of d.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n_lo = pid_n * cols_per_program
+    seg_tiles = num_tokens // BLOCK_M + num_active
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    if pid_m < seg_tiles:
+        slot, count, start, tile = _find_segment(active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
+                                                 pid_m, num_active, BLOCK_M, MAX_LORAS_PAD)
+        is_lora = slot >= 0
+    else:
+        # Base-model rows: sorted after the adapters' rows, i.e. from sum(counts) on.
+        a = tl.arange(0, MAX_LORAS_PAD)
+        counts = tl.load(num_tokens_per_slot_ptr + a, mask=a < num_active, other=0)
+        start = tl.sum(counts, axis=0)
+        count = num_tokens - start
+        tile = pid_m - seg_tiles
+        slot = start * 0                       # an int32 0: B rows are masked off below
+        is_lora = start < 0                    # False, as a tensor (both branches give one type)
+    if tile * BLOCK_M >= count:
+        return
+    tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
+    # NOTE: the flag is broadcast as an int vector: the interpreter rejects masks of a scalar
+    # bool & a vector.
+    lora_flag = is_lora.to(tl.int32)
+    mr_ok = (m_ok & (tl.zeros([BLOCK_M], tl.int32) + lora_flag > 0))[:, None] & r_ok[None, :]
+    buf_rows = buf_ptr + tok[:, None] * stride_buf_tok + offs_r[None, :]                # [BLOCK_M, BLOCK_R]
+    h_gate = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    h_up = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
+        h_gate += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0)
+        h_up += tl.load(buf_rows + stride_buf_slice + j * stride_buf_split, mask=mr_ok, other=0.0)
+
+    b_off = slot.to(tl.int64) * d * rank + offs_r[None, :]                               # [1, BLOCK_R]
+    y_rows = y_ptr + tok[:, None] * stride_y_tok                                        # [BLOCK_M, 1]
+    out_rows = out_ptr + tok[:, None] * stride_out_tok                                  # [BLOCK_M, 1]
+    n_end = n_lo + cols_per_program
+    for c0 in range(n_lo, tl.minimum(n_end, d), BLOCK_N):
+        offs_n = c0 + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < d) & (offs_n < n_end)
+        b_mask = (n_ok & (tl.zeros([BLOCK_N], tl.int32) + lora_flag > 0))[:, None] & r_ok[None, :]
+        b_gate = tl.load(bg_ptr + b_off + offs_n[:, None] * rank, mask=b_mask, other=0.0).to(tl.float32)
+        b_up = tl.load(bu_ptr + b_off + offs_n[:, None] * rank, mask=b_mask, other=0.0).to(tl.float32)
+        mask = m_ok[:, None] & n_ok[None, :]
+        g = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(y_rows + d + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        g += tl.dot(h_gate, tl.trans(b_gate), input_precision=DOT_PRECISION)             # [BLOCK_M, BLOCK_N]
+        u += tl.dot(h_up, tl.trans(b_up), input_precision=DOT_PRECISION)
+        g = g.to(out_ptr.dtype.element_ty).to(tl.float32)
+        u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_rows + offs_n[None, :], (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
+                         y: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                         config: Optional[LoRAExpandConfig] = None) -> torch.Tensor:
+    """SiLU-and-mul of the gate/up projection output with each LoRA token's update added first.
+
+    Args:
+        buf: [2, split_k, num_tokens, rank] float32, contiguous: ``lora_shrink``'s partials of the
+            gate (slice 0) and up (slice 1) projections.
+        lora_b_slices: (B_gate, B_up), each [max_loras, d, rank] in y's dtype, contiguous.
+        meta: this step's ``LoRAKernelMeta``.
+        y: [num_tokens, 2 * d] (gate | up), the base GEMM's output; float16/bfloat16/float32, last
+            dim contiguous. Not modified.
+        out: optional [num_tokens, d] in y's dtype, last dim contiguous.
+        config: launch config; None: ``lora_expand_config``'s default for the two slices.
+
+    Returns:
+        out: silu(gate + dg) * (up + du), base-model rows with no update.
+    """
+    check_tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    num_tokens, width = y.shape
+    if width % 2:
+        raise ValueError(f"y: last dim {width} must be even (gate | up).")
+    d, dev = width // 2, y.device
+    if not isinstance(lora_b_slices, (list, tuple)) or len(lora_b_slices) != 2:
+        raise ValueError("lora_b_slices: expected (B_gate, B_up).")
+    check_tensor("buf", buf, ndim=4, dtypes=(torch.float32,), device=dev, contiguous=True)
+    split_k, rank = buf.shape[1], buf.shape[3]
+    check_tensor("buf", buf, shape=(2, split_k, num_tokens, rank))
+    if split_k < 1:
+        raise ValueError("buf: split_k (dim 1) must be >= 1.")
+    max_loras = lora_b_slices[0].shape[0] if isinstance(lora_b_slices[0], torch.Tensor) else -1
+    out_dims = check_b_slices(lora_b_slices, y, max_loras, rank, [0, d])
+    if out_dims != (d, d):
+        raise ValueError(f"lora_b_slices: widths {out_dims}, expected ({d}, {d}) for y's 2 x {d} columns.")
+    _check_meta(meta, num_tokens, max_loras, dev)
+    if out is None:
+        out = torch.empty(num_tokens, d, dtype=y.dtype, device=dev)                    # [T, d]
+    check_tensor("out", out, dtypes=(y.dtype,), shape=(num_tokens, d), device=dev, last_dim_contiguous=True)
+    if config is None:
+        config = lora_expand_config(num_tokens, meta.num_active, out_dims, dev)
+    if num_tokens == 0:
+        return out
+    num_active = 0 if meta.no_lora else meta.num_active
+    cols_per_program = config.block_n * config.n_tiles
+    seg_tiles = num_tokens // config.block_m + num_active
+    grid = (seg_tiles + cdiv(num_tokens, config.block_m), cdiv(d, cols_per_program))
+    _lora_expand_silu_mul_kernel[grid](
+        buf, y, out, lora_b_slices[0], lora_b_slices[1],
+        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
+        num_tokens, num_active, rank, d, cols_per_program,
+        buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0), out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
+        SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
+        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

@@ -5,8 +5,8 @@ Example (H200, Llama-3-8B shape, random bf16 weights):
 
 For each batch size B: B requests with ``--context-len``-token prompts are prefilled, decode runs
 a few warm steps, then ``--steps`` decode steps are profiled; then one more request with a
-``--prefill-len`` prompt arrives and the mixed step (B decodes + one prefill) is profiled, with
-CUDA graphs (as the engine runs it) and eagerly. Prints, per case, the device time per step and
+``--prefill-len`` prompt arrives (on the first adapter with ``--lora-adapters``) and the mixed
+step (B decodes + one prefill) is profiled, with CUDA graphs (as the engine runs it) and eagerly. Prints, per case, the device time per step and
 the kernels by total time (us per step, launches per step); writes JSON.
 """
 
@@ -132,7 +132,8 @@ def main() -> None:
             if mode == "eager":
                 engine.runner.graphs = None
             rid = f"mixed-{b}-{mode}"
-            engine.add_request(rid, {"prompt_token_ids": _prompts(1, args.prefill_len, vocab, 7)[0]}, params)
+            engine.add_request(rid, {"prompt_token_ids": _prompts(1, args.prefill_len, vocab, 7)[0]}, params,
+                               lora_request=loras[0] if loras else None)
             # The step after the arrival: b decodes + the new prompt (async scheduling: one step ahead).
             table, wall = _profile(engine, 2)
             engine.runner.graphs = graphs

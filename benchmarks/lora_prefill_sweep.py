@@ -1,0 +1,146 @@
+"""LoRA kernels at prefill sizes: launch-config candidates for the shrink and for the expand fused
+into SiLU-and-mul, against their default configs, plain SiLU-and-mul and the copy bandwidth.
+
+    python benchmarks/lora_prefill_sweep.py [--tokens 2048,16384] [--adapters 1,16]
+
+Per token count T (one step's rows, grouped into ``--adapters`` equal segments), rank 16, bf16,
+Llama-3-8B widths: the shrink of each projection (qkv: 4096 -> 3 x 16, o: 4096 -> 16, gate_up:
+4096 -> 2 x 16, down: 14336 -> 16) over block_m x block_k x split_k x num_warps, and the fused
+gate/up expand + SiLU-and-mul (d = 14336) over block_m x block_n x n_tiles x num_warps. Every
+candidate is first checked against the default config's output. Prints the default's time, the
+best candidate and its time, and each kernel's compulsory-bytes bound; writes JSON
+(default benchmarks/out/lora_prefill_sweep.json). CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.kernel_timing import measure_copy_bandwidth, time_graph  # noqa: E402
+
+HIDDEN, INTER, RANK, MAX_LORAS = 4096, 14336, 16, 64
+SHRINKS = {"qkv": (HIDDEN, 3), "o": (HIDDEN, 1), "gate_up": (HIDDEN, 2), "down": (INTER, 1)}
+
+
+def _meta(num_tokens: int, num_adapters: int):
+    from kernels.lora_meta import build_lora_kernel_meta
+
+    slots = (torch.arange(num_tokens, device="cuda") * num_adapters // num_tokens).to(torch.int32)
+    return build_lora_kernel_meta(slots, MAX_LORAS)
+
+
+def _time(fn) -> float:
+    return time_graph(fn, reps=20)
+
+
+def sweep_shrink(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
+    from kernels.lora_shrink import LoRAShrinkConfig, lora_shrink, lora_shrink_config
+    from kernels.lora_meta import max_split_k
+
+    meta = _meta(num_tokens, num_adapters)
+    out = []
+    for name, (in_dim, slices) in SHRINKS.items():
+        x = torch.randn(num_tokens, in_dim, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(slices, MAX_LORAS, RANK, in_dim, device="cuda", dtype=torch.bfloat16) / in_dim ** 0.5
+        default = lora_shrink_config(num_tokens, meta.num_active, slices, in_dim, x.device)
+
+        def run(cfg):
+            buf = torch.empty(slices, cfg.split_k, num_tokens, RANK, device="cuda")
+            return buf, (lambda: lora_shrink(x, a, meta, buf, config=cfg))
+
+        buf, fn = run(default)
+        fn()
+        want = buf.sum(1)
+        t_default = _time(fn)
+        best = (t_default, default)
+        for bm, bk, sk, nw in itertools.product((64, 128), (64, 128), (1, 2, 4), (4, 8)):
+            if sk > max_split_k(num_tokens):
+                continue
+            cfg = LoRAShrinkConfig(bm, bk, sk, nw, 3)
+            buf, fn = run(cfg)
+            try:
+                fn()
+            except Exception as e:                                      # e.g. out of shared memory
+                print(f"  shrink {name} {cfg}: {type(e).__name__}")
+                continue
+            if not torch.allclose(buf.sum(1), want, atol=1e-2, rtol=1e-2):
+                raise AssertionError(f"shrink {name} {cfg} disagrees with the default config")
+            t = _time(fn)
+            if t < best[0]:
+                best = (t, cfg)
+        nbytes = num_tokens * in_dim * 2 + slices * num_adapters * RANK * in_dim * 2
+        out.append({"kernel": "shrink", "layer": name, "tokens": num_tokens, "adapters": num_adapters,
+                    "default_us": t_default, "default": dataclasses.asdict(default), "best_us": best[0],
+                    "best": dataclasses.asdict(best[1]), "bound_us": nbytes / bw * 1e6})
+    return out
+
+
+def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
+    from kernels.layer_ops import silu_and_mul
+    from kernels.lora_expand import LoRAExpandConfig, lora_expand_config
+    from kernels.lora_expand_silu_mul import lora_expand_silu_mul
+
+    meta = _meta(num_tokens, num_adapters)
+    buf = torch.randn(2, 1, num_tokens, RANK, device="cuda")
+    b = [torch.randn(MAX_LORAS, INTER, RANK, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(2)]
+    y = torch.randn(num_tokens, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(num_tokens, INTER, device="cuda", dtype=torch.bfloat16)
+    default = lora_expand_config(num_tokens, meta.num_active, (INTER, INTER), y.device)
+    fn = lambda cfg: (lambda: lora_expand_silu_mul(buf, b, meta, y, act, config=cfg))  # noqa: E731
+    fn(default)()
+    want = act.clone()
+    t_default = _time(fn(default))
+    t_plain = _time(lambda: silu_and_mul(y, act))
+    best = (t_default, default)
+    for bm, bn, nt, nw in itertools.product((32, 64, 128), (64, 128), (1, 4), (4, 8)):
+        cfg = LoRAExpandConfig(bm, bn, nt, nw, 2)
+        try:
+            fn(cfg)()
+        except Exception as e:
+            print(f"  silu_mul {cfg}: {type(e).__name__}")
+            continue
+        if not torch.allclose(act.float(), want.float(), atol=5e-2, rtol=2e-2):
+            raise AssertionError(f"silu_mul {cfg} disagrees with the default config")
+        t = _time(fn(cfg))
+        if t < best[0]:
+            best = (t, cfg)
+    nbytes = num_tokens * 3 * INTER * 2 + 2 * num_adapters * INTER * RANK * 2
+    return [{"kernel": "expand_silu_mul", "layer": "gate_up", "tokens": num_tokens, "adapters": num_adapters,
+             "default_us": t_default, "default": dataclasses.asdict(default), "best_us": best[0],
+             "best": dataclasses.asdict(best[1]), "plain_silu_mul_us": t_plain, "bound_us": nbytes / bw * 1e6}]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="2048,16384")
+    ap.add_argument("--adapters", default="1,16")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora_prefill_sweep.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA: nothing measured.")
+        return 0
+    bw = measure_copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    results = []
+    for t, n in itertools.product([int(v) for v in args.tokens.split(",")], [int(v) for v in args.adapters.split(",")]):
+        for r in sweep_shrink(t, n, bw) + sweep_silu_mul(t, n, bw):
+            results.append(r)
+            extra = f"  plain silu_mul {r['plain_silu_mul_us']:.1f}" if "plain_silu_mul_us" in r else ""
+            print(f"{r['kernel']:16s} {r['layer']:8s} T={t:6d} adapters={n:3d}  default {r['default_us']:8.1f} us  "
+                  f"best {r['best_us']:8.1f} us {r['best']}  bound {r['bound_us']:7.1f}{extra}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -86,22 +86,22 @@ def sweep_shrink(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
 
 def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
     from kernels.layer_ops import silu_and_mul
-    from kernels.lora_expand import LoRAExpandConfig, lora_expand_config
-    from kernels.lora_expand_silu_mul import lora_expand_silu_mul
+    from kernels.lora_expand import LoRAExpandConfig
+    from kernels.lora_expand_silu_mul import lora_expand_silu_mul, lora_expand_silu_mul_config
 
     meta = _meta(num_tokens, num_adapters)
     buf = torch.randn(2, 1, num_tokens, RANK, device="cuda")
     b = [torch.randn(MAX_LORAS, INTER, RANK, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(2)]
     y = torch.randn(num_tokens, 2 * INTER, device="cuda", dtype=torch.bfloat16)
     act = torch.empty(num_tokens, INTER, device="cuda", dtype=torch.bfloat16)
-    default = lora_expand_config(num_tokens, meta.num_active, (INTER, INTER), y.device)
+    default = lora_expand_silu_mul_config(num_tokens, meta.num_active, INTER, y.device)
     fn = lambda cfg: (lambda: lora_expand_silu_mul(buf, b, meta, y, act, config=cfg))  # noqa: E731
     fn(default)()
     want = act.clone()
     t_default = _time(fn(default))
     t_plain = _time(lambda: silu_and_mul(y, act))
     best = (t_default, default)
-    for bm, bn, nt, nw in itertools.product((32, 64, 128), (64, 128), (1, 4), (4, 8)):
+    for bm, bn, nt, nw in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4), (4, 8)):
         cfg = LoRAExpandConfig(bm, bn, nt, nw, 2)
         try:
             fn(cfg)()

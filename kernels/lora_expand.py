@@ -17,6 +17,10 @@ program as keep a few waves of programs with work when segments are as small as 
 num_warps=4,num_stages=2"`` (fields of ``LoRAExpandConfig``); ``lora.layers`` reads it once per
 layer.
 
+Numerics: the shrink's fp32 sum is rounded to B's dtype before the dot on float16/bfloat16 GPUs
+(as PEFT's ``lora_B(lora_A(x))`` rounds ``lora_A(x)``), and the dot runs on the tensor cores'
+native path with fp32 accumulation; float32 (and the interpreter) keep h in fp32.
+
 The torch twin is ``kernels.reference.lora_expand_ref``.
 """
 
@@ -60,9 +64,14 @@ def _slice_of(pid_s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, off0, off1, off2):
 @triton.jit
 def _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ADD_INPUTS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """y[tok, col0 + n] = (y[tok, col0 + n] if ADD_INPUTS else 0) + h @ B[slot][n].T for the columns
-    n in [n_lo, n_lo + cols_per_program) of the slice (h: [BLOCK_M, BLOCK_R] fp32)."""
+    n in [n_lo, n_lo + cols_per_program) of the slice (h: [BLOCK_M, BLOCK_R] fp32).
+
+    UPCAST: B to fp32 and a DOT_PRECISION dot (float32 models, the interpreter); else h is
+    rounded to B's dtype and the dot runs on its native tensor-core path (fp32 accumulation)."""
+    if not UPCAST:
+        h = h.to(b_ptr.dtype.element_ty)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     b_rows = b_ptr + slot.to(tl.int64) * n_out * rank + offs_r[None, :]                # [1, BLOCK_R]
@@ -71,9 +80,11 @@ def _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols
     for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
         offs_n = c0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < n_out) & (offs_n < n_end)          # two bounds: no min(), see lora_shrink
-        b = tl.load(b_rows + offs_n[:, None] * rank, mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0).to(tl.float32)                                           # [BLOCK_N, BLOCK_R]
-        delta = tl.dot(h, tl.trans(b), input_precision=DOT_PRECISION)                   # [BLOCK_M, BLOCK_N]
+        b = tl.load(b_rows + offs_n[:, None] * rank, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        if UPCAST:
+            delta = tl.dot(h, tl.trans(b.to(tl.float32)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        else:
+            delta = tl.dot(h, tl.trans(b))                                              # [BLOCK_M, BLOCK_N] f32
         y_ptrs = y_rows + offs_n[None, :]
         y_mask = m_ok[:, None] & n_ok[None, :]
         if ADD_INPUTS:
@@ -88,7 +99,7 @@ def _lora_expand_kernel(
     num_active, rank, n0, n1, n2, off0, off1, off2, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAX_LORAS_PAD: tl.constexpr, ADD_INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAX_LORAS_PAD: tl.constexpr, ADD_INPUTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Semantics (B_s = [b0, b1, b2][s], each [max_loras, n_s, rank] contiguous):
 
@@ -121,7 +132,7 @@ def _lora_expand_kernel(
     for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
         h += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0)          # [BLOCK_M, BLOCK_R]
     _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
-                 BLOCK_N, BLOCK_R, ADD_INPUTS, DOT_PRECISION)
+                 BLOCK_N, BLOCK_R, ADD_INPUTS, UPCAST, DOT_PRECISION)
 
 
 @dataclass(frozen=True)
@@ -183,6 +194,12 @@ def widest_n_tiles(tiles: int, out_dims: tuple[int, ...], block_n: int, device: 
     while n_tiles * 2 <= MAX_N_TILES and programs(n_tiles * 2) >= target:
         n_tiles *= 2
     return n_tiles
+
+
+def expand_upcast(y: torch.Tensor, b: torch.Tensor) -> bool:
+    """The expand's dot upcasts B to float32 (the kernels' UPCAST): for float32 tensors, and under
+    the interpreter (its bfloat16 arithmetic is wrong); float16/bfloat16 on a GPU dot natively."""
+    return is_interpreted(y.device) or y.dtype == torch.float32 or b.dtype == torch.float32
 
 
 def check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, max_loras: int, rank: int,
@@ -251,6 +268,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
         SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
-        ADD_INPUTS=bool(add_inputs), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        ADD_INPUTS=bool(add_inputs), UPCAST=expand_upcast(y, lora_b_slices[0]),
+        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -91,7 +91,7 @@ def _lora_fused_kernel(
                      stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank,
                      BLOCK_M, BLOCK_K, BLOCK_R, UPCAST, SHRINK_PRECISION)                 # [BM, BR] f32
     _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
-                 BLOCK_N, BLOCK_R, True, EXPAND_PRECISION)
+                 BLOCK_N, BLOCK_R, True, UPCAST, EXPAND_PRECISION)
 
 
 # ----------------------------------------------------------------------------------------

@@ -285,8 +285,16 @@ class LinearLoRASlots(nn.Module):
 
         if pending.side is not None:
             torch.cuda.current_stream().wait_stream(pending.side)
-        return lora_expand_silu_mul(pending.plan.buf, self.lora_b, self.state.batch.meta,
-                                    y.view(-1, y.shape[-1]), config=pending.plan.expand_cfg)
+        y2 = y.view(-1, y.shape[-1])
+        meta = self.state.batch.meta
+        return lora_expand_silu_mul(pending.plan.buf, self.lora_b, meta, y2,
+                                    config=self._silu_mul_config(y2.shape[0], meta.num_active, y2.device))
+
+    def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device):
+        from kernels.lora_expand_silu_mul import lora_expand_silu_mul_config
+
+        return lora_expand_silu_mul_config(num_tokens, num_active, self.output_sizes[0], device,
+                                           self.overrides.expand)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """x as [num_tokens, input_size], checked against the step's batch."""
@@ -316,9 +324,10 @@ class LinearLoRASlots(nn.Module):
         if self._takes_fused(num_tokens):
             return ("fused", lora_fused_config(num_tokens, num_active, self.input_size, outs, dev,
                                                self.overrides.fused))
+        silu_mul = self._silu_mul_config(num_tokens, num_active, dev) if self.fuse_silu_mul else None
         return ("split", lora_shrink_config(num_tokens, num_active, self.num_slices, self.input_size, dev,
                                             self.overrides.shrink),
-                lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand))
+                lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand), silu_mul)
 
     def _takes_fused(self, num_tokens: int) -> bool:
         """The layer's kernel choice runs the one-launch fused kernel for a step of num_tokens."""

@@ -228,3 +228,59 @@ def test_silu_mul_fusion_only_on_gate_up_shapes(monkeypatch):
     x = _input(2, False)
     y, pending = base.forward_deferred(x)
     assert pending is None and torch.equal(y, base(x))
+
+
+@pytest.mark.parametrize("fuse", ["1", "0"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
+def test_forward_deferred_then_norm_equals_unfused(fuse, with_residual, monkeypatch):
+    """A one-slice layer (o/down-shaped): ``forward_deferred`` leaves the update pending (fused)
+    and ``finish_add_rms_norm`` adds it inside the norm: the same (out, s) as expand then norm."""
+    from engine.layers.norm import RMSNorm
+    from kernels import lora_expand, lora_expand_norm
+
+    monkeypatch.setenv("CHORUS_LORA_FUSE_NORM", fuse)
+    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
+    monkeypatch.delenv("CHORUS_LORA_KERNEL", raising=False)
+    outs = [16]
+    base, slots, state = _layer("triton", outs=outs)
+    assert slots.fuse_norm is (fuse == "1") and slots.fuse_silu_mul is False
+    g = torch.Generator().manual_seed(6)
+    adapters = {s: {0: (torch.randn(r, IN, generator=g), torch.randn(16, r, generator=g), 2.0 / r)}
+                for s, r in ((0, 4), (2, 8))}
+    _load(slots, adapters)
+    token_slots = STEPS[0]
+    x = _input(len(token_slots), False)
+    state.batch = build_lora_batch(torch.tensor(token_slots, dtype=torch.int32), MAX_LORAS, with_segments=False)
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    residual = torch.randn(len(token_slots), 16, generator=g) if with_residual else None
+    p = _manual(x, F.linear(x, base.weight), token_slots, adapters, outs)
+    want_s = p if residual is None else p + residual
+    want = norm.forward_torch(want_s)
+
+    norm_spy = Mock(wraps=lora_expand_norm.lora_expand_add_rms_norm)
+    expand_spy = Mock(wraps=lora_expand.lora_expand)
+    monkeypatch.setattr(lora_expand_norm, "lora_expand_add_rms_norm", norm_spy)
+    monkeypatch.setattr(lora_expand, "lora_expand", expand_spy)
+    y, pending = base.forward_deferred(x)
+    assert (pending is not None) == (fuse == "1")
+    if pending is None:
+        out, s = (norm(y), y) if residual is None else norm(y, residual.clone())
+    else:
+        out, s = slots.finish_add_rms_norm(pending, norm, y, None if residual is None else residual.clone())
+    assert (norm_spy.call_count, expand_spy.call_count) == ((1, 0) if fuse == "1" else (0, 1))
+    torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_norm_fusion_only_for_decode_sized_steps(monkeypatch):
+    """Steps above FUSE_NORM_MAX_TOKENS expand into the output (each row would stream its B)."""
+    from kernels.lora_expand_norm import FUSE_NORM_MAX_TOKENS
+
+    monkeypatch.delenv("CHORUS_LORA_FUSE_NORM", raising=False)
+    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
+    _, slots, _ = _layer("triton", outs=[16])
+    assert slots.defers(FUSE_NORM_MAX_TOKENS) and not slots.defers(FUSE_NORM_MAX_TOKENS + 1)
+    assert _layer("triton", outs=GATE_UP)[1].defers(FUSE_NORM_MAX_TOKENS + 1)   # SiLU-and-mul: any size
+    assert not _layer("triton")[1].defers(1)                                      # q/k/v: never
+    assert not _layer("torch", outs=[16])[1].defers(1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-fuse-norm]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -17,7 +17,7 @@ for phase in "$@"; do
     lora-tests)
       timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/lora/test_peft_parity.py tests/kernels/test_kernel_lora.py \
         tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_lora_fused.py tests/lora/test_fused_lora_path.py tests/lora/test_lora_overlap.py \
-        tests/kernels/test_kernel_lora_silu_mul.py tests/kernels/test_kernel_lora_norm.py -k "cuda or gpu" 2>&1 | tee "$OUT/lora_tests.log" | tail -8 ;;
+        tests/kernels/test_kernel_lora_silu_mul.py -k "cuda or gpu" 2>&1 | tee "$OUT/lora_tests.log" | tail -8 ;;
     gemv)      # decode GEMV configs vs cuBLAS (and the fused norm / SiLU-and-mul prologues)
       timeout 150 python3 benchmarks/gemv_sweep.py --out "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/gemv_sweep.log" | tail -60 ;;
     profile)   # kernel tables: decode batch 1 and 256 (base model), decode batch 64 with 16 adapters
@@ -71,14 +71,6 @@ for phase in "$@"; do
       timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
         --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_silu_b256.json" 2>&1 \
         | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /" ;;
-    lora-fuse-norm)   # o/down LoRA update inside add + RMSNorm (CHORUS_LORA_FUSE_NORM) off / on at batch 64
-      timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora_norm.py \
-        tests/lora/test_peft_parity.py -k "cuda or gpu" 2>&1 | tail -3
-      for fuse in ${FUSES:-0 1}; do
-        CHORUS_LORA_FUSE_NORM=$fuse timeout 100 python3 benchmarks/multi_lora.py --batch-sizes 64 \
-          --input-len 512 --output-len 128 --skip-hf --num-adapters ${NORM_ADAPTERS:-16,64} --max-loras 64 --base-last \
-          --out "$OUT/ml_norm$fuse.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/fuse-norm $fuse: /"
-      done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

@@ -135,20 +135,6 @@ def lora_fuse_silu_mul() -> bool:
     return flag == "1"
 
 
-def lora_fuse_norm() -> bool:
-    """CHORUS_LORA_FUSE_NORM: "1" (default) adds the LoRA update of o_proj and down_proj inside the
-    residual add + RMSNorm that follows them (``kernels.lora_expand_norm``: one launch instead of
-    the expand and the norm) in steps of at most ``kernels.lora_expand_norm.FUSE_NORM_MAX_TOKENS``
-    tokens; "0" expands into the projection output, then normalizes. Applies on the Triton split
-    path with the overlap on (``lora.layers``)."""
-    value = os.environ.get("CHORUS_LORA_FUSE_NORM", "")
-    flag = value.strip() or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"CHORUS_LORA_FUSE_NORM={value!r}: use 1 (fused) or 0 (expand, then the norm), "
-                         "or unset it for 1.")
-    return flag == "1"
-
-
 def lora_fused_config() -> str | None:
     """CHORUS_LORA_FUSED_CONFIG: fused LoRA kernel launch overrides, e.g. "block_k=256,n_tiles=4"
     (fields of ``kernels.lora_fused.LoRAFusedConfig``)."""

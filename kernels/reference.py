@@ -151,18 +151,3 @@ def lora_expand_silu_mul_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Te
     gu = lora_expand_ref(buf, lora_b_slices, token_lora_slots, y, [0, d]).float()     # [T, 2d]
     act = torch.nn.functional.silu(gu[:, :d]).to(y.dtype).float()
     return (act * gu[:, d:]).to(y.dtype)
-
-
-def lora_expand_add_rms_norm_ref(buf: torch.Tensor, lora_b: torch.Tensor, token_lora_slots: torch.Tensor,
-                                 x: torch.Tensor, weight: torch.Tensor, eps: float,
-                                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``kernels.lora_expand_norm.lora_expand_add_rms_norm``: (out, s), new tensors.
-
-    p = ``lora_expand_ref`` of x (one slice at column 0); s = dtype(p + residual) or p;
-    out = dtype(weight * dtype(s * rsqrt(mean(s^2) + eps))), float32 math.
-    """
-    p = lora_expand_ref(buf, [lora_b], token_lora_slots, x, [0])                     # [T, hidden]
-    s = p if residual is None else (p.float() + residual.float()).to(x.dtype)
-    sf = s.float()
-    n = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).float()
-    return (weight.float() * n).to(x.dtype), s

@@ -33,15 +33,10 @@ split pair only (the fused kernel is one launch that adds into y: nothing to run
 GEMM), and the fork and the join are ``wait_stream`` calls, which CUDA graph capture records as
 graph edges. On CPU (the Triton interpreter in the tests) the same two phases run on the one stream.
 
-Consumer fusions (split path with the overlap): ``engine.layers.linear.Linear.forward_deferred``
-returns the base output and ``begin``'s pending update, and the model hands that to the kernel
-after the projection instead of expanding into the projection output first:
-
-- ``CHORUS_LORA_FUSE_SILU_MUL`` (default on; gate/up layers, two slices of equal width):
-  ``finish_silu_mul`` adds it inside the SiLU-and-mul (``kernels.lora_expand_silu_mul``);
-- ``CHORUS_LORA_FUSE_NORM`` (default on; one-slice layers, o_proj and down_proj, steps of at most
-  ``FUSE_NORM_MAX_TOKENS`` tokens): ``finish_add_rms_norm`` adds it inside the residual add +
-  RMSNorm (``kernels.lora_expand_norm``).
+SiLU-and-mul fusion (``CHORUS_LORA_FUSE_SILU_MUL``, default on; gate/up layers, i.e. two slices
+of equal width, on the split path with the overlap): the MLP hands ``begin``'s pending update to
+``finish_silu_mul``, which adds it inside the SiLU-and-mul (``kernels.lora_expand_silu_mul``)
+instead of expanding into the projection output first (``engine.layers.linear.Linear.forward_deferred``).
 """
 
 from __future__ import annotations
@@ -170,10 +165,6 @@ class LinearLoRASlots(nn.Module):
                               and self.output_sizes[0] == self.output_sizes[1] and envs.lora_fuse_silu_mul())
         """CHORUS_LORA_FUSE_SILU_MUL (read once here) on a gate/up-shaped layer with the overlap:
         ``engine.layers.linear.Linear.forward_deferred`` leaves the update to ``finish_silu_mul``."""
-        self.fuse_norm = self.overlap and self.num_slices == 1 and envs.lora_fuse_norm()
-        """CHORUS_LORA_FUSE_NORM (read once here) on a one-slice layer (o_proj, down_proj) with the
-        overlap: ``forward_deferred`` leaves the update of steps of at most ``FUSE_NORM_MAX_TOKENS``
-        tokens to ``finish_add_rms_norm``."""
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -277,34 +268,6 @@ class LinearLoRASlots(nn.Module):
             torch.cuda.current_stream().wait_stream(pending.side)
         self._expand(pending.plan, y.view(-1, y.shape[-1]), self.state.batch)
         return y
-
-    def defers(self, num_tokens: int) -> bool:
-        """``forward_deferred`` leaves a step of num_tokens tokens' update to the consumer: the
-        SiLU-and-mul of gate/up, or the add + RMSNorm after a one-slice layer (decode-sized steps)."""
-        from kernels.lora_expand_norm import FUSE_NORM_MAX_TOKENS
-
-        return self.fuse_silu_mul or (self.fuse_norm and num_tokens <= FUSE_NORM_MAX_TOKENS)
-
-    def finish_add_rms_norm(self, pending: LoRAPending, norm, x: torch.Tensor,
-                            residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x + update, residual)`` as ``engine.layers.norm.RMSNorm`` returns it ((out, s),
-        or (out, s) with s = x + update when residual is None), with the pending update of this
-        one-slice layer added inside the norm: one ``kernels.lora_expand_norm`` launch for a split
-        plan on CUDA; otherwise ``finish`` then ``norm``.
-
-        x: [num_tokens, output_size] the base output (overwritten, as ``RMSNorm`` does on CUDA).
-        """
-        if pending.plan is None or not self.fuse_norm:
-            x = self.finish(pending, x)
-            return (norm(x), x) if residual is None else norm(x, residual)
-        from kernels.lora_expand_norm import lora_expand_add_rms_norm
-
-        if pending.side is not None:
-            torch.cuda.current_stream().wait_stream(pending.side)
-        x2 = x.view(-1, x.shape[-1])
-        out = lora_expand_add_rms_norm(pending.plan.buf, self.lora_b[0], self.state.batch.meta, x2,
-                                       norm.weight, norm.eps, residual, out=x2 if residual is not None else None)
-        return out, (x if residual is None else residual)
 
     def finish_silu_mul(self, pending: LoRAPending, y: torch.Tensor) -> torch.Tensor:
         """SiLU-and-mul of y (gate | up) with the pending adapter update added inside it: one

@@ -241,7 +241,6 @@ class LoRAManager:
         """
         if self.backend != "triton" or not self.layers or max_tokens < min_tokens:
             return 0
-        from engine.layers.norm import RMSNorm  # NOTE: here: ``engine`` imports this package
         token_counts = sorted({t for t in range(min_tokens, max_tokens + 1, 32)} | {max_tokens}
                               | {t for t in range(min_tokens, min(max_tokens, 64) + 1)})
         actives = sorted({a for a in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, self.max_loras)
@@ -264,9 +263,6 @@ class LoRAManager:
                     layer(x, y)
                     if layer.fuse_silu_mul:          # the MLP's path: the update inside SiLU-and-mul
                         layer.finish_silu_mul(layer.begin(x), y)
-                    if layer.defers(t) and layer.fuse_norm:   # o / down: the update inside add + RMSNorm
-                        norm = RMSNorm(y.shape[1], 1e-6).to(device=self.device, dtype=x.dtype)
-                        layer.finish_add_rms_norm(layer.begin(x), norm, y, torch.zeros_like(y))
                     calls += 1
         self.state.batch = None
         return calls

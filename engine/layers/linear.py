@@ -60,12 +60,10 @@ class Linear(nn.Module):
 
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
         """(y, pending): like ``forward``, but when the LoRA hook fuses its update into the
-        consumer (``LinearLoRASlots.defers``: gate/up into SiLU-and-mul, o/down into add + RMSNorm),
-        y is the base output and ``pending`` the update still to add; the consumer must complete it
-        (``pending.owner.finish_silu_mul`` / ``finish_add_rms_norm``). pending is None when y is
-        complete."""
-        if (self.lora is None or self.lora.adds_nothing()
-                or not self.lora.defers(x.numel() // self.input_size)):
+        consumer (``LinearLoRASlots.fuse_silu_mul``: gate/up into SiLU-and-mul), y is the base
+        output and ``pending`` the update still to add; its consumer must complete it
+        (``pending.owner.finish_silu_mul(pending, y)``). pending is None when y is complete."""
+        if self.lora is None or not self.lora.fuse_silu_mul or self.lora.adds_nothing():
             return self.forward(x), None
         pending = self.lora.begin(x)
         y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]

@@ -13,8 +13,7 @@ import torch
 import torch.nn as nn
 
 from engine.layers.attention import PagedAttention
-from engine.layers.fused import (add_norm, linear_forward_deferred, norm_linear, norm_linear_deferred,
-                                 silu_mul_linear)
+from engine.layers.fused import linear_forward, norm_linear, norm_linear_deferred, silu_mul_linear
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -47,14 +46,14 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # NOTE: one instance shared by every layer (one cos/sin gather per step)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """qkv: [T, q + 2 kv], the output of ``qkv_proj`` (run fused with the input norm by the
-        decoder layer) -> ([T, hidden], o_proj's adapter update if left to the next norm)."""
+        decoder layer) -> [T, hidden]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        return linear_forward_deferred(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb))
+        return linear_forward(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):
@@ -66,11 +65,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias)
 
-    def forward(self, gate_up: torch.Tensor, lora_pending: Optional[LoRAPending] = None
-                ) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+    def forward(self, gate_up: torch.Tensor, lora_pending: Optional[LoRAPending] = None) -> torch.Tensor:
         """gate_up: [T, 2 * intermediate], the output of ``gate_up_proj`` (run fused with the
         post-attention norm by the decoder layer), without its adapter update when
-        ``lora_pending`` holds it -> ([T, hidden], down_proj's update if left to the next norm)."""
+        ``lora_pending`` holds it -> [T, hidden]."""
         return silu_mul_linear(self.down_proj, gate_up, lora_pending)
 
 
@@ -82,17 +80,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, pending=None):
-        """hidden: [T, hidden] (the embeddings when ``residual`` is None), with the previous
-        layer's down_proj update still to add when ``pending`` holds it -> (output, residual,
-        this layer's down_proj update if pending). A pending update is added inside the norm
-        that follows its projection (``engine.layers.fused.add_norm``)."""
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual, pending)
-        hidden, pending = self.self_attn(positions, qkv)
+    def forward(self, positions, hidden, residual):
+        """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual)."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv)
         gate_up, pending, residual = norm_linear_deferred(self.post_attention_layernorm, self.mlp.gate_up_proj,
-                                                          hidden, residual, pending)
-        hidden, pending = self.mlp(gate_up, pending)
-        return hidden, residual, pending
+                                                          hidden, residual)
+        return self.mlp(gate_up, pending), residual
 
 
 class LlamaModel(nn.Module):
@@ -109,10 +103,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        residual = pending = None
+        residual = None
         for layer in self.layers:
-            hidden, residual, pending = layer(positions, hidden, residual, pending)
-        hidden, _ = add_norm(self.norm, hidden, residual, pending)
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
 

@@ -88,15 +88,3 @@ def test_lora_fuse_silu_mul(monkeypatch):
         monkeypatch.setenv("CHORUS_LORA_FUSE_SILU_MUL", bad)
         with pytest.raises(ValueError, match=f"CHORUS_LORA_FUSE_SILU_MUL='{bad}': use 1 .* or 0"):
             envs.lora_fuse_silu_mul()
-
-
-def test_lora_fuse_norm(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_FUSE_NORM", raising=False)
-    assert envs.lora_fuse_norm() is True
-    for value, want in (("0", False), ("1", True), (" 0 ", False), ("", True)):
-        monkeypatch.setenv("CHORUS_LORA_FUSE_NORM", value)
-        assert envs.lora_fuse_norm() is want, value
-    for bad in ("yes", "2"):
-        monkeypatch.setenv("CHORUS_LORA_FUSE_NORM", bad)
-        with pytest.raises(ValueError, match=f"CHORUS_LORA_FUSE_NORM='{bad}': use 1 .* or 0"):
-            envs.lora_fuse_norm()

@@ -248,7 +248,10 @@ def lora_shrink_config(num_tokens: int, num_segments: int, num_slices: int, in_d
         # NOTE: H200 sweep (benchmarks/kernels.py --lora-sweep, decode batch 64/256, 1-64 adapters):
         # one-token segments want block_k 128 and ~8 split programs per SM (split_k 8 on every
         # Llama-3-8B projection), not the 2 per SM that suit long segments.
-        block_k = 128 if block_m <= 16 else (256 if block_m <= 32 else 128)
+        # Prefill-length segments (block_m 64) of packed projections (q/k/v, gate/up) want block_k 64
+        # (benchmarks/lora_prefill_sweep.py, 16384 tokens, 16 adapters: qkv 91 -> 60 us, gate_up
+        # 65 -> 52 us; o and down: no better config than 128).
+        block_k = 128 if block_m <= 16 else (256 if block_m <= 32 else (64 if num_slices >= 2 else 128))
         per_sm = 8 if block_m <= 16 else PROGRAMS_PER_SM
         # Fewest splits that give per_sm programs with work per SM, each split >= 2 steps.
         split_k, k_steps, target = 1, cdiv(in_dim, block_k), per_sm * num_sms(device)

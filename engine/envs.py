@@ -109,16 +109,21 @@ def lora_kernel() -> str:
     return kernel
 
 
+def _on_off(name: str, on: str, off: str) -> bool:
+    """A "0"/"1" switch that defaults to 1 (surrounding spaces ignored); ValueError naming both
+    meanings otherwise."""
+    value = os.environ.get(name, "")
+    flag = value.strip() or "1"
+    if flag not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: use 1 ({on}) or 0 ({off}), or unset it for 1.")
+    return flag == "1"
+
+
 def lora_overlap() -> bool:
     """CHORUS_LORA_OVERLAP: "1" (default) issues each CUDA layer's LoRA shrink on a side stream
     before the base GEMM, so the two run concurrently, and joins before the expand (split kernel
     path only; ``lora.layers``); "0" runs GEMM, shrink and expand one after another."""
-    value = os.environ.get("CHORUS_LORA_OVERLAP", "")
-    flag = value.strip() or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"CHORUS_LORA_OVERLAP={value!r}: use 1 (overlap) or 0 (sequential), "
-                         "or unset it for 1.")
-    return flag == "1"
+    return _on_off("CHORUS_LORA_OVERLAP", "overlap", "sequential")
 
 
 def lora_fuse_silu_mul() -> bool:
@@ -127,12 +132,7 @@ def lora_fuse_silu_mul() -> bool:
     [tokens, 2 x intermediate] output is read once instead of read, written and read again); "0"
     runs the expand into the projection output, then SiLU-and-mul. Applies on the Triton split path
     with the overlap on (``lora.layers``)."""
-    value = os.environ.get("CHORUS_LORA_FUSE_SILU_MUL", "")
-    flag = value.strip() or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"CHORUS_LORA_FUSE_SILU_MUL={value!r}: use 1 (fused) or 0 (expand, then "
-                         "SiLU-and-mul), or unset it for 1.")
-    return flag == "1"
+    return _on_off("CHORUS_LORA_FUSE_SILU_MUL", "fused", "expand, then SiLU-and-mul")
 
 
 def lora_fused_config() -> str | None:

@@ -66,25 +66,15 @@ def test_gemm_sm_carveout(monkeypatch):
             envs.gemm_sm_carveout()
 
 
-def test_lora_overlap(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
-    assert envs.lora_overlap() is True
+@pytest.mark.parametrize("name,read", [("CHORUS_LORA_OVERLAP", envs.lora_overlap),
+                                       ("CHORUS_LORA_FUSE_SILU_MUL", envs.lora_fuse_silu_mul)])
+def test_on_off_switches(name, read, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    assert read() is True
     for value, want in (("0", False), ("1", True), (" 0 ", False), ("", True)):
-        monkeypatch.setenv("CHORUS_LORA_OVERLAP", value)
-        assert envs.lora_overlap() is want, value
+        monkeypatch.setenv(name, value)
+        assert read() is want, value
     for bad in ("yes", "2", "off", "true"):
-        monkeypatch.setenv("CHORUS_LORA_OVERLAP", bad)
-        with pytest.raises(ValueError, match=f"CHORUS_LORA_OVERLAP='{bad}': use 1 .* or 0"):
-            envs.lora_overlap()
-
-
-def test_lora_fuse_silu_mul(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_FUSE_SILU_MUL", raising=False)
-    assert envs.lora_fuse_silu_mul() is True
-    for value, want in (("0", False), ("1", True), (" 0 ", False), ("", True)):
-        monkeypatch.setenv("CHORUS_LORA_FUSE_SILU_MUL", value)
-        assert envs.lora_fuse_silu_mul() is want, value
-    for bad in ("yes", "2", "off"):
-        monkeypatch.setenv("CHORUS_LORA_FUSE_SILU_MUL", bad)
-        with pytest.raises(ValueError, match=f"CHORUS_LORA_FUSE_SILU_MUL='{bad}': use 1 .* or 0"):
-            envs.lora_fuse_silu_mul()
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}='{bad}': use 1 .* or 0 .*unset it for 1"):
+            read()

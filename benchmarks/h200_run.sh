@@ -15,7 +15,7 @@ for phase in "$@"; do
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_layer_ops.py \
         tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_kv_write.py tests/models/test_gpu_parity.py tests/models/test_fused_decode.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     lora-tests)
-      timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/lora/test_peft_parity.py tests/kernels/test_kernel_lora.py \
+      timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/lora/test_peft_parity.py tests/kernels/test_kernel_lora.py \
         tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_lora_fused.py tests/lora/test_fused_lora_path.py tests/lora/test_lora_overlap.py \
         tests/kernels/test_kernel_lora_silu_mul.py -k "cuda or gpu" 2>&1 | tee "$OUT/lora_tests.log" | tail -8 ;;
     gemv)      # decode GEMV configs vs cuBLAS (and the fused norm / SiLU-and-mul prologues)

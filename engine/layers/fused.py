@@ -47,9 +47,7 @@ def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Option
     if use_decode_gemv(linear, x):
         from kernels.gemv import add_rms_norm_gemv
         return add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
-    if residual is None:
-        return linear(norm(x)), x
-    h, residual = norm(x, residual)
+    h, residual = _add_norm(norm, x, residual)
     return linear(h), residual
 
 
@@ -61,12 +59,14 @@ def norm_linear_deferred(norm: RMSNorm, linear: Linear, x: torch.Tensor, residua
     if use_decode_gemv(linear, x):
         y, residual = norm_linear(norm, linear, x, residual)
         return y, None, residual
-    if residual is None:
-        h, residual = norm(x), x
-    else:
-        h, residual = norm(x, residual)
+    h, residual = _add_norm(norm, x, residual)
     y, pending = linear.forward_deferred(h)
     return y, pending, residual
+
+
+def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s), s) with s = x + residual, or s = x when ``residual`` is None."""
+    return (norm(x), x) if residual is None else norm(x, residual)
 
 
 def silu_mul_linear(linear: Linear, gate_up: torch.Tensor, pending: Optional[LoRAPending] = None) -> torch.Tensor:

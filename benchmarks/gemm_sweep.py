@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.gemv_sweep import SHAPES, parse_shapes, weight_copies, write_json  # noqa: E402
+from benchmarks.gemv_sweep import SHAPES, parse_shapes, time_configs, weight_copies, write_json  # noqa: E402
 from benchmarks.kernel_timing import measure_copy_bandwidth, time_graph_calls  # noqa: E402
 
 LAYER = ("qkv", "o", "gate_up", "down")
@@ -84,16 +84,8 @@ def sweep_shape(name: str, n: int, k: int, ms: list[int], args, bw: float, l2: i
             lt_us = time_graph_calls(lambda i: F.linear(x, ws[i % copies]), args.calls, args.reps)
         finally:
             torch.backends.cuda.preferred_blas_library("cublas")
-        results = []
-        for cfg in [gemm_config(m, n, k, dev)] + candidate_configs(m, max_smem):
-            try:
-                err = (gemm(x, ws[0], config=cfg, out=y).float() - ref).abs().max().item()
-                us = time_graph_calls(lambda i: gemm(x, ws[i % copies], config=cfg, out=y), args.calls, args.reps)
-            except Exception as e:    # a config the compiler rejects (shared memory, registers)
-                print(f"  {name} M={m} {cfg_str(cfg)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            results.append(dict(config=cfg.__dict__.copy(), us=us, max_err=err, cfg=cfg))
-        results.sort(key=lambda r: r["us"])
+        results = time_configs(f"{name} M={m}", [gemm_config(m, n, k, dev)] + candidate_configs(m, max_smem),
+                               cfg_str, lambda cfg, i: gemm(x, ws[i % copies], config=cfg, out=y), ref, args)
 
         def tf(us):
             return flops / (us * 1e-6) / 1e12

@@ -20,6 +20,7 @@ Every config's output is checked once against cuBLAS (max abs error in the JSON)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -142,6 +143,24 @@ def weight_copies(n: int, k: int, l2: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
 
 
+def time_configs(label: str, configs, describe, run, ref: torch.Tensor, args) -> list[dict]:
+    """Each launch config's max error against ``ref`` (``run(cfg, 0)``) and device time over
+    ``run(cfg, i)`` calls cycling the weight copies; configs the compiler rejects (shared memory,
+    registers) are printed with ``label`` and ``describe(cfg)`` and skipped. Fastest first; each
+    entry is {config (as a dict), us, max_err, cfg (the config object)}."""
+    results = []
+    for cfg in configs:
+        try:
+            err = (run(cfg, 0).float() - ref).abs().max().item()
+            us = time_graph_calls(lambda i: run(cfg, i), args.calls, args.reps)
+        except Exception as e:
+            print(f"  {label} {describe(cfg)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        results.append(dict(config=dataclasses.asdict(cfg), us=us, max_err=err, cfg=cfg))
+    results.sort(key=lambda r: r["us"])
+    return results
+
+
 def sweep_shape(name: str, n: int, k: int, ms: list[int], args, bw: float, l2: int) -> list[dict]:
     from kernels.gemv import gemv, gemv_config
 
@@ -154,16 +173,8 @@ def sweep_shape(name: str, n: int, k: int, ms: list[int], args, bw: float, l2: i
         x = torch.randn(m, k, device=dev, dtype=dtype)
         ref = torch.matmul(x, ws[0].t()).float()
         cublas_us = time_graph_calls(lambda i: torch.matmul(x, ws[i % copies].t()), args.calls, args.reps)
-        results = []
-        for cfg in candidate_configs(m):
-            try:
-                err = (gemv(x, ws[0], config=cfg).float() - ref).abs().max().item()
-                us = time_graph_calls(lambda i: gemv(x, ws[i % copies], config=cfg), args.calls, args.reps)
-            except Exception as e:    # a config the compiler rejects (shared memory, registers)
-                print(f"  {name} M={m} {cfg_str(cfg)}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                continue
-            results.append(dict(config=cfg_dict(cfg), us=us, max_err=err, cfg=cfg))
-        results.sort(key=lambda r: r["us"])
+        results = time_configs(f"{name} M={m}", candidate_configs(m), cfg_str,
+                               lambda cfg, i: gemv(x, ws[i % copies], config=cfg), ref, args)
         default = gemv_config(m, n, k)
         default_us = time_graph_calls(lambda i: gemv(x, ws[i % copies], config=default), args.calls, args.reps)
         best = results[0] if results else None

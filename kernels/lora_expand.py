@@ -196,10 +196,11 @@ def widest_n_tiles(tiles: int, out_dims: tuple[int, ...], block_n: int, device: 
     return n_tiles
 
 
-def expand_upcast(y: torch.Tensor, b: torch.Tensor) -> bool:
-    """The expand's dot upcasts B to float32 (the kernels' UPCAST): for float32 tensors, and under
-    the interpreter (its bfloat16 arithmetic is wrong); float16/bfloat16 on a GPU dot natively."""
-    return is_interpreted(y.device) or y.dtype == torch.float32 or b.dtype == torch.float32
+def expand_upcast(y: torch.Tensor) -> bool:
+    """The expand's dot upcasts B to float32 (the kernels' UPCAST): for float32 tensors (B has y's
+    dtype, ``check_b_slices``), and under the interpreter (its bfloat16 arithmetic is wrong);
+    float16/bfloat16 on a GPU dot natively."""
+    return is_interpreted(y.device) or y.dtype == torch.float32
 
 
 def check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, max_loras: int, rank: int,
@@ -268,7 +269,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
         SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
-        ADD_INPUTS=bool(add_inputs), UPCAST=expand_upcast(y, lora_b_slices[0]),
+        ADD_INPUTS=bool(add_inputs), UPCAST=expand_upcast(y),
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

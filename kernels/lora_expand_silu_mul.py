@@ -192,7 +192,7 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
         buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
         SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
-        UPCAST=expand_upcast(y, lora_b_slices[0]), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        UPCAST=expand_upcast(y), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

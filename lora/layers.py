@@ -290,7 +290,8 @@ class LinearLoRASlots(nn.Module):
         return lora_expand_silu_mul(pending.plan.buf, self.lora_b, meta, y2,
                                     config=self._silu_mul_config(y2.shape[0], meta.num_active, y2.device))
 
-    def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device):
+    def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device) -> LoRAExpandConfig:
+        """``finish_silu_mul``'s launch config (CHORUS_LORA_EXPAND_CONFIG overrides apply)."""
         from kernels.lora_expand_silu_mul import lora_expand_silu_mul_config
 
         return lora_expand_silu_mul_config(num_tokens, num_active, self.output_sizes[0], device,

@@ -40,10 +40,22 @@ LAYER = ("qkv", "o", "gate_up", "down")
 
 def candidate_configs(m: int, max_smem: int) -> list:
     """(block_m, block_n, block_k, num_warps, num_stages, use_tma) candidates for M rows, pruned to
-    tiles whose pipelined loads fit ``max_smem`` bytes of shared memory and to block_m <= 2 * M."""
+    tiles whose pipelined loads fit ``max_smem`` bytes of shared memory and to block_m <= 2 * M
+    (for M <= 64: one M tile of M rounded up to a power of two, block_n 32-128)."""
     from kernels.gemm import GemmConfig
 
     out = []
+    if m <= 64:
+        # Decode-sized M: one M tile, narrow column tiles so that the N / block_n programs fill the
+        # SMs (qkv at block_n 32: 192 programs), no split-K (``kernels.gemm`` has none).
+        bm = max(16, 1 << (m - 1).bit_length())
+        for tma in (0, 1):
+            for bn in (32, 64, 128):
+                for bk in (64, 128, 256):
+                    for nw, ns in ((4, 3), (4, 4), (4, 6)):
+                        if ns * (bm + bn) * bk * 2 <= max_smem:
+                            out.append(GemmConfig(bm, bn, bk, nw, ns, tma))
+        return out
     for tma in (0, 1):
         for bm in (64, 128):
             if bm > max(64, 2 * m):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -71,6 +71,14 @@ for phase in "$@"; do
       timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
         --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_silu_b256.json" 2>&1 \
         | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /" ;;
+    lora-gemm)   # kernels.gemm_lora: GPU tests, then batch 64 with the one-launch LoRA GEMM on (64) / off (0)
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gemm_lora.py \
+        tests/lora/test_peft_parity.py -k "cuda or gpu" 2>&1 | tee "$OUT/gemm_lora_tests.log" | tail -4
+      for gm in ${GEMM_MAX:-64 0}; do
+        CHORUS_LORA_GEMM_MAX_TOKENS=$gm timeout 200 python3 benchmarks/multi_lora.py --batch-sizes 64 \
+          --input-len 512 --output-len 128 --skip-hf --num-adapters ${GEMM_ADAPTERS:-16,64} --max-loras 64 --base-last \
+          --out "$OUT/ml_gemm$gm.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/gemm $gm: /"
+      done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

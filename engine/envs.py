@@ -135,6 +135,23 @@ def lora_fuse_silu_mul() -> bool:
     return _on_off("CHORUS_LORA_FUSE_SILU_MUL", "fused", "expand, then SiLU-and-mul")
 
 
+def lora_gemm_max_tokens(device_type: str = "cuda") -> int:
+    """CHORUS_LORA_GEMM_MAX_TOKENS: on CUDA, an adapted projection in a step of at most this many
+    tokens runs as one ``kernels.gemm_lora`` launch (base GEMM, LoRA shrink and expand together)
+    instead of cuBLAS plus the shrink/expand pair; 0 turns that off. Default 64 (decode batches)
+    on CUDA; on CPU (the Triton interpreter, tests) 0 unless set."""
+    raw = os.environ.get("CHORUS_LORA_GEMM_MAX_TOKENS", "64" if device_type == "cuda" else "0").strip()
+    if not raw.isdigit() or int(raw) > 256:
+        raise ValueError(f"CHORUS_LORA_GEMM_MAX_TOKENS={raw!r}: use an integer from 0 to 256.")
+    return int(raw)
+
+
+def lora_gemm_config() -> str | None:
+    """CHORUS_LORA_GEMM_CONFIG: ``kernels.gemm_lora`` launch overrides, e.g. "block_n=32,num_stages=4"
+    (fields of ``kernels.gemm_lora.GemmLoRAConfig``)."""
+    return os.environ.get("CHORUS_LORA_GEMM_CONFIG") or None
+
+
 def lora_fused_config() -> str | None:
     """CHORUS_LORA_FUSED_CONFIG: fused LoRA kernel launch overrides, e.g. "block_k=256,n_tiles=4"
     (fields of ``kernels.lora_fused.LoRAFusedConfig``)."""

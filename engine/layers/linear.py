@@ -51,6 +51,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is None or self.lora.adds_nothing():
             return F.linear(x, self.weight, self.bias)  # [num_tokens, output_size]
+        y = self.lora.forward_gemm(x, self.weight, self.bias)   # decode-sized steps: one launch
+        if y is not None:
+            return y
         # The LoRA shrink needs x only: ``begin`` issues it (on a side stream on CUDA) so it runs
         # alongside the GEMM, and ``finish`` joins it and adds the expand into y.
         pending = self.lora.begin(x)
@@ -65,6 +68,9 @@ class Linear(nn.Module):
         (``pending.owner.finish_silu_mul(pending, y)``). pending is None when y is complete."""
         if self.lora is None or not self.lora.fuse_silu_mul or self.lora.adds_nothing():
             return self.forward(x), None
+        y = self.lora.forward_gemm(x, self.weight, self.bias)   # complete: the consumer runs plain
+        if y is not None:
+            return y, None
         pending = self.lora.begin(x)
         y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]
         if pending.plan is None:                        # nothing issued early: the plain path

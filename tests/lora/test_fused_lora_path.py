@@ -14,6 +14,7 @@ from unittest.mock import Mock
 import pytest
 import torch
 
+import kernels.gemm_lora as gemm_lora
 import kernels.lora_expand_silu_mul as lora_expand_silu_mul
 import kernels.lora_fused as lora_fused
 import kernels.lora_shrink as lora_shrink
@@ -110,10 +111,12 @@ PLAN = [(0, "r4-all"), (2, "r8-qv"), (3, "r4-all"), (1, None)]
 """(prompt index, adapter) per request: r4-all has two requests, so decode segments of two tokens."""
 
 
-@pytest.mark.parametrize("kernel", ["fused", "split"])
+@pytest.mark.parametrize("kernel", ["fused", "split", "gemm"])
 def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny_prompts, tmp_path, monkeypatch):
     """The Triton backend forced on CPU: prefill and decode steps through ``lora_shrink_expand`` only
-    ("fused"), or through the split pair with the default overlap's begin / finish ("split")."""
+    ("fused"), through the split pair with the default overlap's begin / finish ("split"), or
+    with decode steps (<= 4 tokens) through ``kernels.gemm_lora`` and prefill through the split pair
+    ("gemm")."""
     from transformers import AutoTokenizer
 
     from lora.manager import LoRAManager
@@ -130,16 +133,19 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     def triton_backend(self, *args, backend=None, **kwargs):
         init(self, *args, backend="triton", **kwargs)
     monkeypatch.setattr(LoRAManager, "__init__", triton_backend)
-    monkeypatch.setenv("CHORUS_LORA_KERNEL", kernel)                    # read when the layers are built
+    monkeypatch.setenv("CHORUS_LORA_KERNEL", "split" if kernel == "gemm" else kernel)   # read when built
+    monkeypatch.setenv("CHORUS_LORA_GEMM_MAX_TOKENS", str(len(PLAN) if kernel == "gemm" else 0))
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     calls = KernelCalls(monkeypatch)
+    gemm_spy = Mock(wraps=gemm_lora.gemm_lora)
+    monkeypatch.setattr(gemm_lora, "gemm_lora", gemm_spy)
     silu_mul_spy = Mock(wraps=lora_expand_silu_mul.lora_expand_silu_mul)
     monkeypatch.setattr(lora_expand_silu_mul, "lora_expand_silu_mul", silu_mul_spy)
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=16,
               enable_prefix_caching=False)
     manager = llm.llm_engine.lora_manager
     assert manager.backend == "triton"
-    assert {layer.overrides.kernel for layer in manager.layers.values()} == {kernel}
+    assert {layer.overrides.kernel for layer in manager.layers.values()} == {"split" if kernel == "gemm" else kernel}
     reqs = [None if a is None else LoRARequest(a, list(ADAPTERS).index(a) + 1, str(paths[a]))
             for _, a in PLAN]
     outs = llm.generate([tiny_prompts[p] for p, _ in PLAN],
@@ -148,10 +154,17 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     for (p, a), ref, out in zip(PLAN, refs, outs):
         check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=f"{a} / prompt {p}")
     fused, split = calls.counts()
-    used, unused = (fused, split) if kernel == "fused" else (split, fused)
-    assert unused == 0 and used >= MAX_TOKENS * len(manager.layers)          # every step, every layer
-    # The split path adds the gate/up update inside SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL's default).
+    num_layers = len(manager.layers)
     num_mlps = sum(name.endswith("gate_up_proj") for name in manager.layers)
-    assert (silu_mul_spy.call_count >= MAX_TOKENS * num_mlps) if kernel == "split" else silu_mul_spy.call_count == 0
+    if kernel == "gemm":
+        # Decode steps (4 tokens, MAX_TOKENS - 1 of them) take the one-launch GEMM in every layer;
+        # the prefill step (more tokens) the split pair, with gate/up inside SiLU-and-mul.
+        assert fused == 0 and gemm_spy.call_count == (MAX_TOKENS - 1) * num_layers
+        assert split >= num_layers and silu_mul_spy.call_count >= num_mlps
+    else:
+        used, unused = (fused, split) if kernel == "fused" else (split, fused)
+        assert unused == 0 and used >= MAX_TOKENS * num_layers and gemm_spy.call_count == 0   # every step, layer
+        # The split path adds the gate/up update inside SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL's default).
+        assert (silu_mul_spy.call_count >= MAX_TOKENS * num_mlps) if kernel == "split" else silu_mul_spy.call_count == 0
     base = peft_greedy(pm, None, tok.encode(tiny_prompts[PLAN[0][0]]), 1)
     assert base.logprobs[0] != refs[0].logprobs[0]                       # the adapter changes the output

@@ -88,6 +88,35 @@ def _gemm_lora_shrink(x_ptr, a_ptr, h_ptr, sorted_token_ids_ptr, active_slots_pt
                 tl.store(h_ptr + tok[:, None] * stride_hm + offs_i[None, :], acc, mask=m_ok[:, None])
 
 
+@triton.jit
+def _chunk_row(acts, ci, NUM_CHUNKS: tl.constexpr):
+    """Row ci of the [NUM_CHUNKS, LORA_CHUNK] slot-id table held in registers."""
+    rows = tl.arange(0, NUM_CHUNKS)
+    return tl.sum(tl.where(rows[:, None] == ci, acts, 0), axis=0)
+
+
+@triton.jit
+def _load_b_chunk(b_ptr, act, offs_n, n_ok, n_out, rank, BLOCK_N: tl.constexpr, LORA_CHUNK: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    """Bc[n, c * BLOCK_R + r] = B[act[c], n, r] ([BLOCK_N, LORA_CHUNK * BLOCK_R]; 0 for act < 0, r >= rank)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    b_ptrs = (b_ptr + act[None, :, None].to(tl.int64) * n_out * rank + offs_n[:, None, None] * rank
+              + offs_r[None, None, :])                                          # [BLOCK_N, LORA_CHUNK, BLOCK_R]
+    b_ok = n_ok[:, None, None] & (act >= 0)[None, :, None] & (offs_r < rank)[None, None, :]
+    return tl.reshape(tl.load(b_ptrs, mask=b_ok, other=0.0), (BLOCK_N, LORA_CHUNK * BLOCK_R))
+
+
+@triton.jit
+def _lora_chunk_dot(acc, h, tslot, act, bc, BLOCK_M: tl.constexpr, LORA_CHUNK: tl.constexpr,
+                    BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + H @ Bc.T with H[m, c * BLOCK_R + r] = h[m, r] where row m runs adapter act[c], else 0."""
+    pick = (tslot[:, None, None] == act[None, :, None]) & (act >= 0)[None, :, None]   # [BLOCK_M, LORA_CHUNK, 1]
+    hc = tl.reshape(tl.where(pick, h[:, None, :], 0.0), (BLOCK_M, LORA_CHUNK * BLOCK_R))
+    if UPCAST:
+        return tl.dot(hc, tl.trans(bc.to(tl.float32)), acc, input_precision=PRECISION)
+    return tl.dot(hc, tl.trans(bc), acc)
+
+
 @triton.jit(do_not_specialize=["num_active"])
 def _gemm_lora_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, a_ptr, b0_ptr, b1_ptr, b2_ptr, h_ptr, sync_ptr,
@@ -129,6 +158,14 @@ def _gemm_lora_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < n_out
+    # The epilogue's slot ids, loaded before the K loop so their latency hides behind it.
+    tslot = tl.load(token_lora_slots_ptr + offs_m, mask=m_ok, other=-1)        # [BLOCK_M]
+    NUM_CHUNKS: tl.constexpr = (MAX_LORAS_PAD + LORA_CHUNK - 1) // LORA_CHUNK
+    all_a = tl.arange(0, NUM_CHUNKS * LORA_CHUNK)
+    acts = tl.load(active_slots_ptr + all_a, mask=all_a < num_active, other=-1)   # [NUM_CHUNKS * LORA_CHUNK]
+    n_real = tl.sum((acts >= 0).to(tl.int32))
+    acts = tl.reshape(acts, (NUM_CHUNKS, LORA_CHUNK))
+
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + (col0 + offs_n)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -145,6 +182,9 @@ def _gemm_lora_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col0 + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
 
+    # Chunk 0's B is loaded before the wait (it does not depend on the shrink).
+    act = _chunk_row(acts, 0, NUM_CHUNKS)
+    bc = _load_b_chunk(b_ptr, act, offs_n, n_ok, n_out, rank, BLOCK_N, LORA_CHUNK, BLOCK_R)
     # Wait for the shrink programs; the acquire orders the h loads after their release.
     done = tl.atomic_add(sync_ptr, 0, sem="acquire")
     while done < num_shrink:
@@ -152,27 +192,13 @@ def _gemm_lora_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     h = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + (pid_s * BLOCK_R + offs_r)[None, :],
                 mask=m_ok[:, None], other=0.0, cache_modifier=".cg")           # [BLOCK_M, BLOCK_R] f32
-    tslot = tl.load(token_lora_slots_ptr + offs_m, mask=m_ok, other=-1)        # [BLOCK_M]
     if not UPCAST:
         h = h.to(b_ptr.dtype.element_ty)
-    offs_c = tl.arange(0, LORA_CHUNK)
-    all_a = tl.arange(0, MAX_LORAS_PAD)
-    n_real = tl.sum((tl.load(active_slots_ptr + all_a, mask=all_a < num_active, other=-1) >= 0).to(tl.int32))
-    r_ok = offs_r < rank
-    for c0 in range(0, n_real, LORA_CHUNK):
-        act = tl.load(active_slots_ptr + c0 + offs_c, mask=(c0 + offs_c) < n_real, other=-1)   # [LORA_CHUNK]
-        act_ok = act >= 0
-        b_ptrs = (b_ptr + act[None, :, None].to(tl.int64) * n_out * rank + offs_n[:, None, None] * rank
-                  + offs_r[None, None, :])                                       # [BLOCK_N, LORA_CHUNK, BLOCK_R]
-        b_ok = n_ok[:, None, None] & act_ok[None, :, None] & r_ok[None, None, :]
-        bc = tl.reshape(tl.load(b_ptrs, mask=b_ok, other=0.0), (BLOCK_N, LORA_CHUNK * BLOCK_R))
-        pick = (tslot[:, None, None] == act[None, :, None]) & act_ok[None, :, None]   # [BLOCK_M, LORA_CHUNK, 1]
-        hc = tl.where(pick, h[:, None, :], 0.0)
-        hc = tl.reshape(hc, (BLOCK_M, LORA_CHUNK * BLOCK_R))                      # [BLOCK_M, LORA_CHUNK * BLOCK_R]
-        if UPCAST:
-            acc = tl.dot(hc, tl.trans(bc.to(tl.float32)), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(hc, tl.trans(bc), acc)
+    acc = _lora_chunk_dot(acc, h, tslot, act, bc, BLOCK_M, LORA_CHUNK, BLOCK_R, UPCAST, PRECISION)
+    for ci in range(1, tl.cdiv(n_real, LORA_CHUNK)):
+        act = _chunk_row(acts, ci, NUM_CHUNKS)
+        bc = _load_b_chunk(b_ptr, act, offs_n, n_ok, n_out, rank, BLOCK_N, LORA_CHUNK, BLOCK_R)
+        acc = _lora_chunk_dot(acc, h, tslot, act, bc, BLOCK_M, LORA_CHUNK, BLOCK_R, UPCAST, PRECISION)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + (col0 + offs_n)[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -203,7 +229,7 @@ class GemmLoRAConfig:
     """Token rows per shrink tile (power of two >= 16)."""
     shrink_k: int = 128
     """Input columns per shrink K step (power of two >= 16)."""
-    lora_chunk: int = 8
+    lora_chunk: int = 16
     """Adapters per epilogue dot (power of two >= 1): the dot's inner dim is lora_chunk * BLOCK_R."""
 
     def __post_init__(self) -> None:
@@ -220,7 +246,8 @@ INTERPRETER_CONFIG = GemmLoRAConfig(16, 16, 16, 1, 1, 2, 16, 16, 2)
 """Tiny tiles for CPU tensors under TRITON_INTERPRET=1 (tests)."""
 
 
-def gemm_lora_config(num_tokens: int, device: torch.device, override: ConfigOverride = ()) -> GemmLoRAConfig:
+def gemm_lora_config(num_tokens: int, device: torch.device, override: ConfigOverride = (),
+                     dtype: torch.dtype = torch.bfloat16) -> GemmLoRAConfig:
     """Default launch config for a step of num_tokens rows, with ``override`` fields applied last.
 
     GPU default (H200 sweep of the plain GEMM at 64 rows, benchmarks/gemm_sweep.py: 64-column
@@ -229,7 +256,10 @@ def gemm_lora_config(num_tokens: int, device: torch.device, override: ConfigOver
     if is_interpreted(device):
         cfg = INTERPRETER_CONFIG
     else:
-        cfg = GemmLoRAConfig(block_m=min(64, max(16, next_power_of_2(num_tokens))))
+        block_m = min(64, max(16, next_power_of_2(num_tokens)))
+        # Pipelined K-loop tiles within ~200 KB of shared memory (5 stages of bf16 64 x 128 tiles).
+        stage_bytes = (block_m + 64) * 128 * torch.tensor([], dtype=dtype).element_size()
+        cfg = GemmLoRAConfig(block_m=block_m, num_stages=max(2, min(5, (200 << 10) // stage_bytes)))
     return dataclasses.replace(cfg, **dict(override))
 
 

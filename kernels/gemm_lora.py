@@ -257,9 +257,10 @@ def gemm_lora_config(num_tokens: int, device: torch.device, override: ConfigOver
         cfg = INTERPRETER_CONFIG
     else:
         block_m = min(64, max(16, next_power_of_2(num_tokens)))
-        # Pipelined K-loop tiles within ~200 KB of shared memory (5 stages of bf16 64 x 128 tiles).
-        stage_bytes = (block_m + 64) * 128 * torch.tensor([], dtype=dtype).element_size()
-        cfg = GemmLoRAConfig(block_m=block_m, num_stages=max(2, min(5, (200 << 10) // stage_bytes)))
+        if dtype == torch.float32:   # 4-byte tiles: shallower K steps and pipeline (shared memory)
+            cfg = GemmLoRAConfig(block_m=block_m, block_k=64, num_stages=2, shrink_k=64, lora_chunk=8)
+        else:
+            cfg = GemmLoRAConfig(block_m=block_m)
     return dataclasses.replace(cfg, **dict(override))
 
 

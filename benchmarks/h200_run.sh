@@ -73,7 +73,7 @@ for phase in "$@"; do
         | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /" ;;
     lora-gemm)   # kernels.gemm_lora: GPU tests, then batch 64 with the one-launch LoRA GEMM on (64) / off (0)
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gemm_lora.py \
-        tests/lora/test_peft_parity.py -k "cuda or gpu" 2>&1 | tee "$OUT/gemm_lora_tests.log" | tail -4
+        ${GEMM_TESTS-tests/lora/test_peft_parity.py} -k "cuda or gpu" 2>&1 | tee "$OUT/gemm_lora_tests.log" | tail -4
       if [ -n "${GEMM_SWEEP:-}" ]; then
         timeout 240 python3 benchmarks/gemm_lora_sweep.py --out "$OUT/gemm_lora_sweep.json" 2>&1 | grep -v Warn | tee "$OUT/gemm_lora_sweep.log" | tail -75
         best=$(python3 -c "import json; print(json.load(open('$OUT/gemm_lora_sweep.json'))['best'])" 2>/dev/null)

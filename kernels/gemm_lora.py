@@ -54,7 +54,7 @@ def _gemm_lora_shrink(x_ptr, a_ptr, h_ptr, sorted_token_ids_ptr, active_slots_pt
                       slot_start_ptr, pid, num_shrink, num_active, K, rank, stride_xm, stride_a_slice,
                       stride_a_slot, stride_a_rank, stride_hm,
                       NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SR: tl.constexpr,
-                      SHRINK_M: tl.constexpr, SHRINK_K: tl.constexpr, UPCAST: tl.constexpr,
+                      SHRINK_M: tl.constexpr, SHRINK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                       PRECISION: tl.constexpr):
     """h[t, s * BLOCK_R + r] = sum_k x[t, k] * A[s, slot(t), r, k] (fp32; columns past the slices
     and ranks store 0) for the tokens of segments pid, pid + num_shrink, ... < num_active."""
@@ -76,11 +76,17 @@ def _gemm_lora_shrink(x_ptr, a_ptr, h_ptr, sorted_token_ids_ptr, active_slots_pt
                 tok = tl.load(sorted_token_ids_ptr + start + offs_m, mask=m_ok, other=0).to(tl.int64)
                 acc = tl.zeros([SHRINK_M, BLOCK_SR], dtype=tl.float32)
                 for k0 in range(0, K, SHRINK_K):
-                    k_ok = (k0 + offs_k) < K
-                    xt = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)         # [SHRINK_M, SHRINK_K]
-                    at = tl.load(a_base[:, None] + (k0 + offs_k)[None, :],
-                                 mask=i_ok[:, None] & k_ok[None, :], other=0.0)         # [BLOCK_SR, SHRINK_K]
+                    if EVEN_K:
+                        xt = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                                     mask=m_ok[:, None], other=0.0)                     # [SHRINK_M, SHRINK_K]
+                        at = tl.load(a_base[:, None] + (k0 + offs_k)[None, :],
+                                     mask=i_ok[:, None], other=0.0)                     # [BLOCK_SR, SHRINK_K]
+                    else:
+                        k_ok = (k0 + offs_k) < K
+                        xt = tl.load(x_ptr + tok[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                        at = tl.load(a_base[:, None] + (k0 + offs_k)[None, :],
+                                     mask=i_ok[:, None] & k_ok[None, :], other=0.0)
                     if UPCAST:
                         xt = xt.to(tl.float32)
                         at = at.to(tl.float32)
@@ -125,8 +131,8 @@ def _gemm_lora_kernel(
     stride_xm, stride_wn, stride_ym, stride_a_slice, stride_a_slot, stride_a_rank, stride_hm,
     HAS_BIAS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SR: tl.constexpr, SHRINK_M: tl.constexpr,
-    SHRINK_K: tl.constexpr, LORA_CHUNK: tl.constexpr, MAX_LORAS_PAD: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SHRINK_K: tl.constexpr, LORA_CHUNK: tl.constexpr, MAX_LORAS_PAD: tl.constexpr, EVEN_K: tl.constexpr,
+    SHRINK_EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Semantics (slice s of column n: off_s <= n < off_s + n_s; B_s = [b0, b1, b2][s]):
 
@@ -141,7 +147,7 @@ def _gemm_lora_kernel(
         _gemm_lora_shrink(x_ptr, a_ptr, h_ptr, sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr,
                           slot_start_ptr, pid, num_shrink, num_active, K, rank, stride_xm, stride_a_slice,
                           stride_a_slot, stride_a_rank, stride_hm, NUM_SLICES, BLOCK_R, BLOCK_SR, SHRINK_M,
-                          SHRINK_K, UPCAST, PRECISION)
+                          SHRINK_K, SHRINK_EVEN_K, UPCAST, PRECISION)
         tl.debug_barrier()                               # every thread's h stores precede the release
         tl.atomic_add(sync_ptr, 1, sem="release")
         return
@@ -170,9 +176,13 @@ def _gemm_lora_kernel(
     w_ptrs = w_ptr + (col0 + offs_n)[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
-        xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)       # [BLOCK_M, BLOCK_K]
-        wt = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)       # [BLOCK_N, BLOCK_K]
+        if EVEN_K:   # no column mask: the loads stay fully vectorized
+            xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)                  # [BLOCK_M, BLOCK_K]
+            wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)                  # [BLOCK_N, BLOCK_K]
+        else:
+            k_ok = (k0 + offs_k) < K
+            xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:   # the interpreter's bf16 arithmetic is wrong: compute in fp32 there
             xt = xt.to(tl.float32)
             wt = wt.to(tl.float32)
@@ -339,7 +349,8 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         h.stride(0),
         HAS_BIAS=bias is not None, NUM_SLICES=num_slices, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_R=block_r, BLOCK_SR=block_sr, SHRINK_M=cfg.shrink_m, SHRINK_K=cfg.shrink_k,
-        LORA_CHUNK=cfg.lora_chunk, MAX_LORAS_PAD=next_power_of_2(max_loras), UPCAST=upcast,
+        LORA_CHUNK=cfg.lora_chunk, MAX_LORAS_PAD=next_power_of_2(max_loras), EVEN_K=k % cfg.block_k == 0,
+        SHRINK_EVEN_K=k % cfg.shrink_k == 0, UPCAST=upcast,
         PRECISION="ieee" if upcast else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -22,8 +22,9 @@ from kernels.reference import gemm_lora_ref
 from tests.kernels.test_kernel_lora import DEVICE, POPULARITY, make_slots, randn
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-SHAPES = [(40, (48, 16, 16)), (37, (33,)), (24, (40, 40))]
-"""(in_dim, widths of the packed slices): q/k/v-like, one odd slice, gate/up-like."""
+SHAPES = [(40, (48, 16, 16)), (37, (33,)), (48, (40, 40))]
+"""(in_dim, widths of the packed slices): q/k/v-like, one odd slice, gate/up-like with an in_dim
+that the interpreter's 16-wide K steps divide (the kernels' unmasked EVEN_K loops)."""
 
 
 def scratch(num_tokens: int, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:

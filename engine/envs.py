@@ -135,12 +135,13 @@ def lora_fuse_silu_mul() -> bool:
     return _on_off("CHORUS_LORA_FUSE_SILU_MUL", "fused", "expand, then SiLU-and-mul")
 
 
-def lora_gemm_max_tokens(device_type: str = "cuda") -> int:
-    """CHORUS_LORA_GEMM_MAX_TOKENS: on CUDA, an adapted projection in a step of at most this many
-    tokens runs as one ``kernels.gemm_lora`` launch (base GEMM, LoRA shrink and expand together)
-    instead of cuBLAS plus the shrink/expand pair; 0 turns that off. Default 64 (decode batches)
-    on CUDA; on CPU (the Triton interpreter, tests) 0 unless set."""
-    raw = os.environ.get("CHORUS_LORA_GEMM_MAX_TOKENS", "64" if device_type == "cuda" else "0").strip()
+def lora_gemm_max_tokens() -> int:
+    """CHORUS_LORA_GEMM_MAX_TOKENS: an adapted projection (not gate/up, whose update rides in the
+    SiLU-and-mul) in a step of at most this many tokens runs as one ``kernels.gemm_lora`` launch
+    (base GEMM, LoRA shrink and expand together) instead of cuBLAS plus the shrink/expand pair.
+    Default 0 (off): measured slower on an H200 (benchmarks/RESULTS.md, seventh session: batch 64
+    decode 7.53 vs 7.47 ms/step with 16 adapters, 10.19 vs 8.90 with 64); kept for tuning."""
+    raw = os.environ.get("CHORUS_LORA_GEMM_MAX_TOKENS", "0").strip()
     if not raw.isdigit() or int(raw) > 256:
         raise ValueError(f"CHORUS_LORA_GEMM_MAX_TOKENS={raw!r}: use an integer from 0 to 256.")
     return int(raw)

@@ -78,10 +78,10 @@ class LoRAKernelOverrides:
     (fused for steps of at most ``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens)."""
 
 
-def kernel_overrides_from_env(device_type: str = "cuda") -> LoRAKernelOverrides:
+def kernel_overrides_from_env() -> LoRAKernelOverrides:
     """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG /
     CHORUS_LORA_FUSED_CONFIG / CHORUS_LORA_KERNEL / CHORUS_LORA_GEMM_CONFIG /
-    CHORUS_LORA_GEMM_MAX_TOKENS (ValueError if bad) for layers on ``device_type``.
+    CHORUS_LORA_GEMM_MAX_TOKENS (ValueError if bad).
 
     NOTE: read through ``engine.envs``; imports triton: call it on the Triton path only.
     """
@@ -96,7 +96,7 @@ def kernel_overrides_from_env(device_type: str = "cuda") -> LoRAKernelOverrides:
                                fused=parse_config_override(envs.lora_fused_config(), LoRAFusedConfig),
                                kernel=envs.lora_kernel(),
                                gemm=parse_config_override(envs.lora_gemm_config(), GemmLoRAConfig),
-                               gemm_max_tokens=envs.lora_gemm_max_tokens(device_type))
+                               gemm_max_tokens=envs.lora_gemm_max_tokens())
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,8 +163,7 @@ class LinearLoRASlots(nn.Module):
             offs.append(acc)
             acc += size
         self.slice_offsets = offs
-        self.overrides = (kernel_overrides_from_env(device.type) if backend == "triton"
-                          else LoRAKernelOverrides())
+        self.overrides = kernel_overrides_from_env() if backend == "triton" else LoRAKernelOverrides()
         """Kernel launch-config overrides, read once here."""
         from engine import envs  # NOTE: here, not at the top: ``engine`` imports this package
 
@@ -183,8 +182,8 @@ class LinearLoRASlots(nn.Module):
                 max_loras, size, max_rank, dtype=dtype, device=device),
                 persistent=False)                           # [max_loras, out_s, max_rank]
         self.gemm_max_tokens = self.overrides.gemm_max_tokens
-        """Steps of at most this many tokens take ``forward_gemm`` (on CPU only when
-        CHORUS_LORA_GEMM_MAX_TOKENS is set: the tests run the kernel through the interpreter)."""
+        """Steps of at most this many tokens take ``forward_gemm`` (CHORUS_LORA_GEMM_MAX_TOKENS,
+        default 0: never; on CPU the kernel runs through the interpreter, as in the tests)."""
         self._gemm_h: Optional[torch.Tensor] = None         # [gemm_max_tokens, cols] f32 shrink output
         self._gemm_sync: Optional[torch.Tensor] = None      # [2] int32 handshake counters (kept zero)
 

@@ -66,6 +66,17 @@ def test_gemm_sm_carveout(monkeypatch):
             envs.gemm_sm_carveout()
 
 
+def test_lora_gemm_max_tokens(monkeypatch):
+    monkeypatch.delenv("CHORUS_LORA_GEMM_MAX_TOKENS", raising=False)
+    assert envs.lora_gemm_max_tokens() == 0                        # off unless asked for
+    monkeypatch.setenv("CHORUS_LORA_GEMM_MAX_TOKENS", " 64 ")
+    assert envs.lora_gemm_max_tokens() == 64
+    for bad in ("-1", "many", "257"):
+        monkeypatch.setenv("CHORUS_LORA_GEMM_MAX_TOKENS", bad)
+        with pytest.raises(ValueError, match="CHORUS_LORA_GEMM_MAX_TOKENS=.*from 0 to 256"):
+            envs.lora_gemm_max_tokens()
+
+
 @pytest.mark.parametrize("name,read", [("CHORUS_LORA_OVERLAP", envs.lora_overlap),
                                        ("CHORUS_LORA_FUSE_SILU_MUL", envs.lora_fuse_silu_mul)])
 def test_on_off_switches(name, read, monkeypatch):

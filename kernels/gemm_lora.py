@@ -30,11 +30,12 @@ base output and the update separately, then adds: within one rounding of it).
 
 Used by ``lora.layers.LinearLoRASlots`` for steps of at most CHORUS_LORA_GEMM_MAX_TOKENS tokens
 (default 0: off). Measured on an H200 (``benchmarks/gemm_lora_sweep.py``, 64 tokens, bf16,
-benchmarks/RESULTS.md "Seventh session"): slower than the split path today. Even on a step
-without adapter rows (the GEMM and the handshake only) it takes 24.1 / 22.0 / 49.5 us on
-Llama-3-8B's qkv / o / down against cuBLAS' 16.4 / 11.7 / 35.1 (a plain ``kernels.gemm`` launch
-with the same tiles: 16.5-17.8 / 15.3 / 45.2), so the GEMM part, not the LoRA work, is what
-must get faster before this path pays. The torch twin is ``kernels.reference.gemm_lora_ref``.
+benchmarks/RESULTS.md "Seventh session"): slower than the split path today. On a step without
+adapter rows (the GEMM and the handshake only) it takes 24.4 / 22.0 / 49.5 us on Llama-3-8B's
+qkv / o / down against cuBLAS' 16.4 / 11.7 / 35.1 (a plain ``kernels.gemm`` launch with the same
+tiles: 16.5-17.8 / 15.3 / 45.2), while the LoRA work of 16 adapters adds only ~1 us to that
+(25.4 / 22.6 / 50.0). So the GEMM part, not the LoRA work, is what must get faster before this
+path pays. The torch twin is ``kernels.reference.gemm_lora_ref``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import torch
 from kernels.gemm_lora import GemmLoRAConfig, gemm_lora, gemm_lora_config
 from kernels.lora_meta import build_lora_kernel_meta
 from kernels.reference import gemm_lora_ref
-from tests.kernels.test_kernel_lora import DEVICE, POPULARITY, make_slots, randn
+from tests.kernels.test_kernel_lora import (DEVICE, POPULARITY, SLOT_CASE_IDS, SLOT_CASES, make_slots, randn,
+                                           slot_case_sizes)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SHAPES = [(40, (48, 16, 16)), (37, (33,)), (48, (40, 40))]
@@ -61,16 +62,10 @@ def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, in_dim, 
     return out, want
 
 
-CASES = list(itertools.product(DTYPES, [1, 8, 16], POPULARITY, [False, True]))
-
-
-@pytest.mark.parametrize("dtype,rank,popularity,with_base", CASES,
-                         ids=[f"{str(dt).removeprefix('torch.')}-r{r}-{p}-{'base' if b else 'nobase'}"
-                              for dt, r, p, b in CASES])
+@pytest.mark.parametrize("dtype,rank,popularity,with_base", SLOT_CASES, ids=SLOT_CASE_IDS)
 def test_matches_ref(dtype, rank, popularity, with_base):
-    i = CASES.index((dtype, rank, popularity, with_base))
-    num_tokens = (1, 7, 33)[i % 3]
-    max_loras = (1, 3, 4)[(i // 3) % 3] if num_tokens > 1 else 4
+    i = SLOT_CASES.index((dtype, rank, popularity, with_base))
+    num_tokens, max_loras = slot_case_sizes(i)
     in_dim, widths = SHAPES[(i // 2) % 3]
     run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, in_dim, widths, seed=i)
 

@@ -63,6 +63,19 @@ def make_slots(num_tokens: int, max_loras: int, popularity: str, with_base: bool
     return torch.tensor(slots, dtype=torch.int32, device=DEVICE)
 
 
+SLOT_CASES = list(itertools.product(DTYPES, [1, 8, 16], POPULARITY, [False, True]))
+"""(dtype, rank, popularity, with_base) grid shared by the kernels that fuse a LoRA update into
+another op (``test_kernel_lora_silu_mul``, ``test_kernel_gemm_lora``)."""
+SLOT_CASE_IDS = [f"{str(dt).removeprefix('torch.')}-r{r}-{p}-{'base' if b else 'nobase'}"
+                 for dt, r, p, b in SLOT_CASES]
+
+
+def slot_case_sizes(i: int) -> tuple[int, int]:
+    """(num_tokens, max_loras) of SLOT_CASES[i]: 1, 7 or 33 tokens over 1, 3 or 4 slots (4 for one token)."""
+    num_tokens = (1, 7, 33)[i % 3]
+    return num_tokens, ((1, 3, 4)[(i // 3) % 3] if num_tokens > 1 else 4)
+
+
 def randn(g: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(DEVICE)
 

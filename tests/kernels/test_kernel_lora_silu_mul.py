@@ -17,7 +17,8 @@ from kernels.lora_expand import LoRAExpandConfig
 from kernels.lora_expand_silu_mul import lora_expand_silu_mul
 from kernels.lora_meta import NO_LORA, build_lora_kernel_meta
 from kernels.reference import lora_expand_ref, lora_expand_silu_mul_ref
-from tests.kernels.test_kernel_lora import DEVICE, POPULARITY, Y_TOL, make_slots, randn
+from tests.kernels.test_kernel_lora import (DEVICE, POPULARITY, SLOT_CASE_IDS, SLOT_CASES, Y_TOL, make_slots,
+                                           randn, slot_case_sizes)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -53,16 +54,10 @@ def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, d, seed,
     return slots, out, want
 
 
-CASES = list(itertools.product(DTYPES, [1, 8, 16], POPULARITY, [False, True]))
-
-
-@pytest.mark.parametrize("dtype,rank,popularity,with_base", CASES,
-                         ids=[f"{str(dt).removeprefix('torch.')}-r{r}-{p}-{'base' if b else 'nobase'}"
-                              for dt, r, p, b in CASES])
+@pytest.mark.parametrize("dtype,rank,popularity,with_base", SLOT_CASES, ids=SLOT_CASE_IDS)
 def test_matches_ref(dtype, rank, popularity, with_base):
-    i = CASES.index((dtype, rank, popularity, with_base))
-    num_tokens = (1, 7, 33)[i % 3]
-    max_loras = (1, 3, 4)[(i // 3) % 3] if num_tokens > 1 else 4
+    i = SLOT_CASES.index((dtype, rank, popularity, with_base))
+    num_tokens, max_loras = slot_case_sizes(i)
     run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, d=(24, 37, 50)[(i // 2) % 3],
              seed=i, split_k=(1, 2, 8)[(i // 5) % 3])
 

@@ -2,6 +2,11 @@
 into SiLU-and-mul, against their default configs, plain SiLU-and-mul and the copy bandwidth.
 
     python benchmarks/lora_prefill_sweep.py [--tokens 2048,16384] [--adapters 1,16]
+    python benchmarks/lora_prefill_sweep.py --tokens 64 --adapters 16,64     # decode sizes
+
+At most 256 tokens count as a decode step: the meta is built as the engine's decode graphs build
+it (fixed grid over ``max(16, adapters)`` slots), the fused kernel reads ``split_k`` shrink
+partials as the decode shrink stores them, and the candidates are decode-sized tiles.
 
 Per token count T (one step's rows, grouped into ``--adapters`` equal segments), rank 16, bf16,
 Llama-3-8B widths: the shrink of each projection (qkv: 4096 -> 3 x 16, o: 4096 -> 16, gate_up:
@@ -31,11 +36,21 @@ HIDDEN, INTER, RANK, MAX_LORAS = 4096, 14336, 16, 64
 SHRINKS = {"qkv": (HIDDEN, 3), "o": (HIDDEN, 1), "gate_up": (HIDDEN, 2), "down": (INTER, 1)}
 
 
+DECODE_MAX_TOKENS = 256
+"""Steps of at most this many tokens are swept as decode steps (see the module docstring)."""
+
+
 def _meta(num_tokens: int, num_adapters: int):
     from kernels.lora_meta import build_lora_kernel_meta
 
     slots = (torch.arange(num_tokens, device="cuda") * num_adapters // num_tokens).to(torch.int32)
+    if num_tokens <= DECODE_MAX_TOKENS:   # as a decode graph launches: a fixed grid over the slots
+        return build_lora_kernel_meta(slots, max(16, num_adapters), fixed_grid=True)
     return build_lora_kernel_meta(slots, MAX_LORAS)
+
+
+def _slots(meta) -> int:
+    return meta.max_loras
 
 
 def _time(fn) -> float:
@@ -50,7 +65,7 @@ def sweep_shrink(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
     out = []
     for name, (in_dim, slices) in SHRINKS.items():
         x = torch.randn(num_tokens, in_dim, device="cuda", dtype=torch.bfloat16)
-        a = torch.randn(slices, MAX_LORAS, RANK, in_dim, device="cuda", dtype=torch.bfloat16) / in_dim ** 0.5
+        a = torch.randn(slices, _slots(meta), RANK, in_dim, device="cuda", dtype=torch.bfloat16) / in_dim ** 0.5
         default = lora_shrink_config(num_tokens, meta.num_active, slices, in_dim, x.device)
 
         def run(cfg):
@@ -62,7 +77,10 @@ def sweep_shrink(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
         want = buf.sum(1)
         t_default = _time(fn)
         best = (t_default, default)
-        for bm, bk, sk, nw in itertools.product((64, 128), (64, 128), (1, 2, 4), (4, 8)):
+        decode = num_tokens <= DECODE_MAX_TOKENS
+        grid = (((16,), (64, 128, 256), (2, 4, 8, 16), (2, 4)) if decode
+                else ((64, 128), (64, 128), (1, 2, 4), (4, 8)))
+        for bm, bk, sk, nw in itertools.product(*grid):
             if sk > max_split_k(num_tokens):
                 continue
             cfg = LoRAShrinkConfig(bm, bk, sk, nw, 3)
@@ -89,9 +107,13 @@ def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
     from kernels.lora_expand import LoRAExpandConfig
     from kernels.lora_expand_silu_mul import lora_expand_silu_mul, lora_expand_silu_mul_config
 
+    from kernels.lora_shrink import lora_shrink_config
+
     meta = _meta(num_tokens, num_adapters)
-    buf = torch.randn(2, 1, num_tokens, RANK, device="cuda")
-    b = [torch.randn(MAX_LORAS, INTER, RANK, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(2)]
+    decode = num_tokens <= DECODE_MAX_TOKENS
+    split_k = lora_shrink_config(num_tokens, meta.num_active, 2, HIDDEN, torch.device("cuda")).split_k if decode else 1
+    buf = torch.randn(2, split_k, num_tokens, RANK, device="cuda") / split_k
+    b = [torch.randn(_slots(meta), INTER, RANK, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(2)]
     y = torch.randn(num_tokens, 2 * INTER, device="cuda", dtype=torch.bfloat16)
     act = torch.empty(num_tokens, INTER, device="cuda", dtype=torch.bfloat16)
     default = lora_expand_silu_mul_config(num_tokens, meta.num_active, INTER, y.device)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -83,6 +83,19 @@ for phase in "$@"; do
         CHORUS_LORA_GEMM_MAX_TOKENS=$gm timeout 200 python3 benchmarks/multi_lora.py --batch-sizes 64 \
           --input-len 512 --output-len 128 --skip-hf --num-adapters ${GEMM_ADAPTERS:-16,64} --max-loras 64 --base-last \
           --out "$OUT/ml_gemm$gm.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/gemm $gm: /"
+      done ;;
+    lora-token)   # per-token (BGMV) expand programs at decode: GPU tests, the decode sweep, then batch 64
+      # with them (the default) and with the segment programs (per_token=0)
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora.py \
+        tests/kernels/test_kernel_lora_silu_mul.py tests/lora/test_peft_parity.py -k "cuda or gpu" 2>&1 \
+        | tee "$OUT/lora_token_tests.log" | tail -4
+      timeout 300 python3 benchmarks/lora_prefill_sweep.py --tokens 64 --adapters ${SWEEP_ADAPTERS:-1,16,64} --skip-shrink \
+        --out "$OUT/decode_expand_sweep.json" 2>&1 | grep -v Warn | tee "$OUT/decode_expand_sweep.log" | tail -12
+      for pt in ${PER_TOKEN:-1 0}; do
+        # per_token=1 is the decode default; the override would force it on prefill steps too
+        CHORUS_LORA_EXPAND_CONFIG=$([ "$pt" = 0 ] && echo per_token=0) timeout 200 python3 benchmarks/multi_lora.py --batch-sizes 64 \
+          --input-len 512 --output-len 128 --skip-hf --num-adapters ${TOKEN_ADAPTERS:-16,64} --max-loras 64 --base-last \
+          --out "$OUT/ml_token$pt.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/per_token $pt: /"
       done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants

@@ -106,7 +106,6 @@ def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
     from kernels.layer_ops import silu_and_mul
     from kernels.lora_expand import LoRAExpandConfig
     from kernels.lora_expand_silu_mul import lora_expand_silu_mul, lora_expand_silu_mul_config
-
     from kernels.lora_shrink import lora_shrink_config
 
     meta = _meta(num_tokens, num_adapters)
@@ -123,8 +122,13 @@ def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
     t_default = _time(fn(default))
     t_plain = _time(lambda: silu_and_mul(y, act))
     best = (t_default, default)
-    for bm, bn, nt, nw in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4), (4, 8)):
-        cfg = LoRAExpandConfig(bm, bn, nt, nw, 2)
+    cands = [LoRAExpandConfig(bm, bn, nt, nw, 2) for bm, bn, nt, nw in itertools.product(
+        *(((16,), (64, 128), (2, 4), (4,)) if decode
+          else ((16, 32, 64), (64, 128, 256), (1, 2, 4), (4, 8))))]
+    if decode:
+        cands += _token_candidates()
+    best_token = (float("inf"), None)
+    for cfg in cands:
         try:
             fn(cfg)()
         except Exception as e:
@@ -135,16 +139,76 @@ def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
         t = _time(fn(cfg))
         if t < best[0]:
             best = (t, cfg)
+        if cfg.per_token and t < best_token[0]:
+            best_token = (t, cfg)
     nbytes = num_tokens * 3 * INTER * 2 + 2 * num_adapters * INTER * RANK * 2
     return [{"kernel": "expand_silu_mul", "layer": "gate_up", "tokens": num_tokens, "adapters": num_adapters,
              "default_us": t_default, "default": dataclasses.asdict(default), "best_us": best[0],
-             "best": dataclasses.asdict(best[1]), "plain_silu_mul_us": t_plain, "bound_us": nbytes / bw * 1e6}]
+             "best": dataclasses.asdict(best[1]), "plain_silu_mul_us": t_plain, "bound_us": nbytes / bw * 1e6,
+             **_token_fields(best_token)}]
+
+
+def _token_candidates() -> list:
+    from kernels.lora_expand import LoRAExpandConfig
+
+    return [LoRAExpandConfig(16, bn, nt, nw, 2, per_token=1)
+            for bn, nt, nw in itertools.product((128, 256, 512), (1, 2, 4), (2, 4))]
+
+
+def _token_fields(best_token) -> dict:
+    if best_token[1] is None:
+        return {}
+    return {"best_per_token_us": best_token[0], "best_per_token": dataclasses.asdict(best_token[1])}
+
+
+EXPANDS = {"qkv": (HIDDEN, 1024, 1024), "o": (HIDDEN,), "down": (HIDDEN,)}
+
+
+def sweep_expand(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
+    """Decode only: the expand of q/k/v, o and down, segment configs vs per-token configs."""
+    from kernels.lora_expand import lora_expand, lora_expand_config
+    from kernels.lora_shrink import lora_shrink_config
+
+    meta = _meta(num_tokens, num_adapters)
+    out = []
+    for name, dims in EXPANDS.items():
+        in_dim = INTER if name == "down" else HIDDEN
+        split_k = lora_shrink_config(num_tokens, meta.num_active, len(dims), in_dim, torch.device("cuda")).split_k
+        buf = torch.randn(len(dims), split_k, num_tokens, RANK, device="cuda") / split_k
+        b = [torch.randn(_slots(meta), n, RANK, device="cuda", dtype=torch.bfloat16) * 0.1 for n in dims]
+        offs = [sum(dims[:i]) for i in range(len(dims))]
+        y0 = torch.randn(num_tokens, sum(dims), device="cuda", dtype=torch.bfloat16)
+        y = y0.clone()
+        default = lora_expand_config(num_tokens, meta.num_active, dims, y.device)
+        fn = lambda cfg: (lambda: lora_expand(buf, b, meta, y, offs, config=cfg))  # noqa: E731
+        fn(default)()
+        want = y - y0
+        t_default = _time(fn(default))
+        best, best_token = (t_default, default), (float("inf"), None)
+        cands = [dataclasses.replace(default, per_token=0)] + _token_candidates()
+        for cfg in cands:
+            y.copy_(y0)
+            fn(cfg)()
+            if not torch.allclose((y - y0).float(), want.float(), atol=5e-2, rtol=2e-2):
+                raise AssertionError(f"expand {name} {cfg} disagrees with the default config")
+            t = _time(fn(cfg))
+            if t < best[0]:
+                best = (t, cfg)
+            if cfg.per_token and t < best_token[0]:
+                best_token = (t, cfg)
+        nbytes = 2 * num_tokens * sum(dims) * 2 + num_adapters * sum(dims) * RANK * 2
+        out.append({"kernel": "expand", "layer": name, "tokens": num_tokens, "adapters": num_adapters,
+                    "default_us": t_default, "default": dataclasses.asdict(default), "best_us": best[0],
+                    "best": dataclasses.asdict(best[1]), "bound_us": nbytes / bw * 1e6,
+                    **_token_fields(best_token)})
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--adapters", default="1,16")
+    ap.add_argument("--skip-shrink", action="store_true", help="only the expand kernels")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora_prefill_sweep.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -154,9 +218,13 @@ def main() -> int:
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     results = []
     for t, n in itertools.product([int(v) for v in args.tokens.split(",")], [int(v) for v in args.adapters.split(",")]):
-        for r in sweep_shrink(t, n, bw) + sweep_silu_mul(t, n, bw):
+        expands = sweep_expand(t, n, bw) if t <= DECODE_MAX_TOKENS else []
+        shrinks = [] if args.skip_shrink else sweep_shrink(t, n, bw)
+        for r in shrinks + sweep_silu_mul(t, n, bw) + expands:
             results.append(r)
             extra = f"  plain silu_mul {r['plain_silu_mul_us']:.1f}" if "plain_silu_mul_us" in r else ""
+            if "best_per_token_us" in r:
+                extra += f"  per-token best {r['best_per_token_us']:.1f} {r['best_per_token']}"
             print(f"{r['kernel']:16s} {r['layer']:8s} T={t:6d} adapters={n:3d}  default {r['default_us']:8.1f} us  "
                   f"best {r['best_us']:8.1f} us {r['best']}  bound {r['bound_us']:7.1f}{extra}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,13 @@ A program loads its tokens' shrink output once, summing the ``split_k`` fp32 par
 (streaming that adapter's B), so the per-program work (segment search, token ids, partials)
 is paid once per ``block_n * n_tiles`` columns, not once per tile.
 
+Per-token programs (``LoRAExpandConfig.per_token``, Punica's BGMV): one program per (token,
+column range, slice), no segment walk. The program's prologue is one load of the token's slot,
+then its partials, its B rows and its y columns all at once (one dependent memory round trip
+instead of the segment walk's three), and the update is a broadcast multiply-add over the rank,
+no dot. Tokens that share an adapter each stream its B (from L2 after the first), which suits
+decode steps, where most segments are a few tokens.
+
 Launch configs (``LoRAExpandConfig``) come from ``lora_expand_config``: as many column tiles per
 program as keep a few waves of programs with work when segments are as small as they can be.
 ``CHORUS_LORA_EXPAND_CONFIG`` overrides fields, e.g. ``"block_m=16,block_n=256,n_tiles=4,
@@ -135,6 +142,69 @@ def _lora_expand_kernel(
                  BLOCK_N, BLOCK_R, ADD_INPUTS, UPCAST, DOT_PRECISION)
 
 
+@triton.jit
+def _token_h(buf_ptr, t, pid_s, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
+             BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr):
+    """Token t's summed shrink partials of slice pid_s ([BLOCK_R] fp32; 0 where slot < 0 or r >= rank),
+    rounded through ROUND_TO (B's dtype on a GPU's native path, as the dot rounds h; fp32: none)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    # NOTE: the slot test broadcast to a vector mask (the interpreter rejects scalar-bool masks).
+    r_ok = (offs_r < rank) & (tl.zeros([BLOCK_R], tl.int32) + slot >= 0)
+    rows = buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + t * stride_buf_tok + offs_r
+    h = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
+        h += tl.load(rows + j * stride_buf_split, mask=r_ok, other=0.0)
+    return h.to(ROUND_TO).to(tl.float32), r_ok
+
+
+@triton.jit
+def _token_delta(b_ptr, slot, offs_n, n_ok, n_out, rank, h, r_ok, BLOCK_R: tl.constexpr):
+    """[BLOCK_N] fp32: h @ B[slot][offs_n].T as a multiply-add over the rank (B rows masked off
+    where r_ok is false, so a base-model token (slot < 0) reads nothing and gets 0)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    b_ptrs = b_ptr + tl.maximum(slot, 0).to(tl.int64) * n_out * rank + offs_n[:, None] * rank + offs_r[None, :]
+    b = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)   # [BLOCK_N, BLOCK_R]
+    return tl.sum(b * h[None, :], axis=1)
+
+
+@triton.jit
+def _lora_expand_token_kernel(
+    buf_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, token_lora_slots_ptr,
+    rank, n0, n1, n2, off0, off1, off2, cols_per_program,
+    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr,
+    ROUND_TO: tl.constexpr,
+):
+    """Semantics: as ``_lora_expand_kernel`` (same buf, B and y layouts); program (t, n, s) covers
+    token t and columns [n * cols_per_program, (n + 1) * cols_per_program) of slice s:
+
+        if slot(t) >= 0:
+          h = rnd(sum(buf[s, j, t, :] for j in range(SPLIT_K)))           # fp32, [rank]
+          y[t, off_s + cols] = (y[t, off_s + cols] if ADD_INPUTS else 0) + h @ B_s[slot(t), cols].T
+
+    rnd: through ROUND_TO (B's dtype on the native path, as the segment kernel's dot rounds h).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b_ptr, n_out, col0 = _slice_of(pid_s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, off0, off1, off2)
+    n_lo = pid_n * cols_per_program
+    slot = tl.load(token_lora_slots_ptr + t)
+    if slot < 0 or n_lo >= n_out:
+        return
+    h, r_ok = _token_h(buf_ptr, t, pid_s, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
+                       BLOCK_R, SPLIT_K, ROUND_TO)
+    y_row = y_ptr + t * stride_y_tok + col0
+    n_end = n_lo + cols_per_program
+    for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
+        offs_n = c0 + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < n_out) & (offs_n < n_end)
+        delta = _token_delta(b_ptr, slot, offs_n, n_ok, n_out, rank, h, r_ok, BLOCK_R)    # [BLOCK_N] f32
+        if ADD_INPUTS:
+            delta += tl.load(y_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_row + offs_n, delta.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 @dataclass(frozen=True)
 class LoRAExpandConfig:
     """Launch parameters of the expand kernel (``CHORUS_LORA_EXPAND_CONFIG`` field names)."""
@@ -150,12 +220,17 @@ class LoRAExpandConfig:
     """Warps per program (1..16, a power of two)."""
     num_stages: int = 2
     """Software-pipelining depth of the column loop (>= 1)."""
+    per_token: int = 0
+    """1: one program per (token, column range) (BGMV, see the module docstring; block_m unused);
+    0: one per (segment token tile, column range)."""
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m, 16)
         _check_pow2("block_n", self.block_n, 16)
         _check_pow2("n_tiles", self.n_tiles, 1, MAX_N_TILES)
         _check_launch(self.num_warps, self.num_stages)
+        if self.per_token not in (0, 1):
+            raise ValueError(f"per_token: {self.per_token!r} must be 0 or 1.")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -178,7 +253,8 @@ def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, 
             # NOTE: H200 sweep (benchmarks/kernels.py --lora-sweep): short segments want short
             # programs: 256 columns each (128 x 2), 512 for slices wider than 8192 (gate/up of
             # Llama-3-8B); within ~5% of the best of 40 candidates on every decode case.
-            cfg = LoRAExpandConfig(block_m, 128, 4 if max(out_dims) > 8192 else 2, 4, 2)
+            # Decode-sized steps take the per-token programs (see the module docstring).
+            cfg = LoRAExpandConfig(block_m, 128, 4 if max(out_dims) > 8192 else 2, 4, 2, per_token=1)
         else:
             cfg = LoRAExpandConfig(block_m, 128, widest_n_tiles(tiles, out_dims, 128, device), 4, 2)
     return dataclasses.replace(cfg, **dict(override))
@@ -201,6 +277,14 @@ def expand_upcast(y: torch.Tensor) -> bool:
     dtype, ``check_b_slices``), and under the interpreter (its bfloat16 arithmetic is wrong);
     float16/bfloat16 on a GPU dot natively."""
     return is_interpreted(y.device) or y.dtype == torch.float32
+
+
+def h_round_dtype(y: torch.Tensor):
+    """Triton dtype the per-token kernels round h through: B's (= y's) dtype where the segment
+    kernels dot natively, float32 (no rounding) where they upcast (``expand_upcast``)."""
+    if expand_upcast(y):
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[y.dtype]
 
 
 def check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, max_loras: int, rank: int,
@@ -261,6 +345,15 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
     n_args = list(out_dims) + [0] * pad
     off_args = [int(o) for o in slice_offsets] + [0] * pad
     cols_per_program = config.block_n * config.n_tiles
+    block_r = max(16, next_power_of_2(rank))
+    if config.per_token:
+        _lora_expand_token_kernel[(num_tokens, cdiv(max(out_dims), cols_per_program), num_slices)](
+            buf, y, *b_args, meta.token_lora_slots, rank, *n_args, *off_args, cols_per_program,
+            buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0),
+            BLOCK_N=config.block_n, BLOCK_R=block_r, SPLIT_K=split_k, ADD_INPUTS=bool(add_inputs),
+            ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return
     grid = (num_tokens // config.block_m + meta.num_active, cdiv(max(out_dims), cols_per_program), num_slices)
     _lora_expand_kernel[grid](
         buf, y, *b_args,

@@ -20,6 +20,9 @@ the expand computes them (``kernels.lora_expand``: h rounded to B's dtype for a 
 float16/bfloat16 GPUs), gate and up rounded to the activation dtype after the fp32 add, SiLU's
 output rounded before ``* up``.
 
+With ``LoRAExpandConfig.per_token`` the programs are (token, column range) instead, as the
+expand's per-token kernel (``kernels.lora_expand``; a base-model token reads no B).
+
 Launch configs are ``LoRAExpandConfig``s (``lora_expand_silu_mul_config``; CHORUS_LORA_EXPAND_CONFIG
 overrides apply to this kernel too). The torch twin is ``kernels.reference.lora_expand_silu_mul_ref``.
 """
@@ -35,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import LoRAExpandConfig, check_b_slices, expand_upcast, lora_expand_config
+from kernels.lora_expand import (LoRAExpandConfig, _token_delta, _token_h, check_b_slices, expand_upcast,
+                                 h_round_dtype, lora_expand_config)
 from kernels.lora_meta import LoRAKernelMeta
 from kernels.lora_shrink import ConfigOverride, _check_meta, _find_segment, _tile_tokens
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
@@ -117,10 +121,46 @@ def _lora_expand_silu_mul_kernel(
         else:                                   # the native tensor-core dot: 1.26x faster at prefill
             g += tl.dot(h_gate, tl.trans(b_gate))                                       # [BLOCK_M, BLOCK_N]
             u += tl.dot(h_up, tl.trans(b_up))
-        g = g.to(out_ptr.dtype.element_ty).to(tl.float32)
-        u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_rows + offs_n[None, :], (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+        _silu_mul_store(g, u, out_rows + offs_n[None, :], mask)
+
+
+@triton.jit
+def _silu_mul_store(g, u, out_ptr, mask):
+    """out = dtype(dtype(silu(dtype(g))) * dtype(u)) for fp32 g, u (the unfused pair's roundings)."""
+    g = g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lora_expand_silu_mul_token_kernel(
+    buf_ptr, y_ptr, out_ptr, bg_ptr, bu_ptr, token_lora_slots_ptr,
+    rank, d, cols_per_program,
+    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok, stride_out_tok,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr,
+):
+    """Semantics: as ``_lora_expand_silu_mul_kernel``; program (t, n) covers token t and columns
+    [n * cols_per_program, (n + 1) * cols_per_program) of d (a base-model token: plain SiLU-and-mul)."""
+    t = tl.program_id(0).to(tl.int64)
+    n_lo = tl.program_id(1) * cols_per_program
+    slot = tl.load(token_lora_slots_ptr + t)
+    zero = slot * 0                                        # slice ids as int32 tensors
+    h_gate, r_ok = _token_h(buf_ptr, t, zero, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
+                            BLOCK_R, SPLIT_K, ROUND_TO)
+    h_up, _ = _token_h(buf_ptr, t, zero + 1, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
+                       BLOCK_R, SPLIT_K, ROUND_TO)
+    y_row = y_ptr + t * stride_y_tok
+    out_row = out_ptr + t * stride_out_tok
+    n_end = n_lo + cols_per_program
+    for c0 in range(n_lo, tl.minimum(n_end, d), BLOCK_N):
+        offs_n = c0 + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < d) & (offs_n < n_end)
+        g = tl.load(y_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        u = tl.load(y_row + d + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        g += _token_delta(bg_ptr, slot, offs_n, n_ok, d, rank, h_gate, r_ok, BLOCK_R)
+        u += _token_delta(bu_ptr, slot, offs_n, n_ok, d, rank, h_up, r_ok, BLOCK_R)
+        _silu_mul_store(g, u, out_row + offs_n, n_ok)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -183,6 +223,14 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
         return out
     num_active = 0 if meta.no_lora else meta.num_active
     cols_per_program = config.block_n * config.n_tiles
+    if config.per_token:
+        _lora_expand_silu_mul_token_kernel[(num_tokens, cdiv(d, cols_per_program))](
+            buf, y, out, lora_b_slices[0], lora_b_slices[1], meta.token_lora_slots, rank, d, cols_per_program,
+            buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0), out.stride(0),
+            BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k,
+            ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return out
     seg_tiles = num_tokens // config.block_m + num_active
     grid = (seg_tiles + cdiv(num_tokens, config.block_m), cdiv(d, cols_per_program))
     _lora_expand_silu_mul_kernel[grid](

@@ -144,6 +144,24 @@ def test_fixed_grid_matches_ref(dtype, popularity, with_base):
              fixed_grid=True, split_k=SPLIT_K[i % 3])
 
 
+TOKEN_CASES = list(itertools.product(DTYPES, POPULARITY, [False, True]))
+
+
+@pytest.mark.parametrize("dtype,popularity,with_base", TOKEN_CASES,
+                         ids=[f"{str(d).removeprefix('torch.')}-{p}-{'base' if b else 'nobase'}"
+                              for d, p, b in TOKEN_CASES])
+def test_per_token_expand_matches_ref(dtype, popularity, with_base):
+    """The per-token (BGMV) expand equals the twin: every shape, partial count and column split,
+    exact and fixed-grid meta; base-model rows untouched."""
+    i = TOKEN_CASES.index((dtype, popularity, with_base))
+    cfg = LoRAExpandConfig(block_n=16, n_tiles=(1, 2, 4)[i % 3], per_token=1)
+    slots, y, y_ref = run_case(dtype, (1, 8, 16)[i % 3], popularity, with_base, NUM_TOKENS[i % 3], 4,
+                               SHAPES[(i // 3) % 3], seed=300 + i, fixed_grid=bool(i % 2),
+                               split_k=SPLIT_K[(i // 2) % 3], expand_cfg=cfg)
+    base = slots == NO_LORA
+    assert torch.equal(y[base], y_ref[base])
+
+
 def test_fixed_grid_base_only_touches_nothing():
     """A graph step with no adapter still launches; every program exits, y is unchanged."""
     slots = torch.full((9,), NO_LORA, dtype=torch.int32, device=DEVICE)
@@ -154,8 +172,10 @@ def test_fixed_grid_base_only_touches_nothing():
     assert torch.all(buf == 0)
     y = torch.randn(9, 24, device=DEVICE)
     y0 = y.clone()
-    lora_expand(torch.randn(1, 2, 9, 8, device=DEVICE), [torch.randn(4, 24, 8, device=DEVICE)], meta, y, [0])
-    assert torch.equal(y, y0)
+    for cfg in (None, LoRAExpandConfig(block_n=16, per_token=1)):
+        lora_expand(torch.randn(1, 2, 9, 8, device=DEVICE), [torch.randn(4, 24, 8, device=DEVICE)], meta, y, [0],
+                    config=cfg)
+        assert torch.equal(y, y0)
 
 
 @pytest.mark.parametrize("popularity", POPULARITY)
@@ -411,8 +431,10 @@ def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity):
     buf_ref = lora_shrink_ref(x, lora_a, slots, split_k=split_k)
     rows = slots != NO_LORA
     torch.testing.assert_close(buf[:, :, rows], buf_ref[:, :, rows], atol=1e-3, rtol=1e-3)
-    y = randn(g, num_tokens, 6144).to(dtype)
-    y_ref = lora_expand_ref(buf_ref, lora_b, slots, y, [0, 4096, 5120])
-    lora_expand(buf, lora_b, meta, y, [0, 4096, 5120])
+    y0 = randn(g, num_tokens, 6144).to(dtype)
+    y_ref = lora_expand_ref(buf_ref, lora_b, slots, y0, [0, 4096, 5120])
     tol = 2 * Y_TOL[dtype]
-    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    for cfg in (None, LoRAExpandConfig(block_n=128, n_tiles=2, per_token=1)):
+        y = y0.clone()
+        lora_expand(buf, lora_b, meta, y, [0, 4096, 5120], config=cfg)
+        torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)

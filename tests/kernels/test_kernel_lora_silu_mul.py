@@ -77,8 +77,24 @@ def test_explicit_configs(block_m, block_n, n_tiles):
     run_case(torch.float32, 8, "zipf", True, 45, 4, d=70, seed=block_m + n_tiles, config=cfg)
 
 
+TOKEN_CASES = list(itertools.product(DTYPES, POPULARITY, [False, True]))
+
+
+@pytest.mark.parametrize("dtype,popularity,with_base", TOKEN_CASES,
+                         ids=[f"{str(d).removeprefix('torch.')}-{p}-{'base' if b else 'nobase'}"
+                              for d, p, b in TOKEN_CASES])
+def test_per_token_matches_ref(dtype, popularity, with_base):
+    """The per-token programs (LoRAExpandConfig.per_token): ranks, widths, partial counts, column
+    splits, exact and fixed-grid meta."""
+    i = TOKEN_CASES.index((dtype, popularity, with_base))
+    cfg = LoRAExpandConfig(block_n=16, n_tiles=(1, 2, 4)[i % 3], per_token=1)
+    run_case(dtype, (1, 8, 16)[i % 3], popularity, with_base, (1, 7, 33)[(i // 2) % 3], 4, d=(24, 37, 50)[i % 3],
+             seed=200 + i, fixed_grid=bool(i % 2), split_k=(1, 2, 8)[(i // 3) % 3], config=cfg)
+
+
+@pytest.mark.parametrize("per_token", [0, 1])
 @pytest.mark.parametrize("fixed_grid", [False, True], ids=["exact", "fixed_grid"])
-def test_base_rows_are_plain_silu_mul(fixed_grid):
+def test_base_rows_are_plain_silu_mul(fixed_grid, per_token):
     """Steps with no adapter row (a base-only step, and a graph step whose slots are all idle):
     out is SiLU-and-mul of y, bit for bit as the twin."""
     g = torch.Generator().manual_seed(3)
@@ -87,7 +103,8 @@ def test_base_rows_are_plain_silu_mul(fixed_grid):
     buf = torch.full((2, 1, 9, 8), float("nan"), device=DEVICE)                   # never read
     lora_b = [torch.full((4, 24, 8), float("nan"), device=DEVICE) for _ in range(2)]
     y = randn(g, 9, 48)
-    out = lora_expand_silu_mul(buf, lora_b, meta, y)
+    out = lora_expand_silu_mul(buf, lora_b, meta, y,
+                               config=LoRAExpandConfig(block_n=16, per_token=1) if per_token else None)
     d = 24
     want = (torch.nn.functional.silu(y[:, :d]) * y[:, d:])
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
@@ -119,5 +136,6 @@ def test_rejects_bad_inputs():
                           (4096, 8, "uniform", False)])
 def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity, fixed_grid):
     """Llama-3-8B's MLP width (d = 14336), rank 16, decode and prefill sizes."""
-    run_case(dtype, 16, popularity, True, num_tokens, max_loras, d=14336, seed=num_tokens, fixed_grid=fixed_grid,
-             split_k=4)
+    for cfg in (None, LoRAExpandConfig(block_n=128, n_tiles=4, per_token=1)):
+        run_case(dtype, 16, popularity, True, num_tokens, max_loras, d=14336, seed=num_tokens,
+                 fixed_grid=fixed_grid, split_k=4, config=cfg)

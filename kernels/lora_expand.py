@@ -253,8 +253,11 @@ def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, 
             # NOTE: H200 sweep (benchmarks/kernels.py --lora-sweep): short segments want short
             # programs: 256 columns each (128 x 2), 512 for slices wider than 8192 (gate/up of
             # Llama-3-8B); within ~5% of the best of 40 candidates on every decode case.
-            # Decode-sized steps take the per-token programs (see the module docstring).
-            cfg = LoRAExpandConfig(block_m, 128, 4 if max(out_dims) > 8192 else 2, 4, 2, per_token=1)
+            # Decode-sized steps take per-token programs of 512 columns, 2 warps: the best of 18
+            # per-token candidates on o / down at 1, 16 and 64 adapters, and ahead of (or, for q/k/v
+            # with 1 adapter, level with) the segment programs' config in every case
+            # (benchmarks/lora_prefill_sweep.py --tokens 64: o 7.0-9.6 us, q/k/v 8.6-10.7 us).
+            cfg = LoRAExpandConfig(block_m, 512, 1, 2, 2, per_token=1)
         else:
             cfg = LoRAExpandConfig(block_m, 128, widest_n_tiles(tiles, out_dims, 128, device), 4, 2)
     return dataclasses.replace(cfg, **dict(override))

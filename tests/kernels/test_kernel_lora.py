@@ -250,8 +250,8 @@ LLAMA_LAYERS = [(3, 4096, (4096, 1024, 1024)), (1, 4096, (4096,)), (2, 4096, (14
 
 def test_default_configs_fill_the_gpu(h200_sms):
     """Decode with every slot a one-token segment (the fixed-grid worst case): the programs with
-    work are in the band the H200 sweep found fastest (shrink ~8 per SM: split_k 8; expand 256-512
-    columns each), not hundreds of thousands; split_k never outgrows a reserved buffer."""
+    work are in the band the H200 sweep found fastest (shrink ~8 per SM: split_k 8; expand: per-token
+    programs of 512 columns), not hundreds of thousands; split_k never outgrows a reserved buffer."""
     cuda = torch.device("cuda", 0)
     for num_tokens in (1, 64, 256, 4096):
         for segments in (1, 16, 64):
@@ -263,8 +263,9 @@ def test_default_configs_fill_the_gpu(h200_sms):
                     assert 4 * h200_sms <= tiles * slices * cfg.split_k <= 16 * h200_sms, (cfg, slices)
                     e = lora_expand_config(num_tokens, segments, outs, cuda)
                     cols = e.block_n * e.n_tiles
-                    programs = tiles * sum(-(-n // cols) for n in outs)
-                    assert 4 * h200_sms <= programs <= 40 * h200_sms, (e, outs)
+                    # Per-token programs: one per token and column range (no segment tiles).
+                    programs = (num_tokens if e.per_token else tiles) * sum(-(-n // cols) for n in outs)
+                    assert 2 * h200_sms <= programs <= 40 * h200_sms, (e, outs)
     # Overrides win; split_k is clamped to what a reserved buffer holds.
     cfg = lora_shrink_config(4096, 4, 1, 4096, cuda, (("block_k", 64), ("split_k", 16)))
     assert cfg.block_k == 64 and cfg.split_k == 1

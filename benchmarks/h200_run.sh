@@ -89,14 +89,19 @@ for phase in "$@"; do
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora.py \
         tests/kernels/test_kernel_lora_silu_mul.py tests/lora/test_peft_parity.py -k "cuda or gpu" 2>&1 \
         | tee "$OUT/lora_token_tests.log" | tail -4
-      timeout 300 python3 benchmarks/lora_prefill_sweep.py --tokens 64 --adapters ${SWEEP_ADAPTERS:-1,16,64} --skip-shrink \
+      timeout 300 python3 benchmarks/lora_prefill_sweep.py --tokens ${SWEEP_TOKENS:-64} --adapters ${SWEEP_ADAPTERS:-1,16,64} --skip-shrink \
         --out "$OUT/decode_expand_sweep.json" 2>&1 | grep -v Warn | tee "$OUT/decode_expand_sweep.log" | tail -12
       for pt in ${PER_TOKEN:-1 0}; do
         # per_token=1 is the decode default; the override would force it on prefill steps too
         CHORUS_LORA_EXPAND_CONFIG=$([ "$pt" = 0 ] && echo per_token=0) timeout 200 python3 benchmarks/multi_lora.py --batch-sizes 64 \
           --input-len 512 --output-len 128 --skip-hf --num-adapters ${TOKEN_ADAPTERS:-16,64} --max-loras 64 --base-last \
           --out "$OUT/ml_token$pt.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/per_token $pt: /"
-      done ;;
+      done
+      if [ -n "${TOKEN_B256:-}" ]; then
+        timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
+          --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_token_b256.json" 2>&1 \
+          | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
+      fi ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

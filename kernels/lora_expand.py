@@ -51,6 +51,10 @@ from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_inter
 
 MAX_SLICES = 3
 
+PER_TOKEN_MAX_TOKENS = 128
+"""Decode steps of at most this many tokens take the per-token programs by default (measured on
+an H200 at 64 tokens; see ``lora_expand_config``)."""
+
 MAX_N_TILES = 32
 """The most column tiles one program walks."""
 
@@ -257,7 +261,12 @@ def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, 
             # per-token candidates on o / down at 1, 16 and 64 adapters, and ahead of (or, for q/k/v
             # with 1 adapter, level with) the segment programs' config in every case
             # (benchmarks/lora_prefill_sweep.py --tokens 64: o 7.0-9.6 us, q/k/v 8.6-10.7 us).
-            cfg = LoRAExpandConfig(block_m, 512, 1, 2, 2, per_token=1)
+            # Each token streams its adapter's B (from L2 after the first), so only up to
+            # PER_TOKEN_MAX_TOKENS tokens; larger steps keep the segment programs.
+            if num_tokens <= PER_TOKEN_MAX_TOKENS:
+                cfg = LoRAExpandConfig(block_m, 512, 1, 2, 2, per_token=1)
+            else:
+                cfg = LoRAExpandConfig(block_m, 128, 4 if max(out_dims) > 8192 else 2, 4, 2)
         else:
             cfg = LoRAExpandConfig(block_m, 128, widest_n_tiles(tiles, out_dims, 128, device), 4, 2)
     return dataclasses.replace(cfg, **dict(override))

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import (LoRAExpandConfig, _token_delta, _token_h, check_b_slices, expand_upcast,
-                                 h_round_dtype, lora_expand_config)
+from kernels.lora_expand import (PER_TOKEN_MAX_TOKENS, LoRAExpandConfig, _token_delta, _token_h, check_b_slices,
+                                 expand_upcast, h_round_dtype, lora_expand_config)
 from kernels.lora_meta import LoRAKernelMeta
 from kernels.lora_shrink import ConfigOverride, _check_meta, _find_segment, _tile_tokens
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
@@ -181,12 +181,12 @@ def lora_expand_silu_mul_config(num_tokens: int, num_segments: int, d: int, devi
     cfg = lora_expand_config(num_tokens, num_segments, (d, d), device)
     if not is_interpreted(device) and cfg.block_m > 16:
         cfg = LoRAExpandConfig(block_m=32, block_n=128, n_tiles=2, num_warps=4, num_stages=2)
-    elif not is_interpreted(device):
+    elif not is_interpreted(device) and num_tokens <= PER_TOKEN_MAX_TOKENS:
         # Decode: segment programs of 64 x 4 columns while at most 16 segments can exist (11.9 /
         # 17.7 us with 1 / 16 adapters at 64 tokens, per-token programs 19.2 / 22.8), per-token
         # programs of 512 x 4 columns above (64 adapters: 32.6 us, the segment programs >= 38).
-        cfg = (LoRAExpandConfig(16, 64, 4, 4, 2) if num_segments <= FEW_SEGMENTS
-               else LoRAExpandConfig(16, 512, 4, 2, 2, per_token=1))
+        cfg = (LoRAExpandConfig(16, 512, 4, 2, 2, per_token=1) if num_segments > FEW_SEGMENTS
+               else LoRAExpandConfig(16, 64, 4, 4, 2))
     return dataclasses.replace(cfg, **dict(override))
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-final]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -102,6 +102,15 @@ for phase in "$@"; do
           --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_token_b256.json" 2>&1 \
           | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
       fi ;;
+    lora-final)   # the LoRA GPU tests not in lora-token, the decode sweep at 128 tokens, the batch-64 table
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gemv.py \
+        tests/kernels/test_kernel_lora_fused.py tests/lora/test_fused_lora_path.py tests/lora/test_lora_overlap.py \
+        -k "cuda or gpu" 2>&1 | tee "$OUT/lora_final_tests.log" | tail -4
+      timeout 200 python3 benchmarks/lora_prefill_sweep.py --tokens 128 --adapters 16,64 --skip-shrink \
+        --out "$OUT/decode_expand_sweep128.json" 2>&1 | grep -v Warn | tail -8
+      timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 64 --input-len 512 --output-len 128 --skip-hf \
+        --num-adapters 1,4,16,64 --max-loras 64 --base-last --out "$OUT/multi_lora_b64.json" 2>&1 \
+        | grep -E "^chorus|decode graph|eager" ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

@@ -126,7 +126,7 @@ def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
         *(((16,), (64, 128), (2, 4), (4,)) if decode
           else ((16, 32, 64), (64, 128, 256), (1, 2, 4), (4, 8))))]
     if decode:
-        cands += _token_candidates()
+        cands += _token_candidates(wide=True)
     best_token = (float("inf"), None)
     for cfg in cands:
         try:
@@ -148,11 +148,12 @@ def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
              **_token_fields(best_token)}]
 
 
-def _token_candidates() -> list:
+def _token_candidates(wide: bool = False) -> list:
+    """Per-token configs; ``wide`` adds longer programs (the fused SiLU-and-mul's 14336 columns)."""
     from kernels.lora_expand import LoRAExpandConfig
 
-    return [LoRAExpandConfig(16, bn, nt, nw, 2, per_token=1)
-            for bn, nt, nw in itertools.product((128, 256, 512), (1, 2, 4), (2, 4))]
+    grid = ((128, 256, 512, 1024), (1, 2, 4, 8), (2, 4, 8)) if wide else ((128, 256, 512), (1, 2, 4), (2, 4))
+    return [LoRAExpandConfig(16, bn, nt, nw, 2, per_token=1) for bn, nt, nw in itertools.product(*grid)]
 
 
 def _token_fields(best_token) -> dict:

@@ -127,25 +127,35 @@ def sweep_silu_mul(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
           else ((16, 32, 64), (64, 128, 256), (1, 2, 4), (4, 8))))]
     if decode:
         cands += _token_candidates(wide=True)
-    best_token = (float("inf"), None)
-    for cfg in cands:
-        try:
-            fn(cfg)()
-        except Exception as e:
-            print(f"  silu_mul {cfg}: {type(e).__name__}")
-            continue
-        if not torch.allclose(act.float(), want.float(), atol=5e-2, rtol=2e-2):
-            raise AssertionError(f"silu_mul {cfg} disagrees with the default config")
-        t = _time(fn(cfg))
-        if t < best[0]:
-            best = (t, cfg)
-        if cfg.per_token and t < best_token[0]:
-            best_token = (t, cfg)
+    best, best_token = _best_configs("silu_mul", cands, fn, lambda: act, want, best)
     nbytes = num_tokens * 3 * INTER * 2 + 2 * num_adapters * INTER * RANK * 2
     return [{"kernel": "expand_silu_mul", "layer": "gate_up", "tokens": num_tokens, "adapters": num_adapters,
              "default_us": t_default, "default": dataclasses.asdict(default), "best_us": best[0],
              "best": dataclasses.asdict(best[1]), "plain_silu_mul_us": t_plain, "bound_us": nbytes / bw * 1e6,
              **_token_fields(best_token)}]
+
+
+def _best_configs(label: str, cands: list, fn, result, want: torch.Tensor, best: tuple, reset=None):
+    """(best, best per-token) as (us, config) over ``cands``: each config runs once (after
+    ``reset``), its ``result()`` must match ``want`` (the default config's), then it is timed.
+    ``best`` starts as the default's (time, config)."""
+    best_token = (float("inf"), None)
+    for cfg in cands:
+        if reset is not None:
+            reset()
+        try:
+            fn(cfg)()
+        except Exception as e:                                          # e.g. out of shared memory
+            print(f"  {label} {cfg}: {type(e).__name__}")
+            continue
+        if not torch.allclose(result().float(), want.float(), atol=5e-2, rtol=2e-2):
+            raise AssertionError(f"{label} {cfg} disagrees with the default config")
+        t = _time(fn(cfg))
+        if t < best[0]:
+            best = (t, cfg)
+        if cfg.per_token and t < best_token[0]:
+            best_token = (t, cfg)
+    return best, best_token
 
 
 def _token_candidates(wide: bool = False) -> list:
@@ -185,18 +195,9 @@ def sweep_expand(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
         fn(default)()
         want = y - y0
         t_default = _time(fn(default))
-        best, best_token = (t_default, default), (float("inf"), None)
         cands = [dataclasses.replace(default, per_token=0)] + _token_candidates()
-        for cfg in cands:
-            y.copy_(y0)
-            fn(cfg)()
-            if not torch.allclose((y - y0).float(), want.float(), atol=5e-2, rtol=2e-2):
-                raise AssertionError(f"expand {name} {cfg} disagrees with the default config")
-            t = _time(fn(cfg))
-            if t < best[0]:
-                best = (t, cfg)
-            if cfg.per_token and t < best_token[0]:
-                best_token = (t, cfg)
+        best, best_token = _best_configs(f"expand {name}", cands, fn, lambda: y - y0, want, (t_default, default),
+                                         reset=lambda: y.copy_(y0))
         nbytes = 2 * num_tokens * sum(dims) * 2 + num_adapters * sum(dims) * RANK * 2
         out.append({"kernel": "expand", "layer": name, "tokens": num_tokens, "adapters": num_adapters,
                     "default_us": t_default, "default": dataclasses.asdict(default), "best_us": best[0],

@@ -52,8 +52,9 @@ from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_inter
 MAX_SLICES = 3
 
 PER_TOKEN_MAX_TOKENS = 128
-"""Decode steps of at most this many tokens take the per-token programs by default (measured on
-an H200 at 64 tokens; see ``lora_expand_config``)."""
+"""Decode steps of at most this many tokens may take the per-token programs by default ..."""
+PER_TOKEN_MAX_PER_SEGMENT = 4
+"""... when they have at most this many tokens per segment on average (``lora_expand_config``)."""
 
 MAX_N_TILES = 32
 """The most column tiles one program walks."""
@@ -257,13 +258,13 @@ def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, 
             # NOTE: H200 sweep (benchmarks/kernels.py --lora-sweep): short segments want short
             # programs: 256 columns each (128 x 2), 512 for slices wider than 8192 (gate/up of
             # Llama-3-8B); within ~5% of the best of 40 candidates on every decode case.
-            # Decode-sized steps take per-token programs of 512 columns, 2 warps: the best of 18
-            # per-token candidates on o / down at 1, 16 and 64 adapters, and ahead of (or, for q/k/v
-            # with 1 adapter, level with) the segment programs' config in every case
-            # (benchmarks/lora_prefill_sweep.py --tokens 64: o 7.0-9.6 us, q/k/v 8.6-10.7 us).
-            # Each token streams its adapter's B (from L2 after the first), so only up to
-            # PER_TOKEN_MAX_TOKENS tokens; larger steps keep the segment programs.
-            if num_tokens <= PER_TOKEN_MAX_TOKENS:
+            # Decode steps of few tokens per segment take per-token programs of 512 columns, 2
+            # warps (benchmarks/lora_prefill_sweep.py, H200): at 64 tokens the best of 18 per-token
+            # candidates on o / down with 1, 16 and 64 adapters and ahead of (q/k/v with 1 adapter:
+            # level with) the segment programs (o 7.0-9.6 us, q/k/v 8.6-10.7 us); at 128 tokens
+            # ahead with 64 segments, behind with 16 (q/k/v 12.4 vs 10.6 us); at 256 behind.
+            # Each token streams its adapter's B (from L2 after the first), hence the bounds.
+            if num_tokens <= PER_TOKEN_MAX_TOKENS and num_tokens <= PER_TOKEN_MAX_PER_SEGMENT * max(1, num_segments):
                 cfg = LoRAExpandConfig(block_m, 512, 1, 2, 2, per_token=1)
             else:
                 cfg = LoRAExpandConfig(block_m, 128, 4 if max(out_dims) > 8192 else 2, 4, 2)

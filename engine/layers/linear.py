@@ -51,15 +51,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is None or self.lora.adds_nothing():
             return F.linear(x, self.weight, self.bias)  # [num_tokens, output_size]
-        y = self.lora.forward_gemm(x, self.weight, self.bias)   # decode-sized steps: one launch
-        if y is not None:
-            return y
-        # The LoRA shrink needs x only: ``begin`` issues it (on a side stream on CUDA) so it runs
-        # alongside the GEMM, and ``finish`` joins it and adds the expand into y.
-        pending = self.lora.begin(x)
-        y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]
-        self.lora.finish(pending, y)
-        return y
+        y, pending = self._base_with_lora(x)
+        return y if pending is None else self.lora.finish(pending, y)
 
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
         """(y, pending): like ``forward``, but when the LoRA hook fuses its update into the
@@ -68,11 +61,18 @@ class Linear(nn.Module):
         (``pending.owner.finish_silu_mul(pending, y)``). pending is None when y is complete."""
         if self.lora is None or not self.lora.fuse_silu_mul or self.lora.adds_nothing():
             return self.forward(x), None
-        y = self.lora.forward_gemm(x, self.weight, self.bias)   # complete: the consumer runs plain
+        y, pending = self._base_with_lora(x)
+        if pending is not None and pending.plan is None:    # nothing issued early: the plain path
+            return self.lora.finish(pending, y), None
+        return y, pending
+
+    def _base_with_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+        """(y, pending) for a step with an adapter update here: the one-launch GEMM with the update
+        inside (decode-sized steps with ``CHORUS_LORA_GEMM_MAX_TOKENS``; pending None), else the base
+        GEMM with the update still to add. The LoRA shrink needs x only: ``begin`` issues it (on a
+        side stream on CUDA) so it runs alongside the GEMM; ``finish`` joins it and adds the expand."""
+        y = self.lora.forward_gemm(x, self.weight, self.bias)
         if y is not None:
             return y, None
         pending = self.lora.begin(x)
-        y = F.linear(x, self.weight, self.bias)         # [num_tokens, output_size]
-        if pending.plan is None:                        # nothing issued early: the plain path
-            return self.lora.finish(pending, y), None
-        return y, pending
+        return F.linear(x, self.weight, self.bias), pending  # [num_tokens, output_size]

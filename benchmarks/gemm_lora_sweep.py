@@ -94,7 +94,7 @@ def main() -> None:
             meta = build_lora_kernel_meta(slots, max_loras, fixed_grid=True)
             if adapters <= 16:
                 meta = dataclasses.replace(meta, num_active=16)
-            state.batch = LoRABatch(meta=meta, segments=[])
+            state.batch = LoRABatch(meta=meta, segments=[], slot_bound=meta.active_slots.numel())
             res = {"split": timed(0, {})}
             for over in CANDIDATES:
                 try:
@@ -102,7 +102,7 @@ def main() -> None:
                 except Exception as e:   # a config the compiler rejects (shared memory, registers)
                     print(f"{name} {adapters} adapters {cfg_str(over)}: {type(e).__name__}: {e}"[:200])
             base_meta = build_lora_kernel_meta(torch.full_like(slots, -1), max_loras, fixed_grid=True)
-            state.batch = LoRABatch(meta=dataclasses.replace(base_meta, num_active=16), segments=[])
+            state.batch = LoRABatch(meta=dataclasses.replace(base_meta, num_active=16), segments=[], slot_bound=16)
             res["gemm base rows"] = timed(t, {})
             state.batch = None
             res["cublas"] = time_graph_calls(lambda i: torch.nn.functional.linear(x, ws[i % len(ws)]),

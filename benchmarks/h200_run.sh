@@ -102,6 +102,21 @@ for phase in "$@"; do
           --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_token_b256.json" 2>&1 \
           | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
       fi ;;
+    lora-stacked)   # the shrink inside the base GEMM at decode (CHORUS_LORA_STACKED_MAX_TOKENS): GPU tests, then
+      # batch 64 with it (128, the default) and without it (0); STACKED_B256=1 adds batch 256
+      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora.py \
+        tests/kernels/test_kernel_lora_silu_mul.py tests/lora/test_peft_parity.py tests/lora/test_fused_lora_path.py \
+        tests/lora/test_lora_overlap.py -k "cuda or gpu" 2>&1 | tee "$OUT/lora_stacked_tests.log" | tail -4
+      for st in ${STACKED:-128 0}; do
+        CHORUS_LORA_STACKED_MAX_TOKENS=$st timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 64 \
+          --input-len 512 --output-len 128 --skip-hf --num-adapters ${STACKED_ADAPTERS:-1,16,64} --max-loras 64 --base-last \
+          --out "$OUT/ml_stacked$st.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/stacked $st: /"
+      done
+      if [ -n "${STACKED_B256:-}" ]; then
+        timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
+          --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_stacked_b256.json" 2>&1 \
+          | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
+      fi ;;
     lora-final)   # the LoRA GPU tests not in lora-token, the decode sweep at 128 tokens, the batch-64 table
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gemv.py \
         tests/kernels/test_kernel_lora_fused.py tests/lora/test_fused_lora_path.py tests/lora/test_lora_overlap.py \

@@ -286,7 +286,7 @@ def _decoder_lora_layers(shapes: LoRABenchShapes, batch: int, num_adapters: int,
         layer.lora_a.copy_(case.lora_a)
         for dst, src in zip(layer.lora_b, case.lora_b):
             dst.copy_(src)
-        state.batch = LoRABatch(meta=case.meta, segments=[])        # the same grouping for every layer
+        state.batch = LoRABatch(meta=case.meta, segments=[], slot_bound=case.meta.active_slots.numel())        # the same grouping for every layer
         y = case.y.clone()
         layer(case.x, y)
         err = excess_error(y, case.y_ref)

@@ -82,9 +82,9 @@ class GraphKey:
     lora: bool
     """The fixed-grid LoRA kernels are in the graph (False: base model only)."""
     few_adapters: int = 0
-    """Decode graphs with lora: > 0 for the variant serving steps of at most this many adapters,
-    whose fixed-grid LoRA launches cover that many segments instead of max_loras
-    (``LoRAManager.few_adapters_bound``); 0 serves any number."""
+    """Decode graphs with lora: > 0 for the variant serving steps whose adapters all sit in slots
+    below this, whose fixed-grid LoRA launches cover that many segments (and stacked GEMMs that
+    many slots) instead of max_loras (``LoRAManager.few_adapters_bound``); 0 serves any step."""
 
     @property
     def num_tokens(self) -> int:
@@ -134,13 +134,16 @@ class StepGraphs:
         """Replays of mixed-step graphs."""
 
     # ------------------------------------------------------------------ lookup
-    def key_for(self, num_reqs: int, num_tokens: int, decode_only: bool, num_adapters: int) -> Optional[GraphKey]:
+    def key_for(self, num_reqs: int, num_tokens: int, decode_only: bool, num_adapters: int,
+                slot_bound: Optional[int] = None) -> Optional[GraphKey]:
         """The graph for a step (None: run eagerly).
 
         Args:
             num_reqs, num_tokens: the step's real requests and tokens.
             decode_only: every request runs exactly one token.
             num_adapters: distinct adapters the step's requests run (0: base model only).
+            slot_bound: 1 + the highest slot they use (None: num_adapters, i.e. slots 0..n-1). The
+                few-adapters variant serves steps whose slots all lie below its bound.
         """
         lora = self.lora_manager is not None and num_adapters > 0
         if decode_only:
@@ -154,7 +157,8 @@ class StepGraphs:
         if lora and decode_only:
             few = self.lora_manager.few_adapters_bound(size)
             key = GraphKey(False, size, True, few)
-            if few is not None and num_adapters <= few and key in self.graphs:
+            bound = num_adapters if slot_bound is None else slot_bound
+            if few is not None and bound <= few and key in self.graphs:
                 return key
         key = GraphKey(not decode_only, size, lora)
         return key if key in self.graphs else None

@@ -147,6 +147,19 @@ def lora_gemm_max_tokens() -> int:
     return int(raw)
 
 
+def lora_stacked_max_tokens() -> int:
+    """CHORUS_LORA_STACKED_MAX_TOKENS: on CUDA, a step of at most this many tokens (decode) computes
+    every adapted projection's LoRA shrink inside its base GEMM: the slots' A rows sit under the
+    base weight in one tensor, so one cuBLAS GEMM gives the base output and every covered slot's
+    x @ A.T, and the expand picks each token's own (``lora.layers``: no shrink launch, the A bytes
+    streamed at the GEMM's bandwidth). Default 128; 0 turns it off (the shrink kernel then runs
+    beside the GEMM, CHORUS_LORA_OVERLAP)."""
+    raw = os.environ.get("CHORUS_LORA_STACKED_MAX_TOKENS", "128").strip()
+    if not raw.isdigit() or int(raw) > 1024:
+        raise ValueError(f"CHORUS_LORA_STACKED_MAX_TOKENS={raw!r}: use an integer from 0 to 1024.")
+    return int(raw)
+
+
 def lora_gemm_config() -> str | None:
     """CHORUS_LORA_GEMM_CONFIG: ``kernels.gemm_lora`` launch overrides, e.g. "block_n=32,num_stages=4"
     (fields of ``kernels.gemm_lora.GemmLoRAConfig``)."""

@@ -403,10 +403,11 @@ class ModelRunner:
         if decode_only and any(s.sampling_params.prompt_logprobs is not None
                                and s.num_computed_tokens < s.num_prompt_tokens for s in states):
             return None   # decode graphs end in logits of the sampled rows only
-        num_adapters = 0
+        num_adapters, slot_bound = 0, 0
         if self.lora_manager is not None:
-            num_adapters = len({s.lora_slot for s in states if s.lora_slot >= 0})   # distinct adapters
-        return self.graphs.key_for(len(states), sum(counts), decode_only, num_adapters)
+            used = {s.lora_slot for s in states if s.lora_slot >= 0}
+            num_adapters, slot_bound = len(used), max(used, default=-1) + 1     # distinct adapters, slots
+        return self.graphs.key_for(len(states), sum(counts), decode_only, num_adapters, slot_bound)
 
     def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey]
                  ) -> tuple[Optional[torch.Tensor], dict[str, LogprobsLists]]:

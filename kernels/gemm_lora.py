@@ -297,7 +297,7 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         x: [M, K] float16/bfloat16/float32, last dim contiguous.
         weight: [N, K] in x's dtype, contiguous; N = sum of the slices' widths.
         bias: optional [N] in x's dtype.
-        lora_a: [num_slices, max_loras, rank, K] in x's dtype, contiguous.
+        lora_a: [num_slices, max_loras, rank, K] in x's dtype, last dim contiguous.
         lora_b_slices: num_slices (1..3) tensors [max_loras, n_s, rank] in x's dtype, contiguous.
         meta: this step's ``LoRAKernelMeta`` (M tokens, max_loras slots).
         slice_offsets: column of y where slice s starts; slices must tile [0, N) in order.
@@ -313,7 +313,7 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     n = weight.shape[0]
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), shape=(n,), device=dev, contiguous=True)
-    check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, contiguous=True)
+    check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, last_dim_contiguous=True)
     num_slices, max_loras, rank, _ = lora_a.shape
     check_tensor("lora_a", lora_a, shape=(num_slices, max_loras, rank, k))
     if not isinstance(lora_b_slices, (list, tuple)) or len(lora_b_slices) != num_slices \

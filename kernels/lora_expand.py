@@ -109,11 +109,12 @@ def _lora_expand_kernel(
     buf_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr,
     sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
     num_active, rank, n0, n1, n2, off0, off1, off2, cols_per_program,
-    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok,
+    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
     MAX_LORAS_PAD: tl.constexpr, ADD_INPUTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Semantics (B_s = [b0, b1, b2][s], each [max_loras, n_s, rank] contiguous):
+    """Semantics (B_s = [b0, b1, b2][s], each [max_loras, n_s, rank] contiguous; buf[s, j, t] is
+    read at ``slot(t) * stride_buf_slot`` past its strided address, see ``lora_expand``'s slot_stride):
 
         for s in range(num_slices), t in range(num_tokens):
           if slot(t) >= 0:
@@ -138,27 +139,28 @@ def _lora_expand_kernel(
 
     offs_r = tl.arange(0, BLOCK_R)
     mr_ok = m_ok[:, None] & (offs_r < rank)[None, :]
-    buf_rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + tok[:, None] * stride_buf_tok
-                + offs_r[None, :])                                                     # [BLOCK_M, BLOCK_R]
+    buf_rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + slot.to(tl.int64) * stride_buf_slot
+                + tok[:, None] * stride_buf_tok + offs_r[None, :])                     # [BLOCK_M, BLOCK_R]
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
-        h += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0)          # [BLOCK_M, BLOCK_R]
+        h += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0).to(tl.float32)   # [BLOCK_M, BLOCK_R]
     _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
                  BLOCK_N, BLOCK_R, ADD_INPUTS, UPCAST, DOT_PRECISION)
 
 
 @triton.jit
-def _token_h(buf_ptr, t, pid_s, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
+def _token_h(buf_ptr, t, pid_s, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot,
              BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr):
     """Token t's summed shrink partials of slice pid_s ([BLOCK_R] fp32; 0 where slot < 0 or r >= rank),
     rounded through ROUND_TO (B's dtype on a GPU's native path, as the dot rounds h; fp32: none)."""
     offs_r = tl.arange(0, BLOCK_R)
     # NOTE: the slot test broadcast to a vector mask (the interpreter rejects scalar-bool masks).
     r_ok = (offs_r < rank) & (tl.zeros([BLOCK_R], tl.int32) + slot >= 0)
-    rows = buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + t * stride_buf_tok + offs_r
+    rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + tl.maximum(slot, 0).to(tl.int64) * stride_buf_slot
+            + t * stride_buf_tok + offs_r)
     h = tl.zeros([BLOCK_R], dtype=tl.float32)
     for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
-        h += tl.load(rows + j * stride_buf_split, mask=r_ok, other=0.0)
+        h += tl.load(rows + j * stride_buf_split, mask=r_ok, other=0.0).to(tl.float32)
     return h.to(ROUND_TO).to(tl.float32), r_ok
 
 
@@ -176,7 +178,7 @@ def _token_delta(b_ptr, slot, offs_n, n_ok, n_out, rank, h, r_ok, BLOCK_R: tl.co
 def _lora_expand_token_kernel(
     buf_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, token_lora_slots_ptr,
     rank, n0, n1, n2, off0, off1, off2, cols_per_program,
-    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok,
+    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr,
     ROUND_TO: tl.constexpr,
 ):
@@ -198,7 +200,7 @@ def _lora_expand_token_kernel(
     if slot < 0 or n_lo >= n_out:
         return
     h, r_ok = _token_h(buf_ptr, t, pid_s, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
-                       BLOCK_R, SPLIT_K, ROUND_TO)
+                       stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
     y_row = y_ptr + t * stride_y_tok + col0
     n_end = n_lo + cols_per_program
     for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
@@ -318,13 +320,43 @@ def check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, max_l
     return tuple(b.shape[1] for b in lora_b_slices)
 
 
+def slotwise_buf(h_all: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(buf, slot_stride) for ``lora_expand`` / ``lora_expand_silu_mul`` from every slot's shrink.
+
+    h_all: [num_tokens, num_slots, num_slices, rank], last dim contiguous (e.g. a view of the
+    stacked GEMM's extra columns, ``lora.layers``): h_all[t, l, s] = x[t] @ A_s[l].T.
+    Returns buf [num_slices, 1, num_tokens, rank] (slot 0's h) and the element stride between slots.
+    """
+    buf = h_all[:, 0].permute(1, 0, 2).unsqueeze(1)                    # [S, 1, T, R]
+    return buf, h_all.stride(1)
+
+
+def check_shrink_output(buf: torch.Tensor, num_slices: int, num_tokens: int, y: torch.Tensor,
+                        slot_stride: int) -> tuple[int, int]:
+    """Check an expand's input (see ``lora_expand``'s buf and slot_stride); returns (split_k, rank)."""
+    check_int("slot_stride", slot_stride)
+    if slot_stride < 0:
+        raise ValueError(f"slot_stride: {slot_stride} must be >= 0.")
+    dtypes = (torch.float32,) if slot_stride == 0 else (torch.float32, y.dtype)
+    check_tensor("buf", buf, ndim=4, dtypes=dtypes, device=y.device, last_dim_contiguous=True)
+    split_k, rank = buf.shape[1], buf.shape[3]
+    check_tensor("buf", buf, shape=(num_slices, split_k, num_tokens, rank))
+    if split_k < 1:
+        raise ValueError("buf: split_k (dim 1) must be >= 1.")
+    return split_k, rank
+
+
 def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
                 y: torch.Tensor, slice_offsets: Sequence[int], add_inputs: bool = True, *,
-                config: Optional[LoRAExpandConfig] = None) -> None:
+                config: Optional[LoRAExpandConfig] = None, slot_stride: int = 0) -> None:
     """Add each LoRA token's B-projection of its summed shrink partials into its columns of y, in place.
 
     Args:
-        buf: [num_slices, split_k, num_tokens, rank] float32 (``lora_shrink``'s partials), contiguous.
+        buf: [num_slices, split_k, num_tokens, rank], last dim contiguous (any other strides):
+            float32 ``lora_shrink`` partials; or, with slot_stride > 0, the shrink of every slot
+            (float32 or y's dtype), token t's own h at ``slot(t) * slot_stride`` elements past
+            buf[s, j, t] (the stacked GEMM's output, ``lora.layers``: split_k 1). The caller
+            guarantees every slot in meta lies inside that layout.
         lora_b_slices: num_slices (1..3) tensors [max_loras, out_dim_s, rank] in y's dtype, contiguous.
         meta: this step's ``LoRAKernelMeta``.
         y: [num_tokens, total_out] float16/bfloat16/float32, last dim contiguous.
@@ -333,6 +365,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         add_inputs: True adds to y (fp32 sum, then cast); False overwrites those columns.
             Rows of base-model tokens are never touched.
         config: launch config; None: ``lora_expand_config``'s default.
+        slot_stride: 0 (buf holds each token's own partials) or see buf.
     """
     check_tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, total_out = y.shape
@@ -340,11 +373,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
     if not isinstance(lora_b_slices, (list, tuple)) or not 1 <= len(lora_b_slices) <= MAX_SLICES:
         raise ValueError(f"lora_b_slices: expected a list/tuple of 1..{MAX_SLICES} tensors.")
     num_slices = len(lora_b_slices)
-    check_tensor("buf", buf, ndim=4, dtypes=(torch.float32,), device=dev, contiguous=True)
-    split_k, rank = buf.shape[1], buf.shape[3]
-    check_tensor("buf", buf, shape=(num_slices, split_k, num_tokens, rank))
-    if split_k < 1:
-        raise ValueError("buf: split_k (dim 1) must be >= 1.")
+    split_k, rank = check_shrink_output(buf, num_slices, num_tokens, y, slot_stride)
     max_loras = lora_b_slices[0].shape[0] if isinstance(lora_b_slices[0], torch.Tensor) else -1
     out_dims = check_b_slices(lora_b_slices, y, max_loras, rank, slice_offsets)
     _check_meta(meta, num_tokens, max_loras, dev)
@@ -362,7 +391,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
     if config.per_token:
         _lora_expand_token_kernel[(num_tokens, cdiv(max(out_dims), cols_per_program), num_slices)](
             buf, y, *b_args, meta.token_lora_slots, rank, *n_args, *off_args, cols_per_program,
-            buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0),
+            buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0),
             BLOCK_N=config.block_n, BLOCK_R=block_r, SPLIT_K=split_k, ADD_INPUTS=bool(add_inputs),
             ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -372,7 +401,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         buf, y, *b_args,
         meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
         meta.num_active, rank, *n_args, *off_args, cols_per_program,
-        buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0),
+        buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
         SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
         ADD_INPUTS=bool(add_inputs), UPCAST=expand_upcast(y),

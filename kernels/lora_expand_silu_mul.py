@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_expand import (PER_TOKEN_MAX_TOKENS, LoRAExpandConfig, _token_delta, _token_h, check_b_slices,
-                                 expand_upcast, h_round_dtype, lora_expand_config)
+                                 check_shrink_output, expand_upcast, h_round_dtype, lora_expand_config)
 from kernels.lora_meta import LoRAKernelMeta
 from kernels.lora_shrink import ConfigOverride, _check_meta, _find_segment, _tile_tokens
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
@@ -55,11 +55,12 @@ def _lora_expand_silu_mul_kernel(
     buf_ptr, y_ptr, out_ptr, bg_ptr, bu_ptr,
     sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
     num_tokens, num_active, rank, d, cols_per_program,
-    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok, stride_out_tok,
+    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok, stride_out_tok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
     MAX_LORAS_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Semantics (dtype = y's dtype; B_gate, B_up each [max_loras, d, rank] contiguous):
+    """Semantics (dtype = y's dtype; B_gate, B_up each [max_loras, d, rank] contiguous; buf[s, j, t]
+    read at ``slot(t) * stride_buf_slot`` past its strided address, as in ``kernels.lora_expand``):
 
         for t in range(num_tokens):
           if slot(t) >= 0:
@@ -97,12 +98,13 @@ def _lora_expand_silu_mul_kernel(
     # bool & a vector.
     lora_flag = is_lora.to(tl.int32)
     mr_ok = (m_ok & (tl.zeros([BLOCK_M], tl.int32) + lora_flag > 0))[:, None] & r_ok[None, :]
-    buf_rows = buf_ptr + tok[:, None] * stride_buf_tok + offs_r[None, :]                # [BLOCK_M, BLOCK_R]
+    buf_rows = (buf_ptr + slot.to(tl.int64) * stride_buf_slot + tok[:, None] * stride_buf_tok
+                + offs_r[None, :])                                                     # [BLOCK_M, BLOCK_R]
     h_gate = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     h_up = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
-        h_gate += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0)
-        h_up += tl.load(buf_rows + stride_buf_slice + j * stride_buf_split, mask=mr_ok, other=0.0)
+        h_gate += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0).to(tl.float32)
+        h_up += tl.load(buf_rows + stride_buf_slice + j * stride_buf_split, mask=mr_ok, other=0.0).to(tl.float32)
     if not UPCAST:
         h_gate = h_gate.to(bg_ptr.dtype.element_ty)
         h_up = h_up.to(bu_ptr.dtype.element_ty)
@@ -142,7 +144,7 @@ def _silu_mul_store(g, u, out_ptr, mask):
 def _lora_expand_silu_mul_token_kernel(
     buf_ptr, y_ptr, out_ptr, bg_ptr, bu_ptr, token_lora_slots_ptr,
     rank, d, cols_per_program,
-    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_y_tok, stride_out_tok,
+    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok, stride_out_tok,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr,
 ):
     """Semantics: as ``_lora_expand_silu_mul_kernel``; program (t, n) covers token t and columns
@@ -152,9 +154,9 @@ def _lora_expand_silu_mul_token_kernel(
     slot = tl.load(token_lora_slots_ptr + t)
     zero = slot * 0                                        # slice ids as int32 tensors
     h_gate, r_ok = _token_h(buf_ptr, t, zero, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
-                            BLOCK_R, SPLIT_K, ROUND_TO)
+                            stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
     h_up, _ = _token_h(buf_ptr, t, zero + 1, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
-                       BLOCK_R, SPLIT_K, ROUND_TO)
+                       stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
     y_row = y_ptr + t * stride_y_tok
     out_row = out_ptr + t * stride_out_tok
     n_end = n_lo + cols_per_program
@@ -192,18 +194,20 @@ def lora_expand_silu_mul_config(num_tokens: int, num_segments: int, d: int, devi
 
 def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
                          y: torch.Tensor, out: Optional[torch.Tensor] = None, *,
-                         config: Optional[LoRAExpandConfig] = None) -> torch.Tensor:
+                         config: Optional[LoRAExpandConfig] = None, slot_stride: int = 0) -> torch.Tensor:
     """SiLU-and-mul of the gate/up projection output with each LoRA token's update added first.
 
     Args:
-        buf: [2, split_k, num_tokens, rank] float32, contiguous: ``lora_shrink``'s partials of the
-            gate (slice 0) and up (slice 1) projections.
+        buf: [2, split_k, num_tokens, rank]: ``lora_shrink``'s float32 partials of the gate (slice
+            0) and up (slice 1) projections, or every slot's shrink with slot_stride > 0 (as
+            ``kernels.lora_expand.lora_expand``'s buf).
         lora_b_slices: (B_gate, B_up), each [max_loras, d, rank] in y's dtype, contiguous.
         meta: this step's ``LoRAKernelMeta``.
         y: [num_tokens, 2 * d] (gate | up), the base GEMM's output; float16/bfloat16/float32, last
             dim contiguous. Not modified.
         out: optional [num_tokens, d] in y's dtype, last dim contiguous.
         config: launch config; None: ``lora_expand_silu_mul_config``'s default.
+        slot_stride: see ``kernels.lora_expand.lora_expand``.
 
     Returns:
         out: silu(gate + dg) * (up + du), base-model rows with no update.
@@ -215,11 +219,7 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
     d, dev = width // 2, y.device
     if not isinstance(lora_b_slices, (list, tuple)) or len(lora_b_slices) != 2:
         raise ValueError("lora_b_slices: expected (B_gate, B_up).")
-    check_tensor("buf", buf, ndim=4, dtypes=(torch.float32,), device=dev, contiguous=True)
-    split_k, rank = buf.shape[1], buf.shape[3]
-    check_tensor("buf", buf, shape=(2, split_k, num_tokens, rank))
-    if split_k < 1:
-        raise ValueError("buf: split_k (dim 1) must be >= 1.")
+    split_k, rank = check_shrink_output(buf, 2, num_tokens, y, slot_stride)
     max_loras = lora_b_slices[0].shape[0] if isinstance(lora_b_slices[0], torch.Tensor) else -1
     out_dims = check_b_slices(lora_b_slices, y, max_loras, rank, [0, d])
     if out_dims != (d, d):
@@ -237,7 +237,7 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
     if config.per_token:
         _lora_expand_silu_mul_token_kernel[(num_tokens, cdiv(d, cols_per_program))](
             buf, y, out, lora_b_slices[0], lora_b_slices[1], meta.token_lora_slots, rank, d, cols_per_program,
-            buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0), out.stride(0),
+            buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0), out.stride(0),
             BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k,
             ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -248,7 +248,7 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
         buf, y, out, lora_b_slices[0], lora_b_slices[1],
         meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
         num_tokens, num_active, rank, d, cols_per_program,
-        buf.stride(0), buf.stride(1), buf.stride(2), y.stride(0), out.stride(0),
+        buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
         SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
         UPCAST=expand_upcast(y), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",

@@ -163,7 +163,7 @@ def lora_shrink_expand(x: torch.Tensor, lora_a: torch.Tensor, lora_b_slices: Seq
 
     Args:
         x: [num_tokens, in_dim] float16/bfloat16/float32, last dim contiguous.
-        lora_a: [num_slices, max_loras, rank, in_dim], x's dtype, contiguous.
+        lora_a: [num_slices, max_loras, rank, in_dim], x's dtype, last dim contiguous.
         lora_b_slices: num_slices (1..3) tensors [max_loras, out_dim_s, rank] in y's dtype, contiguous.
         meta: this step's ``LoRAKernelMeta`` (num_tokens and max_loras must match).
         y: [num_tokens, total_out] float16/bfloat16/float32, last dim contiguous; the update is
@@ -181,7 +181,7 @@ def lora_shrink_expand(x: torch.Tensor, lora_a: torch.Tensor, lora_b_slices: Seq
     if not isinstance(lora_b_slices, (list, tuple)) or not 1 <= len(lora_b_slices) <= MAX_SLICES:
         raise ValueError(f"lora_b_slices: expected a list/tuple of 1..{MAX_SLICES} tensors.")
     num_slices = len(lora_b_slices)
-    check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, contiguous=True)
+    check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, last_dim_contiguous=True)
     max_loras, rank = lora_a.shape[1], lora_a.shape[2]
     check_tensor("lora_a", lora_a, shape=(num_slices, max_loras, rank, in_dim))
     out_dims = check_b_slices(lora_b_slices, y, max_loras, rank, slice_offsets)

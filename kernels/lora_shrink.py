@@ -272,7 +272,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
 
     Args:
         x: [num_tokens, in_dim] float16/bfloat16/float32, last dim contiguous.
-        lora_a: [num_slices, max_loras, rank, in_dim], x's dtype, contiguous.
+        lora_a: [num_slices, max_loras, rank, in_dim], x's dtype, last dim contiguous.
         meta: this step's ``LoRAKernelMeta`` (num_tokens and max_loras must match).
         out: [num_slices, split_k, num_tokens, rank] float32, contiguous: split j holds the
             partial product over input chunk K_j (``split_chunk(in_dim, split_k)`` elements each);
@@ -285,7 +285,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, in_dim = x.shape
     dev = x.device
-    check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, contiguous=True)
+    check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, last_dim_contiguous=True)
     num_slices, max_loras, rank, _ = lora_a.shape
     check_tensor("lora_a", lora_a, shape=(num_slices, max_loras, rank, in_dim))
     check_tensor("out", out, ndim=4, dtypes=(torch.float32,), device=dev, contiguous=True)

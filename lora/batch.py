@@ -38,6 +38,9 @@ class LoRABatch:
     """Sorted token ids, active slots, per-slot counts and starts (what the kernels read)."""
     segments: list[LoRASegment]
     """Host list of (slot, token rows) per active slot; filled for the torch path only."""
+    slot_bound: int
+    """Every active slot is below this (host int): the slots a stacked GEMM must cover
+    (``lora.layers``). A fixed-grid step's is its launch bound, any step may then run."""
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +70,7 @@ def build_lora_batch(token_lora_slots: torch.Tensor, max_loras: int, with_segmen
         for slot, count, start in zip(slots, counts, starts):
             rows = None if count == meta.num_tokens else sorted_ids[start:start + count]
             segments.append(LoRASegment(slot, rows))
-    return LoRABatch(meta=meta, segments=segments)
+    return LoRABatch(meta=meta, segments=segments, slot_bound=max_loras)
 
 
 @dataclass
@@ -155,10 +158,10 @@ class LoRAMetaBuffers:
             token_lora_slots: [num_tokens] host slots (NO_LORA for base-model and padding rows).
             fixed_grid: launches sized by max_loras (the CUDA-graph path; see ``LoRAKernelMeta``).
             with_segments: also build host segments (torch path).
-            max_active: with fixed_grid, the most active slots the launch serves (a graph captured
+            max_active: with fixed_grid, the launch serves only slots below this (a graph captured
                 for few adapters): the launches cover that many segments instead of max_loras
-                (the active slots are a prefix of active_slots). None: max_loras. RuntimeError if
-                the step has more.
+                (the active slots are a prefix of active_slots), and a stacked GEMM that many
+                slots. None: max_loras. RuntimeError if the step uses a slot at or above it.
 
         Returns:
             A ``LoRABatch`` whose meta views these buffers (valid until the next ``fill``).
@@ -167,9 +170,10 @@ class LoRAMetaBuffers:
         if T > M:
             raise RuntimeError(f"LoRA step of {T} tokens exceeds the meta buffers ({M}).")
         g = group_slots_host(token_lora_slots, L)
-        if max_active is not None and (not fixed_grid or g.num_active > max_active):
-            raise RuntimeError(f"LoRA step with {g.num_active} adapters for a launch of at most {max_active} "
-                               f"(fixed_grid={fixed_grid}): the graph choice and the batch disagree.")
+        used_bound = int(g.active_slots[:g.num_active].max()) + 1 if g.num_active else 0
+        if max_active is not None and (not fixed_grid or used_bound > max_active):
+            raise RuntimeError(f"LoRA step using slots below {used_bound} for a launch over slots below "
+                               f"{max_active} (fixed_grid={fixed_grid}): the graph choice and the batch disagree.")
         i = self._turn
         self._turn ^= 1
         if self._copied[i] is not None:
@@ -199,4 +203,4 @@ class LoRAMetaBuffers:
                 rows = None if count == T else torch.from_numpy(
                     g.sorted_token_ids[start:start + count].astype(np.int64)).to(self.device)
                 segments.append(LoRASegment(int(g.active_slots[a]), rows))
-        return LoRABatch(meta=meta, segments=segments)
+        return LoRABatch(meta=meta, segments=segments, slot_bound=num_active if fixed_grid else used_bound)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lora.batch import LoRABatchState
 from lora.peft_adapter import LoRASliceWeights
@@ -111,11 +112,15 @@ class SplitPlan:
     """One step's launch plan of the split pair (shrink then expand) for one layer."""
 
     buf: torch.Tensor
-    """[num_slices, split_k, num_tokens, max_rank] float32 view of the shared shrink scratch."""
-    shrink_cfg: LoRAShrinkConfig
-    """The shrink's launch config (its split_k is buf.shape[1])."""
+    """[num_slices, split_k, num_tokens, max_rank] float32 view of the shared shrink scratch; or,
+    with slot_stride, a view of the stacked GEMM's output holding every covered slot's shrink."""
+    shrink_cfg: Optional[LoRAShrinkConfig]
+    """The shrink's launch config (its split_k is buf.shape[1]); None: the stacked GEMM did it."""
     expand_cfg: LoRAExpandConfig
     """The expand's launch config."""
+    slot_stride: int = 0
+    """Elements between two slots' h in buf (``kernels.lora_expand.lora_expand``); 0: buf holds
+    each token's own partials."""
 
 
 @dataclass
@@ -186,6 +191,11 @@ class LinearLoRASlots(nn.Module):
         default 0: never; on CPU the kernel runs through the interpreter, as in the tests)."""
         self._gemm_h: Optional[torch.Tensor] = None         # [gemm_max_tokens, cols] f32 shrink output
         self._gemm_sync: Optional[torch.Tensor] = None      # [2] int32 handshake counters (kept zero)
+        self.stacked_max_tokens = envs.lora_stacked_max_tokens() if backend == "triton" else 0
+        """Steps of at most this many tokens take the stacked GEMM (``begin_stacked``) once
+        ``stack_onto`` ran (CHORUS_LORA_STACKED_MAX_TOKENS; 0: never)."""
+        self.stacked_weight: Optional[torch.Tensor] = None  # [out + max_loras * S * R, in] base rows | A rows
+        self.stacked_bias: Optional[torch.Tensor] = None    # [out + max_loras * S * R] base bias | zeros
 
     @property
     def lora_b(self) -> list[torch.Tensor]:
@@ -214,7 +224,71 @@ class LinearLoRASlots(nn.Module):
         for s in range(self.num_slices):
             self.set_slice(lora_slot, s, None)
 
+    def stack_onto(self, linear: nn.Module) -> None:
+        """Put the slots' A rows under ``linear``'s base weight in one tensor (``stacked_weight``):
+        rows [0, out) are the base weight, then slot l's slice s's rank r at
+        ``out + (l * num_slices + s) * max_rank + r``. ``linear.weight`` (and its bias, zero-padded
+        into ``stacked_bias``) and ``lora_a`` become views of it, so a GEMM over its first
+        ``out + n * num_slices * max_rank`` rows gives the base output and the shrink of every
+        slot below n (``begin_stacked``); nothing is stored twice.
+
+        linear: an ``engine.layers.linear.Linear`` whose weight is [sum(output_sizes), input_size]
+        in the slot dtype on the slot device.
+        """
+        out, S, L, R = sum(self.output_sizes), self.num_slices, self.max_loras, self.max_rank
+        w = linear.weight
+        if tuple(w.shape) != (out, self.input_size) or w.dtype != self.lora_a.dtype or w.device != self.lora_a.device:
+            raise ValueError(f"stack_onto: weight {tuple(w.shape)} {w.dtype} on {w.device} does not match the "
+                             f"slots ({out} x {self.input_size}, {self.lora_a.dtype} on {self.lora_a.device}).")
+        stacked = torch.empty(out + L * S * R, self.input_size, dtype=w.dtype, device=w.device)
+        stacked[:out].copy_(w)
+        a_view = stacked[out:].view(L, S, R, self.input_size).permute(1, 0, 2, 3)    # [S, L, R, in]
+        a_view.copy_(self.lora_a)
+        linear.weight.data = stacked[:out]
+        self.lora_a = a_view
+        if linear.bias is not None:
+            bias = torch.zeros(stacked.shape[0], dtype=linear.bias.dtype, device=w.device)
+            bias[:out].copy_(linear.bias)
+            linear.bias.data = bias[:out]
+            self.stacked_bias = bias
+        self.stacked_weight = stacked
+
     # ------------------------------------------------------------------ compute
+    def takes_stacked(self, num_tokens: int) -> bool:
+        """A step of num_tokens tokens runs this layer's shrink inside the base GEMM (``begin_stacked``)."""
+        return (self.stacked_weight is not None and 0 < num_tokens <= self.stacked_max_tokens
+                and not self._takes_fused(num_tokens))
+
+    def begin_stacked(self, x: torch.Tensor, weight: torch.Tensor
+                      ) -> Optional[tuple[torch.Tensor, LoRAPending]]:
+        """(y, pending) from one GEMM over the stacked weight: y is the base output (a view with
+        the GEMM's row stride), pending the update still to add (``finish`` / ``finish_silu_mul``
+        expand from the GEMM's h columns, each token reading its own slot's). None when this step
+        does not take the path (``takes_stacked``; no adapter; ``weight`` is not our stacked base).
+
+        x: [..., input_size]; weight: the Linear's weight, [sum(output_sizes), input_size].
+        """
+        if self.stacked_weight is None or self.adds_nothing():
+            return None
+        x2 = self._rows(x)
+        num_tokens, batch = x2.shape[0], self.state.batch
+        if (not self.takes_stacked(num_tokens) or x2.dtype != weight.dtype or batch.slot_bound < 1
+                or weight.data_ptr() != self.stacked_weight.data_ptr()):
+            return None
+        from kernels.lora_expand import lora_expand_config, slotwise_buf
+
+        out, S, R = sum(self.output_sizes), self.num_slices, self.max_rank
+        cols = out + batch.slot_bound * S * R
+        bias = None if self.stacked_bias is None else self.stacked_bias[:cols]
+        y_all = F.linear(x2, self.stacked_weight[:cols], bias)                    # [T, out + n * S * R]
+        buf, slot_stride = slotwise_buf(y_all[:, out:].view(num_tokens, batch.slot_bound, S, R))
+        cfg = lora_expand_config(num_tokens, batch.meta.num_active, tuple(self.output_sizes), x2.device,
+                                 self.overrides.expand)
+        y = y_all[:, :out]                                                         # [T, out] view
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], out)
+        return y, LoRAPending(x2, SplitPlan(buf, None, cfg, slot_stride), owner=self)
+
     def takes_gemm(self, num_tokens: int) -> bool:
         """A step of num_tokens tokens runs this layer as one ``kernels.gemm_lora`` launch. Not
         gate/up with ``fuse_silu_mul``: its update already rides in the SiLU-and-mul launch, and
@@ -333,7 +407,8 @@ class LinearLoRASlots(nn.Module):
         y2 = y.view(-1, y.shape[-1])
         meta = self.state.batch.meta
         return lora_expand_silu_mul(pending.plan.buf, self.lora_b, meta, y2,
-                                    config=self._silu_mul_config(y2.shape[0], meta.num_active, y2.device))
+                                    config=self._silu_mul_config(y2.shape[0], meta.num_active, y2.device),
+                                    slot_stride=pending.plan.slot_stride)
 
     def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device) -> LoRAExpandConfig:
         """``finish_silu_mul``'s launch config (CHORUS_LORA_EXPAND_CONFIG overrides apply)."""
@@ -374,6 +449,9 @@ class LinearLoRASlots(nn.Module):
             return ("fused", lora_fused_config(num_tokens, num_active, self.input_size, outs, dev,
                                                self.overrides.fused))
         silu_mul = self._silu_mul_config(num_tokens, num_active, dev) if self.fuse_silu_mul else None
+        if self.takes_stacked(num_tokens):
+            return ("stacked", lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand),
+                    silu_mul)
         return ("split", lora_shrink_config(num_tokens, num_active, self.num_slices, self.input_size, dev,
                                             self.overrides.shrink),
                 lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand), silu_mul)
@@ -409,7 +487,7 @@ class LinearLoRASlots(nn.Module):
         from kernels.lora_expand import lora_expand
 
         lora_expand(plan.buf, self.lora_b, batch.meta, y, self.slice_offsets, add_inputs=True,
-                    config=plan.expand_cfg)
+                    config=plan.expand_cfg, slot_stride=plan.slot_stride)
 
     def _forward_fused(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
         """The one-launch kernel (the layer's kernel choice takes it for this step)."""

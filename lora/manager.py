@@ -39,8 +39,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 GRAPH_FEW_ADAPTERS = 16
-"""Decode CUDA graphs of a Triton LoRA engine with more slots than this get a variant for steps of at
-most this many adapters (``few_adapters_bound``). On an H200 (Llama-3-8B shape, batch 64, rank 16)
+"""Decode CUDA graphs of a Triton LoRA engine with more slots than this get a variant for steps whose
+adapters all sit in the first this-many slots (``few_adapters_bound``; the slot manager fills the
+lowest free slot first). On an H200 (Llama-3-8B shape, batch 64, rank 16)
 the decode step with 16 adapters took 7.62 ms with launches over 64 slots and 7.35 ms over 16; with
 1 adapter 7.21 ms over 64 slots, 6.93 over 16 (``benchmarks/multi_lora.py``)."""
 
@@ -82,6 +83,8 @@ class LoRAManager:
                                     self.max_lora_rank, self.lora_dtype, self.device, self.state,
                                     self.backend)
             linear.lora = slots
+            if slots.stacked_max_tokens > 0:
+                slots.stack_onto(linear)            # decode steps: the shrink inside the base GEMM
             self.layers[name] = slots
         self.store = AdapterStore(lora_config.max_cpu_loras, pin_memory=self.device.type == "cuda")
         self._registered: dict[str, LoRARequest] = {}
@@ -265,6 +268,14 @@ class LoRAManager:
                         if weight is None:
                             weight = torch.zeros(y.shape[1], x.shape[1], dtype=x.dtype, device=self.device)
                         layer.forward_gemm(x, weight, None)
+                        calls += 1
+                        continue
+                    if layer.takes_stacked(t):       # decode-sized steps: the shrink inside the GEMM
+                        base = layer.stacked_weight[:y.shape[1]]
+                        y_base, pending = layer.begin_stacked(x, base)
+                        layer.finish(pending, y_base)
+                        if layer.fuse_silu_mul:
+                            layer.finish_silu_mul(*reversed(layer.begin_stacked(x, base)))
                         calls += 1
                         continue
                     layer(x, y)

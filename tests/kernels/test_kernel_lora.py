@@ -439,3 +439,44 @@ def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity):
         y = y0.clone()
         lora_expand(buf, lora_b, meta, y, [0, 4096, 5120], config=cfg)
         torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+
+
+STACKED_CASES = list(itertools.product(DTYPES, POPULARITY, [0, 1]))
+
+
+@pytest.mark.parametrize("dtype,popularity,per_token", STACKED_CASES,
+                         ids=[f"{str(d).removeprefix('torch.')}-{p}-{'token' if t else 'segment'}"
+                              for d, p, t in STACKED_CASES])
+def test_expand_reads_every_slots_shrink(dtype, popularity, per_token):
+    """With slot_stride the expand reads token t's h from slot(t)'s columns of a GEMM-shaped
+    output holding every slot's shrink (``slotwise_buf``): the same y as the twin on each token's
+    own h. The h columns sit after 5 other columns, rows padded: only strides locate them."""
+    from kernels.lora_expand import slotwise_buf
+
+    i = STACKED_CASES.index((dtype, popularity, per_token))
+    num_tokens, max_loras, rank, out_dims = (1, 7, 33)[i % 3], 4, (1, 8, 16)[i % 3], SHAPES[i % 3][1]
+    num_slices = len(out_dims)
+    g = torch.Generator().manual_seed(700 + i)
+    slots = make_slots(num_tokens, max_loras, popularity, True, 700 + i)
+    meta = build_lora_kernel_meta(slots, max_loras, fixed_grid=bool(i % 2))
+    h_dtype = torch.float32 if i % 4 == 3 else dtype
+    wide = randn(g, num_tokens, 5 + max_loras * num_slices * rank + 3).to(h_dtype)   # [T, 5 | L*S*R | 3]
+    h_all = wide[:, 5:5 + max_loras * num_slices * rank].view(num_tokens, max_loras, num_slices, rank)
+    buf, slot_stride = slotwise_buf(h_all)                                      # [S, 1, T, R] view
+    assert buf.shape == (num_slices, 1, num_tokens, rank) and slot_stride == num_slices * rank
+    own = torch.zeros(num_slices, 1, num_tokens, rank, device=DEVICE)           # [S, 1, T, R] f32
+    for t, slot in enumerate(slots.tolist()):
+        if slot != NO_LORA:
+            own[:, 0, t] = h_all[t, slot].float()
+    lora_b = [randn(g, max_loras, n, rank).to(dtype) for n in out_dims]
+    offsets = [sum(out_dims[:s]) for s in range(num_slices)]
+    y = randn(g, num_tokens, sum(out_dims)).to(dtype)
+    y_ref = lora_expand_ref(own, lora_b, slots, y, offsets)
+    cfg = LoRAExpandConfig(block_n=16, n_tiles=2, per_token=per_token)
+    lora_expand(buf, lora_b, meta, y, offsets, config=cfg, slot_stride=slot_stride)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=Y_TOL[dtype], rtol=Y_TOL[dtype])
+    with pytest.raises(ValueError, match="slot_stride"):
+        lora_expand(buf, lora_b, meta, y, offsets, slot_stride=-1)
+    if h_dtype != torch.float32:
+        with pytest.raises(ValueError, match="buf"):       # y-dtype h only with a slot stride
+            lora_expand(buf, lora_b, meta, y, offsets)

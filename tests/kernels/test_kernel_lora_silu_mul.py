@@ -139,3 +139,30 @@ def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity, fixed_grid):
     for cfg in (None, LoRAExpandConfig(block_n=128, n_tiles=4, per_token=1)):
         run_case(dtype, 16, popularity, True, num_tokens, max_loras, d=14336, seed=num_tokens,
                  fixed_grid=fixed_grid, split_k=4, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_token", [0, 1])
+@pytest.mark.parametrize("fixed_grid", [False, True], ids=["exact", "fixed_grid"])
+def test_reads_every_slots_shrink(dtype, per_token, fixed_grid):
+    """With slot_stride (``slotwise_buf`` over a GEMM-shaped output holding every slot's h) the
+    output is bit-identical to the launch on each token's own h, base rows included."""
+    from kernels.lora_expand import slotwise_buf
+
+    num_tokens, max_loras, rank, d = 9, 4, 8, 48
+    g = torch.Generator().manual_seed(11 + per_token)
+    slots = make_slots(num_tokens, max_loras, "uniform", True, 11)
+    meta = build_lora_kernel_meta(slots, max_loras, fixed_grid=fixed_grid)
+    wide = randn(g, num_tokens, 3 + max_loras * 2 * rank).to(dtype)                 # [T, 3 | L*2*R]
+    h_all = wide[:, 3:].view(num_tokens, max_loras, 2, rank)
+    buf, slot_stride = slotwise_buf(h_all)
+    own = torch.zeros(2, 1, num_tokens, rank, device=DEVICE)
+    for t, slot in enumerate(slots.tolist()):
+        if slot != NO_LORA:
+            own[:, 0, t] = h_all[t, slot].float()
+    lora_b = [randn(g, max_loras, d, rank).to(dtype) for _ in range(2)]
+    y = (randn(g, num_tokens, 2 * d) * 2).to(dtype)
+    cfg = LoRAExpandConfig(block_n=16, n_tiles=2, per_token=per_token)
+    got = lora_expand_silu_mul(buf, lora_b, meta, y, config=cfg, slot_stride=slot_stride)
+    want = lora_expand_silu_mul(own, lora_b, meta, y, config=cfg)
+    assert torch.equal(got, want)

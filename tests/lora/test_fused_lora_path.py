@@ -111,12 +111,12 @@ PLAN = [(0, "r4-all"), (2, "r8-qv"), (3, "r4-all"), (1, None)]
 """(prompt index, adapter) per request: r4-all has two requests, so decode segments of two tokens."""
 
 
-@pytest.mark.parametrize("kernel", ["fused", "split", "gemm"])
+@pytest.mark.parametrize("kernel", ["fused", "split", "gemm", "stacked"])
 def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny_prompts, tmp_path, monkeypatch):
     """The Triton backend forced on CPU: prefill and decode steps through ``lora_shrink_expand`` only
     ("fused"), through the split pair with the default overlap's begin / finish ("split"), or
-    with decode steps (<= 4 tokens) through ``kernels.gemm_lora`` and prefill through the split pair
-    ("gemm")."""
+    with decode steps (<= 4 tokens) through ``kernels.gemm_lora`` ("gemm") or through the stacked
+    GEMM (the shrink inside the base GEMM, "stacked") and prefill through the split pair."""
     from transformers import AutoTokenizer
 
     from lora.manager import LoRAManager
@@ -133,8 +133,12 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     def triton_backend(self, *args, backend=None, **kwargs):
         init(self, *args, backend="triton", **kwargs)
     monkeypatch.setattr(LoRAManager, "__init__", triton_backend)
-    monkeypatch.setenv("CHORUS_LORA_KERNEL", "split" if kernel == "gemm" else kernel)   # read when built
+    monkeypatch.setenv("CHORUS_LORA_KERNEL", "split" if kernel in ("gemm", "stacked") else kernel)   # read when built
     monkeypatch.setenv("CHORUS_LORA_GEMM_MAX_TOKENS", str(len(PLAN) if kernel == "gemm" else 0))
+    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", str(len(PLAN) if kernel == "stacked" else 0))
+    import kernels.lora_expand as lora_expand
+    stacked_spy = Mock(wraps=lora_expand.slotwise_buf)
+    monkeypatch.setattr(lora_expand, "slotwise_buf", stacked_spy)
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     calls = KernelCalls(monkeypatch)
     gemm_spy = Mock(wraps=gemm_lora.gemm_lora)
@@ -145,7 +149,8 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
               enable_prefix_caching=False)
     manager = llm.llm_engine.lora_manager
     assert manager.backend == "triton"
-    assert {layer.overrides.kernel for layer in manager.layers.values()} == {"split" if kernel == "gemm" else kernel}
+    assert {layer.overrides.kernel for layer in manager.layers.values()} == {
+        "split" if kernel in ("gemm", "stacked") else kernel}
     reqs = [None if a is None else LoRARequest(a, list(ADAPTERS).index(a) + 1, str(paths[a]))
             for _, a in PLAN]
     outs = llm.generate([tiny_prompts[p] for p, _ in PLAN],
@@ -162,7 +167,13 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
         # split pair everywhere.
         assert fused == 0 and gemm_spy.call_count == (MAX_TOKENS - 1) * (num_layers - num_mlps)
         assert split >= num_layers + (MAX_TOKENS - 1) * num_mlps and silu_mul_spy.call_count >= MAX_TOKENS * num_mlps
+    elif kernel == "stacked":
+        # Decode steps take the stacked GEMM in every layer (gate/up's update still inside
+        # SiLU-and-mul); the prefill step (more tokens) runs the shrink kernel.
+        assert fused == 0 and gemm_spy.call_count == 0 and stacked_spy.call_count == (MAX_TOKENS - 1) * num_layers
+        assert split == num_layers and silu_mul_spy.call_count == MAX_TOKENS * num_mlps
     else:
+        assert stacked_spy.call_count == 0
         used, unused = (fused, split) if kernel == "fused" else (split, fused)
         assert unused == 0 and used >= MAX_TOKENS * num_layers and gemm_spy.call_count == 0   # every step, layer
         # The split path adds the gate/up update inside SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL's default).

@@ -208,19 +208,72 @@ def test_kernel_config_overrides_from_env(monkeypatch):
 @pytest.mark.parametrize("backend", _backends())
 def test_fixed_grid_over_few_adapters(backend):
     """A decode graph captured for few adapters launches over that many segments (not max_loras):
-    the same y for any step within the bound, and a step with more adapters is refused."""
+    the same y for any step within the bound (slots below it), and a step past it is refused."""
     from lora.batch import LoRAMetaBuffers
 
     base, slots, state = _layer(backend)
     adapters = _adapters()
     _load(slots, adapters)
     bufs = LoRAMetaBuffers(16, MAX_LORAS, torch.device("cpu"))
-    for token_slots in ([0, 2, -1, 2, 0], [2, 2, -1], [-1, -1]):
+    for token_slots in ([0, 1, -1, 1, 0], [1, 1, -1], [-1, -1]):
         state.batch = bufs.fill(np.array(token_slots, dtype=np.int32), True, backend == "torch", max_active=2)
-        assert state.batch.meta.num_active == 2 and state.batch.meta.fixed_grid
+        assert state.batch.meta.num_active == 2 and state.batch.meta.fixed_grid and state.batch.slot_bound == 2
         x = torch.randn(len(token_slots), IN)
         y = base(x)
         torch.testing.assert_close(y, _manual(x, torch.nn.functional.linear(x, base.weight), token_slots,
                                               adapters), atol=1e-4, rtol=1e-4)
-    with pytest.raises(RuntimeError, match="graph choice and the batch disagree"):
-        bufs.fill(np.array([0, 1, 2], dtype=np.int32), True, False, max_active=2)
+    for token_slots in ([0, 1, 2], [2, -1]):                     # three adapters; one adapter in slot 2
+        with pytest.raises(RuntimeError, match="graph choice and the batch disagree"):
+            bufs.fill(np.array(token_slots, dtype=np.int32), True, False, max_active=2)
+    assert bufs.fill(np.array([2, -1, 0], dtype=np.int32), False, False).slot_bound == 3
+    assert bufs.fill(np.array([-1], dtype=np.int32), False, False).slot_bound == 0
+
+
+def test_stacked_gemm_matches_manual(monkeypatch):
+    """The stacked weight (``stack_onto``): base rows then every slot's A rows in one tensor, the
+    Linear's weight / bias and the slots' A all views of it; a decode-sized step takes one GEMM
+    over the base and the slots below the step's slot bound, and the expand reads each token's own
+    slot's h from it. Same y as the hand-written update (+ bias) for exact and fixed-grid steps;
+    a step past CHORUS_LORA_STACKED_MAX_TOKENS, or a weight replaced after stacking, takes the
+    shrink kernel instead, with the same result."""
+    from lora.batch import LoRAMetaBuffers
+
+    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", "6")
+    torch.manual_seed(0)
+    base = Linear(IN, OUTS, bias=True)
+    base.weight.data.normal_()
+    base.bias.data.normal_()
+    state = LoRABatchState()
+    slots = LinearLoRASlots(IN, OUTS, MAX_LORAS, MAX_RANK, torch.float32, torch.device("cpu"), state, "triton")
+    base.lora = slots
+    adapters = _adapters()
+    _load(slots, {0: adapters[0]})                      # loaded before stacking: carried over
+    weight, bias = base.weight.clone(), base.bias.clone()
+    slots.stack_onto(base)
+    _load(slots, {2: adapters[2]})                      # loaded after: written into the stacked rows
+    out, S, R = sum(OUTS), len(OUTS), MAX_RANK
+    stacked = slots.stacked_weight
+    assert stacked.shape == (out + MAX_LORAS * S * R, IN) and slots.stacked_bias.shape == (stacked.shape[0],)
+    assert base.weight.data_ptr() == stacked.data_ptr() and torch.equal(base.weight, weight)
+    assert torch.equal(base.bias, bias) and torch.all(slots.stacked_bias[out:] == 0)
+    a0, _, _ = adapters[2][1]
+    row = out + (2 * S + 1) * R                         # slot 2, slice 1, rank 0
+    assert torch.equal(stacked[row:row + a0.shape[0]], a0) and slots.lora_a.untyped_storage().data_ptr() == stacked.data_ptr()
+
+    bufs = LoRAMetaBuffers(16, MAX_LORAS, torch.device("cpu"))
+    steps = [([0, 2, -1, 2, 0], False, None, 3), ([0, -1], False, None, 1), ([1, 0, -1], True, None, 3),
+             ([0, 0, 0, 0, 0, 2, 2, -1], False, None, None)]   # the last is past the stacked bound: 8 > 6
+    for token_slots, fixed, max_active, bound in steps:
+        state.batch = bufs.fill(np.array(token_slots, dtype=np.int32), fixed, False, max_active=max_active)
+        x = torch.randn(len(token_slots), IN)
+        want = _manual(x, torch.nn.functional.linear(x, weight, bias), token_slots, adapters)
+        y = base(x)
+        torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+        assert y.stride(0) == (out if bound is None else out + bound * S * R)   # the GEMM's h columns
+    base.weight.data = weight.clone()                   # no longer the stacked rows: the plain path
+    state.batch = bufs.fill(np.array([0, 2], dtype=np.int32), False, False)
+    x = torch.randn(2, IN)
+    y = base(x)
+    assert y.stride(0) == out
+    torch.testing.assert_close(y, _manual(x, torch.nn.functional.linear(x, weight, bias), [0, 2], adapters),
+                               atol=1e-4, rtol=1e-4)

@@ -185,6 +185,7 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
     from lora.layers import LinearLoRASlots
 
     model = _model(tiny_llama_dir)
+    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", "0")            # the split path's keys first
     mgr = LoRAManager(LoRAConfig(max_loras=4, max_lora_rank=8), model, torch.device("cpu"), torch.float32,
                       backend="triton")
     keys, forward = [], LinearLoRASlots.forward
@@ -209,6 +210,24 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
     assert mgr.state.batch is None
     assert all(torch.count_nonzero(layer.lora_a) == 0 for layer in mgr.layers.values())
     assert mgr.warm_up_kernels(201, 200) == 0
+    # Decode-sized steps with the stacked GEMM (the default up to 128 tokens): one begin_stacked +
+    # finish per key (gate/up: and a begin_stacked + finish_silu_mul), the split path not at all.
+    monkeypatch.delenv("CHORUS_LORA_STACKED_MAX_TOKENS")
+    stacked_mgr = LoRAManager(LoRAConfig(max_loras=4, max_lora_rank=8), _model(tiny_llama_dir),
+                              torch.device("cpu"), torch.float32, backend="triton")
+    stacked_keys, begin_stacked = [], LinearLoRASlots.begin_stacked
+
+    def stacked_spy(self, x, weight):
+        stacked_keys.append((self.input_size, tuple(self.output_sizes),
+                             self.launch_key(x.shape[0], self.state.batch.meta.num_active)))
+        return begin_stacked(self, x, weight)
+    monkeypatch.setattr(LinearLoRASlots, "begin_stacked", stacked_spy)
+    keys.clear()
+    silu_mul_shapes.clear()
+    calls = stacked_mgr.warm_up_kernels(1, 8)
+    assert not keys and calls == len(set(stacked_keys)) > 1 and all(k[2][0] == "stacked" for k in stacked_keys)
+    assert len(stacked_keys) == calls + len(silu_mul_shapes) and silu_mul_shapes
+    assert all(torch.count_nonzero(layer.lora_a) == 0 for layer in stacked_mgr.layers.values())
     torch_mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), _model(tiny_llama_dir),
                             torch.device("cpu"), torch.float32)
     assert torch_mgr.warm_up_kernels(1, 64) == 0

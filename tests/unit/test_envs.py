@@ -77,6 +77,17 @@ def test_lora_gemm_max_tokens(monkeypatch):
             envs.lora_gemm_max_tokens()
 
 
+def test_lora_stacked_max_tokens(monkeypatch):
+    monkeypatch.delenv("CHORUS_LORA_STACKED_MAX_TOKENS", raising=False)
+    assert envs.lora_stacked_max_tokens() == 128                   # decode steps by default
+    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", "0")
+    assert envs.lora_stacked_max_tokens() == 0
+    for bad in ("-1", "all", "1025"):
+        monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", bad)
+        with pytest.raises(ValueError, match="CHORUS_LORA_STACKED_MAX_TOKENS=.*from 0 to 1024"):
+            envs.lora_stacked_max_tokens()
+
+
 @pytest.mark.parametrize("name,read", [("CHORUS_LORA_OVERLAP", envs.lora_overlap),
                                        ("CHORUS_LORA_FUSE_SILU_MUL", envs.lora_fuse_silu_mul)])
 def test_on_off_switches(name, read, monkeypatch):

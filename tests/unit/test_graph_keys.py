@@ -76,6 +76,8 @@ def test_few_adapter_variants():
     assert g.key_for(50, 50, decode_only=True, num_adapters=1) == GraphKey(False, 64, True, 4)
     assert g.key_for(50, 50, decode_only=True, num_adapters=4) == GraphKey(False, 64, True, 4)
     assert g.key_for(50, 50, decode_only=True, num_adapters=5) == GraphKey(False, 64, True)
+    assert g.key_for(50, 50, decode_only=True, num_adapters=2, slot_bound=4) == GraphKey(False, 64, True, 4)
+    assert g.key_for(50, 50, decode_only=True, num_adapters=2, slot_bound=5) == GraphKey(False, 64, True)
     assert g.key_for(50, 50, decode_only=True, num_adapters=0) == GraphKey(False, 64, False)
     assert g.key_for(100, 100, decode_only=True, num_adapters=1) == GraphKey(False, 128, True)
     assert g.key_for(3, 40, decode_only=False, num_adapters=2) == GraphKey(True, 64, True)

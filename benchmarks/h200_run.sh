@@ -117,6 +117,21 @@ for phase in "$@"; do
           --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_stacked_b256.json" 2>&1 \
           | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
       fi ;;
+    lora-ab)   # the LoRA decode GPU tests, then batch 64 once per assignment in AB (e.g. AB="CHORUS_LORA_FUSE_ROTARY=1
+      # CHORUS_LORA_FUSE_ROTARY=0"), AB_ADAPTERS adapters (default 16,64); AB_B256=1 adds batch 256 (defaults)
+      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora_rotary.py \
+        tests/kernels/test_kernel_kv_write.py tests/lora/test_peft_parity.py tests/lora/test_fused_lora_path.py \
+        -k "cuda or gpu" 2>&1 | tee "$OUT/lora_ab_tests.log" | tail -4
+      for kv in ${AB:-CHORUS_LORA_FUSE_ROTARY=1}; do
+        env "$kv" timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 64 --input-len 512 --output-len 128 \
+          --skip-hf --num-adapters ${AB_ADAPTERS:-16,64} --max-loras 64 --base-last --out "$OUT/ml_ab_${kv//=/_}.json" \
+          2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/$kv: /"
+      done
+      if [ -n "${AB_B256:-}" ]; then
+        timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
+          --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_ab_b256.json" 2>&1 \
+          | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
+      fi ;;
     lora-final)   # the LoRA GPU tests not in lora-token, the decode sweep at 128 tokens, the batch-64 table
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gemv.py \
         tests/kernels/test_kernel_lora_fused.py tests/lora/test_fused_lora_path.py tests/lora/test_lora_overlap.py \

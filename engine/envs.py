@@ -147,6 +147,14 @@ def lora_gemm_max_tokens() -> int:
     return int(raw)
 
 
+def lora_fuse_rotary() -> bool:
+    """CHORUS_LORA_FUSE_ROTARY: "1" (default) adds the q/k/v projection's LoRA update inside the
+    rotary + KV-write kernel after it on decode-sized CUDA steps (``kernels.lora_rotary_write_kv``:
+    one launch instead of expand + rotary/write); "0" runs the expand into the projection output
+    first (``lora.layers``)."""
+    return _on_off("CHORUS_LORA_FUSE_ROTARY", "fused", "expand, then rotary + KV write")
+
+
 def lora_stacked_max_tokens() -> int:
     """CHORUS_LORA_STACKED_MAX_TOKENS: on CUDA, a step of at most this many tokens (decode) computes
     every adapted projection's LoRA shrink inside its base GEMM: the slots' A rows sit under the

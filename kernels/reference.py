@@ -67,6 +67,21 @@ def rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, 
     return q_out, k_out, k_cache_out, v_cache_out
 
 
+def lora_rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping,
+                             buf, lora_b_slices, token_lora_slots):
+    """Twin of ``kernels.lora_rotary_write_kv.lora_rotary_write_kv`` (buf: each token's own h, no
+    slot stride): the expand into q | k | v, then ``rotary_write_kv_ref``. Returns updated copies
+    (q, k, v, k_cache, v_cache)."""
+    T = q.shape[0]
+    qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=1)
+    widths = [b.shape[1] for b in lora_b_slices]
+    qkv = lora_expand_ref(buf, lora_b_slices, token_lora_slots, qkv, [0, widths[0], widths[0] + widths[1]])
+    q2, k2, v2 = (x.reshape(orig.shape) for x, orig in zip(qkv.split(widths, dim=1), (q, k, v)))
+    q_out, k_out, kc, vc = rotary_write_kv_ref(positions, q2, k2, v2, cos, sin, rotary_dim, k_cache, v_cache,
+                                               slot_mapping)
+    return q_out, k_out, v2, kc, vc
+
+
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``kernels.kv_write.write_kv``: returns updated copies of (k_cache, v_cache)."""

@@ -179,6 +179,10 @@ class LinearLoRASlots(nn.Module):
                               and self.output_sizes[0] == self.output_sizes[1] and envs.lora_fuse_silu_mul())
         """CHORUS_LORA_FUSE_SILU_MUL (read once here) on a gate/up-shaped layer with the overlap:
         ``engine.layers.linear.Linear.forward_deferred`` leaves the update to ``finish_silu_mul``."""
+        self.fuse_rotary = backend == "triton" and self.num_slices == 3 and envs.lora_fuse_rotary()
+        """CHORUS_LORA_FUSE_ROTARY (read once here) on a q/k/v-shaped layer: at decode sizes
+        ``engine.layers.linear.Linear.forward_deferred`` leaves the update to the attention's rotary
+        + KV write (``finish_rotary_write_kv``)."""
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -409,6 +413,30 @@ class LinearLoRASlots(nn.Module):
         return lora_expand_silu_mul(pending.plan.buf, self.lora_b, meta, y2,
                                     config=self._silu_mul_config(y2.shape[0], meta.num_active, y2.device),
                                     slot_stride=pending.plan.slot_stride)
+
+    def defers(self, num_tokens: int) -> bool:
+        """A step of num_tokens tokens leaves this layer's update to the output's consumer
+        (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``), q/k/v to the
+        rotary + KV write at decode sizes (``fuse_rotary``)."""
+        from kernels.lora_rotary_write_kv import MAX_TOKENS
+
+        return self.fuse_silu_mul or (self.fuse_rotary and 0 < num_tokens <= MAX_TOKENS)
+
+    def finish_rotary_write_kv(self, pending: LoRAPending, positions: torch.Tensor, q: torch.Tensor,
+                               k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                               rotary_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor) -> None:
+        """``kernels.kv_write.rotary_write_kv`` on views q, k, v of this (q/k/v) layer's base output
+        with the pending update added first, in one ``kernels.lora_rotary_write_kv`` launch for a
+        plan of this layer; otherwise the update is added to q | k | v first. Arguments as
+        ``rotary_write_kv``'s."""
+        from kernels.lora_rotary_write_kv import lora_rotary_write_kv
+
+        if pending.side is not None:
+            torch.cuda.current_stream().wait_stream(pending.side)
+        meta = self.state.batch.meta
+        lora_rotary_write_kv(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping,
+                             pending.plan.buf, self.lora_b, meta.token_lora_slots, pending.plan.slot_stride)
 
     def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device) -> LoRAExpandConfig:
         """``finish_silu_mul``'s launch config (CHORUS_LORA_EXPAND_CONFIG overrides apply)."""

@@ -27,14 +27,24 @@ class PagedAttention(nn.Module):
         self.v_cache: Optional[torch.Tensor] = None
         self.backend: Optional[AttentionBackend] = None
 
+    def fuses_rotary_write(self, x: torch.Tensor) -> bool:
+        """Inputs like x take the fused rotary + KV write (CUDA with the Triton backend), which
+        can also add the q/k/v projection's pending LoRA update (``forward``'s lora_pending)."""
+        return x.is_cuda and self.backend is not None and self.backend.name == "triton"
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                rotary=None) -> torch.Tensor:
+                rotary=None, lora_pending=None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]. With ``rotary`` (a RotaryEmbedding) and
-        ``positions`` ([T]), q and k are rotated first (fused with the KV write on CUDA)."""
+        ``positions`` ([T]), q and k are rotated first (fused with the KV write on CUDA).
+        ``lora_pending``: the q/k/v projection's adapter update, still to add to q, k, v (a
+        ``lora.layers.LoRAPending``; only where ``fuses_rotary_write`` and rotary are given)."""
         meta = get_attention_metadata()
-        if rotary is not None and q.is_cuda and self.backend.name == "triton":
-            rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if rotary is not None and self.fuses_rotary_write(q):
+            rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                      lora_pending)
         else:
+            if lora_pending is not None:
+                raise RuntimeError("a pending q/k/v LoRA update needs the fused rotary + KV write path")
             if rotary is not None:
                 q, k = rotary(positions, q, k)
             self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)

@@ -56,10 +56,11 @@ class Linear(nn.Module):
 
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
         """(y, pending): like ``forward``, but when the LoRA hook fuses its update into the
-        consumer (``LinearLoRASlots.fuse_silu_mul``: gate/up into SiLU-and-mul), y is the base
-        output and ``pending`` the update still to add; its consumer must complete it
-        (``pending.owner.finish_silu_mul(pending, y)``). pending is None when y is complete."""
-        if self.lora is None or not self.lora.fuse_silu_mul or self.lora.adds_nothing():
+        consumer (``LinearLoRASlots.defers``: gate/up into SiLU-and-mul, q/k/v into the rotary + KV
+        write), y is the base output and ``pending`` the update still to add; its consumer must
+        complete it (``pending.owner.finish_silu_mul(pending, y)`` / ``finish_rotary_write_kv``,
+        or ``finish``). pending is None when y is complete."""
+        if self.lora is None or self.lora.adds_nothing() or not self.lora.defers(x.reshape(-1, x.shape[-1]).shape[0]):
             return self.forward(x), None
         y, pending = self._base_with_lora(x)
         if pending is not None and pending.plan is None:    # nothing issued early: the plain path

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from engine.layers.attention import PagedAttention
-from engine.layers.fused import linear_forward, norm_linear, norm_linear_deferred, silu_mul_linear
+from engine.layers.fused import linear_forward, norm_linear_deferred, silu_mul_linear
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -46,14 +46,18 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # NOTE: one instance shared by every layer (one cos/sin gather per step)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, lora_pending: Optional[LoRAPending] = None
+                ) -> torch.Tensor:
         """qkv: [T, q + 2 kv], the output of ``qkv_proj`` (run fused with the input norm by the
-        decoder layer) -> [T, hidden]."""
+        decoder layer), without its adapter update when ``lora_pending`` holds it -> [T, hidden]."""
+        if lora_pending is not None and not self.attn.fuses_rotary_write(qkv):
+            qkv = lora_pending.owner.finish(lora_pending, qkv)     # the update first, then rotary
+            lora_pending = None
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        return linear_forward(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb))
+        return linear_forward(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb, lora_pending))
 
 
 class LlamaMLP(nn.Module):
@@ -82,8 +86,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual):
         """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual)."""
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn(positions, qkv)
+        qkv, qkv_pending, residual = norm_linear_deferred(self.input_layernorm, self.self_attn.qkv_proj, hidden,
+                                                          residual)
+        hidden = self.self_attn(positions, qkv, qkv_pending)
         gate_up, pending, residual = norm_linear_deferred(self.post_attention_layernorm, self.mlp.gate_up_proj,
                                                           hidden, residual)
         return self.mlp(gate_up, pending), residual

@@ -119,7 +119,7 @@ for phase in "$@"; do
       fi ;;
     lora-ab)   # the LoRA decode GPU tests, then batch 64 once per assignment in AB (e.g. AB="CHORUS_LORA_FUSE_ROTARY=1
       # CHORUS_LORA_FUSE_ROTARY=0"), AB_ADAPTERS adapters (default 16,64); AB_B256=1 adds batch 256 (defaults)
-      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora_rotary.py \
+      timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora_rotary.py tests/kernels/test_kernel_lora_norm.py \
         tests/kernels/test_kernel_kv_write.py tests/lora/test_peft_parity.py tests/lora/test_fused_lora_path.py \
         -k "cuda or gpu" 2>&1 | tee "$OUT/lora_ab_tests.log" | tail -4
       for kv in ${AB:-CHORUS_LORA_FUSE_ROTARY=1}; do

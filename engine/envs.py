@@ -155,6 +155,14 @@ def lora_fuse_rotary() -> bool:
     return _on_off("CHORUS_LORA_FUSE_ROTARY", "fused", "expand, then rotary + KV write")
 
 
+def lora_fuse_norm() -> bool:
+    """CHORUS_LORA_FUSE_NORM: "1" (default) adds the o_proj and down_proj LoRA updates inside the
+    residual add + RMSNorm after them on decode-sized steps (``kernels.lora_expand_norm``: one launch
+    instead of expand + add/norm); "0" runs the expand into the projection output first
+    (``lora.layers``)."""
+    return _on_off("CHORUS_LORA_FUSE_NORM", "fused", "expand, then add + RMSNorm")
+
+
 def lora_stacked_max_tokens() -> int:
     """CHORUS_LORA_STACKED_MAX_TOKENS: on CUDA, a step of at most this many tokens (decode) computes
     every adapted projection's LoRA shrink inside its base GEMM: the slots' A rows sit under the

@@ -82,6 +82,17 @@ def lora_rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_ca
     return q_out, k_out, v2, kc, vc
 
 
+def lora_expand_add_rms_norm_ref(buf, lora_b, token_lora_slots, x, weight, eps: float, residual=None):
+    """Twin of ``kernels.lora_expand_norm.lora_expand_add_rms_norm`` (buf: each row's own h, no slot
+    stride): the expand into x, then add + RMSNorm with add_rms_norm's roundings. Returns (out, s),
+    s the stored sum."""
+    p = lora_expand_ref(buf, [lora_b], token_lora_slots, x, [0])                   # [T, hidden], x's dtype
+    s = p if residual is None else (p.float() + residual.float()).to(x.dtype)
+    s32 = s.float()
+    n = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * n.float()).to(x.dtype), s
+
+
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``kernels.kv_write.write_kv``: returns updated copies of (k_cache, v_cache)."""

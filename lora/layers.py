@@ -183,6 +183,10 @@ class LinearLoRASlots(nn.Module):
         """CHORUS_LORA_FUSE_ROTARY (read once here) on a q/k/v-shaped layer: at decode sizes
         ``engine.layers.linear.Linear.forward_deferred`` leaves the update to the attention's rotary
         + KV write (``finish_rotary_write_kv``)."""
+        self.fuse_norm = backend == "triton" and self.num_slices == 1 and envs.lora_fuse_norm()
+        """CHORUS_LORA_FUSE_NORM (read once here) on a one-slice layer (o_proj, down_proj: each feeds a
+        residual add + RMSNorm): at decode sizes ``Linear.forward_deferred`` leaves the update to
+        that norm (``finish_add_rms_norm``)."""
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -418,9 +422,30 @@ class LinearLoRASlots(nn.Module):
         """A step of num_tokens tokens leaves this layer's update to the output's consumer
         (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``), q/k/v to the
         rotary + KV write at decode sizes (``fuse_rotary``)."""
-        from kernels.lora_rotary_write_kv import MAX_TOKENS
+        from kernels.lora_expand_norm import MAX_TOKENS as NORM_MAX_TOKENS
+        from kernels.lora_rotary_write_kv import MAX_TOKENS as ROTARY_MAX_TOKENS
 
-        return self.fuse_silu_mul or (self.fuse_rotary and 0 < num_tokens <= MAX_TOKENS)
+        return (self.fuse_silu_mul or (self.fuse_rotary and 0 < num_tokens <= ROTARY_MAX_TOKENS)
+                or (self.fuse_norm and 0 < num_tokens <= NORM_MAX_TOKENS))
+
+    def finish_add_rms_norm(self, pending: LoRAPending, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + update + residual), x + update + residual) for this (one-slice) layer's base
+        output x with its pending update, in one ``kernels.lora_expand_norm`` launch; like
+        ``engine.layers.norm.RMSNorm.forward`` on CUDA, x receives the normalized rows and residual
+        the sum (the returned tensors are those two).
+
+        x, residual: [num_tokens, hidden]; weight: [hidden] the norm's.
+        """
+        from kernels.lora_expand_norm import lora_expand_add_rms_norm
+
+        if pending.side is not None:
+            torch.cuda.current_stream().wait_stream(pending.side)
+        x2 = x.view(-1, x.shape[-1])
+        lora_expand_add_rms_norm(pending.plan.buf, self.lora_b[0], self.state.batch.meta.token_lora_slots, x2,
+                                 weight, eps, residual=residual.view(-1, residual.shape[-1]), out=x2,
+                                 slot_stride=pending.plan.slot_stride)
+        return x, residual
 
     def finish_rotary_write_kv(self, pending: LoRAPending, positions: torch.Tensor, q: torch.Tensor,
                                k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -51,21 +51,29 @@ def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Option
     return linear(h), residual
 
 
-def norm_linear_deferred(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Optional[torch.Tensor]
+def norm_linear_deferred(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Optional[torch.Tensor],
+                         x_pending: Optional[LoRAPending] = None
                          ) -> tuple[torch.Tensor, Optional[LoRAPending], torch.Tensor]:
     """``norm_linear`` that may leave the projection's adapter update to its consumer
-    (``Linear.forward_deferred``): (y, pending or None, s). For gate/up, whose consumer is
-    ``silu_mul_linear(..., pending)``."""
-    if use_decode_gemv(linear, x):
+    (``Linear.forward_deferred``): (y, pending or None, s). For q/k/v (consumer: the attention's
+    rotary + KV write) and gate/up (``silu_mul_linear_deferred(..., pending)``). ``x_pending``: the
+    update x itself still lacks (from o_proj or down_proj), added inside the norm."""
+    if x_pending is None and use_decode_gemv(linear, x):
         y, residual = norm_linear(norm, linear, x, residual)
         return y, None, residual
-    h, residual = _add_norm(norm, x, residual)
+    h, residual = _add_norm(norm, x, residual, x_pending)
     y, pending = linear.forward_deferred(h)
     return y, pending, residual
 
 
-def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(s), s) with s = x + residual, or s = x when ``residual`` is None."""
+def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor],
+              x_pending: Optional[LoRAPending] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s), s) with s = x (+ x_pending's update) + residual, or s = x when ``residual`` is None."""
+    if x_pending is not None:
+        if residual is None:
+            x = x_pending.owner.finish(x_pending, x)
+        else:
+            return norm.forward_pending(x, residual, x_pending)
     return (norm(x), x) if residual is None else norm(x, residual)
 
 
@@ -79,6 +87,25 @@ def silu_mul_linear(linear: Linear, gate_up: torch.Tensor, pending: Optional[LoR
         from kernels.gemv import silu_mul_gemv
         return silu_mul_gemv(gate_up, linear.weight, linear.bias)
     return linear(silu_and_mul(gate_up))
+
+
+def silu_mul_linear_deferred(linear: Linear, gate_up: torch.Tensor, pending: Optional[LoRAPending] = None
+                             ) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+    """``silu_mul_linear`` that may leave the projection's own update to its consumer (the next
+    add + RMSNorm): (y, pending or None), as ``linear_forward_deferred``."""
+    if pending is not None:
+        return linear.forward_deferred(pending.owner.finish_silu_mul(pending, gate_up))
+    if use_decode_gemv(linear, gate_up):
+        return silu_mul_linear(linear, gate_up), None
+    return linear.forward_deferred(silu_and_mul(gate_up))
+
+
+def linear_forward_deferred(linear: Linear, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+    """(y, pending): ``linear_forward``, or ``Linear.forward_deferred`` when an adapter update runs
+    here (o_proj: its consumer, the add + RMSNorm, completes pending)."""
+    if use_decode_gemv(linear, x):
+        return linear_forward(linear, x), None
+    return linear.forward_deferred(x)
 
 
 def linear_forward(linear: Linear, x: torch.Tensor) -> torch.Tensor:

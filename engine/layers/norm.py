@@ -31,6 +31,16 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x, self.weight, self.eps, residual=residual, out=x), residual
         return self.forward_torch(x, residual)
 
+    def forward_pending(self, x: torch.Tensor, residual: Optional[torch.Tensor], lora_pending=None):
+        """``forward`` where x may still lack its projection's adapter update (``lora_pending``, a
+        ``lora.layers.LoRAPending`` from ``Linear.forward_deferred``): with a residual, the update
+        is added inside the add + RMSNorm (one launch, ``LinearLoRASlots.finish_add_rms_norm``)."""
+        if lora_pending is None:
+            return self.forward(x, residual)
+        if residual is None:
+            return self.forward(lora_pending.owner.finish(lora_pending, x))
+        return lora_pending.owner.finish_add_rms_norm(lora_pending, x, self.weight, self.eps, residual)
+
     def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
             x = x + residual

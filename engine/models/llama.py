@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from engine.layers.attention import PagedAttention
-from engine.layers.fused import linear_forward, norm_linear_deferred, silu_mul_linear
+from engine.layers.fused import linear_forward_deferred, norm_linear_deferred, silu_mul_linear_deferred
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -47,9 +47,10 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, lora_pending: Optional[LoRAPending] = None
-                ) -> torch.Tensor:
+                ) -> tuple[torch.Tensor, Optional[LoRAPending]]:
         """qkv: [T, q + 2 kv], the output of ``qkv_proj`` (run fused with the input norm by the
-        decoder layer), without its adapter update when ``lora_pending`` holds it -> [T, hidden]."""
+        decoder layer), without its adapter update when ``lora_pending`` holds it -> ([T, hidden],
+        o_proj's update still to add or None)."""
         if lora_pending is not None and not self.attn.fuses_rotary_write(qkv):
             qkv = lora_pending.owner.finish(lora_pending, qkv)     # the update first, then rotary
             lora_pending = None
@@ -57,7 +58,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        return linear_forward(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb, lora_pending))
+        return linear_forward_deferred(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb, lora_pending))
 
 
 class LlamaMLP(nn.Module):
@@ -69,11 +70,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias)
 
-    def forward(self, gate_up: torch.Tensor, lora_pending: Optional[LoRAPending] = None) -> torch.Tensor:
+    def forward(self, gate_up: torch.Tensor, lora_pending: Optional[LoRAPending] = None
+                ) -> tuple[torch.Tensor, Optional[LoRAPending]]:
         """gate_up: [T, 2 * intermediate], the output of ``gate_up_proj`` (run fused with the
         post-attention norm by the decoder layer), without its adapter update when
-        ``lora_pending`` holds it -> [T, hidden]."""
-        return silu_mul_linear(self.down_proj, gate_up, lora_pending)
+        ``lora_pending`` holds it -> ([T, hidden], down_proj's update still to add or None)."""
+        return silu_mul_linear_deferred(self.down_proj, gate_up, lora_pending)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -84,14 +86,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual):
-        """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual)."""
+    def forward(self, positions, hidden, residual, lora_pending: Optional[LoRAPending] = None):
+        """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual,
+        pending). Each projection's adapter update may be left to the kernel after it (q/k/v: the
+        rotary + KV write; o: the add + RMSNorm; gate/up: SiLU-and-mul; down: the next layer's
+        input norm, hence ``lora_pending`` in and pending out: the update output still lacks)."""
         qkv, qkv_pending, residual = norm_linear_deferred(self.input_layernorm, self.self_attn.qkv_proj, hidden,
-                                                          residual)
-        hidden = self.self_attn(positions, qkv, qkv_pending)
+                                                          residual, lora_pending)
+        hidden, o_pending = self.self_attn(positions, qkv, qkv_pending)
         gate_up, pending, residual = norm_linear_deferred(self.post_attention_layernorm, self.mlp.gate_up_proj,
-                                                          hidden, residual)
-        return self.mlp(gate_up, pending), residual
+                                                          hidden, residual, o_pending)
+        hidden, down_pending = self.mlp(gate_up, pending)
+        return hidden, residual, down_pending
 
 
 class LlamaModel(nn.Module):
@@ -108,10 +114,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        residual = None
+        residual, pending = None, None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
+            hidden, residual, pending = layer(positions, hidden, residual, pending)
+        hidden, _ = self.norm.forward_pending(hidden, residual, pending)
         return hidden
 
 

@@ -139,6 +139,9 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     import kernels.lora_expand as lora_expand
     stacked_spy = Mock(wraps=lora_expand.slotwise_buf)
     monkeypatch.setattr(lora_expand, "slotwise_buf", stacked_spy)
+    import kernels.lora_expand_norm as lora_expand_norm
+    norm_spy = Mock(wraps=lora_expand_norm.lora_expand_add_rms_norm)
+    monkeypatch.setattr(lora_expand_norm, "lora_expand_add_rms_norm", norm_spy)
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     calls = KernelCalls(monkeypatch)
     gemm_spy = Mock(wraps=gemm_lora.gemm_lora)
@@ -178,5 +181,9 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
         assert unused == 0 and used >= MAX_TOKENS * num_layers and gemm_spy.call_count == 0   # every step, layer
         # The split path adds the gate/up update inside SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL's default).
         assert (silu_mul_spy.call_count >= MAX_TOKENS * num_mlps) if kernel == "split" else silu_mul_spy.call_count == 0
+    if kernel in ("split", "stacked"):
+        # Every step here is decode-sized (<= 128 tokens): the o_proj and down_proj updates ride in
+        # the add + RMSNorm after them (CHORUS_LORA_FUSE_NORM's default).
+        assert norm_spy.call_count == 2 * MAX_TOKENS * num_mlps
     base = peft_greedy(pm, None, tok.encode(tiny_prompts[PLAN[0][0]]), 1)
     assert base.logprobs[0] != refs[0].logprobs[0]                       # the adapter changes the output

@@ -4,18 +4,16 @@ At decode, a projection whose output goes straight into add + RMSNorm (o_proj in
 post-attention norm, down_proj into the next layer's input norm or the final norm) would
 otherwise run the expand (``kernels.lora_expand``: one launch on the critical path after the GEMM,
 a read-modify-write of its output) and then the norm (``kernels.layer_ops.add_rms_norm``). This
-kernel does both: the row's update delta = h @ B[slot].T is added to the projection output in
-registers, then the residual add and the norm, as ``add_rms_norm``.
+kernel does both per row: the row's update delta = h @ B[slot].T is added to the projection output
+in registers, then the residual add and the norm, as ``add_rms_norm``.
 
-Programs: (row, piece of ``CHUNK`` columns), so a row's B ([hidden, rank], streamed per row, from
-L2 when rows share an adapter) is spread over several SMs (one program per row measured 7.0 us a
-call at 64 rows of Llama-3-8B, H200). Each program adds delta and residual for its piece, stores
-the sum (into ``residual``, or into ``x`` without one) and its piece's sum of squares into a
-scratch row, then bumps the row's arrival counter (an acq_rel atomic). The program that arrives
-last sums the pieces' squares in piece order (deterministic), normalizes the whole row (reading
-the sums back from L2) and resets the counter to 0, so the scratch is ready for the next call and
-for CUDA graph replays. No program waits on another. ``lora.layers`` fuses steps of at most
-``MAX_TOKENS`` tokens (the scratch's rows).
+One program per row, two passes over the row in ``CHUNK``-column pieces (one piece up to 4096
+columns, so a Llama-3-8B row is one B load of [4096, rank] with every load in flight at once): the
+first adds the delta and the residual, stores the sum (into ``residual``, or into ``x`` without
+one) and accumulates the sum of squares; the second reloads the sum (the program's own stores, same
+layout, so the same threads) and stores the normalized row. Each row streams its adapter's B
+itself (from L2 when rows share an adapter), which suits decode steps: ``lora.layers`` fuses steps
+of at most ``MAX_TOKENS`` tokens.
 
 Numerics, as the unfused pair (expand, then ``add_rms_norm``): h rounded through
 ``h_round_dtype`` (B's dtype on a GPU's native path), the fp32 delta added to x and rounded to the
@@ -39,31 +37,20 @@ MAX_TOKENS = 128
 """``lora.layers`` fuses steps of at most this many tokens (each row reads its adapter's B: 128 KB
 at Llama-3-8B's hidden size)."""
 
-CHUNK = 1024
-"""Columns per program (a power of two)."""
-
-MAX_PIECES = 64
-"""Pieces per row the scratch holds: rows up to MAX_PIECES * CHUNK columns."""
-
-
-def norm_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fresh scratch for ``lora_expand_add_rms_norm``: ([MAX_TOKENS] int32 arrival counters, zero,
-    [MAX_TOKENS, MAX_PIECES] float32 pieces' sums of squares). Allocate once and reuse (CUDA
-    graphs keep the addresses; every call leaves the counters at zero)."""
-    return (torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device),
-            torch.empty(MAX_TOKENS, MAX_PIECES, dtype=torch.float32, device=device))
+MAX_CHUNK = 4096
+"""Columns per piece: all of a row up to this width."""
 
 
 @triton.jit
 def _lora_expand_add_rms_norm_kernel(
-    buf_ptr, b_ptr, token_lora_slots_ptr, x_ptr, residual_ptr, weight_ptr, out_ptr, counter_ptr, sq_ptr,
+    buf_ptr, b_ptr, token_lora_slots_ptr, x_ptr, residual_ptr, weight_ptr, out_ptr,
     hidden, rank, eps,
     stride_buf_split, stride_buf_tok, stride_buf_slot, stride_x, stride_r, stride_o,
-    HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, PIECES: tl.constexpr, PIECES_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    ROUND_TO: tl.constexpr,
 ):
-    """Semantics, per row t (dtype = x's dtype, math in float32; B [max_loras, hidden, rank]; buf as
-    ``lora_expand``'s, one slice):
+    """Semantics, one program per row t (dtype = x's dtype, math in float32; B [max_loras, hidden,
+    rank]; buf as ``lora_expand``'s, one slice):
 
         delta = rnd(sum_j buf[0, j, t]) @ B[slot(t)].T if slot(t) >= 0 else 0
         p = dtype(x[t] + delta)
@@ -72,46 +59,37 @@ def _lora_expand_add_rms_norm_kernel(
         else:
             s = p; x[t] = s                                       (in place)
         out[t] = dtype(weight * dtype(s / sqrt(mean(s^2) + eps)))
-
-    Program (t, c) computes columns [c * CHUNK, (c + 1) * CHUNK) of s; the last of the row's
-    PIECES programs to arrive writes out[t] (see the module docstring).
     """
     row = tl.program_id(0).to(tl.int64)
-    piece = tl.program_id(1)
     slot = tl.load(token_lora_slots_ptr + row)
     h, r_ok = _token_h(buf_ptr, row, slot * 0, slot, rank, 0, stride_buf_split, stride_buf_tok, stride_buf_slot,
                        BLOCK_R, SPLIT_K, ROUND_TO)
     s_ptr = residual_ptr + row * stride_r if HAS_RESIDUAL else x_ptr + row * stride_x
-    cols = piece * CHUNK + tl.arange(0, CHUNK)
-    ok = cols < hidden
-    delta = _token_delta(b_ptr, slot, cols, ok, hidden, rank, h, r_ok, BLOCK_R)                 # [CHUNK] f32
-    p = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    s = (p + delta).to(x_ptr.dtype.element_ty)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        s = (s.to(tl.float32) + r).to(x_ptr.dtype.element_ty)
-    tl.store(s_ptr + cols, s, mask=ok)
-    s32 = s.to(tl.float32)
-    tl.store(sq_ptr + row * PIECES_PAD + piece, tl.sum(s32 * s32, axis=0))
-    # Release this piece's stores, then count it; the row's last arrival (acquire) finishes the row.
-    arrived = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel")
-    if arrived == PIECES - 1:
-        pc = tl.arange(0, PIECES_PAD)
-        sq = tl.load(sq_ptr + row * PIECES_PAD + pc, mask=pc < PIECES, other=0.0, cache_modifier=".cg")
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) / hidden + eps)
-        for c0 in range(0, hidden, CHUNK):
-            cc = c0 + tl.arange(0, CHUNK)
-            cc_ok = cc < hidden
-            sv = tl.load(s_ptr + cc, mask=cc_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            n = (sv * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(weight_ptr + cc, mask=cc_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + row * stride_o + cc, (w * n).to(out_ptr.dtype.element_ty), mask=cc_ok)
-        tl.store(counter_ptr + row, 0)
+    sq = tl.zeros([CHUNK], dtype=tl.float32)
+    for c0 in range(0, hidden, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        ok = cols < hidden
+        delta = _token_delta(b_ptr, slot, cols, ok, hidden, rank, h, r_ok, BLOCK_R)          # [CHUNK] f32
+        p = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        s = (p + delta).to(x_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+            s = (s.to(tl.float32) + r).to(x_ptr.dtype.element_ty)
+        tl.store(s_ptr + cols, s, mask=ok)
+        s32 = s.to(tl.float32)
+        sq += s32 * s32
+    rstd = tl.rsqrt(tl.sum(sq, axis=0) / hidden + eps)
+    for c0 in range(0, hidden, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        ok = cols < hidden
+        s = tl.load(s_ptr + cols, mask=ok, other=0.0).to(tl.float32)        # this program's own stores
+        n = (s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora_slots: torch.Tensor,
                              x: torch.Tensor, weight: torch.Tensor, eps: float,
-                             scratch: tuple[torch.Tensor, torch.Tensor],
                              residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                              slot_stride: int = 0) -> torch.Tensor:
     """RMSNorm of (x + each LoRA row's update [+ residual]); the sum is stored into ``residual``
@@ -125,7 +103,6 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora
         x: [num_tokens, hidden] the projection's base output, float16/bfloat16/float32, last dim
             contiguous.
         weight: [hidden], x's dtype. eps: added to the mean square.
-        scratch: ``norm_scratch(device)``'s pair, counters at zero (as every call leaves them).
         residual: optional [num_tokens, hidden] in x's dtype, last dim contiguous.
         out: optional [num_tokens, hidden] in x's dtype (may be x).
         slot_stride: see buf.
@@ -148,23 +125,14 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora
     if out is None:
         out = torch.empty_like(x)                                                      # [T, hidden]
     check_tensor("out", out, dtypes=(x.dtype,), shape=(num_tokens, hidden), device=dev, last_dim_contiguous=True)
-    counters, sq = scratch
-    check_tensor("scratch[0]", counters, dtypes=(torch.int32,), shape=(MAX_TOKENS,), device=dev, contiguous=True)
-    check_tensor("scratch[1]", sq, dtypes=(torch.float32,), shape=(MAX_TOKENS, MAX_PIECES), device=dev,
-                 contiguous=True)
-    chunk = min(CHUNK, next_power_of_2(hidden))
-    pieces = triton.cdiv(hidden, chunk)
-    if num_tokens > MAX_TOKENS or pieces > MAX_PIECES:
-        raise ValueError(f"x: {num_tokens} rows of {hidden} exceed the scratch ({MAX_TOKENS} rows of "
-                         f"{MAX_PIECES * CHUNK} columns): run expand + add_rms_norm instead.")
     if num_tokens == 0:
         return out
-    _lora_expand_add_rms_norm_kernel[(num_tokens, pieces)](
-        buf, lora_b, token_lora_slots, x, residual if residual is not None else x, weight, out, counters, sq,
+    chunk = min(MAX_CHUNK, next_power_of_2(hidden))
+    _lora_expand_add_rms_norm_kernel[(num_tokens,)](
+        buf, lora_b, token_lora_slots, x, residual if residual is not None else x, weight, out,
         hidden, rank, float(eps),
         buf.stride(1), buf.stride(2), slot_stride, x.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0),
-        HAS_RESIDUAL=residual is not None, CHUNK=chunk, PIECES=pieces, PIECES_PAD=MAX_PIECES,
-        BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k, ROUND_TO=h_round_dtype(x),
-        num_warps=max(1, min(4, chunk // 256)))
+        HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k,
+        ROUND_TO=h_round_dtype(x), num_warps=16 if chunk >= 4096 else max(1, chunk // 256))
     return out

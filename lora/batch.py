@@ -83,17 +83,6 @@ class LoRABatchState:
     """[capacity] float32 scratch that every layer's shrink partials view."""
     _reserved: bool = field(default=False, repr=False)
     """``reserve`` ran: the buffer may be captured by CUDA graphs and is never reallocated."""
-    _norm_scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
-    """``kernels.lora_expand_norm.norm_scratch``: every layer's fused add + RMSNorm uses it in turn."""
-
-    def norm_scratch(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused add + RMSNorm's scratch (counters, squares) on device: allocated once (by
-        ``reserve`` in the engine, before any CUDA graph capture; else on first use)."""
-        if self._norm_scratch is None or self._norm_scratch[0].device != torch.device(device):
-            from kernels.lora_expand_norm import norm_scratch
-
-            self._norm_scratch = norm_scratch(device)
-        return self._norm_scratch
 
     def reserve(self, num_slices: int, num_tokens: int, rank: int, device: torch.device) -> None:
         """Allocate the scratch buffer for the largest step up front: num_slices x rank x
@@ -107,8 +96,6 @@ class LoRABatchState:
         buf = self._shrink_buffer
         if buf is None or buf.numel() < need or buf.device != device:
             self._shrink_buffer = torch.empty(need, dtype=torch.float32, device=device)   # [capacity]
-        if device.type == "cuda":
-            self.norm_scratch(device)
         self._reserved = True
 
     def shrink_buffer(self, num_slices: int, split_k: int, num_tokens: int, rank: int,

@@ -443,8 +443,7 @@ class LinearLoRASlots(nn.Module):
             torch.cuda.current_stream().wait_stream(pending.side)
         x2 = x.view(-1, x.shape[-1])
         lora_expand_add_rms_norm(pending.plan.buf, self.lora_b[0], self.state.batch.meta.token_lora_slots, x2,
-                                 weight, eps, self.state.norm_scratch(x2.device),
-                                 residual=residual.view(-1, residual.shape[-1]), out=x2,
+                                 weight, eps, residual=residual.view(-1, residual.shape[-1]), out=x2,
                                  slot_stride=pending.plan.slot_stride)
         return x, residual
 

@@ -38,7 +38,7 @@ def run_case(dtype, hidden, with_residual, slotwise, num_tokens=7, rank=8, max_l
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hidden", [64, 100, 8192])
+@pytest.mark.parametrize("hidden", [64, 100, 3000, 8192])
 @pytest.mark.parametrize("with_residual,slotwise", [(True, True), (False, False), (True, False)],
                          ids=["residual-slotwise", "no-residual-partials", "residual-partials"])
 def test_matches_ref(dtype, hidden, with_residual, slotwise):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-final]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -8,6 +8,11 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 export TRITON_CACHE_DIR=/tmp/triton-cache
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+lora_b256() {   # batch 256 with 16 and 64 adapters (64 slots), lines prefixed "b256: "; $1: JSON name under $OUT
+  timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
+    --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/$1" 2>&1 \
+    | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
+}
 for phase in "$@"; do
   t0=$(date +%s)
   case $phase in
@@ -68,9 +73,7 @@ for phase in "$@"; do
           --input-len 512 --output-len 128 --skip-hf --num-adapters ${SILU_ADAPTERS:-16,64} --max-loras 64 --base-last \
           --out "$OUT/ml_silu$fuse.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/fuse $fuse: /"
       done
-      timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
-        --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_silu_b256.json" 2>&1 \
-        | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /" ;;
+      lora_b256 ml_silu_b256.json ;;
     lora-gemm)   # kernels.gemm_lora: GPU tests, then batch 64 with the one-launch LoRA GEMM on (64) / off (0)
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gemm_lora.py \
         ${GEMM_TESTS-tests/lora/test_peft_parity.py} -k "cuda or gpu" 2>&1 | tee "$OUT/gemm_lora_tests.log" | tail -4
@@ -98,9 +101,7 @@ for phase in "$@"; do
           --out "$OUT/ml_token$pt.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/per_token $pt: /"
       done
       if [ -n "${TOKEN_B256:-}" ]; then
-        timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
-          --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_token_b256.json" 2>&1 \
-          | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
+        lora_b256 ml_token_b256.json
       fi ;;
     lora-stacked)   # the shrink inside the base GEMM at decode (CHORUS_LORA_STACKED_MAX_TOKENS): GPU tests, then
       # batch 64 with it (128, the default) and without it (0); STACKED_B256=1 adds batch 256
@@ -113,9 +114,7 @@ for phase in "$@"; do
           --out "$OUT/ml_stacked$st.json" 2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/stacked $st: /"
       done
       if [ -n "${STACKED_B256:-}" ]; then
-        timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
-          --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_stacked_b256.json" 2>&1 \
-          | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
+        lora_b256 ml_stacked_b256.json
       fi ;;
     lora-ab)   # the LoRA decode GPU tests, then batch 64 once per assignment in AB (e.g. AB="CHORUS_LORA_FUSE_ROTARY=1
       # CHORUS_LORA_FUSE_ROTARY=0"), AB_ADAPTERS adapters (default 16,64); AB_B256=1 adds batch 256 (defaults)
@@ -128,9 +127,7 @@ for phase in "$@"; do
           2>&1 | grep -E "^chorus|decode graph|eager" | sed "s/^/$kv: /"
       done
       if [ -n "${AB_B256:-}" ]; then
-        timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 256 --input-len 512 --output-len 128 --skip-hf \
-          --num-adapters 16,64 --max-loras 64 --base-last --out "$OUT/ml_ab_b256.json" 2>&1 \
-          | grep -E "^chorus|decode graph|eager" | sed "s/^/b256: /"
+        lora_b256 ml_ab_b256.json
       fi ;;
     lora-final)   # the LoRA GPU tests not in lora-token, the decode sweep at 128 tokens, the batch-64 table
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gemv.py \

@@ -136,6 +136,18 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
                  v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mv)
 
 
+def check_rotary_write_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> int:
+    """Check ``rotary_write_kv``'s arguments (shared with ``kernels.lora_rotary_write_kv``); returns
+    HALF = rotary_dim // 2."""
+    half = check_rotary_args(positions, q, k, cos, sin, rotary_dim)
+    num_tokens, _, head_dim = q.shape
+    check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape), device=q.device, last_dim_contiguous=True)
+    _check_cache_args(k_cache, v_cache, slot_mapping, num_tokens, k.shape[1], head_dim, q.device)
+    return half
+
+
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -151,12 +163,9 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, one dtype.
         slot_mapping: [num_tokens] int64; < 0 skips the token's cache write (its q/k still rotate).
     """
-    half = check_rotary_args(positions, q, k, cos, sin, rotary_dim)
+    half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
-    dev = q.device
     num_kv_heads = k.shape[1]
-    check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape), device=dev, last_dim_contiguous=True)
-    _check_cache_args(k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, dev)
     if num_tokens == 0:
         return
     tail = head_dim - 2 * half

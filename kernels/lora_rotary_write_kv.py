@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import _check_cache_args
-from kernels.layer_ops import check_rotary_args
+from kernels.kv_write import check_rotary_write_args
 from kernels.lora_expand import _token_delta, _token_h, check_shrink_output, h_round_dtype
 from kernels.utils import check_tensor, next_power_of_2
 
@@ -144,12 +143,10 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
             [max_loras, num_kv_heads * head_dim, rank], q's dtype, contiguous.
         token_lora_slots: [num_tokens] int32 slot per token (< 0: base model / padding).
     """
-    half = check_rotary_args(positions, q, k, cos, sin, rotary_dim)
+    half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     dev = q.device
     num_kv_heads = k.shape[1]
-    check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape), device=dev, last_dim_contiguous=True)
-    _check_cache_args(k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, dev)
     split_k, rank = check_shrink_output(buf, 3, num_tokens, q, slot_stride)
     if not isinstance(lora_b_slices, (list, tuple)) or len(lora_b_slices) != 3:
         raise ValueError("lora_b_slices: expected (B_q, B_k, B_v).")

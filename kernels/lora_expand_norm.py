@@ -7,12 +7,11 @@ a read-modify-write of its output) and then the norm (``kernels.layer_ops.add_rm
 kernel does both per row: the row's update delta = h @ B[slot].T is added to the projection output
 in registers, then the residual add and the norm, as ``add_rms_norm``.
 
-One program per row. A row of at most 4096 columns (Llama-3-8B's) is one piece held in registers:
-one B load of [hidden, rank] with every load in flight at once, the sum stored (into ``residual``,
-or into ``x`` without one), then normalized and stored. Wider rows take two passes over
-4096-column pieces: the first adds the delta and the residual, stores the sum and accumulates the
-sum of squares; the second reloads the sum (the program's own stores, same layout, so the same
-threads) and stores the normalized row. Each row streams its adapter's B
+One program per row, two passes over the row in ``CHUNK``-column pieces (one piece up to 4096
+columns, so a Llama-3-8B row is one B load of [4096, rank] with every load in flight at once): the
+first adds the delta and the residual, stores the sum (into ``residual``, or into ``x`` without
+one) and accumulates the sum of squares; the second reloads the sum (the program's own stores, same
+layout, so the same threads) and stores the normalized row. Each row streams its adapter's B
 itself (from L2 when rows share an adapter), which suits decode steps: ``lora.layers`` fuses steps
 of at most ``MAX_TOKENS`` tokens. (Spreading a row over (row, 1024-column) programs, the row's last
 arrival normalizing it after an acq_rel counter, measured slower end to end on an H200: batch-64
@@ -49,8 +48,8 @@ def _lora_expand_add_rms_norm_kernel(
     buf_ptr, b_ptr, token_lora_slots_ptr, x_ptr, residual_ptr, weight_ptr, out_ptr,
     hidden, rank, eps,
     stride_buf_split, stride_buf_tok, stride_buf_slot, stride_x, stride_r, stride_o,
-    HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, ONE_PIECE: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    ROUND_TO: tl.constexpr,
 ):
     """Semantics, one program per row t (dtype = x's dtype, math in float32; B [max_loras, hidden,
     rank]; buf as ``lora_expand``'s, one slice):
@@ -68,50 +67,27 @@ def _lora_expand_add_rms_norm_kernel(
     h, r_ok = _token_h(buf_ptr, row, slot * 0, slot, rank, 0, stride_buf_split, stride_buf_tok, stride_buf_slot,
                        BLOCK_R, SPLIT_K, ROUND_TO)
     s_ptr = residual_ptr + row * stride_r if HAS_RESIDUAL else x_ptr + row * stride_x
-    if ONE_PIECE:   # the whole row in registers: no second pass, no reload
-        cols = tl.arange(0, CHUNK)
+    sq = tl.zeros([CHUNK], dtype=tl.float32)
+    for c0 in range(0, hidden, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
         ok = cols < hidden
-        s32 = _sum_piece(x_ptr, residual_ptr, s_ptr, b_ptr, row, cols, ok, slot, hidden, rank, h, r_ok, stride_x,
-                         stride_r, HAS_RESIDUAL, BLOCK_R)
-        rstd = tl.rsqrt(tl.sum(s32 * s32, axis=0) / hidden + eps)
-        _store_normed(out_ptr, weight_ptr, row, cols, ok, s32, rstd, stride_o)
-    else:
-        sq = tl.zeros([CHUNK], dtype=tl.float32)
-        for c0 in range(0, hidden, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            ok = cols < hidden
-            s32 = _sum_piece(x_ptr, residual_ptr, s_ptr, b_ptr, row, cols, ok, slot, hidden, rank, h, r_ok,
-                             stride_x, stride_r, HAS_RESIDUAL, BLOCK_R)
-            sq += s32 * s32
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) / hidden + eps)
-        for c0 in range(0, hidden, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            ok = cols < hidden
-            s32 = tl.load(s_ptr + cols, mask=ok, other=0.0).to(tl.float32)     # this program's own stores
-            _store_normed(out_ptr, weight_ptr, row, cols, ok, s32, rstd, stride_o)
-
-
-@triton.jit
-def _sum_piece(x_ptr, residual_ptr, s_ptr, b_ptr, row, cols, ok, slot, hidden, rank, h, r_ok, stride_x, stride_r,
-               HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Columns ``cols`` of row ``row``: s = dtype(dtype(x + delta) [+ residual]), stored at s_ptr;
-    returns s in fp32."""
-    delta = _token_delta(b_ptr, slot, cols, ok, hidden, rank, h, r_ok, BLOCK_R)              # [CHUNK] f32
-    p = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    s = (p + delta).to(x_ptr.dtype.element_ty)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        s = (s.to(tl.float32) + r).to(x_ptr.dtype.element_ty)
-    tl.store(s_ptr + cols, s, mask=ok)
-    return s.to(tl.float32)
-
-
-@triton.jit
-def _store_normed(out_ptr, weight_ptr, row, cols, ok, s32, rstd, stride_o):
-    """out[row, cols] = dtype(weight * dtype(s * rstd))."""
-    n = (s32 * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
+        delta = _token_delta(b_ptr, slot, cols, ok, hidden, rank, h, r_ok, BLOCK_R)          # [CHUNK] f32
+        p = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        s = (p + delta).to(x_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+            s = (s.to(tl.float32) + r).to(x_ptr.dtype.element_ty)
+        tl.store(s_ptr + cols, s, mask=ok)
+        s32 = s.to(tl.float32)
+        sq += s32 * s32
+    rstd = tl.rsqrt(tl.sum(sq, axis=0) / hidden + eps)
+    for c0 in range(0, hidden, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        ok = cols < hidden
+        s = tl.load(s_ptr + cols, mask=ok, other=0.0).to(tl.float32)        # this program's own stores
+        n = (s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora_slots: torch.Tensor,
@@ -159,7 +135,6 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora
         hidden, rank, float(eps),
         buf.stride(1), buf.stride(2), slot_stride, x.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0),
-        HAS_RESIDUAL=residual is not None, CHUNK=chunk, ONE_PIECE=hidden <= chunk,
-        BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k,
+        HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k,
         ROUND_TO=h_round_dtype(x), num_warps=16 if chunk >= 4096 else max(1, chunk // 256))
     return out

@@ -57,10 +57,12 @@ class Linear(nn.Module):
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
         """(y, pending): like ``forward``, but when the LoRA hook fuses its update into the
         consumer (``LinearLoRASlots.defers``: gate/up into SiLU-and-mul, q/k/v into the rotary + KV
-        write), y is the base output and ``pending`` the update still to add; its consumer must
-        complete it (``pending.owner.finish_silu_mul(pending, y)`` / ``finish_rotary_write_kv``,
-        or ``finish``). pending is None when y is complete."""
-        if self.lora is None or self.lora.adds_nothing() or not self.lora.defers(x.reshape(-1, x.shape[-1]).shape[0]):
+        write, o/down into the add + RMSNorm), y is the base output and ``pending`` the update
+        still to add; its consumer must complete it (``pending.owner.finish_silu_mul`` /
+        ``finish_rotary_write_kv`` / ``finish_add_rms_norm``, or ``finish``). pending is None when
+        y is complete."""
+        num_tokens = x.numel() // max(1, x.shape[-1])
+        if self.lora is None or self.lora.adds_nothing() or not self.lora.defers(num_tokens):
             return self.forward(x), None
         y, pending = self._base_with_lora(x)
         if pending is not None and pending.plan is None:    # nothing issued early: the plain path
@@ -71,8 +73,9 @@ class Linear(nn.Module):
         """(y, pending) for a step with an adapter update here: the one-launch GEMM with the update
         inside (decode-sized steps with ``CHORUS_LORA_GEMM_MAX_TOKENS``; pending None), else the base
         GEMM with the update still to add: over the stacked weight, which gives every slot's shrink
-        too (decode-sized steps, ``LinearLoRASlots.begin_stacked``), or the plain one. The LoRA shrink needs x only: ``begin`` issues it (on a
-        side stream on CUDA) so it runs alongside the GEMM; ``finish`` joins it and adds the expand."""
+        too (decode-sized steps, ``LinearLoRASlots.begin_stacked``), or the plain one; the LoRA
+        shrink needs x only: ``begin`` issues it (on a side stream on CUDA) so it runs alongside
+        the GEMM; ``finish`` joins it and adds the expand."""
         y = self.lora.forward_gemm(x, self.weight, self.bias)
         if y is not None:
             return y, None

@@ -66,26 +66,19 @@ def test_gemm_sm_carveout(monkeypatch):
             envs.gemm_sm_carveout()
 
 
-def test_lora_gemm_max_tokens(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_GEMM_MAX_TOKENS", raising=False)
-    assert envs.lora_gemm_max_tokens() == 0                        # off unless asked for
-    monkeypatch.setenv("CHORUS_LORA_GEMM_MAX_TOKENS", " 64 ")
-    assert envs.lora_gemm_max_tokens() == 64
-    for bad in ("-1", "many", "257"):
-        monkeypatch.setenv("CHORUS_LORA_GEMM_MAX_TOKENS", bad)
-        with pytest.raises(ValueError, match="CHORUS_LORA_GEMM_MAX_TOKENS=.*from 0 to 256"):
-            envs.lora_gemm_max_tokens()
-
-
-def test_lora_stacked_max_tokens(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_STACKED_MAX_TOKENS", raising=False)
-    assert envs.lora_stacked_max_tokens() == 128                   # decode steps by default
-    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", "0")
-    assert envs.lora_stacked_max_tokens() == 0
-    for bad in ("-1", "all", "1025"):
-        monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", bad)
-        with pytest.raises(ValueError, match="CHORUS_LORA_STACKED_MAX_TOKENS=.*from 0 to 1024"):
-            envs.lora_stacked_max_tokens()
+@pytest.mark.parametrize("name,read,default,top", [
+    ("CHORUS_LORA_GEMM_MAX_TOKENS", envs.lora_gemm_max_tokens, 0, 256),        # off unless asked for
+    ("CHORUS_LORA_STACKED_MAX_TOKENS", envs.lora_stacked_max_tokens, 128, 1024),   # decode steps by default
+])
+def test_lora_max_tokens(name, read, default, top, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    assert read() == default
+    monkeypatch.setenv(name, " 64 ")
+    assert read() == 64
+    for bad in ("-1", "many", str(top + 1)):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}=.*from 0 to {top}"):
+            read()
 
 
 @pytest.mark.parametrize("name,read", [("CHORUS_LORA_OVERLAP", envs.lora_overlap),

@@ -86,6 +86,10 @@ class LoRAManager:
             if slots.stacked_max_tokens > 0:
                 slots.stack_onto(linear)            # decode steps: the shrink inside the base GEMM
             self.layers[name] = slots
+        if self.device.type == "cuda" and any(layer.stacked_weight is not None for layer in self.layers.values()):
+            # The base weights stack_onto replaced stay in torch's cache otherwise, and the KV cache
+            # is sized from the driver's free memory (``ModelRunner.determine_num_blocks``).
+            torch.cuda.empty_cache()
         self.store = AdapterStore(lora_config.max_cpu_loras, pin_memory=self.device.type == "cuda")
         self._registered: dict[str, LoRARequest] = {}
         """Adapters users may run, by name (validated once; weights may be evicted from the store)."""

@@ -187,6 +187,14 @@ class LinearLoRASlots(nn.Module):
         """CHORUS_LORA_FUSE_NORM (read once here) on a one-slice layer (o_proj, down_proj: each feeds a
         residual add + RMSNorm): at decode sizes ``Linear.forward_deferred`` leaves the update to
         that norm (``finish_add_rms_norm``)."""
+        self._defer_max_tokens = 0
+        """Decode-sized steps up to this many tokens defer the update (``defers``; 0: none)."""
+        if self.fuse_rotary:
+            from kernels.lora_rotary_write_kv import MAX_TOKENS as ROTARY_MAX_TOKENS
+            self._defer_max_tokens = ROTARY_MAX_TOKENS
+        elif self.fuse_norm:
+            from kernels.lora_expand_norm import MAX_TOKENS as NORM_MAX_TOKENS
+            self._defer_max_tokens = NORM_MAX_TOKENS
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -420,13 +428,10 @@ class LinearLoRASlots(nn.Module):
 
     def defers(self, num_tokens: int) -> bool:
         """A step of num_tokens tokens leaves this layer's update to the output's consumer
-        (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``), q/k/v to the
-        rotary + KV write at decode sizes (``fuse_rotary``)."""
-        from kernels.lora_expand_norm import MAX_TOKENS as NORM_MAX_TOKENS
-        from kernels.lora_rotary_write_kv import MAX_TOKENS as ROTARY_MAX_TOKENS
-
-        return (self.fuse_silu_mul or (self.fuse_rotary and 0 < num_tokens <= ROTARY_MAX_TOKENS)
-                or (self.fuse_norm and 0 < num_tokens <= NORM_MAX_TOKENS))
+        (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``, any size), at
+        decode sizes q/k/v to the rotary + KV write (``fuse_rotary``) and o/down to the add +
+        RMSNorm (``fuse_norm``)."""
+        return self.fuse_silu_mul or 0 < num_tokens <= self._defer_max_tokens
 
     def finish_add_rms_norm(self, pending: LoRAPending, x: torch.Tensor, weight: torch.Tensor, eps: float,
                             residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,9 +457,8 @@ class LinearLoRASlots(nn.Module):
                                rotary_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                slot_mapping: torch.Tensor) -> None:
         """``kernels.kv_write.rotary_write_kv`` on views q, k, v of this (q/k/v) layer's base output
-        with the pending update added first, in one ``kernels.lora_rotary_write_kv`` launch for a
-        plan of this layer; otherwise the update is added to q | k | v first. Arguments as
-        ``rotary_write_kv``'s."""
+        with the pending update added first, in one ``kernels.lora_rotary_write_kv`` launch.
+        Arguments as ``rotary_write_kv``'s."""
         from kernels.lora_rotary_write_kv import lora_rotary_write_kv
 
         if pending.side is not None:

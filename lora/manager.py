@@ -279,7 +279,8 @@ class LoRAManager:
                         y_base, pending = layer.begin_stacked(x, base)
                         layer.finish(pending, y_base)
                         if layer.fuse_silu_mul:
-                            layer.finish_silu_mul(*reversed(layer.begin_stacked(x, base)))
+                            y_base, pending = layer.begin_stacked(x, base)
+                            layer.finish_silu_mul(pending, y_base)
                         calls += 1
                         continue
                     layer(x, y)

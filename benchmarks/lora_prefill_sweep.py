@@ -3,6 +3,7 @@ into SiLU-and-mul, against their default configs, plain SiLU-and-mul and the cop
 
     python benchmarks/lora_prefill_sweep.py [--tokens 2048,16384] [--adapters 1,16]
     python benchmarks/lora_prefill_sweep.py --tokens 64 --adapters 16,64     # decode sizes
+    python benchmarks/lora_prefill_sweep.py --fused-consumers --tokens 256,16384 --adapters 16,64
 
 At most 256 tokens count as a decode step: the meta is built as the engine's decode graphs build
 it (fixed grid over ``max(16, adapters)`` slots), the fused kernel reads ``split_k`` shrink
@@ -206,11 +207,72 @@ def sweep_expand(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
     return out
 
 
+def sweep_fused_consumers(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
+    """The q/k/v update inside rotary + KV write and the o/down update inside add + RMSNorm, per
+    launch shape (per-row / per-token programs, segment tiles of 16-64 rows), against the unfused
+    pair (expand, then the plain kernel) and the plain kernel alone."""
+    from kernels.kv_write import rotary_write_kv
+    from kernels.layer_ops import add_rms_norm
+    from kernels.lora_expand import lora_expand
+    from kernels.lora_expand_norm import lora_expand_add_rms_norm
+    from kernels.lora_rotary_write_kv import lora_rotary_write_kv
+
+    meta = _meta(num_tokens, num_adapters)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    shapes = ([(False, None)] if num_tokens <= 4096 else []) + [(True, bm) for bm in (16, 32, 64)]
+    out = []
+    # add + RMSNorm after o_proj (hidden 4096)
+    buf = torch.randn(1, 1, num_tokens, RANK, device=dev)
+    b = torch.randn(_slots(meta), HIDDEN, RANK, device=dev, dtype=bf16) * 0.1
+    x = torch.randn(num_tokens, HIDDEN, device=dev, dtype=bf16)
+    res = torch.randn(num_tokens, HIDDEN, device=dev, dtype=bf16)
+    w = torch.ones(HIDDEN, device=dev, dtype=bf16)
+    t_plain = _time(lambda: add_rms_norm(x, w, 1e-5, residual=res))
+    t_unfused = _time(lambda: (lora_expand(buf, [b], meta, x, [0]), add_rms_norm(x, w, 1e-5, residual=res)))
+    times = {}
+    for tiles, bm in shapes:
+        key = "per_row" if not tiles else f"tiles_{bm}"
+        times[key] = _time(lambda: lora_expand_add_rms_norm(buf, b, meta, x, w, 1e-5, residual=res, tiles=tiles,
+                                                            block_m=bm))
+    nbytes = num_tokens * HIDDEN * 2 * 5
+    out.append({"kernel": "lora_add_rms_norm", "layer": "o", "tokens": num_tokens, "adapters": num_adapters,
+                "plain_us": t_plain, "unfused_us": t_unfused, "fused_us": times, "bound_us": nbytes / bw * 1e6})
+    # rotary + KV write after qkv_proj (32 / 8 heads x 128)
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    widths = [heads * dim, kv_heads * dim, kv_heads * dim]
+    qkv = torch.randn(num_tokens, sum(widths), device=dev, dtype=bf16)
+    q, k, v = (t.view(num_tokens, -1, dim) for t in qkv.split(widths, -1))
+    num_blocks = num_tokens // block + 1
+    kc = torch.zeros(num_blocks, block, kv_heads, dim, device=dev, dtype=bf16)
+    vc = torch.zeros_like(kc)
+    slots = torch.arange(num_tokens, device=dev)
+    pos = torch.arange(num_tokens, device=dev) % 4096
+    inv = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device=dev).float() / dim))
+    ang = torch.arange(4096, device=dev).float()[:, None] * inv[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    buf3 = torch.randn(3, 1, num_tokens, RANK, device=dev)
+    bs = [torch.randn(_slots(meta), n, RANK, device=dev, dtype=bf16) * 0.1 for n in widths]
+    t_plain = _time(lambda: rotary_write_kv(pos, q, k, v, cos, sin, dim, kc, vc, slots))
+    t_unfused = _time(lambda: (lora_expand(buf3, bs, meta, qkv, [0, widths[0], widths[0] + widths[1]]),
+                               rotary_write_kv(pos, q, k, v, cos, sin, dim, kc, vc, slots)))
+    times = {}
+    for tiles, bm in shapes:
+        key = "per_token" if not tiles else f"tiles_{bm}"
+        times[key] = _time(lambda: lora_rotary_write_kv(pos, q, k, v, cos, sin, dim, kc, vc, slots, buf3, bs, meta,
+                                                        tiles=tiles, block_m=bm))
+    nbytes = num_tokens * sum(widths) * 2 * 2 + num_tokens * 2 * kv_heads * dim * 2
+    out.append({"kernel": "lora_rotary_write_kv", "layer": "qkv", "tokens": num_tokens, "adapters": num_adapters,
+                "plain_us": t_plain, "unfused_us": t_unfused, "fused_us": times, "bound_us": nbytes / bw * 1e6})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--adapters", default="1,16")
     ap.add_argument("--skip-shrink", action="store_true", help="only the expand kernels")
+    ap.add_argument("--fused-consumers", action="store_true",
+                    help="only the q/k/v update in rotary + KV write and the o/down update in add + RMSNorm")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora_prefill_sweep.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -220,6 +282,13 @@ def main() -> int:
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     results = []
     for t, n in itertools.product([int(v) for v in args.tokens.split(",")], [int(v) for v in args.adapters.split(",")]):
+        if args.fused_consumers:
+            for r in sweep_fused_consumers(t, n, bw):
+                results.append(r)
+                fused = "  ".join(f"{k} {v:.1f}" for k, v in r["fused_us"].items())
+                print(f"{r['kernel']:22s} T={t:6d} adapters={n:3d}  plain {r['plain_us']:7.1f} us  unfused "
+                      f"{r['unfused_us']:7.1f} us  fused: {fused}  bound {r['bound_us']:.1f}", flush=True)
+            continue
         expands = sweep_expand(t, n, bw) if t <= DECODE_MAX_TOKENS else []
         shrinks = [] if args.skip_shrink else sweep_shrink(t, n, bw)
         for r in shrinks + sweep_silu_mul(t, n, bw) + expands:

@@ -149,6 +149,67 @@ def _lora_expand_kernel(
 
 
 @triton.jit
+def _seg_or_base_tile(sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, pid_m,
+                      num_tokens, num_active, BLOCK_M: tl.constexpr, MAX_LORAS_PAD: tl.constexpr):
+    """Rows of token tile ``pid_m`` of a launch whose first ``num_tokens // BLOCK_M + num_active``
+    tiles walk the adapter segments (as the expand's) and whose next ``cdiv(num_tokens, BLOCK_M)``
+    tiles cover the base-model rows (sorted after every adapter's rows, ``LoRAKernelMeta``).
+
+    Returns (tok [BLOCK_M] int64, m_ok [BLOCK_M], slot, flag, rows_left): the rows of a tile share
+    ``slot`` (0 on a base tile); flag is int32 1 on a segment tile, 0 on a base tile (whose B reads
+    ``_tile_h`` / ``_tile_delta`` mask off); rows_left <= 0: the tile has no rows (return at once).
+    """
+    seg_tiles = num_tokens // BLOCK_M + num_active
+    if pid_m < seg_tiles:
+        slot, count, start, tile = _find_segment(active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
+                                                 pid_m, num_active, BLOCK_M, MAX_LORAS_PAD)
+        is_lora = slot >= 0
+    else:
+        # Base-model rows: sorted after the adapters' rows, i.e. from sum(counts) on.
+        a = tl.arange(0, MAX_LORAS_PAD)
+        counts = tl.load(num_tokens_per_slot_ptr + a, mask=a < num_active, other=0)
+        start = tl.sum(counts, axis=0)
+        count = num_tokens - start
+        tile = pid_m - seg_tiles
+        slot = start * 0                       # an int32 0: B reads are masked off with lora
+        is_lora = start < 0                    # False, as a tensor (both branches give one type)
+    tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
+    return tok, m_ok, tl.maximum(slot, 0), is_lora.to(tl.int32), count - tile * BLOCK_M
+
+
+@triton.jit
+def _tile_h(buf_ptr, pid_s, slot, flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
+            stride_buf_slot, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] fp32: the summed shrink partials of slice pid_s for the rows tok of one
+    slot (0 on a base tile, flag 0, and where not m_ok or r >= rank)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    # NOTE: the flag broadcast as an int vector: the interpreter rejects masks of a scalar bool & a vector.
+    lora = m_ok & (tl.zeros([BLOCK_M], tl.int32) + flag > 0)
+    mask = lora[:, None] & (offs_r < rank)[None, :]
+    rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + slot.to(tl.int64) * stride_buf_slot
+            + tok[:, None] * stride_buf_tok + offs_r[None, :])                          # [BLOCK_M, BLOCK_R]
+    h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
+        h += tl.load(rows + j * stride_buf_split, mask=mask, other=0.0).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _tile_delta(h, b_ptr, slot, flag, cols, ok, n_out, rank, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """[BLOCK_M, len(cols)] fp32: h @ B[slot][cols].T for one slot's rows (h from ``_tile_h``; a
+    base tile, flag 0, reads no B and gets 0). UPCAST as ``_expand_tile``'s: an fp32 dot; else h
+    rounded to B's dtype and the native tensor-core dot (fp32 accumulation)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    b_ok = ok & (cols * 0 + flag > 0)
+    b = tl.load(b_ptr + slot.to(tl.int64) * n_out * rank + cols[:, None] * rank + offs_r[None, :],
+                mask=b_ok[:, None] & (offs_r < rank)[None, :], other=0.0)             # [N, BLOCK_R]
+    if UPCAST:
+        return tl.dot(h, tl.trans(b.to(tl.float32)), input_precision=DOT_PRECISION)
+    return tl.dot(h.to(b_ptr.dtype.element_ty), tl.trans(b))
+
+
+@triton.jit
 def _token_h(buf_ptr, t, pid_s, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot,
              BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr):
     """Token t's summed shrink partials of slice pid_s ([BLOCK_R] fp32; 0 where slot < 0 or r >= rank),

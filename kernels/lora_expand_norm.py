@@ -7,15 +7,21 @@ a read-modify-write of its output) and then the norm (``kernels.layer_ops.add_rm
 kernel does both per row: the row's update delta = h @ B[slot].T is added to the projection output
 in registers, then the residual add and the norm, as ``add_rms_norm``.
 
-One program per row, two passes over the row in ``CHUNK``-column pieces (one piece up to 4096
-columns, so a Llama-3-8B row is one B load of [4096, rank] with every load in flight at once): the
-first adds the delta and the residual, stores the sum (into ``residual``, or into ``x`` without
-one) and accumulates the sum of squares; the second reloads the sum (the program's own stores, same
-layout, so the same threads) and stores the normalized row. Each row streams its adapter's B
-itself (from L2 when rows share an adapter), which suits decode steps: ``lora.layers`` fuses steps
-of at most ``MAX_TOKENS`` tokens. (Spreading a row over (row, 1024-column) programs, the row's last
-arrival normalizing it after an acq_rel counter, measured slower end to end on an H200: batch-64
-decode 7.34 / 8.17 ms with 16 / 64 adapters against 7.28 / 8.02; see benchmarks/RESULTS.md.)
+Two launch shapes, both two passes over each row (the first adds the delta and the residual,
+stores the sum (into ``residual``, or into ``x`` without one) and accumulates the sum of squares;
+the second reloads the sum and stores the normalized row):
+
+- *Per row* (steps of at most ``PER_ROW_MAX_TOKENS`` tokens, decode): one program per row, in
+  ``CHUNK``-column pieces (one piece up to 4096 columns, so a Llama-3-8B row is one B load of
+  [4096, rank] with every load in flight at once); the update is a multiply-add over the rank.
+  Each row streams its adapter's B itself (from L2 when rows share an adapter). (Spreading a row
+  over (row, 1024-column) programs, the row's last arrival normalizing it after an acq_rel
+  counter, measured slower end to end on an H200: batch-64 decode 7.34 / 8.17 ms with 16 / 64
+  adapters against 7.28 / 8.02; see benchmarks/RESULTS.md.)
+- *Tiles* (larger steps: prefill, big decode batches): one program per ``block_m`` rows of one
+  adapter segment (``LoRAKernelMeta``; the base-model rows get tiles of their own, as in
+  ``kernels.lora_expand_silu_mul``), walking ``block_n``-column pieces: the delta is a [block_m,
+  rank] x [rank, block_n] dot, so B is read once per tile, not once per row.
 
 Numerics, as the unfused pair (expand, then ``add_rms_norm``): h rounded through
 ``h_round_dtype`` (B's dtype on a GPU's native path), the fp32 delta added to x and rounded to the
@@ -32,12 +38,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import _token_delta, _token_h, check_shrink_output, h_round_dtype
-from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
+from kernels.lora_expand import (_seg_or_base_tile, _tile_delta, _tile_h, _token_delta, _token_h, check_shrink_output,
+                                 expand_upcast, h_round_dtype)
+from kernels.lora_meta import LoRAKernelMeta
+from kernels.lora_shrink import _check_meta, tile_m_for
+from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
-MAX_TOKENS = 128
-"""``lora.layers`` fuses steps of at most this many tokens (each row reads its adapter's B: 128 KB
-at Llama-3-8B's hidden size)."""
+PER_ROW_MAX_TOKENS = 128
+"""Steps of at most this many tokens take the per-row programs by default (each row reads its
+adapter's B: 128 KB at Llama-3-8B's hidden size), larger ones the segment tiles."""
+
+TILE_ELEMENTS = 4096
+"""block_m * block_n of a tile program (4 warps: 32 fp32 values per thread per piece)."""
 
 MAX_CHUNK = 4096
 """Columns per piece: all of a row up to this width."""
@@ -90,10 +102,65 @@ def _lora_expand_add_rms_norm_kernel(
         tl.store(out_ptr + row * stride_o + cols, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora_slots: torch.Tensor,
+@triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
+def _lora_expand_add_rms_norm_tile_kernel(
+    buf_ptr, b_ptr, x_ptr, residual_ptr, weight_ptr, out_ptr,
+    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
+    num_tokens, num_active, hidden, rank, eps,
+    stride_buf_split, stride_buf_tok, stride_buf_slot, stride_x, stride_r, stride_o,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr, MAX_LORAS_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Semantics: as ``_lora_expand_add_rms_norm_kernel`` (the delta rounded as the expand's segment
+    kernel rounds it: h to B's dtype before a native dot, or an fp32 dot with UPCAST). Program m:
+    token tile m of ``kernels.lora_expand._seg_or_base_tile`` (BLOCK_M rows of one slot, or of
+    base-model rows), every column in BLOCK_N pieces."""
+    tok, m_ok, slot, flag, rows_left = _seg_or_base_tile(
+        sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, tl.program_id(0),
+        num_tokens, num_active, BLOCK_M, MAX_LORAS_PAD)
+    if rows_left <= 0:
+        return
+    h = _tile_h(buf_ptr, slot * 0, slot, flag, tok, m_ok, rank, 0, stride_buf_split, stride_buf_tok,
+                stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)                             # [BLOCK_M, BLOCK_R]
+    if not UPCAST:
+        h = h.to(b_ptr.dtype.element_ty)
+    x_rows = x_ptr + tok[:, None] * stride_x                                            # [BLOCK_M, 1]
+    r_rows = residual_ptr + tok[:, None] * stride_r
+    s_rows = r_rows if HAS_RESIDUAL else x_rows
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c0 in range(0, hidden, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        ok = cols < hidden
+        mask = m_ok[:, None] & ok[None, :]
+        p = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        p += _tile_delta(h, b_ptr, slot, flag, cols, ok, hidden, rank, BLOCK_R, UPCAST, DOT_PRECISION)
+        s = p.to(x_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            r = tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = (s.to(tl.float32) + r).to(x_ptr.dtype.element_ty)
+        tl.store(s_rows + cols[None, :], s, mask=mask)
+        s32 = s.to(tl.float32)
+        sq += tl.sum(s32 * s32, axis=1)
+    rstd = tl.rsqrt(sq / hidden + eps)                                                  # [BLOCK_M]
+    # NOTE: the second pass may read with other threads than the first stored (the sum comes out
+    # of the dot's layout): the barrier makes the program's stores visible to all its threads.
+    tl.debug_barrier()
+    o_rows = out_ptr + tok[:, None] * stride_o
+    for c0 in range(0, hidden, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        ok = cols < hidden
+        mask = m_ok[:, None] & ok[None, :]
+        s = tl.load(s_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        n = (s * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(o_rows + cols[None, :], (w[None, :] * n).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta,
                              x: torch.Tensor, weight: torch.Tensor, eps: float,
                              residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                             slot_stride: int = 0) -> torch.Tensor:
+                             slot_stride: int = 0, *, tiles: Optional[bool] = None,
+                             block_m: Optional[int] = None) -> torch.Tensor:
     """RMSNorm of (x + each LoRA row's update [+ residual]); the sum is stored into ``residual``
     (or into ``x`` without one), as ``kernels.layer_ops.add_rms_norm`` does.
 
@@ -101,13 +168,16 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora
         buf: [1, split_k, num_tokens, rank]: ``lora_shrink``'s float32 partials, or every slot's
             shrink with slot_stride > 0 (see ``kernels.lora_expand.lora_expand``).
         lora_b: [max_loras, hidden, rank] in x's dtype, contiguous.
-        token_lora_slots: [num_tokens] int32 slot per row (< 0: base model / padding, no update).
+        meta: this step's ``LoRAKernelMeta`` (its token_lora_slots: < 0 for base-model / padding
+            rows, which get no update).
         x: [num_tokens, hidden] the projection's base output, float16/bfloat16/float32, last dim
             contiguous.
         weight: [hidden], x's dtype. eps: added to the mean square.
         residual: optional [num_tokens, hidden] in x's dtype, last dim contiguous.
         out: optional [num_tokens, hidden] in x's dtype (may be x).
         slot_stride: see buf.
+        tiles: True: segment tiles; False: per-row programs; None: tiles above PER_ROW_MAX_TOKENS rows.
+        block_m: rows per tile (a power of two >= 16); None: sized for the mean segment.
 
     Returns:
         out: the normalized rows.
@@ -119,8 +189,9 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora
     split_k, rank = check_shrink_output(buf, 1, num_tokens, x, slot_stride)
     check_tensor("lora_b", lora_b, ndim=3, dtypes=(x.dtype,), shape=(None, hidden, rank), device=dev,
                  contiguous=True)
-    check_tensor("token_lora_slots", token_lora_slots, dtypes=(torch.int32,), shape=(num_tokens,), device=dev,
-                 contiguous=True)
+    _check_meta(meta, num_tokens, lora_b.shape[0], dev)
+    check_tensor("meta.token_lora_slots", meta.token_lora_slots, dtypes=(torch.int32,), shape=(num_tokens,),
+                 device=dev, contiguous=True)
     if residual is not None:
         check_tensor("residual", residual, dtypes=(x.dtype,), shape=(num_tokens, hidden), device=dev,
                      last_dim_contiguous=True)
@@ -129,12 +200,32 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, token_lora
     check_tensor("out", out, dtypes=(x.dtype,), shape=(num_tokens, hidden), device=dev, last_dim_contiguous=True)
     if num_tokens == 0:
         return out
-    chunk = min(MAX_CHUNK, next_power_of_2(hidden))
-    _lora_expand_add_rms_norm_kernel[(num_tokens,)](
-        buf, lora_b, token_lora_slots, x, residual if residual is not None else x, weight, out,
-        hidden, rank, float(eps),
-        buf.stride(1), buf.stride(2), slot_stride, x.stride(0), residual.stride(0) if residual is not None else 0,
-        out.stride(0),
-        HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k,
-        ROUND_TO=h_round_dtype(x), num_warps=16 if chunk >= 4096 else max(1, chunk // 256))
+    block_r = max(16, next_power_of_2(rank))
+    res = residual if residual is not None else x
+    if tiles is None:
+        tiles = num_tokens > PER_ROW_MAX_TOKENS
+    if not tiles:
+        chunk = min(MAX_CHUNK, next_power_of_2(hidden))
+        _lora_expand_add_rms_norm_kernel[(num_tokens,)](
+            buf, lora_b, meta.token_lora_slots, x, res, weight, out,
+            hidden, rank, float(eps),
+            buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
+            HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=block_r, SPLIT_K=split_k,
+            ROUND_TO=h_round_dtype(x), num_warps=16 if chunk >= 4096 else max(1, chunk // 256))
+        return out
+    num_active = 0 if meta.no_lora else meta.num_active
+    if block_m is None:
+        block_m = 16 if is_interpreted(dev) else min(32, tile_m_for(num_tokens, max(1, num_active))[0])
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m: {block_m} must be a power of two >= 16.")
+    block_n = min(next_power_of_2(hidden), max(16, TILE_ELEMENTS // block_m))
+    grid = (num_tokens // block_m + num_active + cdiv(num_tokens, block_m),)
+    _lora_expand_add_rms_norm_tile_kernel[grid](
+        buf, lora_b, x, res, weight, out,
+        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
+        num_tokens, num_active, hidden, rank, float(eps),
+        buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split_k,
+        MAX_LORAS_PAD=next_power_of_2(lora_b.shape[0]), UPCAST=expand_upcast(x),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out

@@ -38,10 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import (PER_TOKEN_MAX_TOKENS, LoRAExpandConfig, _token_delta, _token_h, check_b_slices,
-                                 check_shrink_output, expand_upcast, h_round_dtype, lora_expand_config)
+from kernels.lora_expand import (PER_TOKEN_MAX_TOKENS, LoRAExpandConfig, _seg_or_base_tile, _tile_delta, _tile_h,
+                                 _token_delta, _token_h, check_b_slices, check_shrink_output, expand_upcast,
+                                 h_round_dtype, lora_expand_config)
 from kernels.lora_meta import LoRAKernelMeta
-from kernels.lora_shrink import ConfigOverride, _check_meta, _find_segment, _tile_tokens
+from kernels.lora_shrink import ConfigOverride, _check_meta
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
 
@@ -75,59 +76,32 @@ def _lora_expand_silu_mul_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_lo = pid_n * cols_per_program
-    seg_tiles = num_tokens // BLOCK_M + num_active
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    if pid_m < seg_tiles:
-        slot, count, start, tile = _find_segment(active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
-                                                 pid_m, num_active, BLOCK_M, MAX_LORAS_PAD)
-        is_lora = slot >= 0
-    else:
-        # Base-model rows: sorted after the adapters' rows, i.e. from sum(counts) on.
-        a = tl.arange(0, MAX_LORAS_PAD)
-        counts = tl.load(num_tokens_per_slot_ptr + a, mask=a < num_active, other=0)
-        start = tl.sum(counts, axis=0)
-        count = num_tokens - start
-        tile = pid_m - seg_tiles
-        slot = start * 0                       # an int32 0: B rows are masked off below
-        is_lora = start < 0                    # False, as a tensor (both branches give one type)
-    if tile * BLOCK_M >= count:
+    tok, m_ok, slot, lora_flag, rows_left = _seg_or_base_tile(
+        sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, pid_m, num_tokens,
+        num_active, BLOCK_M, MAX_LORAS_PAD)
+    if rows_left <= 0:
         return
-    tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
-    # NOTE: the flag is broadcast as an int vector: the interpreter rejects masks of a scalar
-    # bool & a vector.
-    lora_flag = is_lora.to(tl.int32)
-    mr_ok = (m_ok & (tl.zeros([BLOCK_M], tl.int32) + lora_flag > 0))[:, None] & r_ok[None, :]
-    buf_rows = (buf_ptr + slot.to(tl.int64) * stride_buf_slot + tok[:, None] * stride_buf_tok
-                + offs_r[None, :])                                                     # [BLOCK_M, BLOCK_R]
-    h_gate = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    h_up = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
-        h_gate += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0).to(tl.float32)
-        h_up += tl.load(buf_rows + stride_buf_slice + j * stride_buf_split, mask=mr_ok, other=0.0).to(tl.float32)
+    zero = slot * 0                                        # slice ids as int32 tensors
+    h_gate = _tile_h(buf_ptr, zero, slot, lora_flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split,
+                     stride_buf_tok, stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)        # [BLOCK_M, BLOCK_R]
+    h_up = _tile_h(buf_ptr, zero + 1, slot, lora_flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split,
+                   stride_buf_tok, stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)
     if not UPCAST:
         h_gate = h_gate.to(bg_ptr.dtype.element_ty)
         h_up = h_up.to(bu_ptr.dtype.element_ty)
 
-    b_off = slot.to(tl.int64) * d * rank + offs_r[None, :]                               # [1, BLOCK_R]
     y_rows = y_ptr + tok[:, None] * stride_y_tok                                        # [BLOCK_M, 1]
     out_rows = out_ptr + tok[:, None] * stride_out_tok                                  # [BLOCK_M, 1]
     n_end = n_lo + cols_per_program
     for c0 in range(n_lo, tl.minimum(n_end, d), BLOCK_N):
         offs_n = c0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < d) & (offs_n < n_end)
-        b_mask = (n_ok & (tl.zeros([BLOCK_N], tl.int32) + lora_flag > 0))[:, None] & r_ok[None, :]
-        b_gate = tl.load(bg_ptr + b_off + offs_n[:, None] * rank, mask=b_mask, other=0.0)  # [BLOCK_N, BLOCK_R]
-        b_up = tl.load(bu_ptr + b_off + offs_n[:, None] * rank, mask=b_mask, other=0.0)
         mask = m_ok[:, None] & n_ok[None, :]
         g = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(y_rows + d + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if UPCAST:
-            g += tl.dot(h_gate, tl.trans(b_gate.to(tl.float32)), input_precision=DOT_PRECISION)
-            u += tl.dot(h_up, tl.trans(b_up.to(tl.float32)), input_precision=DOT_PRECISION)
-        else:                                   # the native tensor-core dot: 1.26x faster at prefill
-            g += tl.dot(h_gate, tl.trans(b_gate))                                       # [BLOCK_M, BLOCK_N]
-            u += tl.dot(h_up, tl.trans(b_up))
+        # NOTE: the native tensor-core dot (h rounded above): 1.26x faster at prefill than tf32.
+        g += _tile_delta(h_gate, bg_ptr, slot, lora_flag, offs_n, n_ok, d, rank, BLOCK_R, UPCAST, DOT_PRECISION)
+        u += _tile_delta(h_up, bu_ptr, slot, lora_flag, offs_n, n_ok, d, rank, BLOCK_R, UPCAST, DOT_PRECISION)
         _silu_mul_store(g, u, out_rows + offs_n[None, :], mask)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kernels.lora_expand import slotwise_buf
 from kernels.lora_expand_norm import lora_expand_add_rms_norm
+from kernels.lora_meta import build_lora_kernel_meta
 from kernels.reference import lora_expand_add_rms_norm_ref
 from tests.kernels.test_kernel_lora import DEVICE
 
@@ -15,13 +16,18 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2
        torch.float16: dict(atol=4e-3, rtol=4e-3)}
 
 
-def run_case(dtype, hidden, with_residual, slotwise, num_tokens=7, rank=8, max_loras=3, seed=0):
+def meta_of(slots: torch.Tensor, max_loras: int):
+    return build_lora_kernel_meta(slots, max_loras)
+
+
+def run_case(dtype, hidden, with_residual, slotwise, num_tokens=7, rank=8, max_loras=3, seed=0, tiles=False,
+             slot_of=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden + 5, generator=g).to(dtype).to(DEVICE)[:, :hidden]   # strided rows
     residual = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(DEVICE) if with_residual else None
     weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
-    lslots = torch.tensor([(i % (max_loras + 1)) - 1 for i in range(num_tokens)], dtype=torch.int32,
-                          device=DEVICE)                                          # -1 (base), 0, 1, 2, ...
+    slot_of = slot_of or (lambda i: (i % (max_loras + 1)) - 1)                   # -1 (base), 0, 1, 2, ...
+    lslots = torch.tensor([slot_of(i) for i in range(num_tokens)], dtype=torch.int32, device=DEVICE)
     lora_b = (torch.randn(max_loras, hidden, rank, generator=g) / rank).to(dtype).to(DEVICE)
     h_all = torch.randn(num_tokens, max_loras, 1, rank, generator=g).to(DEVICE)
     own = torch.zeros(1, 1, num_tokens, rank, device=DEVICE)
@@ -31,8 +37,8 @@ def run_case(dtype, hidden, with_residual, slotwise, num_tokens=7, rank=8, max_l
     want_out, want_s = lora_expand_add_rms_norm_ref(own, lora_b, lslots, x, weight, 1e-5, residual)
     buf, slot_stride = slotwise_buf(h_all) if slotwise else (torch.cat([own * 0.5, own * 0.5], dim=1), 0)
     x0 = x.clone()
-    out = lora_expand_add_rms_norm(buf, lora_b, lslots, x, weight, 1e-5, residual=residual,
-                                   slot_stride=slot_stride)
+    out = lora_expand_add_rms_norm(buf, lora_b, meta_of(lslots, max_loras), x, weight, 1e-5, residual=residual,
+                                   slot_stride=slot_stride, tiles=tiles)
     stored = residual if with_residual else x
     return out, stored, want_out, want_s, x, x0
 
@@ -41,14 +47,42 @@ def run_case(dtype, hidden, with_residual, slotwise, num_tokens=7, rank=8, max_l
 @pytest.mark.parametrize("hidden", [64, 100, 3000, 8192])
 @pytest.mark.parametrize("with_residual,slotwise", [(True, True), (False, False), (True, False)],
                          ids=["residual-slotwise", "no-residual-partials", "residual-partials"])
-def test_matches_ref(dtype, hidden, with_residual, slotwise):
+@pytest.mark.parametrize("tiles", [False, True], ids=["per-row", "tiles"])
+def test_matches_ref(dtype, hidden, with_residual, slotwise, tiles):
     """Rows updated, summed (stored into residual, or x without one) and normalized; base-model rows
-    (slot -1) get the plain add + RMSNorm; odd widths and rows wider than one piece (8192)."""
-    out, stored, want_out, want_s, x, x0 = run_case(dtype, hidden, with_residual, slotwise)
+    (slot -1) get the plain add + RMSNorm; odd widths and rows wider than one piece (8192); both
+    launch shapes (per-row programs, segment tiles)."""
+    out, stored, want_out, want_s, x, x0 = run_case(dtype, hidden, with_residual, slotwise, tiles=tiles)
     torch.testing.assert_close(stored.float(), want_s.float(), **TOL[dtype])
     torch.testing.assert_close(out.float(), want_out.float(), **TOL[dtype])
     if with_residual:
         assert torch.equal(x, x0)                                   # x only read when there is a residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", ["prefill", "one-adapter", "all-base", "padded-segments"])
+def test_tiles_over_segments(dtype, slots):
+    """Segment tiles over prefill-like steps: segments longer than a tile and ending mid-tile
+    (40 / 17 / 3 rows), interleaved rows of one adapter, base rows only, and empty slots between
+    used ones (slot 4 of 6 unused)."""
+    pattern = {"prefill": lambda i: 0 if i < 40 else (2 if i < 57 else (5 if i < 60 else -1)),
+               "one-adapter": lambda i: 3 if i % 2 else -1,
+               "all-base": lambda i: -1,
+               "padded-segments": lambda i: [0, 5, 1, 5, -1][i % 5]}[slots]
+    out, stored, want_out, want_s, _, _ = run_case(dtype, 48, True, True, num_tokens=67, max_loras=6,
+                                                   tiles=True, slot_of=pattern)
+    torch.testing.assert_close(stored.float(), want_s.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), want_out.float(), **TOL[dtype])
+
+
+def test_launch_shape_by_size():
+    """Steps up to PER_ROW_MAX_TOKENS rows take the per-row programs, larger ones the tiles; both give
+    the twin's result (here 129 rows: tiles)."""
+    from kernels import lora_expand_norm as m
+
+    assert m.PER_ROW_MAX_TOKENS == 128
+    out, stored, want_out, want_s, _, _ = run_case(torch.float32, 32, True, False, num_tokens=129, tiles=None)
+    torch.testing.assert_close(out, want_out, **TOL[torch.float32])
 
 
 def test_update_is_added():
@@ -63,7 +97,8 @@ def test_update_is_added():
     want_r = residual.clone()
     want = add_rms_norm(x + torch.tensor([[0.0], [4.0]], device=DEVICE), w, 1e-5, residual=want_r)
     r = residual.clone()
-    out = lora_expand_add_rms_norm(torch.ones(1, 1, 2, 4, device=DEVICE), b, slots, x, w, 1e-5, residual=r)
+    out = lora_expand_add_rms_norm(torch.ones(1, 1, 2, 4, device=DEVICE), b, meta_of(slots, 1), x, w, 1e-5,
+                                   residual=r)
     torch.testing.assert_close(r, want_r)
     torch.testing.assert_close(out, want)
 
@@ -72,19 +107,26 @@ def test_rejects_bad_inputs():
     x = torch.randn(2, 16, device=DEVICE)
     w = torch.ones(16, device=DEVICE)
     b = torch.ones(1, 16, 4, device=DEVICE)
-    slots = torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE)
+    meta = meta_of(torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE), 1)
     with pytest.raises(ValueError, match="buf"):
-        lora_expand_add_rms_norm(torch.ones(2, 1, 2, 4, device=DEVICE), b, slots, x, w, 1e-5)
+        lora_expand_add_rms_norm(torch.ones(2, 1, 2, 4, device=DEVICE), b, meta, x, w, 1e-5)
     with pytest.raises(ValueError, match="lora_b"):
-        lora_expand_add_rms_norm(torch.ones(1, 1, 2, 4, device=DEVICE), b[:, :8], slots, x, w, 1e-5)
-    with pytest.raises(ValueError, match="token_lora_slots"):
-        lora_expand_add_rms_norm(torch.ones(1, 1, 2, 4, device=DEVICE), b, slots.long(), x, w, 1e-5)
+        lora_expand_add_rms_norm(torch.ones(1, 1, 2, 4, device=DEVICE), b[:, :8], meta, x, w, 1e-5)
+    with pytest.raises(ValueError, match="meta"):
+        lora_expand_add_rms_norm(torch.ones(1, 1, 2, 4, device=DEVICE), b, meta_of(meta.token_lora_slots, 2),
+                                 x, w, 1e-5)
+    with pytest.raises(ValueError, match="block_m"):
+        lora_expand_add_rms_norm(torch.ones(1, 1, 2, 4, device=DEVICE), b, meta, x, w, 1e-5, tiles=True,
+                                 block_m=24)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("slotwise", [True, False])
-def test_gpu_llama3_sizes(slotwise):
-    """Llama-3-8B hidden (4096), 64 decode rows over 3 adapters and the base model, rank 16, bf16."""
-    out, stored, want_out, want_s, _, _ = run_case(torch.bfloat16, 4096, True, slotwise, num_tokens=64, rank=16)
+@pytest.mark.parametrize("slotwise,num_tokens", [(True, 64), (False, 64), (False, 1000)])
+def test_gpu_llama3_sizes(slotwise, num_tokens):
+    """Llama-3-8B hidden (4096), 64 decode rows (per-row programs) or 1000 prefill rows (tiles) over
+    3 adapters and the base model, rank 16, bf16."""
+    pattern = None if num_tokens <= 128 else (lambda i: min(i // 300, 3) - 1)
+    out, stored, want_out, want_s, _, _ = run_case(torch.bfloat16, 4096, True, slotwise, num_tokens=num_tokens,
+                                                   rank=16, tiles=None, slot_of=pattern)
     torch.testing.assert_close(stored.float(), want_s.float(), **TOL[torch.bfloat16])
     torch.testing.assert_close(out.float(), want_out.float(), **TOL[torch.bfloat16])

@@ -102,6 +102,17 @@ def test_choice_and_fused_config_read_once_per_layer(monkeypatch):
 # ----------------------------------------------------------------------------------------
 # The engine with the fused kernel vs transformers + PEFT
 # ----------------------------------------------------------------------------------------
+class LaunchSpy:
+    """Stands in for a Triton kernel: counts its launches (``kernel[grid](...)``) and runs them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
 MAX_TOKENS = 8
 ADAPTERS = {   # name -> (r, alpha, target_modules): rank 4 below the slots' 16; q/v only leaves k zero
     "r4-all": (4, 8, ALL_TARGETS),
@@ -111,12 +122,14 @@ PLAN = [(0, "r4-all"), (2, "r8-qv"), (3, "r4-all"), (1, None)]
 """(prompt index, adapter) per request: r4-all has two requests, so decode segments of two tokens."""
 
 
-@pytest.mark.parametrize("kernel", ["fused", "split", "gemm", "stacked"])
+@pytest.mark.parametrize("kernel", ["fused", "split", "split-tiles", "gemm", "stacked"])
 def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny_prompts, tmp_path, monkeypatch):
     """The Triton backend forced on CPU: prefill and decode steps through ``lora_shrink_expand`` only
-    ("fused"), through the split pair with the default overlap's begin / finish ("split"), or
-    with decode steps (<= 4 tokens) through ``kernels.gemm_lora`` ("gemm") or through the stacked
-    GEMM (the shrink inside the base GEMM, "stacked") and prefill through the split pair."""
+    ("fused"), through the split pair with the default overlap's begin / finish ("split"; with
+    the o/down updates inside add + RMSNorm through its segment-tile programs at every size, as
+    large steps take them, "split-tiles"), or with decode steps (<= 4
+    tokens) through ``kernels.gemm_lora`` ("gemm") or through the stacked GEMM (the shrink inside
+    the base GEMM, "stacked") and prefill through the split pair."""
     from transformers import AutoTokenizer
 
     from lora.manager import LoRAManager
@@ -133,6 +146,8 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     def triton_backend(self, *args, backend=None, **kwargs):
         init(self, *args, backend="triton", **kwargs)
     monkeypatch.setattr(LoRAManager, "__init__", triton_backend)
+    tiles = kernel == "split-tiles"
+    kernel = "split" if tiles else kernel
     monkeypatch.setenv("CHORUS_LORA_KERNEL", "split" if kernel in ("gemm", "stacked") else kernel)   # read when built
     monkeypatch.setenv("CHORUS_LORA_GEMM_MAX_TOKENS", str(len(PLAN) if kernel == "gemm" else 0))
     monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", str(len(PLAN) if kernel == "stacked" else 0))
@@ -142,6 +157,11 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     import kernels.lora_expand_norm as lora_expand_norm
     norm_spy = Mock(wraps=lora_expand_norm.lora_expand_add_rms_norm)
     monkeypatch.setattr(lora_expand_norm, "lora_expand_add_rms_norm", norm_spy)
+    tile_spy = LaunchSpy(lora_expand_norm._lora_expand_add_rms_norm_tile_kernel)
+    if tiles:
+        monkeypatch.setattr(lora_expand_norm, "PER_ROW_MAX_TOKENS", 0)
+        monkeypatch.setattr(lora_expand_norm, "_lora_expand_add_rms_norm_kernel", None)   # must not run
+        monkeypatch.setattr(lora_expand_norm, "_lora_expand_add_rms_norm_tile_kernel", tile_spy)
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     calls = KernelCalls(monkeypatch)
     gemm_spy = Mock(wraps=gemm_lora.gemm_lora)
@@ -182,8 +202,11 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
         # The split path adds the gate/up update inside SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL's default).
         assert (silu_mul_spy.call_count >= MAX_TOKENS * num_mlps) if kernel == "split" else silu_mul_spy.call_count == 0
     if kernel in ("split", "stacked"):
-        # Every step here is decode-sized (<= 128 tokens): the o_proj and down_proj updates ride in
-        # the add + RMSNorm after them (CHORUS_LORA_FUSE_NORM's default).
+        # The o_proj and down_proj updates ride in the add + RMSNorm after them
+        # (CHORUS_LORA_FUSE_NORM's default), every step.
         assert norm_spy.call_count == 2 * MAX_TOKENS * num_mlps
+    if tiles:   # every norm launch took the segment tiles (the q/k/v update: CUDA only, the rotary
+        # + KV write is fused there; GPU tests)
+        assert tile_spy.launches == norm_spy.call_count
     base = peft_greedy(pm, None, tok.encode(tiny_prompts[PLAN[0][0]]), 1)
     assert base.logprobs[0] != refs[0].logprobs[0]                       # the adapter changes the output

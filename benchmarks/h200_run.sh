@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [ml-b64]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [ml-b64] [ml-b256]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -129,12 +129,14 @@ for phase in "$@"; do
       if [ -n "${AB_B256:-}" ]; then
         lora_b256 ml_ab_b256.json
       fi ;;
-    lora-tiles)   # the q/k/v and o/down updates fused at every size (segment tiles above 128 tokens): GPU tests, kernel sweep
-      timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora_rotary.py tests/kernels/test_kernel_lora_norm.py \
-        tests/kernels/test_kernel_lora_silu_mul.py tests/kernels/test_kernel_kv_write.py tests/lora/test_peft_parity.py \
-        tests/lora/test_fused_lora_path.py -k "cuda or gpu" 2>&1 | tee "$OUT/lora_tiles_tests.log" | tail -4
-      timeout 200 python3 benchmarks/lora_prefill_sweep.py --fused-consumers --tokens 256,16384 --adapters 16,64 \
-        --out "$OUT/fused_consumers_sweep.json" 2>&1 | grep -v Warn | tail -8 ;;
+    lora-tiles)   # the o/down update inside add + RMSNorm at every size (segment tiles above 512 tokens): GPU tests, sweep
+      timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_lora_norm.py \
+        tests/kernels/test_kernel_lora_silu_mul.py tests/lora/test_peft_parity.py -k "cuda or gpu" 2>&1 \
+        | tee "$OUT/lora_tiles_tests.log" | tail -4
+      timeout 200 python3 benchmarks/lora_prefill_sweep.py --fused-consumers --tokens ${SWEEP_TOKENS:-256,16384} \
+        --adapters ${SWEEP_ADAPTERS:-16,64} --out "$OUT/fused_consumers_sweep.json" 2>&1 | grep -v Warn | tail -12 ;;
+    ml-b256)   # batch 256 with 16 and 64 adapters, lines prefixed with $ML_TAG
+      lora_b256 "ml_b256_${ML_TAG:-new}.json" | sed "s/^/${ML_TAG:-new} /" ;;
     ml-b64)   # batch 64 (ML_ADAPTERS, default 16,64), lines prefixed with $ML_TAG
       timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 64 --input-len 512 --output-len 128 --skip-hf \
         --num-adapters ${ML_ADAPTERS:-16,64} --max-loras 64 --base-last --out "$OUT/ml_b64_${ML_TAG:-new}.json" 2>&1 \

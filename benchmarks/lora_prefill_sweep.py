@@ -208,9 +208,10 @@ def sweep_expand(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
 
 
 def sweep_fused_consumers(num_tokens: int, num_adapters: int, bw: float) -> list[dict]:
-    """The q/k/v update inside rotary + KV write and the o/down update inside add + RMSNorm, per
-    launch shape (per-row / per-token programs, segment tiles of 16-64 rows), against the unfused
-    pair (expand, then the plain kernel) and the plain kernel alone."""
+    """The o/down update inside add + RMSNorm per launch shape (per-row programs up to 4096 tokens,
+    segment tiles of 16-64 rows) and the q/k/v update inside rotary + KV write (per-token programs,
+    up to 4096 tokens), against the unfused pair (expand, then the plain kernel) and the plain
+    kernel alone."""
     from kernels.kv_write import rotary_write_kv
     from kernels.layer_ops import add_rms_norm
     from kernels.lora_expand import lora_expand
@@ -256,10 +257,9 @@ def sweep_fused_consumers(num_tokens: int, num_adapters: int, bw: float) -> list
     t_unfused = _time(lambda: (lora_expand(buf3, bs, meta, qkv, [0, widths[0], widths[0] + widths[1]]),
                                rotary_write_kv(pos, q, k, v, cos, sin, dim, kc, vc, slots)))
     times = {}
-    for tiles, bm in shapes:
-        key = "per_token" if not tiles else f"tiles_{bm}"
-        times[key] = _time(lambda: lora_rotary_write_kv(pos, q, k, v, cos, sin, dim, kc, vc, slots, buf3, bs, meta,
-                                                        tiles=tiles, block_m=bm))
+    if num_tokens <= 4096:
+        times["per_token"] = _time(lambda: lora_rotary_write_kv(pos, q, k, v, cos, sin, dim, kc, vc, slots, buf3, bs,
+                                                                meta.token_lora_slots))
     nbytes = num_tokens * sum(widths) * 2 * 2 + num_tokens * 2 * kv_heads * dim * 2
     out.append({"kernel": "lora_rotary_write_kv", "layer": "qkv", "tokens": num_tokens, "adapters": num_adapters,
                 "plain_us": t_plain, "unfused_us": t_unfused, "fused_us": times, "bound_us": nbytes / bw * 1e6})

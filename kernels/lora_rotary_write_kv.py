@@ -6,16 +6,11 @@ q/k/v again, rotates q and k in place and writes k and v into the paged cache. T
 both: each program adds its token's update to one head's columns in registers, then rotates and
 writes as ``rotary_write_kv`` does. One launch fewer on every decoder layer's critical path.
 
-Two launch shapes, programs over the q heads, then the kv heads (a kv program does k and v of
-that head); base-model and padding tokens (slot < 0) read no B and get the plain rotary + write:
-
-- *Per token* (steps of at most ``PER_TOKEN_MAX_TOKENS`` tokens, decode): one program per (token,
-  head); the update is the expand's per-token multiply-add over the rank
-  (``kernels.lora_expand._token_h`` / ``_token_delta``: each program loads its token's slot, its h
-  and the [head_dim, rank] rows of B its head needs, from L2 after the adapter's first token).
-- *Tiles* (larger steps: prefill, big decode batches): one program per (``block_m`` tokens of one
-  adapter segment, head), as ``kernels.lora_expand_norm``'s tiles: the update is a [block_m, rank]
-  x [rank, head_dim] dot, so each head's B rows are read once per tile.
+Programs: one per (token, head) over the q heads, then the kv heads (a kv program does k and v
+of that head); the update is the expand's per-token multiply-add over the rank
+(``kernels.lora_expand._token_h`` / ``_token_delta``: each program loads its token's slot, its h
+and the [head_dim, rank] rows of B its head needs). Base-model and padding tokens (slot < 0)
+read no B and get the plain rotary + write.
 
 Numerics, as the unfused pair (expand, then rotary_write_kv): x = dtype(x + delta) with delta
 the expand's (h rounded through ``h_round_dtype``), then the rotation in float32 on that rounded x.
@@ -25,7 +20,7 @@ The torch twin is ``kernels.reference.lora_rotary_write_kv_ref``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -33,18 +28,12 @@ import triton
 import triton.language as tl
 
 from kernels.kv_write import check_rotary_write_args
-from kernels.lora_expand import (_seg_or_base_tile, _tile_delta, _tile_h, _token_delta, _token_h, check_shrink_output,
-                                 expand_upcast, h_round_dtype)
-from kernels.lora_meta import LoRAKernelMeta
-from kernels.lora_shrink import _check_meta
-from kernels.utils import cdiv, check_tensor, is_interpreted, next_power_of_2
+from kernels.lora_expand import _token_delta, _token_h, check_shrink_output, h_round_dtype
+from kernels.utils import check_tensor, next_power_of_2
 
-PER_TOKEN_MAX_TOKENS = 128
-"""Steps of at most this many tokens take the per-token programs by default (every program streams
-its head's B rows, which suits few tokens per adapter), larger ones the segment tiles."""
-
-TILE_M = 32
-"""Tokens per tile program on a GPU (16 under the interpreter)."""
+MAX_TOKENS = 128
+"""Callers fuse at most this many tokens (decode steps; ``lora.layers``): every program streams
+its head's B rows, from L2 after the first token of an adapter, which suits few tokens per adapter."""
 
 
 @triton.jit
@@ -138,118 +127,11 @@ def _lora_rotary_write_kv_kernel(
         tl.store(v_cache_ptr + c_row + dims, xv.to(v_cache_ptr.dtype.element_ty), mask=wv_ok)
 
 
-@triton.jit
-def _tile_updated(x_rows, cols, ok, m_ok, h, b_ptr, slot, flag, col0, n_out, rank, BLOCK_R: tl.constexpr,
-                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """[BLOCK_M, len(cols)] fp32 values of dtype(x[:, cols] + h @ B[slot][col0 + cols].T) (the expand's
-    stored result) for a tile's rows x_rows ([BLOCK_M, 1] pointers)."""
-    x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
-    x += _tile_delta(h, b_ptr, slot, flag, col0 + cols, ok, n_out, rank, BLOCK_R, UPCAST, DOT_PRECISION)
-    return x.to(x_rows.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _tile_rotate_head(x_rows, cache_rows, write, m_ok, h, b_ptr, slot, flag, col0, n_out, rank, c, s, d, d_ok,
-                      HALF: tl.constexpr, HEAD_DIM: tl.constexpr, TAIL_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                      UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``_rotate_head`` for a tile: one head of BLOCK_M rows (x_rows, cache_rows: [BLOCK_M, 1]
-    pointers; write: [BLOCK_M] rows whose cache row is stored; c, s: [BLOCK_M, HALF_PAD])."""
-    x1 = _tile_updated(x_rows, d, d_ok, m_ok, h, b_ptr, slot, flag, col0, n_out, rank, BLOCK_R, UPCAST, DOT_PRECISION)
-    x2 = _tile_updated(x_rows, HALF + d, d_ok, m_ok, h, b_ptr, slot, flag, col0, n_out, rank, BLOCK_R, UPCAST,
-                       DOT_PRECISION)
-    r1 = (x1 * c - x2 * s).to(x_rows.dtype.element_ty)
-    r2 = (x2 * c + x1 * s).to(x_rows.dtype.element_ty)
-    mask = m_ok[:, None] & d_ok[None, :]
-    tl.store(x_rows + d[None, :], r1, mask=mask)
-    tl.store(x_rows + HALF + d[None, :], r2, mask=mask)
-    w_mask = mask & write[:, None]
-    tl.store(cache_rows + d[None, :], r1.to(tl.float32).to(cache_rows.dtype.element_ty), mask=w_mask)
-    tl.store(cache_rows + HALF + d[None, :], r2.to(tl.float32).to(cache_rows.dtype.element_ty), mask=w_mask)
-    if TAIL_PAD > 0:   # dims past the rotary part (partial rotary): updated, not rotated
-        tail = 2 * HALF + tl.arange(0, TAIL_PAD)
-        t_ok = tail < HEAD_DIM
-        xt = _tile_updated(x_rows, tail, t_ok, m_ok, h, b_ptr, slot, flag, col0, n_out, rank, BLOCK_R, UPCAST,
-                           DOT_PRECISION).to(x_rows.dtype.element_ty)
-        t_mask = m_ok[:, None] & t_ok[None, :]
-        tl.store(x_rows + tail[None, :], xt, mask=t_mask)
-        tl.store(cache_rows + tail[None, :], xt.to(tl.float32).to(cache_rows.dtype.element_ty),
-                 mask=t_mask & write[:, None])
-
-
-@triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
-def _lora_rotary_write_kv_tile_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, positions_ptr,
-    buf_ptr, bq_ptr, bk_ptr, bv_ptr, sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
-    num_tokens, num_active, rank,
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_c_blk, stride_c_slot, stride_c_head, stride_cs,
-    stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, MAX_LORAS_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Semantics: as ``_lora_rotary_write_kv_kernel`` (the delta rounded as the expand's segment kernel
-    rounds it). Program (m, j): token tile m of ``kernels.lora_expand._seg_or_base_tile``, q head j
-    for j < NUM_Q_HEADS, else kv head j - NUM_Q_HEADS (k and v)."""
-    j = tl.program_id(1)
-    tok, m_ok, slot, flag, rows_left = _seg_or_base_tile(
-        sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, tl.program_id(0),
-        num_tokens, num_active, BLOCK_M, MAX_LORAS_PAD)
-    if rows_left <= 0:
-        return
-    pos = tl.load(positions_ptr + tok, mask=m_ok, other=0).to(tl.int64)                # [BLOCK_M]
-    d = tl.arange(0, HALF_PAD)
-    d_ok = d < HALF
-    cs_off = pos[:, None] * stride_cs + d[None, :]
-    cs_mask = m_ok[:, None] & d_ok[None, :]
-    c = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)                              # [BLOCK_M, HALF_PAD]
-    s = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)
-    zero = slot * 0
-    if j < NUM_Q_HEADS:
-        h = _tile_h(buf_ptr, zero, slot, flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
-                    stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)
-        if not UPCAST:
-            h = h.to(bq_ptr.dtype.element_ty)
-        rows = q_ptr + tok[:, None] * stride_q_tok + j * stride_q_head
-        _tile_rotate_head(rows, rows, m_ok & (m_ok == 0), m_ok, h, bq_ptr, slot, flag, j * HEAD_DIM,
-                          NUM_Q_HEADS * HEAD_DIM, rank, c, s, d, d_ok, HALF, HEAD_DIM, TAIL_PAD, BLOCK_R, UPCAST,
-                          DOT_PRECISION)
-    else:
-        kh = j - NUM_Q_HEADS
-        n_kv = NUM_KV_HEADS * HEAD_DIM
-        kv_slot = tl.load(slot_mapping_ptr + tok, mask=m_ok, other=-1)                  # [BLOCK_M]
-        blk = tl.maximum(kv_slot, 0)
-        c_rows = ((blk // BLOCK_SIZE) * stride_c_blk + (blk % BLOCK_SIZE) * stride_c_slot
-                  + kh * stride_c_head)[:, None]                                        # [BLOCK_M, 1]
-        write = m_ok & (kv_slot >= 0)
-        h_k = _tile_h(buf_ptr, zero + 1, slot, flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split,
-                      stride_buf_tok, stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)
-        h_v = _tile_h(buf_ptr, zero + 2, slot, flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split,
-                      stride_buf_tok, stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)
-        if not UPCAST:
-            h_k = h_k.to(bk_ptr.dtype.element_ty)
-            h_v = h_v.to(bv_ptr.dtype.element_ty)
-        _tile_rotate_head(k_ptr + tok[:, None] * stride_k_tok + kh * stride_k_head, k_cache_ptr + c_rows, write,
-                          m_ok, h_k, bk_ptr, slot, flag, kh * HEAD_DIM, n_kv, rank, c, s, d, d_ok, HALF, HEAD_DIM,
-                          TAIL_PAD, BLOCK_R, UPCAST, DOT_PRECISION)
-        dims = tl.arange(0, DIM_PAD)
-        dv_ok = dims < HEAD_DIM
-        v_rows = v_ptr + tok[:, None] * stride_v_tok + kh * stride_v_head
-        xv = _tile_updated(v_rows, dims, dv_ok, m_ok, h_v, bv_ptr, slot, flag, kh * HEAD_DIM, n_kv, rank, BLOCK_R,
-                           UPCAST, DOT_PRECISION).to(v_ptr.dtype.element_ty)
-        v_mask = m_ok[:, None] & dv_ok[None, :]
-        tl.store(v_rows + dims[None, :], xv, mask=v_mask)
-        tl.store(v_cache_ptr + c_rows + dims[None, :], xv.to(tl.float32).to(v_cache_ptr.dtype.element_ty),
-                 mask=v_mask & write[:, None])
-
-
 def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, buf: torch.Tensor,
-                         lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
-                         slot_stride: int = 0, *, tiles: Optional[bool] = None,
-                         block_m: Optional[int] = None) -> None:
+                         lora_b_slices: Sequence[torch.Tensor], token_lora_slots: torch.Tensor,
+                         slot_stride: int = 0) -> None:
     """Add each LoRA token's q/k/v update into q, k, v, then ``kv_write.rotary_write_kv``: one launch.
 
     Args:
@@ -259,10 +141,7 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
             ``slot_stride`` as in ``kernels.lora_expand.lora_expand``.
         lora_b_slices: (B_q, B_k, B_v): [max_loras, num_heads * head_dim, rank] and two
             [max_loras, num_kv_heads * head_dim, rank], q's dtype, contiguous.
-        meta: this step's ``LoRAKernelMeta`` (token_lora_slots < 0: base model / padding).
-        tiles: True: segment tiles; False: per-token programs; None: tiles above
-            PER_TOKEN_MAX_TOKENS tokens.
-        block_m: tokens per tile (a power of two >= 16); None: TILE_M (16 under the interpreter).
+        token_lora_slots: [num_tokens] int32 slot per token (< 0: base model / padding).
     """
     half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
@@ -275,40 +154,19 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     for name, b, heads in zip(("B_q", "B_k", "B_v"), lora_b_slices, (num_heads, num_kv_heads, num_kv_heads)):
         check_tensor(name, b, dtypes=(q.dtype,), shape=(max_loras, heads * head_dim, rank), device=dev,
                      contiguous=True)
-    _check_meta(meta, num_tokens, max_loras, dev)
-    check_tensor("meta.token_lora_slots", meta.token_lora_slots, dtypes=(torch.int32,), shape=(num_tokens,),
-                 device=dev, contiguous=True)
+    check_tensor("token_lora_slots", token_lora_slots, dtypes=(torch.int32,), shape=(num_tokens,), device=dev,
+                 contiguous=True)
     if num_tokens == 0:
         return
     tail = head_dim - 2 * half
-    block_r = max(16, next_power_of_2(rank))
-    common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
-              buf.stride(0), buf.stride(1), buf.stride(2), slot_stride)
-    if tiles is None:
-        tiles = num_tokens > PER_TOKEN_MAX_TOKENS
-    if not tiles:
-        _lora_rotary_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
-            q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions,
-            buf, *lora_b_slices, meta.token_lora_slots, rank, *common,
-            NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-            BLOCK_SIZE=k_cache.shape[1], HALF_PAD=max(2, next_power_of_2(half)),
-            TAIL_PAD=0 if tail == 0 else max(2, next_power_of_2(tail)), DIM_PAD=next_power_of_2(head_dim),
-            BLOCK_R=block_r, SPLIT_K=split_k, ROUND_TO=h_round_dtype(q), num_warps=2)
-        return
-    num_active = 0 if meta.no_lora else meta.num_active
-    if block_m is None:
-        block_m = 16 if is_interpreted(dev) else TILE_M
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m: {block_m} must be a power of two >= 16.")
-    # NOTE: every dot operand is >= 16 wide (tl.dot's smallest tile): pads of at least 16 dims.
-    _lora_rotary_write_kv_tile_kernel[(num_tokens // block_m + num_active + cdiv(num_tokens, block_m),
-                                       num_heads + num_kv_heads)](
+    _lora_rotary_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
         q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions,
-        buf, *lora_b_slices, meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
-        num_tokens, num_active, rank, *common,
+        buf, *lora_b_slices, token_lora_slots, rank,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
+        buf.stride(0), buf.stride(1), buf.stride(2), slot_stride,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        BLOCK_SIZE=k_cache.shape[1], HALF_PAD=max(16, next_power_of_2(half)),
-        TAIL_PAD=0 if tail == 0 else max(16, next_power_of_2(tail)), DIM_PAD=max(16, next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_R=block_r, SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
-        UPCAST=expand_upcast(q), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        BLOCK_SIZE=k_cache.shape[1], HALF_PAD=max(2, next_power_of_2(half)),
+        TAIL_PAD=0 if tail == 0 else max(2, next_power_of_2(tail)), DIM_PAD=next_power_of_2(head_dim),
+        BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k, ROUND_TO=h_round_dtype(q),
+        num_warps=2)

@@ -180,13 +180,18 @@ class LinearLoRASlots(nn.Module):
         """CHORUS_LORA_FUSE_SILU_MUL (read once here) on a gate/up-shaped layer with the overlap:
         ``engine.layers.linear.Linear.forward_deferred`` leaves the update to ``finish_silu_mul``."""
         self.fuse_rotary = backend == "triton" and self.num_slices == 3 and envs.lora_fuse_rotary()
-        """CHORUS_LORA_FUSE_ROTARY (read once here) on a q/k/v-shaped layer:
+        """CHORUS_LORA_FUSE_ROTARY (read once here) on a q/k/v-shaped layer: at decode sizes
         ``engine.layers.linear.Linear.forward_deferred`` leaves the update to the attention's rotary
         + KV write (``finish_rotary_write_kv``)."""
         self.fuse_norm = backend == "triton" and self.num_slices == 1 and envs.lora_fuse_norm()
         """CHORUS_LORA_FUSE_NORM (read once here) on a one-slice layer (o_proj, down_proj: each feeds a
         residual add + RMSNorm): ``Linear.forward_deferred`` leaves the update to that norm
         (``finish_add_rms_norm``)."""
+        self._rotary_max_tokens = 0
+        """Steps up to this many tokens defer the q/k/v update (``defers``)."""
+        if self.fuse_rotary:
+            from kernels.lora_rotary_write_kv import MAX_TOKENS as ROTARY_MAX_TOKENS
+            self._rotary_max_tokens = ROTARY_MAX_TOKENS
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -420,10 +425,13 @@ class LinearLoRASlots(nn.Module):
 
     def defers(self, num_tokens: int) -> bool:
         """A step of num_tokens tokens leaves this layer's update to the output's consumer
-        (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``), q/k/v to the
-        rotary + KV write (``fuse_rotary``) and o/down to the add + RMSNorm (``fuse_norm``), at any
-        size (the kernels take per-row programs at decode sizes, segment tiles above)."""
-        return num_tokens > 0 and (self.fuse_silu_mul or self.fuse_rotary or self.fuse_norm)
+        (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``) and o/down to
+        the add + RMSNorm (``fuse_norm``) at any size (per-row programs at decode sizes, segment
+        tiles above), q/k/v to the rotary + KV write (``fuse_rotary``) at decode sizes (its
+        per-token programs; tiles measured slower than the expand + rotary pair at prefill)."""
+        if num_tokens <= 0:
+            return False
+        return self.fuse_silu_mul or self.fuse_norm or (self.fuse_rotary and num_tokens <= self._rotary_max_tokens)
 
     def finish_add_rms_norm(self, pending: LoRAPending, x: torch.Tensor, weight: torch.Tensor, eps: float,
                             residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,7 +464,8 @@ class LinearLoRASlots(nn.Module):
         if pending.side is not None:
             torch.cuda.current_stream().wait_stream(pending.side)
         lora_rotary_write_kv(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping,
-                             pending.plan.buf, self.lora_b, self.state.batch.meta, pending.plan.slot_stride)
+                             pending.plan.buf, self.lora_b, self.state.batch.meta.token_lora_slots,
+                             pending.plan.slot_stride)
 
     def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device) -> LoRAExpandConfig:
         """``finish_silu_mul``'s launch config (CHORUS_LORA_EXPAND_CONFIG overrides apply)."""

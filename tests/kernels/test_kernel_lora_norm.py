@@ -75,14 +75,29 @@ def test_tiles_over_segments(dtype, slots):
     torch.testing.assert_close(out.float(), want_out.float(), **TOL[dtype])
 
 
-def test_launch_shape_by_size():
-    """Steps up to PER_ROW_MAX_TOKENS rows take the per-row programs, larger ones the tiles; both give
-    the twin's result (here 129 rows: tiles)."""
+def test_launch_shape_by_size(monkeypatch):
+    """Steps of at most PER_ROW_MAX_TOKENS rows launch the per-row programs, larger ones the tiles;
+    both give the twin's result."""
     from kernels import lora_expand_norm as m
 
-    assert m.PER_ROW_MAX_TOKENS == 128
-    out, stored, want_out, want_s, _, _ = run_case(torch.float32, 32, True, False, num_tokens=129, tiles=None)
-    torch.testing.assert_close(out, want_out, **TOL[torch.float32])
+    launched = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(m, "PER_ROW_MAX_TOKENS", 8)
+    monkeypatch.setattr(m, "_lora_expand_add_rms_norm_kernel", Spy("per-row", m._lora_expand_add_rms_norm_kernel))
+    monkeypatch.setattr(m, "_lora_expand_add_rms_norm_tile_kernel",
+                        Spy("tiles", m._lora_expand_add_rms_norm_tile_kernel))
+    for num_tokens in (8, 9):
+        out, _, want_out, _, _, _ = run_case(torch.float32, 32, True, False, num_tokens=num_tokens, tiles=None)
+        torch.testing.assert_close(out, want_out, **TOL[torch.float32])
+    assert launched == ["per-row", "tiles"]
 
 
 def test_update_is_added():

@@ -6,10 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.utils import cdiv
-
 from kernels.lora_expand import slotwise_buf
-from kernels.lora_meta import build_lora_kernel_meta
 from kernels.lora_rotary_write_kv import lora_rotary_write_kv
 from kernels.reference import lora_rotary_write_kv_ref
 from tests.kernels.test_kernel_kv_write import DEVICE, _rotary_tables, make_step
@@ -19,23 +16,22 @@ SHAPES = [(4, 2, 16, 16), (6, 2, 24, 12), (4, 4, 80, 80), (8, 1, 32, 20)]
 
 
 def run_case(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, pad, slotwise, num_tokens=7, rank=8,
-             max_loras=3, seed=0, tiles=False, slot_of=None):
+             max_loras=3, seed=0):
     k, v, kc, vc, slots = make_step(num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                     dtype=dtype, pad=pad, seed=seed + num_heads + head_dim, num_blocks=64)
     g = torch.Generator().manual_seed(seed + 1)
     widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     qkv = torch.randn(num_tokens, sum(widths), generator=g).to(dtype).to(DEVICE)      # packed, strided views
     q, kk, vv = (t.view(num_tokens, -1, head_dim) for t in qkv.split(widths, -1))
-    slot_of = slot_of or (lambda i: (i % (max_loras + 1)) - 1)                       # -1 (base), 0, 1, 2, ...
-    lslots = torch.tensor([slot_of(i) for i in range(num_tokens)], dtype=torch.int32, device=DEVICE)
+    lslots = torch.tensor([(i % (max_loras + 1)) - 1 for i in range(num_tokens)], dtype=torch.int32,
+                          device=DEVICE)                                              # -1 (base), 0, 1, 2, ...
     lora_b = [(torch.randn(max_loras, w, rank, generator=g) / rank).to(dtype).to(DEVICE) for w in widths]
     h_all = torch.randn(num_tokens, max_loras, 3, rank, generator=g).to(DEVICE)        # every slot's h
     own = torch.zeros(3, 1, num_tokens, rank, device=DEVICE)                           # [3, 1, T, R] f32
     for t, s in enumerate(lslots.tolist()):
         if s >= 0:
             own[:, 0, t] = h_all[t, s]
-    positions = torch.tensor(([0, 3, 17, 31, 32, 200, 299, 5, 9] * cdiv(num_tokens, 9))[:num_tokens],
-                             dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor([0, 3, 17, 31, 32, 200, 299, 5, 9][:num_tokens], dtype=torch.int64, device=DEVICE)
     cos, sin = _rotary_tables(rotary_dim)
     half = rotary_dim // 2
     want = lora_rotary_write_kv_ref(positions, q, kk, vv, cos, sin, rotary_dim, kc, vc, slots, own, lora_b, lslots)
@@ -44,18 +40,17 @@ def run_case(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, pad, slotwise
     else:   # split partials that sum to h
         buf, slot_stride = torch.stack([own[:, 0] * 0.25, own[:, 0] * 0.75], dim=1), 0       # [3, 2, T, R]
     lora_rotary_write_kv(positions, q, kk, vv, cos[:, :half], sin[:, :half], rotary_dim, kc, vc, slots, buf,
-                         lora_b, build_lora_kernel_meta(lslots, max_loras), slot_stride, tiles=tiles)
+                         lora_b, lslots, slot_stride)
     return (q, kk, vv, kc, vc), want, slots, lslots
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "partial", "mha", "mqa"])
 @pytest.mark.parametrize("pad,slotwise", [((), True), ((1, 5), False)], ids=["slotwise", "partials-pad"])
-@pytest.mark.parametrize("tiles", [False, True], ids=["per-token", "tiles"])
-def test_matches_ref(dtype, shape, pad, slotwise, tiles):
+def test_matches_ref(dtype, shape, pad, slotwise):
     """q/k/v updated then rotated in place, k (rotated) and v (updated) in the cache; base-model
-    rows (slot -1) get the plain rotary + write; padding rows write no cache; both launch shapes."""
-    got, want, slots, lslots = run_case(dtype, *shape, pad, slotwise, tiles=tiles)
+    rows (slot -1) get the plain rotary + write; padding rows write no cache."""
+    got, want, slots, lslots = run_case(dtype, *shape, pad, slotwise)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for name, a, b in zip(("q", "k", "v", "k_cache", "v_cache"), got, want):
         torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{name}: {m}")
@@ -65,19 +60,6 @@ def test_matches_ref(dtype, shape, pad, slotwise, tiles):
         if slot >= 0:
             assert torch.equal(kc.view(-1, num_kv_heads, head_dim)[slot], kk[t].to(kc.dtype))
             assert torch.equal(vc.view(-1, num_kv_heads, head_dim)[slot], vv[t].to(vc.dtype))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1]], ids=["gqa", "partial"])
-def test_tiles_over_segments(dtype, shape):
-    """Segment tiles over a prefill-like step: segments longer than a tile and ending mid-tile
-    (21 / 9 / 2 rows of slots 0, 4, 2), then base rows; padding rows (no cache write) in between."""
-    pattern = lambda i: 0 if i < 21 else (4 if i < 30 else (2 if i < 32 else -1))   # noqa: E731
-    got, want, _, _ = run_case(dtype, *shape, (3, 25), True, num_tokens=37, max_loras=5, tiles=True,
-                               slot_of=pattern)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for name, a, b in zip(("q", "k", "v", "k_cache", "v_cache"), got, want):
-        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{name}: {m}")
 
 
 def test_adapter_changes_the_rows():
@@ -93,7 +75,7 @@ def test_adapter_changes_the_rows():
     buf = torch.ones(3, 1, 2, 4, device=DEVICE)
     q0, v0 = q.clone(), v.clone()
     lora_rotary_write_kv(pos, q, k, v, cos[:, :8], sin[:, :8], 16, kc, vc, slots, buf, b,
-                         build_lora_kernel_meta(torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE), 1))
+                         torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE))
     assert torch.equal(v[0], v0[0]) and torch.allclose(v[1], v0[1] + 4)     # h . B = 4 per column
     q_plain = q0.clone()
     rotary_write_kv(pos, q_plain, k.clone(), v0.clone(), cos[:, :8], sin[:, :8], 16, kc.clone(), vc.clone(), slots)
@@ -107,23 +89,20 @@ def test_rejects_bad_inputs():
     cos, sin = _rotary_tables(16)
     b = [torch.ones(1, w, 4, device=DEVICE) for w in (64, 32, 32)]
     lslots = torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE)
-    meta = build_lora_kernel_meta(lslots, 1)
     args = (pos, q, k, v, cos[:, :8], sin[:, :8], 16, kc, vc, slots)
     with pytest.raises(ValueError, match="buf"):
-        lora_rotary_write_kv(*args, torch.ones(2, 1, 2, 4, device=DEVICE), b, meta)
+        lora_rotary_write_kv(*args, torch.ones(2, 1, 2, 4, device=DEVICE), b, lslots)
     with pytest.raises(ValueError, match="B_k"):
-        lora_rotary_write_kv(*args, torch.ones(3, 1, 2, 4, device=DEVICE), [b[0], b[0], b[2]], meta)
-    with pytest.raises(ValueError, match="meta"):
-        lora_rotary_write_kv(*args, torch.ones(3, 1, 2, 4, device=DEVICE), b, build_lora_kernel_meta(lslots, 2))
+        lora_rotary_write_kv(*args, torch.ones(3, 1, 2, 4, device=DEVICE), [b[0], b[0], b[2]], lslots)
+    with pytest.raises(ValueError, match="token_lora_slots"):
+        lora_rotary_write_kv(*args, torch.ones(3, 1, 2, 4, device=DEVICE), b, lslots.long())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("slotwise,num_tokens", [(True, 9), (False, 9), (False, 700)])
-def test_gpu_llama3_sizes(slotwise, num_tokens):
-    """Llama-3-8B heads (32 / 8 x 128), 9 decode tokens over 8 adapters (per-token programs) or 700
-    prefill tokens in 3 segments and base rows (tiles), rank 16, bf16."""
-    pattern = None if num_tokens <= 128 else (lambda i: min(i // 200, 3) * 2 - 1)
-    got, want, _, _ = run_case(torch.bfloat16, 32, 8, 128, 128, (3,), slotwise, num_tokens=num_tokens, rank=16,
-                               max_loras=8, tiles=None, slot_of=pattern)
+@pytest.mark.parametrize("slotwise", [True, False])
+def test_gpu_llama3_sizes(slotwise):
+    """Llama-3-8B heads (32 / 8 x 128), 9 decode tokens over 8 adapters, rank 16, bf16."""
+    got, want, _, _ = run_case(torch.bfloat16, 32, 8, 128, 128, (3,), slotwise, num_tokens=9, rank=16,
+                               max_loras=8)
     for name, a, b in zip(("q", "k", "v", "k_cache", "v_cache"), got, want):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")

@@ -11,14 +11,14 @@ Two launch shapes, both two passes over each row (the first adds the delta and t
 stores the sum (into ``residual``, or into ``x`` without one) and accumulates the sum of squares;
 the second reloads the sum and stores the normalized row):
 
-- *Per row* (steps of at most ``PER_ROW_MAX_TOKENS`` tokens, decode): one program per row, in
+- *Per row* (steps of at most ``PER_ROW_MAX_TOKENS`` tokens: decode): one program per row, in
   ``CHUNK``-column pieces (one piece up to 4096 columns, so a Llama-3-8B row is one B load of
   [4096, rank] with every load in flight at once); the update is a multiply-add over the rank.
   Each row streams its adapter's B itself (from L2 when rows share an adapter). (Spreading a row
   over (row, 1024-column) programs, the row's last arrival normalizing it after an acq_rel
   counter, measured slower end to end on an H200: batch-64 decode 7.34 / 8.17 ms with 16 / 64
   adapters against 7.28 / 8.02; see benchmarks/RESULTS.md.)
-- *Tiles* (larger steps: prefill, big decode batches): one program per ``block_m`` rows of one
+- *Tiles* (larger steps; ``lora.layers`` fuses from ``TILES_MIN_TOKENS`` on: prefill): one program per ``block_m`` rows of one
   adapter segment (``LoRAKernelMeta``; the base-model rows get tiles of their own, as in
   ``kernels.lora_expand_silu_mul``), walking ``block_n``-column pieces: the delta is a [block_m,
   rank] x [rank, block_n] dot, so B is read once per tile, not once per row.
@@ -44,11 +44,23 @@ from kernels.lora_meta import LoRAKernelMeta
 from kernels.lora_shrink import _check_meta, tile_m_for
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
-PER_ROW_MAX_TOKENS = 512
-"""Steps of at most this many tokens take the per-row programs by default (each row reads its
-adapter's B: 128 KB at Llama-3-8B's hidden size), larger ones the segment tiles (H200,
-``benchmarks/lora_prefill_sweep.py --fused-consumers``: at 256 rows per-row 12.4-13.3 us, tiles
-40-120; at 16384 rows tiles 183 us against 233 for the expand + add_rms_norm pair)."""
+PER_ROW_MAX_TOKENS = 128
+"""Steps of at most this many tokens take the per-row programs (each row reads its adapter's B:
+128 KB at Llama-3-8B's hidden size), larger ones the segment tiles."""
+
+TILES_MIN_TOKENS = 4097
+"""``lora.layers`` fuses steps of at most PER_ROW_MAX_TOKENS or at least this many tokens and
+leaves the sizes between to the expand + ``add_rms_norm`` pair. H200, Llama-3-8B hidden, 16
+adapters (``benchmarks/lora_prefill_sweep.py --fused-consumers``), us per call, fused (best shape)
+vs the pair: 256 rows 12.4 (per row) vs 13.0, 512 19.3 vs 15.9, 1024 34.0 vs 23.6, 2048 50.4
+(tiles) vs 35.6, 4096 64.7 vs 65.1, 16384 183 vs 233; end to end the 256-row per-row launch made
+batch-256 decode slower (14.33 vs 14.05 ms/step with 16 adapters), hence 128."""
+
+
+def fuses(num_tokens: int) -> bool:
+    """A step of num_tokens rows is better off with the fused kernel than with the pair (see above)."""
+    return 0 < num_tokens <= PER_ROW_MAX_TOKENS or num_tokens >= TILES_MIN_TOKENS
+
 
 TILE_ELEMENTS = 4096
 """block_m * block_n of a tile program (4 warps: 32 fp32 values per thread per piece)."""

@@ -192,6 +192,11 @@ class LinearLoRASlots(nn.Module):
         if self.fuse_rotary:
             from kernels.lora_rotary_write_kv import MAX_TOKENS as ROTARY_MAX_TOKENS
             self._rotary_max_tokens = ROTARY_MAX_TOKENS
+        self._norm_fuses = None
+        """``kernels.lora_expand_norm.fuses`` where ``fuse_norm`` (``defers``)."""
+        if self.fuse_norm:
+            from kernels.lora_expand_norm import fuses
+            self._norm_fuses = fuses
         self.register_buffer("lora_a", torch.zeros(
             self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
             persistent=False)                               # [num_slices, max_loras, max_rank, in]
@@ -425,13 +430,15 @@ class LinearLoRASlots(nn.Module):
 
     def defers(self, num_tokens: int) -> bool:
         """A step of num_tokens tokens leaves this layer's update to the output's consumer
-        (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``) and o/down to
-        the add + RMSNorm (``fuse_norm``) at any size (per-row programs at decode sizes, segment
-        tiles above), q/k/v to the rotary + KV write (``fuse_rotary``) at decode sizes (its
-        per-token programs; tiles measured slower than the expand + rotary pair at prefill)."""
+        (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``, any size), o/down
+        to the add + RMSNorm (``fuse_norm``) at decode sizes (per-row programs) and at long prefill
+        steps (segment tiles; ``kernels.lora_expand_norm.fuses``), q/k/v to the rotary + KV write
+        (``fuse_rotary``) at decode sizes."""
         if num_tokens <= 0:
             return False
-        return self.fuse_silu_mul or self.fuse_norm or (self.fuse_rotary and num_tokens <= self._rotary_max_tokens)
+        if self.fuse_norm:
+            return self._norm_fuses(num_tokens)
+        return self.fuse_silu_mul or (self.fuse_rotary and num_tokens <= self._rotary_max_tokens)
 
     def finish_add_rms_norm(self, pending: LoRAPending, x: torch.Tensor, weight: torch.Tensor, eps: float,
                             residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,6 +100,15 @@ def test_launch_shape_by_size(monkeypatch):
     assert launched == ["per-row", "tiles"]
 
 
+def test_fuses_where_measured_faster():
+    """The engine fuses decode-sized steps (per-row programs) and long prefill steps (tiles), and
+    leaves the sizes between, where the expand + add_rms_norm pair measured faster, unfused."""
+    from kernels.lora_expand_norm import PER_ROW_MAX_TOKENS, TILES_MIN_TOKENS, fuses
+
+    assert [fuses(t) for t in (0, 1, PER_ROW_MAX_TOKENS, PER_ROW_MAX_TOKENS + 1, TILES_MIN_TOKENS - 1,
+                                TILES_MIN_TOKENS, 16384)] == [False, True, True, False, False, True, True]
+
+
 def test_update_is_added():
     """Base rows equal plain add_rms_norm; a LoRA row is x + h . B before the norm (h . B = 4 here)."""
     from kernels.layer_ops import add_rms_norm

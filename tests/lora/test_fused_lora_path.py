@@ -160,6 +160,7 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     tile_spy = LaunchSpy(lora_expand_norm._lora_expand_add_rms_norm_tile_kernel)
     if tiles:
         monkeypatch.setattr(lora_expand_norm, "PER_ROW_MAX_TOKENS", 0)
+        monkeypatch.setattr(lora_expand_norm, "TILES_MIN_TOKENS", 1)
         monkeypatch.setattr(lora_expand_norm, "_lora_expand_add_rms_norm_kernel", None)   # must not run
         monkeypatch.setattr(lora_expand_norm, "_lora_expand_add_rms_norm_tile_kernel", tile_spy)
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)

@@ -277,3 +277,20 @@ def test_stacked_gemm_matches_manual(monkeypatch):
     assert y.stride(0) == out
     torch.testing.assert_close(y, _manual(x, torch.nn.functional.linear(x, weight, bias), [0, 2], adapters),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_which_updates_are_deferred_by_step_size():
+    """``defers``: gate/up (SiLU-and-mul fusion) at every size, q/k/v (rotary fusion) up to 128 tokens,
+    o/down (add + RMSNorm fusion) up to 128 and from 4097 tokens on (``lora_expand_norm.fuses``);
+    the torch backend never defers."""
+    state = LoRABatchState()
+
+    def layer(outs, backend="triton"):
+        return LinearLoRASlots(IN, outs, MAX_LORAS, MAX_RANK, torch.float32, torch.device("cpu"), state, backend)
+
+    sizes = (1, 128, 129, 4096, 4097)
+    gate_up, qkv, o = layer([24, 24]), layer([16, 8, 8]), layer([IN])
+    assert [gate_up.defers(t) for t in sizes] == [True] * 5
+    assert [qkv.defers(t) for t in sizes] == [True, True, False, False, False]
+    assert [o.defers(t) for t in sizes] == [True, True, False, False, True]
+    assert not any(layer(outs, "torch").defers(t) for outs in ([24, 24], [16, 8, 8], [IN]) for t in sizes)

@@ -220,7 +220,7 @@ def sweep_fused_consumers(num_tokens: int, num_adapters: int, bw: float) -> list
 
     meta = _meta(num_tokens, num_adapters)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
-    shapes = ([(False, None)] if num_tokens <= 4096 else []) + [(True, bm) for bm in (16, 32, 64)]
+    shapes = ([(False, None)] if num_tokens <= 4096 else []) + [(True, bm) for bm in (16, 32, 64) if num_tokens > 128]
     out = []
     # add + RMSNorm after o_proj (hidden 4096)
     buf = torch.randn(1, 1, num_tokens, RANK, device=dev)
@@ -235,6 +235,11 @@ def sweep_fused_consumers(num_tokens: int, num_adapters: int, bw: float) -> list
         key = "per_row" if not tiles else f"tiles_{bm}"
         times[key] = _time(lambda: lora_expand_add_rms_norm(buf, b, meta, x, w, 1e-5, residual=res, tiles=tiles,
                                                             block_m=bm))
+    if num_tokens <= 128:   # per-row pieces and warps (default: the whole row, 16 warps)
+        for chunk, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8, 16)):
+            times[f"per_row_{chunk}x{warps}w"] = _time(
+                lambda: lora_expand_add_rms_norm(buf, b, meta, x, w, 1e-5, residual=res, tiles=False, chunk=chunk,
+                                                 num_warps=warps))
     nbytes = num_tokens * HIDDEN * 2 * 5
     out.append({"kernel": "lora_add_rms_norm", "layer": "o", "tokens": num_tokens, "adapters": num_adapters,
                 "plain_us": t_plain, "unfused_us": t_unfused, "fused_us": times, "bound_us": nbytes / bw * 1e6})

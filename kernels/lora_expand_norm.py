@@ -174,7 +174,8 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
                              x: torch.Tensor, weight: torch.Tensor, eps: float,
                              residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                              slot_stride: int = 0, *, tiles: Optional[bool] = None,
-                             block_m: Optional[int] = None) -> torch.Tensor:
+                             block_m: Optional[int] = None, chunk: Optional[int] = None,
+                             num_warps: Optional[int] = None) -> torch.Tensor:
     """RMSNorm of (x + each LoRA row's update [+ residual]); the sum is stored into ``residual``
     (or into ``x`` without one), as ``kernels.layer_ops.add_rms_norm`` does.
 
@@ -192,6 +193,8 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
         slot_stride: see buf.
         tiles: True: segment tiles; False: per-row programs; None: tiles above PER_ROW_MAX_TOKENS rows.
         block_m: rows per tile (a power of two >= 16); None: sized for the mean segment.
+        chunk, num_warps: the per-row programs' columns per piece (a power of two) and warps;
+            None: the whole row up to MAX_CHUNK columns, 16 warps at 4096 (benchmarks' sweeps).
 
     Returns:
         out: the normalized rows.
@@ -219,13 +222,15 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
     if tiles is None:
         tiles = num_tokens > PER_ROW_MAX_TOKENS
     if not tiles:
-        chunk = min(MAX_CHUNK, next_power_of_2(hidden))
+        chunk = chunk or min(MAX_CHUNK, next_power_of_2(hidden))
+        if chunk & (chunk - 1):
+            raise ValueError(f"chunk: {chunk} must be a power of two.")
         _lora_expand_add_rms_norm_kernel[(num_tokens,)](
             buf, lora_b, meta.token_lora_slots, x, res, weight, out,
             hidden, rank, float(eps),
             buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=block_r, SPLIT_K=split_k,
-            ROUND_TO=h_round_dtype(x), num_warps=16 if chunk >= 4096 else max(1, chunk // 256))
+            ROUND_TO=h_round_dtype(x), num_warps=num_warps or (16 if chunk >= 4096 else max(1, chunk // 256)))
         return out
     num_active = 0 if meta.no_lora else meta.num_active
     if block_m is None:

@@ -236,7 +236,7 @@ def sweep_fused_consumers(num_tokens: int, num_adapters: int, bw: float) -> list
         times[key] = _time(lambda: lora_expand_add_rms_norm(buf, b, meta, x, w, 1e-5, residual=res, tiles=tiles,
                                                             block_m=bm))
     if num_tokens <= 128:   # per-row pieces and warps (default: the whole row, 16 warps)
-        for chunk, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8, 16)):
+        for chunk, warps in itertools.product((2048, 4096), (8, 16)):
             times[f"per_row_{chunk}x{warps}w"] = _time(
                 lambda: lora_expand_add_rms_norm(buf, b, meta, x, w, 1e-5, residual=res, tiles=False, chunk=chunk,
                                                  num_warps=warps))
@@ -265,6 +265,10 @@ def sweep_fused_consumers(num_tokens: int, num_adapters: int, bw: float) -> list
     if num_tokens <= 4096:
         times["per_token"] = _time(lambda: lora_rotary_write_kv(pos, q, k, v, cos, sin, dim, kc, vc, slots, buf3, bs,
                                                                 meta.token_lora_slots))
+    if num_tokens <= 128:
+        for warps in (1, 4, 8):
+            times[f"per_token_{warps}w"] = _time(lambda: lora_rotary_write_kv(
+                pos, q, k, v, cos, sin, dim, kc, vc, slots, buf3, bs, meta.token_lora_slots, num_warps=warps))
     nbytes = num_tokens * sum(widths) * 2 * 2 + num_tokens * 2 * kv_heads * dim * 2
     out.append({"kernel": "lora_rotary_write_kv", "layer": "qkv", "tokens": num_tokens, "adapters": num_adapters,
                 "plain_us": t_plain, "unfused_us": t_unfused, "fused_us": times, "bound_us": nbytes / bw * 1e6})

@@ -131,7 +131,7 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, buf: torch.Tensor,
                          lora_b_slices: Sequence[torch.Tensor], token_lora_slots: torch.Tensor,
-                         slot_stride: int = 0) -> None:
+                         slot_stride: int = 0, *, num_warps: int = 2) -> None:
     """Add each LoRA token's q/k/v update into q, k, v, then ``kv_write.rotary_write_kv``: one launch.
 
     Args:
@@ -142,6 +142,7 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         lora_b_slices: (B_q, B_k, B_v): [max_loras, num_heads * head_dim, rank] and two
             [max_loras, num_kv_heads * head_dim, rank], q's dtype, contiguous.
         token_lora_slots: [num_tokens] int32 slot per token (< 0: base model / padding).
+        num_warps: per (token, head) program (benchmarks' sweeps).
     """
     half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
@@ -169,4 +170,4 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         BLOCK_SIZE=k_cache.shape[1], HALF_PAD=max(2, next_power_of_2(half)),
         TAIL_PAD=0 if tail == 0 else max(2, next_power_of_2(tail)), DIM_PAD=next_power_of_2(head_dim),
         BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k, ROUND_TO=h_round_dtype(q),
-        num_warps=2)
+        num_warps=num_warps)

@@ -13,7 +13,7 @@ the second reloads the sum and stores the normalized row):
 
 - *Per row* (steps of at most ``PER_ROW_MAX_TOKENS`` tokens: decode): one program per row, in
   ``CHUNK``-column pieces (one piece up to 4096 columns, so a Llama-3-8B row is one B load of
-  [4096, rank] with every load in flight at once, 8 warps); the update is a multiply-add over the rank.
+  [4096, rank] with every load in flight at once, 16 warps); the update is a multiply-add over the rank.
   Each row streams its adapter's B itself (from L2 when rows share an adapter). (Spreading a row
   over (row, 1024-column) programs, the row's last arrival normalizing it after an acq_rel
   counter, measured slower end to end on an H200: batch-64 decode 7.34 / 8.17 ms with 16 / 64
@@ -194,9 +194,11 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
         tiles: True: segment tiles; False: per-row programs; None: tiles above PER_ROW_MAX_TOKENS rows.
         block_m: rows per tile (a power of two >= 16); None: sized for the mean segment.
         chunk, num_warps: the per-row programs' columns per piece (a power of two) and warps;
-            None: the whole row up to MAX_CHUNK columns, 8 warps at 4096 (H200, 64 / 128 decode rows,
-            16 / 64 adapters, cold L2: 10.0-11.1 us against 11.0-12.3 with 16 warps, the best of
-            512-4096 columns x 2-16 warps; ``benchmarks/lora_prefill_sweep.py --fused-consumers``).
+            None: the whole row up to MAX_CHUNK columns, 16 warps at 4096. (H200: with a cold L2,
+            ``benchmarks/lora_prefill_sweep.py --fused-consumers``, 8 warps took 10.0-11.1 us against
+            11.0-12.3 at 64 / 128 rows, the best of 512-4096 columns x 2-16 warps, but in the engine
+            batch-64 decode was slower with 8: 7.16-7.17 / 8.00 ms against 7.11 / 7.93 with 16 and
+            64 adapters, one machine.)
 
     Returns:
         out: the normalized rows.
@@ -232,7 +234,7 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
             hidden, rank, float(eps),
             buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=block_r, SPLIT_K=split_k,
-            ROUND_TO=h_round_dtype(x), num_warps=num_warps or (8 if chunk >= 4096 else max(1, chunk // 256)))
+            ROUND_TO=h_round_dtype(x), num_warps=num_warps or (16 if chunk >= 4096 else max(1, chunk // 256)))
         return out
     num_active = 0 if meta.no_lora else meta.num_active
     if block_m is None:

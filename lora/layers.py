@@ -516,9 +516,13 @@ class LinearLoRASlots(nn.Module):
         if self.takes_stacked(num_tokens):
             return ("stacked", lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand),
                     silu_mul)
+        norm = None
+        if self.fuse_norm and self.defers(num_tokens):
+            from kernels.lora_expand_norm import launch_shape
+            norm = launch_shape(num_tokens, num_active, dev)
         return ("split", lora_shrink_config(num_tokens, num_active, self.num_slices, self.input_size, dev,
                                             self.overrides.shrink),
-                lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand), silu_mul)
+                lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand), silu_mul, norm)
 
     def _takes_fused(self, num_tokens: int) -> bool:
         """The layer's kernel choice runs the one-launch fused kernel for a step of num_tokens."""

@@ -244,7 +244,9 @@ class LoRAManager:
         that step's critical path. Keys are collected over a grid (every 32 tokens, plus every
         count up to 64, x 1..max_loras adapters in ~12 steps: on a Llama-3-8B shape with 64 slots it
         finds all 19 distinct keys of 2049..16384 tokens), and each runs once, on zero inputs with
-        the slots cycling over that many adapters (the slot buffers are zero: nothing changes).
+        the slots cycling over that many adapters (the slot buffers are zero: nothing changes),
+        with the consumer fusions eager steps take (gate/up: SiLU-and-mul; o/down: add + RMSNorm,
+        per-row at decode sizes, segment tiles at long prefill steps).
         """
         if self.backend != "triton" or not self.layers or max_tokens < min_tokens:
             return 0
@@ -286,6 +288,9 @@ class LoRAManager:
                     layer(x, y)
                     if layer.fuse_silu_mul:          # the MLP's path: the update inside SiLU-and-mul
                         layer.finish_silu_mul(layer.begin(x), y)
+                    elif layer.fuse_norm and layer.defers(t):   # o/down: the update inside add + RMSNorm
+                        norm_weight = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
+                        layer.finish_add_rms_norm(layer.begin(x), y, norm_weight, 1e-5, torch.zeros_like(y))
                     calls += 1
         self.state.batch = None
         return calls

@@ -190,9 +190,12 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
                       backend="triton")
     keys, forward = [], LinearLoRASlots.forward
 
+    rows = []
+
     def spy(self, x, y):
         keys.append((self.input_size, tuple(self.output_sizes),
                      self.launch_key(x.shape[0], self.state.batch.meta.num_active)))
+        rows.append(x.shape[0])
         return forward(self, x, y)
     monkeypatch.setattr(LinearLoRASlots, "forward", spy)
     silu_mul_shapes, finish_silu_mul = [], LinearLoRASlots.finish_silu_mul
@@ -201,10 +204,22 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
         silu_mul_shapes.append((self.input_size, tuple(self.output_sizes)))
         return finish_silu_mul(self, pending, y)
     monkeypatch.setattr(LinearLoRASlots, "finish_silu_mul", silu_mul_spy)
+    norm_calls, finish_norm = [], LinearLoRASlots.finish_add_rms_norm
+
+    def norm_spy(self, pending, x, *args):
+        norm_calls.append((self.input_size, tuple(self.output_sizes), x.shape[0]))
+        return finish_norm(self, pending, x, *args)
+    monkeypatch.setattr(LinearLoRASlots, "finish_add_rms_norm", norm_spy)
+    import kernels.lora_expand_norm as lora_expand_norm
+    monkeypatch.setattr(lora_expand_norm, "TILES_MIN_TOKENS", 150)     # "long prefill" from 150 tokens here
     calls = mgr.warm_up_kernels(70, 200)
     assert calls == len(keys) == len(set(keys)) > 1                      # each key once
     gate_up = [k[:2] for k in keys if k[:2] == (model.config.hidden_size, (model.config.intermediate_size,) * 2)]
     assert silu_mul_shapes == gate_up and gate_up                        # the MLP's fused kernel too
+    # o/down: the update inside add + RMSNorm for every key of a size that fuses it (<= 128 tokens:
+    # per-row programs; >= 150 here: tiles), none between
+    want = [(*k[:2], t) for k, t in zip(keys, rows) if len(k[1]) == 1 and (t <= 128 or t >= 150)]
+    assert norm_calls == want and any(t >= 150 for *_, t in want) and any(t <= 128 for *_, t in want)
     shapes = {(layer.input_size, tuple(layer.output_sizes)) for layer in mgr.layers.values()}
     assert {k[:2] for k in keys} == shapes                                # every layer shape
     assert mgr.state.batch is None

@@ -13,15 +13,16 @@ the second reloads the sum and stores the normalized row):
 
 - *Per row* (steps of at most ``PER_ROW_MAX_TOKENS`` tokens: decode): one program per row, in
   ``CHUNK``-column pieces (one piece up to 4096 columns, so a Llama-3-8B row is one B load of
-  [4096, rank] with every load in flight at once, 16 warps); the update is a multiply-add over the rank.
-  Each row streams its adapter's B itself (from L2 when rows share an adapter). (Spreading a row
-  over (row, 1024-column) programs, the row's last arrival normalizing it after an acq_rel
-  counter, measured slower end to end on an H200: batch-64 decode 7.34 / 8.17 ms with 16 / 64
-  adapters against 7.28 / 8.02; see benchmarks/RESULTS.md.)
-- *Tiles* (larger steps; ``lora.layers`` fuses from ``TILES_MIN_TOKENS`` on: prefill): one program per ``block_m`` rows of one
-  adapter segment (``LoRAKernelMeta``; the base-model rows get tiles of their own, as in
-  ``kernels.lora_expand_silu_mul``), walking ``block_n``-column pieces: the delta is a [block_m,
-  rank] x [rank, block_n] dot, so B is read once per tile, not once per row.
+  [4096, rank] with every load in flight at once, 16 warps); the update is a multiply-add over
+  the rank. Each row streams its adapter's B itself (from L2 when rows share an adapter).
+  (Spreading a row over (row, 1024-column) programs, the row's last arrival normalizing it after
+  an acq_rel counter, measured slower end to end on an H200: batch-64 decode 7.34 / 8.17 ms with
+  16 / 64 adapters against 7.28 / 8.02; see benchmarks/RESULTS.md.)
+- *Tiles* (larger steps; ``lora.layers`` fuses from ``TILES_MIN_TOKENS`` rows on: long prefill
+  steps): one program per ``block_m`` rows of one adapter segment (``LoRAKernelMeta``; the
+  base-model rows get tiles of their own, as in ``kernels.lora_expand_silu_mul``), walking
+  ``block_n``-column pieces: the delta is a [block_m, rank] x [rank, block_n] dot, so B is read
+  once per tile, not once per row.
 
 Numerics, as the unfused pair (expand, then ``add_rms_norm``): h rounded through
 ``h_round_dtype`` (B's dtype on a GPU's native path), the fp32 delta added to x and rounded to the

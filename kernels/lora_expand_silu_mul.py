@@ -99,7 +99,7 @@ def _lora_expand_silu_mul_kernel(
         mask = m_ok[:, None] & n_ok[None, :]
         g = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(y_rows + d + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        # NOTE: the native tensor-core dot (h rounded above): 1.26x faster at prefill than tf32.
+        # NOTE: on GPUs the native tensor-core dot (h rounded above): 1.26x faster at prefill than tf32.
         g += _tile_delta(h_gate, bg_ptr, slot, lora_flag, offs_n, n_ok, d, rank, BLOCK_R, UPCAST, DOT_PRECISION)
         u += _tile_delta(h_up, bu_ptr, slot, lora_flag, offs_n, n_ok, d, rank, BLOCK_R, UPCAST, DOT_PRECISION)
         _silu_mul_store(g, u, out_rows + offs_n[None, :], mask)

@@ -289,8 +289,12 @@ class LoRAManager:
                     if layer.fuse_silu_mul:          # the MLP's path: the update inside SiLU-and-mul
                         layer.finish_silu_mul(layer.begin(x), y)
                     elif layer.fuse_norm and layer.defers(t):   # o/down: the update inside add + RMSNorm
-                        norm_weight = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
-                        layer.finish_add_rms_norm(layer.begin(x), y, norm_weight, 1e-5, torch.zeros_like(y))
+                        pending = layer.begin(x)
+                        # NOTE: without a split plan (overlap off, one-launch kernel) the engine
+                        # finishes the update before the norm: nothing more to compile.
+                        if pending.plan is not None:
+                            norm_weight = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
+                            layer.finish_add_rms_norm(pending, y, norm_weight, 1e-5, torch.zeros_like(y))
                     calls += 1
         self.state.batch = None
         return calls

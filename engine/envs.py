@@ -163,6 +163,13 @@ def lora_fuse_norm() -> bool:
     return _on_off("CHORUS_LORA_FUSE_NORM", "fused", "expand, then add + RMSNorm")
 
 
+def lora_stacked_tune() -> bool:
+    """CHORUS_LORA_STACKED_TUNE: at start-up on CUDA, time how many slots the stacked decode GEMM of
+    the few-adapters CUDA graphs should cover (``LoRAManager.tune_stacked_cover``). Default on; 0
+    keeps the graphs' slot bound."""
+    return _on_off("CHORUS_LORA_STACKED_TUNE", "timed at start-up", "the slot bound")
+
+
 def lora_stacked_max_tokens() -> int:
     """CHORUS_LORA_STACKED_MAX_TOKENS: on CUDA, a step of at most this many tokens (decode) computes
     every adapted projection's LoRA shrink inside its base GEMM: the slots' A rows sit under the

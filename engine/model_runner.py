@@ -254,6 +254,7 @@ class ModelRunner:
         self._init_step_buffers()
         self.warm_up_lora_kernels()
         if self.use_cuda_graphs:
+            self.tune_lora_stacked_gemms()
             self.capture_cuda_graphs()
 
     def _init_step_buffers(self) -> None:
@@ -279,6 +280,22 @@ class ModelRunner:
         calls = self.lora_manager.warm_up_kernels(first_eager, sc.max_num_batched_tokens)
         logger.info("LoRA kernels for eager steps of %d-%d tokens compiled (%d calls) in %.1f s", first_eager,
                     sc.max_num_batched_tokens, calls, time.perf_counter() - t0)
+
+    def tune_lora_stacked_gemms(self) -> None:
+        """How many slots the few-adapters decode graphs' stacked GEMMs cover, timed before capture."""
+        from engine import envs
+        if self.lora_manager is None or self.device.type != "cuda" or not envs.lora_stacked_tune():
+            return
+        bound = self.lora_manager.few_adapters_bound(max(self._graph_sizes))
+        if bound is None:
+            return
+        t0 = time.perf_counter()
+        chosen = self.lora_manager.tune_stacked_cover(self._graph_sizes, bound)
+        wider = {k: v for k, v in chosen.items() if v != bound}
+        logger.info("LoRA stacked GEMMs of steps over %d slots: %d of %d (shape, batch) cases cover more "
+                    "slots (%s) (%.1f s)", bound, len(wider), len(chosen),
+                    ", ".join(f"{k[0][1]}x{k[1]}: {v}" for k, v in sorted(wider.items())[:8]) or "none",
+                    time.perf_counter() - t0)
 
     def capture_cuda_graphs(self) -> None:
         from engine.cuda_graphs import StepGraphs

@@ -215,7 +215,10 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
             ``benchmarks/lora_prefill_sweep.py --fused-consumers``, 8 warps took 10.0-11.1 us against
             11.0-12.3 at 64 / 128 rows, the best of 512-4096 columns x 2-16 warps, but in the engine
             batch-64 decode was slower with 8: 7.16-7.17 / 8.00 ms against 7.11 / 7.93 with 16 and
-            64 adapters, one machine.)
+            64 adapters, one machine. Again in a later session: back to back (``benchmarks/
+            lora_decode_sweep.py``) 8 warps 6.3-7.9 us against 7.5-9.0, in the engine's decode graph
+            (``benchmarks/profile_step.py``, batch 64) 8.9 / 8.0 us per call against 7.8 / 7.0 with 64 / 16
+            adapters.)
 
     Returns:
         out: the normalized rows.

@@ -158,11 +158,13 @@ def lora_expand_silu_mul_config(num_tokens: int, num_segments: int, d: int, devi
     if not is_interpreted(device) and cfg.block_m > 16:
         cfg = LoRAExpandConfig(block_m=32, block_n=128, n_tiles=2, num_warps=4, num_stages=2)
     elif not is_interpreted(device) and num_tokens <= PER_TOKEN_MAX_TOKENS:
-        # Decode: segment programs of 64 x 4 columns while at most 16 segments can exist (11.9 /
-        # 17.7 us with 1 / 16 adapters at 64 tokens, per-token programs 19.2 / 22.8), per-token
-        # programs of 512 x 4 columns above (64 adapters: 32.6 us, the segment programs >= 38).
-        cfg = (LoRAExpandConfig(16, 512, 4, 2, 2, per_token=1) if num_segments > FEW_SEGMENTS
-               else LoRAExpandConfig(16, 64, 4, 4, 2))
+        # Decode: segment programs of 128 x 2 columns while at most 16 segments can exist,
+        # per-token programs of 512 x 2 columns above. H200, back to back as in a decode graph
+        # (benchmarks/lora_decode_sweep.py; us per call, 64 / 128 tokens): 1 adapter 7.7 / 8.6
+        # (the 64 x 4 segment programs before: 9.4 / 10.3), 16 adapters 10.0 / 11.0 (10.8 / 11.9),
+        # 64 adapters 21.1 / 29.4 (512 x 4 per-token: 27.2 / 29.0; plain SiLU-and-mul 2.6 / 3.0).
+        cfg = (LoRAExpandConfig(16, 512, 2, 2, 2, per_token=1) if num_segments > FEW_SEGMENTS
+               else LoRAExpandConfig(16, 128, 2, 4, 2))
     return dataclasses.replace(cfg, **dict(override))
 
 

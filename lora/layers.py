@@ -214,6 +214,10 @@ class LinearLoRASlots(nn.Module):
         ``stack_onto`` ran (CHORUS_LORA_STACKED_MAX_TOKENS; 0: never)."""
         self.stacked_weight: Optional[torch.Tensor] = None  # [out + max_loras * S * R, in] base rows | A rows
         self.stacked_bias: Optional[torch.Tensor] = None    # [out + max_loras * S * R] base bias | zeros
+        self.stacked_cover: dict[tuple[int, int], int] = {}
+        """(num_tokens, slot_bound) -> slots the stacked GEMM covers (>= slot_bound, <= max_loras):
+        cuBLAS picks its kernel by shape, and a few more A rows can be faster than the bound's
+        (``LoRAManager.tune_stacked_cover`` measures it at start-up); absent: the bound."""
 
     @property
     def lora_b(self) -> list[torch.Tensor]:
@@ -296,10 +300,11 @@ class LinearLoRASlots(nn.Module):
         from kernels.lora_expand import lora_expand_config, slotwise_buf
 
         out, S, R = sum(self.output_sizes), self.num_slices, self.max_rank
-        cols = out + batch.slot_bound * S * R
+        cover = self.stacked_cover.get((num_tokens, batch.slot_bound), batch.slot_bound)   # slots in the GEMM
+        cols = out + cover * S * R
         bias = None if self.stacked_bias is None else self.stacked_bias[:cols]
-        y_all = F.linear(x2, self.stacked_weight[:cols], bias)                    # [T, out + n * S * R]
-        buf, slot_stride = slotwise_buf(y_all[:, out:].view(num_tokens, batch.slot_bound, S, R))
+        y_all = F.linear(x2, self.stacked_weight[:cols], bias)                    # [T, out + cover * S * R]
+        buf, slot_stride = slotwise_buf(y_all[:, out:].view(num_tokens, cover, S, R))
         cfg = lora_expand_config(num_tokens, batch.meta.num_active, tuple(self.output_sizes), x2.device,
                                  self.overrides.expand)
         y = y_all[:, :out]                                                         # [T, out] view

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lora.adapter_store import AdapterStore
 from lora.batch import LoRABatchState, LoRAMetaBuffers
@@ -44,6 +45,33 @@ adapters all sit in the first this-many slots (``few_adapters_bound``; the slot 
 lowest free slot first). On an H200 (Llama-3-8B shape, batch 64, rank 16)
 the decode step with 16 adapters took 7.62 ms with launches over 64 slots and 7.35 ms over 16; with
 1 adapter 7.21 ms over 64 slots, 6.93 over 16 (``benchmarks/multi_lora.py``)."""
+
+
+STACKED_COVER_MIN_GAIN = 0.03
+"""``tune_stacked_cover`` covers more slots than the bound only when that GEMM is at least this much
+faster (a smaller difference is within the timing's spread)."""
+
+
+def stacked_cover_candidates(slot_bound: int, max_loras: int) -> list[int]:
+    """Slot counts the stacked GEMM of a step bounded by slot_bound may cover: the bound, then up to
+    twice it (at most max_loras) in steps of a quarter of it."""
+    step = max(1, slot_bound // 4)
+    return list(range(slot_bound, min(max_loras, 2 * slot_bound) + 1, step))
+
+
+def time_gemms_us(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
+    """Device microseconds per call of ``calls`` run back to back (CUDA: one warm round, then
+    ``reps`` timed rounds between events; GEMMs of decoder layers in a row, as a step runs them)."""
+    for call in calls:
+        call()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        for call in calls:
+            call()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) * 1e3 / (reps * len(calls))
 
 
 class LoRAManager:
@@ -298,6 +326,62 @@ class LoRAManager:
                     calls += 1
         self.state.batch = None
         return calls
+
+    @torch.inference_mode()
+    def tune_stacked_cover(self, token_counts: Sequence[int], slot_bound: int,
+                           timer: Callable[[Sequence[Callable[[], object]]], float] = time_gemms_us
+                           ) -> dict[tuple, int]:
+        """Choose how many slots the stacked decode GEMM covers for steps bounded by ``slot_bound``
+        (the few-adapters CUDA graphs'), per projection shape and step size: each candidate
+        (``stacked_cover_candidates``) is timed over every layer of that shape, and one covering
+        more slots than the bound is kept (``LinearLoRASlots.stacked_cover``) where it is at least
+        STACKED_COVER_MIN_GAIN faster. The extra rows' shrink is computed and never read.
+
+        Why: cuBLAS picks its kernel by shape. On an H200 (Llama-3-8B, 64 tokens, rank 16,
+        ``benchmarks/stacked_gemm_sweep.py``) o_proj over 16 slots took 15.3 us, over 24 slots
+        12.3 us (base rows alone 11.9); down_proj 39.8 over 16 slots, 38.5 over 20.
+
+        Args:
+            token_counts: the step sizes (decode graph batch sizes); those that do not take the
+                stacked GEMM are skipped.
+            slot_bound: the steps' slot bound (< max_loras, else there is nothing to choose).
+            timer: microseconds per call of a list of calls (``time_gemms_us``; tests pass a fake).
+
+        Returns:
+            {((input_size, output_sizes), num_tokens): slots covered} for every case measured.
+        """
+        chosen: dict[tuple, int] = {}
+        if self.backend != "triton" or not 0 < slot_bound < self.max_loras:
+            return chosen
+        by_shape: dict[tuple, list[LinearLoRASlots]] = {}
+        for layer in self.layers.values():
+            if layer.stacked_weight is not None:
+                by_shape.setdefault((layer.input_size, tuple(layer.output_sizes)), []).append(layer)
+        cands = stacked_cover_candidates(slot_bound, self.max_loras)
+        for shape, layers in by_shape.items():
+            lead = layers[0]
+            out, rows_per_slot = sum(lead.output_sizes), lead.num_slices * lead.max_rank
+            for t in token_counts:
+                if not lead.takes_stacked(t):
+                    continue
+                x = torch.zeros(t, lead.input_size, dtype=lead.stacked_weight.dtype, device=self.device)
+
+                def gemms(cover: int) -> list[Callable[[], object]]:
+                    cols = out + cover * rows_per_slot
+                    return [lambda w=layer.stacked_weight[:cols], b=layer.stacked_bias: F.linear(
+                        x, w, None if b is None else b[:cols]) for layer in layers]
+
+                times = {c: timer(gemms(c)) for c in cands}
+                best = min(times, key=times.get)
+                if times[best] > (1 - STACKED_COVER_MIN_GAIN) * times[slot_bound]:
+                    best = slot_bound
+                for layer in layers:
+                    if best == slot_bound:
+                        layer.stacked_cover.pop((t, slot_bound), None)
+                    else:
+                        layer.stacked_cover[(t, slot_bound)] = best
+                chosen[(shape, t)] = best
+        return chosen
 
     def set_batch(self, token_lora_slots, fixed_grid: bool = False, max_active: Optional[int] = None) -> None:
         """Group this step's tokens by slot (once; every layer reads the result).

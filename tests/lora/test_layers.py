@@ -270,6 +270,17 @@ def test_stacked_gemm_matches_manual(monkeypatch):
         y = base(x)
         torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
         assert y.stride(0) == (out if bound is None else out + bound * S * R)   # the GEMM's h columns
+    # A wider cover (``stacked_cover``, tuned at start-up): the GEMM takes more slots' rows than the
+    # step's bound, the update is unchanged.
+    slots.stacked_cover[(2, 1)] = 3
+    state.batch = bufs.fill(np.array([0, -1], dtype=np.int32), False, False)
+    assert state.batch.slot_bound == 1
+    x = torch.randn(2, IN)
+    y = base(x)
+    assert y.stride(0) == out + 3 * S * R
+    torch.testing.assert_close(y, _manual(x, torch.nn.functional.linear(x, weight, bias), [0, -1], adapters),
+                               atol=1e-4, rtol=1e-4)
+    slots.stacked_cover.clear()
     base.weight.data = weight.clone()                   # no longer the stacked rows: the plain path
     state.batch = bufs.fill(np.array([0, 2], dtype=np.int32), False, False)
     x = torch.randn(2, IN)

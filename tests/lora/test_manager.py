@@ -263,3 +263,62 @@ def test_warm_up_without_a_split_plan(env, tiny_llama_dir, monkeypatch):
     mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), _model(tiny_llama_dir), torch.device("cpu"),
                       torch.float32, backend="triton")
     assert mgr.warm_up_kernels(150, 160) > 0 and mgr.state.batch is None
+
+
+def test_tune_stacked_cover(tiny_llama_dir):
+    """``tune_stacked_cover``: per layer shape and step size, the stacked GEMM covers more slots than
+    the bound only where the timer finds it at least STACKED_COVER_MIN_GAIN faster; every layer of
+    that shape gets the choice, the step's result is unchanged, and nothing is tuned on the torch
+    backend or for a bound of max_loras."""
+    import numpy as np
+
+    from lora.manager import STACKED_COVER_MIN_GAIN, stacked_cover_candidates
+
+    if torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET (set on CPU-only machines)")
+    assert stacked_cover_candidates(16, 64) == [16, 20, 24, 28, 32]
+    assert stacked_cover_candidates(16, 22) == [16, 20] and stacked_cover_candidates(2, 8) == [2, 3, 4]
+    mgr = LoRAManager(LoRAConfig(max_loras=8, max_lora_rank=8), _model(tiny_llama_dir), torch.device("cpu"),
+                      torch.float32, backend="triton")
+    layers = list(mgr.layers.values())
+    # o_proj and down_proj: one slice of hidden_size columns (their GEMMs' widths are alike)
+    o_layers = [l for l in layers if len(l.output_sizes) == 1]
+    o_rows = {sum(o_layers[0].output_sizes) + c * o_layers[0].max_rank for c in (2, 3, 4)}
+    seen = []
+
+    def timer(calls):
+        seen.append(len(calls))
+        cols = calls[0]().shape[1]
+        if cols in o_rows:                            # o/down: covering 3 slots is 10% faster than 2
+            return 0.9 if cols == min(o_rows) + o_layers[0].max_rank else 1.0
+        return 1.0 - STACKED_COVER_MIN_GAIN / 3 * (cols > 0)   # elsewhere: within the spread, kept at 2
+
+    chosen = mgr.tune_stacked_cover([1, 4, 200], 2, timer=timer)
+    shapes = {(l.input_size, tuple(l.output_sizes)) for l in layers}
+    assert set(chosen) == {(shape, t) for shape in shapes for t in (1, 4)}       # 200 > the stacked bound
+    assert all(v == (3 if len(shape[1]) == 1 else 2) for (shape, _), v in chosen.items())
+    assert set(seen) == {len(o_layers) // 2}                                     # every layer of a shape
+    assert all(l.stacked_cover == ({(1, 2): 3, (4, 2): 3} if l in o_layers else {}) for l in layers)
+    # A step over slots below 2 through a tuned o_proj / down_proj: same output as at the bound.
+    layer = o_layers[0]
+    torch.manual_seed(0)
+    a = torch.randn(layer.max_rank, layer.input_size) * 0.1
+    b = torch.randn(layer.output_sizes[0], layer.max_rank) * 0.1
+    layer.set_slice(1, 0, LoRASliceWeights(a, b))
+    x = torch.randn(4, layer.input_size)
+    base = layer.stacked_weight[:layer.output_sizes[0]]
+    mgr.set_batch(np.array([1, -1, 0, 1], dtype=np.int32), fixed_grid=True, max_active=2)
+    assert mgr.state.batch.slot_bound == 2
+    ys = []
+    for cover in ({(4, 2): 3}, {}):
+        layer.stacked_cover = dict(cover)
+        y, pending = layer.begin_stacked(x, base)
+        layer.finish(pending, y)
+        ys.append(y.clone())
+    torch.testing.assert_close(ys[0], ys[1])
+    torch.testing.assert_close(ys[0][0], x[0] @ base.T + (x[0] @ a.T) @ b.T, atol=1e-4, rtol=1e-4)
+    mgr.state.batch = None
+    assert mgr.tune_stacked_cover([4], 8, timer=timer) == {}                      # bound = max_loras
+    torch_mgr = LoRAManager(LoRAConfig(max_loras=8, max_lora_rank=8), _model(tiny_llama_dir),
+                            torch.device("cpu"), torch.float32)
+    assert torch_mgr.tune_stacked_cover([4], 2, timer=timer) == {}

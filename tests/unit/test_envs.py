@@ -84,7 +84,8 @@ def test_lora_max_tokens(name, read, default, top, monkeypatch):
 @pytest.mark.parametrize("name,read", [("CHORUS_LORA_OVERLAP", envs.lora_overlap),
                                        ("CHORUS_LORA_FUSE_SILU_MUL", envs.lora_fuse_silu_mul),
                                        ("CHORUS_LORA_FUSE_ROTARY", envs.lora_fuse_rotary),
-                                       ("CHORUS_LORA_FUSE_NORM", envs.lora_fuse_norm)])
+                                       ("CHORUS_LORA_FUSE_NORM", envs.lora_fuse_norm),
+                                       ("CHORUS_LORA_STACKED_TUNE", envs.lora_stacked_tune)])
 def test_on_off_switches(name, read, monkeypatch):
     monkeypatch.delenv(name, raising=False)
     assert read() is True

@@ -13,8 +13,11 @@ Timing: one CUDA graph of N back-to-back calls, each on its own copy of the inpu
 to exceed L2, as a model step streams 32 layers' adapters), replayed; microseconds per call.
 Unlike ``lora_prefill_sweep.py``'s cold single calls (an L2 flush, then one launch), this keeps
 the launch latency overlapped with the previous call's tail, as inside a decode graph; the two
-rank configs differently (e.g. the SiLU-and-mul fusion's 512 x 4 column programs with 2 warps:
-cold the best, back to back 26.3 us against 21.6 for 256-column programs with 4 warps).
+rank configs differently (e.g. the SiLU-and-mul fusion's per-token 512 x 4 column programs, 64
+tokens over 64 adapters: cold the best, back to back 27.2 us against 21.1 for 512 x 2, and in the
+engine's decode graph 26.5 against 20.2). Neither predicts everything: the add + RMSNorm fusion
+with 8 warps is faster here than with 16 and slower in the engine (benchmarks/RESULTS.md), so
+what changes a default is checked with ``profile_step.py`` and ``multi_lora.py``.
 
 Writes JSON (default benchmarks/out/lora_decode_sweep.json). CUDA only.
 """

@@ -7,7 +7,9 @@ into SiLU-and-mul, against their default configs, plain SiLU-and-mul and the cop
 
 At most 256 tokens count as a decode step: the meta is built as the engine's decode graphs build
 it (fixed grid over ``max(16, adapters)`` slots), the fused kernel reads ``split_k`` shrink
-partials as the decode shrink stores them, and the candidates are decode-sized tiles.
+partials as the decode shrink stores them, and the candidates are decode-sized tiles. (Each call
+here is timed cold and alone; at decode sizes ``lora_decode_sweep.py`` times calls back to back, as
+a decode graph runs them, and that ranks configs closer to the engine.)
 
 Per token count T (one step's rows, grouped into ``--adapters`` equal segments), rank 16, bf16,
 Llama-3-8B widths: the shrink of each projection (qkv: 4096 -> 3 x 16, o: 4096 -> 16, gate_up:

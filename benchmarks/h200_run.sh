@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [ml-b64] [ml-b256]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [lora-decode-sweep] [ml-b64] [ml-b256]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -137,6 +137,11 @@ for phase in "$@"; do
         --adapters ${SWEEP_ADAPTERS:-16,64} --out "$OUT/fused_consumers_sweep.json" 2>&1 | grep -v Warn | tail -12 ;;
     ml-b256)   # batch 256 with 16 and 64 adapters, lines prefixed with $ML_TAG
       lora_b256 "ml_b256_${ML_TAG:-new}.json" | sed "s/^/${ML_TAG:-new} /" ;;
+    lora-decode-sweep)   # the fused LoRA consumers' decode configs back to back, the stacked GEMM by slots covered
+      timeout 300 python3 benchmarks/lora_decode_sweep.py --out "$OUT/lora_decode_sweep.json" 2>&1 | grep -v Warn \
+        | tee "$OUT/lora_decode_sweep.log" | tail -20
+      timeout 120 python3 benchmarks/stacked_gemm_sweep.py --tokens 64,256 --out "$OUT/stacked_gemm_sweep.json" 2>&1 \
+        | grep -v Warn | tee "$OUT/stacked_gemm_sweep.log" ;;
     ml-b64)   # batch 64 (ML_ADAPTERS, default 16,64), lines prefixed with $ML_TAG
       timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 64 --input-len 512 --output-len 128 --skip-hf \
         --num-adapters ${ML_ADAPTERS:-16,64} --max-loras 64 --base-last --out "$OUT/ml_b64_${ML_TAG:-new}.json" 2>&1 \

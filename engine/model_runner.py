@@ -294,7 +294,8 @@ class ModelRunner:
         wider = {k: v for k, v in chosen.items() if v != bound}
         logger.info("LoRA stacked GEMMs of steps over %d slots: %d of %d (shape, batch) cases cover more "
                     "slots (%s) (%.1f s)", bound, len(wider), len(chosen),
-                    ", ".join(f"{k[0][1]}x{k[1]}: {v}" for k, v in sorted(wider.items())[:8]) or "none",
+                    ", ".join(f"{k[0][0]}->{'+'.join(map(str, k[0][1]))} at {k[1]} tokens: {v}"
+                              for k, v in sorted(wider.items())[:8]) or "none",
                     time.perf_counter() - t0)
 
     def capture_cuda_graphs(self) -> None:

@@ -142,8 +142,8 @@ def test_graph_path_with_lora_on_cpu(setup):
     assert any(k.mixed and not k.lora for k in kinds)
 
 
-def _generate(s, **engine_kwargs):
-    llm = LLM(s["dir"], enable_lora=True, max_loras=4, max_lora_rank=16, gpu_memory_utilization=0.3,
+def _generate(s, max_loras=4, **engine_kwargs):
+    llm = LLM(s["dir"], enable_lora=True, max_loras=max_loras, max_lora_rank=16, gpu_memory_utilization=0.3,
               max_num_seqs=16, **engine_kwargs)
     reqs = [None if a is None else s["lora_reqs"][a] for a in s["adapters"]]
     outputs = [o.outputs[0] for o in llm.generate(s["prompts"], _params(), lora_request=reqs, use_tqdm=False)]
@@ -177,6 +177,26 @@ def test_cuda_graphs_with_lora_match_eager_and_peft(setup):
         check_logprobs_close(ours_as_ref(runs["bfloat16", True][i]), ours_as_ref(runs["bfloat16", False][i]),
                              name=f"bfloat16 graphs vs eager, request {i}", atol=0.05)
     assert exact >= 8, f"only {exact}/10 graph requests match PEFT exactly"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_with_wider_stacked_gemms_match_peft(setup, monkeypatch):
+    """With more slots than the few-adapters graphs cover (20 > 16), start-up tunes how many slots
+    the stacked decode GEMMs cover (``LoRAManager.tune_stacked_cover``); here a fake timer makes
+    every wider cover win, so the few-adapters graphs run GEMMs over 20 slots' rows while their
+    tokens sit below 16: float32 output still matches PEFT."""
+    from lora.manager import LoRAManager
+
+    tune = LoRAManager.tune_stacked_cover
+    monkeypatch.setattr(LoRAManager, "tune_stacked_cover", lambda self, sizes, bound: tune(
+        self, sizes, bound, timer=lambda calls: 1.0 / calls[0]().shape[1]))   # wider: faster
+    llm, outputs = _generate(s=setup, max_loras=20, dtype="float32")
+    runner = llm.llm_engine.runner
+    covers = {c for layer in runner.lora_manager.layers.values() for c in layer.stacked_cover.values()}
+    assert covers == {20} and runner.graphs.num_replays >= MAX_TOKENS - 2
+    for i, ref in enumerate(setup["refs"]):
+        check_logprobs_close(ref, ours_as_ref(outputs[i]), name=f"request {i} ({setup['adapters'][i]})", atol=5e-3)
 
 
 VARIANTS = {   # adapter_config settings real adapters carry, beyond the 4 adapters above

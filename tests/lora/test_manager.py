@@ -318,6 +318,16 @@ def test_tune_stacked_cover(tiny_llama_dir):
     torch.testing.assert_close(ys[0], ys[1])
     torch.testing.assert_close(ys[0][0], x[0] @ base.T + (x[0] @ a.T) @ b.T, atol=1e-4, rtol=1e-4)
     mgr.state.batch = None
+    # A slow first sample of the bound (noise): its second sample decides, the bound stays.
+    samples = {}
+
+    def noisy(calls):
+        cols = calls[0]().shape[1]
+        samples[cols] = samples.get(cols, 0) + 1
+        at_bound = cols in (sum(l.output_sizes) + 2 * l.num_slices * l.max_rank for l in layers)
+        return 2.0 if at_bound and samples[cols] == 1 else 1.0
+    assert set(mgr.tune_stacked_cover([4], 2, timer=noisy).values()) == {2}
+    assert all((4, 2) not in l.stacked_cover for l in layers)
     assert mgr.tune_stacked_cover([4], 8, timer=timer) == {}                      # bound = max_loras
     torch_mgr = LoRAManager(LoRAConfig(max_loras=8, max_lora_rank=8), _model(tiny_llama_dir),
                             torch.device("cpu"), torch.float32)

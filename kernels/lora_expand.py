@@ -59,6 +59,18 @@ PER_TOKEN_MAX_PER_SEGMENT = 4
 MAX_N_TILES = 32
 """The most column tiles one program walks."""
 
+TOKEN_TILE_ELEMS_PER_WARP = 4096
+"""Per-token programs hold a [block_n, BLOCK_R] tile of B per slice in registers: at most this many
+elements per warp (128 per thread, as the rank-16 decode configs measured on the H200). Larger
+ranks walk narrower tiles over the same columns (``token_block_n``) instead of spilling registers."""
+
+
+def token_block_n(block_n: int, block_r: int, num_warps: int) -> int:
+    """The per-token programs' column tile for a rank padded to block_r: ``block_n``, narrowed to
+    keep the B tile within TOKEN_TILE_ELEMS_PER_WARP per warp (rank 16: unchanged up to 256 columns
+    per warp; rank 64 with 2 warps: 128). The columns per program stay ``block_n * n_tiles``."""
+    return max(16, min(block_n, TOKEN_TILE_ELEMS_PER_WARP * num_warps // block_r))
+
 
 @triton.jit
 def _slice_of(pid_s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, off0, off1, off2):
@@ -453,8 +465,9 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         _lora_expand_token_kernel[(num_tokens, cdiv(max(out_dims), cols_per_program), num_slices)](
             buf, y, *b_args, meta.token_lora_slots, rank, *n_args, *off_args, cols_per_program,
             buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0),
-            BLOCK_N=config.block_n, BLOCK_R=block_r, SPLIT_K=split_k, ADD_INPUTS=bool(add_inputs),
-            ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
+            BLOCK_N=token_block_n(config.block_n, block_r, config.num_warps), BLOCK_R=block_r, SPLIT_K=split_k,
+            ADD_INPUTS=bool(add_inputs), ROUND_TO=h_round_dtype(y), num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
         return
     grid = (num_tokens // config.block_m + meta.num_active, cdiv(max(out_dims), cols_per_program), num_slices)

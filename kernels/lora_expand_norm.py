@@ -58,6 +58,27 @@ vs the pair: 256 rows 12.4 (per row) vs 13.0, 512 19.3 vs 15.9, 1024 34.0 vs 23.
 batch-256 decode slower (14.33 vs 14.05 ms/step with 16 adapters), hence 128."""
 
 
+MAX_CHUNK = 4096
+"""Columns per piece of a per-row program: all of a row up to this width."""
+
+ROW_TILE_ELEMS = 65536
+"""The per-row programs load a [chunk, BLOCK_R] piece of B at once: at most this many elements
+(rank 16: a 4096-column piece, as measured on the H200), one warp per 4096 of them (``row_launch``)."""
+
+
+def row_launch(hidden: int, block_r: int) -> tuple[int, int]:
+    """(chunk, num_warps) of the per-row programs by default: the whole row up to MAX_CHUNK columns,
+    narrower pieces for ranks above 16 (ROW_TILE_ELEMS), 16 warps for a full piece (128 B elements
+    per thread), fewer for smaller ones."""
+    chunk = min(MAX_CHUNK, next_power_of_2(hidden), max(256, ROW_TILE_ELEMS // block_r))
+    return chunk, row_warps(chunk, block_r)
+
+
+def row_warps(chunk: int, block_r: int) -> int:
+    """Warps of a per-row program with [chunk, block_r] pieces: one per 4096 elements, 1..16."""
+    return min(16, max(1, chunk * block_r // 4096))
+
+
 def fuses(num_tokens: int) -> bool:
     """A step of num_tokens rows is better off with the fused kernel than with the pair (see above)."""
     return 0 < num_tokens <= PER_ROW_MAX_TOKENS or num_tokens >= TILES_MIN_TOKENS
@@ -81,10 +102,6 @@ def launch_shape(num_tokens: int, num_segments: int, device: torch.device) -> tu
 
 TILE_ELEMENTS = 4096
 """block_m * block_n of a tile program (4 warps: 32 fp32 values per thread per piece)."""
-
-MAX_CHUNK = 4096
-"""Columns per piece: all of a row up to this width."""
-
 
 @triton.jit
 def _lora_expand_add_rms_norm_kernel(
@@ -211,7 +228,8 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
         tiles: True: segment tiles; False: per-row programs; None: tiles above PER_ROW_MAX_TOKENS rows.
         block_m: rows per tile (a power of two >= 16); None: sized for the mean segment.
         chunk, num_warps: the per-row programs' columns per piece (a power of two) and warps;
-            None: the whole row up to MAX_CHUNK columns, 16 warps at 4096. (H200: with a cold L2,
+            None: ``row_launch`` (rank 16: the whole row up to MAX_CHUNK columns, 16 warps at
+            4096; larger ranks: narrower pieces, same B elements per thread). (H200: with a cold L2,
             ``benchmarks/lora_prefill_sweep.py --fused-consumers``, 8 warps took 10.0-11.1 us against
             11.0-12.3 at 64 / 128 rows, the best of 512-4096 columns x 2-16 warps, but in the engine
             batch-64 decode was slower with 8: 7.16-7.17 / 8.00 ms against 7.11 / 7.93 with 16 and
@@ -246,7 +264,7 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
     if tiles is None:
         tiles = num_tokens > PER_ROW_MAX_TOKENS
     if not tiles:
-        chunk = chunk or min(MAX_CHUNK, next_power_of_2(hidden))
+        chunk = chunk or row_launch(hidden, block_r)[0]
         if chunk & (chunk - 1):
             raise ValueError(f"chunk: {chunk} must be a power of two.")
         _lora_expand_add_rms_norm_kernel[(num_tokens,)](
@@ -254,7 +272,7 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
             hidden, rank, float(eps),
             buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=block_r, SPLIT_K=split_k,
-            ROUND_TO=h_round_dtype(x), num_warps=num_warps or (16 if chunk >= 4096 else max(1, chunk // 256)))
+            ROUND_TO=h_round_dtype(x), num_warps=num_warps or row_warps(chunk, block_r))
         return out
     num_active = 0 if meta.no_lora else meta.num_active
     if block_m is None:

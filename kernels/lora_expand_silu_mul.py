@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels.lora_expand import (PER_TOKEN_MAX_TOKENS, LoRAExpandConfig, _seg_or_base_tile, _tile_delta, _tile_h,
                                  _token_delta, _token_h, check_b_slices, check_shrink_output, expand_upcast,
-                                 h_round_dtype, lora_expand_config)
+                                 h_round_dtype, lora_expand_config, token_block_n)
 from kernels.lora_meta import LoRAKernelMeta
 from kernels.lora_shrink import ConfigOverride, _check_meta
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
@@ -211,10 +211,11 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
     num_active = 0 if meta.no_lora else meta.num_active
     cols_per_program = config.block_n * config.n_tiles
     if config.per_token:
+        block_r = max(16, next_power_of_2(rank))
         _lora_expand_silu_mul_token_kernel[(num_tokens, cdiv(d, cols_per_program))](
             buf, y, out, lora_b_slices[0], lora_b_slices[1], meta.token_lora_slots, rank, d, cols_per_program,
             buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0), out.stride(0),
-            BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k,
+            BLOCK_N=token_block_n(config.block_n, block_r, config.num_warps), BLOCK_R=block_r, SPLIT_K=split_k,
             ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out

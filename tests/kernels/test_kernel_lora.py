@@ -162,6 +162,14 @@ def test_per_token_expand_matches_ref(dtype, popularity, with_base):
     assert torch.equal(y[base], y_ref[base])
 
 
+def test_per_token_expand_at_high_rank():
+    """Rank 64 with the decode per-token config (512 columns, 2 warps): 128-column tiles
+    (``kernels.lora_expand.token_block_n``) over each program's 512 columns, slices wider than that."""
+    slots, y, y_ref = run_case(torch.float32, 64, "zipf", True, 6, 4, (40, (600, 130)), seed=9, fixed_grid=True,
+                               expand_cfg=LoRAExpandConfig(16, 512, 1, 2, 2, per_token=1))
+    assert torch.equal(y[slots == NO_LORA], y_ref[slots == NO_LORA])
+
+
 def test_fixed_grid_base_only_touches_nothing():
     """A graph step with no adapter still launches; every program exits, y is unchanged."""
     slots = torch.full((9,), NO_LORA, dtype=torch.int32, device=DEVICE)

@@ -75,6 +75,28 @@ def test_tiles_over_segments(dtype, slots):
     torch.testing.assert_close(out.float(), want_out.float(), **TOL[dtype])
 
 
+def test_row_launch_by_rank():
+    """Per-row programs: rank 16 (block_r 16) keeps the measured launch (the whole row up to 4096
+    columns, 16 warps at 4096, one warp per 256 columns below); larger ranks load narrower pieces
+    with the same B elements per thread instead of spilling registers."""
+    from kernels.lora_expand_norm import row_launch
+
+    assert row_launch(4096, 16) == (4096, 16) and row_launch(8192, 16) == (4096, 16)
+    assert row_launch(896, 16) == (1024, 4) and row_launch(64, 16) == (64, 1)
+    assert row_launch(4096, 32) == (2048, 16) and row_launch(4096, 64) == (1024, 16)
+    assert row_launch(8192, 256) == (256, 16) and row_launch(100, 64) == (128, 2)
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["per-row", "tiles"])
+def test_high_rank_rows_over_pieces(tiles):
+    """Rank 72 (padded to 128): the per-row programs' default pieces are 512 columns, so a 600-column
+    row takes two; same result as the reference (and the tile programs)."""
+    out, stored, want_out, want_s, *_ = run_case(torch.float32, 600, True, True, num_tokens=5, rank=72,
+                                                 tiles=tiles)
+    torch.testing.assert_close(stored, want_s, **TOL[torch.float32])
+    torch.testing.assert_close(out, want_out, **TOL[torch.float32])
+
+
 def test_launch_shape_by_size(monkeypatch):
     """Steps of at most PER_ROW_MAX_TOKENS rows launch the per-row programs, larger ones the tiles;
     both give the twin's result."""

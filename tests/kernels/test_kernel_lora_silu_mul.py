@@ -92,6 +92,17 @@ def test_per_token_matches_ref(dtype, popularity, with_base):
              seed=200 + i, fixed_grid=bool(i % 2), split_k=(1, 2, 8)[(i // 3) % 3], config=cfg)
 
 
+def test_high_rank_per_token_tiles():
+    """Rank 64 with the decode per-token config (512 x 2 columns, 2 warps): the programs walk
+    128-column tiles (``token_block_n``) over the same 1024 columns; same result as the twin."""
+    from kernels.lora_expand import token_block_n
+
+    assert token_block_n(512, 16, 2) == 512 and token_block_n(256, 16, 4) == 256       # rank 16: as measured
+    assert token_block_n(512, 64, 2) == 128 and token_block_n(512, 128, 8) == 256 and token_block_n(64, 512, 1) == 16
+    run_case(torch.float32, 64, "distinct", True, 5, 4, d=1100, seed=7, fixed_grid=True,
+             config=LoRAExpandConfig(16, 512, 2, 2, 2, per_token=1))
+
+
 @pytest.mark.parametrize("per_token", [0, 1])
 @pytest.mark.parametrize("fixed_grid", [False, True], ids=["exact", "fixed_grid"])
 def test_base_rows_are_plain_silu_mul(fixed_grid, per_token):

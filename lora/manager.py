@@ -365,7 +365,9 @@ class LoRAManager:
             for t in token_counts:
                 if not lead.takes_stacked(t):
                     continue
-                x = torch.randn(t, lead.input_size, dtype=lead.stacked_weight.dtype, device=self.device)
+                gen = torch.Generator(self.device).manual_seed(t)    # the global RNG stays untouched
+                x = torch.randn(t, lead.input_size, dtype=lead.stacked_weight.dtype, device=self.device,
+                                generator=gen)
 
                 def gemms(cover: int) -> list[Callable[[], object]]:
                     cols = out + cover * rows_per_slot

@@ -293,7 +293,9 @@ def test_tune_stacked_cover(tiny_llama_dir):
             return 0.9 if cols == min(o_rows) + o_layers[0].max_rank else 1.0
         return 1.0 - STACKED_COVER_MIN_GAIN / 3 * (cols > 0)   # elsewhere: within the spread, kept at 2
 
+    rng = torch.get_rng_state()
     chosen = mgr.tune_stacked_cover([1, 4, 200], 2, timer=timer)
+    assert torch.equal(torch.get_rng_state(), rng)                               # its inputs: own generator
     shapes = {(l.input_size, tuple(l.output_sizes)) for l in layers}
     assert set(chosen) == {(shape, t) for shape in shapes for t in (1, 4)}       # 200 > the stacked bound
     assert all(v == (3 if len(shape[1]) == 1 else 2) for (shape, _), v in chosen.items())

@@ -274,7 +274,9 @@ class LoRAManager:
         finds all 19 distinct keys of 2049..16384 tokens), and each runs once, on zero inputs with
         the slots cycling over that many adapters (the slot buffers are zero: nothing changes),
         with the consumer fusions eager steps take (gate/up: SiLU-and-mul; o/down: add + RMSNorm,
-        per-row at decode sizes, segment tiles at long prefill steps).
+        per-row at decode sizes, also over the stacked GEMM's output, segment tiles at long prefill
+        steps; not the q/k/v update inside rotary + KV write, which needs the model's rotary tables
+        and KV cache: with --enforce-eager it compiles on the first LoRA decode step).
         """
         if self.backend != "triton" or not self.layers or max_tokens < min_tokens:
             return 0
@@ -308,6 +310,11 @@ class LoRAManager:
                         base = layer.stacked_weight[:y.shape[1]]
                         y_base, pending = layer.begin_stacked(x, base)
                         layer.finish(pending, y_base)
+                        if layer.fuse_norm and layer.defers(t):   # o/down: the update inside add + RMSNorm
+                            y_base, pending = layer.begin_stacked(x, base)
+                            norm_weight = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
+                            layer.finish_add_rms_norm(pending, y_base, norm_weight, 1e-5,
+                                                      torch.zeros_like(y))
                         if layer.fuse_silu_mul:
                             y_base, pending = layer.begin_stacked(x, base)
                             layer.finish_silu_mul(pending, y_base)

@@ -232,16 +232,24 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
                               torch.device("cpu"), torch.float32, backend="triton")
     stacked_keys, begin_stacked = [], LinearLoRASlots.begin_stacked
 
+    rows_stacked = []
+
     def stacked_spy(self, x, weight):
-        stacked_keys.append((self.input_size, tuple(self.output_sizes),
-                             self.launch_key(x.shape[0], self.state.batch.meta.num_active)))
+        key = (self.input_size, tuple(self.output_sizes), self.launch_key(x.shape[0], self.state.batch.meta.num_active))
+        if key not in stacked_keys:
+            rows_stacked.append(x.shape[0])
+        stacked_keys.append(key)
         return begin_stacked(self, x, weight)
     monkeypatch.setattr(LinearLoRASlots, "begin_stacked", stacked_spy)
     keys.clear()
     silu_mul_shapes.clear()
+    norm_calls.clear()
     calls = stacked_mgr.warm_up_kernels(1, 8)
     assert not keys and calls == len(set(stacked_keys)) > 1 and all(k[2][0] == "stacked" for k in stacked_keys)
-    assert len(stacked_keys) == calls + len(silu_mul_shapes) and silu_mul_shapes
+    assert len(stacked_keys) == calls + len(silu_mul_shapes) + len(norm_calls) and silu_mul_shapes
+    # o/down: the update inside add + RMSNorm over the stacked GEMM's output, once per key
+    assert norm_calls == [(*k[:2], t) for k, t in zip(dict.fromkeys(stacked_keys), rows_stacked)
+                          if len(k[1]) == 1] and norm_calls
     assert all(torch.count_nonzero(layer.lora_a) == 0 for layer in stacked_mgr.layers.values())
     torch_mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), _model(tiny_llama_dir),
                             torch.device("cpu"), torch.float32)

@@ -17,6 +17,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 from engine.attention import forward_context, select_backend
 from engine.cuda_graphs import GraphKey
@@ -163,6 +164,25 @@ def apply_gemm_sm_carveout() -> None:
         logger.info("cuBLASLt GEMMs leave %d SMs free (CHORUS_GEMM_SM_CARVEOUT)", carveout)
 
 
+def rotary_qkv_consumer(attn_module: nn.Module):
+    """f(pending, qkv) for ``LoRAManager.warm_up_kernels``: the attention module's rotary + KV write
+    on a [T, q + 2 kv] q/k/v projection output with its pending LoRA update added first, as a decode
+    step runs it (``engine.models.llama.LlamaAttention``: split, heads, ``rotary_emb.apply_and_write_kv``),
+    at position 0 with every cache write skipped (slot -1)."""
+    paged = attn_module.attn
+
+    def consume(pending, qkv: torch.Tensor) -> None:
+        q, k, v = qkv.split([attn_module.q_size, attn_module.kv_size, attn_module.kv_size], dim=-1)
+        num_tokens = qkv.shape[0]
+        positions = torch.zeros(num_tokens, dtype=torch.int64, device=qkv.device)           # [T]
+        slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=qkv.device)  # [T]: no write
+        attn_module.rotary_emb.apply_and_write_kv(
+            positions, q.reshape(-1, paged.num_heads, paged.head_dim),
+            k.reshape(-1, paged.num_kv_heads, paged.head_dim), v.reshape(-1, paged.num_kv_heads, paged.head_dim),
+            paged.k_cache, paged.v_cache, slot_mapping, pending)
+    return consume
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -277,9 +297,19 @@ class ModelRunner:
         sc = self.config.scheduler_config
         first_eager = max(self._graph_token_sizes, default=0) + 1 if self.use_cuda_graphs else 1
         t0 = time.perf_counter()
-        calls = self.lora_manager.warm_up_kernels(first_eager, sc.max_num_batched_tokens)
+        calls = self.lora_manager.warm_up_kernels(first_eager, sc.max_num_batched_tokens,
+                                                  qkv_consumer=self._lora_qkv_consumer())
         logger.info("LoRA kernels for eager steps of %d-%d tokens compiled (%d calls) in %.1f s", first_eager,
                     sc.max_num_batched_tokens, calls, time.perf_counter() - t0)
+
+    def _lora_qkv_consumer(self):
+        """``rotary_qkv_consumer`` of the model's first attention layer, where its rotary + KV write
+        is fused (CUDA, Triton attention backend, KV cache allocated); else None."""
+        attn = next((m for m in self.model.modules()
+                     if all(hasattr(m, a) for a in ("rotary_emb", "attn", "q_size", "kv_size"))), None)
+        if attn is None or attn.attn.k_cache is None or not attn.attn.fuses_rotary_write(attn.attn.k_cache):
+            return None
+        return rotary_qkv_consumer(attn)
 
     def tune_lora_stacked_gemms(self) -> None:
         """How many slots the few-adapters decode graphs' stacked GEMMs cover, timed before capture."""

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from lora.adapter_store import AdapterStore
 from lora.batch import LoRABatchState, LoRAMetaBuffers
 from lora.errors import InvalidLoRAAdapterError, LoRAAdapterError, LoRAAdapterNotFoundError
-from lora.layers import LinearLoRASlots
+from lora.layers import LinearLoRASlots, LoRAPending
 from lora.peft_adapter import LoRAAdapter, LoRATargets, load_peft_adapter
 from lora.peft_adapter import max_rank_in as _max_rank_in
 from lora.request import LoRARequest
@@ -262,7 +262,8 @@ class LoRAManager:
         max_slices = max(layer.num_slices for layer in self.layers.values())
         self.state.reserve(max_slices, max_num_tokens, self.max_lora_rank, self.device)
 
-    def warm_up_kernels(self, min_tokens: int, max_tokens: int) -> int:
+    def warm_up_kernels(self, min_tokens: int, max_tokens: int,
+                        qkv_consumer: Optional[Callable[[LoRAPending, torch.Tensor], None]] = None) -> int:
         """Compile the Triton LoRA kernels for eager steps of min_tokens..max_tokens tokens now
         (start-up), not in the first steps that need them; returns the number of layer calls made
         (0 on the torch backend).
@@ -275,8 +276,9 @@ class LoRAManager:
         the slots cycling over that many adapters (the slot buffers are zero: nothing changes),
         with the consumer fusions eager steps take (gate/up: SiLU-and-mul; o/down: add + RMSNorm,
         per-row at decode sizes, also over the stacked GEMM's output, segment tiles at long prefill
-        steps; not the q/k/v update inside rotary + KV write, which needs the model's rotary tables
-        and KV cache: with --enforce-eager it compiles on the first LoRA decode step).
+        steps; q/k/v: rotary + KV write, through ``qkv_consumer(pending, qkv)``, which the model
+        runner builds from the model's rotary tables and KV cache; without it that fusion compiles
+        on the first decode step that takes it).
         """
         if self.backend != "triton" or not self.layers or max_tokens < min_tokens:
             return 0
@@ -318,6 +320,9 @@ class LoRAManager:
                         if layer.fuse_silu_mul:
                             y_base, pending = layer.begin_stacked(x, base)
                             layer.finish_silu_mul(pending, y_base)
+                        if qkv_consumer is not None and layer.fuse_rotary and layer.defers(t):
+                            qkv, pending = layer.begin_stacked(x, base)   # q/k/v: inside rotary + KV write
+                            qkv_consumer(pending, qkv)
                         calls += 1
                         continue
                     layer(x, y)
@@ -330,6 +335,10 @@ class LoRAManager:
                         if pending.plan is not None:
                             norm_weight = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
                             layer.finish_add_rms_norm(pending, y, norm_weight, 1e-5, torch.zeros_like(y))
+                    elif qkv_consumer is not None and layer.fuse_rotary and layer.defers(t):
+                        pending = layer.begin(x)     # q/k/v: the update inside rotary + KV write
+                        if pending.plan is not None:
+                            qkv_consumer(pending, y)
                     calls += 1
         self.state.batch = None
         return calls

@@ -212,8 +212,12 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(LinearLoRASlots, "finish_add_rms_norm", norm_spy)
     import kernels.lora_expand_norm as lora_expand_norm
     monkeypatch.setattr(lora_expand_norm, "TILES_MIN_TOKENS", 150)     # "long prefill" from 150 tokens here
-    calls = mgr.warm_up_kernels(70, 200)
+    qkv_calls = []
+    calls = mgr.warm_up_kernels(70, 200, qkv_consumer=lambda pending, qkv: qkv_calls.append(
+        (pending.owner.input_size, tuple(pending.owner.output_sizes), qkv.shape[0])))
     assert calls == len(keys) == len(set(keys)) > 1                      # each key once
+    # q/k/v: the update inside rotary + KV write (the runner's consumer) at decode sizes (<= 128)
+    assert qkv_calls == [(*k[:2], t) for k, t in zip(keys, rows) if len(k[1]) == 3 and t <= 128] and qkv_calls
     gate_up = [k[:2] for k in keys if k[:2] == (model.config.hidden_size, (model.config.intermediate_size,) * 2)]
     assert silu_mul_shapes == gate_up and gate_up                        # the MLP's fused kernel too
     # o/down: the update inside add + RMSNorm for every key of a size that fuses it (<= 128 tokens:
@@ -244,12 +248,17 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
     keys.clear()
     silu_mul_shapes.clear()
     norm_calls.clear()
-    calls = stacked_mgr.warm_up_kernels(1, 8)
+    qkv_calls.clear()
+    calls = stacked_mgr.warm_up_kernels(1, 8, qkv_consumer=lambda pending, qkv: qkv_calls.append(
+        (pending.owner.input_size, tuple(pending.owner.output_sizes), qkv.shape[0])))
     assert not keys and calls == len(set(stacked_keys)) > 1 and all(k[2][0] == "stacked" for k in stacked_keys)
-    assert len(stacked_keys) == calls + len(silu_mul_shapes) + len(norm_calls) and silu_mul_shapes
+    assert silu_mul_shapes
     # o/down: the update inside add + RMSNorm over the stacked GEMM's output, once per key
     assert norm_calls == [(*k[:2], t) for k, t in zip(dict.fromkeys(stacked_keys), rows_stacked)
                           if len(k[1]) == 1] and norm_calls
+    assert qkv_calls == [(*k[:2], t) for k, t in zip(dict.fromkeys(stacked_keys), rows_stacked)
+                         if len(k[1]) == 3] and qkv_calls
+    assert len(stacked_keys) == calls + len(silu_mul_shapes) + len(norm_calls) + len(qkv_calls)
     assert all(torch.count_nonzero(layer.lora_a) == 0 for layer in stacked_mgr.layers.values())
     torch_mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), _model(tiny_llama_dir),
                             torch.device("cpu"), torch.float32)
@@ -342,3 +351,36 @@ def test_tune_stacked_cover(tiny_llama_dir):
     torch_mgr = LoRAManager(LoRAConfig(max_loras=8, max_lora_rank=8), _model(tiny_llama_dir),
                             torch.device("cpu"), torch.float32)
     assert torch_mgr.tune_stacked_cover([4], 2, timer=timer) == {}
+
+
+def test_rotary_qkv_consumer_adds_the_update(tiny_llama_dir):
+    """``engine.model_runner.rotary_qkv_consumer`` (the warm-up's q/k/v consumer): the attention's
+    rotary + KV write with the pending q/k/v update, at position 0 (no rotation) and with no cache
+    write: q, k, v become the projection plus the update, the cache stays empty."""
+    import numpy as np
+
+    from engine.model_runner import rotary_qkv_consumer
+
+    if torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET (set on CPU-only machines)")
+    model = _model(tiny_llama_dir)
+    mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), model, torch.device("cpu"), torch.float32,
+                      backend="triton")
+    attn = next(m for m in model.modules() if hasattr(m, "rotary_emb") and hasattr(m, "q_size"))
+    layer = attn.qkv_proj.lora
+    paged = attn.attn
+    paged.k_cache = torch.zeros(2, 16, paged.num_kv_heads, paged.head_dim)
+    paged.v_cache = torch.zeros_like(paged.k_cache)
+    torch.manual_seed(0)
+    for s, size in enumerate(layer.output_sizes):
+        layer.set_slice(1, s, LoRASliceWeights(torch.randn(8, layer.input_size) * 0.1, torch.randn(size, 8) * 0.1))
+    mgr.set_batch(np.array([1, -1, 1], dtype=np.int32), fixed_grid=True)   # slots written directly: no names
+    x = torch.randn(3, layer.input_size)
+    qkv = torch.randn(3, sum(layer.output_sizes))
+    want = qkv.clone()
+    layer.finish(layer.begin(x), want)
+    assert not torch.allclose(want, qkv)
+    rotary_qkv_consumer(attn)(layer.begin(x), qkv)
+    torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
+    assert not paged.k_cache.any() and not paged.v_cache.any()
+    mgr.state.batch = None

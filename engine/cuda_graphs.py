@@ -99,7 +99,7 @@ class GraphKey:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     output: torch.Tensor
-    """Decode: [batch_size, vocab] float32 logits. Mixed: [num_tokens, hidden] hidden states.
+    """Decode: [batch_size, vocab] logits (model dtype). Mixed: [num_tokens, hidden] hidden states.
     The graph's output buffer, rewritten by every replay."""
 
 
@@ -211,7 +211,7 @@ class StepGraphs:
             hidden = self.model(self.buffers.input_ids[:t], self.buffers.positions[:t])   # [t, hidden]
         if key.mixed:
             return hidden
-        return self.model.compute_logits(hidden)                    # [batch_size, vocab] float32
+        return self.model.compute_logits(hidden)                    # [batch_size, vocab] model dtype
 
     def keys_to_capture(self) -> list[GraphKey]:
         """Every graph, largest first (later captures reuse the pool memory of earlier ones)."""

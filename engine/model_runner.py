@@ -459,7 +459,7 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey]
                  ) -> tuple[Optional[torch.Tensor], dict[str, LogprobsLists]]:
-        """Logits [num_sampled, vocab] float32 of the sampling rows (None if none), prompt logprobs."""
+        """Logits [num_sampled, vocab] (model dtype) of the sampling rows (None if none), prompt logprobs."""
         if graph_key is not None and not graph_key.mixed:
             all_logits = self.graphs.replay(graph_key)                   # [batch_size, vocab]
             if inputs.all_rows_sample:
@@ -473,7 +473,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if not inputs.sample_req_ids:
             return None, prompt_logprobs
-        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logprobs  # [R, vocab] f32
+        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logprobs  # [R, vocab]
 
     def _sample(self, inputs: StepInputs, logits: Optional[torch.Tensor],
                 prompt_logprobs: dict[str, LogprobsLists]) -> PendingOutput:

@@ -194,7 +194,8 @@ class Sampler:
     """Stateless: all per-request state comes in ``SamplingMetadata`` (generators included)."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, to_host: bool = True) -> SamplerOutput:
-        """Sample one token per row. ``logits`` [R, vocab] float32 is not modified.
+        """Sample one token per row. ``logits`` [R, vocab] (float32 or the model's dtype; upcast here
+        unless the argmax alone decides, which is exact in any dtype) is not modified.
 
         With ``to_host=False`` nothing waits for the device unless some row wants logprobs: the
         ids stay on the device (``sampled_token_id_list`` None) for an async copy by the caller.

@@ -151,9 +151,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, hidden] -> logits [R, vocab] in float32."""
+        """hidden: [R, hidden] -> logits [R, vocab] in the model's dtype (as transformers computes
+        them; the sampler upcasts to float32 where it needs more than an argmax, so a greedy decode
+        step skips writing and re-reading a float32 copy: ~0.1 ms at batch 256 on the H200)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+        return torch.matmul(hidden, weight.t())
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

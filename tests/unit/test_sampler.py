@@ -90,6 +90,26 @@ def test_empty_batch_and_input_not_modified():
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_half_precision_logits_sample_as_their_float32_upcast(mode):
+    """The models hand over logits in their own dtype; every path must act as on the float32 copy."""
+    logits = rand_logits(6, seed=21).bfloat16()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=0.0, repetition_penalty=1.4), SamplingParams(temperature=0.9, seed=5),
+              SamplingParams(top_p=0.8, seed=6, logprobs=2), SamplingParams(top_k=3, min_p=0.1, seed=7)]
+    outputs = [[int(logits[i].float().argmax())] for i in range(6)]
+    for rows in (slice(0, 1), slice(0, 6)):   # the greedy fast path alone, then every path
+        half = sample(logits[rows], params[rows], outputs=outputs[rows], mode=mode)
+        full = sample(logits[rows].float(), params[rows], outputs=outputs[rows], mode=mode)
+        assert half.sampled_token_id_list == full.sampled_token_id_list
+        assert (half.logprobs is None) == (full.logprobs is None)
+        if full.logprobs is not None:
+            assert half.logprobs.token_ids == full.logprobs.token_ids
+            assert half.logprobs.logprobs == full.logprobs.logprobs
+            assert half.logprobs.ranks == full.logprobs.ranks
+    assert half.sampled_token_id_list[2] != outputs[2][0]   # the penalty moved row 2 off its argmax
+
+
 # ----------------------------------------------------------------------------------------
 # Penalties
 # ----------------------------------------------------------------------------------------

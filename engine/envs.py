@@ -56,14 +56,19 @@ def gemm_sm_carveout() -> int:
 
 def attn_decode_config() -> dict[str, int]:
     """CHORUS_ATTN_DECODE_CONFIG: decode attention tile overrides, e.g. "tile_n=64,num_warps=4,
-    num_stages=2" (``benchmarks/attention_sweep.py`` passes candidates directly instead)."""
+    num_stages=2,heads_first=0,heads_per_prog=1" (heads_per_prog=0: pure-decode batches take the
+    general kernel; ``benchmarks/attention_sweep.py`` passes candidates directly instead)."""
     raw = os.environ.get("CHORUS_ATTN_DECODE_CONFIG", "")
     out: dict[str, int] = {}
     for item in filter(None, (x.strip() for x in raw.split(","))):
         key, _, val = item.partition("=")
-        if key not in ("tile_n", "num_warps", "num_stages") or not val.isdigit() or int(val) < 1:
+        ok = val.isdigit() and (int(val) in (0, 1) if key == "heads_first" else
+                                int(val) in (0, 1, 2, 4, 8) if key == "heads_per_prog" else
+                                key in ("tile_n", "num_warps", "num_stages") and int(val) >= 1)
+        if not ok:
             raise ValueError(f"CHORUS_ATTN_DECODE_CONFIG: bad item {item!r}; use tile_n=, num_warps=, "
-                             f"num_stages= with positive integers.")
+                             f"num_stages= with positive integers, heads_first= 0 or 1, heads_per_prog= "
+                             f"0, 1, 2, 4 or 8.")
         out[key] = int(val)
     return out
 

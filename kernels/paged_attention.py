@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.paged_decode import MAX_DECODE_REQS, launch_paged_decode
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted,
                            next_power_of_2, num_sms)
 
@@ -34,6 +35,10 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 ALL_ROWS, DECODE_ROWS, PREFILL_ROWS = 0, 1, 2
 """Which requests one launch of the kernel serves (see ``_paged_attention_kernel``)."""
+DEFAULT_HEADS_PER_PROG = 1
+"""KV heads per program of ``kernels.paged_decode`` for pure-decode batches without split-KV
+(0: this module's kernel). H200 sweep (batch 256, 534-token contexts, best tiles each): 1 head
+135.9 us, 2 heads 138.2, 4 heads 142.9, 8 heads 171.8, this module's kernel 141.2."""
 
 
 @triton.jit
@@ -65,7 +70,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FIND_CHUNK: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     """Semantics (NUM_SPLITS == 1; scores in log2 units, qk_scale_log2 = scale * log2(e)):
 
@@ -84,9 +89,13 @@ def _paged_attention_kernel(
     DECODE_ROWS (grid: one program per request; only requests with exactly one query token);
     PREFILL_ROWS (the q-block grid; only requests with more than one query token). A mixed batch
     runs DECODE_ROWS with small tiles and PREFILL_ROWS with large ones: together they cover it.
+
+    HEADS_FIRST puts the KV head on grid axis 0 (launched fastest), so the programs of one q-block's
+    KV heads run together and read neighbouring rows of the [block, slot, kv_head, dim] cache (one
+    slot's heads are contiguous); otherwise the q-block is axis 0.
     """
-    pid_qb = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    pid_qb = tl.program_id(1) if HEADS_FIRST else tl.program_id(0)
+    kv_head = tl.program_id(0) if HEADS_FIRST else tl.program_id(1)
     seg = tl.program_id(2)
 
     if ROWS == 1:   # DECODE_ROWS
@@ -212,11 +221,16 @@ class _LaunchConfig:
     num_splits: int     # KV segments per q-block (1: no split-KV)
     num_warps: int
     num_stages: int = 3
+    heads_first: bool = True   # KV head on grid axis 0 (see the kernel); False: q-block on axis 0
+    heads_per_prog: int = 0    # > 0: a pure-decode batch runs kernels.paged_decode with this many
+                               # KV heads per program (0: this module's kernel)
 
 
 def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: int, num_kv_heads: int,
                    max_query_len: int, max_seq_len: int, num_splits: Optional[int],
-                   decode_tiles: Optional[dict] = None) -> _LaunchConfig:
+                   decode_tiles: Optional[dict] = None, pure_decode: bool = False) -> _LaunchConfig:
+    """Launch constants for one call; ``pure_decode``: every row is its request's only token (the
+    batch may take ``kernels.paged_decode`` when it needs no split-KV)."""
     interpreted = is_interpreted(device)
     head_pad = max(16, next_power_of_2(head_dim))
     min_m = 16 if (interpreted or max_query_len < 64) else 64
@@ -224,27 +238,42 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     block_q = block_m // group
     tile_n = 32 if interpreted else (64 if head_pad <= 128 else 32)
     num_warps, num_stages = (4 if head_pad <= 128 else 8), 3
+    heads_per_prog = 0
+    o = (decode_tiles or {}) if max_query_len == 1 else {}
     if max_query_len == 1 and not interpreted:
         # Decode tiles from benchmarks/attention_sweep.py on H200 (Llama-3-8B heads, 534-token
         # contexts): 2 stages beat 3 at batch 1 (6.3 vs 7.5 us, 16 splits) and 256 (140.8 vs 146.3 us).
         num_stages = 2
-        o = decode_tiles or {}
-        tile_n, num_warps, num_stages = (o.get("tile_n", tile_n), o.get("num_warps", num_warps),
-                                         o.get("num_stages", num_stages))
+    programs = num_reqs * num_kv_heads
+    sms = num_sms(device)
     if num_splits is None:
         num_splits = 1
-        programs = num_reqs * num_kv_heads
-        sms = num_sms(device)
         if not interpreted and max_query_len == 1 and programs < sms:
             # Flash-decoding: enough segments for about one wave, each at least one KV tile
             # (measured on H200, Llama-3-8B shapes, 512 ctx: batch 1 -> 8, 8 -> 4, 32 -> 1).
             want = next_power_of_2(cdiv(sms, max(programs, 1)))
-            max_useful = max(1, cdiv(max_seq_len, tile_n))
+            max_useful = max(1, cdiv(max_seq_len, o.get("tile_n", tile_n)))
             while want > 1 and want > max_useful:
                 want //= 2
             num_splits = min(want, MAX_SPLITS)
+    if pure_decode and num_splits == 1:
+        heads_per_prog = DEFAULT_HEADS_PER_PROG
+        if not interpreted and head_pad <= 128:
+            # kernels.paged_decode tiles (benchmarks/attention_sweep.py, H200, Llama-3-8B heads,
+            # contexts 267-2136): 64 keys, 2 warps, 3 stages at batch 64 (on a par with the general
+            # kernel) and at batch 256 from 1068-token contexts; 32 keys, 2 warps, 2 stages where
+            # programs fill >= 8 waves of SMs (batch 256 at 534: 135.7 vs 139.5 us; 141.1 general).
+            tile_n, num_warps, num_stages = (32, 2, 2) if programs >= 8 * sms else (64, 2, 3)
+    tile_n, num_warps, num_stages = (o.get("tile_n", tile_n), o.get("num_warps", num_warps),
+                                     o.get("num_stages", num_stages))
+    heads_first = bool(o.get("heads_first", True))
+    if heads_per_prog:
+        heads_per_prog = o.get("heads_per_prog", heads_per_prog)
+        while heads_per_prog > 1 and num_kv_heads % heads_per_prog:
+            heads_per_prog //= 2
     return _LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, head_pad=head_pad,
-                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                         heads_first=heads_first, heads_per_prog=heads_per_prog)
 
 
 def find_chunk(num_reqs: int) -> int:
@@ -259,11 +288,13 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, num_heads, head_dim = q.shape
     dev = q.device
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=dev, contiguous=True)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_tensor("k_cache", k_cache, shape=(None, block_size, num_kv_heads, head_dim))
-    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape), device=dev,
-                 contiguous=True)
+    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape), device=dev)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache: strides {v_cache.stride()} differ from k_cache's {k_cache.stride()} "
+                         f"(the kernel addresses both with k_cache's).")
     if block_size & (block_size - 1):
         raise ValueError(f"k_cache: block_size {block_size} must be a power of two.")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
@@ -305,8 +336,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Args:
         q: [num_tokens, num_heads, head_dim] float16/bfloat16/float32 (last dim contiguous).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, contiguous;
-            this step's K/V must already be written.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, last dim
+            contiguous, both with the same strides (contiguous, or e.g. the permuted view of a
+            [num_blocks, num_kv_heads, block_size, head_dim] tensor); this step's K/V must
+            already be written.
         query_start_loc: [num_reqs + 1] int32; request i owns q rows [qsl[i], qsl[i + 1]).
         seq_lens: [num_reqs] int32; context after this step (cached prefix + new tokens).
         block_tables: [num_reqs, max_num_blocks] int32 block ids per request.
@@ -323,7 +356,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         has_decodes: False skips the decode launch of a split batch (the caller knows no request
             has one query token).
         decode_tiles: overrides of the decode launches' tiles ({"tile_n", "num_warps",
-            "num_stages"}; the engine passes ``engine.envs.attn_decode_config()``).
+            "num_stages", "heads_first"}; the engine passes ``engine.envs.attn_decode_config()``).
 
     Returns:
         out, [num_tokens, num_heads, head_dim] in q's dtype. Rows past qsl[num_reqs] (padding
@@ -340,8 +373,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0 or num_reqs == 0:
         return out
 
+    pure_decode = max_query_len <= 1 and num_tokens == num_reqs and num_reqs <= MAX_DECODE_REQS
     cfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, max_query_len, max_seq_len,
-                         num_splits, decode_tiles)
+                         num_splits, decode_tiles, pure_decode=pure_decode)
+    if pure_decode and cfg.heads_per_prog > 0:
+        # Pure decode (one token per request, token i = request i): the kernel without the q-block lookup.
+        launch_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out, block_m=cfg.block_m,
+                            head_pad=cfg.head_pad, tile_n=cfg.tile_n, heads_per_prog=cfg.heads_per_prog,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
     if split_decodes is None:
         split_decodes = max_query_len > 1 and num_splits is None and cfg.block_m > max(16, next_power_of_2(group))
     if max_query_len <= 1 or not split_decodes:
@@ -375,7 +415,8 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
         part_acc = part_max = part_sum = out                           # unused
     upcast = is_interpreted(q.device) or q.dtype == torch.float32
     num_programs = num_reqs if rows == DECODE_ROWS else num_tokens // cfg.block_q + num_reqs
-    grid = (num_programs, num_kv_heads, cfg.num_splits)
+    heads_first = cfg.heads_first and num_programs < 65536   # grid axes 1 and 2 hold < 2**16
+    grid = (num_kv_heads, num_programs, cfg.num_splits) if heads_first else (num_programs, num_kv_heads, cfg.num_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
@@ -385,7 +426,7 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
         NUM_SPLITS=cfg.num_splits, UPCAST=upcast, FIND_CHUNK=find_chunk(num_reqs),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROWS=rows,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROWS=rows, HEADS_FIRST=heads_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:

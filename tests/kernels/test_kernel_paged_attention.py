@@ -107,6 +107,42 @@ def test_block_sizes_and_gqa(block_size, num_heads, num_kv_heads):
     assert_close(run_kernel(b, 0.25), paged_attention_ref(*b.args(), 0.25), torch.float32)
 
 
+@pytest.mark.parametrize("heads_per_prog", [0, 1, 2, 4])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (8, 4, 32, 16), (12, 4, 80, 16), (4, 1, 16, 32), (6, 2, 64, 64), (8, 8, 16, 16)])
+def test_pure_decode_kernel(heads_per_prog, num_heads, num_kv_heads, head_dim, block_size):
+    """Pure-decode batches run kernels.paged_decode with 1-4 KV heads per program (one loop over
+    (head, tile) pairs; fewer where the heads do not divide), or the general kernel (0); contexts
+    of 1 key, at and across block and tile edges, head dims padded to a power of two."""
+    import kernels.paged_attention as pa
+
+    layout = [(1, c) for c in (0, 31, 32, 33, 95, 6, block_size - 1, 2 * block_size)]
+    b = make_batch(layout, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   block_size=block_size, dtype=torch.bfloat16, seed=heads_per_prog + head_dim)
+    scale = head_dim ** -0.5
+    cfg = pa._choose_config(b.q.device, num_heads // num_kv_heads, head_dim, len(layout), num_kv_heads, 1,
+                            b.max_seq_len, None, {"heads_per_prog": heads_per_prog}, pure_decode=True)
+    assert cfg.heads_per_prog == (0 if heads_per_prog == 0 else math.gcd(heads_per_prog, num_kv_heads))
+    out = run_kernel(b, scale, decode_tiles={"heads_per_prog": heads_per_prog})
+    assert_close(out, paged_attention_ref(*b.args(), scale), torch.bfloat16)
+
+
+def test_pure_decode_kernel_only_for_one_token_per_row(monkeypatch):
+    """The decode kernel takes row i as request i: padding rows past the requests, or a batch
+    whose max_query_len exceeds 1, go to the general kernel."""
+    import kernels.paged_attention as pa
+
+    used = []
+    decode = pa.launch_paged_decode
+    monkeypatch.setattr(pa, "launch_paged_decode", lambda *a, **kw: used.append(1) or decode(*a, **kw))
+    b = make_batch(LAYOUTS["decodes"], head_dim=16, pad_tokens=2)
+    run_kernel(b, 0.25)
+    assert used == []
+    b = make_batch(LAYOUTS["decodes"], head_dim=16)
+    assert_close(run_kernel(b, 0.25), paged_attention_ref(*b.args(), 0.25), torch.float32)
+    assert used == [1]
+
+
 @pytest.mark.parametrize("layout,num_splits", [("decodes", 2), ("decodes", 8), ("mixed", 4)])
 def test_split_kv(layout, num_splits):
     """Flash-decoding path: partials per KV segment merged by the second kernel (empty
@@ -168,6 +204,18 @@ def test_strided_q_view_of_fused_qkv():
     assert_close(out, paged_attention_ref(*b.args(), 0.25), torch.float32)
 
 
+@pytest.mark.parametrize("layout", ["mixed", "decodes"])
+def test_head_major_cache_view(layout):
+    """A cache stored [block, KV head, slot, dim] and passed as its [block, slot, head, dim]
+    permuted view reads the same keys and values as the contiguous layout."""
+    b = make_batch(LAYOUTS[layout], head_dim=16)
+    q, kc, vc, qsl, sl, bt = b.args()
+    kh, vh = (c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in (kc, vc))
+    assert not kh.is_contiguous() and torch.equal(kh, kc)
+    out = paged_attention(q, kh, vh, qsl, sl, bt, b.max_query_len, b.max_seq_len, 0.25)
+    assert_close(out, paged_attention_ref(*b.args(), 0.25), torch.float32)
+
+
 def test_empty_request_in_batch():
     """A request with zero query tokens this step owns no rows and must not disturb others."""
     b = make_batch([(3, 5), (1, 9)], head_dim=16)
@@ -216,8 +264,10 @@ def test_rejects_bad_inputs():
     call = lambda *a, **kw: paged_attention(*a, b.max_query_len, b.max_seq_len, 0.25, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="k_cache: dtype"):
         call(q, kc.half(), vc, qsl, sl, bt)
-    with pytest.raises(ValueError, match="v_cache: must be contiguous"):
+    with pytest.raises(ValueError, match="v_cache: strides"):
         call(q, kc, vc.transpose(0, 1).contiguous().transpose(0, 1), qsl, sl, bt)
+    with pytest.raises(ValueError, match="k_cache: last dim must have stride 1"):
+        call(q, kc.transpose(-1, -2).contiguous().transpose(-1, -2), vc, qsl, sl, bt)
     with pytest.raises(ValueError, match="query_start_loc: dtype"):
         call(q, kc, vc, qsl.long(), sl, bt)
     with pytest.raises(ValueError, match="seq_lens: expected shape"):
@@ -244,11 +294,15 @@ def test_warm_up_runs_every_eager_variant_and_leaves_the_cache_alone(monkeypatch
     launches = []
     launch = pa._launch
     monkeypatch.setattr(pa, "_launch", lambda *a: launches.append((a[4].shape[0], a[-2], a[-1])) or launch(*a))
+    decode_launches = []   # pure-decode calls take kernels.paged_decode
+    decode = pa.launch_paged_decode
+    monkeypatch.setattr(pa, "launch_paged_decode",
+                        lambda *a, **kw: decode_launches.append(a[3].shape[0]) or decode(*a, **kw))
     kc = torch.randn(3, 16, 2, 32, device=DEVICE, dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32)
     vc = torch.randn_like(kc)
     before = (kc.clone(), vc.clone())
     calls = AttentionBackend("triton").warm_up(kc, vc, 4, 32 ** -0.5)
-    assert calls == 10 and len(launches) >= calls
+    assert calls == 10 and len(launches) >= calls - 2 and decode_launches == [2, 17]
     assert {pa.find_chunk(num_reqs) for num_reqs, _, _ in launches} == {16, 256}
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
     if DEVICE.type == "cuda":   # 64-token prefill tiles split the decodes off into a launch of their own
@@ -276,3 +330,6 @@ def test_gpu_real_sizes(layout, head_dim, dtype):
     ref = paged_attention_ref(*b.args(), scale)
     assert_close(run_kernel(b, scale), ref, dtype)                   # auto split choice
     assert_close(run_kernel(b, scale, num_splits=8), ref, dtype)     # forced split-KV
+    if layout == "decode_batch":                                     # kernels.paged_decode, 0 = general
+        for heads_per_prog in (0, 1, 4, 8):
+            assert_close(run_kernel(b, scale, decode_tiles={"heads_per_prog": heads_per_prog}), ref, dtype)

@@ -12,7 +12,9 @@ def test_attn_decode_config(monkeypatch):
     assert envs.attn_decode_config() == {}
     monkeypatch.setenv("CHORUS_ATTN_DECODE_CONFIG", "tile_n=32, num_warps=2,num_stages=4")
     assert envs.attn_decode_config() == {"tile_n": 32, "num_warps": 2, "num_stages": 4}
-    for bad in ("tile_n=0", "block_m=16", "tile_n=big", "tile_n"):
+    monkeypatch.setenv("CHORUS_ATTN_DECODE_CONFIG", "heads_first=0,heads_per_prog=0")
+    assert envs.attn_decode_config() == {"heads_first": 0, "heads_per_prog": 0}
+    for bad in ("tile_n=0", "block_m=16", "tile_n=big", "tile_n", "heads_first=2", "heads_per_prog=3"):
         monkeypatch.setenv("CHORUS_ATTN_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="CHORUS_ATTN_DECODE_CONFIG"):
             envs.attn_decode_config()

@@ -10,6 +10,8 @@ Per batch size B: B requests with random ``--context-len``-token prompts are pre
 engine runs decode-only steps (a CUDA graph each on CUDA, with async scheduling). Reported:
   * step ms: wall time per ``LLMEngine.step()`` in steady decode (what a user sees per token);
   * gpu ms: device time of one step (CUDA events around each step's work);
+  * graph ms: the batch's decode graph replayed alone, back to back (gpu ms minus this: input
+    copies, sampling and the waits between them);
   * busy: GPU-busy fraction of wall time over those steps (sum of step intervals / span);
   * eager ms: the same steps with CUDA graphs off (the runner's eager path);
   * floor ms: (weight bytes + KV bytes read per step) / copy bandwidth, the bandwidth measured
@@ -84,6 +86,25 @@ def _run_steps(engine, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def _graph_replay_ms(runner, batch: int, reps: int) -> float:
+    """Device ms of the batch's decode graph replayed alone, back to back over the last step's
+    inputs (it rewrites the same KV slots with the same values): a step's time minus this is
+    what runs outside the graph (input copies, sampling) or waits between them."""
+    if runner.graphs is None:
+        return float("nan")
+    key = runner.graphs.key_for(batch, batch, True, 0)
+    if key is None:
+        return float("nan")
+    runner.graphs.replay(key)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        runner.graphs.replay(key)
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / reps
+
+
 def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) -> list[dict]:
     from engine import LLM, SamplingParams
     from engine.model_runner import StepTimer
@@ -118,6 +139,7 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
         step_s = _run_steps(engine, args.steps)
         timing = runner.step_timer.summary() if cuda else {}
         runner.step_timer = None
+        graph_ms = _graph_replay_ms(runner, b, args.steps) if cuda else float("nan")
         graphs, runner.graphs = runner.graphs, None             # same steps, eager
         _run_steps(engine, 2)
         eager_s = _run_steps(engine, max(4, args.steps // 4))
@@ -127,13 +149,15 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
         floor_ms = fb["total_bytes"] / bandwidth * 1e3 if cuda else float("nan")
         gpu_ms = timing.get("gpu_busy_ms", float("nan")) / max(1, timing.get("steps", 1))
         rows.append(dict(batch=b, context_len=args.context_len, step_ms=step_s * 1e3, gpu_ms=gpu_ms,
+                         graph_ms=graph_ms,
                          busy_fraction=timing.get("busy_fraction", float("nan")), eager_step_ms=eager_s * 1e3,
                          floor_ms=floor_ms, step_over_floor=step_s * 1e3 / floor_ms,
                          tok_s=b / step_s, graphs=graphs is not None, **fb))
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-        print(f"chorus batch {b}: step {step_s * 1e3:.2f} ms, gpu {gpu_ms:.2f} ms, floor {floor_ms:.2f} ms, "
+        print(f"chorus batch {b}: step {step_s * 1e3:.2f} ms, gpu {gpu_ms:.2f} ms, graph {graph_ms:.2f} ms, "
+              f"floor {floor_ms:.2f} ms, "
               f"eager {eager_s * 1e3:.2f} ms, busy {timing.get('busy_fraction', float('nan')):.3f}",
               flush=True)
     del llm, engine, runner
@@ -219,10 +243,10 @@ def main() -> None:
 
     name = "llama3-8b-dummy" if args.llama3_8b_dummy else args.model
     print(f"\ncontext {args.context_len} tokens, model {name}, {device}, copy bw {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'batch':>5s} {'step ms':>8s} {'gpu ms':>7s} {'floor ms':>8s} {'x floor':>7s} {'busy':>6s} "
+    print(f"{'batch':>5s} {'step ms':>8s} {'gpu ms':>7s} {'graph ms':>8s} {'floor ms':>8s} {'x floor':>7s} {'busy':>6s} "
           f"{'eager ms':>8s} {'tok/s':>8s} {'HF ms/tok':>9s} {'x HF':>6s}")
     for r in rows:
-        print(f"{r['batch']:5d} {r['step_ms']:8.2f} {r['gpu_ms']:7.2f} {r['floor_ms']:8.2f} "
+        print(f"{r['batch']:5d} {r['step_ms']:8.2f} {r['gpu_ms']:7.2f} {r['graph_ms']:8.2f} {r['floor_ms']:8.2f} "
               f"{r['step_over_floor']:7.2f} {r['busy_fraction']:6.3f} {r['eager_step_ms']:8.2f} "
               f"{r['tok_s']:8.1f} "
               f"{r.get('hf_ms_per_token', float('nan')):9.2f} {r.get('speedup_vs_hf', float('nan')):6.1f}")

@@ -32,7 +32,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
-def _profile(engine, steps: int) -> tuple[dict, float]:
+def _profile(engine, steps: int) -> tuple[dict, float, dict]:
     """Kernel name -> (device us, launches) per step, and wall ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -44,15 +44,39 @@ def _profile(engine, steps: int) -> tuple[dict, float]:
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     table: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    spans = []   # (start us, end us, name) of every device event
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             name = ev.name[:90]
             table[name][0] += ev.device_time / steps if hasattr(ev, "device_time") else ev.cuda_time / steps
             table[name][1] += 1 / steps
-    return dict(table), wall_ms
+            spans.append((ev.time_range.start, ev.time_range.end, name))
+    return dict(table), wall_ms, _gaps(spans, steps)
 
 
-def _show(label: str, table: dict, wall_ms: float, top: int) -> dict:
+def _gaps(spans: list, steps: int) -> dict:
+    """Idle device time between consecutive device events (sorted by start; overlaps count as
+    no gap): per step in total, by size, and by (previous kernel -> next kernel) pair."""
+    spans.sort()
+    pairs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    sizes = {"<2us": 0.0, "2-5us": 0.0, "5-20us": 0.0, ">=20us": 0.0}
+    end, prev = None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gap = start - end
+            key = f"{prev[:40]} -> {name[:40]}"
+            pairs[key][0] += gap / steps
+            pairs[key][1] += 1 / steps
+            sizes["<2us" if gap < 2 else "2-5us" if gap < 5 else "5-20us" if gap < 20 else ">=20us"] += gap / steps
+        if end is None or stop > end:
+            end, prev = stop, name
+    total = sum(v[0] for v in pairs.values())
+    top = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:12]
+    return dict(idle_us_per_step=total, by_size_us=sizes,
+                top_pairs=[dict(pair=k, us_per_step=v[0], per_step=v[1]) for k, v in top])
+
+
+def _show(label: str, table: dict, wall_ms: float, gaps: dict, top: int) -> dict:
     total = sum(v[0] for v in table.values())
     launches = sum(v[1] for v in table.values())
     print(f"\n== {label}: device {total / 1e3:.2f} ms/step, wall {wall_ms:.2f} ms/step, "
@@ -61,7 +85,11 @@ def _show(label: str, table: dict, wall_ms: float, top: int) -> dict:
     rows = sorted(table.items(), key=lambda kv: -kv[1][0])
     for name, (us, n) in rows[:top]:
         print(f"{name:90s} {us:9.1f} {n:7.1f} {us / max(total, 1e-9):6.1%}")
-    return dict(label=label, device_ms=total / 1e3, wall_ms=wall_ms, kernels_per_step=launches,
+    sizes = ", ".join(f"{k} {v:.0f}" for k, v in gaps["by_size_us"].items())
+    print(f"idle between device events: {gaps['idle_us_per_step']:.0f} us/step ({sizes}); largest pairs:")
+    for p in gaps["top_pairs"][:8]:
+        print(f"  {p['us_per_step']:8.1f} us/step {p['per_step']:6.1f}x  {p['pair']}")
+    return dict(label=label, device_ms=total / 1e3, wall_ms=wall_ms, kernels_per_step=launches, gaps=gaps,
                 kernels=[dict(name=k, us_per_step=v[0], per_step=v[1]) for k, v in rows])
 
 
@@ -124,9 +152,9 @@ def main() -> None:
             engine.step()
         for _ in range(4):
             engine.step()
-        table, wall = _profile(engine, args.steps)
+        table, wall, gaps = _profile(engine, args.steps)
         lora = f", {args.lora_adapters} adapters" if loras else ""
-        report.append(_show(f"decode batch {b}{lora} (graph)", table, wall, args.top))
+        report.append(_show(f"decode batch {b}{lora} (graph)", table, wall, gaps, args.top))
         for mode in () if args.skip_mixed else ("graph", "eager"):
             graphs = engine.runner.graphs
             if mode == "eager":
@@ -135,10 +163,10 @@ def main() -> None:
             engine.add_request(rid, {"prompt_token_ids": _prompts(1, args.prefill_len, vocab, 7)[0]}, params,
                                lora_request=loras[0] if loras else None)
             # The step after the arrival: b decodes + the new prompt (async scheduling: one step ahead).
-            table, wall = _profile(engine, 2)
+            table, wall, gaps = _profile(engine, 2)
             engine.runner.graphs = graphs
             report.append(_show(f"mixed: {b} decodes + {args.prefill_len}-token prefill ({mode}), "
-                                f"2 steps averaged", table, wall, args.top))
+                                f"2 steps averaged", table, wall, gaps, args.top))
             engine.abort_request([rid])
         engine.abort_request(ids)
         while engine.has_unfinished_requests():

@@ -215,17 +215,21 @@ class AttentionBackend:
         new combination when first launched. On an H200 the first burst of 160 requests after start
         waited ~7 s for its first tokens (TTFT p50 7.0 s vs 1.8 s for the same burst right after).
         The calls attend 2 or 17 requests of zero queries over block 0 of the cache (read only),
-        with the longest query below and at the 64-token prefill tile, with and without decodes.
+        with the longest query below and at the 64-token prefill tile, with and without decodes,
+        and one pure-decode batch large enough for the decode kernel's small tiles.
         """
         if self.name != "triton":
             return 0
-        from kernels.paged_attention import paged_attention
+        from kernels.paged_attention import min_reqs_for_small_decode_tiles, paged_attention
 
         dev, dtype = k_cache.device, k_cache.dtype
         block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+        big_decode = max(18, min_reqs_for_small_decode_tiles(dev, k_cache.shape[2]))
         calls = 0
-        for num_reqs in (2, 17):                                   # both find_chunk widths
+        for num_reqs in (2, 17, big_decode):                       # both find_chunk widths; large decodes
             for max_query_len, others in ((1, 1), (2, 2), (2, 1), (64, 2), (64, 1)):
+                if num_reqs == big_decode and max_query_len > 1:
+                    continue
                 qlens = [max_query_len] + [others] * (num_reqs - 1)
                 qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
                 seq_lens = torch.tensor(qlens, dtype=torch.int32, device=dev)           # no cached prefix

@@ -35,6 +35,9 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 ALL_ROWS, DECODE_ROWS, PREFILL_ROWS = 0, 1, 2
 """Which requests one launch of the kernel serves (see ``_paged_attention_kernel``)."""
+SMALL_DECODE_TILE_WAVES = 8
+"""Pure-decode batches with at least this many programs (requests x KV heads) per SM take the
+small decode tiles (see ``_choose_config``)."""
 DEFAULT_HEADS_PER_PROG = 1
 """KV heads per program of ``kernels.paged_decode`` for pure-decode batches without split-KV
 (0: this module's kernel). H200 sweep (batch 256, 534-token contexts, best tiles each): 1 head
@@ -263,7 +266,7 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
             # contexts 267-2136): 64 keys, 2 warps, 3 stages at batch 64 (on a par with the general
             # kernel) and at batch 256 from 1068-token contexts; 32 keys, 2 warps, 2 stages where
             # programs fill >= 8 waves of SMs (batch 256 at 534: 135.7 vs 139.5 us; 141.1 general).
-            tile_n, num_warps, num_stages = (32, 2, 2) if programs >= 8 * sms else (64, 2, 3)
+            tile_n, num_warps, num_stages = (32, 2, 2) if programs >= SMALL_DECODE_TILE_WAVES * sms else (64, 2, 3)
     tile_n, num_warps, num_stages = (o.get("tile_n", tile_n), o.get("num_warps", num_warps),
                                      o.get("num_stages", num_stages))
     heads_first = bool(o.get("heads_first", True))
@@ -274,6 +277,12 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     return _LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, head_pad=head_pad,
                          num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                          heads_first=heads_first, heads_per_prog=heads_per_prog)
+
+
+def min_reqs_for_small_decode_tiles(device: torch.device, num_kv_heads: int) -> int:
+    """Pure-decode batches of at least this many requests take ``kernels.paged_decode``'s small
+    tiles (32 keys, 2 warps, 2 stages; a compile of their own, see ``_choose_config``)."""
+    return cdiv(SMALL_DECODE_TILE_WAVES * num_sms(device), max(num_kv_heads, 1))
 
 
 def find_chunk(num_reqs: int) -> int:

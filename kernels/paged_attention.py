@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import load_kv_tile, online_softmax_step
 from kernels.paged_decode import MAX_DECODE_REQS, launch_paged_decode
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted,
                            next_power_of_2, num_sms)
@@ -152,27 +153,10 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         kpos = tile * TILE_N + tl.arange(0, TILE_N)                 # [TILE_N]
         k_ok = kpos < kv_end
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_c_blk + (kpos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
-        k_t = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
-                      mask=k_ok[None, :] & dim_ok[:, None], other=0.0)       # [HEAD_PAD, TILE_N]
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
-                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)         # [TILE_N, HEAD_PAD]
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-            v = v.to(tl.float32)
-
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale_log2   # [BLOCK_M, TILE_N]
+        k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
+                              stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
         visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # NOTE: a row with no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
 
     tok = (q_start + q_tok).to(tl.int64)
     if NUM_SPLITS == 1:

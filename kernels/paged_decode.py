@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import load_kv_tile, online_softmax_step
+
 MAX_DECODE_REQS = 65535
 """Grid axis 1 holds the requests (CUDA allows < 2**16 there); larger batches take the general kernel."""
 
@@ -86,25 +88,9 @@ def _paged_decode_kernel(
                 q = q.to(tl.float32)
         kpos = tile * TILE_N + tl.arange(0, TILE_N)                     # [TILE_N]
         k_ok = kpos < seq_len
-        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_c_blk + (kpos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
-        k_t = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
-                      mask=k_ok[None, :] & dim_ok[:, None], other=0.0)   # [HEAD_PAD, TILE_N]
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
-                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)     # [TILE_N, HEAD_PAD]
-        if UPCAST:
-            k_t = k_t.to(tl.float32)
-            v = v.to(tl.float32)
-
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale_log2   # [BLOCK_M, TILE_N]
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)          # no visible key yet: avoid inf - inf
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
+                              stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
+        m_i, l_i, acc = online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
         if HEADS_PER_PROG > 1:
             # The head's last tile: store it and start the next head from scratch (branch-free,
             # so the loop stays one software-pipelined loop).

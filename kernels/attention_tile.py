@@ -1,0 +1,50 @@
+"""One KV tile of paged flash attention: the gather through the block table and the online-softmax
+update. Shared by ``kernels.paged_attention`` (mixed batches) and ``kernels.paged_decode`` (pure
+decode); both inline these (Triton jit functions), so each kernel compiles as if written out.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
+                 stride_c_blk, stride_c_slot, stride_c_head,
+                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys ``kpos`` [TILE_N] of KV head ``kv_head`` through the request's block-table row ``bt_row``:
+    K[p] = k_cache[bt_row[p // BLOCK_SIZE], p % BLOCK_SIZE, kv_head] (V likewise) for p with
+    ``k_ok``, 0 elsewhere and on dims past ``dim_ok``. Returns K^T [HEAD_PAD, TILE_N] and
+    V [TILE_N, HEAD_PAD], in float32 when ``UPCAST``."""
+    blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    kv_off = blk * stride_c_blk + (kpos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
+    k_t = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
+                  mask=k_ok[None, :] & dim_ok[:, None], other=0.0)       # [HEAD_PAD, TILE_N]
+    v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
+                mask=k_ok[:, None] & dim_ok[None, :], other=0.0)         # [TILE_N, HEAD_PAD]
+    if UPCAST:
+        k_t = k_t.to(tl.float32)
+        v = v.to(tl.float32)
+    return k_t, v
+
+
+@triton.jit
+def online_softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_PRECISION: tl.constexpr):
+    """Fold one tile into the running state (scores in log2 units):
+
+        s = q @ k_t * qk_scale_log2, -inf where not ``visible``       [BLOCK_M, TILE_N]
+        m' = max(m, rowmax s);  p = 2^(s - m');  alpha = 2^(m - m')
+        l' = l * alpha + rowsum p;  acc' = acc * alpha + p @ v          (fp32)
+
+    Returns (m', l', acc'). A row with no visible key yet keeps m = -inf and is shifted by 0,
+    not by -inf (no inf - inf)."""
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale_log2   # [BLOCK_M, TILE_N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -349,7 +349,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         has_decodes: False skips the decode launch of a split batch (the caller knows no request
             has one query token).
         decode_tiles: overrides of the decode launches' tiles ({"tile_n", "num_warps",
-            "num_stages", "heads_first"}; the engine passes ``engine.envs.attn_decode_config()``).
+            "num_stages", "heads_first", "heads_per_prog"}; the engine passes
+            ``engine.envs.attn_decode_config()``).
 
     Returns:
         out, [num_tokens, num_heads, head_dim] in q's dtype. Rows past qsl[num_reqs] (padding

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
+from kernels.utils import is_interpreted
 
 MAX_DECODE_REQS = 65535
 """Grid axis 1 holds the requests (CUDA allows < 2**16 there); larger batches take the general kernel."""
@@ -115,8 +116,6 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """One launch over a pure-decode batch (q row i is request i's only token). The caller
     (``kernels.paged_attention.paged_attention``) has checked the inputs and picked the tiles;
     ``heads_per_prog`` must divide num_kv_heads and num_reqs be <= ``MAX_DECODE_REQS``."""
-    from kernels.utils import is_interpreted
-
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -127,6 +127,15 @@ def test_pure_decode_kernel(heads_per_prog, num_heads, num_kv_heads, head_dim, b
     assert_close(out, paged_attention_ref(*b.args(), scale), torch.bfloat16)
 
 
+@pytest.mark.parametrize("heads_first", [0, 1])
+def test_grid_orders_of_the_general_kernel(heads_first):
+    """KV heads on grid axis 0 (default) or the q-blocks: the same rows either way."""
+    b = make_batch(LAYOUTS["decodes"], head_dim=16, pad_tokens=1)   # padding: not pure decode
+    n = int(b.query_start_loc[-1])
+    out = run_kernel(b, 0.25, decode_tiles={"heads_first": heads_first})
+    assert_close(out[:n], paged_attention_ref(*b.args(), 0.25)[:n], torch.float32)
+
+
 def test_pure_decode_kernel_only_for_one_token_per_row(monkeypatch):
     """The decode kernel takes row i as request i: padding rows past the requests, or a batch
     whose max_query_len exceeds 1, go to the general kernel."""

@@ -54,6 +54,16 @@ def gemm_sm_carveout() -> int:
     return int(raw)
 
 
+def pdl() -> bool:
+    """CHORUS_PDL: 1 launches the decode step's norm, SiLU-and-mul, rotary + KV-write and decode
+    attention kernels with programmatic dependent launch on Hopper+ GPUs (``kernels.pdl``); 0
+    (default) launches them plainly. Experimental: not measured yet."""
+    raw = os.environ.get("CHORUS_PDL", "0").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"CHORUS_PDL={raw!r}: use 0 or 1.")
+    return raw == "1"
+
+
 def attn_decode_config() -> dict[str, int]:
     """CHORUS_ATTN_DECODE_CONFIG: decode attention tile overrides, e.g. "tile_n=64,num_warps=4,
     num_stages=2,heads_first=0,heads_per_prog=1" (heads_per_prog=0: pure-decode batches take the

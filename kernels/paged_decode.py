@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
+from kernels.pdl import launch_kwargs, pdl_wait_then_release, use_pdl
 from kernels.utils import is_interpreted
 
 MAX_DECODE_REQS = 65535
@@ -44,7 +45,7 @@ def _paged_decode_kernel(
     stride_c_blk, stride_c_slot, stride_c_head, stride_bt_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Semantics (scores in log2 units, qk_scale_log2 = scale * log2(e)): for request r (query
     token r) and each query head h of KV heads [g * HEADS_PER_PROG, (g + 1) * HEADS_PER_PROG),
@@ -54,12 +55,14 @@ def _paged_decode_kernel(
         s[p] = q[r, h] . K[p] * qk_scale_log2
         out[r, h] = sum_p 2^(s[p] - max s) V[p] / sum_p 2^(s[p] - max s)   (fp32, stored in out's dtype)
 
-    A request with seq_lens[r] == 0 gets zeros.
+    A request with seq_lens[r] == 0 gets zeros. PDL: launched with programmatic dependent launch
+    (``kernels.pdl``): ``seq_lens`` (a step input) loads before the wait, q and the cache after it.
     """
     kvh0 = tl.program_id(0) * HEADS_PER_PROG
     req = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.maximum(tl.cdiv(seq_len, TILE_N), 1)
+    pdl_wait_then_release(PDL)
 
     rows = tl.arange(0, BLOCK_M)                                    # query heads of one KV head
     row_ok = rows < GROUP
@@ -123,6 +126,7 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"paged decode: heads_per_prog {heads_per_prog} must divide {num_kv_heads} KV heads, "
                          f"and {q.shape[0]} query rows must be the {num_reqs} requests (<= {MAX_DECODE_REQS}).")
     upcast = is_interpreted(q.device) or q.dtype == torch.float32
+    pdl = use_pdl(q.device)
     grid = (num_kv_heads // heads_per_prog, num_reqs)
     _paged_decode_kernel[grid](
         out, q, k_cache, v_cache, seq_lens, block_tables, float(scale) * 1.4426950408889634,
@@ -130,6 +134,6 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         TILE_N=tile_n, BLOCK_M=block_m, HEADS_PER_PROG=heads_per_prog, UPCAST=upcast,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
     )

@@ -20,6 +20,16 @@ def test_attn_decode_config(monkeypatch):
             envs.attn_decode_config()
 
 
+def test_pdl(monkeypatch):
+    monkeypatch.delenv("CHORUS_PDL", raising=False)
+    assert envs.pdl() is False
+    monkeypatch.setenv("CHORUS_PDL", "1")
+    assert envs.pdl() is True
+    monkeypatch.setenv("CHORUS_PDL", "yes")
+    with pytest.raises(ValueError, match="CHORUS_PDL"):
+        envs.pdl()
+
+
 def test_lora_kernel_configs(monkeypatch):
     from kernels.lora_expand import LoRAExpandConfig
     from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override

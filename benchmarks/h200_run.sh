@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [lora-decode-sweep] [ml-b64] [ml-b256]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [lora-decode-sweep] [ml-b64] [ml-b256] [pdl-ab]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -155,6 +155,13 @@ for phase in "$@"; do
       timeout 240 python3 benchmarks/multi_lora.py --batch-sizes 64 --input-len 512 --output-len 128 --skip-hf \
         --num-adapters 1,4,16,64 --max-loras 64 --base-last --out "$OUT/multi_lora_b64.json" 2>&1 \
         | grep -E "^chorus|decode graph|eager" ;;
+    pdl-ab)   # CHORUS_PDL off / on / off / on (batch 256 and 1), after the PDL and attention GPU tests
+      timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_pdl.py \
+        tests/kernels/test_kernel_paged_attention.py -k "gpu or cuda" 2>&1 | tee "$OUT/pdl_tests.log" | tail -2
+      for r in 1 2; do for p in 0 1; do
+        CHORUS_PDL=$p timeout 150 python3 benchmarks/latency.py --llama3-8b-dummy --batch-sizes 256,1 --context-len 512 \
+          --steps 32 --skip-hf --out "$OUT/latency_pdl${p}_$r.json" 2>&1 | grep -E "^ +(256|1) " | sed "s/^/pdl $p: /"
+      done; done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants
       python3 -c "from pathlib import Path; from benchmarks.throughput import dummy_checkpoint; \

@@ -109,7 +109,7 @@ def test_block_sizes_and_gqa(block_size, num_heads, num_kv_heads):
 
 @pytest.mark.parametrize("heads_per_prog", [0, 1, 2, 4])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (8, 4, 32, 16), (12, 4, 80, 16), (4, 1, 16, 32), (6, 2, 64, 64), (8, 8, 16, 16), (4, 2, 256, 16)])
+    (8, 4, 32, 16), (12, 4, 80, 16), (4, 1, 16, 32), (6, 2, 64, 64), (8, 8, 16, 16), (4, 2, 256, 16), (32, 1, 16, 16)])
 def test_pure_decode_kernel(heads_per_prog, num_heads, num_kv_heads, head_dim, block_size):
     """Pure-decode batches run kernels.paged_decode with 1-4 KV heads per program (one loop over
     (head, tile) pairs; fewer where the heads do not divide), or the general kernel (0); contexts

@@ -10,8 +10,9 @@ Per batch size B: B requests with random ``--context-len``-token prompts are pre
 engine runs decode-only steps (a CUDA graph each on CUDA, with async scheduling). Reported:
   * step ms: wall time per ``LLMEngine.step()`` in steady decode (what a user sees per token);
   * gpu ms: device time of one step (CUDA events around each step's work);
-  * graph ms: the batch's decode graph replayed alone, back to back (gpu ms minus this: input
-    copies, sampling and the waits between them);
+  * graph ms: the batch's decode graph replayed alone, back to back (to compare with gpu ms,
+    which adds the step's input copies and sampling; on the H200 the replays ran slower than
+    whole steps at batch 128-256, see benchmarks/RESULTS.md);
   * busy: GPU-busy fraction of wall time over those steps (sum of step intervals / span);
   * eager ms: the same steps with CUDA graphs off (the runner's eager path);
   * floor ms: (weight bytes + KV bytes read per step) / copy bandwidth, the bandwidth measured
@@ -88,8 +89,7 @@ def _run_steps(engine, steps: int) -> float:
 
 def _graph_replay_ms(runner, batch: int, reps: int) -> float:
     """Device ms of the batch's decode graph replayed alone, back to back over the last step's
-    inputs (it rewrites the same KV slots with the same values): a step's time minus this is
-    what runs outside the graph (input copies, sampling) or waits between them."""
+    inputs (it rewrites the same KV slots with the same values)."""
     if runner.graphs is None:
         return float("nan")
     key = runner.graphs.key_for(batch, batch, True, 0)

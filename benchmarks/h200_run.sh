@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [lora-decode-sweep] [ml-b64] [ml-b256] [pdl-ab]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [lora-decode-sweep] [ml-b64] [ml-b256] [pdl-ab] [splitk-ab]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -161,6 +161,17 @@ for phase in "$@"; do
       for r in 1 2; do for p in 0 1; do
         CHORUS_PDL=$p timeout 150 python3 benchmarks/latency.py --llama3-8b-dummy --batch-sizes 256,1 --context-len 512 \
           --steps 32 --skip-hf --out "$OUT/latency_pdl${p}_$r.json" 2>&1 | grep -E "^ +(256|1) " | sed "s/^/pdl $p: /"
+      done; done ;;
+    splitk-ab)   # split-K o/down GEMMs summed in the add + RMSNorm: GPU tests, the sweep at small batches,
+      # then CHORUS_GEMM_SPLIT_K / CHORUS_PDL 0/0, 1/0, 1/1 twice (batch 256, 128, 32, 1)
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_layer_ops.py \
+        tests/models/test_gpu_parity.py 2>&1 | tee "$OUT/splitk_tests.log" | tail -2
+      timeout 60 python3 benchmarks/splitk_sweep.py --shapes down,o --ms 3,4,8,16,32 --splits 2 \
+        --out "$OUT/splitk_small.json" 2>&1 | grep -v Warn
+      for r in 1 2; do for sp in 0/0 1/0 1/1; do
+        CHORUS_GEMM_SPLIT_K=${sp%/*} CHORUS_PDL=${sp#*/} timeout 150 python3 benchmarks/latency.py --llama3-8b-dummy \
+          --batch-sizes 256,128,32,1 --context-len 512 --steps 32 --skip-hf --out "$OUT/latency_splitk${sp/\//_}_$r.json" \
+          2>&1 | grep -E "^ +(256|128|32|1) " | sed "s|^|split/pdl $sp: |"
       done; done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants

@@ -54,6 +54,16 @@ def gemm_sm_carveout() -> int:
     return int(raw)
 
 
+def gemm_split_k() -> bool:
+    """CHORUS_GEMM_SPLIT_K: 1 (default) runs o_proj and down_proj of decode-sized steps on CUDA as
+    one batched GEMM over two halves of K whose partials the next add + RMSNorm sums
+    (``engine.layers.fused.split_k_parts``); 0 runs them as plain cuBLAS GEMMs."""
+    raw = os.environ.get("CHORUS_GEMM_SPLIT_K", "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"CHORUS_GEMM_SPLIT_K={raw!r}: use 0 or 1.")
+    return raw == "1"
+
+
 def pdl() -> bool:
     """CHORUS_PDL: 1 launches the decode step's norm, SiLU-and-mul, rotary + KV-write and decode
     attention kernels with programmatic dependent launch on Hopper+ GPUs (``kernels.pdl``); 0

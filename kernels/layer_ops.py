@@ -29,17 +29,22 @@ from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
 # ----------------------------------------------------------------------------------------
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, hidden, eps,
-                         stride_x, stride_r, stride_o,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Semantics, one program per row t (dtype = x's dtype, math in float32):
+                         stride_x, stride_r, stride_o, stride_part,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_PARTS: tl.constexpr = 1,
+                         PDL: tl.constexpr = False):
+    """Semantics, one program per row t (dtype = residual's dtype, or x's without a residual;
+    math in float32):
 
+        x_t = x[0][t] + x[1][t] + ... + x[NUM_PARTS - 1][t]     (NUM_PARTS > 1: split-K partials,
+                                                                  summed in this order)
         if HAS_RESIDUAL:
-            s = dtype(x[t] + residual[t]); residual[t] = s          (in place)
+            s = dtype(x_t + residual[t]); residual[t] = s       (in place)
         else:
-            s = x[t]
+            s = x_t
         n = dtype(s / sqrt(mean(s^2) + eps))
         out[t] = dtype(weight * n)
 
+    stride_part: elements between two partials (x[p] starts at x_ptr + p * stride_part).
     PDL: launched with programmatic dependent launch (``kernels.pdl``).
     """
     pdl_wait_then_release(PDL)
@@ -47,6 +52,8 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, hidden, eps,
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, NUM_PARTS):
+        x += tl.load(x_ptr + part * stride_part + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(residual_ptr.dtype.element_ty)
@@ -63,24 +70,33 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """RMSNorm of ``x`` (or of ``x + residual``, which is then stored into ``residual``).
 
     Args:
-        x: [num_tokens, hidden], float16/bfloat16/float32, last dim contiguous.
-        weight: [hidden], x's dtype.
+        x: [num_tokens, hidden], float16/bfloat16/float32, last dim contiguous; or split-K
+            partials [num_parts, num_tokens, hidden] (``engine.layers.fused``: a projection run as
+            one batched GEMM over slices of K), summed here in float32, any float dtype; partials
+            need ``residual``.
+        weight: [hidden], in the activation dtype (x's, or residual's with partials).
         eps: added to the mean square.
-        residual: optional [num_tokens, hidden] in x's dtype, last dim contiguous; updated in place.
-        out: optional output ([num_tokens, hidden], x's dtype); may be ``x`` itself.
+        residual: optional [num_tokens, hidden], last dim contiguous; updated in place.
+        out: optional output ([num_tokens, hidden], the activation dtype); may be a 2-D ``x``.
 
     Returns:
         out: the normalized rows.
     """
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    num_tokens, hidden = x.shape
-    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(hidden,), device=x.device, contiguous=True)
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected [num_tokens, hidden] or [num_parts, num_tokens, hidden], got {tuple(x.shape)}.")
+    num_parts = x.shape[0] if x.dim() == 3 else 1
+    num_tokens, hidden = x.shape[-2:]
+    if x.dim() == 3 and residual is None:
+        raise ValueError("x: split-K partials ([num_parts, num_tokens, hidden]) need a residual to sum into.")
+    dtype = x.dtype if residual is None else residual.dtype
     if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), shape=(num_tokens, hidden), device=x.device,
-                     last_dim_contiguous=True)
+        check_tensor("residual", residual, dtypes=FLOAT_DTYPES if num_parts > 1 else (x.dtype,),
+                     shape=(num_tokens, hidden), device=x.device, last_dim_contiguous=True)
+    check_tensor("weight", weight, dtypes=(dtype,), shape=(hidden,), device=x.device, contiguous=True)
     if out is None:
-        out = torch.empty_like(x)                                  # [num_tokens, hidden]
-    check_tensor("out", out, dtypes=(x.dtype,), shape=(num_tokens, hidden), device=x.device,
+        out = torch.empty(num_tokens, hidden, device=x.device, dtype=dtype)   # [num_tokens, hidden]
+    check_tensor("out", out, dtypes=(dtype,), shape=(num_tokens, hidden), device=x.device,
                  last_dim_contiguous=True)
     if num_tokens == 0:
         return out
@@ -88,9 +104,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     pdl = use_pdl(x.device)
     _add_rms_norm_kernel[(num_tokens,)](
         x, residual if residual is not None else x, weight, out, hidden, float(eps),
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, num_warps=min(16, max(1, block // 256)),
-        **launch_kwargs(pdl))
+        x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
+        x.stride(0) if num_parts > 1 else 0,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_PARTS=num_parts, PDL=pdl,
+        num_warps=min(16, max(1, block // 256)), **launch_kwargs(pdl))
     return out
 
 

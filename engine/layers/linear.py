@@ -54,6 +54,18 @@ class Linear(nn.Module):
         y, pending = self._base_with_lora(x)
         return y if pending is None else self.lora.finish(pending, y)
 
+    def forward_split_k(self, x: torch.Tensor, num_parts: int) -> torch.Tensor:
+        """The product without bias or adapter as ``num_parts`` partial products over equal slices
+        of the input features: x [num_tokens, input_size] -> [num_parts, num_tokens, output_size],
+        whose sum over dim 0 is ``x @ W.T``. One batched GEMM on strided views of x and W (no
+        copies); the consumer sums the partials (``kernels.layer_ops.add_rms_norm``). Policy:
+        ``engine.layers.fused.split_k_parts``."""
+        num_tokens, k = x.shape
+        part_k = k // num_parts
+        xs = x.view(num_tokens, num_parts, part_k).transpose(0, 1)                # [P, T, K/P]
+        ws = self.weight.view(self.output_size, num_parts, part_k).permute(1, 2, 0)  # [P, K/P, N]
+        return torch.bmm(xs, ws)                                                   # [P, T, N]
+
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
         """(y, pending): like ``forward``, but when the LoRA hook fuses its update into the
         consumer (``LinearLoRASlots.defers``: gate/up into SiLU-and-mul, q/k/v into the rotary + KV

@@ -21,14 +21,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
 
+        x: [num_tokens, hidden], or with ``residual`` split-K partials [num_parts, num_tokens,
+        hidden] whose sum is x (``engine.layers.fused.split_k_parts``).
         NOTE: on CUDA, with ``residual`` given, ``x`` and ``residual`` are overwritten (the
-        returned tensors are those two); callers never reuse them.
+        returned tensors are a 2-D x and residual); callers never reuse them.
         """
         if x.is_cuda:
             from kernels.layer_ops import add_rms_norm
             if residual is None:
                 return add_rms_norm(x, self.weight, self.eps)
-            return add_rms_norm(x, self.weight, self.eps, residual=residual, out=x), residual
+            out = x if x.dim() == 2 else None
+            return add_rms_norm(x, self.weight, self.eps, residual=residual, out=out), residual
         return self.forward_torch(x, residual)
 
     def forward_pending(self, x: torch.Tensor, residual: Optional[torch.Tensor], lora_pending=None):
@@ -42,7 +45,13 @@ class RMSNorm(nn.Module):
         return lora_pending.owner.finish_add_rms_norm(lora_pending, x, self.weight, self.eps, residual)
 
     def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None:
+        if x.dim() == 3:             # split-K partials: summed in float32, in order, then + residual
+            total = x[0].float()
+            for part in x[1:]:
+                total = total + part.float()
+            x = (total + residual.float()).to(residual.dtype)
+            residual = x
+        elif residual is not None:
             x = x + residual
             residual = x
         dtype = x.dtype

@@ -55,6 +55,30 @@ def test_add_rms_norm_in_place():
     torch.testing.assert_close(res, ref_res, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_parts", [2, 3])
+@pytest.mark.parametrize("part_dtype,dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                              (torch.float32, torch.float32)])
+def test_add_rms_norm_sums_split_k_partials(num_parts, part_dtype, dtype):
+    """x as [num_parts, T, hidden] partial products: summed in float32 in order, then the
+    residual add and the norm, as the twin does; the residual takes the rounded sum."""
+    g = torch.Generator().manual_seed(num_parts)
+    parts = torch.randn(num_parts, 6, 96, generator=g).to(part_dtype).to(DEVICE)
+    res = torch.randn(6, 96, generator=g).to(dtype).to(DEVICE)
+    norm = RMSNorm(96, 1e-5).to(DEVICE)
+    norm.weight.data = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEVICE)
+    ref_out, ref_res = norm.forward_torch(parts, res.clone())
+    expect_sum = (sum(p.float() for p in parts) + res.float()).to(dtype)
+    torch.testing.assert_close(ref_res, expect_sum, rtol=0, atol=0)      # the twin's own semantics
+    res_k = res.clone()
+    out = add_rms_norm(parts, norm.weight, 1e-5, residual=res_k)
+    rtol, atol = _tol(dtype)
+    assert out.shape == (6, 96) and out.dtype == dtype
+    torch.testing.assert_close(res_k.float(), ref_res.float(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=rtol, atol=atol)
+    with pytest.raises(ValueError, match="need a residual"):
+        add_rms_norm(parts, norm.weight, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,partial",
                          [(4, 2, 16, 1.0), (6, 1, 24, 1.0), (4, 4, 32, 0.5), (3, 3, 80, 1.0)])

@@ -50,3 +50,69 @@ def test_fused_decode_matches_unfused(arch, tiny_llama_dir, tiny_qwen2_dir, tiny
     # Decode steps (2 tokens) took the fused path; prefill steps did not.
     assert calls["add_rms_norm_gemv"] > 0 and calls["silu_mul_gemv"] > 0 and calls["gemv"] > 0
     assert calls["add_rms_norm_gemv"] == 2 * calls["silu_mul_gemv"] == 2 * calls["gemv"]
+
+
+# ----------------------------------------------------------------------------------------
+# Split-K into the norm: o_proj / down_proj as partial products the add + RMSNorm sums
+# ----------------------------------------------------------------------------------------
+def test_split_k_policy_by_shape():
+    """Llama-3-8B's o_proj / down_proj (N = 4096) on 132 SMs split from 3 to 256 tokens; neither
+    a step the GEMV path takes, nor a small or unaligned K, nor a GEMM whose tiles fill the GPU."""
+    for k in (4096, 14336):
+        assert [fused.split_k_parts_for(t, k, 4096, 132) for t in (1, 2, 3, 64, 256, 257, 1024)] == [1, 1, 2, 2, 2, 1, 1]
+    assert fused.split_k_parts_for(64, 1024, 4096, 132) == 1            # K below SPLIT_K_MIN_K
+    assert fused.split_k_parts_for(64, 4104, 4096, 132) == 1            # halves not 16-byte aligned
+    assert fused.split_k_parts_for(64, 4096, 16384, 132) == 1           # 128 tiles: the GPU is full
+
+
+def test_split_k_needs_cuda_bf16_and_no_adapter_update():
+    import torch
+
+    from engine.layers.linear import Linear
+    lin = Linear(4096, [4096]).to(torch.bfloat16)
+    assert fused.split_k_parts(lin, torch.zeros(64, 4096, dtype=torch.bfloat16)) == 1    # CPU: never
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "lora"])
+def test_split_k_in_the_model_matches_plain(case, tiny_llama_dir, tiny_qwen2_dir, tiny_prompts, tmp_path, monkeypatch):
+    """The split-K path forced on CPU for every o_proj / down_proj call it may take: same tokens and
+    logprobs as the plain GEMMs. Steps that carry an adapter never split: every projection with
+    LoRA slots then adds an update (zero where the adapter has no weights), so ``split_k_parts``
+    says 1 even for the o/down of an adapter on q/v only."""
+    import torch
+
+    from engine.layers.linear import Linear
+    from lora.request import LoRARequest
+    from tests.lora.utils import build_peft_adapter
+
+    model_dir = str(tiny_qwen2_dir if case == "qwen2" else tiny_llama_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    prompts = tiny_prompts[:2]
+    kw = dict(max_num_seqs=2, enable_prefix_caching=False)
+    reqs = None
+    if case == "lora":
+        path = build_peft_adapter(tiny_llama_dir, tmp_path / case, r=4, lora_alpha=8,
+                                  target_modules=["q_proj", "v_proj"], seed=5)
+        reqs = [LoRARequest("a", 1, str(path))] * len(prompts)     # every step carries the adapter
+        kw |= dict(enable_lora=True, max_loras=1, max_lora_rank=8)
+    ref = LLM(model_dir, **kw).generate(prompts, params, lora_request=reqs, use_tqdm=False)
+
+    def forced(linear, x):
+        eligible = x.dim() == 2 and x.is_contiguous() and linear.bias is None and (
+            linear.lora is None or linear.lora.adds_nothing())
+        return 2 if eligible else 1
+    monkeypatch.setattr(fused, "split_k_parts", forced)
+    calls = []
+    split = Linear.forward_split_k
+
+    def spy(self, x, num_parts):
+        calls.append(num_parts)
+        return split(self, x, num_parts)
+    monkeypatch.setattr(Linear, "forward_split_k", spy)
+    outs = LLM(model_dir, **kw).generate(prompts, params, lora_request=reqs, use_tqdm=False)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        check_logprobs_close(ours_as_ref(r.outputs[0]), ours_as_ref(o.outputs[0]), name=f"prompt {i}")
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    # o_proj and down_proj of both layers in every step (1 prefill + MAX_TOKENS - 1 decodes), or none
+    num_steps = MAX_TOKENS
+    assert calls == ([] if case == "lora" else [2] * (2 * 2 * num_steps)), (case, len(calls))

@@ -84,3 +84,24 @@ def test_gpu_stop_token_with_async_scheduling(cuda_refs):
     out = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == full[:full.index(stop) + 1]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
+def test_gpu_parity_split_k(cuda_refs, enforce_eager, monkeypatch):
+    """o_proj / down_proj as split-K partials summed in the add + RMSNorm (``engine.layers.fused``;
+    the tiny checkpoints' K is below ``SPLIT_K_MIN_K``, lowered here), in graphs and eagerly."""
+    import engine.layers.fused as fused
+    from engine.layers.linear import Linear
+
+    monkeypatch.setattr(fused, "SPLIT_K_MIN_K", 16)
+    calls = []
+    split = Linear.forward_split_k
+
+    def spy(self, x, num_parts):
+        calls.append(num_parts)
+        return split(self, x, num_parts)
+    monkeypatch.setattr(Linear, "forward_split_k", spy)
+    d, prompts, refs = cuda_refs
+    llm = LLM(d, dtype="bfloat16", enforce_eager=enforce_eager, gpu_memory_utilization=0.5, max_num_seqs=16)
+    exact = _check(llm.generate(prompts, _params(), use_tqdm=False), refs, prompts)
+    assert exact >= 1 and calls and set(calls) == {2}

@@ -79,8 +79,6 @@ def test_split_k_in_the_model_matches_plain(case, tiny_llama_dir, tiny_qwen2_dir
     logprobs as the plain GEMMs. Steps that carry an adapter never split: every projection with
     LoRA slots then adds an update (zero where the adapter has no weights), so ``split_k_parts``
     says 1 even for the o/down of an adapter on q/v only."""
-    import torch
-
     from engine.layers.linear import Linear
     from lora.request import LoRARequest
     from tests.lora.utils import build_peft_adapter

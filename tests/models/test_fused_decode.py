@@ -13,7 +13,7 @@ import pytest
 import engine.layers.fused as fused
 import kernels.gemv as gemv_kernels
 from engine import LLM, SamplingParams
-from tests.models.utils import check_logprobs_close, ours_as_ref
+from tests.models.utils import check_logprobs_close, ours_as_ref, spy_split_k
 
 MAX_TOKENS = 6
 
@@ -79,7 +79,6 @@ def test_split_k_in_the_model_matches_plain(case, tiny_llama_dir, tiny_qwen2_dir
     logprobs as the plain GEMMs. Steps that carry an adapter never split: every projection with
     LoRA slots then adds an update (zero where the adapter has no weights), so ``split_k_parts``
     says 1 even for the o/down of an adapter on q/v only."""
-    from engine.layers.linear import Linear
     from lora.request import LoRARequest
     from tests.lora.utils import build_peft_adapter
 
@@ -100,13 +99,7 @@ def test_split_k_in_the_model_matches_plain(case, tiny_llama_dir, tiny_qwen2_dir
             linear.lora is None or linear.lora.adds_nothing())
         return 2 if eligible else 1
     monkeypatch.setattr(fused, "split_k_parts", forced)
-    calls = []
-    split = Linear.forward_split_k
-
-    def spy(self, x, num_parts):
-        calls.append(num_parts)
-        return split(self, x, num_parts)
-    monkeypatch.setattr(Linear, "forward_split_k", spy)
+    calls = spy_split_k(monkeypatch)
     outs = LLM(model_dir, **kw).generate(prompts, params, lora_request=reqs, use_tqdm=False)
     for i, (o, r) in enumerate(zip(outs, ref)):
         check_logprobs_close(ours_as_ref(r.outputs[0]), ours_as_ref(o.outputs[0]), name=f"prompt {i}")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.models.utils import check_logprobs_close, hf_greedy, ours_as_ref
+from tests.models.utils import check_logprobs_close, hf_greedy, ours_as_ref, spy_split_k
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -91,16 +91,9 @@ def test_gpu_parity_split_k(cuda_refs, enforce_eager, monkeypatch):
     """o_proj / down_proj as split-K partials summed in the add + RMSNorm (``engine.layers.fused``;
     the tiny checkpoints' K is below ``SPLIT_K_MIN_K``, lowered here), in graphs and eagerly."""
     import engine.layers.fused as fused
-    from engine.layers.linear import Linear
 
     monkeypatch.setattr(fused, "SPLIT_K_MIN_K", 16)
-    calls = []
-    split = Linear.forward_split_k
-
-    def spy(self, x, num_parts):
-        calls.append(num_parts)
-        return split(self, x, num_parts)
-    monkeypatch.setattr(Linear, "forward_split_k", spy)
+    calls = spy_split_k(monkeypatch)
     d, prompts, refs = cuda_refs
     llm = LLM(d, dtype="bfloat16", enforce_eager=enforce_eager, gpu_memory_utilization=0.5, max_num_seqs=16)
     exact = _check(llm.generate(prompts, _params(), use_tqdm=False), refs, prompts)

@@ -85,3 +85,18 @@ class EagerReplayGraphs:
         graphs.capture()
         runner.graphs = graphs
         return graphs
+
+
+def spy_split_k(monkeypatch) -> list[int]:
+    """Record ``num_parts`` of every ``Linear.forward_split_k`` call (the split-K path of
+    ``engine.layers.fused``) into the returned list; the calls still run."""
+    from engine.layers.linear import Linear
+
+    calls: list[int] = []
+    split = Linear.forward_split_k
+
+    def spy(self, x, num_parts):
+        calls.append(num_parts)
+        return split(self, x, num_parts)
+    monkeypatch.setattr(Linear, "forward_split_k", spy)
+    return calls

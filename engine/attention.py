@@ -187,6 +187,8 @@ class AttentionBackend:
         from engine import envs
         self.decode_tiles = envs.attn_decode_config()
         """Decode attention tile overrides (CHORUS_ATTN_DECODE_CONFIG), read once."""
+        self.fuse_decode_rotary = name == "triton" and envs.decode_fuse_rotary()
+        """Pure-decode steps run rotary + KV write inside the attention kernel (CHORUS_DECODE_FUSE_ROTARY)."""
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         if self.name == "triton":
@@ -205,8 +207,25 @@ class AttentionBackend:
                                    decode_tiles=self.decode_tiles)
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new)
 
+    def attend_decode_rotary(self, q, k, v, positions, rotary, k_cache, v_cache, meta: AttentionMetadata,
+                             scale: float) -> Optional[torch.Tensor]:
+        """Rotary + KV write + attention of a pure-decode step as one kernel
+        (``kernels.paged_attention.paged_decode_rotary``; q, k, v before rotary, q not written
+        back) -> out [T, H, D]; None where this step cannot take it (torch backend, the switch
+        off, a step with more than one query token per request): then the caller rotates, writes
+        and attends as usual."""
+        if not self.fuse_decode_rotary or meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]:
+            return None
+        from kernels.paged_attention import paged_decode_rotary
+        half = rotary.rotary_dim // 2
+        return paged_decode_rotary(q, k, v, positions, rotary.cos[:, :half], rotary.sin[:, :half],
+                                   rotary.rotary_dim, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
+                                   meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
+                                   decode_tiles=self.decode_tiles)
 
-    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> int:
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
+                rotary_dim: Optional[int] = None) -> int:
         """Compile the attention kernel's eager-step variants now, at start-up, instead of in the
         first steps that need them; returns the number of attention calls made (0: torch backend).
 
@@ -216,7 +235,9 @@ class AttentionBackend:
         waited ~7 s for its first tokens (TTFT p50 7.0 s vs 1.8 s for the same burst right after).
         The calls attend 2 or 17 requests of zero queries over block 0 of the cache (read only),
         with the longest query below and at the 64-token prefill tile, with and without decodes,
-        and one pure-decode batch large enough for the decode kernel's small tiles.
+        and one pure-decode batch large enough for the decode kernel's small tiles. With
+        ``rotary_dim`` (the model's) the pure-decode batches also run the fused rotary kernel
+        (``attend_decode_rotary``), writing nowhere (slots -1).
         """
         if self.name != "triton":
             return 0
@@ -239,6 +260,14 @@ class AttentionBackend:
                 paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, max_query_len,
                                 max_query_len, scale, has_decodes=1 in qlens, decode_tiles=self.decode_tiles)
                 calls += 1
+                if max_query_len == 1 and rotary_dim is not None and self.fuse_decode_rotary:
+                    from kernels.paged_attention import paged_decode_rotary
+                    kv = torch.zeros(num_reqs, k_cache.shape[2], head_dim, dtype=dtype, device=dev)
+                    zeros = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
+                    cos = torch.zeros(1, rotary_dim // 2, dtype=torch.float32, device=dev)
+                    paged_decode_rotary(q, kv, kv, zeros, cos, cos, rotary_dim, k_cache, v_cache, zeros - 1, qsl,
+                                        seq_lens, block_tables, 1, scale, decode_tiles=self.decode_tiles)
+                    calls += 1
         return calls
 
 

@@ -64,6 +64,16 @@ def gemm_split_k() -> bool:
     return raw == "1"
 
 
+def decode_fuse_rotary() -> bool:
+    """CHORUS_DECODE_FUSE_ROTARY: 1 (default) runs a pure-decode step's rotary + KV write inside its
+    decode attention kernel on CUDA (``kernels.paged_attention.paged_decode_rotary``: one launch per
+    layer instead of two); 0 keeps the separate rotary + KV-write kernel."""
+    raw = os.environ.get("CHORUS_DECODE_FUSE_ROTARY", "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"CHORUS_DECODE_FUSE_ROTARY={raw!r}: use 0 or 1.")
+    return raw == "1"
+
+
 def pdl() -> bool:
     """CHORUS_PDL: 1 launches the decode step's norm, SiLU-and-mul, rotary + KV-write and decode
     attention kernels with programmatic dependent launch on Hopper+ GPUs (``kernels.pdl``); 0

@@ -272,7 +272,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             attn = self.model.attention_layers()[0]
             t0 = time.perf_counter()
-            calls = backend.warm_up(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale)
+            calls = backend.warm_up(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale,
+                                    getattr(self.model, "rotary_dim", None))
             logger.info("Attention kernels for eager steps compiled (%d calls) in %.1f s", calls,
                         time.perf_counter() - t0)
         self._init_step_buffers()

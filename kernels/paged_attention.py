@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
-from kernels.paged_decode import MAX_DECODE_REQS, launch_paged_decode
+from kernels.paged_decode import MAX_DECODE_REQS, DecodeRotary, launch_paged_decode
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted,
                            next_power_of_2, num_sms)
 
@@ -400,11 +400,7 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
     if cfg.num_splits > 1:
         if rows != ALL_ROWS:
             raise ValueError("split-KV runs only in one-launch batches (the merge covers every row).")
-        part_acc = torch.empty(num_tokens, num_heads, cfg.num_splits, cfg.head_pad,
-                               dtype=torch.float32, device=q.device)   # [T, H, splits, head_pad]
-        part_max = torch.empty(num_tokens, num_heads, cfg.num_splits, dtype=torch.float32,
-                               device=q.device)                        # [T, H, splits]
-        part_sum = torch.empty_like(part_max)                          # [T, H, splits]
+        part_acc, part_max, part_sum = _partials(q, cfg)
     else:
         part_acc = part_max = part_sum = out                           # unused
     upcast = is_interpreted(q.device) or q.dtype == torch.float32
@@ -424,7 +420,70 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad, NUM_SPLITS=cfg.num_splits,
-        )
+        _merge(out, (part_acc, part_max, part_sum), cfg)
+
+
+def _partials(q: torch.Tensor, cfg: _LaunchConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-KV partials for ``cfg.num_splits`` segments: acc [T, H, splits, head_pad], max and sum
+    [T, H, splits], float32."""
+    num_tokens, num_heads, _ = q.shape
+    part_acc = torch.empty(num_tokens, num_heads, cfg.num_splits, cfg.head_pad, dtype=torch.float32,
+                           device=q.device)                            # [T, H, splits, head_pad]
+    part_max = torch.empty(num_tokens, num_heads, cfg.num_splits, dtype=torch.float32, device=q.device)
+    return part_acc, part_max, torch.empty_like(part_max)             # [T, H, splits] each
+
+
+def _merge(out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cfg: _LaunchConfig) -> None:
+    """Merge the split-KV partials into out ([T, H, head_dim]): one program per (token, head)."""
+    num_tokens, num_heads, head_dim = out.shape
+    part_acc, part_max, part_sum = partials
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad, NUM_SPLITS=cfg.num_splits,
+    )
+
+
+def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
+                        out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
+                        decode_tiles: Optional[dict] = None) -> torch.Tensor:
+    """``kv_write.rotary_write_kv`` then ``paged_attention`` for a pure-decode batch (token i is
+    request i's only query token), as one launch of ``kernels.paged_decode`` (plus the split-KV
+    merge when the batch is too small to fill the GPU): q and k are rotated in registers, the
+    rotated k and v are written to the cache at ``slot_mapping`` and the newest key is taken from
+    registers, so no kernel waits for the write.
+
+    Args: those of ``rotary_write_kv`` (q, k, v before rotary; q is not written back) and of
+    ``paged_attention`` with max_query_len 1. ``decode_tiles`` may override tile_n / num_warps /
+    num_stages; this path always runs one KV head per program.
+
+    Returns:
+        out [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    from kernels.kv_write import check_rotary_write_args
+
+    half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
+    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 1, max_seq_len, scale, out,
+                  num_splits)
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens != num_reqs or num_reqs > MAX_DECODE_REQS:
+        raise ValueError(f"paged_decode_rotary: {num_tokens} query tokens must be the {num_reqs} requests' "
+                         f"only ones (a pure-decode batch of <= {MAX_DECODE_REQS}).")
+    if out is None:
+        out = torch.empty_like(q)                                  # [num_tokens, num_heads, head_dim]
+    if num_tokens == 0:
+        return out
+    num_kv_heads = k_cache.shape[2]
+    cfg = _choose_config(q.device, num_heads // num_kv_heads, head_dim, num_reqs, num_kv_heads, 1, max_seq_len,
+                         num_splits, decode_tiles, pure_decode=True)
+    partials = _partials(q, cfg) if cfg.num_splits > 1 else None
+    launch_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out, block_m=cfg.block_m,
+                        head_pad=cfg.head_pad, tile_n=cfg.tile_n, heads_per_prog=1, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages, num_splits=cfg.num_splits, partials=partials,
+                        rotary=DecodeRotary(k, v, slot_mapping, positions, cos, sin, half))
+    if partials is not None:
+        _merge(out, partials, cfg)
+    return out

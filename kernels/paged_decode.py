@@ -26,6 +26,8 @@ kernel restricted to one query token per request).
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 import triton
@@ -40,13 +42,28 @@ MAX_DECODE_REQS = 65535
 
 
 @triton.jit
+def _neox_rotate(x_ptr, offs, partner_offs, mask, cos_f, sin_f, sign):
+    """Load x at ``offs`` and rotate it (neox / rotate-half) in float32: x * cos + sign * x[partner]
+    * sin, where for dims d < HALF the partner is d + HALF (sign -1), for HALF <= d < 2 * HALF it is
+    d - HALF (sign +1), and dims past 2 * HALF (partial rotary) keep x (cos 1, sin 0): the same
+    products as ``layer_ops._rotate_heads_``."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
+    return x * cos_f + (sign * xp) * sin_f
+
+
+@triton.jit
 def _paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, qk_scale_log2,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, qk_scale_log2, num_heads,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_blk, stride_c_slot, stride_c_head, stride_bt_req,
+    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head, stride_cs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr = 1,
+    ROTARY: tl.constexpr = False, HALF: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Semantics (scores in log2 units, qk_scale_log2 = scale * log2(e)): for request r (query
     token r) and each query head h of KV heads [g * HEADS_PER_PROG, (g + 1) * HEADS_PER_PROG),
@@ -56,47 +73,122 @@ def _paged_decode_kernel(
         s[p] = q[r, h] . K[p] * qk_scale_log2
         out[r, h] = sum_p 2^(s[p] - max s) V[p] / sum_p 2^(s[p] - max s)   (fp32, stored in out's dtype)
 
-    A request with seq_lens[r] == 0 gets zeros. PDL: launched with programmatic dependent launch
-    (``kernels.pdl``): ``seq_lens`` (a step input) loads before the wait, q and the cache after it.
+    A request with seq_lens[r] == 0 gets zeros.
+
+    ROTARY (HEADS_PER_PROG == 1): the step's rotary + KV write fused in. q, k_new and v_new hold
+    the token's projections before rotary; with c = cos[positions[r]], s = sin[positions[r]] (the
+    first HALF columns; neox layout, dims past 2 * HALF unrotated) the kernel uses
+    q[r, h] = dtype(rot(q[r, h])) and, for the newest key p = seq_lens[r] - 1,
+    K[p] = dtype(rot(k_new[r, kvh])), V[p] = v_new[r, kvh] from registers, and stores those two at
+    slot_mapping[r] (skipped when < 0): the same values ``kv_write.rotary_write_kv`` writes, so
+    later steps read them from the cache. q itself is not written back.
+
+    NUM_SPLITS > 1 (HEADS_PER_PROG == 1; grid axis 2 = segment): program (g, r, seg) covers only
+    its segment of the key tiles and stores acc = sum_p 2^(s[p] - m) V[p], m = max s,
+    l = sum_p 2^(s[p] - m) into the partials [num_reqs, num_heads, NUM_SPLITS, (HEAD_PAD)], merged
+    by ``paged_attention._merge_splits_kernel``. With ROTARY the segment holding the newest key
+    folds it in and writes the cache.
+
+    PDL: launched with programmatic dependent launch (``kernels.pdl``): ``seq_lens`` and the
+    rotary inputs (positions, cos / sin rows, slots: step inputs) load before the wait, q, k, v
+    and the cache after it.
     """
     kvh0 = tl.program_id(0) * HEADS_PER_PROG
     req = tl.program_id(1)
+    seg = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.maximum(tl.cdiv(seq_len, TILE_N), 1)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+    if ROTARY:
+        pos = tl.load(positions_ptr + req).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + req)
+        rot_ok = dims < 2 * HALF
+        cos_f = tl.load(cos_ptr + pos * stride_cs + dims % HALF, mask=rot_ok, other=1.0)    # [HEAD_PAD]
+        sin_f = tl.load(sin_ptr + pos * stride_cs + dims % HALF, mask=rot_ok, other=0.0)
+        sign = tl.where(dims < HALF, -1.0, 1.0)
+        partner = tl.where(dims < HALF, dims + HALF, tl.where(rot_ok, dims - HALF, dims))
     pdl_wait_then_release(PDL)
 
     rows = tl.arange(0, BLOCK_M)                                    # query heads of one KV head
     row_ok = rows < GROUP
-    dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < HEAD_DIM
     tok = req.to(tl.int64)
     q_row = q_ptr + tok * stride_q_tok + dims[None, :]
     o_row = out_ptr + tok * stride_o_tok + dims[None, :]
     io_mask = row_ok[:, None] & dim_ok[None, :]
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-    if HEADS_PER_PROG == 1:
-        q = tl.load(q_row + (kvh0 * GROUP + rows)[:, None] * stride_q_head, mask=io_mask, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    for it in range(0, HEADS_PER_PROG * num_tiles):
-        h_local = it // num_tiles
-        tile = it - h_local * num_tiles
-        kv_head = kvh0 + h_local
-        head = kv_head * GROUP + rows                                   # [BLOCK_M]
-        if HEADS_PER_PROG > 1:
+    if HEADS_PER_PROG == 1:
+        head = kvh0 * GROUP + rows                                  # [BLOCK_M]
+        if ROTARY:
+            q_base = q_ptr + tok * stride_q_tok + head[:, None] * stride_q_head
+            q = _neox_rotate(q_base, dims[None, :], partner[None, :], io_mask, cos_f[None, :], sin_f[None, :],
+                             sign[None, :]).to(q_ptr.dtype.element_ty)
+        else:
+            q = tl.load(q_row + head[:, None] * stride_q_head, mask=io_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        if NUM_SPLITS == 1:
+            tile_lo = 0
+            tile_hi = num_tiles
+        else:
+            tiles_per_seg = tl.cdiv(num_tiles, NUM_SPLITS)
+            tile_lo = seg * tiles_per_seg
+            tile_hi = tl.minimum(tile_lo + tiles_per_seg, num_tiles)
+        cache_end = seq_len - 1 if ROTARY else seq_len              # ROTARY: the newest key from registers
+        for tile in range(tile_lo, tile_hi):
+            kpos = tile * TILE_N + tl.arange(0, TILE_N)                 # [TILE_N]
+            k_ok = kpos < cache_end
+            k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kvh0, dims, dim_ok,
+                                  stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
+            m_i, l_i, acc = online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2,
+                                                DOT_PRECISION)
+        if ROTARY:
+            if (seq_len > 0) & (tile_lo <= num_tiles - 1) & (num_tiles - 1 < tile_hi):
+                kn_base = k_new_ptr + tok * stride_kn_tok + kvh0 * stride_kn_head
+                k_new = _neox_rotate(kn_base, dims, partner, dim_ok, cos_f, sin_f, sign)
+                k_new = k_new.to(k_new_ptr.dtype.element_ty).to(tl.float32).to(k_cache_ptr.dtype.element_ty)
+                v_new = tl.load(v_new_ptr + tok * stride_vn_tok + kvh0 * stride_vn_head + dims, mask=dim_ok,
+                                other=0.0).to(tl.float32).to(v_cache_ptr.dtype.element_ty)
+                if slot >= 0:
+                    c_off = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot \
+                        + kvh0 * stride_c_head + dims
+                    tl.store(k_cache_ptr + c_off, k_new, mask=dim_ok)
+                    tl.store(v_cache_ptr + c_off, v_new, mask=dim_ok)
+                # The newest key as a 16-column tile whose column 0 alone is visible (tl.dot's minimum).
+                col = tl.arange(0, 16)
+                k_t = tl.where(col[None, :] == 0, k_new[:, None], 0.0).to(k_cache_ptr.dtype.element_ty)
+                v = tl.where(col[:, None] == 0, v_new[None, :], 0.0).to(v_cache_ptr.dtype.element_ty)
+                if UPCAST:
+                    k_t = k_t.to(tl.float32)
+                    v = v.to(tl.float32)
+                m_i, l_i, acc = online_softmax_step(q, k_t, v, (col == 0)[None, :], m_i, l_i, acc, qk_scale_log2,
+                                                    DOT_PRECISION)
+        if NUM_SPLITS == 1:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(o_row + head[:, None] * stride_o_head, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        else:
+            part = (tok * num_heads + head) * NUM_SPLITS + seg                 # [BLOCK_M]
+            tl.store(part_max_ptr + part, m_i, mask=row_ok)
+            tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+    else:
+        for it in range(0, HEADS_PER_PROG * num_tiles):
+            h_local = it // num_tiles
+            tile = it - h_local * num_tiles
+            kv_head = kvh0 + h_local
+            head = kv_head * GROUP + rows                                   # [BLOCK_M]
             q = tl.load(q_row + head[:, None] * stride_q_head, mask=io_mask, other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
-        kpos = tile * TILE_N + tl.arange(0, TILE_N)                     # [TILE_N]
-        k_ok = kpos < seq_len
-        k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
-                              stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
-        m_i, l_i, acc = online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
-        if HEADS_PER_PROG > 1:
+            kpos = tile * TILE_N + tl.arange(0, TILE_N)                     # [TILE_N]
+            k_ok = kpos < seq_len
+            k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
+                                  stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
+            m_i, l_i, acc = online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2,
+                                                DOT_PRECISION)
             # The head's last tile: store it and start the next head from scratch (branch-free,
             # so the loop stays one software-pipelined loop).
             last = tile == num_tiles - 1
@@ -108,33 +200,61 @@ def _paged_decode_kernel(
             m_i = tl.where(last, float("-inf"), m_i)
             l_i = tl.where(last, 0.0, l_i)
             acc = tl.where(last, 0.0, acc)
-    if HEADS_PER_PROG == 1:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_row + (kvh0 * GROUP + rows)[:, None] * stride_o_head, o.to(out_ptr.dtype.element_ty),
-                 mask=io_mask)
+
+
+class DecodeRotary(NamedTuple):
+    """The step's rotary + KV write, fused into the pure-decode kernel (``ROTARY``): q passed
+    with it is taken before rotary."""
+
+    k: torch.Tensor                 # [num_reqs, num_kv_heads, head_dim], before rotary (last dim contiguous)
+    v: torch.Tensor                 # [num_reqs, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor      # [num_reqs] int64 cache slot of each request's token (< 0: no write)
+    positions: torch.Tensor         # [num_reqs] int64 / int32
+    cos: torch.Tensor               # [max_position, >= half] float32
+    sin: torch.Tensor               # like cos, same row stride
+    half: int                       # rotary_dim // 2
 
 
 def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, scale: float, out: torch.Tensor, *, block_m: int, head_pad: int,
-                        tile_n: int, heads_per_prog: int, num_warps: int, num_stages: int) -> None:
+                        tile_n: int, heads_per_prog: int, num_warps: int, num_stages: int, num_splits: int = 1,
+                        partials: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+                        rotary: Optional[DecodeRotary] = None) -> None:
     """One launch over a pure-decode batch (q row i is request i's only token). The caller
-    (``kernels.paged_attention.paged_attention``) has checked the inputs and picked the tiles;
-    ``heads_per_prog`` must divide num_kv_heads and num_reqs be <= ``MAX_DECODE_REQS``."""
+    (``kernels.paged_attention``) has checked the inputs and picked the tiles; ``heads_per_prog``
+    must divide num_kv_heads and num_reqs be <= ``MAX_DECODE_REQS``. ``num_splits > 1`` writes
+    ``partials`` (acc [num_reqs, num_heads, num_splits, head_pad], max and sum [num_reqs,
+    num_heads, num_splits], float32) for the caller's merge; split-KV and ``rotary`` need
+    ``heads_per_prog == 1``."""
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_kv_heads % heads_per_prog or num_reqs > MAX_DECODE_REQS or q.shape[0] != num_reqs:
         raise ValueError(f"paged decode: heads_per_prog {heads_per_prog} must divide {num_kv_heads} KV heads, "
                          f"and {q.shape[0]} query rows must be the {num_reqs} requests (<= {MAX_DECODE_REQS}).")
+    if (num_splits > 1 or rotary is not None) and heads_per_prog != 1:
+        raise ValueError(f"paged decode: split-KV and the fused rotary need heads_per_prog 1, got {heads_per_prog}.")
+    if (num_splits > 1) != (partials is not None):
+        raise ValueError("paged decode: pass partials exactly when num_splits > 1.")
     upcast = is_interpreted(q.device) or q.dtype == torch.float32
     pdl = use_pdl(q.device)
-    grid = (num_kv_heads // heads_per_prog, num_reqs)
+    part_acc, part_max, part_sum = partials if partials is not None else (out, out, out)   # unused at 1 split
+    r = rotary
+    rot_args = ((r.k, r.v, r.slot_mapping, r.positions, r.cos, r.sin) if r is not None
+                else (q, q, seq_lens, seq_lens, q, q))                                        # unused without
+    rot_strides = ((r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos.stride(0)) if r is not None
+                   else (0, 0, 0, 0, 0))
+    grid = (num_kv_heads // heads_per_prog, num_reqs, num_splits)
     _paged_decode_kernel[grid](
-        out, q, k_cache, v_cache, seq_lens, block_tables, float(scale) * 1.4426950408889634,
+        out, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, seq_lens, block_tables, float(scale) * 1.4426950408889634, num_heads,
+        *rot_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *rot_strides,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         TILE_N=tile_n, BLOCK_M=block_m, HEADS_PER_PROG=heads_per_prog, UPCAST=upcast,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits,
+        ROTARY=r is not None, HALF=r.half if r is not None else 1, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
     )

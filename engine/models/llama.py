@@ -157,6 +157,11 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(hidden, weight.t())
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that rotary rotates (head_dim x partial_rotary_factor)."""
+        return self.model.layers[0].self_attn.rotary_emb.rotary_dim
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 

@@ -107,3 +107,48 @@ def test_split_k_in_the_model_matches_plain(case, tiny_llama_dir, tiny_qwen2_dir
     # o_proj and down_proj of both layers in every step (1 prefill + MAX_TOKENS - 1 decodes), or none
     num_steps = MAX_TOKENS
     assert calls == ([] if case == "lora" else [2] * (2 * 2 * num_steps)), (case, len(calls))
+
+
+# ----------------------------------------------------------------------------------------
+# Rotary + KV write inside the decode attention kernel
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, tiny_llama_dir, tiny_qwen2_dir,
+                                                                         tiny_prompts, monkeypatch):
+    """The Triton attention backend forced on CPU (interpreter), as on CUDA: prefill steps rotate
+    and write K/V (``rotary_write_kv``) and then attend; pure-decode steps run
+    ``paged_decode_rotary``, whose cache writes later steps read. Greedy tokens and logprobs match
+    transformers; with CHORUS_DECODE_FUSE_ROTARY=0 no decode step takes the fused kernel."""
+    from unittest.mock import Mock
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import engine.model_runner as model_runner
+    import kernels.paged_attention as pa
+    from engine.attention import AttentionBackend
+    from engine.layers.attention import PagedAttention
+    from tests.models.utils import hf_greedy
+
+    model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = tiny_prompts[:3]
+    refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in prompts]
+    monkeypatch.setattr(model_runner, "select_backend", lambda device: AttentionBackend("triton"))
+    monkeypatch.setattr(PagedAttention, "fuses_rotary_write",
+                        lambda self, x: self.backend is not None and self.backend.name == "triton")
+    spy = Mock(wraps=pa.paged_decode_rotary)
+    monkeypatch.setattr(pa, "paged_decode_rotary", spy)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outs = LLM(str(model_dir), max_num_seqs=4, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        check_logprobs_close(r, ours_as_ref(o.outputs[0]), name=f"prompt {i}")
+    num_layers = hf.config.num_hidden_layers
+    assert spy.call_count == (MAX_TOKENS - 1) * num_layers         # every decode step, every layer
+    spy.reset_mock()
+    monkeypatch.setenv("CHORUS_DECODE_FUSE_ROTARY", "0")
+    outs = LLM(str(model_dir), max_num_seqs=4, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    assert spy.call_count == 0
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        check_logprobs_close(r, ours_as_ref(o.outputs[0]), name=f"prompt {i}, unfused")

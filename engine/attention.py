@@ -187,8 +187,9 @@ class AttentionBackend:
         from engine import envs
         self.decode_tiles = envs.attn_decode_config()
         """Decode attention tile overrides (CHORUS_ATTN_DECODE_CONFIG), read once."""
-        self.fuse_decode_rotary = name == "triton" and envs.decode_fuse_rotary()
-        """Pure-decode steps run rotary + KV write inside the attention kernel (CHORUS_DECODE_FUSE_ROTARY)."""
+        self.fuse_decode_rotary = envs.decode_fuse_rotary() if name == "triton" else "0"
+        """Which pure-decode steps run rotary + KV write inside the attention kernel: auto / 1 / 0
+        (CHORUS_DECODE_FUSE_ROTARY)."""
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         if self.name == "triton":
@@ -211,12 +212,15 @@ class AttentionBackend:
                              scale: float) -> Optional[torch.Tensor]:
         """Rotary + KV write + attention of a pure-decode step as one kernel
         (``kernels.paged_attention.paged_decode_rotary``; q, k, v before rotary, q not written
-        back) -> out [T, H, D]; None where this step cannot take it (torch backend, the switch
-        off, a step with more than one query token per request): then the caller rotates, writes
-        and attends as usual."""
-        if not self.fuse_decode_rotary or meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]:
+        back) -> out [T, H, D]; None where this step does not take it (torch backend, a step
+        with more than one query token per request, CHORUS_DECODE_FUSE_ROTARY 0, or auto and a
+        batch that fills the SMs, ``decode_rotary_pays``): then the caller rotates, writes and
+        attends as usual."""
+        if self.fuse_decode_rotary == "0" or meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]:
             return None
-        from kernels.paged_attention import paged_decode_rotary
+        from kernels.paged_attention import decode_rotary_pays, paged_decode_rotary
+        if self.fuse_decode_rotary == "auto" and not decode_rotary_pays(q.shape[0], k_cache.shape[2], q.device):
+            return None
         half = rotary.rotary_dim // 2
         return paged_decode_rotary(q, k, v, positions, rotary.cos[:, :half], rotary.sin[:, :half],
                                    rotary.rotary_dim, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
@@ -260,7 +264,7 @@ class AttentionBackend:
                 paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, max_query_len,
                                 max_query_len, scale, has_decodes=1 in qlens, decode_tiles=self.decode_tiles)
                 calls += 1
-                if max_query_len == 1 and rotary_dim is not None and self.fuse_decode_rotary:
+                if max_query_len == 1 and rotary_dim is not None and self.fuse_decode_rotary != "0":
                     from kernels.paged_attention import paged_decode_rotary
                     kv = torch.zeros(num_reqs, k_cache.shape[2], head_dim, dtype=dtype, device=dev)
                     zeros = torch.zeros(num_reqs, dtype=torch.int64, device=dev)

@@ -443,6 +443,16 @@ def _merge(out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.
     )
 
 
+def decode_rotary_pays(num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether a pure-decode batch should take ``paged_decode_rotary`` (CHORUS_DECODE_FUSE_ROTARY
+    auto): when its programs (requests x KV heads) do not fill the SMs, i.e. the split-KV batches,
+    whose steps are chains of short, latency-bound launches. H200, Llama-3-8B shape (one A/B run):
+    batch 1 4.55 -> 4.46 ms per step; batch 32 and 128 unchanged (5.30 / 5.28, 7.46 / 7.47 ms);
+    batch 256 12.13 -> 12.45 ms, where the extra rotary work of every (request, KV head) program
+    costs more than the launch it saves."""
+    return num_reqs * num_kv_heads < num_sms(device)
+
+
 def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,

@@ -16,9 +16,17 @@ This kernel cuts the chain:
     534-token contexts): 1 head 135.9 us, 2 heads 138.2, 4 heads 142.9, so the default is 1
     (``kernels.paged_attention.DEFAULT_HEADS_PER_PROG``).
 
-Grid: (num_kv_heads / HEADS_PER_PROG, num_reqs); KV-head groups on axis 0, so one request's
-programs run together and read neighbouring rows of the [block, slot, kv_head, dim] cache.
-Hardware scheduling of programs keeps the balance when contexts differ.
+Two options for one head per program (``kernels.paged_attention.paged_decode_rotary``, the
+engine's path for small decode batches, ``decode_rotary_pays``):
+  * ROTARY: the step's rotary + KV write fused in: q and the new k are rotated in registers, the
+    new k and v are stored at the token's slot, and the newest key is folded in from registers
+    (no read-after-write through memory), so a layer's decode is one launch instead of two;
+  * NUM_SPLITS > 1 (split-KV): each program covers a segment of the key tiles and writes
+    partials for ``paged_attention._merge_splits_kernel``.
+
+Grid: (num_kv_heads / HEADS_PER_PROG, num_reqs, num_splits); KV-head groups on axis 0, so one
+request's programs run together and read neighbouring rows of the [block, slot, kv_head, dim]
+cache. Hardware scheduling of programs keeps the balance when contexts differ.
 
 The torch twin is ``kernels.reference.paged_attention_ref`` (the same semantics as the general
 kernel restricted to one query token per request).

@@ -67,6 +67,17 @@ def _unfused(b, cos, sin, rotary_dim, scale, **kw):
                            1, b["max_seq_len"], scale, **kw)
 
 
+def _assert_same_cache(a: dict, b: dict, dtype: torch.dtype) -> None:
+    """Caches after the fused and the unfused step: V bit-equal; K bit-equal under the interpreter
+    (both rotations computed in the same order), within rounding on CUDA (the compiler may contract
+    the two rotations' multiply-adds differently)."""
+    assert torch.equal(a["v_cache"], b["v_cache"])
+    if DEVICE.type == "cpu":
+        assert torch.equal(a["k_cache"], b["k_cache"])
+    else:
+        torch.testing.assert_close(a["k_cache"].float(), b["k_cache"].float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 SEQ_LENS = [1, 2, 17, 32, 33, 64, 95]
 """Contexts after the step: a first token (no cached key), at and across block and tile edges."""
 
@@ -90,11 +101,7 @@ def test_matches_unfused_kernels_and_twin(dtype, num_heads, num_kv_heads, head_d
     b["k_cache"].copy_(caches[0])
     b["v_cache"].copy_(caches[1])
     ref = _unfused(b, cos, sin, rotary_dim, scale, num_splits=num_splits)
-    if DEVICE.type == "cpu":     # the interpreter computes both rotations in the same order: bit-equal
-        assert torch.equal(fused_caches[0], b["k_cache"]) and torch.equal(fused_caches[1], b["v_cache"])
-    else:
-        torch.testing.assert_close(fused_caches[0].float(), b["k_cache"].float(), atol=TOL[dtype], rtol=TOL[dtype])
-        assert torch.equal(fused_caches[1], b["v_cache"])
+    _assert_same_cache(dict(k_cache=fused_caches[0], v_cache=fused_caches[1]), b, dtype)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     q_rot, _, kc_ref, vc_ref = rotary_write_kv_ref(b["positions"], q_before, k_before, b["v"], cos, sin, rotary_dim,
                                                    caches[0], caches[1], b["slot_mapping"])
@@ -110,7 +117,7 @@ def test_block_sizes(block_size):
     out = _fused(b, cos, sin, 16, 0.25)
     ref = _unfused(ref_b, cos, sin, 16, 0.25)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    assert torch.equal(b["k_cache"], ref_b["k_cache"]) and torch.equal(b["v_cache"], ref_b["v_cache"])
+    _assert_same_cache(b, ref_b, torch.float32)
 
 
 def test_padding_rows_write_nothing():

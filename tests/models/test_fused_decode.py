@@ -118,7 +118,8 @@ def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, ti
     """The Triton attention backend forced on CPU (interpreter), as on CUDA: prefill steps rotate
     and write K/V (``rotary_write_kv``) and then attend; pure-decode steps run
     ``paged_decode_rotary``, whose cache writes later steps read. Greedy tokens and logprobs match
-    transformers; with CHORUS_DECODE_FUSE_ROTARY=0 no decode step takes the fused kernel."""
+    transformers (CHORUS_DECODE_FUSE_ROTARY=1: every decode step); with 0 no decode step takes
+    the fused kernel."""
     from unittest.mock import Mock
 
     import torch
@@ -140,6 +141,7 @@ def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, ti
                         lambda self, x: self.backend is not None and self.backend.name == "triton")
     spy = Mock(wraps=pa.paged_decode_rotary)
     monkeypatch.setattr(pa, "paged_decode_rotary", spy)
+    monkeypatch.setenv("CHORUS_DECODE_FUSE_ROTARY", "1")         # auto: only batches below the SM count
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outs = LLM(str(model_dir), max_num_seqs=4, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
     for i, (o, r) in enumerate(zip(outs, refs)):
@@ -152,3 +154,15 @@ def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, ti
     assert spy.call_count == 0
     for i, (o, r) in enumerate(zip(outs, refs)):
         check_logprobs_close(r, ours_as_ref(o.outputs[0]), name=f"prompt {i}, unfused")
+
+
+def test_decode_rotary_auto_policy():
+    """auto fuses the batches whose requests x KV heads leave SMs idle (split-KV batches)."""
+    import torch
+
+    from kernels.paged_attention import decode_rotary_pays
+    from kernels.utils import num_sms
+    cpu = torch.device("cpu")
+    sms = num_sms(cpu)
+    assert decode_rotary_pays(1, 1, cpu) and decode_rotary_pays(sms - 1, 1, cpu)
+    assert not decode_rotary_pays(sms, 1, cpu) and not decode_rotary_pays(sms // 2 + 1, 2, cpu)

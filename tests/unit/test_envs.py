@@ -30,6 +30,21 @@ def test_pdl(monkeypatch):
         envs.pdl()
 
 
+def test_gemm_split_k_and_decode_fuse_rotary(monkeypatch):
+    monkeypatch.delenv("CHORUS_GEMM_SPLIT_K", raising=False)
+    monkeypatch.delenv("CHORUS_DECODE_FUSE_ROTARY", raising=False)
+    assert envs.gemm_split_k() is True and envs.decode_fuse_rotary() == "auto"
+    monkeypatch.setenv("CHORUS_GEMM_SPLIT_K", "0")
+    monkeypatch.setenv("CHORUS_DECODE_FUSE_ROTARY", " 1")
+    assert envs.gemm_split_k() is False and envs.decode_fuse_rotary() == "1"
+    monkeypatch.setenv("CHORUS_GEMM_SPLIT_K", "on")
+    with pytest.raises(ValueError, match="CHORUS_GEMM_SPLIT_K"):
+        envs.gemm_split_k()
+    monkeypatch.setenv("CHORUS_DECODE_FUSE_ROTARY", "always")
+    with pytest.raises(ValueError, match="CHORUS_DECODE_FUSE_ROTARY"):
+        envs.decode_fuse_rotary()
+
+
 def test_lora_kernel_configs(monkeypatch):
     from kernels.lora_expand import LoRAExpandConfig
     from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override

@@ -1,6 +1,7 @@
 """One KV tile of paged flash attention: the gather through the block table and the online-softmax
-update. Shared by ``kernels.paged_attention`` (mixed batches) and ``kernels.paged_decode`` (pure
-decode); both inline these (Triton jit functions), so each kernel compiles as if written out.
+update, and the split-KV bookkeeping (a program's segment of the tiles, its partials). Shared by
+``kernels.paged_attention`` (mixed batches) and ``kernels.paged_decode`` (pure decode); both
+inline these (Triton jit functions), so each kernel compiles as if written out.
 """
 
 from __future__ import annotations
@@ -48,3 +49,27 @@ def online_softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_PR
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def segment_tiles(num_tiles, seg, NUM_SPLITS: tl.constexpr):
+    """[tile_lo, tile_hi): the key tiles segment ``seg`` of ``NUM_SPLITS`` covers (all of them at 1
+    split; else cdiv(num_tiles, NUM_SPLITS) each, the last ones possibly short or empty)."""
+    if NUM_SPLITS == 1:
+        tile_lo = num_tiles * 0              # a tensor either way (folds to the constant 0)
+        tile_hi = num_tiles
+    else:
+        tiles_per_seg = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = seg * tiles_per_seg
+        tile_hi = tl.minimum(tile_lo + tiles_per_seg, num_tiles)
+    return tile_lo, tile_hi
+
+
+@triton.jit
+def store_partials(part_acc_ptr, part_max_ptr, part_sum_ptr, part, m_i, l_i, acc, row_ok, dims,
+                   HEAD_PAD: tl.constexpr):
+    """Split-KV partials of rows ``part`` ([BLOCK_M] flat (token, head, segment) indices): the
+    running max, sum and unnormalized acc, for ``paged_attention._merge_splits_kernel``."""
+    tl.store(part_max_ptr + part, m_i, mask=row_ok)
+    tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import load_kv_tile, online_softmax_step
+from kernels.attention_tile import load_kv_tile, online_softmax_step, segment_tiles, store_partials
 from kernels.paged_decode import MAX_DECODE_REQS, DecodeRotary, launch_paged_decode
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted,
                            next_power_of_2, num_sms)
@@ -138,13 +138,7 @@ def _paged_attention_kernel(
     # Keys [0, kv_end) are visible to at least one row of this q-block.
     kv_end = ctx_len + tl.minimum((qb_local + 1) * BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    if NUM_SPLITS == 1:
-        tile_lo = 0
-        tile_hi = num_tiles
-    else:
-        tiles_per_seg = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = seg * tiles_per_seg
-        tile_hi = tl.minimum(tile_lo + tiles_per_seg, num_tiles)
+    tile_lo, tile_hi = segment_tiles(num_tiles, seg, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -166,9 +160,7 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & dim_ok[None, :])
     else:
         part = (tok * num_heads + head) * NUM_SPLITS + seg                 # [BLOCK_M]
-        tl.store(part_max_ptr + part, m_i, mask=row_ok)
-        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+        store_partials(part_acc_ptr, part_max_ptr, part_sum_ptr, part, m_i, l_i, acc, row_ok, dims, HEAD_PAD)
 
 
 @triton.jit

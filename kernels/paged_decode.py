@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import load_kv_tile, online_softmax_step
+from kernels.attention_tile import load_kv_tile, online_softmax_step, segment_tiles, store_partials
 from kernels.pdl import launch_kwargs, pdl_wait_then_release, use_pdl
 from kernels.utils import is_interpreted
 
@@ -58,6 +58,17 @@ def _neox_rotate(x_ptr, offs, partner_offs, mask, cos_f, sin_f, sign):
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
     return x * cos_f + (sign * xp) * sin_f
+
+
+@triton.jit
+def _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
+                 stride_c_blk, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale_log2,
+                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold the cached keys ``kpos`` (those with ``k_ok``; one query token sees all of them) of KV
+    head ``kv_head`` into the running softmax state: ``load_kv_tile`` + ``online_softmax_step``."""
+    k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
+                          stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
+    return online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
 
 
 @triton.jit
@@ -138,21 +149,14 @@ def _paged_decode_kernel(
             q = tl.load(q_row + head[:, None] * stride_q_head, mask=io_mask, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        if NUM_SPLITS == 1:
-            tile_lo = 0
-            tile_hi = num_tiles
-        else:
-            tiles_per_seg = tl.cdiv(num_tiles, NUM_SPLITS)
-            tile_lo = seg * tiles_per_seg
-            tile_hi = tl.minimum(tile_lo + tiles_per_seg, num_tiles)
+        tile_lo, tile_hi = segment_tiles(num_tiles, seg, NUM_SPLITS)
         cache_end = seq_len - 1 if ROTARY else seq_len              # ROTARY: the newest key from registers
         for tile in range(tile_lo, tile_hi):
             kpos = tile * TILE_N + tl.arange(0, TILE_N)                 # [TILE_N]
             k_ok = kpos < cache_end
-            k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kvh0, dims, dim_ok,
-                                  stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
-            m_i, l_i, acc = online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2,
-                                                DOT_PRECISION)
+            m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kvh0, dims, dim_ok,
+                                         stride_c_blk, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale_log2,
+                                         BLOCK_SIZE, UPCAST, DOT_PRECISION)
         if ROTARY:
             if (seq_len > 0) & (tile_lo <= num_tiles - 1) & (num_tiles - 1 < tile_hi):
                 kn_base = k_new_ptr + tok * stride_kn_tok + kvh0 * stride_kn_head
@@ -179,9 +183,7 @@ def _paged_decode_kernel(
             tl.store(o_row + head[:, None] * stride_o_head, o.to(out_ptr.dtype.element_ty), mask=io_mask)
         else:
             part = (tok * num_heads + head) * NUM_SPLITS + seg                 # [BLOCK_M]
-            tl.store(part_max_ptr + part, m_i, mask=row_ok)
-            tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-            tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+            store_partials(part_acc_ptr, part_max_ptr, part_sum_ptr, part, m_i, l_i, acc, row_ok, dims, HEAD_PAD)
     else:
         for it in range(0, HEADS_PER_PROG * num_tiles):
             h_local = it // num_tiles
@@ -193,10 +195,9 @@ def _paged_decode_kernel(
                 q = q.to(tl.float32)
             kpos = tile * TILE_N + tl.arange(0, TILE_N)                     # [TILE_N]
             k_ok = kpos < seq_len
-            k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
-                                  stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
-            m_i, l_i, acc = online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2,
-                                                DOT_PRECISION)
+            m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
+                                         stride_c_blk, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale_log2,
+                                         BLOCK_SIZE, UPCAST, DOT_PRECISION)
             # The head's last tile: store it and start the next head from scratch (branch-free,
             # so the loop stays one software-pipelined loop).
             last = tile == num_tiles - 1

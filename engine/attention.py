@@ -216,17 +216,23 @@ class AttentionBackend:
         with more than one query token per request, CHORUS_DECODE_FUSE_ROTARY 0, or auto and a
         batch that fills the SMs, ``decode_rotary_pays``): then the caller rotates, writes and
         attends as usual."""
-        if self.fuse_decode_rotary == "0" or meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]:
+        if (meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]
+                or not self._fuses_decode_rotary(q.shape[0], k_cache.shape[2], q.device)):
             return None
-        from kernels.paged_attention import decode_rotary_pays, paged_decode_rotary
-        if self.fuse_decode_rotary == "auto" and not decode_rotary_pays(q.shape[0], k_cache.shape[2], q.device):
-            return None
+        from kernels.paged_attention import paged_decode_rotary
         half = rotary.rotary_dim // 2
         return paged_decode_rotary(q, k, v, positions, rotary.cos[:, :half], rotary.sin[:, :half],
                                    rotary.rotary_dim, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
                                    meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
                                    decode_tiles=self.decode_tiles)
 
+
+    def _fuses_decode_rotary(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
+        """Whether a pure-decode batch of ``num_reqs`` takes ``attend_decode_rotary``'s kernel."""
+        if self.fuse_decode_rotary == "auto":
+            from kernels.paged_attention import decode_rotary_pays
+            return decode_rotary_pays(num_reqs, num_kv_heads, device)
+        return self.fuse_decode_rotary == "1"
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
                 rotary_dim: Optional[int] = None) -> int:
@@ -240,8 +246,8 @@ class AttentionBackend:
         The calls attend 2 or 17 requests of zero queries over block 0 of the cache (read only),
         with the longest query below and at the 64-token prefill tile, with and without decodes,
         and one pure-decode batch large enough for the decode kernel's small tiles. With
-        ``rotary_dim`` (the model's) the pure-decode batches also run the fused rotary kernel
-        (``attend_decode_rotary``), writing nowhere (slots -1).
+        ``rotary_dim`` (the model's) the pure-decode batches that take the fused rotary kernel
+        (``attend_decode_rotary``) also run it, writing nowhere (slots -1).
         """
         if self.name != "triton":
             return 0
@@ -264,7 +270,8 @@ class AttentionBackend:
                 paged_attention(q, k_cache, v_cache, qsl, seq_lens, block_tables, max_query_len,
                                 max_query_len, scale, has_decodes=1 in qlens, decode_tiles=self.decode_tiles)
                 calls += 1
-                if max_query_len == 1 and rotary_dim is not None and self.fuse_decode_rotary != "0":
+                if (max_query_len == 1 and rotary_dim is not None
+                        and self._fuses_decode_rotary(num_reqs, k_cache.shape[2], dev)):
                     from kernels.paged_attention import paged_decode_rotary
                     kv = torch.zeros(num_reqs, k_cache.shape[2], head_dim, dtype=dtype, device=dev)
                     zeros = torch.zeros(num_reqs, dtype=torch.int64, device=dev)

@@ -84,12 +84,13 @@ SEQ_LENS = [1, 2, 17, 32, 33, 64, 95]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim",
-                         [(4, 2, 32, 32), (8, 2, 64, 32), (6, 2, 24, 12), (4, 4, 80, 80), (8, 1, 128, 128)])
+                         [(4, 2, 32, 32), (8, 2, 64, 32), (6, 2, 24, 12), (4, 4, 80, 80), (8, 1, 128, 128),
+                          (2, 1, 256, 64)])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_matches_unfused_kernels_and_twin(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, num_splits):
     """Same output as rotary_write_kv + paged_attention, the same cache afterwards (the rotated k and
     v at each token's slot, nothing else touched), and the torch twins' output; GQA / MQA / MHA,
-    partial rotary, head dims padded to a power of two, split-KV with its merge."""
+    partial rotary, head dims padded to a power of two (24-256), split-KV with its merge."""
     b = _decode_step(SEQ_LENS, num_heads, num_kv_heads, head_dim, 16, dtype, seed=head_dim + num_splits)
     cos, sin = _tables(rotary_dim)
     scale = head_dim ** -0.5

@@ -174,15 +174,16 @@ for phase in "$@"; do
           2>&1 | grep -E "^ +(256|128|32|1) " | sed "s|^|split/pdl $sp: |"
       done; done ;;
     rotary-ab)   # rotary + KV write inside the decode attention kernel: GPU tests, then
-      # CHORUS_DECODE_FUSE_ROTARY 0 / 1 (ROUNDS times, default 1; batch 256, 128, 32, 1)
+      # CHORUS_DECODE_FUSE_ROTARY 0 / 1 (ROUNDS times, default 1; batches ROTARY_BATCHES, default 256,128,32,1;
+      # e.g. ROTARY_BATCHES=16,8,4,2 times the rest of auto's range)
       timeout 170 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_paged_decode_rotary.py \
         tests/models/test_gpu_parity.py 2>&1 | tee "$OUT/rotary_tests.log" | tail -2
       timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_paged_attention.py \
         tests/kernels/test_pdl.py -k "gpu or cuda" 2>&1 | tee -a "$OUT/rotary_tests.log" | tail -2
       for r in $(seq ${ROUNDS:-1}); do for f in 0 1; do
         CHORUS_DECODE_FUSE_ROTARY=$f timeout 70 python3 benchmarks/latency.py --llama3-8b-dummy \
-          --batch-sizes 256,128,32,1 --context-len 512 --steps 32 --skip-hf --out "$OUT/latency_rotary${f}_$r.json" \
-          2>&1 | grep -E "^ +(256|128|32|1) " | sed "s|^|fuse_rotary $f: |"
+          --batch-sizes ${ROTARY_BATCHES:-256,128,32,1} --context-len 512 --steps 32 --skip-hf \
+          --out "$OUT/latency_rotary${f}_$r.json" 2>&1 | grep -E "^ +[0-9]+ +[0-9.]+ " | sed "s|^|fuse_rotary $f: |"
       done; done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants

@@ -72,9 +72,8 @@ def main() -> None:
     rows = []
     for c in cases:
         flop = 2 * c["m"] * c["n"] * c["k"]
-        sig = f"tn_{c['m']}_{c['n']}_{c['k']}".lower()
-        sol = next((r[2] for r in results if sig in str(r[1]).lower() or
-                    (str(c["m"]) in str(r[1]) and str(c["n"]) in str(r[1]) and str(c["k"]) in str(r[1]))), "?")
+        sig = f"tn_{c['n']}_{c['m']}_{c['k']}_"     # TunableOp's params: op_N_M_K_ld... (F.linear: C^T = W x^T)
+        sol = next((r[2] for r in results if str(r[1]).startswith(sig)), "?")
         tf = [flop / c[key] / 1e6 for key in ("default_us", "cublaslt_us", "tuned_us")]
         print(f"{c['name']:8s} {c['m']:5d} {c['default_us']:8.1f} {c['cublaslt_us']:8.1f} {c['tuned_us']:8.1f}  "
               f"{tf[0]:4.0f}/{tf[1]:4.0f}/{tf[2]:4.0f} {c['tuned_us_diff']:7.4f}  {sol}", flush=True)

@@ -226,7 +226,6 @@ class AttentionBackend:
                                    meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
                                    decode_tiles=self.decode_tiles)
 
-
     def _fuses_decode_rotary(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode batch of ``num_reqs`` takes ``attend_decode_rotary``'s kernel."""
         if self.fuse_decode_rotary == "auto":
@@ -251,7 +250,7 @@ class AttentionBackend:
         """
         if self.name != "triton":
             return 0
-        from kernels.paged_attention import min_reqs_for_small_decode_tiles, paged_attention
+        from kernels.paged_attention import min_reqs_for_small_decode_tiles, paged_attention, paged_decode_rotary
 
         dev, dtype = k_cache.device, k_cache.dtype
         block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
@@ -272,7 +271,6 @@ class AttentionBackend:
                 calls += 1
                 if (max_query_len == 1 and rotary_dim is not None
                         and self._fuses_decode_rotary(num_reqs, k_cache.shape[2], dev)):
-                    from kernels.paged_attention import paged_decode_rotary
                     kv = torch.zeros(num_reqs, k_cache.shape[2], head_dim, dtype=dtype, device=dev)
                     zeros = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
                     cos = torch.zeros(1, rotary_dim // 2, dtype=torch.float32, device=dev)

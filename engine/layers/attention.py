@@ -39,12 +39,12 @@ class PagedAttention(nn.Module):
         ``lora_pending``: the q/k/v projection's adapter update, still to add to q, k, v (a
         ``lora.layers.LoRAPending``; only where ``fuses_rotary_write`` and rotary are given)."""
         meta = get_attention_metadata()
-        if rotary is not None and lora_pending is None and self.fuses_rotary_write(q):
-            out = self.backend.attend_decode_rotary(q, k, v, positions, rotary, self.k_cache, self.v_cache, meta,
-                                                    self.scale)
-            if out is not None:                     # a pure-decode step: rotary + KV write + attention in one kernel
-                return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         if rotary is not None and self.fuses_rotary_write(q):
+            if lora_pending is None:
+                out = self.backend.attend_decode_rotary(q, k, v, positions, rotary, self.k_cache, self.v_cache,
+                                                        meta, self.scale)
+                if out is not None:                 # a pure-decode step: rotary + KV write + attention in one kernel
+                    return out.reshape(q.shape[0], self.num_heads * self.head_dim)
             rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
                                       lora_pending)
         else:

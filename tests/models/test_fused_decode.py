@@ -65,7 +65,7 @@ def test_split_k_policy_by_shape():
     assert fused.split_k_parts_for(64, 4096, 16384, 132) == 1           # 128 tiles: the GPU is full
 
 
-def test_split_k_needs_cuda_bf16_and_no_adapter_update():
+def test_split_k_never_on_cpu():
     import torch
 
     from engine.layers.linear import Linear

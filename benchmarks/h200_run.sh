@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks, logs and JSON under $OUT (or benchmarks/out).
-# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [lora-decode-sweep] [ml-b64] [ml-b256] [pdl-ab] [splitk-ab] [rotary-ab]
+# Usage: bash benchmarks/h200_run.sh [tests] [lora-tests] [gemv] [profile] [latency] [latency-ab] [throughput] [seqs] [smoke] [serve] [serve-defaults] [lora-carveout] [multi-lora] [lora-silu] [lora-gemm] [lora-token] [lora-stacked] [lora-ab] [lora-final] [lora-tiles] [lora-decode-sweep] [ml-b64] [ml-b256] [pdl-ab] [splitk-ab] [rotary-ab] [power] [attn-ab]
 set -u
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
@@ -184,6 +184,16 @@ for phase in "$@"; do
         CHORUS_DECODE_FUSE_ROTARY=$f timeout 70 python3 benchmarks/latency.py --llama3-8b-dummy \
           --batch-sizes ${ROTARY_BATCHES:-256,128,32,1} --context-len 512 --steps 32 --skip-hf \
           --out "$OUT/latency_rotary${f}_$r.json" 2>&1 | grep -E "^ +[0-9]+ +[0-9.]+ " | sed "s|^|fuse_rotary $f: |"
+      done; done ;;
+    power)   # board power / SM clock / energy per call of batch-256 attention, GEMMs, a copy (power_probe.py)
+      timeout 200 python3 benchmarks/power_probe.py --seconds ${POWER_SECONDS:-3} --out "$OUT/power_probe.json" 2>&1 \
+        | grep -v Warn | tee "$OUT/power_probe.log" ;;
+    attn-ab)   # decode attention tiles in the engine: CHORUS_ATTN_DECODE_CONFIG per item of ATTN_CFGS ("default" =
+      # unset; items separated by spaces), ROUNDS times, batches ATTN_BATCHES (default 256,128)
+      for r in $(seq ${ROUNDS:-2}); do for cfg in ${ATTN_CFGS:-default tile_n=32,num_warps=1,num_stages=3}; do
+        env $([ "$cfg" = default ] || echo "CHORUS_ATTN_DECODE_CONFIG=$cfg") timeout 100 python3 benchmarks/latency.py \
+          --llama3-8b-dummy --batch-sizes ${ATTN_BATCHES:-256,128} --context-len 512 --steps 32 --skip-hf \
+          --out "$OUT/latency_attn_${cfg//[=,]/_}_$r.json" 2>&1 | grep -E "^ +[0-9]+ +[0-9.]+ " | sed "s|^|$cfg: |"
       done; done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants

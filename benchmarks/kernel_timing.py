@@ -68,10 +68,8 @@ def time_graph(fn: Callable[[], object], reps: int = 50) -> float:
     return float(torch.tensor([s.elapsed_time(e) for s, e in times]).median()) * 1e3
 
 
-def time_graph_calls(fn: Callable[[int], object], calls: int = 10, reps: int = 10) -> float:
-    """Device microseconds per call of ``fn(i)``: one CUDA graph of ``calls`` back-to-back calls
-    (``i`` = the call's index, e.g. to cycle through weight copies larger than L2), replayed
-    ``reps`` times; no flush, so consecutive calls overlap their tails as in a model step."""
+def capture_calls(fn: Callable[[int], object], calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn(0) .. fn(calls - 1)`` back to back, warmed up (one eager call, one replay)."""
     fn(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -80,6 +78,14 @@ def time_graph_calls(fn: Callable[[int], object], calls: int = 10, reps: int = 1
             fn(i)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def time_graph_calls(fn: Callable[[int], object], calls: int = 10, reps: int = 10) -> float:
+    """Device microseconds per call of ``fn(i)``: one CUDA graph of ``calls`` back-to-back calls
+    (``i`` = the call's index, e.g. to cycle through weight copies larger than L2), replayed
+    ``reps`` times; no flush, so consecutive calls overlap their tails as in a model step."""
+    graph = capture_calls(fn, calls)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):

@@ -36,9 +36,13 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 ALL_ROWS, DECODE_ROWS, PREFILL_ROWS = 0, 1, 2
 """Which requests one launch of the kernel serves (see ``_paged_attention_kernel``)."""
-SMALL_DECODE_TILE_WAVES = 8
+SMALL_DECODE_TILE_WAVES = 6
 """Pure-decode batches with at least this many programs (requests x KV heads) per SM take the
 small decode tiles (see ``_choose_config``)."""
+SMALL_DECODE_TILES = (32, 1, 3)
+"""(tile_n, num_warps, num_stages) of ``kernels.paged_decode`` for pure-decode batches of at least
+``SMALL_DECODE_TILE_WAVES`` waves of programs; fewer take ``DECODE_TILES``."""
+DECODE_TILES = (64, 2, 3)
 DEFAULT_HEADS_PER_PROG = 1
 """KV heads per program of ``kernels.paged_decode`` for pure-decode batches without split-KV
 (0: this module's kernel). H200 sweep (batch 256, 534-token contexts, best tiles each): 1 head
@@ -238,11 +242,16 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     if pure_decode and num_splits == 1:
         heads_per_prog = DEFAULT_HEADS_PER_PROG
         if not interpreted and head_pad <= 128:
-            # kernels.paged_decode tiles (benchmarks/attention_sweep.py, H200, Llama-3-8B heads,
-            # contexts 267-2136): 64 keys, 2 warps, 3 stages at batch 64 (on a par with the general
-            # kernel) and at batch 256 from 1068-token contexts; 32 keys, 2 warps, 2 stages where
-            # programs fill >= 8 waves of SMs (batch 256 at 534: 135.7 vs 139.5 us; 141.1 general).
-            tile_n, num_warps, num_stages = (32, 2, 2) if programs >= SMALL_DECODE_TILE_WAVES * sms else (64, 2, 3)
+            # kernels.paged_decode tiles, timed in the engine's step (H200, Llama-3-8B, where the
+            # step runs at the board's power cap and the SM clock drops to ~1.5 GHz): one warp per
+            # program with 32 keys and 3 stages where programs fill >= 6 waves of SMs (batch 256,
+            # 512-token contexts: 11.82 ms per step vs 12.23-12.61 with 32 keys / 2 warps / 2 stages;
+            # 1024-token contexts 15.72 vs 16.78; batch 128: 7.43 vs 7.60-7.62 with 64 / 2 / 3), else
+            # 64 keys, 2 warps, 3 stages (batch 64: 6.06 vs 6.17 ms with one warp; batch 32: 5.30 vs
+            # 5.61). Alone at full clock the two large-batch tiles differ less (132.7-135.2 vs
+            # 142.1-145.4 us per layer at batch 256, ``benchmarks/power_probe.py``).
+            tile_n, num_warps, num_stages = (SMALL_DECODE_TILES if programs >= SMALL_DECODE_TILE_WAVES * sms
+                                             else DECODE_TILES)
     tile_n, num_warps, num_stages = (o.get("tile_n", tile_n), o.get("num_warps", num_warps),
                                      o.get("num_stages", num_stages))
     heads_first = bool(o.get("heads_first", True))
@@ -257,7 +266,7 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
 
 def min_reqs_for_small_decode_tiles(device: torch.device, num_kv_heads: int) -> int:
     """Pure-decode batches of at least this many requests take ``kernels.paged_decode``'s small
-    tiles (32 keys, 2 warps, 2 stages; a compile of their own, see ``_choose_config``)."""
+    tiles (``SMALL_DECODE_TILES``: a compile of their own, see ``_choose_config``)."""
     return cdiv(SMALL_DECODE_TILE_WAVES * num_sms(device), max(num_kv_heads, 1))
 
 

@@ -127,6 +127,24 @@ def test_pure_decode_kernel(heads_per_prog, num_heads, num_kv_heads, head_dim, b
     assert_close(out, paged_attention_ref(*b.args(), scale), torch.bfloat16)
 
 
+@pytest.mark.parametrize("num_reqs,want", [(256, "small"), (99, "small"), (98, "default"), (32, "default")])
+def test_pure_decode_tiles_by_waves_of_programs(num_reqs, want, monkeypatch):
+    """On a GPU (an H200's 132 SMs, Llama-3-8B's 8 KV heads) pure-decode batches of >= 6 waves of
+    programs take one warp, 32 keys, 3 stages; smaller ones 64 keys / 2 warps; overrides win."""
+    import kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "is_interpreted", lambda device: False)
+    monkeypatch.setattr(pa, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    cfg = pa._choose_config(cuda, 4, 128, num_reqs, 8, 1, 534, None, None, pure_decode=True)
+    tiles = pa.SMALL_DECODE_TILES if want == "small" else pa.DECODE_TILES
+    assert (cfg.tile_n, cfg.num_warps, cfg.num_stages, cfg.num_splits, cfg.heads_per_prog) == (*tiles, 1, 1)
+    assert pa.SMALL_DECODE_TILES == (32, 1, 3) and pa.DECODE_TILES == (64, 2, 3)
+    assert pa.min_reqs_for_small_decode_tiles(cuda, 8) == 99
+    cfg = pa._choose_config(cuda, 4, 128, num_reqs, 8, 1, 534, None, {"num_warps": 4}, pure_decode=True)
+    assert cfg.num_warps == 4
+
+
 @pytest.mark.parametrize("heads_first", [0, 1])
 def test_grid_orders_of_the_general_kernel(heads_first):
     """KV heads on grid axis 0 (default) or the q-blocks: the same rows either way."""
@@ -351,9 +369,11 @@ def test_find_chunk_has_two_widths():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
-@pytest.mark.parametrize("layout", ["decode_batch", "mixed_long"])
+@pytest.mark.parametrize("layout", ["decode_batch", "big_decode", "mixed_long"])
 def test_gpu_real_sizes(layout, head_dim, dtype):
+    """big_decode: enough programs for the one-warp decode tiles (``SMALL_DECODE_TILES``) on an H200."""
     rows = {"decode_batch": [(1, 100 + 37 * i) for i in range(24)],
+            "big_decode": [(1, 1 + 17 * i) for i in range(128)],
             "mixed_long": [(1, 700), (300, 0), (1, 5), (129, 1000), (1, 2047)]}[layout]
     b = make_batch(rows, num_heads=32, num_kv_heads=8, head_dim=head_dim, dtype=dtype, seed=head_dim)
     scale = head_dim ** -0.5
@@ -361,5 +381,9 @@ def test_gpu_real_sizes(layout, head_dim, dtype):
     assert_close(run_kernel(b, scale), ref, dtype)                   # auto split choice
     assert_close(run_kernel(b, scale, num_splits=8), ref, dtype)     # forced split-KV
     if layout == "decode_batch":                                     # kernels.paged_decode, 0 = general
+        import kernels.paged_attention as pa
+
         for heads_per_prog in (0, 1, 4, 8):
             assert_close(run_kernel(b, scale, decode_tiles={"heads_per_prog": heads_per_prog}), ref, dtype)
+        small = dict(zip(("tile_n", "num_warps", "num_stages"), pa.SMALL_DECODE_TILES))
+        assert_close(run_kernel(b, scale, decode_tiles=small), ref, dtype)

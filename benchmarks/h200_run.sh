@@ -190,10 +190,11 @@ for phase in "$@"; do
         | grep -v Warn | tee "$OUT/power_probe.log" ;;
     attn-ab)   # decode attention tiles in the engine: CHORUS_ATTN_DECODE_CONFIG per item of ATTN_CFGS ("default" =
       # unset; items separated by spaces), ROUNDS times, batches ATTN_BATCHES (default 256,128)
-      for r in $(seq ${ROUNDS:-2}); do for cfg in ${ATTN_CFGS:-default tile_n=32,num_warps=1,num_stages=3}; do
+      for r in $(seq ${ROUNDS:-2}); do i=0; for cfg in ${ATTN_CFGS:-default tile_n=32,num_warps=1,num_stages=3}; do
+        i=$((i + 1))   # JSON per position, so a config listed twice keeps both runs
         env $([ "$cfg" = default ] || echo "CHORUS_ATTN_DECODE_CONFIG=$cfg") timeout 100 python3 benchmarks/latency.py \
           --llama3-8b-dummy --batch-sizes ${ATTN_BATCHES:-256,128} --context-len 512 --steps 32 --skip-hf \
-          --out "$OUT/latency_attn_${cfg//[=,]/_}_$r.json" 2>&1 | grep -E "^ +[0-9]+ +[0-9.]+ " | sed "s|^|$cfg: |"
+          --out "$OUT/latency_attn_${cfg//[=,]/_}_${r}_$i.json" 2>&1 | grep -E "^ +[0-9]+ +[0-9.]+ " | sed "s|^|$cfg: |"
       done; done ;;
     serve-defaults)   # chorus serve as a user starts it (engine process, 1024 seqs / 8192 tokens); the
       # first burst right after start shows whether start-up compiled the eager attention variants

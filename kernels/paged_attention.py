@@ -224,8 +224,9 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     heads_per_prog = 0
     o = (decode_tiles or {}) if max_query_len == 1 else {}
     if max_query_len == 1 and not interpreted:
-        # Decode tiles from benchmarks/attention_sweep.py on H200 (Llama-3-8B heads, 534-token
-        # contexts): 2 stages beat 3 at batch 1 (6.3 vs 7.5 us, 16 splits) and 256 (140.8 vs 146.3 us).
+        # This module's kernel at decode (benchmarks/attention_sweep.py on H200, Llama-3-8B heads,
+        # 534-token contexts): 2 stages beat 3 at batch 1 (6.3 vs 7.5 us, 16 splits) and 256 (140.8
+        # vs 146.3 us). Pure-decode batches without split-KV take kernels.paged_decode's tiles below.
         num_stages = 2
     programs = num_reqs * num_kv_heads
     sms = num_sms(device)

@@ -174,18 +174,6 @@ def lora_fuse_silu_mul() -> bool:
     return _on_off("CHORUS_LORA_FUSE_SILU_MUL", "fused", "expand, then SiLU-and-mul")
 
 
-def lora_gemm_max_tokens() -> int:
-    """CHORUS_LORA_GEMM_MAX_TOKENS: an adapted projection (not gate/up, whose update rides in the
-    SiLU-and-mul) in a step of at most this many tokens runs as one ``kernels.gemm_lora`` launch
-    (base GEMM, LoRA shrink and expand together) instead of cuBLAS plus the shrink/expand pair.
-    Default 0 (off): measured slower on an H200 (benchmarks/RESULTS.md, seventh session: batch 64
-    decode 7.53 vs 7.47 ms/step with 16 adapters, 10.19 vs 8.90 with 64); kept for tuning."""
-    raw = os.environ.get("CHORUS_LORA_GEMM_MAX_TOKENS", "0").strip()
-    if not raw.isdigit() or int(raw) > 256:
-        raise ValueError(f"CHORUS_LORA_GEMM_MAX_TOKENS={raw!r}: use an integer from 0 to 256.")
-    return int(raw)
-
-
 def lora_fuse_rotary() -> bool:
     """CHORUS_LORA_FUSE_ROTARY: "1" (default) adds the q/k/v projection's LoRA update inside the
     rotary + KV-write kernel after it on decode-sized CUDA steps (``kernels.lora_rotary_write_kv``:
@@ -220,12 +208,6 @@ def lora_stacked_max_tokens() -> int:
     if not raw.isdigit() or int(raw) > 1024:
         raise ValueError(f"CHORUS_LORA_STACKED_MAX_TOKENS={raw!r}: use an integer from 0 to 1024.")
     return int(raw)
-
-
-def lora_gemm_config() -> str | None:
-    """CHORUS_LORA_GEMM_CONFIG: ``kernels.gemm_lora`` launch overrides, e.g. "block_n=32,num_stages=4"
-    (fields of ``kernels.gemm_lora.GemmLoRAConfig``)."""
-    return os.environ.get("CHORUS_LORA_GEMM_CONFIG") or None
 
 
 def lora_fused_config() -> str | None:

@@ -177,23 +177,3 @@ def lora_expand_silu_mul_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Te
     gu = lora_expand_ref(buf, lora_b_slices, token_lora_slots, y, [0, d]).float()     # [T, 2d]
     act = torch.nn.functional.silu(gu[:, :d]).to(y.dtype).float()
     return (act * gu[:, d:]).to(y.dtype)
-
-
-def gemm_lora_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lora_a: torch.Tensor,
-                  lora_b_slices: Sequence[torch.Tensor], token_lora_slots: torch.Tensor,
-                  slice_offsets: Sequence[int], round_h: bool = False) -> torch.Tensor:
-    """Twin of ``kernels.gemm_lora.gemm_lora``: a new [T, N] tensor in x's dtype.
-
-    fp32 x @ weight.T (+ bias) plus, for LoRA rows, h_s = x[t] @ lora_a[s, slot(t)].T (fp32;
-    rounded to B's dtype with round_h, as the GPU kernel does for float16/bfloat16) times
-    lora_b_s[slot(t)].T in each slice's columns; one rounding at the end.
-    """
-    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())  # [T, N]
-    h = lora_shrink_ref(x, lora_a, token_lora_slots)                                        # [S, T, R] f32
-    for t, slot in enumerate(token_lora_slots.tolist()):
-        if slot == NO_LORA:
-            continue
-        for s, (b, off) in enumerate(zip(lora_b_slices, slice_offsets)):
-            hs = h[s, t].to(b.dtype).float() if round_h else h[s, t]
-            y[t, off:off + b.shape[1]] += b[slot].float() @ hs
-    return y.to(x.dtype)

@@ -69,11 +69,6 @@ class LoRAKernelOverrides:
     """``LoRAExpandConfig`` fields from CHORUS_LORA_EXPAND_CONFIG."""
     fused: tuple[tuple[str, int], ...] = ()
     """``LoRAFusedConfig`` fields from CHORUS_LORA_FUSED_CONFIG."""
-    gemm: tuple[tuple[str, int], ...] = ()
-    """``GemmLoRAConfig`` fields from CHORUS_LORA_GEMM_CONFIG."""
-    gemm_max_tokens: int = 0
-    """CHORUS_LORA_GEMM_MAX_TOKENS: CUDA steps of at most this many tokens run each adapted
-    projection as one ``kernels.gemm_lora`` launch (0: never)."""
     kernel: str = "split"
     """CHORUS_LORA_KERNEL: "split" (shrink + expand), "fused" (``lora_shrink_expand``) or "auto"
     (fused for steps of at most ``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens)."""
@@ -81,13 +76,11 @@ class LoRAKernelOverrides:
 
 def kernel_overrides_from_env() -> LoRAKernelOverrides:
     """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG /
-    CHORUS_LORA_FUSED_CONFIG / CHORUS_LORA_KERNEL / CHORUS_LORA_GEMM_CONFIG /
-    CHORUS_LORA_GEMM_MAX_TOKENS (ValueError if bad).
+    CHORUS_LORA_FUSED_CONFIG / CHORUS_LORA_KERNEL (ValueError if bad).
 
     NOTE: read through ``engine.envs``; imports triton: call it on the Triton path only.
     """
     from engine import envs
-    from kernels.gemm_lora import GemmLoRAConfig
     from kernels.lora_expand import LoRAExpandConfig
     from kernels.lora_fused import LoRAFusedConfig
     from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override
@@ -95,9 +88,7 @@ def kernel_overrides_from_env() -> LoRAKernelOverrides:
     return LoRAKernelOverrides(shrink=parse_config_override(envs.lora_shrink_config(), LoRAShrinkConfig),
                                expand=parse_config_override(envs.lora_expand_config(), LoRAExpandConfig),
                                fused=parse_config_override(envs.lora_fused_config(), LoRAFusedConfig),
-                               kernel=envs.lora_kernel(),
-                               gemm=parse_config_override(envs.lora_gemm_config(), GemmLoRAConfig),
-                               gemm_max_tokens=envs.lora_gemm_max_tokens())
+                               kernel=envs.lora_kernel())
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,11 +195,6 @@ class LinearLoRASlots(nn.Module):
             self.register_buffer(f"lora_b_{s}", torch.zeros(
                 max_loras, size, max_rank, dtype=dtype, device=device),
                 persistent=False)                           # [max_loras, out_s, max_rank]
-        self.gemm_max_tokens = self.overrides.gemm_max_tokens
-        """Steps of at most this many tokens take ``forward_gemm`` (CHORUS_LORA_GEMM_MAX_TOKENS,
-        default 0: never; on CPU the kernel runs through the interpreter, as in the tests)."""
-        self._gemm_h: Optional[torch.Tensor] = None         # [gemm_max_tokens, cols] f32 shrink output
-        self._gemm_sync: Optional[torch.Tensor] = None      # [2] int32 handshake counters (kept zero)
         self.stacked_max_tokens = envs.lora_stacked_max_tokens() if backend == "triton" else 0
         """Steps of at most this many tokens take the stacked GEMM (``begin_stacked``) once
         ``stack_onto`` ran (CHORUS_LORA_STACKED_MAX_TOKENS; 0: never)."""
@@ -311,37 +297,6 @@ class LinearLoRASlots(nn.Module):
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], out)
         return y, LoRAPending(x2, SplitPlan(buf, None, cfg, slot_stride), owner=self)
-
-    def takes_gemm(self, num_tokens: int) -> bool:
-        """A step of num_tokens tokens runs this layer as one ``kernels.gemm_lora`` launch. Not
-        gate/up with ``fuse_silu_mul``: its update already rides in the SiLU-and-mul launch, and
-        cuBLAS streams that widest weight at ~0.9 of the copy bandwidth."""
-        return (self.backend == "triton" and 0 < num_tokens <= self.gemm_max_tokens
-                and not self.fuse_silu_mul)
-
-    def forward_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
-                     ) -> Optional[torch.Tensor]:
-        """The base projection with the adapter update in one launch, or None when this step does
-        not take that path (``takes_gemm``; the caller then runs ``begin`` / GEMM / ``finish``).
-
-        x: [..., input_size]; weight: [sum(output_sizes), input_size]; returns [..., sum(output_sizes)].
-        """
-        if self.adds_nothing() or x.dtype != weight.dtype:
-            return None
-        x2 = self._rows(x)
-        if not self.takes_gemm(x2.shape[0]):
-            return None
-        from kernels.gemm_lora import gemm_lora, gemm_lora_config, h_columns
-
-        if self._gemm_h is None or self._gemm_h.device != x2.device:
-            # NOTE: allocated by the first (eager) call, before any graph capture replays it.
-            self._gemm_h = torch.empty(self.gemm_max_tokens, h_columns(self.num_slices, self.max_rank),
-                                       dtype=torch.float32, device=x2.device)
-            self._gemm_sync = torch.zeros(2, dtype=torch.int32, device=x2.device)
-        cfg = gemm_lora_config(x2.shape[0], x2.device, self.overrides.gemm, x2.dtype)
-        y = gemm_lora(x2.contiguous(), weight, bias, self.lora_a, self.lora_b, self.state.batch.meta,
-                      self.slice_offsets, self._gemm_h, self._gemm_sync, config=cfg)
-        return y.view(*x.shape[:-1], y.shape[-1])
 
     def adds_nothing(self) -> bool:
         """True when this step runs no adapter here (``forward`` would return y untouched), so the
@@ -511,9 +466,6 @@ class LinearLoRASlots(nn.Module):
         from kernels.lora_shrink import lora_shrink_config
 
         dev, outs = self.lora_a.device, tuple(self.output_sizes)
-        if self.takes_gemm(num_tokens):
-            from kernels.gemm_lora import gemm_lora_config
-            return ("gemm", gemm_lora_config(num_tokens, dev, self.overrides.gemm, self.lora_a.dtype))
         if self._takes_fused(num_tokens):
             return ("fused", lora_fused_config(num_tokens, num_active, self.input_size, outs, dev,
                                                self.overrides.fused))

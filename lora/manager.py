@@ -291,7 +291,6 @@ class LoRAManager:
         by_shape = {(layer.input_size, tuple(layer.output_sizes)): layer for layer in self.layers.values()}
         seen, calls = set(), 0
         for shape, layer in by_shape.items():
-            weight = None                            # zero base weight for ``forward_gemm``'s compile
             for t in token_counts:
                 for a in (a for a in actives if a <= t):
                     key = (shape, layer.launch_key(t, a))
@@ -302,12 +301,6 @@ class LoRAManager:
                                                               with_segments=False)
                     x = torch.zeros(t, layer.input_size, dtype=layer.lora_a.dtype, device=self.device)
                     y = torch.zeros(t, sum(layer.output_sizes), dtype=x.dtype, device=self.device)
-                    if layer.takes_gemm(t):          # decode-sized steps: the one-launch GEMM
-                        if weight is None:
-                            weight = torch.zeros(y.shape[1], x.shape[1], dtype=x.dtype, device=self.device)
-                        layer.forward_gemm(x, weight, None)
-                        calls += 1
-                        continue
                     if layer.takes_stacked(t):       # decode-sized steps: the shrink inside the GEMM
                         base = layer.stacked_weight[:y.shape[1]]
                         y_base, pending = layer.begin_stacked(x, base)

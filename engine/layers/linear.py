@@ -82,15 +82,11 @@ class Linear(nn.Module):
         return y, pending
 
     def _base_with_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
-        """(y, pending) for a step with an adapter update here: the one-launch GEMM with the update
-        inside (decode-sized steps with ``CHORUS_LORA_GEMM_MAX_TOKENS``; pending None), else the base
-        GEMM with the update still to add: over the stacked weight, which gives every slot's shrink
-        too (decode-sized steps, ``LinearLoRASlots.begin_stacked``), or the plain one; the LoRA
-        shrink needs x only: ``begin`` issues it (on a side stream on CUDA) so it runs alongside
-        the GEMM; ``finish`` joins it and adds the expand."""
-        y = self.lora.forward_gemm(x, self.weight, self.bias)
-        if y is not None:
-            return y, None
+        """(y, pending) for a step with an adapter update here: the base GEMM with the update still
+        to add, over the stacked weight, which gives every slot's shrink too (decode-sized steps,
+        ``LinearLoRASlots.begin_stacked``), or the plain one; the LoRA shrink needs x only:
+        ``begin`` issues it (on a side stream on CUDA) so it runs alongside the GEMM; ``finish``
+        joins it and adds the expand."""
         stacked = self.lora.begin_stacked(x, self.weight)        # decode: the shrink inside the GEMM
         if stacked is not None:
             return stacked

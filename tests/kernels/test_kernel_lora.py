@@ -65,7 +65,7 @@ def make_slots(num_tokens: int, max_loras: int, popularity: str, with_base: bool
 
 SLOT_CASES = list(itertools.product(DTYPES, [1, 8, 16], POPULARITY, [False, True]))
 """(dtype, rank, popularity, with_base) grid shared by the kernels that fuse a LoRA update into
-another op (``test_kernel_lora_silu_mul``, ``test_kernel_gemm_lora``)."""
+another op (``test_kernel_lora_silu_mul``)."""
 SLOT_CASE_IDS = [f"{str(dt).removeprefix('torch.')}-r{r}-{p}-{'base' if b else 'nobase'}"
                  for dt, r, p, b in SLOT_CASES]
 

@@ -14,7 +14,6 @@ from unittest.mock import Mock
 import pytest
 import torch
 
-import kernels.gemm_lora as gemm_lora
 import kernels.lora_expand_silu_mul as lora_expand_silu_mul
 import kernels.lora_fused as lora_fused
 import kernels.lora_shrink as lora_shrink
@@ -122,14 +121,14 @@ PLAN = [(0, "r4-all"), (2, "r8-qv"), (3, "r4-all"), (1, None)]
 """(prompt index, adapter) per request: r4-all has two requests, so decode segments of two tokens."""
 
 
-@pytest.mark.parametrize("kernel", ["fused", "split", "split-tiles", "gemm", "stacked"])
+@pytest.mark.parametrize("kernel", ["fused", "split", "split-tiles", "stacked"])
 def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny_prompts, tmp_path, monkeypatch):
     """The Triton backend forced on CPU: prefill and decode steps through ``lora_shrink_expand`` only
     ("fused"), through the split pair with the default overlap's begin / finish ("split"; with
     the o/down updates inside add + RMSNorm through its segment-tile programs at every size, as
     large steps take them, "split-tiles"), or with decode steps (<= 4
-    tokens) through ``kernels.gemm_lora`` ("gemm") or through the stacked GEMM (the shrink inside
-    the base GEMM, "stacked") and prefill through the split pair."""
+    tokens) through the stacked GEMM (the shrink inside the base GEMM, "stacked") and prefill
+    through the split pair."""
     from transformers import AutoTokenizer
 
     from lora.manager import LoRAManager
@@ -148,8 +147,7 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     monkeypatch.setattr(LoRAManager, "__init__", triton_backend)
     tiles = kernel == "split-tiles"
     kernel = "split" if tiles else kernel
-    monkeypatch.setenv("CHORUS_LORA_KERNEL", "split" if kernel in ("gemm", "stacked") else kernel)   # read when built
-    monkeypatch.setenv("CHORUS_LORA_GEMM_MAX_TOKENS", str(len(PLAN) if kernel == "gemm" else 0))
+    monkeypatch.setenv("CHORUS_LORA_KERNEL", "split" if kernel == "stacked" else kernel)   # read when built
     monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", str(len(PLAN) if kernel == "stacked" else 0))
     import kernels.lora_expand as lora_expand
     stacked_spy = Mock(wraps=lora_expand.slotwise_buf)
@@ -165,8 +163,6 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
         monkeypatch.setattr(lora_expand_norm, "_lora_expand_add_rms_norm_tile_kernel", tile_spy)
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     calls = KernelCalls(monkeypatch)
-    gemm_spy = Mock(wraps=gemm_lora.gemm_lora)
-    monkeypatch.setattr(gemm_lora, "gemm_lora", gemm_spy)
     silu_mul_spy = Mock(wraps=lora_expand_silu_mul.lora_expand_silu_mul)
     monkeypatch.setattr(lora_expand_silu_mul, "lora_expand_silu_mul", silu_mul_spy)
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=16,
@@ -174,7 +170,7 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     manager = llm.llm_engine.lora_manager
     assert manager.backend == "triton"
     assert {layer.overrides.kernel for layer in manager.layers.values()} == {
-        "split" if kernel in ("gemm", "stacked") else kernel}
+        "split" if kernel == "stacked" else kernel}
     reqs = [None if a is None else LoRARequest(a, list(ADAPTERS).index(a) + 1, str(paths[a]))
             for _, a in PLAN]
     outs = llm.generate([tiny_prompts[p] for p, _ in PLAN],
@@ -185,21 +181,15 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     fused, split = calls.counts()
     num_layers = len(manager.layers)
     num_mlps = sum(name.endswith("gate_up_proj") for name in manager.layers)
-    if kernel == "gemm":
-        # Decode steps (4 tokens, MAX_TOKENS - 1 of them) take the one-launch GEMM in every layer
-        # but gate/up, whose update stays inside SiLU-and-mul; the prefill step (more tokens) the
-        # split pair everywhere.
-        assert fused == 0 and gemm_spy.call_count == (MAX_TOKENS - 1) * (num_layers - num_mlps)
-        assert split >= num_layers + (MAX_TOKENS - 1) * num_mlps and silu_mul_spy.call_count >= MAX_TOKENS * num_mlps
-    elif kernel == "stacked":
+    if kernel == "stacked":
         # Decode steps take the stacked GEMM in every layer (gate/up's update still inside
         # SiLU-and-mul); the prefill step (more tokens) runs the shrink kernel.
-        assert fused == 0 and gemm_spy.call_count == 0 and stacked_spy.call_count == (MAX_TOKENS - 1) * num_layers
+        assert fused == 0 and stacked_spy.call_count == (MAX_TOKENS - 1) * num_layers
         assert split == num_layers and silu_mul_spy.call_count == MAX_TOKENS * num_mlps
     else:
         assert stacked_spy.call_count == 0
         used, unused = (fused, split) if kernel == "fused" else (split, fused)
-        assert unused == 0 and used >= MAX_TOKENS * num_layers and gemm_spy.call_count == 0   # every step, layer
+        assert unused == 0 and used >= MAX_TOKENS * num_layers   # every step, layer
         # The split path adds the gate/up update inside SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL's default).
         assert (silu_mul_spy.call_count >= MAX_TOKENS * num_mlps) if kernel == "split" else silu_mul_spy.call_count == 0
     if kernel in ("split", "stacked"):

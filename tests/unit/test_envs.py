@@ -94,7 +94,6 @@ def test_gemm_sm_carveout(monkeypatch):
 
 
 @pytest.mark.parametrize("name,read,default,top", [
-    ("CHORUS_LORA_GEMM_MAX_TOKENS", envs.lora_gemm_max_tokens, 0, 256),        # off unless asked for
     ("CHORUS_LORA_STACKED_MAX_TOKENS", envs.lora_stacked_max_tokens, 128, 1024),   # decode steps by default
 ])
 def test_lora_max_tokens(name, read, default, top, monkeypatch):

@@ -1,9 +1,9 @@
 """LoRA kernels at prefill sizes: launch-config candidates for the shrink and for the expand fused
 into SiLU-and-mul, against their default configs, plain SiLU-and-mul and the copy bandwidth.
 
-    python benchmarks/lora_prefill_sweep.py [--tokens 2048,16384] [--adapters 1,16]
-    python benchmarks/lora_prefill_sweep.py --tokens 64 --adapters 16,64     # decode sizes
-    python benchmarks/lora_prefill_sweep.py --fused-consumers --tokens 256,16384 --adapters 16,64
+    python benchmarks/sweeps/lora_prefill_sweep.py [--tokens 2048,16384] [--adapters 1,16]
+    python benchmarks/sweeps/lora_prefill_sweep.py --tokens 64 --adapters 16,64     # decode sizes
+    python benchmarks/sweeps/lora_prefill_sweep.py --fused-consumers --tokens 256,16384 --adapters 16,64
 
 At most 256 tokens count as a decode step: the meta is built as the engine's decode graphs build
 it (fixed grid over ``max(16, adapters)`` slots), the fused kernel reads ``split_k`` shrink
@@ -29,11 +29,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.kernel_timing import measure_copy_bandwidth, time_graph  # noqa: E402
+from benchmarks.sweeps.kernel_timing import measure_copy_bandwidth, time_graph  # noqa: E402
 
 HIDDEN, INTER, RANK, MAX_LORAS = 4096, 14336, 16, 64
 SHRINKS = {"qkv": (HIDDEN, 3), "o": (HIDDEN, 1), "gate_up": (HIDDEN, 2), "down": (INTER, 1)}

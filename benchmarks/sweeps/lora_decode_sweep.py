@@ -1,6 +1,6 @@
 """The fused LoRA consumers at decode sizes, timed back to back as a model step runs them.
 
-    python benchmarks/lora_decode_sweep.py [--tokens 64,128] [--adapters 1,16,64]
+    python benchmarks/sweeps/lora_decode_sweep.py [--tokens 64,128] [--adapters 1,16,64]
 
 Per decode step of T tokens spread over ``--adapters`` adapters (rank 16, bf16, Llama-3-8B
 widths), the three kernels that consume a decode step's shrink: the gate/up update inside
@@ -31,11 +31,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.kernel_timing import time_graph_calls  # noqa: E402
+from benchmarks.sweeps.kernel_timing import time_graph_calls  # noqa: E402
 
 HIDDEN, INTER, RANK = 4096, 14336, 16
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

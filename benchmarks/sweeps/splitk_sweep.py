@@ -4,7 +4,7 @@ against cuBLAS's own pick (``F.linear``; for down_proj at 128-256 rows a split-K
 a separate reduce kernel). The partials come out in bfloat16 or, with ``out_dtype``, float32.
 
 Example (H200, Llama-3-8B down_proj):
-    python benchmarks/splitk_sweep.py --shapes down --ms 64,128,256 --splits 2,3,4
+    python benchmarks/sweeps/splitk_sweep.py --shapes down --ms 64,128,256 --splits 2,3,4
 
 Each case is timed from a CUDA graph of 10 calls cycling through weight copies of more than 2x
 the L2 (weights from HBM, as in a 32-layer step). The summed partials are checked against
@@ -18,13 +18,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.gemv_sweep import SHAPES, parse_shapes, weight_copies  # noqa: E402
-from benchmarks.kernel_timing import time_graph_calls  # noqa: E402
+from benchmarks.sweeps.gemv_sweep import SHAPES, parse_shapes, weight_copies  # noqa: E402
+from benchmarks.sweeps.kernel_timing import time_graph_calls  # noqa: E402
 
 
 def sliced(x: torch.Tensor, w: torch.Tensor, splits: int, out_dtype) -> torch.Tensor:

@@ -1,12 +1,12 @@
 """Decode attention tile sweep: one layer of paged attention per batch size, every candidate config.
 
 Example (H200; Llama-3-8B attention: 32 heads, 8 KV heads, head_dim 128, bf16, block 16):
-    python benchmarks/attention_sweep.py --batch-sizes 1,256 --context-len 534
+    python benchmarks/sweeps/attention_sweep.py --batch-sizes 1,256 --context-len 534
 
 Each case times ``paged_attention`` on a decode batch (one query token per request) replayed from
 a CUDA graph of 10 calls, for every (tile_n, num_warps, num_stages[, num_splits]) candidate (the wrapper's
-``decode_tiles``; the engine takes the same overrides from CHORUS_ATTN_DECODE_CONFIG), and reports it against the KV bytes it must read over the
-measured copy bandwidth. Prints the best configs per batch and the default's time; writes JSON.
+``decode_tiles``; the engine takes the same overrides from ``CHORUS_KERNEL_POLICY=attn_decode.tile_n=..``),
+and reports it against the KV bytes it must read over the measured copy bandwidth. Prints the best configs per batch and the default's time; writes JSON.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.kernel_timing import time_graph_calls  # noqa: E402
+from benchmarks.sweeps.kernel_timing import time_graph_calls  # noqa: E402
 from benchmarks.latency import measure_copy_bandwidth  # noqa: E402
 
 

@@ -1,9 +1,9 @@
 """Board power and SM clock per decode-step workload: which part of a batch-256 step spends the energy.
 
 Example (H200; Llama-3-8B shapes, bf16, batch 256, 534-token contexts):
-    python benchmarks/power_probe.py --seconds 3
+    python benchmarks/sweeps/power_probe.py --seconds 3
 
-Why: a batch-256 decode step runs at the board's power cap (RESULTS.md, thirteenth session), so its
+Why: a batch-256 decode step runs at the board's power cap (benchmarks/RESULTS.md), so its
 time is its energy over the cap. This script replays each workload from a CUDA graph for a few
 seconds while ``nvidia-smi`` samples board power and SM clock every 50 ms, and reports time per
 call, mean power and energy per call (power x time) for: one layer's decode attention (the default
@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.kernel_timing import capture_calls  # noqa: E402
+from benchmarks.sweeps.kernel_timing import capture_calls  # noqa: E402
 
 QUERY = "power.draw.instant,clocks.sm"
 

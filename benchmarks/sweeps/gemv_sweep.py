@@ -1,8 +1,8 @@
 """Decode GEMV sweep: ``kernels.gemv`` against cuBLAS, and the fused prologues against their unfused sequences.
 
 Example (H200; Llama-3-8B decode projections, bf16):
-    python benchmarks/gemv_sweep.py
-    python benchmarks/gemv_sweep.py --shapes qkv,down --ms 1,4 --out /tmp/gemv.json
+    python benchmarks/sweeps/gemv_sweep.py
+    python benchmarks/sweeps/gemv_sweep.py --shapes qkv,down --ms 1,4 --out /tmp/gemv.json
 
 Per projection shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, lm_head
 128256x4096) and token count M (1, 2, 4, 8, 16), each case is timed from a CUDA graph of --calls
@@ -27,11 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from benchmarks.kernel_timing import time_graph_calls  # noqa: E402
+from benchmarks.sweeps.kernel_timing import time_graph_calls  # noqa: E402
 from benchmarks.latency import measure_copy_bandwidth  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),

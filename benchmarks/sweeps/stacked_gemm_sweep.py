@@ -1,6 +1,6 @@
 """The decode GEMM with adapter A rows stacked under the base weight, by the number of slots covered.
 
-    python benchmarks/stacked_gemm_sweep.py [--tokens 64] [--slots 0,8,16,24,32,48,64]
+    python benchmarks/sweeps/stacked_gemm_sweep.py [--tokens 64] [--slots 0,8,16,24,32,48,64]
 
 At decode, ``lora.layers`` runs each adapted projection as one cuBLAS GEMM over the base rows and
 the A rows of the slots below the step's bound (16 or max_loras), rank 16 here: qkv 6144 + 48 per
@@ -17,12 +17,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.kernel_timing import time_graph_calls  # noqa: E402
+from benchmarks.sweeps.kernel_timing import time_graph_calls  # noqa: E402
 
 RANK = 16
 PROJECTIONS = {"qkv": (6144, 4096, 3), "o": (4096, 4096, 1), "gate_up": (28672, 4096, 2), "down": (4096, 14336, 1)}

@@ -135,19 +135,6 @@ def gemv_config() -> dict[str, int]:
     return out
 
 
-def lora_kernel() -> str:
-    """CHORUS_LORA_KERNEL: how the Triton LoRA path runs each adapted layer: "split" (default: the
-    shrink and expand kernels, two launches), "fused" (``kernels.lora_fused``: one launch that
-    recomputes the shrink per column program; for decode-sized steps) or "auto" (fused for steps of
-    at most ``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens, split above)."""
-    value = os.environ.get("CHORUS_LORA_KERNEL", "")
-    kernel = value.strip().lower() or "split"
-    if kernel not in ("split", "fused", "auto"):
-        raise ValueError(f"CHORUS_LORA_KERNEL={value!r}: use split, fused or auto "
-                         "(or unset it for split).")
-    return kernel
-
-
 def _on_off(name: str, on: str, off: str) -> bool:
     """A "0"/"1" switch that defaults to 1 (surrounding spaces ignored); ValueError naming both
     meanings otherwise."""
@@ -160,8 +147,8 @@ def _on_off(name: str, on: str, off: str) -> bool:
 
 def lora_overlap() -> bool:
     """CHORUS_LORA_OVERLAP: "1" (default) issues each CUDA layer's LoRA shrink on a side stream
-    before the base GEMM, so the two run concurrently, and joins before the expand (split kernel
-    path only; ``lora.layers``); "0" runs GEMM, shrink and expand one after another."""
+    before the base GEMM, so the two run concurrently, and joins before the expand (Triton LoRA
+    path; ``lora.layers``); "0" runs GEMM, shrink and expand one after another."""
     return _on_off("CHORUS_LORA_OVERLAP", "overlap", "sequential")
 
 
@@ -208,9 +195,3 @@ def lora_stacked_max_tokens() -> int:
     if not raw.isdigit() or int(raw) > 1024:
         raise ValueError(f"CHORUS_LORA_STACKED_MAX_TOKENS={raw!r}: use an integer from 0 to 1024.")
     return int(raw)
-
-
-def lora_fused_config() -> str | None:
-    """CHORUS_LORA_FUSED_CONFIG: fused LoRA kernel launch overrides, e.g. "block_k=256,n_tiles=4"
-    (fields of ``kernels.lora_fused.LoRAFusedConfig``)."""
-    return os.environ.get("CHORUS_LORA_FUSED_CONFIG") or None

@@ -153,19 +153,6 @@ def lora_expand_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
     return y_out
 
 
-def lora_shrink_expand_ref(x: torch.Tensor, lora_a: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
-                           token_lora_slots: torch.Tensor, y: torch.Tensor,
-                           slice_offsets: Sequence[int]) -> torch.Tensor:
-    """Twin of ``kernels.lora_fused.lora_shrink_expand``: returns an updated copy of y.
-
-    The split pair's twins composed: ``lora_shrink_ref`` (scale 1, one split) then
-    ``lora_expand_ref`` with add_inputs: y[t, off_s:off_s+out_s] += (x[t] @ lora_a[s, slot(t)].T)
-    @ lora_b_s[slot(t)].T for LoRA rows, fp32 math, cast to y's dtype.
-    """
-    h = lora_shrink_ref(x, lora_a, token_lora_slots)                 # [num_slices, T, rank] f32
-    return lora_expand_ref(h, lora_b_slices, token_lora_slots, y, slice_offsets, add_inputs=True)
-
-
 def lora_expand_silu_mul_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
                              token_lora_slots: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Twin of ``kernels.lora_expand_silu_mul.lora_expand_silu_mul``: a new [T, d] tensor.

@@ -20,18 +20,10 @@ plain stores) and expand from it (summing the partials): two launches, no memset
 configs (see ``kernels.lora_shrink`` / ``kernels.lora_expand``); ``kernel_overrides_from_env``
 reads them, once per layer.
 
-``CHORUS_LORA_KERNEL=fused`` (or ``auto`` for steps of at most
-``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens) runs ``kernels.lora_fused.lora_shrink_expand``
-instead: one launch, no scratch buffer, the shrink recomputed per column program (for decode);
-``CHORUS_LORA_FUSED_CONFIG`` overrides its launch config. Read once per layer too; the default
-("split") is the pair above.
-
 Overlap (``CHORUS_LORA_OVERLAP``, default on): the shrink reads x only, so ``begin(x)`` issues it on
 a per-device side stream before the base GEMM and ``finish(pending, y)`` joins that stream before
-the expand; ``engine.layers.linear.Linear`` calls the two around its ``F.linear``. It applies to the
-split pair only (the fused kernel is one launch that adds into y: nothing to run before the
-GEMM), and the fork and the join are ``wait_stream`` calls, which CUDA graph capture records as
-graph edges. On CPU (the Triton interpreter in the tests) the same two phases run on the one stream.
+the expand; ``engine.layers.linear.Linear`` calls the two around its ``F.linear``. The fork and
+the join are ``wait_stream`` calls, which CUDA graph capture records as graph edges. On CPU (the Triton interpreter in the tests) the same two phases run on the one stream.
 
 SiLU-and-mul fusion (``CHORUS_LORA_FUSE_SILU_MUL``, default on; gate/up layers, i.e. two slices
 of equal width, on the split path with the overlap): the MLP hands ``begin``'s pending update to
@@ -67,28 +59,19 @@ class LoRAKernelOverrides:
     """``LoRAShrinkConfig`` fields from CHORUS_LORA_SHRINK_CONFIG."""
     expand: tuple[tuple[str, int], ...] = ()
     """``LoRAExpandConfig`` fields from CHORUS_LORA_EXPAND_CONFIG."""
-    fused: tuple[tuple[str, int], ...] = ()
-    """``LoRAFusedConfig`` fields from CHORUS_LORA_FUSED_CONFIG."""
-    kernel: str = "split"
-    """CHORUS_LORA_KERNEL: "split" (shrink + expand), "fused" (``lora_shrink_expand``) or "auto"
-    (fused for steps of at most ``kernels.lora_fused.FUSED_MAX_TOKENS`` tokens)."""
 
 
 def kernel_overrides_from_env() -> LoRAKernelOverrides:
-    """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG /
-    CHORUS_LORA_FUSED_CONFIG / CHORUS_LORA_KERNEL (ValueError if bad).
+    """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG (ValueError if bad).
 
     NOTE: read through ``engine.envs``; imports triton: call it on the Triton path only.
     """
     from engine import envs
     from kernels.lora_expand import LoRAExpandConfig
-    from kernels.lora_fused import LoRAFusedConfig
     from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override
 
     return LoRAKernelOverrides(shrink=parse_config_override(envs.lora_shrink_config(), LoRAShrinkConfig),
-                               expand=parse_config_override(envs.lora_expand_config(), LoRAExpandConfig),
-                               fused=parse_config_override(envs.lora_fused_config(), LoRAFusedConfig),
-                               kernel=envs.lora_kernel())
+                               expand=parse_config_override(envs.lora_expand_config(), LoRAExpandConfig))
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,8 +247,7 @@ class LinearLoRASlots(nn.Module):
     # ------------------------------------------------------------------ compute
     def takes_stacked(self, num_tokens: int) -> bool:
         """A step of num_tokens tokens runs this layer's shrink inside the base GEMM (``begin_stacked``)."""
-        return (self.stacked_weight is not None and 0 < num_tokens <= self.stacked_max_tokens
-                and not self._takes_fused(num_tokens))
+        return self.stacked_weight is not None and 0 < num_tokens <= self.stacked_max_tokens
 
     def begin_stacked(self, x: torch.Tensor, weight: torch.Tensor
                       ) -> Optional[tuple[torch.Tensor, LoRAPending]]:
@@ -323,7 +305,7 @@ class LinearLoRASlots(nn.Module):
     def begin(self, x: torch.Tensor) -> LoRAPending:
         """First half of ``forward`` for a caller that computes y in between: issue the shrink of
         x now, on ``side_stream`` for CUDA inputs, so it runs alongside the base GEMM. Only on the
-        split path with ``self.overlap``; otherwise nothing is issued and ``finish`` runs ``forward``.
+        Triton path with ``self.overlap``; otherwise nothing is issued and ``finish`` runs ``forward``.
 
         x: [num_tokens, input_size]. NOTE: ``finish`` must follow before the forward returns; it
         joins the side stream, without which the adapter update is missing from y and a CUDA graph
@@ -333,8 +315,6 @@ class LinearLoRASlots(nn.Module):
             return LoRAPending(x)
         batch = self.state.batch
         x2 = self._rows(x)
-        if self._takes_fused(x2.shape[0]):
-            return LoRAPending(x)
         # NOTE: the copy (if any), the scratch view and the configs are made on the current stream,
         # before the fork; the side stream only launches the shrink, so it allocates nothing.
         x2 = x2.contiguous()                                                   # [T, in]
@@ -449,9 +429,6 @@ class LinearLoRASlots(nn.Module):
         return x2
 
     def _forward_triton(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
-        if self._takes_fused(x.shape[0]):
-            self._forward_fused(x, y, batch)
-            return
         x = x.contiguous()
         plan = self._plan_split(x, batch)
         self._shrink(x, plan, batch)
@@ -462,13 +439,9 @@ class LinearLoRASlots(nn.Module):
         over num_active adapters: with the layer's shapes, what Triton compiles a kernel for
         (``LoRAManager.warm_up_kernels`` compiles each distinct key once)."""
         from kernels.lora_expand import lora_expand_config
-        from kernels.lora_fused import lora_fused_config
         from kernels.lora_shrink import lora_shrink_config
 
         dev, outs = self.lora_a.device, tuple(self.output_sizes)
-        if self._takes_fused(num_tokens):
-            return ("fused", lora_fused_config(num_tokens, num_active, self.input_size, outs, dev,
-                                               self.overrides.fused))
         silu_mul = self._silu_mul_config(num_tokens, num_active, dev) if self.fuse_silu_mul else None
         if self.takes_stacked(num_tokens):
             return ("stacked", lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand),
@@ -480,13 +453,6 @@ class LinearLoRASlots(nn.Module):
         return ("split", lora_shrink_config(num_tokens, num_active, self.num_slices, self.input_size, dev,
                                             self.overrides.shrink),
                 lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand), silu_mul, norm)
-
-    def _takes_fused(self, num_tokens: int) -> bool:
-        """The layer's kernel choice runs the one-launch fused kernel for a step of num_tokens."""
-        from kernels.lora_fused import FUSED_MAX_TOKENS
-
-        kernel = self.overrides.kernel
-        return kernel == "fused" or (kernel == "auto" and num_tokens <= FUSED_MAX_TOKENS)
 
     def _plan_split(self, x: torch.Tensor, batch) -> SplitPlan:
         from kernels.lora_expand import lora_expand_config
@@ -513,15 +479,6 @@ class LinearLoRASlots(nn.Module):
 
         lora_expand(plan.buf, self.lora_b, batch.meta, y, self.slice_offsets, add_inputs=True,
                     config=plan.expand_cfg, slot_stride=plan.slot_stride)
-
-    def _forward_fused(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
-        """The one-launch kernel (the layer's kernel choice takes it for this step)."""
-        from kernels.lora_fused import lora_fused_config, lora_shrink_expand
-
-        meta, num_tokens = batch.meta, x.shape[0]
-        cfg = lora_fused_config(num_tokens, meta.num_active, self.input_size, tuple(self.output_sizes),
-                                x.device, self.overrides.fused)
-        lora_shrink_expand(x.contiguous(), self.lora_a, self.lora_b, meta, y, self.slice_offsets, config=cfg)
 
     def _forward_torch(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
         lora_b = self.lora_b

@@ -286,8 +286,8 @@ class LoRAManager:
                               | {t for t in range(min_tokens, min(max_tokens, 64) + 1)})
         actives = sorted({a for a in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, self.max_loras)
                           if a <= self.max_loras})
-        # Layers of one shape share their launch keys (the kernel choice is read once, from the
-        # environment): one layer per shape is enough, not every decoder layer's.
+        # Layers of one shape share their launch keys (the overrides and fusion switches are read
+        # once, from the environment): one layer per shape is enough, not every decoder layer's.
         by_shape = {(layer.input_size, tuple(layer.output_sizes)): layer for layer in self.layers.values()}
         seen, calls = set(), 0
         for shape, layer in by_shape.items():

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from lora.batch import LoRAMetaBuffers, build_lora_batch
 from lora.layers import side_stream
-from tests.lora.test_fused_lora_path import KernelCalls
 from tests.lora.test_layers import IN, MAX_LORAS, MAX_RANK, _adapters, _backends, _layer, _load, _manual
 
 STEPS = [[0, 2, -1, 2, 0, 0, -1, 2, 1], [2, 2, 2, 2], [0]]
@@ -35,32 +34,33 @@ def _input(num_tokens: int, strided: bool, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("overlap", ["1", "0"])
-@pytest.mark.parametrize("kernel", ["split", "fused"])
 @pytest.mark.parametrize("token_slots", STEPS, ids=["mixed", "one-slot", "decode-row"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-def test_begin_finish_equals_forward(backend, overlap, kernel, token_slots, strided, monkeypatch):
+def test_begin_finish_equals_forward(backend, overlap, token_slots, strided, monkeypatch):
+    import kernels.lora_shrink as lora_shrink
+
     monkeypatch.setenv("CHORUS_LORA_OVERLAP", overlap)
-    monkeypatch.setenv("CHORUS_LORA_KERNEL", kernel)
     base, slots, state = _layer(backend)
     adapters = _adapters()
     _load(slots, adapters)
-    calls = KernelCalls(monkeypatch)
+    shrink_spy = Mock(wraps=lora_shrink.lora_shrink)       # ``lora.layers`` imports it at call time
+    monkeypatch.setattr(lora_shrink, "lora_shrink", shrink_spy)
     x = _input(len(token_slots), strided)
     base_y = F.linear(x, base.weight)                                   # [T, sum(OUTS)]
     state.batch = build_lora_batch(torch.tensor(token_slots, dtype=torch.int32), MAX_LORAS,
                                    with_segments=backend == "torch")
     y_forward = slots(x, base_y.clone())
 
-    early_shrink = backend == "triton" and overlap == "1" and kernel == "split"
-    before = calls.counts()
+    early_shrink = backend == "triton" and overlap == "1"
+    before = shrink_spy.call_count
     pending = slots.begin(x)
     assert (pending.plan is not None) == early_shrink
     assert pending.side is None                                         # CPU: no side stream
-    assert calls.counts() == (before[0], before[1] + early_shrink)       # the shrink ran in begin
+    assert shrink_spy.call_count == before + early_shrink                # the shrink ran in begin
     y_two_phase = base_y.clone()
     assert slots.finish(pending, y_two_phase) is y_two_phase
     if backend == "triton":
-        assert calls.counts() == (before[0] + (kernel == "fused"), before[1] + (kernel == "split"))
+        assert shrink_spy.call_count == before + 1
 
     assert torch.equal(y_two_phase, y_forward)
     torch.testing.assert_close(y_forward, _manual(x, base_y, token_slots, adapters), rtol=1e-4, atol=1e-4)
@@ -108,7 +108,6 @@ the NaN-filled scratch buffer long before the shrink overwrites it."""
 def _cuda_layer(overlap: str, num_tokens: int, monkeypatch):
     """A Triton-backend layer on CUDA with the reserved scratch and static meta of the graph path."""
     monkeypatch.setenv("CHORUS_LORA_OVERLAP", overlap)
-    monkeypatch.setenv("CHORUS_LORA_KERNEL", "split")                   # the path that overlaps
     dev = torch.device("cuda")
     base, slots, state = _layer("triton")
     _load(slots, _adapters())
@@ -186,7 +185,6 @@ def test_forward_deferred_then_silu_mul_equals_unfused(fuse, token_slots, monkey
 
     monkeypatch.setenv("CHORUS_LORA_FUSE_SILU_MUL", fuse)
     monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
-    monkeypatch.delenv("CHORUS_LORA_KERNEL", raising=False)
     base, slots, state = _layer("triton", outs=GATE_UP)
     assert slots.fuse_silu_mul is (fuse == "1")
     adapters = _gate_up_adapters()

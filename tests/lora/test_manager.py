@@ -265,18 +265,17 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
     assert torch_mgr.warm_up_kernels(1, 64) == 0
 
 
-@pytest.mark.parametrize("env", [("CHORUS_LORA_OVERLAP", "0"), ("CHORUS_LORA_KERNEL", "fused")])
-def test_warm_up_without_a_split_plan(env, tiny_llama_dir, monkeypatch):
-    """With the overlap off or the one-launch kernel chosen, ``begin`` issues nothing (no split
-    plan): the warm-up still runs every key, and the o/down norm fusion is simply not taken (the
-    engine's ``Linear.forward_deferred`` finishes such updates before the norm)."""
+def test_warm_up_without_a_split_plan(tiny_llama_dir, monkeypatch):
+    """With the overlap off, ``begin`` issues nothing (no split plan): the warm-up still runs every
+    key, and the o/down norm fusion is simply not taken (the engine's ``Linear.forward_deferred``
+    finishes such updates before the norm)."""
     if torch.cuda.is_available():
         pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET (set on CPU-only machines)")
     import kernels.lora_expand_norm as lora_expand_norm
 
     monkeypatch.setattr(lora_expand_norm, "TILES_MIN_TOKENS", 150)
     monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", "0")
-    monkeypatch.setenv(*env)
+    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "0")
     mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), _model(tiny_llama_dir), torch.device("cpu"),
                       torch.float32, backend="triton")
     assert mgr.warm_up_kernels(150, 160) > 0 and mgr.state.batch is None

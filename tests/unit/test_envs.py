@@ -67,19 +67,12 @@ def test_decode_gemv_max_tokens(monkeypatch):
             envs.decode_gemv_max_tokens()
 
 
-def test_gemv_and_lora_kernel_choice(monkeypatch):
+def test_gemv_config(monkeypatch):
     monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=64,use_dot=1")
     assert envs.gemv_config() == {"block_n": 64, "use_dot": 1}
     monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_m=16")
     with pytest.raises(ValueError, match="CHORUS_GEMV_CONFIG"):
         envs.gemv_config()
-    monkeypatch.delenv("CHORUS_LORA_KERNEL", raising=False)
-    assert envs.lora_kernel() == "split"
-    monkeypatch.setenv("CHORUS_LORA_KERNEL", "fused")
-    assert envs.lora_kernel() == "fused"
-    monkeypatch.setenv("CHORUS_LORA_KERNEL", "fast")
-    with pytest.raises(ValueError, match="CHORUS_LORA_KERNEL"):
-        envs.lora_kernel()
 
 
 def test_gemm_sm_carveout(monkeypatch):

@@ -15,6 +15,13 @@ objects, or a text file with one prompt per line.
 Definitions (vLLM's): TTFT = request sent -> first chunk with a choice; ITL = gaps between
 successive such chunks; TPOT = (latency - TTFT) / (output tokens - 1), per request; output tokens come from
 the final usage chunk (``stream_options.include_usage``).
+
+Is the client the limit? Each client process reports its own CPU time over the timed run
+(``getrusage``); a process near 100% of a core cannot send or read faster. ``--num-clients N``
+splits the requests over N processes (each takes every N-th request, the arrival rate / N and
+``--max-concurrency`` / N): the same throughput with more clients means the server is the limit.
+``--offline-json`` takes a ``benchmarks/throughput.py`` JSON of the same requests (its
+``--save-workload`` file, sent here with ``--dataset``) and reports served / offline output tok/s.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import random
+import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import httpx
 
@@ -42,7 +51,8 @@ WORDS = ("the of and to in is was for on that with as by at from his her it an w
 # ----------------------------------------------------------------------------------------
 @dataclass
 class BenchPrompt:
-    prompt: str
+    prompt: Union[str, list[int]]
+    """Text, or token ids (``/v1/completions`` only)."""
     output_len: int
     input_len: Optional[int] = None
     """Prompt tokens if known up front (the server's usage is reported anyway)."""
@@ -62,7 +72,9 @@ def load_dataset(path: str, default_output_len: int, num_prompts: int) -> list[B
         if isinstance(it, str):
             prompts.append(BenchPrompt(it, default_output_len))
         else:
-            prompts.append(BenchPrompt(it["prompt"], int(it.get("output_len", default_output_len))))
+            prompt = it["prompt"]
+            prompts.append(BenchPrompt(prompt, int(it.get("output_len", default_output_len)),
+                                       len(prompt) if isinstance(prompt, list) else None))
     if not prompts:
         raise SystemExit(f"{path}: no prompts")
     return [prompts[i % len(prompts)] for i in range(num_prompts)]
@@ -137,7 +149,7 @@ def is_chat(endpoint: str) -> bool:
 
 async def send_one(client: httpx.AsyncClient, args: argparse.Namespace, model: str, p: BenchPrompt,
                    t0: float) -> RequestResult:
-    res = RequestResult(start_s=time.perf_counter() - t0)
+    res = RequestResult(start_s=time.monotonic() - t0)
     body = build_body(args, model, p)
     chat = is_chat(args.endpoint)
     start = time.perf_counter()
@@ -198,12 +210,37 @@ async def arrival_times(num: int, request_rate: float, burstiness: float, rng: r
         await asyncio.sleep(rng.gammavariate(burstiness, theta))
 
 
-async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(args.seed)
+@dataclass
+class ClientRun:
+    """One client process's share of the timed run."""
+
+    results: list[RequestResult]
+    end_s: float
+    """Its last response done, seconds after the common start."""
+    cpu_s: float
+    """User + system CPU seconds the client process spent over its share."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ClientRun":
+        return cls([RequestResult(**r) for r in d["results"]], d["end_s"], d["cpu_s"])
+
+
+def _http_client(args: argparse.Namespace, max_concurrency: Optional[int]) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(args.max_concurrency or 0, 256))
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout, connect=30)) as client:
+    limits = httpx.Limits(max_connections=max(max_concurrency or 0, 256))
+    return httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                             timeout=httpx.Timeout(args.timeout, connect=30))
+
+
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+async def prepare(args: argparse.Namespace) -> tuple[str, list[BenchPrompt]]:
+    """The model name to request and the prompts; the warm-up requests sent."""
+    rng = random.Random(args.seed)
+    async with _http_client(args, args.max_concurrency) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         if args.dataset:
             prompts = load_dataset(args.dataset, args.output_len, args.num_prompts)
@@ -214,10 +251,19 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             prompts = await random_prompts_calibrated(client, model, args.num_prompts, args.input_len,
                                                       args.output_len, rng)
         for _ in range(args.num_warmups):
-            warm = await send_one(client, args, model, BenchPrompt(prompts[0].prompt, 4), time.perf_counter())
+            warm = await send_one(client, args, model, BenchPrompt(prompts[0].prompt, 4), time.monotonic())
             if not warm.success:
                 raise SystemExit(f"warm-up request failed: {warm.error}")
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    return model, prompts
+
+
+async def send_share(args: argparse.Namespace, model: str, prompts: list[BenchPrompt], request_rate: float,
+                     max_concurrency: Optional[int], seed: int, start_at: Optional[float]) -> ClientRun:
+    """Send ``prompts`` from ``start_at`` (``time.monotonic()``; None: now) on, Poisson-spaced at
+    ``request_rate``, at most ``max_concurrency`` in flight."""
+    rng = random.Random(seed)
+    async with _http_client(args, max_concurrency) as client:
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
         async def limited(p: BenchPrompt, t0: float) -> RequestResult:
             if sem is None:
@@ -225,13 +271,59 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await send_one(client, args, model, p, t0)
 
-        t0 = time.perf_counter()
+        if start_at is None:
+            start_at = time.monotonic()
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        cpu0 = _cpu_s()
         tasks = []
-        async for i in arrival_times(len(prompts), args.request_rate, args.burstiness, rng):
-            tasks.append(asyncio.ensure_future(limited(prompts[i], t0)))
+        async for i in arrival_times(len(prompts), request_rate, args.burstiness, rng):
+            tasks.append(asyncio.ensure_future(limited(prompts[i], start_at)))
         results = await asyncio.gather(*tasks)
-        duration_s = time.perf_counter() - t0
-    return summarize(args, model, results, duration_s)
+        return ClientRun(list(results), time.monotonic() - start_at, _cpu_s() - cpu0)
+
+
+def run_clients(args: argparse.Namespace, model: str, prompts: list[BenchPrompt]) -> list[ClientRun]:
+    """The timed run: in this process, or over ``--num-clients`` forked processes that start
+    together, client i sending prompts i, i + N, ..."""
+    n = args.num_clients
+    if n == 1:
+        return [asyncio.run(send_share(args, model, prompts, args.request_rate, args.max_concurrency,
+                                       args.seed, None))]
+    # NOTE: fork, so children need nothing pickled but their results (plain dicts).
+    ctx = multiprocessing.get_context("fork")
+    start_at = time.monotonic() + 0.5 + 0.05 * n
+    rate = args.request_rate / n
+    concurrency = math.ceil(args.max_concurrency / n) if args.max_concurrency else None
+    readers, procs = [], []
+    for i in range(n):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_client_process, daemon=True,
+                           args=(writer, args, model, prompts[i::n], rate, concurrency, args.seed + i, start_at))
+        proc.start()
+        writer.close()
+        readers.append(reader)
+        procs.append(proc)
+    replies = [r.recv() for r in readers]
+    for proc in procs:
+        proc.join()
+    errors = [r["error"] for r in replies if "error" in r]
+    if errors:
+        raise SystemExit(f"a client process failed: {errors[0]}")
+    return [ClientRun.from_dict(r) for r in replies]
+
+
+def _client_process(writer, args, model, prompts, rate, concurrency, seed, start_at) -> None:
+    try:
+        run = asyncio.run(send_share(args, model, prompts, rate, concurrency, seed, start_at))
+        writer.send(asdict(run))
+    except BaseException as e:   # NOTE: the parent waits for a reply from every child
+        writer.send({"error": f"{type(e).__name__}: {e}"})
+    writer.close()
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    model, prompts = asyncio.run(prepare(args))
+    return summarize(args, model, run_clients(args, model, prompts))
 
 
 def _stats(values: list[float], percentiles: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -257,8 +349,9 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def summarize(args: argparse.Namespace, model: str, results: list[RequestResult],
-              duration_s: float) -> dict[str, Any]:
+def summarize(args: argparse.Namespace, model: str, runs: list[ClientRun]) -> dict[str, Any]:
+    results = [r for run in runs for r in run.results]
+    duration_s = max(run.end_s for run in runs)
     ok = [r for r in results if r.success]
     pct = [float(x) for x in args.percentiles.split(",")]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -279,6 +372,8 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         "tpot_ms": _stats(tpot, pct),
         "itl_ms": _stats([x for r in ok for x in r.itl_s], pct),
         "e2el_ms": _stats([r.latency_s for r in ok], pct),
+        "num_clients": len(runs), "client_cpu_s": [run.cpu_s for run in runs],
+        "client_cpu_fraction_max": max(run.cpu_s / run.end_s if run.end_s else 0.0 for run in runs),
         "requests": [asdict(r) for r in results] if args.save_requests else None,
     }
 
@@ -294,7 +389,12 @@ def print_table(s: dict[str, Any]) -> None:
             ("Total generated tokens", s["total_output_tokens"]),
             ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
-            ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
+            ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}"),
+            ("Client processes", s["num_clients"]),
+            ("Client CPU, busiest process (% core)", f"{100 * s['client_cpu_fraction_max']:.1f}")]
+    if "offline_output_throughput" in s:
+        rows += [("Offline output tok/s (same requests)", f"{s['offline_output_throughput']:.2f}"),
+                 ("Served / offline output tok/s", f"{s['served_over_offline']:.3f}")]
     for k, v in rows:
         print(f"{k:<40}{v!s:>16}")
     for key, title in (("ttft_ms", "Time to First Token"),
@@ -336,12 +436,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="Write the summary JSON here.")
     p.add_argument("--save-requests", action="store_true", help="Include per-request results in the JSON.")
+    p.add_argument("--num-clients", type=int, default=1,
+                   help="Client processes sharing the requests (rate and concurrency split evenly).")
+    p.add_argument("--offline-json", default=None,
+                   help="A benchmarks/throughput.py JSON of the same requests: report served / offline tok/s.")
     return p
+
+
+def add_offline(summary: dict[str, Any], path: str) -> None:
+    """Served vs offline output tok/s: ``path`` is a ``benchmarks/throughput.py`` JSON of the same
+    requests (its first row is Chorus ``LLM.generate``)."""
+    with open(path, encoding="utf-8") as f:
+        offline = json.load(f)["rows"][0]
+    summary["offline_output_throughput"] = offline["output_tok_s"]
+    summary["served_over_offline"] = summary["output_throughput"] / offline["output_tok_s"]
+    if offline["output_tokens"] != summary["total_output_tokens"]:
+        print(f"NOTE: the offline run made {offline['output_tokens']} output tokens, this one "
+              f"{summary['total_output_tokens']}: not the same requests.")
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    summary = asyncio.run(run_benchmark(args))
+    if args.num_clients < 1:
+        raise SystemExit("--num-clients must be at least 1")
+    summary = run_benchmark(args)
+    if args.offline_json:
+        add_offline(summary, args.offline_json)
     print_table(summary)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

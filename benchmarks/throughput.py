@@ -5,7 +5,7 @@ Examples:
     python benchmarks/throughput.py --num-prompts 64 --input-len 128 --output-len 64
     # H200, a Llama-3-8B-shaped model with random bf16 weights, lengths drawn per request
     python benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
-        --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 256
+        --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64 --hf-continuous
 
 Transformers runs padded batched ``generate`` (left padding, batches of ``--hf-batch-size``, each
 batch runs to its longest output; only requested tokens count) and, with ``--hf-continuous``,
@@ -75,6 +75,8 @@ def run_chorus(args, prompts, outs) -> dict:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
+    if args.enable_prefix_caching is not None:
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
     if args.load_format == "dummy":
         kw["load_format"] = "dummy"
     t0 = time.perf_counter()
@@ -197,6 +199,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: the engine's (on)")
     ap.add_argument("--warmup-prompts", type=int, default=32, help="untimed requests run first")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--hf-max-prompts", type=int, default=None,
@@ -204,6 +208,9 @@ def main() -> None:
     ap.add_argument("--hf-continuous", action="store_true", help="also run transformers' generate_batch")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-workload", default=None,
+                    help="also write the requests as .jsonl ({prompt: token ids, output_len}), for "
+                         "benchmarks/serve.py --dataset: the same requests over HTTP")
     ap.add_argument("--out", default="benchmarks/out/throughput.json")
     args = ap.parse_args()
     args.load_format = "auto"
@@ -219,6 +226,9 @@ def main() -> None:
         vocab = load_config(resolve_model(args.model)).vocab_size
     prompts, outs = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
                                   vocab, args.seed)
+    if args.save_workload:
+        with open(args.save_workload, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"prompt": p, "output_len": o}) + "\n" for p, o in zip(prompts, outs))
     rows = [run_chorus(args, prompts, outs)]
     if not args.skip_hf:
         import gc

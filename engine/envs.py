@@ -76,18 +76,6 @@ def decode_fuse_rotary() -> str:
     return raw
 
 
-def pdl() -> bool:
-    """CHORUS_PDL: 1 launches the decode step's norm, SiLU-and-mul, rotary + KV-write and decode
-    attention kernels with programmatic dependent launch on Hopper+ GPUs (``kernels.pdl``); 0
-    (default) launches them plainly. Off by default: on an H200 (Llama-3-8B shape) it took ~0.1 ms
-    off a batch-256 decode step (12.33 -> 12.21, 12.28 -> 12.17 ms) and added 0.02-0.1 ms at batch
-    1, 32 and 128 (benchmarks/RESULTS.md, thirteenth session)."""
-    raw = os.environ.get("CHORUS_PDL", "0").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"CHORUS_PDL={raw!r}: use 0 or 1.")
-    return raw == "1"
-
-
 def attn_decode_config() -> dict[str, int]:
     """CHORUS_ATTN_DECODE_CONFIG: decode attention tile overrides, e.g. "tile_n=64,num_warps=4,
     num_stages=2,heads_first=0,heads_per_prog=1" (heads_per_prog=0: pure-decode batches take the

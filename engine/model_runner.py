@@ -204,10 +204,6 @@ class ModelRunner:
         """Capture decode graphs when the KV cache is allocated (off: ``enforce_eager``)."""
         if device.type == "cuda":
             apply_gemm_sm_carveout()
-            from engine import envs
-            from kernels.pdl import set_pdl
-
-            set_pdl(envs.pdl())   # the kernels' launch option (CHORUS_PDL; default off)
         self.buffers: Optional[StepBuffers] = None
         self.block_table: Optional[BlockTableRows] = None
         self.graphs = None

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from kernels.layer_ops import _rotary_cos_sin, _rotate_heads_, check_rotary_args
-from kernels.pdl import launch_kwargs, pdl_wait_then_release, use_pdl
 from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
 
 
@@ -101,7 +100,7 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                             HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                             KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-                            TAIL_PAD: tl.constexpr, PDL: tl.constexpr = False):
+                            TAIL_PAD: tl.constexpr):
     """Semantics, one program per token t (p = positions[t], c = cos[p, :HALF], s = sin[p, :HALF]):
 
         rot(x) = x with x[:HALF], x[HALF:2 * HALF] = x1 * c - x2 * s, x2 * c + x1 * s   (float32 math)
@@ -112,13 +111,10 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
           v_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = v[t]
 
     The rotation is ``layer_ops._rotate_heads_``, the same as the unfused rotary kernel's.
-    PDL: launched with programmatic dependent launch (``kernels.pdl``); the step inputs (slot,
-    position, cos / sin rows) load before the wait, q / k / v and the cache after it.
     """
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
     c, s, d, d_ok = _rotary_cos_sin(cos_ptr, sin_ptr, positions_ptr, tok, stride_cs, HALF, HALF_PAD)
-    pdl_wait_then_release(PDL)
     _rotate_heads_(q_ptr, tok, stride_q_tok, stride_q_head, c, s, d, d_ok, NUM_Q_HEADS, Q_HEADS_PAD, HALF)
     r1, r2, hk, mk = _rotate_heads_(k_ptr, tok, stride_k_tok, stride_k_head, c, s, d, d_ok, NUM_KV_HEADS,
                                     KV_HEADS_PAD, HALF)
@@ -173,7 +169,6 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     if num_tokens == 0:
         return
     tail = head_dim - 2 * half
-    pdl = use_pdl(q.device)
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -182,4 +177,4 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=next_power_of_2(num_heads),
         KV_HEADS_PAD=next_power_of_2(num_kv_heads), HALF_PAD=max(2, next_power_of_2(half)),
         DIM_PAD=next_power_of_2(head_dim), TAIL_PAD=0 if tail == 0 else max(2, next_power_of_2(tail)),
-        PDL=pdl, num_warps=4, **launch_kwargs(pdl))
+        num_warps=4)

@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_kwargs, pdl_wait_then_release, use_pdl
 from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
 
 
@@ -30,8 +29,7 @@ from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, hidden, eps,
                          stride_x, stride_r, stride_o, stride_part,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_PARTS: tl.constexpr = 1,
-                         PDL: tl.constexpr = False):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_PARTS: tl.constexpr = 1):
     """Semantics, one program per row t (dtype = residual's dtype, or x's without a residual;
     math in float32):
 
@@ -45,9 +43,7 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, hidden, eps,
         out[t] = dtype(weight * n)
 
     stride_part: elements between two partials (x[p] starts at x_ptr + p * stride_part).
-    PDL: launched with programmatic dependent launch (``kernels.pdl``).
     """
-    pdl_wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -101,13 +97,12 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if num_tokens == 0:
         return out
     block = next_power_of_2(hidden)
-    pdl = use_pdl(x.device)
     _add_rms_norm_kernel[(num_tokens,)](
         x, residual if residual is not None else x, weight, out, hidden, float(eps),
         x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
         x.stride(0) if num_parts > 1 else 0,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_PARTS=num_parts, PDL=pdl,
-        num_warps=min(16, max(1, block // 256)), **launch_kwargs(pdl))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, NUM_PARTS=num_parts,
+        num_warps=min(16, max(1, block // 256)))
     return out
 
 
@@ -214,14 +209,11 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 # SiLU-and-mul
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
     """Semantics, program (t, j) covers columns [j * BLOCK, (j + 1) * BLOCK) of row t:
 
         out[t, c] = dtype(dtype(silu(x[t, c])) * x[t, d + c])      (gate | up packed in x)
-
-    PDL: launched with programmatic dependent launch (``kernels.pdl``).
     """
-    pdl_wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -245,7 +237,6 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
     if num_tokens == 0:
         return out
     block = min(1024, next_power_of_2(d))
-    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        x, out, d, x.stride(0), out.stride(0), BLOCK=block, PDL=pdl, num_warps=4, **launch_kwargs(pdl))
+        x, out, d, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out

@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step, segment_tiles, store_partials
-from kernels.pdl import launch_kwargs, pdl_wait_then_release, use_pdl
 from kernels.utils import is_interpreted
 
 MAX_DECODE_REQS = 65535
@@ -82,7 +81,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr = 1,
-    ROTARY: tl.constexpr = False, HALF: tl.constexpr = 1, PDL: tl.constexpr = False,
+    ROTARY: tl.constexpr = False, HALF: tl.constexpr = 1,
 ):
     """Semantics (scores in log2 units, qk_scale_log2 = scale * log2(e)): for request r (query
     token r) and each query head h of KV heads [g * HEADS_PER_PROG, (g + 1) * HEADS_PER_PROG),
@@ -107,10 +106,6 @@ def _paged_decode_kernel(
     l = sum_p 2^(s[p] - m) into the partials [num_reqs, num_heads, NUM_SPLITS, (HEAD_PAD)], merged
     by ``paged_attention._merge_splits_kernel``. With ROTARY the segment holding the newest key
     folds it in and writes the cache.
-
-    PDL: launched with programmatic dependent launch (``kernels.pdl``): ``seq_lens`` and the
-    rotary inputs (positions, cos / sin rows, slots: step inputs) load before the wait, q, k, v
-    and the cache after it.
     """
     kvh0 = tl.program_id(0) * HEADS_PER_PROG
     req = tl.program_id(1)
@@ -127,7 +122,6 @@ def _paged_decode_kernel(
         sin_f = tl.load(sin_ptr + pos * stride_cs + dims % HALF, mask=rot_ok, other=0.0)
         sign = tl.where(dims < HALF, -1.0, 1.0)
         partner = tl.where(dims < HALF, dims + HALF, tl.where(rot_ok, dims - HALF, dims))
-    pdl_wait_then_release(PDL)
 
     rows = tl.arange(0, BLOCK_M)                                    # query heads of one KV head
     row_ok = rows < GROUP
@@ -246,7 +240,6 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if (num_splits > 1) != (partials is not None):
         raise ValueError("paged decode: pass partials exactly when num_splits > 1.")
     upcast = is_interpreted(q.device) or q.dtype == torch.float32
-    pdl = use_pdl(q.device)
     part_acc, part_max, part_sum = partials if partials is not None else (out, out, out)   # unused at 1 split
     r = rotary
     rot_args = ((r.k, r.v, r.slot_mapping, r.positions, r.cos, r.sin) if r is not None
@@ -264,6 +257,6 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         TILE_N=tile_n, BLOCK_M=block_m, HEADS_PER_PROG=heads_per_prog, UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits,
-        ROTARY=r is not None, HALF=r.half if r is not None else 1, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
+        ROTARY=r is not None, HALF=r.half if r is not None else 1,
+        num_warps=num_warps, num_stages=num_stages,
     )

@@ -20,16 +20,6 @@ def test_attn_decode_config(monkeypatch):
             envs.attn_decode_config()
 
 
-def test_pdl(monkeypatch):
-    monkeypatch.delenv("CHORUS_PDL", raising=False)
-    assert envs.pdl() is False
-    monkeypatch.setenv("CHORUS_PDL", "1")
-    assert envs.pdl() is True
-    monkeypatch.setenv("CHORUS_PDL", "yes")
-    with pytest.raises(ValueError, match="CHORUS_PDL"):
-        envs.pdl()
-
-
 def test_gemm_split_k_and_decode_fuse_rotary(monkeypatch):
     monkeypatch.delenv("CHORUS_GEMM_SPLIT_K", raising=False)
     monkeypatch.delenv("CHORUS_DECODE_FUSE_ROTARY", raising=False)

@@ -39,21 +39,6 @@ def lora_expand_config() -> str | None:
     return os.environ.get("CHORUS_LORA_EXPAND_CONFIG") or None
 
 
-def gemm_sm_carveout() -> int:
-    """CHORUS_GEMM_SM_CARVEOUT: SMs the cuBLAS GEMMs leave free (torch's experimental SM carve-out,
-    applied on CUDA when the model runner starts), so that kernels on the LoRA side stream can run
-    beside them; 0 (default) leaves cuBLAS the whole GPU. An experiment knob: on an H200 the LoRA
-    shrink overlap gained 0.35-0.6 ms per batch-64 decode step, and moving the expand onto the side
-    stream as well gained nothing (benchmarks/RESULTS.md, "Multi-LoRA"). torch applies the carve-out
-    to cuBLASLt only (an H200 probe: the default cuBLAS path ran a batch-64 gate_up GEMM in 72.8 us
-    with and without a 66-SM carve-out, cuBLASLt in 71.0 and 79.4 us), so a non-zero value also
-    makes cuBLASLt torch's preferred BLAS library. Off by default: no gain measured."""
-    raw = os.environ.get("CHORUS_GEMM_SM_CARVEOUT", "0").strip()
-    if not raw.isdigit() or int(raw) > 128:
-        raise ValueError(f"CHORUS_GEMM_SM_CARVEOUT={raw!r}: use an integer from 0 to 128 (SMs left free).")
-    return int(raw)
-
-
 def gemm_split_k() -> bool:
     """CHORUS_GEMM_SPLIT_K: 1 (default) runs o_proj and down_proj of decode-sized steps on CUDA as
     one batched GEMM over two halves of K whose partials the next add + RMSNorm sums

@@ -149,21 +149,6 @@ class StepTimer:
                     busy_fraction=busy / span if span > 0 else 0.0, by_kind=by_kind)
 
 
-def apply_gemm_sm_carveout() -> None:
-    """CHORUS_GEMM_SM_CARVEOUT (``engine.envs.gemm_sm_carveout``): leave SMs free of cuBLAS' GEMMs."""
-    from engine import envs
-
-    carveout = envs.gemm_sm_carveout()
-    if carveout:
-        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-            raise ValueError(f"CHORUS_GEMM_SM_CARVEOUT={carveout}: torch {torch.__version__} has no SM "
-                             "carve-out for matmuls; unset it.")
-        # NOTE: torch honours the carve-out on its cuBLASLt path only (see envs.gemm_sm_carveout).
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        torch._C._set_sm_carveout_experimental(carveout)
-        logger.info("cuBLASLt GEMMs leave %d SMs free (CHORUS_GEMM_SM_CARVEOUT)", carveout)
-
-
 def rotary_qkv_consumer(attn_module: nn.Module):
     """f(pending, qkv) for ``LoRAManager.warm_up_kernels``: the attention module's rotary + KV write
     on a [T, q + 2 kv] q/k/v projection output with its pending LoRA update added first, as a decode
@@ -202,8 +187,6 @@ class ModelRunner:
         self.logprobs_mode = config.model_config.logprobs_mode
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
         """Capture decode graphs when the KV cache is allocated (off: ``enforce_eager``)."""
-        if device.type == "cuda":
-            apply_gemm_sm_carveout()
         self.buffers: Optional[StepBuffers] = None
         self.block_table: Optional[BlockTableRows] = None
         self.graphs = None

@@ -52,7 +52,8 @@ def keyed_rows(report: dict, kind: str) -> dict[str, dict]:
 
 
 FIGURES: dict[str, list[Figure]] = {
-    "latency": [("step ms", _get("step_ms")), ("GPU ms", _get("gpu_ms")), ("x floor", _get("step_over_floor"))],
+    "latency": [("step ms", _get("step_ms")), ("GPU ms", _get("gpu_ms")),
+                ("x floor", _get("step_over_floor"))],
     "throughput": [("out tok/s", _get("output_tok_s")), ("seconds", _get("seconds"))],
     "multi_lora": [("out tok/s", _get("output_tok_s")), ("x base", _get("x_base")),
                    ("decode ms", _decode_ms)],
@@ -62,7 +63,9 @@ FIGURES: dict[str, list[Figure]] = {
 
 
 def _fmt(x: Optional[float]) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+    if x is None or math.isnan(x):
+        return "-"
+    return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
 
 
 def compare(old: dict, new: dict, labels: tuple[str, str] = ("old", "new")) -> list[str]:
@@ -72,7 +75,8 @@ def compare(old: dict, new: dict, labels: tuple[str, str] = ("old", "new")) -> l
         raise SystemExit(f"not the same benchmark: {kind_of(old)} vs {kind}")
     old_rows, new_rows = keyed_rows(old, kind), keyed_rows(new, kind)
     figures = FIGURES[kind]
-    head = "".join(f"{f'{name} {labels[0]}':>16s}{f'{name} {labels[1]}':>16s}{'ratio':>7s}" for name, _ in figures)
+    head = "".join(f"{name + ' ' + labels[0]:>18s}{name + ' ' + labels[1]:>18s}{'ratio':>7s}"
+                   for name, _ in figures)
     lines = [f"{kind}: {old.get('device', '-')} ({labels[0]}) vs {new.get('device', '-')} ({labels[1]})",
              f"{'':34s}{head}"]
     for key in (k for k in new_rows if k in old_rows):
@@ -80,7 +84,7 @@ def compare(old: dict, new: dict, labels: tuple[str, str] = ("old", "new")) -> l
         for _, read in figures:
             a, b = read(old_rows[key]), read(new_rows[key])
             ratio = b / a if a and b is not None else None
-            cells += f"{_fmt(a):>16s}{_fmt(b):>16s}{_fmt(ratio):>7s}"
+            cells += f"{_fmt(a):>18s}{_fmt(b):>18s}{_fmt(ratio):>7s}"
         lines.append(f"{key[:34]:34s}{cells}")
     return lines
 

@@ -45,7 +45,7 @@ bench() {
   if [ -n "$BASELINE_DIR" ]; then
     echo "-- baseline ($BASELINE_DIR)"
     (cd "$BASELINE_DIR" && python3 "benchmarks/$script" "$@" --out "$OUT/baseline_$name.json" 2>&1 | quiet)
-    python3 benchmarks/compare.py "$OUT/baseline_$name.json" "$OUT/$name.json" --labels base,new
+    python3 benchmarks/compare.py "$OUT/baseline_$name.json" "$OUT/$name.json" --labels old,new
   fi
 }
 

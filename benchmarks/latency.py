@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import sys
 import time
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.throughput import dummy_checkpoint  # noqa: E402
+from benchmarks.throughput import llama3_8b_dummy  # noqa: E402
 
 
 def sync() -> None:
@@ -225,8 +224,7 @@ def main() -> None:
     args = ap.parse_args()
     args.load_format = "auto"
     if args.llama3_8b_dummy:
-        args.model = str(dummy_checkpoint(Path(os.environ.get("TMPDIR", "/tmp")) / "chorus-llama3-8b-dummy",
-                                          "bfloat16"))
+        args.model = llama3_8b_dummy()
         args.load_format = "dummy"
     if args.model is None:
         ap.error("--model or --llama3-8b-dummy is required")

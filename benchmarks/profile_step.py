@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.throughput import dummy_checkpoint  # noqa: E402
+from benchmarks.throughput import llama3_8b_dummy  # noqa: E402
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -129,7 +129,7 @@ def main() -> None:
     args = ap.parse_args()
     from engine import LLM, SamplingParams
 
-    model = args.model or str(dummy_checkpoint(Path("/tmp/chorus-llama3-8b-dummy"), "bfloat16"))
+    model = args.model or llama3_8b_dummy()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     lora_kw = {}
     if args.lora_adapters:

@@ -297,8 +297,8 @@ def run_clients(args: argparse.Namespace, model: str, prompts: list[BenchPrompt]
     readers, procs = [], []
     for i in range(n):
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_client_process, daemon=True,
-                           args=(writer, args, model, prompts[i::n], rate, concurrency, args.seed + i, start_at))
+        proc = ctx.Process(target=_client_process, daemon=True, args=(
+            writer, args, model, prompts[i::n], rate, concurrency, args.seed + i, start_at))
         proc.start()
         writer.close()
         readers.append(reader)
@@ -439,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-clients", type=int, default=1,
                    help="Client processes sharing the requests (rate and concurrency split evenly).")
     p.add_argument("--offline-json", default=None,
-                   help="A benchmarks/throughput.py JSON of the same requests: report served / offline tok/s.")
+                   help="A benchmarks/throughput.py JSON of the same requests: report served / offline "
+                        "output tok/s.")
     return p
 
 

@@ -66,6 +66,13 @@ def dummy_checkpoint(out_dir: Path, dtype: str, shape: dict = LLAMA3_8B) -> Path
     return out_dir
 
 
+def llama3_8b_dummy() -> str:
+    """The Llama-3-8B-shaped checkpoint of ``--llama3-8b-dummy`` (config and tokenizer; random bf16
+    weights through ``load_format=dummy``), under $TMPDIR (default /tmp)."""
+    return str(dummy_checkpoint(Path(os.environ.get("TMPDIR", "/tmp")) / "chorus-llama3-8b-dummy",
+                                "bfloat16"))
+
+
 def run_chorus(args, prompts, outs) -> dict:
     from engine import LLM, SamplingParams
     kw = dict(dtype=args.dtype, seed=0, enforce_eager=args.enforce_eager)
@@ -215,8 +222,7 @@ def main() -> None:
     args = ap.parse_args()
     args.load_format = "auto"
     if args.llama3_8b_dummy:
-        args.model = str(dummy_checkpoint(Path(os.environ.get("TMPDIR", "/tmp")) / "chorus-llama3-8b-dummy",
-                                          "bfloat16"))
+        args.model = llama3_8b_dummy()
         args.load_format = "dummy"
         if args.max_model_len is None:
             args.max_model_len = 2048

@@ -1,0 +1,48 @@
+"""benchmarks/compare.py: which benchmark a JSON comes from, rows matched across runs, ratios."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location("bench_compare_unit", ROOT / "benchmarks" / "compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_latency_rows_matched_by_batch_with_ratios():
+    cmp = _load_compare()
+    old = {"device": "H200", "rows": [{"batch": 1, "step_ms": 4.0, "gpu_ms": 4.0, "step_over_floor": 1.2},
+                                      {"batch": 256, "step_ms": 12.0, "gpu_ms": 12.0, "step_over_floor": 1.5}]}
+    new = {"device": "H200", "rows": [{"batch": 256, "step_ms": 11.0, "gpu_ms": 10.0, "step_over_floor": 1.4},
+                                      {"batch": 8, "step_ms": 5.0, "gpu_ms": 5.0, "step_over_floor": 1.3}]}
+    lines = cmp.compare(old, new)
+    assert lines[0].startswith("latency:")
+    rows = lines[2:]
+    assert len(rows) == 1 and rows[0].startswith("batch 256")   # batch 8 has no old row
+    assert "0.917" in rows[0] and "0.833" in rows[0]             # 11 / 12 and 10 / 12
+
+
+def test_multi_lora_and_throughput_kinds():
+    cmp = _load_compare()
+    decode = {"decode graph": {"steps": 100, "gpu_ms": 700.0}}
+    ml = {"rows": [{"system": "chorus 16 adapters", "batch": 64, "num_adapters": 16, "output_tok_s": 5000.0,
+                    "x_base": 0.9, "steps_by_kind": decode},
+                   {"system": "hf+peft 16 adapters", "batch": 64, "num_adapters": 16, "output_tok_s": 90.0}]}
+    assert cmp.kind_of(ml) == "multi_lora"
+    assert list(cmp.keyed_rows(ml, "multi_lora")) == ["batch 64, 16 adapters"]
+    assert cmp._decode_ms(ml["rows"][0]) == pytest.approx(7.0)
+    tp = {"rows": [{"system": "chorus", "output_tok_s": 10000.0, "seconds": 28.0},
+                   {"system": "hf-generate_batch(continuous)", "output_tok_s": 380.0, "seconds": 85.0}]}
+    assert cmp.kind_of(tp) == "throughput"
+    with pytest.raises(SystemExit):
+        cmp.compare(ml, tp)

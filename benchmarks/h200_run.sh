@@ -8,7 +8,8 @@
 #   latency     decode step vs its bytes floor, batch 1/32/128/256, transformers side by side    (~200 s)
 #   throughput  offline LLM.generate, 1000 requests, vs transformers generate / generate_batch   (~330 s)
 #   serve       chorus serve under 256 streamed requests of 512 prompt ids + 128 tokens sent at
-#               once, from 1 and 4 client processes, vs LLM.generate on the same requests         (~180 s)
+#               once, from 1 and 4 client processes, vs LLM.generate on the same requests; needs
+#               the carried .whl folder (fetch-wheels)                             (~180 s, not timed yet)
 #   multi-lora  16-64 distinct adapters vs the base model, batch 64 and 256                        (~400 s)
 #   profile     kernel tables of decode steps: batch 1 and 256, batch 64 with 16 adapters         (~250 s)
 #   fetch-wheels  run HERE, not on the GPU machine: the server's packages the GPU image lacks, into .whl/

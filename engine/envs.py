@@ -94,7 +94,8 @@ def decode_gemv_max_tokens() -> int:
 
 def gemv_config() -> dict[str, int]:
     """CHORUS_GEMV_CONFIG: decode GEMV launch overrides, e.g. "block_n=32,block_k=256,num_warps=4,
-    num_stages=3" (fields of ``kernels.gemv.GemvConfig``; use_dot=0/1 too; ``benchmarks/gemv_sweep.py``
+    num_stages=3" (fields of ``kernels.gemv.GemvConfig``; use_dot=0/1 too), which
+    ``engine.layers.fused`` passes to the ``kernels.gemv`` wrappers (``benchmarks/sweeps/gemv_sweep.py``
     passes candidates directly instead)."""
     raw = os.environ.get("CHORUS_GEMV_CONFIG", "")
     out: dict[str, int] = {}

@@ -27,11 +27,11 @@ with M: the fused launches pay off at M <= 2 and lose from M = 4-8 on (``gemv_co
 Numerics: float32 accumulation, bias added in float32, one rounding to x's dtype at the end;
 the prologues round exactly as ``kernels.layer_ops`` does (see the kernel's docstring). The
 torch twins are the ``*_ref`` functions at the end of this module, composed from
-``RMSNorm.forward_torch``, ``silu_and_mul_torch`` and a float32 ``F.linear``;
+``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and a float32 ``F.linear``;
 ``tests/kernels/test_kernel_gemv.py`` compares the two.
 
-Launch configs: ``gemv_config(M, N, K)`` (defaults; ``CHORUS_GEMV_CONFIG`` overrides fields,
-read through ``engine.envs.gemv_config``); every wrapper also takes an explicit ``config=``.
+Launch configs: ``gemv_config(M, N, K, override=...)`` (defaults, then the caller's field
+overrides); every wrapper takes either an explicit ``config=`` or the ``override=`` it passes on.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.reference import rms_norm_ref, silu_and_mul_ref
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
 MAX_ROWS = 16
@@ -53,6 +54,10 @@ MAX_ROWS = 16
 
 PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
 """Values of the kernel's PROLOGUE constexpr: how the input rows are built from the inputs."""
+
+GemvOverride = tuple[tuple[str, int], ...]
+"""(field, value) pairs of ``GemvConfig`` applied over the default config (the engine passes
+CHORUS_GEMV_CONFIG's)."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -230,7 +235,7 @@ def _check_pow2(name: str, value: object, min_value: int, max_value: int) -> Non
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch parameters of the decode GEMV (``CHORUS_GEMV_CONFIG`` field names)."""
+    """Launch parameters of the decode GEMV."""
 
     block_n: int = 32
     """Output columns (weight rows) per program; the grid is cdiv(N, block_n). Power of two in
@@ -273,14 +278,16 @@ def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int,
     return block_m, block_ma, block_ks
 
 
-def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN
-                ) -> GemvConfig:
-    """The default config for an [M, K] x [N, K]^T decode GEMV, with ``CHORUS_GEMV_CONFIG`` applied.
+def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN,
+                override: GemvOverride = ()) -> GemvConfig:
+    """The default config for an [M, K] x [N, K]^T decode GEMV, with ``override`` applied last.
 
     Args:
         M, N, K: token rows, output columns (weight rows), inputs per row.
         device: where it runs; a CPU device means the interpreter (small, quick tiles). None: CUDA.
         prologue: PLAIN, SILU_MUL or ADD_RMSNORM.
+        override: ``GemvConfig`` (field, value) pairs; ValueError for an unknown field or a value
+            the config rejects.
 
     NOTE: H200 sweep (``benchmarks/gemv_sweep.py``, Llama-3-8B shapes, bf16, M 1..16, weights from
     HBM, CUDA graphs): tl.dot wins at every M (the elementwise form is 1.2-3x slower). Plain
@@ -294,8 +301,6 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     on (down at M 16: 62 vs 34 us): the rebuild's cost grows with M. Differences under ~1 us
     are within run-to-run noise.
     """
-    from engine import envs
-
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
                          num_warps=4, num_stages=1, use_dot=0)
@@ -303,8 +308,14 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         cfg = GemvConfig(32, 512, 4, 3, 1)
     else:
         cfg = GemvConfig(64, 256, 4, 3, 1) if prologue == PLAIN else GemvConfig(128, 128, 4, 3, 1)
-    override = envs.gemv_config()
-    return dataclasses.replace(cfg, **override) if override else cfg
+    if not override:
+        return cfg
+    fields = dict(override)
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(GemvConfig)})
+    if unknown:
+        raise ValueError(f"GEMV config override: unknown field(s) {unknown}; use block_n, block_k, "
+                         f"num_warps, num_stages, use_dot.")
+    return dataclasses.replace(cfg, **fields)
 
 
 # ----------------------------------------------------------------------------------------
@@ -335,13 +346,13 @@ def _check_weights(x: torch.Tensor, K: int, weight: torch.Tensor, bias: Optional
 
 def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
             eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], res_out: Optional[torch.Tensor],
-            config: Optional[GemvConfig]) -> torch.Tensor:
+            config: Optional[GemvConfig], override: GemvOverride) -> torch.Tensor:
     M, (N, K) = x.shape[0], weight.shape
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)                            # [M, N]
     if M == 0:
         return out
     if config is None:
-        config = gemv_config(M, N, K, x.device, prologue)
+        config = gemv_config(M, N, K, x.device, prologue, override)
     block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
     upcast = is_interpreted(x.device)
     _gemv_kernel[(cdiv(N, config.block_n),)](
@@ -357,25 +368,26 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-         config: Optional[GemvConfig] = None) -> torch.Tensor:
+         config: Optional[GemvConfig] = None, override: GemvOverride = ()) -> torch.Tensor:
     """out = x @ weight.T (+ bias) for a decode batch, float32 accumulation.
 
     Args:
         x: [M, K], 0 <= M <= 16, float16/bfloat16/float32, last dim contiguous (row stride free).
         weight: [N, K] (nn.Linear layout), x's dtype, contiguous.
         bias: optional [N], x's dtype, contiguous; added in float32 before the final rounding.
-        config: launch config; None: ``gemv_config(M, N, K, x.device)``.
+        config: launch config; None: ``gemv_config(M, N, K, x.device, override=override)``.
+        override: ``GemvConfig`` field overrides of the default config (ignored with ``config``).
 
     Returns:
         out: a new [M, N] tensor in x's dtype.
     """
     _check_rows("x", x)
     _check_weights(x, x.shape[1], weight, bias, config)
-    return _launch(PLAIN, x, None, None, 0.0, weight, bias, None, config)
+    return _launch(PLAIN, x, None, None, 0.0, weight, bias, None, config, override)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                  config: Optional[GemvConfig] = None) -> torch.Tensor:
+                  config: Optional[GemvConfig] = None, override: GemvOverride = ()) -> torch.Tensor:
     """out = silu_and_mul(gate_up) @ weight.T (+ bias), the product rows never written to memory.
 
     Args:
@@ -383,7 +395,8 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[to
             The input row is a = dtype(dtype(silu(gate)) * up), rounded as ``layer_ops.silu_and_mul``.
         weight: [N, K], gate_up's dtype, contiguous.
         bias: optional [N], gate_up's dtype, contiguous.
-        config: launch config; None: ``gemv_config(M, N, K, gate_up.device, SILU_MUL)``.
+        config: launch config; None: ``gemv_config(M, N, K, gate_up.device, SILU_MUL, override)``.
+        override: ``GemvConfig`` field overrides of the default config (ignored with ``config``).
 
     Returns:
         out: a new [M, N] tensor in gate_up's dtype.
@@ -392,12 +405,13 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: last dim {gate_up.shape[1]} must be even (gate | up).")
     _check_weights(gate_up, gate_up.shape[1] // 2, weight, bias, config)
-    return _launch(SILU_MUL, gate_up, None, None, 0.0, weight, bias, None, config)
+    return _launch(SILU_MUL, gate_up, None, None, 0.0, weight, bias, None, config, override)
 
 
 def add_rms_norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                       weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                      config: Optional[GemvConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      config: Optional[GemvConfig] = None, override: GemvOverride = ()
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """out = rmsnorm(x + residual) @ weight.T (+ bias), and the residual sum.
 
     Args:
@@ -407,7 +421,8 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_we
         eps: added to the mean square.
         weight: [N, K], x's dtype, contiguous.
         bias: optional [N], x's dtype, contiguous.
-        config: launch config; None: ``gemv_config(M, N, K, x.device, ADD_RMSNORM)``.
+        config: launch config; None: ``gemv_config(M, N, K, x.device, ADD_RMSNORM, override)``.
+        override: ``GemvConfig`` field overrides of the default config (ignored with ``config``).
 
     Returns:
         (out, residual_out): out a new [M, N] tensor; residual_out = dtype(x + residual) as a new
@@ -424,7 +439,7 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_we
         raise ValueError(f"eps: expected a float >= 0, got {eps!r}.")
     _check_weights(x, K, weight, bias, config)
     res_out = torch.empty(M, K, dtype=x.dtype, device=x.device) if residual is not None else None   # [M, K]
-    out = _launch(ADD_RMSNORM, x, residual, norm_weight, eps, weight, bias, res_out, config)
+    out = _launch(ADD_RMSNORM, x, residual, norm_weight, eps, weight, bias, res_out, config, override)
     return out, (res_out if res_out is not None else x)
 
 
@@ -438,22 +453,16 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 def silu_mul_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Twin of ``silu_mul_gemv``: ``silu_and_mul_torch`` (rounded to the dtype) then ``gemv_ref``."""
-    from engine.layers.activation import silu_and_mul_torch
-
-    return gemv_ref(silu_and_mul_torch(gate_up), weight, bias)
+    """Twin of ``silu_mul_gemv``: ``reference.silu_and_mul_ref`` (rounded to the dtype) then ``gemv_ref``."""
+    return gemv_ref(silu_and_mul_ref(gate_up), weight, bias)
 
 
 def add_rms_norm_gemv_ref(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                           weight: torch.Tensor, bias: Optional[torch.Tensor] = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``add_rms_norm_gemv``: ``RMSNorm.forward_torch`` then ``gemv_ref``; returns
+    """Twin of ``add_rms_norm_gemv``: ``reference.rms_norm_ref`` then ``gemv_ref``; returns
     (out, residual sum) (x itself when residual is None)."""
-    from engine.layers.norm import RMSNorm
-
-    norm = RMSNorm(x.shape[1], eps).to(x.device)
-    norm.weight.data = norm_weight
     if residual is None:
-        return gemv_ref(norm.forward_torch(x), weight, bias), x
-    n, s = norm.forward_torch(x, residual)
+        return gemv_ref(rms_norm_ref(x, norm_weight, eps), weight, bias), x
+    n, s = rms_norm_ref(x, norm_weight, eps, residual)
     return gemv_ref(n, weight, bias), s

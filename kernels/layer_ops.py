@@ -2,9 +2,10 @@
 
 Each replaces a chain of 3 to 15 small torch kernels per layer call with one launch; at batch 1
 an 8B decode step runs ~32 x 35 such kernels, a few microseconds each, next to ~4 ms of weight
-reads, so fusing them is what keeps the step near its memory floor. The torch twins are the CPU
-implementations in ``engine/layers/`` (``RMSNorm.forward_torch``, ``RotaryEmbedding.forward_torch``,
-``silu_and_mul_torch``); ``tests/kernels/test_kernel_layer_ops.py`` compares the two.
+reads, so fusing them is what keeps the step near its memory floor. The torch twins are
+``kernels.reference.rms_norm_ref`` and ``silu_and_mul_ref`` (which the engine's CPU path runs) and
+``engine.layers.rotary.RotaryEmbedding.forward_torch``; ``tests/kernels/test_kernel_layer_ops.py``
+compares the two.
 
 Numerics follow transformers' modules: the residual sum is rounded to the activation dtype
 before the norm reads it, the normalized value is rounded before the weight multiply, and

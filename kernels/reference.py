@@ -67,6 +67,39 @@ def rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, 
     return q_out, k_out, k_cache_out, v_cache_out
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """Twin of ``kernels.layer_ops.add_rms_norm`` (and the engine's CPU RMSNorm,
+    ``engine.layers.norm.RMSNorm.forward_torch``). Without ``residual``: norm(x). With it:
+    (norm(s), s), s = x + residual rounded to the dtype.
+
+    x: [num_tokens, hidden], or with ``residual`` split-K partials [num_parts, num_tokens, hidden]
+    summed in float32 in order, then + residual, rounded once to residual's dtype. The norm:
+    n = dtype(s / sqrt(mean(s^2) + eps)) in float32, out = weight * n in the weight's and s's dtype.
+    """
+    if x.dim() == 3:
+        total = x[0].float()
+        for part in x[1:]:
+            total = total + part.float()
+        x = (total + residual.float()).to(residual.dtype)
+        residual = x
+    elif residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.layer_ops.silu_and_mul`` (and the engine's CPU path,
+    ``engine.layers.activation.silu_and_mul_torch``): x [..., 2 * d] (gate | up) -> [..., d] =
+    silu(gate) * up in x's dtype."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
 def lora_rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping,
                              buf, lora_b_slices, token_lora_slots):
     """Twin of ``kernels.lora_rotary_write_kv.lora_rotary_write_kv`` (buf: each token's own h, no

@@ -1,7 +1,8 @@
 """SiLU-and-mul for gated MLPs (one Triton kernel on CUDA, torch elsewhere)."""
 
 import torch
-import torch.nn.functional as F
+
+from kernels.reference import silu_and_mul_ref
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -13,6 +14,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """The twin of ``kernels.layer_ops.silu_and_mul`` and the CPU path."""
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+    """The twin of ``kernels.layer_ops.silu_and_mul`` and the CPU path
+    (``kernels.reference.silu_and_mul_ref``)."""
+    return silu_and_mul_ref(x)

@@ -38,6 +38,13 @@ def decode_gemv_max_tokens() -> int:
     return envs.decode_gemv_max_tokens()
 
 
+@functools.lru_cache(maxsize=None)
+def gemv_override() -> tuple[tuple[str, int], ...]:
+    """CHORUS_GEMV_CONFIG's ``kernels.gemv.GemvConfig`` field overrides, passed to every GEMV launch
+    (read once)."""
+    return tuple(sorted(envs.gemv_config().items()))
+
+
 def use_decode_gemv(linear: Linear, x: torch.Tensor) -> bool:
     """True when ``linear(x)`` may run as ``kernels.gemv`` (CUDA, few tokens, no adapter update)."""
     return (x.is_cuda and 0 < x.shape[0] <= decode_gemv_max_tokens() and x.dtype == linear.weight.dtype
@@ -88,7 +95,8 @@ def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: Option
     """
     if use_decode_gemv(linear, x):
         from kernels.gemv import add_rms_norm_gemv
-        return add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+        return add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
+                                 override=gemv_override())
     h, residual = _add_norm(norm, x, residual)
     return linear(h), residual
 
@@ -127,7 +135,7 @@ def silu_mul_linear(linear: Linear, gate_up: torch.Tensor, pending: Optional[LoR
         return linear(pending.owner.finish_silu_mul(pending, gate_up))
     if use_decode_gemv(linear, gate_up):
         from kernels.gemv import silu_mul_gemv
-        return silu_mul_gemv(gate_up, linear.weight, linear.bias)
+        return silu_mul_gemv(gate_up, linear.weight, linear.bias, override=gemv_override())
     return linear(silu_and_mul(gate_up))
 
 
@@ -159,5 +167,5 @@ def linear_forward(linear: Linear, x: torch.Tensor) -> torch.Tensor:
     """linear(x), as one ``kernels.gemv`` launch when the decode path applies."""
     if use_decode_gemv(linear, x):
         from kernels.gemv import gemv
-        return gemv(x, linear.weight, linear.bias)
+        return gemv(x, linear.weight, linear.bias, override=gemv_override())
     return linear(x)

@@ -1,7 +1,8 @@
 """RMSNorm, computed in float32 like transformers'.
 
 On CUDA one fused Triton kernel (``kernels.layer_ops.add_rms_norm``) does the residual add and
-the norm, updating the residual in place; ``forward_torch`` is its twin and the CPU path.
+the norm, updating the residual in place; ``forward_torch`` (``kernels.reference.rms_norm_ref``)
+is its twin and the CPU path.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+
+from kernels.reference import rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -45,17 +48,5 @@ class RMSNorm(nn.Module):
         return lora_pending.owner.finish_add_rms_norm(lora_pending, x, self.weight, self.eps, residual)
 
     def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if x.dim() == 3:             # split-K partials: summed in float32, in order, then + residual
-            total = x[0].float()
-            for part in x[1:]:
-                total = total + part.float()
-            x = (total + residual.float()).to(residual.dtype)
-            residual = x
-        elif residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        """``forward`` in torch, without writing x or residual (``kernels.reference.rms_norm_ref``)."""
+        return rms_norm_ref(x, self.weight, self.eps, residual)

@@ -113,19 +113,29 @@ def test_zero_rows(prologue):
         assert res.shape == (0, 32)
 
 
-def test_gemv_config_env(monkeypatch):
-    monkeypatch.delenv("CHORUS_GEMV_CONFIG", raising=False)
+def test_gemv_config_override(monkeypatch):
+    """The override applies over the default config; the kernel module reads no environment
+    (CHORUS_GEMV_CONFIG is parsed in ``engine.envs`` and passed in by ``engine.layers.fused``)."""
+    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=128")             # not read here
     base = gemv_config(4, 6144, 4096)
-    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=64, block_k=128,num_stages=2,use_dot=1")
-    cfg = gemv_config(4, 6144, 4096)
+    assert base == GemvConfig(32, 512, 4, 3, 1)
+    override = (("block_k", 128), ("block_n", 64), ("num_stages", 2), ("use_dot", 1))
+    cfg = gemv_config(4, 6144, 4096, override=override)
     assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.use_dot) == (64, 128, base.num_warps, 2, 1)
-    for bad in ("block_n=0", "tile_n=32", "use_dot=2", "num_warps=x"):
-        monkeypatch.setenv("CHORUS_GEMV_CONFIG", bad)
-        with pytest.raises(ValueError, match="CHORUS_GEMV_CONFIG"):
-            gemv_config(4, 6144, 4096)
-    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=24")              # parsed, rejected by GemvConfig
+    with pytest.raises(ValueError, match="unknown field.*tile_n"):
+        gemv_config(4, 6144, 4096, override=(("tile_n", 32),))
     with pytest.raises(ValueError, match="block_n"):
-        gemv_config(4, 6144, 4096)
+        gemv_config(4, 6144, 4096, override=(("block_n", 24),))        # rejected by GemvConfig
+
+
+def test_wrapper_override_reaches_the_launch():
+    """``override=`` without ``config=`` picks the launch tiles (the interpreter's defaults here are
+    elementwise; use_dot=1 with block_n 16 must still match the twin)."""
+    args = _case("plain", 3, 40, 48, torch.float32, True, False)
+    out = gemv(*args, override=(("block_n", 16), ("block_k", 16), ("use_dot", 1)))
+    torch.testing.assert_close(out, gemv_ref(*args), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown field"):
+        gemv(*args, override=(("tile_n", 16),))
 
 
 def test_config_checks():

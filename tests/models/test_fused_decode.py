@@ -52,6 +52,31 @@ def test_fused_decode_matches_unfused(arch, tiny_llama_dir, tiny_qwen2_dir, tiny
     assert calls["add_rms_norm_gemv"] == 2 * calls["silu_mul_gemv"] == 2 * calls["gemv"]
 
 
+def test_gemv_override_from_the_environment(monkeypatch):
+    """CHORUS_GEMV_CONFIG reaches the GEMV launches as the wrappers' ``override`` (``kernels.gemv``
+    reads no environment itself), parsed once."""
+    import torch
+
+    from engine.layers.linear import Linear
+
+    seen = []
+
+    def spy(x, weight, bias=None, **kw):
+        seen.append(kw)
+        return torch.zeros(x.shape[0], weight.shape[0])
+    monkeypatch.setattr(gemv_kernels, "gemv", spy)
+    monkeypatch.setattr(fused, "use_decode_gemv", lambda linear, x: True)
+    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "use_dot=1, block_n=32")
+    fused.gemv_override.cache_clear()
+    try:
+        fused.linear_forward(Linear(8, [4]), torch.zeros(1, 8))
+        monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=64")         # read once: not seen
+        fused.linear_forward(Linear(8, [4]), torch.zeros(1, 8))
+    finally:
+        fused.gemv_override.cache_clear()
+    assert seen == [{"override": (("block_n", 32), ("use_dot", 1))}] * 2
+
+
 # ----------------------------------------------------------------------------------------
 # Split-K into the norm: o_proj / down_proj as partial products the add + RMSNorm sums
 # ----------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def decode_fuse_rotary() -> str:
 def attn_decode_config() -> dict[str, int]:
     """CHORUS_ATTN_DECODE_CONFIG: decode attention tile overrides, e.g. "tile_n=64,num_warps=4,
     num_stages=2,heads_first=0,heads_per_prog=1" (heads_per_prog=0: pure-decode batches take the
-    general kernel; ``benchmarks/attention_sweep.py`` passes candidates directly instead)."""
+    general kernel; ``benchmarks/sweeps/attention_sweep.py`` passes candidates directly instead)."""
     raw = os.environ.get("CHORUS_ATTN_DECODE_CONFIG", "")
     out: dict[str, int] = {}
     for item in filter(None, (x.strip() for x in raw.split(","))):
@@ -84,7 +84,7 @@ def decode_gemv_max_tokens() -> int:
     """CHORUS_DECODE_GEMV_MAX_TOKENS: on CUDA, steps of at most this many tokens run their
     projections as ``kernels.gemv`` launches fused with the norm / SiLU-and-mul before them
     (``engine.layers.fused``); 0 turns that off (cuBLAS + separate kernels). Default 2: the H200
-    sweep (``benchmarks/gemv_sweep.py``) has the fused kernels on a par or ahead at 1-2 rows and
+    sweep (``benchmarks/sweeps/gemv_sweep.py``) has the fused kernels on a par or ahead at 1-2 rows and
     behind from 4 rows on, where rebuilding the input per program costs more than a launch."""
     raw = os.environ.get("CHORUS_DECODE_GEMV_MAX_TOKENS", "2")
     if not raw.isdigit() or int(raw) > 16:

@@ -18,7 +18,7 @@ Grid: one program per BLOCK_N output columns, each looping over all of K (no spl
 reduce launch and no atomics). Two inner-product formulations, picked by ``GemvConfig.use_dot``:
 ``tl.dot`` on the [BLOCK_M >= 16, BLOCK_K] input tile and the [BLOCK_N, BLOCK_K] weight tile,
 or an elementwise multiply of the [BLOCK_M, 1, BLOCK_K] and [1, BLOCK_N, BLOCK_K] tiles summed
-over K (BLOCK_M = next power of two >= M). ``benchmarks/gemv_sweep.py`` times both; on an H200
+over K (BLOCK_M = next power of two >= M). ``benchmarks/sweeps/gemv_sweep.py`` times both; on an H200
 tl.dot wins at every M from 1 to 16, so it is the default. The fused prologues build only the
 next_power_of_2(M) real rows and repeat them up to tl.dot's 16, and load their inputs one K
 chunk ahead (register prefetch). Every program rebuilds all M input rows, so that work grows
@@ -289,7 +289,7 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         override: ``GemvConfig`` (field, value) pairs; ValueError for an unknown field or a value
             the config rejects.
 
-    NOTE: H200 sweep (``benchmarks/gemv_sweep.py``, Llama-3-8B shapes, bf16, M 1..16, weights from
+    NOTE: H200 sweep (``benchmarks/sweeps/gemv_sweep.py``, Llama-3-8B shapes, bf16, M 1..16, weights from
     HBM, CUDA graphs): tl.dot wins at every M (the elementwise form is 1.2-3x slower). Plain
     GEMVs against cuBLAS (3 runs): o ahead (11.6 vs 12.5 us), lm_head 1.5-4% ahead, down on a
     par, qkv within ~1 us either way, gate_up 1-3% behind. Plain: block_n 32 / block_k 512 for N <= 16384 (qkv, o, down: within 4% of each case's

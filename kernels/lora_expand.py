@@ -330,11 +330,12 @@ def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, 
         cfg = LoRAExpandConfig(16, min(32, max(16, next_power_of_2(max(out_dims)))), 2, 4)
     else:
         if block_m <= 16:
-            # NOTE: H200 sweep (benchmarks/kernels.py --lora-sweep): short segments want short
+            # NOTE: H200 sweep of decode steps (rerun: benchmarks/sweeps/lora_prefill_sweep.py
+            # --tokens 64,256): short segments want short
             # programs: 256 columns each (128 x 2), 512 for slices wider than 8192 (gate/up of
             # Llama-3-8B); within ~5% of the best of 40 candidates on every decode case.
             # Decode steps of few tokens per segment take per-token programs of 512 columns, 2
-            # warps (benchmarks/lora_prefill_sweep.py, H200): at 64 tokens the best of 18 per-token
+            # warps (benchmarks/sweeps/lora_prefill_sweep.py, H200): at 64 tokens the best of 18 per-token
             # candidates on o / down with 1, 16 and 64 adapters and ahead of (q/k/v with 1 adapter:
             # level with) the segment programs (o 7.0-9.6 us, q/k/v 8.6-10.7 us); at 128 tokens
             # ahead with 64 segments, behind with 16 (q/k/v 12.4 vs 10.6 us); at 256 behind.

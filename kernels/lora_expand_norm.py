@@ -52,7 +52,7 @@ PER_ROW_MAX_TOKENS = 128
 TILES_MIN_TOKENS = 4097
 """``lora.layers`` fuses steps of at most PER_ROW_MAX_TOKENS or at least this many tokens and
 leaves the sizes between to the expand + ``add_rms_norm`` pair. H200, Llama-3-8B hidden, 16
-adapters (``benchmarks/lora_prefill_sweep.py --fused-consumers``), us per call, fused (best shape)
+adapters (``benchmarks/sweeps/lora_prefill_sweep.py --fused-consumers``), us per call, fused (best shape)
 vs the pair: 256 rows 12.4 (per row) vs 13.0, 512 19.3 vs 15.9, 1024 34.0 vs 23.6, 2048 50.4
 (tiles) vs 35.6, 4096 64.7 vs 65.1, 16384 183 vs 233; end to end the 256-row per-row launch made
 batch-256 decode slower (14.33 vs 14.05 ms/step with 16 adapters), hence 128."""
@@ -230,7 +230,7 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
         chunk, num_warps: the per-row programs' columns per piece (a power of two) and warps;
             None: ``row_launch`` (rank 16: the whole row up to MAX_CHUNK columns, 16 warps at
             4096; larger ranks: narrower pieces, same B elements per thread). (H200: with a cold L2,
-            ``benchmarks/lora_prefill_sweep.py --fused-consumers``, 8 warps took 10.0-11.1 us against
+            ``benchmarks/sweeps/lora_prefill_sweep.py --fused-consumers``, 8 warps took 10.0-11.1 us against
             11.0-12.3 at 64 / 128 rows, the best of 512-4096 columns x 2-16 warps, but in the engine
             batch-64 decode was slower with 8: 7.16-7.17 / 8.00 ms against 7.11 / 7.93 with 16 and
             64 adapters, one machine. Again in a later session: back to back (``benchmarks/

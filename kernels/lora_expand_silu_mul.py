@@ -150,7 +150,7 @@ def lora_expand_silu_mul_config(num_tokens: int, num_segments: int, d: int, devi
     """The default launch config, with ``override`` (CHORUS_LORA_EXPAND_CONFIG's fields) applied last.
 
     Decode-sized segments (block_m 16) take the expand's config for the two slices. Longer ones
-    take 32 x 128 tiles, two per program: on an H200 (``benchmarks/lora_prefill_sweep.py``, 16384
+    take 32 x 128 tiles, two per program: on an H200 (``benchmarks/sweeps/lora_prefill_sweep.py``, 16384
     tokens, d = 14336) 547 us against 714 us for the expand's 64 x 128 x 32 (plain SiLU-and-mul:
     343 us).
     """
@@ -160,7 +160,7 @@ def lora_expand_silu_mul_config(num_tokens: int, num_segments: int, d: int, devi
     elif not is_interpreted(device) and num_tokens <= PER_TOKEN_MAX_TOKENS:
         # Decode: segment programs of 128 x 2 columns while at most 16 segments can exist,
         # per-token programs of 512 x 2 columns above. H200, back to back as in a decode graph
-        # (benchmarks/lora_decode_sweep.py; us per call, 64 / 128 tokens): 1 adapter 7.7 / 8.6
+        # (benchmarks/sweeps/lora_decode_sweep.py; us per call, 64 / 128 tokens): 1 adapter 7.7 / 8.6
         # (the 64 x 4 segment programs before: 9.4 / 10.3), 16 adapters 10.0 / 11.0 (10.8 / 11.9),
         # 64 adapters 21.1 / 29.4 (512 x 4 per-token: 27.2 / 29.0; plain SiLU-and-mul 2.6 / 3.0).
         cfg = (LoRAExpandConfig(16, 512, 2, 2, 2, per_token=1) if num_segments > FEW_SEGMENTS

@@ -245,11 +245,12 @@ def lora_shrink_config(num_tokens: int, num_segments: int, num_slices: int, in_d
         split_k = 2 if in_dim > 16 and max_split_k(num_tokens) >= 2 else 1
         cfg = LoRAShrinkConfig(16, min(64, max(16, next_power_of_2(cdiv(in_dim, split_k)))), split_k, 4)
     else:
-        # NOTE: H200 sweep (benchmarks/kernels.py --lora-sweep, decode batch 64/256, 1-64 adapters):
+        # NOTE: H200 sweep (decode batch 64/256, 1-64 adapters; rerun:
+        # benchmarks/sweeps/lora_prefill_sweep.py --tokens 64,256):
         # one-token segments want block_k 128 and ~8 split programs per SM (split_k 8 on every
         # Llama-3-8B projection), not the 2 per SM that suit long segments.
         # Prefill-length segments (block_m 64) of packed projections (q/k/v, gate/up) want block_k 64
-        # (benchmarks/lora_prefill_sweep.py, 16384 tokens, 16 adapters: qkv 91 -> 60 us, gate_up
+        # (benchmarks/sweeps/lora_prefill_sweep.py, 16384 tokens, 16 adapters: qkv 91 -> 60 us, gate_up
         # 65 -> 52 us; o and down: no better config than 128).
         block_k = 128 if block_m <= 16 else (256 if block_m <= 32 else (64 if num_slices >= 2 else 128))
         per_sm = 8 if block_m <= 16 else PROGRAMS_PER_SM

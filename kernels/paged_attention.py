@@ -224,7 +224,7 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     heads_per_prog = 0
     o = (decode_tiles or {}) if max_query_len == 1 else {}
     if max_query_len == 1 and not interpreted:
-        # This module's kernel at decode (benchmarks/attention_sweep.py on H200, Llama-3-8B heads,
+        # This module's kernel at decode (benchmarks/sweeps/attention_sweep.py on H200, Llama-3-8B heads,
         # 534-token contexts): 2 stages beat 3 at batch 1 (6.3 vs 7.5 us, 16 splits) and 256 (140.8
         # vs 146.3 us). Pure-decode batches without split-KV take kernels.paged_decode's tiles below.
         num_stages = 2
@@ -250,7 +250,7 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
             # 1024-token contexts 15.72 vs 16.78; batch 128: 7.43 vs 7.60-7.62 with 64 / 2 / 3), else
             # 64 keys, 2 warps, 3 stages (batch 64: 6.06 vs 6.17 ms with one warp; batch 32: 5.30 vs
             # 5.61). Alone at full clock the two large-batch tiles differ less (132.7-135.2 vs
-            # 142.1-145.4 us per layer at batch 256, ``benchmarks/power_probe.py``).
+            # 142.1-145.4 us per layer at batch 256, ``benchmarks/sweeps/power_probe.py``).
             tile_n, num_warps, num_stages = (SMALL_DECODE_TILES if programs >= SMALL_DECODE_TILE_WAVES * sms
                                              else DECODE_TILES)
     tile_n, num_warps, num_stages = (o.get("tile_n", tile_n), o.get("num_warps", num_warps),

@@ -23,7 +23,8 @@ reads them, once per layer.
 Overlap (``CHORUS_LORA_OVERLAP``, default on): the shrink reads x only, so ``begin(x)`` issues it on
 a per-device side stream before the base GEMM and ``finish(pending, y)`` joins that stream before
 the expand; ``engine.layers.linear.Linear`` calls the two around its ``F.linear``. The fork and
-the join are ``wait_stream`` calls, which CUDA graph capture records as graph edges. On CPU (the Triton interpreter in the tests) the same two phases run on the one stream.
+the join are ``wait_stream`` calls, which CUDA graph capture records as graph edges. On CPU (the
+Triton interpreter in the tests) the same two phases run on the one stream.
 
 SiLU-and-mul fusion (``CHORUS_LORA_FUSE_SILU_MUL``, default on; gate/up layers, i.e. two slices
 of equal width, on the split path with the overlap): the MLP hands ``begin``'s pending update to

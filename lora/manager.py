@@ -323,8 +323,8 @@ class LoRAManager:
                         layer.finish_silu_mul(layer.begin(x), y)
                     elif layer.fuse_norm and layer.defers(t):   # o/down: the update inside add + RMSNorm
                         pending = layer.begin(x)
-                        # NOTE: without a split plan (overlap off, one-launch kernel) the engine
-                        # finishes the update before the norm: nothing more to compile.
+                        # NOTE: without a split plan (overlap off) the engine finishes the update
+                        # before the norm: nothing more to compile.
                         if pending.plan is not None:
                             norm_weight = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
                             layer.finish_add_rms_norm(pending, y, norm_weight, 1e-5, torch.zeros_like(y))
@@ -348,7 +348,7 @@ class LoRAManager:
         kept). The extra rows' shrink is computed and never read.
 
         Why: cuBLAS picks its kernel by shape. On an H200 (Llama-3-8B, 64 tokens, rank 16,
-        ``benchmarks/stacked_gemm_sweep.py``) o_proj over 16 slots took 15.3 us, over 24 slots
+        ``benchmarks/sweeps/stacked_gemm_sweep.py``) o_proj over 16 slots took 15.3 us, over 24 slots
         12.3 us (base rows alone 11.9); down_proj 39.8 over 16 slots, 38.5 over 20.
 
         Args:

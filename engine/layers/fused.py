@@ -12,7 +12,7 @@ Split-K into the norm: o_proj's and down_proj's outputs only feed the next add +
 step's output tiles would fill at most half the GPU (``split_k_parts``: decode-sized batches), each
 runs as one batched GEMM over two halves of K and the add + RMSNorm sums the two partials: the
 GEMM fills twice the SMs without cuBLAS's own split-K reduce kernel (H200, Llama-3-8B, batch 256:
-down_proj 48.5 -> 44.4 us, o_proj 17.6 -> 14.6 us; ``benchmarks/splitk_sweep.py``).
+down_proj 48.5 -> 44.4 us, o_proj 17.6 -> 14.6 us; ``benchmarks/sweeps/splitk_sweep.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Engine-core outputs -> user ``RequestOutput``s: detokenize, stop strings, logprobs, n > 1.
 
-The only loop over the batch on the way out. Stop strings are found here (the scheduler never
-sees text), so a request they end is returned in ``reqs_to_abort`` for the scheduler to free.
+Client side (the API process, or the offline ``LLMEngine``), as vLLM V1's: the engine core sends
+token ids only. The only loop over the batch on the way out. Stop strings are found here (the
+core never sees text), so a sequence they end is returned in ``reqs_to_abort`` for the client to
+abort in the core.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class ParentRequest:
     num_cached_tokens: int = 0
     sent_prompt_logprobs: bool = False
     children: dict[int, "ChildState"] = field(default_factory=dict)
-    num_finished: int = 0
+    child_ids: list[str] = field(default_factory=list)
+    """The sequences' engine request ids, by sample index."""
 
 
 @dataclass
@@ -89,23 +92,31 @@ class OutputProcessor:
                 logprobs=[] if sp.logprobs is not None else None,
                 cumulative_logprob=0.0 if sp.logprobs is not None else None)
             parent.children[index] = state
+            parent.child_ids.append(child.request_id)
             self.children[child.request_id] = state
 
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def abort(self, child_ids: list[str]) -> list[RequestOutput]:
-        """Mark children aborted (from the user); returns final outputs for finished parents."""
-        outs = []
-        for cid in child_ids:
-            c = self.children.get(cid)
-            if c is None or c.finish_reason is not None:
+    def abort_requests(self, parent_ids: list[str]) -> tuple[list[RequestOutput], list[str]]:
+        """Finish user requests now (finish_reason 'abort'; unknown ids are ignored).
+
+        Returns:
+            Their final outputs, and the sequence ids the engine core must abort.
+        """
+        outs, child_ids = [], []
+        for pid in parent_ids:
+            parent = self.parents.get(pid)
+            if parent is None:
                 continue
-            c.finish_reason = "abort"
-            out = self._finish_child(cid, c)
-            if out is not None:
-                outs.append(out)
-        return outs
+            for cid in parent.child_ids:
+                c = self.children[cid]
+                if c.finish_reason is None:
+                    c.finish_reason = "abort"
+                    child_ids.append(cid)
+            outs.append(self._make_output(parent, final=True))
+            self._drop(parent)
+        return [o for o in outs if o is not None], child_ids
 
     # ------------------------------------------------------------------ per step
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
@@ -192,18 +203,10 @@ class OutputProcessor:
             t = self._token_text[token_id] = decode_token(self.tokenizer, token_id)
         return t
 
-    def _finish_child(self, cid: str, c: ChildState) -> Optional[RequestOutput]:
-        parent = c.parent
-        if all(x.finish_reason is not None for x in parent.children.values()):
-            out = self._make_output(parent, final=True)
-            self._drop(parent)
-            return out
-        return None
-
     def _drop(self, parent: ParentRequest) -> None:
         self.parents.pop(parent.request_id, None)
-        for cid in [k for k, v in self.children.items() if v.parent is parent]:
-            del self.children[cid]
+        for cid in parent.child_ids:
+            self.children.pop(cid, None)
         parent.metrics.finished_time = time.time()
 
     # ------------------------------------------------------------------ building outputs

@@ -150,7 +150,7 @@ class ServingState:
 def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None) -> FastAPI:
     """Build the app around a running ``AsyncLLM``; the app shuts the engine down on exit."""
     args = args or serve_args.make_serve_namespace()
-    engine_client.engine.processor.reject_overlong_max_tokens = True   # vLLM's server behaviour
+    engine_client.processor.reject_overlong_max_tokens = True   # vLLM's server behaviour
     served_names = args.served_model_name or [engine_client.model_name]
     model_path = serve_args.resolve_model(args) or engine_client.model_name
     models = OpenAIServingModels(engine_client, served_names, model_path,

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_llm import EngineDeadError
+from engine.errors import EngineDeadError
 
 logger = logging.getLogger("chorus.server")
 

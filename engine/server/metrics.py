@@ -1,8 +1,8 @@
 """Prometheus metrics at /metrics, with vLLM's names under a ``chorus:`` prefix.
 
 Two sources:
-- per-request events from ``AsyncLLM`` (``PrometheusStatLogger`` implements its ``StatLogger``):
-  token counters, finished requests by reason, TTFT / inter-token / end-to-end latency histograms;
+- per-step and per-request events from ``AsyncLLM`` (``PrometheusStatLogger`` implements its
+  ``StatLogger``): token counters, finished requests by reason, TTFT / inter-token / end-to-end latency histograms;
 - the engine's latest ``SchedulerStats`` snapshot, read at scrape time (``EngineStatsCollector``):
   running/waiting requests, KV cache usage, prefix-cache queries/hits, preemptions, and
   ``chorus:max_num_reqs_per_step`` (most requests batched into one step; proves batching).
@@ -79,16 +79,16 @@ class PrometheusStatLogger:
         self.req_params_max_tokens = histogram("request_params_max_tokens",
                                                "The max_tokens of each finished request.", token_buckets)
 
-    def on_first_output(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.inc(num_prompt_tokens)
-
-    def on_output(self, num_new_tokens: int, ttft_s: Optional[float], itl_s: Optional[float]) -> None:
-        if num_new_tokens:
-            self.generation_tokens.inc(num_new_tokens)
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-        if itl_s is not None:
-            self.itl.observe(itl_s)
+    def on_step(self, num_prompt_tokens: int, num_generation_tokens: int, ttfts_s: list[float],
+                itls_s: list[float]) -> None:
+        if num_prompt_tokens:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_generation_tokens:
+            self.generation_tokens.inc(num_generation_tokens)
+        for t in ttfts_s:
+            self.ttft.observe(t)
+        for t in itls_s:
+            self.itl.observe(t)
 
     def on_finished(self, finish_reason: Optional[str], num_prompt_tokens: int, num_generation_tokens: int,
                     e2e_s: float, ttft_s: Optional[float], params: SamplingParams) -> None:

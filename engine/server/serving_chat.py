@@ -74,7 +74,7 @@ def render_chat(engine_client: Any, messages: list[ChatMessage], *, add_generati
                               param="continue_final_message")
     dicts = messages_to_dicts(messages)
     try:
-        text = engine_client.engine.apply_chat_template(
+        text = engine_client.apply_chat_template(
             dicts, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
     except (ValueError, TypeError, KeyError) as e:
@@ -108,7 +108,7 @@ class OpenAIServingChat(ServingBase):
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
-                                    defaults=self.engine_client.engine.default_sampling_params)
+                                    defaults=self.engine_client.default_sampling_params)
         request_id = req.request_id or raw_request.headers.get("X-Request-Id") or random_id("chatcmpl")
         engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
         streams = await self.submit_all([engine_prompt], params, request_id, lora, req.priority)

@@ -52,7 +52,7 @@ class OpenAIServingCompletion(ServingBase):
         num_top = req.logprobs
         params = to_sampling_params(req, max_tokens=req.max_tokens, logprobs=num_top,
                                     prompt_logprobs=num_top if req.echo and num_top is not None else None,
-                                    defaults=self.engine_client.engine.default_sampling_params)
+                                    defaults=self.engine_client.default_sampling_params)
         request_id = req.request_id or raw_request.headers.get("X-Request-Id") or random_id("cmpl")
         streams = await self.submit_all(prompts, params, request_id, lora, req.priority)
         created = now_s()

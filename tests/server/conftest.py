@@ -5,6 +5,7 @@ One server per test module (module-scoped fixtures) keeps the suite fast on 2 CP
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -37,6 +38,12 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+    def call_engine(self, method: str, *args: Any) -> Any:
+        """``engine_client.call_engine`` from a test thread, on the server's event loop."""
+        future = asyncio.run_coroutine_threadsafe(self.engine_client.call_engine(method, *args),
+                                                  self.engine_client._loop)
+        return future.result(30)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` (matching labels) in /metrics."""

@@ -1,77 +1,28 @@
-"""``AsyncLLM`` over a fake engine: streaming, validation errors, cancellation, engine death, batching."""
+"""``AsyncLLM`` over a real tiny engine core in a thread: streaming, validation errors, stop
+strings found on the client, cancellation, engine death, batching, merged deltas."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 
-from engine.async_llm import AsyncLLM, EngineDeadError
-from engine.outputs import CompletionOutput, RequestOutput, SchedulerStats
+from engine import LLM
+from engine.async_llm import AsyncLLM, _OutputCollector
+from engine.errors import EngineDeadError
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from tests.conftest import TINY_PROMPTS
 
 
-class FakeEngine:
-    """One token per running request per step; records what the async layer asked for."""
-
-    tokenizer = None
-    model_name = "fake"
-    max_model_len = 128
-
-    def __init__(self, step_s: float = 0.002) -> None:
-        self.step_s = step_s
-        self.remaining: dict[str, int] = {}
-        self.aborted: list[str] = []
-        self.batch_sizes: list[int] = []
-        self.thread_ids: set[int] = set()
-
-    def add_request(self, request_id, prompt, params, lora_request=None, priority=0, arrival_time=None):
-        self.thread_ids.add(threading.get_ident())
-        if not prompt:
-            raise ValueError("prompt: the prompt cannot be empty.")
-        self.remaining[request_id] = params.max_tokens
-
-    def abort_request(self, request_ids):
-        self.thread_ids.add(threading.get_ident())
-        for rid in request_ids:
-            if self.remaining.pop(rid, None) is not None:
-                self.aborted.append(rid)
-        return []
-
-    def has_unfinished_requests(self):
-        return bool(self.remaining)
-
-    def step(self):
-        self.thread_ids.add(threading.get_ident())
-        time.sleep(self.step_s)
-        self.batch_sizes.append(len(self.remaining))
-        outs = []
-        for rid in list(self.remaining):
-            self.remaining[rid] -= 1
-            done = self.remaining[rid] == 0
-            if done:
-                del self.remaining[rid]
-            outs.append(RequestOutput(
-                request_id=rid, prompt="p", prompt_token_ids=[1, 2], prompt_logprobs=None, finished=done,
-                outputs=[CompletionOutput(index=0, text="x", token_ids=[7], cumulative_logprob=None,
-                                          logprobs=None, finish_reason="length" if done else None)]))
-        return outs
-
-    def get_stats(self):
-        return SchedulerStats(num_running_reqs=len(self.remaining),
-                              max_reqs_per_step=max(self.batch_sizes, default=0))
-
-
-def params(max_tokens: int = 5) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+def params(max_tokens: int = 5, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA, **kw)
 
 
 @pytest.fixture
-def llm():
-    engine = FakeEngine()
-    a = AsyncLLM(engine, log_requests=False)
+def llm(tiny_llama_dir):
+    a = AsyncLLM.from_engine_args(log_requests=False, model=str(tiny_llama_dir), max_model_len=256)
     yield a
     a.shutdown()
 
@@ -80,51 +31,81 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_generate_streams_until_finished(llm):
-    async def go():
-        return [o async for o in llm.generate("hi", params(5), "r1")]
-
-    outs = run(go())
-    assert len(outs) == 5 and outs[-1].finished and not any(o.finished for o in outs[:-1])
-    assert llm.engine.thread_ids == {llm._thread.ident}  # only the engine thread touches the engine
-    assert llm._states == {}
+async def collect(llm: AsyncLLM, prompt, p: SamplingParams, request_id: str) -> list[RequestOutput]:
+    return [o async for o in llm.generate(prompt, p, request_id)]
 
 
-def test_value_error_reaches_caller_and_nothing_is_aborted(llm):
+def _idle(llm: AsyncLLM) -> bool:
+    s = llm.get_stats()
+    return s.num_running_reqs == 0 and s.num_waiting_reqs == 0 and s.kv_cache_usage == 0.0
+
+
+async def _wait_idle(llm: AsyncLLM) -> bool:
+    for _ in range(200):
+        if _idle(llm):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def test_generate_streams_the_offline_text(llm, tiny_llama_dir):
+    outs = run(collect(llm, TINY_PROMPTS[0], params(12), "r1"))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 12
+    assert outs[-1].outputs[0].finish_reason == "length"
+    offline = LLM(model=str(tiny_llama_dir), max_model_len=256).generate(
+        TINY_PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert "".join(o.outputs[0].text for o in outs) == offline.outputs[0].text
+    assert [t for o in outs for t in o.outputs[0].token_ids] == offline.outputs[0].token_ids
+    assert llm._states == {} and not llm.output_processor.has_unfinished()
+
+
+def test_value_error_reaches_caller_and_nothing_is_sent(llm):
     async def go():
         with pytest.raises(ValueError, match="prompt"):
             await llm.add_request("", params(), "bad")
-        # The same id is free again, and the engine still works.
-        return [o async for o in llm.generate("ok", params(2), "bad")]
+        assert llm._states == {}
+        return await collect(llm, "ok", params(2), "bad")   # the same id is free, the engine works
 
-    assert len(run(go())) == 2
-    assert llm.engine.aborted == []
+    assert sum(len(o.outputs[0].token_ids) for o in run(go())) == 2
+
+
+def test_stop_string_found_on_the_client_stops_the_sequence_in_the_core(llm):
+    async def go():
+        full = "".join(o.outputs[0].text for o in await collect(llm, TINY_PROMPTS[3], params(40), "a"))
+        stop = full[len(full) // 2:len(full) // 2 + 3]
+        assert len(stop) == 3
+        outs = await collect(llm, TINY_PROMPTS[3], params(40, stop=[stop]), "b")
+        return full, stop, outs, await _wait_idle(llm)
+
+    full, stop, outs, idle = run(go())
+    text = "".join(o.outputs[0].text for o in outs)
+    assert text == full[:full.index(stop)]
+    assert outs[-1].outputs[0].finish_reason == "stop" and outs[-1].outputs[0].stop_reason == stop
+    assert idle     # the core aborted the sequence and freed its blocks
 
 
 def test_cancelled_consumer_aborts_request(llm):
     async def go():
         async def consume():
-            async for _ in llm.generate("hi", params(10_000), "long"):
+            async for _ in llm.generate(TINY_PROMPTS[1], params(200), "long"):
                 pass
 
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.05)
+        while llm.get_stats().num_running_reqs == 0:
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if "long" in llm.engine.aborted:
-                break
-            await asyncio.sleep(0.01)
+        return await _wait_idle(llm)
 
-    run(go())
-    assert llm.engine.aborted == ["long"]
-    assert llm._states == {}
+    assert run(go())
+    assert llm._states == {} and not llm.output_processor.has_unfinished()
 
 
-def test_engine_fault_fails_inflight_and_new_requests(llm):
+def test_engine_fault_fails_inflight_requests_calls_and_new_requests(llm):
     async def go():
-        stream = await llm.add_request("hi", params(10_000), "r")
+        stream = await llm.add_request("hi", params(200), "r")
         await stream.__anext__()
         llm.inject_fault()
         with pytest.raises(EngineDeadError):
@@ -133,7 +114,7 @@ def test_engine_fault_fails_inflight_and_new_requests(llm):
         with pytest.raises(EngineDeadError):
             await llm.add_request("hi", params(), "r2")
         with pytest.raises(EngineDeadError):
-            await llm.run_in_engine(lambda e: 1)
+            await llm.call_engine("get_stats")
 
     run(go())
     assert llm.errored
@@ -141,21 +122,55 @@ def test_engine_fault_fails_inflight_and_new_requests(llm):
         llm.check_health()
 
 
-def test_concurrent_requests_share_steps_and_run_in_engine(llm):
+def test_concurrent_requests_share_steps_and_calls_by_name(llm):
     async def go():
-        async def one(i):
-            return [o async for o in llm.generate("hi", params(8), f"c{i}")]
+        results = await asyncio.gather(*[collect(llm, TINY_PROMPTS[i % 8], params(8), f"c{i}") for i in range(16)])
+        assert all(sum(len(o.outputs[0].token_ids) for o in r) == 8 for r in results)
+        with pytest.raises(AttributeError):
+            await llm.call_engine("step")
+        return await llm.call_engine("get_stats")
 
-        results = await asyncio.gather(*[one(i) for i in range(16)])
-        assert all(len(r) == 8 for r in results)
-        return await llm.run_in_engine(lambda engine: max(engine.batch_sizes))
-
-    assert run(go()) > 1
-    assert llm.get_stats().max_reqs_per_step > 1
+    stats = run(go())
+    assert stats.max_reqs_per_step > 1 and llm.get_stats().max_reqs_per_step > 1
 
 
-def test_shutdown_stops_thread(llm):
+def test_n_samples_and_cumulative_outputs(llm):
+    async def go():
+        p = SamplingParams(n=3, max_tokens=6, temperature=0, ignore_eos=True,
+                           output_kind=RequestOutputKind.CUMULATIVE)
+        return await collect(llm, TINY_PROMPTS[4], p, "n3")
+
+    outs = run(go())
+    last = outs[-1]
+    assert last.finished and [c.index for c in last.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in last.outputs)
+    assert len({c.text for c in last.outputs}) == 1           # greedy: the same text three times
+
+
+def test_shutdown_stops_the_engine_thread(llm):
     llm.shutdown()
-    assert not llm._thread.is_alive()
+    assert not llm._transport.is_alive()
     with pytest.raises(EngineDeadError):
         llm.check_health()
+
+
+def _delta(text: str, ids: list[int], finish=None, index: int = 0) -> RequestOutput:
+    return RequestOutput("r", None, [1], None, [CompletionOutput(index, text, ids, None, None, finish)],
+                         finished=finish is not None)
+
+
+def test_collector_merges_deltas_while_the_consumer_lags():
+    async def go():
+        c = _OutputCollector(delta=True)
+        c.put(_delta("a", [1]))
+        c.put(_delta("b", [2]))
+        c.put(_delta("", [3], "length"))
+        first = await c.get()
+        c.put_error(EngineDeadError("gone"))
+        with pytest.raises(EngineDeadError):
+            await c.get()
+        return first
+
+    out = run(go())
+    assert out.finished and out.outputs[0].text == "ab" and out.outputs[0].token_ids == [1, 2, 3]
+    assert out.outputs[0].finish_reason == "length"

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from engine.core_transport import ProcessTransport, ThreadTransport
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter
 from tests.server.conftest import start_server, wait_until
 
@@ -43,7 +44,8 @@ def _complete(url: str, prompt: str, model: str = "tiny-llama") -> dict:
 
 def test_same_outputs_as_the_thread_engine(servers):
     proc, thread = servers
-    assert proc.engine_client._core is not None and thread.engine_client._core is None
+    assert isinstance(proc.engine_client._transport, ProcessTransport)
+    assert isinstance(thread.engine_client._transport, ThreadTransport)
     for prompt in PROMPTS:
         a, b = _complete(proc.url, prompt), _complete(thread.url, prompt)
         assert a["choices"][0]["text"] == b["choices"][0]["text"]
@@ -98,7 +100,7 @@ def test_killed_engine_process_gives_503_and_shutdown_stops_it(tiny_llama_dir):
     srv = start_server(str(tiny_llama_dir), served_model_name=["tiny-llama"], max_model_len=128, engine_process=True)
     try:
         assert httpx.get(srv.url + "/health").status_code == 200
-        proc = srv.engine_client._core._proc
+        proc = srv.engine_client._transport.proc
         proc.kill()
         assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503)
         r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2})
@@ -106,7 +108,7 @@ def test_killed_engine_process_gives_503_and_shutdown_stops_it(tiny_llama_dir):
     finally:
         srv.stop()
     srv2 = start_server(str(tiny_llama_dir), served_model_name=["tiny-llama"], max_model_len=128, engine_process=True)
-    child = srv2.engine_client._core._proc
+    child = srv2.engine_client._transport.proc
     srv2.stop()
     srv2.engine_client.shutdown()
     assert wait_until(lambda: not child.is_alive())

@@ -66,8 +66,7 @@ def test_models_lists_base_and_adapters(server, client, adapters):
     assert cards["sql"].root == str(adapters["sql"]) and cards["sql"].parent == "tiny-llama"
     assert cards["chat"].parent == "tiny-llama"
     # max_lora_rank defaulted to the largest start-up rank (32 > 16).
-    engine = server.engine_client.engine
-    assert engine.engine_config.lora_config.max_lora_rank == 32
+    assert server.engine_client.engine_config.lora_config.max_lora_rank == 32
 
 
 def test_each_adapter_answers_through_model_field(server, client, tiny_llama_dir, adapters):
@@ -93,14 +92,13 @@ def test_runtime_load_then_unload_really_frees(server, client, adapters):
     _, late_text = _complete(client, "late")
     _, base_text = _complete(client, "tiny-llama")
     assert late_text != base_text
-    engine = server.engine_client.engine
-    assert "late" in {lr.lora_name for lr in engine.list_loras()}
+    assert "late" in {lr.lora_name for lr in server.call_engine("list_loras")}
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
         _complete(client, "late")
     # The engine holds no copy any more (host store and slots), once nothing runs on it.
-    assert wait_until(lambda: "late" not in {lr.lora_name for lr in engine.list_loras()})
+    assert wait_until(lambda: "late" not in {lr.lora_name for lr in server.call_engine("list_loras")})
     assert "late" not in {m.id for m in client.models.list().data}
 
 

@@ -1,0 +1,177 @@
+"""The messages between an engine core and its client (``AsyncLLM``, ``LLMEngine``).
+
+Client -> core (``EngineCommand``): ``AddRequest``, ``AbortRequests``, ``CallMethod``, ``InjectFault``,
+``Shutdown``. Core -> client (``CoreMessage``): one ``EngineCoreOutputs`` per step (every request's
+new token ids of that step, plus the scheduler's stats), ``CallResult`` for each ``CallMethod``,
+``EngineDead`` once. The same objects travel through an in-process queue (engine thread) or,
+pickled, through a pipe (engine process); ``EngineCoreOutputs`` pickles as columns, so a step's
+message costs a few lists, not one object per request.
+
+The core never sees text it has to produce: detokenization, stop strings and ``RequestOutput``s
+are the client's (``engine/output_processor.py``), as in vLLM V1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from engine.outputs import EngineCoreOutput, SchedulerStats
+from engine.request import EngineRequest
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.processor import Processor
+
+CALLABLE_METHODS = ("add_lora", "remove_lora", "list_loras", "reset_prefix_cache", "get_stats")
+"""Engine-core methods a client may call by name (``CallMethod``); arguments and results are
+pickled in the engine-process mode."""
+
+
+# ----------------------------------------------------------------------------------------
+# Client -> core
+# ----------------------------------------------------------------------------------------
+@dataclass
+class AddRequest:
+    """Queue one user request: its ``n`` processed sequences (validated by the client)."""
+
+    request_id: str
+    """The user's request id (parent of the sequences); named in a rejection."""
+    children: list[EngineRequest]
+    """One sequence per sample (``n`` of them; ids ``{index}_{request_id}`` when n > 1)."""
+
+
+@dataclass
+class AbortRequests:
+    """Finish sequences now (client gone, stop string found by the client); frees their blocks."""
+
+    request_ids: list[str]
+    """Sequence (child) ids; unknown or finished ones are ignored."""
+
+
+@dataclass
+class CallMethod:
+    """Call ``EngineCore.<method>(*args)`` between steps; answered by a ``CallResult``."""
+
+    call_id: int
+    """Chosen by the client; echoed in the ``CallResult``."""
+    method: str
+    """One of ``CALLABLE_METHODS``."""
+    args: tuple = ()
+    """Positional arguments (pickled in the engine-process mode)."""
+
+
+@dataclass
+class InjectFault:
+    """Test hook: the loop raises ``error`` before its next step, and dies of it."""
+
+    error: BaseException
+    """What the loop raises."""
+
+
+@dataclass
+class Shutdown:
+    """Leave the loop after the commands queued before this one."""
+
+
+EngineCommand = Union[AddRequest, AbortRequests, CallMethod, InjectFault, Shutdown]
+
+
+# ----------------------------------------------------------------------------------------
+# Core -> client
+# ----------------------------------------------------------------------------------------
+@dataclass
+class EngineCoreOutputs:
+    """Everything one step (or one idle command drain) produced, in one message."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    """One entry per sequence with news this step: new token ids (+ logprobs), finish reason."""
+    stats: Optional[SchedulerStats] = None
+    """The scheduler after this step (None: unchanged)."""
+    rejected: dict[str, BaseException] = field(default_factory=dict)
+    """User request id -> why the core refused its ``AddRequest`` (nothing of it runs)."""
+
+    def __reduce__(self) -> tuple:
+        # Columns: pickling lists of ints and strings is ~6x cheaper than one dataclass per entry.
+        outs = self.outputs
+        extras = {i: (o.new_logprobs, o.new_prompt_logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens)
+                  for i, o in enumerate(outs)
+                  if o.new_logprobs is not None or o.new_prompt_logprobs is not None
+                  or o.finish_reason is not None or o.num_cached_tokens}
+        return (_rebuild_outputs, ([o.req_id for o in outs], [o.new_token_ids for o in outs], extras,
+                                   self.stats, self.rejected))
+
+
+def _rebuild_outputs(req_ids: list[str], new_token_ids: list[list[int]], extras: dict[int, tuple],
+                     stats: Optional[SchedulerStats], rejected: dict[str, BaseException]) -> EngineCoreOutputs:
+    outputs = [EngineCoreOutput(rid, ids) for rid, ids in zip(req_ids, new_token_ids)]
+    for i, (logprobs, prompt_logprobs, finish_reason, stop_reason, num_cached) in extras.items():
+        o = outputs[i]
+        o.new_logprobs, o.new_prompt_logprobs = logprobs, prompt_logprobs
+        o.finish_reason, o.stop_reason, o.num_cached_tokens = finish_reason, stop_reason, num_cached
+    return EngineCoreOutputs(outputs, stats, rejected)
+
+
+@dataclass
+class CallResult:
+    """The answer to one ``CallMethod``."""
+
+    call_id: int
+    """The ``CallMethod``'s id."""
+    value: Any = None
+    """What the method returned (None when it raised)."""
+    error: Optional[BaseException] = None
+    """What it raised (ValueError and the LoRA errors keep their 4xx meaning)."""
+
+
+@dataclass
+class EngineDead:
+    """The loop stopped (an exception escaped a step, or the process is gone); sent once."""
+
+    message: str
+    """Why, for the ``EngineDeadError`` every waiting caller gets."""
+
+
+CoreMessage = Union[EngineCoreOutputs, CallResult, EngineDead]
+
+
+# ----------------------------------------------------------------------------------------
+# Start-up
+# ----------------------------------------------------------------------------------------
+@dataclass
+class EngineFacts:
+    """What a client needs from the engine, read once after it is built."""
+
+    model_name: str
+    """The checkpoint's name (or ``--served-model-name``)."""
+    max_model_len: int
+    """Context length (prompt + output) per request, in tokens."""
+    engine_config: "EngineConfig"
+    """The resolved configs."""
+    tokenizer: Any
+    """The engine's tokenizer: prompts, chat templates, detokenization (client side)."""
+    processor: "Processor"
+    """The engine's stateless ``Processor`` (a pickled copy in the engine-process mode)."""
+    default_sampling_params: dict
+    """The checkpoint's generation_config defaults (``SamplingParams`` keyword arguments)."""
+    lora_enabled: bool
+    """Whether requests may name adapters."""
+
+
+@dataclass
+class EngineReady:
+    """The engine process built its engine (first message on its pipe)."""
+
+    facts: EngineFacts
+    """See ``EngineFacts``."""
+
+
+@dataclass
+class EngineStartupFailed:
+    """The engine process could not build its engine (first and last message on its pipe)."""
+
+    message: str
+    """``Type: message`` of the error."""
+    traceback: str
+    """The child's formatted traceback."""
+

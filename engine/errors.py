@@ -1,0 +1,15 @@
+"""Errors of the engine as a service: the API layer maps them to HTTP statuses.
+
+``EngineDeadError`` -> 503 and a failed ``/health``; ``EngineStartupError`` stops ``chorus serve``
+before it listens. User errors stay ``ValueError`` (400), raised by the processor.
+"""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (crashed, killed or shut down); no request can be served."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not be built (bad checkpoint, out of memory, ...); the message says why."""

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache for a mixed batch of prefill chunks and decodes.
 
-The runner builds one ``AttentionMetadata`` per step and enters ``forward_context(meta)``;
-each ``Attention`` layer reads it, writes this step's K/V into its cache by ``slot_mapping``,
+The runner builds one ``AttentionMetadata`` per step and enters ``engine.forward_context`` with
+it; each ``PagedAttention`` layer reads it, writes this step's K/V into its cache by ``slot_mapping``,
 then attends over the request's cached prefix + the new tokens (causal within the chunk).
 
 Backends: ``torch`` (the reference; used on CPU and as the test oracle) and ``triton``
@@ -10,12 +10,13 @@ Backends: ``torch`` (the reference; used on CPU and as the test oracle) and ``tr
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernel_policy import KernelPolicy
 
 
 @dataclass
@@ -45,28 +46,6 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return self.seq_lens.shape[0]
-
-
-_CURRENT: Optional[AttentionMetadata] = None
-
-
-@contextlib.contextmanager
-def forward_context(meta: Optional[AttentionMetadata]) -> Iterator[None]:
-    """Make ``meta`` visible to every Attention layer for one forward pass. Refuses nesting."""
-    global _CURRENT
-    if _CURRENT is not None:
-        raise RuntimeError("forward_context is already active; forward passes do not nest.")
-    _CURRENT = meta
-    try:
-        yield
-    finally:
-        _CURRENT = None
-
-
-def get_attention_metadata() -> AttentionMetadata:
-    if _CURRENT is None:
-        raise RuntimeError("Attention called outside forward_context(); the runner sets it.")
-    return _CURRENT
 
 
 # ----------------------------------------------------------------------------------------
@@ -178,18 +157,21 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # Backend choice
 # ----------------------------------------------------------------------------------------
 class AttentionBackend:
-    """Writes K/V and attends; ``torch`` everywhere, ``triton`` on CUDA."""
+    """Writes K/V and attends; ``torch`` everywhere, ``triton`` on CUDA.
 
-    def __init__(self, name: str) -> None:
+    Args:
+        name: "torch" or "triton".
+        policy: the engine's kernel policy (decode tiles, which decode steps fuse rotary);
+            None: ``KernelPolicy()``'s defaults.
+    """
+
+    def __init__(self, name: str, policy: Optional[KernelPolicy] = None) -> None:
         if name not in ("torch", "triton"):
             raise ValueError(f"attention backend {name!r}: use 'torch' or 'triton'.")
         self.name = name
-        from engine import envs
-        self.decode_tiles = envs.attn_decode_config()
-        """Decode attention tile overrides (CHORUS_ATTN_DECODE_CONFIG), read once."""
-        self.fuse_decode_rotary = envs.decode_fuse_rotary() if name == "triton" else "0"
-        """Which pure-decode steps run rotary + KV write inside the attention kernel: auto / 1 / 0
-        (CHORUS_DECODE_FUSE_ROTARY)."""
+        self.policy = policy or KernelPolicy()
+        self.decode_tiles = self.policy.attn_decode_tiles
+        """Decode attention tile overrides (``KernelPolicy.attn_decode``)."""
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         if self.name == "triton":
@@ -213,9 +195,8 @@ class AttentionBackend:
         """Rotary + KV write + attention of a pure-decode step as one kernel
         (``kernels.paged_attention.paged_decode_rotary``; q, k, v before rotary, q not written
         back) -> out [T, H, D]; None where this step does not take it (torch backend, a step
-        with more than one query token per request, CHORUS_DECODE_FUSE_ROTARY 0, or auto and a
-        batch that fills the SMs, ``decode_rotary_pays``): then the caller rotates, writes and
-        attends as usual."""
+        with more than one query token per request, or a batch the policy does not fuse,
+        ``KernelPolicy.fuses_decode_rotary``): then the caller rotates, writes and attends as usual."""
         if (meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]
                 or not self._fuses_decode_rotary(q.shape[0], k_cache.shape[2], q.device)):
             return None
@@ -228,10 +209,7 @@ class AttentionBackend:
 
     def _fuses_decode_rotary(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode batch of ``num_reqs`` takes ``attend_decode_rotary``'s kernel."""
-        if self.fuse_decode_rotary == "auto":
-            from kernels.paged_attention import decode_rotary_pays
-            return decode_rotary_pays(num_reqs, num_kv_heads, device)
-        return self.fuse_decode_rotary == "1"
+        return self.name == "triton" and self.policy.fuses_decode_rotary(num_reqs, num_kv_heads, device)
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
                 rotary_dim: Optional[int] = None) -> int:
@@ -280,5 +258,5 @@ class AttentionBackend:
         return calls
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    return AttentionBackend("triton" if device.type == "cuda" else "torch")
+def select_backend(device: torch.device, policy: Optional[KernelPolicy] = None) -> AttentionBackend:
+    return AttentionBackend("triton" if device.type == "cuda" else "torch", policy)

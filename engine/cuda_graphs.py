@@ -43,7 +43,9 @@ from unittest import mock
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, forward_context
+from engine.attention import AttentionMetadata
+from engine.forward_context import forward_context
+from engine.kernel_policy import KernelPolicy
 from engine.input_batch import StepBuffers
 
 logger = logging.getLogger("chorus.cuda_graphs")
@@ -115,12 +117,14 @@ class StepGraphs:
         max_num_reqs: requests of a mixed graph (``max_num_seqs``).
         lora_manager: the engine's ``LoRAManager`` when LoRA is on (its meta buffers are then
             static graph inputs too), else None.
+        policy: the engine's kernel policy, entered with each capture's forward context.
     """
 
     def __init__(self, model: torch.nn.Module, buffers: StepBuffers, max_model_len: int,
                  batch_sizes: list[int], token_sizes: list[int], max_num_reqs: int,
-                 lora_manager=None) -> None:
+                 lora_manager=None, policy: Optional[KernelPolicy] = None) -> None:
         self.model = model
+        self.policy = policy
         self.lora_manager = lora_manager
         self.buffers = buffers
         self.max_model_len = max_model_len
@@ -207,7 +211,7 @@ class StepGraphs:
 
     def _forward(self, key: GraphKey, meta: AttentionMetadata) -> torch.Tensor:
         t = key.num_tokens
-        with forward_context(meta):
+        with forward_context(meta, self.policy):
             hidden = self.model(self.buffers.input_ids[:t], self.buffers.positions[:t])   # [t, hidden]
         if key.mixed:
             return hidden

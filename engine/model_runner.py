@@ -19,7 +19,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from engine.attention import forward_context, select_backend
+from engine.attention import select_backend
+from engine.forward_context import forward_context
+from engine.kernel_policy import KernelPolicy
 from engine.cuda_graphs import GraphKey
 from engine.config import EngineConfig
 from engine.input_batch import NO_ROW, BlockTableRows, CachedRequestState, StepBuffers, StepInputs
@@ -183,6 +185,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.lora_manager = None  # set by the engine when LoRA is enabled
+        self.policy = KernelPolicy.for_device(device)
+        """The engine's fast-path choices (``engine.kernel_policy``), built once; layers read it through
+        the forward context, the attention backend and the LoRA layers get it at construction."""
         self.num_blocks = 0
         self.logprobs_mode = config.model_config.logprobs_mode
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
@@ -239,7 +244,7 @@ class ModelRunner:
         """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer; then the
         step buffers, and the decode CUDA graphs (CUDA, unless ``enforce_eager``)."""
         self.num_blocks = num_blocks
-        backend = select_backend(self.device)
+        backend = select_backend(self.device, self.policy)
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.
@@ -297,8 +302,7 @@ class ModelRunner:
 
     def tune_lora_stacked_gemms(self) -> None:
         """How many slots the few-adapters decode graphs' stacked GEMMs cover, timed before capture."""
-        from engine import envs
-        if self.lora_manager is None or self.device.type != "cuda" or not envs.lora_stacked_tune():
+        if self.lora_manager is None or self.device.type != "cuda" or not self.policy.lora_stacked_tune:
             return
         bound = self.lora_manager.few_adapters_bound(max(self._graph_sizes))
         if bound is None:
@@ -316,7 +320,7 @@ class ModelRunner:
         from engine.cuda_graphs import StepGraphs
         self.graphs = StepGraphs(self.model, self.buffers, self.max_model_len, self._graph_sizes,
                                  self._graph_token_sizes, self.config.scheduler_config.max_num_seqs,
-                                 lora_manager=self.lora_manager)
+                                 lora_manager=self.lora_manager, policy=self.policy)
         self.graphs.capture()
 
     # ------------------------------------------------------------------ state updates
@@ -452,7 +456,7 @@ class ModelRunner:
         if graph_key is not None:
             hidden = self.graphs.replay(graph_key)                       # [T_padded, hidden]
         else:
-            with forward_context(inputs.attn_metadata):
+            with forward_context(inputs.attn_metadata, self.policy):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if not inputs.sample_req_ids:

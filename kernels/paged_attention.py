@@ -352,7 +352,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             has one query token).
         decode_tiles: overrides of the decode launches' tiles ({"tile_n", "num_warps",
             "num_stages", "heads_first", "heads_per_prog"}; the engine passes
-            ``engine.envs.attn_decode_config()``).
+            its kernel policy's ``attn_decode``).
 
     Returns:
         out, [num_tokens, num_heads, head_dim] in q's dtype. Rows past qsl[num_reqs] (padding

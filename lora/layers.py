@@ -1,7 +1,8 @@
 """Per-layer LoRA slot buffers and the batched update ``y += (x @ A^T) @ B^T`` per token.
 
-One ``LinearLoRASlots`` hangs off each adapted ``engine.layers.linear.Linear`` as its ``lora``
-hook. Its buffers are preallocated for ``max_loras`` slots of ``max_rank``:
+One ``LinearLoRASlots`` is attached to each adapted ``engine.layers.linear.Linear`` as its
+``adapter`` (it implements ``engine.layers.adapter.LinearAdapter``). Its buffers are
+preallocated for ``max_loras`` slots of ``max_rank``:
 
 - ``lora_a``: [num_slices, max_loras, max_rank, input_size], one A per output slice (q/k/v or
   gate/up each have their own A);
@@ -16,32 +17,38 @@ pure-torch twins in the tests).
 The Triton path per call: pick the shrink config (its split_k), take a [num_slices, split_k,
 num_tokens, max_rank] view of the shared scratch buffer, shrink into it (per-split partials,
 plain stores) and expand from it (summing the partials): two launches, no memset.
-``CHORUS_LORA_SHRINK_CONFIG`` / ``CHORUS_LORA_EXPAND_CONFIG`` override the kernels' launch
-configs (see ``kernels.lora_shrink`` / ``kernels.lora_expand``); ``kernel_overrides_from_env``
-reads them, once per layer.
 
-Overlap (``CHORUS_LORA_OVERLAP``, default on): the shrink reads x only, so ``begin(x)`` issues it on
-a per-device side stream before the base GEMM and ``finish(pending, y)`` joins that stream before
-the expand; ``engine.layers.linear.Linear`` calls the two around its ``F.linear``. The fork and
-the join are ``wait_stream`` calls, which CUDA graph capture records as graph edges. On CPU (the
-Triton interpreter in the tests) the same two phases run on the one stream.
+Every fast-path choice comes from the engine's ``engine.kernel_policy.KernelPolicy``, given at
+construction:
 
-SiLU-and-mul fusion (``CHORUS_LORA_FUSE_SILU_MUL``, default on; gate/up layers, i.e. two slices
-of equal width, on the split path with the overlap): the MLP hands ``begin``'s pending update to
-``finish_silu_mul``, which adds it inside the SiLU-and-mul (``kernels.lora_expand_silu_mul``)
-instead of expanding into the projection output first (``engine.layers.linear.Linear.forward_deferred``).
+- launch configs: ``lora_shrink`` / ``lora_expand`` override the kernels' defaults;
+- overlap (``lora_overlap``): the shrink reads x only, so ``begin(x)`` issues it on a per-device
+  side stream before the base GEMM and ``finish`` joins that stream before the expand (``run``
+  calls the two around the base ``F.linear``). The fork and the join are ``wait_stream`` calls,
+  which CUDA graph capture records as graph edges. On CPU (the Triton interpreter in the tests)
+  the same two phases run on the one stream;
+- stacked (``lora_stacked_max_tokens``): decode-sized steps compute every slot's shrink inside the
+  base GEMM, the slots' A rows stored under the base weight (``stack_onto``, ``begin_stacked``);
+- consumer fusions (``lora_fuse_silu_mul`` / ``lora_fuse_rotary`` / ``lora_fuse_norm``): when the
+  Linear feeds SiLU-and-mul, the rotary + KV write or the add + RMSNorm (``Feeds``), ``run``
+  returns the base output and a ``LoRAPending`` that the consumer completes in one launch with its
+  own work (``kernels.lora_expand_silu_mul``, ``kernels.lora_rotary_write_kv``,
+  ``kernels.lora_expand_norm``).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.kernel_policy import KernelPolicy
+from engine.layers.activation import silu_and_mul
+from engine.layers.adapter import Feeds
 from lora.batch import LoRABatchState
 from lora.peft_adapter import LoRASliceWeights
 
@@ -50,29 +57,6 @@ if TYPE_CHECKING:
     from kernels.lora_shrink import LoRAShrinkConfig
 
 BACKENDS = ("triton", "torch")
-
-
-@dataclass(frozen=True)
-class LoRAKernelOverrides:
-    """Launch-config overrides of the Triton LoRA kernels (parsed ``field=int`` pairs)."""
-
-    shrink: tuple[tuple[str, int], ...] = ()
-    """``LoRAShrinkConfig`` fields from CHORUS_LORA_SHRINK_CONFIG."""
-    expand: tuple[tuple[str, int], ...] = ()
-    """``LoRAExpandConfig`` fields from CHORUS_LORA_EXPAND_CONFIG."""
-
-
-def kernel_overrides_from_env() -> LoRAKernelOverrides:
-    """Read and validate CHORUS_LORA_SHRINK_CONFIG / CHORUS_LORA_EXPAND_CONFIG (ValueError if bad).
-
-    NOTE: read through ``engine.envs``; imports triton: call it on the Triton path only.
-    """
-    from engine import envs
-    from kernels.lora_expand import LoRAExpandConfig
-    from kernels.lora_shrink import LoRAShrinkConfig, parse_config_override
-
-    return LoRAKernelOverrides(shrink=parse_config_override(envs.lora_shrink_config(), LoRAShrinkConfig),
-                               expand=parse_config_override(envs.lora_expand_config(), LoRAExpandConfig))
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +84,8 @@ class SplitPlan:
 
 @dataclass
 class LoRAPending:
-    """An adapter update that ``LinearLoRASlots.begin`` started and ``finish`` adds into y."""
+    """An adapter update that ``LinearLoRASlots.begin`` (or ``begin_stacked``) started and a
+    ``finish*`` adds. As an ``engine.layers.adapter.PendingUpdate``, the consumer of ``y`` completes it."""
 
     x: torch.Tensor
     """[num_tokens, input_size] the layer input; contiguous when ``plan`` is set. Held until
@@ -110,7 +95,22 @@ class LoRAPending:
     side: Optional[torch.cuda.Stream] = None
     """The side stream the shrink went to, joined by ``finish``; None: the current stream."""
     owner: Optional["LinearLoRASlots"] = None
-    """The layer that issued it (``finish`` / ``finish_silu_mul`` of that layer complete it)."""
+    """The layer that issued it (its ``finish*`` complete it)."""
+    y: Any = None
+    """[num_tokens, sum(output_sizes)] the base output the update belongs to (set by ``run``)."""
+
+    def finish(self) -> torch.Tensor:
+        return self.owner.finish(self, self.y)
+
+    def finish_silu_mul(self) -> torch.Tensor:
+        return self.owner.finish_silu_mul(self, self.y)
+
+    def finish_add_rms_norm(self, weight: torch.Tensor, eps: float, residual: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.owner.finish_add_rms_norm(self, self.y, weight, eps, residual)
+
+    def finish_rotary_write_kv(self, *args: Any) -> None:
+        self.owner.finish_rotary_write_kv(self, *args)
 
 
 class LinearLoRASlots(nn.Module):
@@ -124,10 +124,12 @@ class LinearLoRASlots(nn.Module):
         dtype, device: of the buffers.
         state: the manager's per-step batch holder, shared by every layer.
         backend: "triton" (CUDA kernels) or "torch".
+        policy: the engine's kernel policy (None: ``KernelPolicy.for_device(device)``).
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, state: LoRABatchState, backend: str) -> None:
+                 dtype: torch.dtype, device: torch.device, state: LoRABatchState, backend: str,
+                 policy: Optional[KernelPolicy] = None) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"LoRA backend {backend!r}: use one of {BACKENDS}.")
@@ -143,25 +145,24 @@ class LinearLoRASlots(nn.Module):
             offs.append(acc)
             acc += size
         self.slice_offsets = offs
-        self.overrides = kernel_overrides_from_env() if backend == "triton" else LoRAKernelOverrides()
-        """Kernel launch-config overrides, read once here."""
-        from engine import envs  # NOTE: here, not at the top: ``engine`` imports this package
-
-        self.overlap = backend == "triton" and envs.lora_overlap()
-        """CHORUS_LORA_OVERLAP (read once here): ``begin`` issues the split path's shrink before the
-        base GEMM, on ``side_stream`` for CUDA inputs."""
-        self.fuse_silu_mul = (self.overlap and self.num_slices == 2
-                              and self.output_sizes[0] == self.output_sizes[1] and envs.lora_fuse_silu_mul())
-        """CHORUS_LORA_FUSE_SILU_MUL (read once here) on a gate/up-shaped layer with the overlap:
-        ``engine.layers.linear.Linear.forward_deferred`` leaves the update to ``finish_silu_mul``."""
-        self.fuse_rotary = backend == "triton" and self.num_slices == 3 and envs.lora_fuse_rotary()
-        """CHORUS_LORA_FUSE_ROTARY (read once here) on a q/k/v-shaped layer: at decode sizes
-        ``engine.layers.linear.Linear.forward_deferred`` leaves the update to the attention's rotary
-        + KV write (``finish_rotary_write_kv``)."""
-        self.fuse_norm = backend == "triton" and self.num_slices == 1 and envs.lora_fuse_norm()
-        """CHORUS_LORA_FUSE_NORM (read once here) on a one-slice layer (o_proj, down_proj: each feeds a
-        residual add + RMSNorm): ``Linear.forward_deferred`` leaves the update to that norm
-        (``finish_add_rms_norm``)."""
+        policy = policy or KernelPolicy.for_device(device)
+        triton = backend == "triton"
+        self.shrink_overrides = policy.lora_shrink if triton else ()
+        """``LoRAShrinkConfig`` field overrides (``KernelPolicy.lora_shrink``)."""
+        self.expand_overrides = policy.lora_expand if triton else ()
+        """``LoRAExpandConfig`` field overrides (``KernelPolicy.lora_expand``)."""
+        self.overlap = triton and policy.lora_overlap
+        """``begin`` issues the split path's shrink before the base GEMM, on ``side_stream`` for CUDA inputs."""
+        self.fuse_silu_mul = (self.overlap and self.num_slices == 2 and self.output_sizes[0] == self.output_sizes[1]
+                              and policy.lora_fuse_silu_mul)
+        """A gate/up-shaped layer (with the overlap) feeding SiLU-and-mul leaves its update to
+        ``finish_silu_mul``."""
+        self.fuse_rotary = triton and self.num_slices == 3 and policy.lora_fuse_rotary
+        """A q/k/v-shaped layer feeding the rotary + KV write leaves its update to
+        ``finish_rotary_write_kv`` at decode sizes."""
+        self.fuse_norm = triton and self.num_slices == 1 and policy.lora_fuse_norm
+        """A one-slice layer feeding the add + RMSNorm (o_proj, down_proj) leaves its update to
+        ``finish_add_rms_norm`` where ``kernels.lora_expand_norm.fuses``."""
         self._rotary_max_tokens = 0
         """Steps up to this many tokens defer the q/k/v update (``defers``)."""
         if self.fuse_rotary:
@@ -179,9 +180,9 @@ class LinearLoRASlots(nn.Module):
             self.register_buffer(f"lora_b_{s}", torch.zeros(
                 max_loras, size, max_rank, dtype=dtype, device=device),
                 persistent=False)                           # [max_loras, out_s, max_rank]
-        self.stacked_max_tokens = envs.lora_stacked_max_tokens() if backend == "triton" else 0
+        self.stacked_max_tokens = policy.lora_stacked_max_tokens if triton else 0
         """Steps of at most this many tokens take the stacked GEMM (``begin_stacked``) once
-        ``stack_onto`` ran (CHORUS_LORA_STACKED_MAX_TOKENS; 0: never)."""
+        ``stack_onto`` ran (``KernelPolicy.lora_stacked_max_tokens``; 0: never)."""
         self.stacked_weight: Optional[torch.Tensor] = None  # [out + max_loras * S * R, in] base rows | A rows
         self.stacked_bias: Optional[torch.Tensor] = None    # [out + max_loras * S * R] base bias | zeros
         self.stacked_cover: dict[tuple[int, int], int] = {}
@@ -275,7 +276,7 @@ class LinearLoRASlots(nn.Module):
         y_all = F.linear(x2, self.stacked_weight[:cols], bias)                    # [T, out + cover * S * R]
         buf, slot_stride = slotwise_buf(y_all[:, out:].view(num_tokens, cover, S, R))
         cfg = lora_expand_config(num_tokens, batch.meta.num_active, tuple(self.output_sizes), x2.device,
-                                 self.overrides.expand)
+                                 self.expand_overrides)
         y = y_all[:, :out]                                                         # [T, out] view
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], out)
@@ -355,8 +356,6 @@ class LinearLoRASlots(nn.Module):
 
         y: [num_tokens, 2 * d] the base output; returns [num_tokens, d].
         """
-        from engine.layers.activation import silu_and_mul
-
         if pending.plan is None or not self.fuse_silu_mul:
             return silu_and_mul(self.finish(pending, y))
         from kernels.lora_expand_silu_mul import lora_expand_silu_mul
@@ -369,17 +368,38 @@ class LinearLoRASlots(nn.Module):
                                     config=self._silu_mul_config(y2.shape[0], meta.num_active, y2.device),
                                     slot_stride=pending.plan.slot_stride)
 
-    def defers(self, num_tokens: int) -> bool:
+    def defers(self, num_tokens: int, feeds: Feeds) -> bool:
         """A step of num_tokens tokens leaves this layer's update to the output's consumer
-        (``Linear.forward_deferred``): gate/up to SiLU-and-mul (``fuse_silu_mul``, any size), o/down
-        to the add + RMSNorm (``fuse_norm``) at decode sizes (per-row programs) and at long prefill
-        steps (segment tiles; ``kernels.lora_expand_norm.fuses``), q/k/v to the rotary + KV write
+        (``feeds``): gate/up to SiLU-and-mul (``fuse_silu_mul``, any size), o/down to the add +
+        RMSNorm (``fuse_norm``) at decode sizes (per-row programs) and at long prefill steps
+        (segment tiles; ``kernels.lora_expand_norm.fuses``), q/k/v to the rotary + KV write
         (``fuse_rotary``) at decode sizes."""
         if num_tokens <= 0:
             return False
-        if self.fuse_norm:
-            return self._norm_fuses(num_tokens)
-        return self.fuse_silu_mul or (self.fuse_rotary and num_tokens <= self._rotary_max_tokens)
+        if feeds is Feeds.ADD_RMS_NORM:
+            return self.fuse_norm and self._norm_fuses(num_tokens)
+        if feeds is Feeds.SILU_MUL:
+            return self.fuse_silu_mul
+        if feeds is Feeds.ROTARY_KV_WRITE:
+            return self.fuse_rotary and num_tokens <= self._rotary_max_tokens
+        return False
+
+    def run(self, linear: nn.Module, x: torch.Tensor, defer: bool) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+        """(y, pending) for the Linear ``linear`` (whose base this layer adapts) on x [num_tokens, in]
+        in a step with an adapter update: the base GEMM over the stacked weight, which gives every
+        slot's shrink too (decode-sized steps, ``begin_stacked``), or the plain one with the shrink
+        issued beside it (``begin``); then the expand (``finish``), or, with ``defer`` and a started
+        update, y alone and the update still to add for y's consumer."""
+        stacked = self.begin_stacked(x, linear.weight)
+        if stacked is None:
+            pending = self.begin(x)
+            y = F.linear(x, linear.weight, linear.bias)            # [num_tokens, out]
+        else:
+            y, pending = stacked
+        if not defer or pending.plan is None:                      # nothing issued early: the plain path
+            return self.finish(pending, y), None
+        pending.y = y
+        return y, pending
 
     def finish_add_rms_norm(self, pending: LoRAPending, x: torch.Tensor, weight: torch.Tensor, eps: float,
                             residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,11 +436,11 @@ class LinearLoRASlots(nn.Module):
                              pending.plan.slot_stride)
 
     def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device) -> LoRAExpandConfig:
-        """``finish_silu_mul``'s launch config (CHORUS_LORA_EXPAND_CONFIG overrides apply)."""
+        """``finish_silu_mul``'s launch config (the policy's ``lora_expand`` overrides apply)."""
         from kernels.lora_expand_silu_mul import lora_expand_silu_mul_config
 
         return lora_expand_silu_mul_config(num_tokens, num_active, self.output_sizes[0], device,
-                                           self.overrides.expand)
+                                           self.expand_overrides)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """x as [num_tokens, input_size], checked against the step's batch."""
@@ -445,15 +465,15 @@ class LinearLoRASlots(nn.Module):
         dev, outs = self.lora_a.device, tuple(self.output_sizes)
         silu_mul = self._silu_mul_config(num_tokens, num_active, dev) if self.fuse_silu_mul else None
         if self.takes_stacked(num_tokens):
-            return ("stacked", lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand),
+            return ("stacked", lora_expand_config(num_tokens, num_active, outs, dev, self.expand_overrides),
                     silu_mul)
         norm = None
-        if self.fuse_norm and self.defers(num_tokens):
+        if self.defers(num_tokens, Feeds.ADD_RMS_NORM):
             from kernels.lora_expand_norm import launch_shape
             norm = launch_shape(num_tokens, num_active, dev)
         return ("split", lora_shrink_config(num_tokens, num_active, self.num_slices, self.input_size, dev,
-                                            self.overrides.shrink),
-                lora_expand_config(num_tokens, num_active, outs, dev, self.overrides.expand), silu_mul, norm)
+                                            self.shrink_overrides),
+                lora_expand_config(num_tokens, num_active, outs, dev, self.expand_overrides), silu_mul, norm)
 
     def _plan_split(self, x: torch.Tensor, batch) -> SplitPlan:
         from kernels.lora_expand import lora_expand_config
@@ -461,9 +481,9 @@ class LinearLoRASlots(nn.Module):
 
         meta, num_tokens = batch.meta, x.shape[0]
         shrink_cfg = lora_shrink_config(num_tokens, meta.num_active, self.num_slices, self.input_size,
-                                        x.device, self.overrides.shrink)
+                                        x.device, self.shrink_overrides)
         expand_cfg = lora_expand_config(num_tokens, meta.num_active, tuple(self.output_sizes), x.device,
-                                        self.overrides.expand)
+                                        self.expand_overrides)
         buf = self.state.shrink_buffer(self.num_slices, shrink_cfg.split_k, num_tokens, self.max_rank,
                                        x.device)                                  # [S, split_k, T, R] f32
         return SplitPlan(buf, shrink_cfg, expand_cfg)

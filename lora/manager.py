@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.kernel_policy import KernelPolicy
+from engine.layers.adapter import Feeds
 from lora.adapter_store import AdapterStore
 from lora.batch import LoRABatchState, LoRAMetaBuffers
 from lora.errors import InvalidLoRAAdapterError, LoRAAdapterError, LoRAAdapterNotFoundError
@@ -83,10 +85,11 @@ class LoRAManager:
         device: where the slot buffers live.
         dtype: the model dtype (the slot dtype when ``lora_dtype`` is "auto").
         backend: "triton" or "torch"; None picks triton on CUDA, torch elsewhere.
+        policy: the engine's kernel policy (the runner's); None: ``KernelPolicy.for_device(device)``.
     """
 
     def __init__(self, lora_config, model: nn.Module, device: torch.device, dtype: torch.dtype,
-                 backend: Optional[str] = None) -> None:
+                 backend: Optional[str] = None, policy: Optional[KernelPolicy] = None) -> None:
         self.config = lora_config
         self.max_loras: int = lora_config.max_loras
         self.max_lora_rank: int = lora_config.max_lora_rank
@@ -96,6 +99,7 @@ class LoRAManager:
         if self.backend == "triton" and self.lora_dtype != dtype:
             raise ValueError(f"lora_dtype={lora_config.lora_dtype} differs from the model dtype {dtype}; the "
                              "CUDA LoRA kernels need them equal: use lora_dtype='auto'.")
+        self.policy = policy or KernelPolicy.for_device(self.device)
         self.targets = LoRATargets.from_model(model)
         if not self.targets.slices:
             raise ValueError(f"{type(model).__name__} has no q/k/v/o/gate/up/down projections an adapter "
@@ -104,13 +108,13 @@ class LoRAManager:
         self._meta_buffers: Optional[LoRAMetaBuffers] = None
         """Static per-step meta tensors (``allocate_step_buffers``; else sized on first use)."""
         self.layers: dict[str, LinearLoRASlots] = {}
-        """Our Linear module name -> its slot buffers (also set as that Linear's ``lora``)."""
+        """Our Linear module name -> its slot buffers (also attached as that Linear's ``adapter``)."""
         for name in self.targets.module_names:
             linear = model.get_submodule(name)
             slots = LinearLoRASlots(linear.input_size, linear.output_sizes, self.max_loras,
                                     self.max_lora_rank, self.lora_dtype, self.device, self.state,
-                                    self.backend)
-            linear.lora = slots
+                                    self.backend, self.policy)
+            linear.adapter = slots
             if slots.stacked_max_tokens > 0:
                 slots.stack_onto(linear)            # decode steps: the shrink inside the base GEMM
             self.layers[name] = slots
@@ -305,7 +309,7 @@ class LoRAManager:
                         base = layer.stacked_weight[:y.shape[1]]
                         y_base, pending = layer.begin_stacked(x, base)
                         layer.finish(pending, y_base)
-                        if layer.fuse_norm and layer.defers(t):   # o/down: the update inside add + RMSNorm
+                        if layer.defers(t, Feeds.ADD_RMS_NORM):   # o/down: the update inside add + RMSNorm
                             y_base, pending = layer.begin_stacked(x, base)
                             norm_weight = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
                             layer.finish_add_rms_norm(pending, y_base, norm_weight, 1e-5,
@@ -313,7 +317,7 @@ class LoRAManager:
                         if layer.fuse_silu_mul:
                             y_base, pending = layer.begin_stacked(x, base)
                             layer.finish_silu_mul(pending, y_base)
-                        if qkv_consumer is not None and layer.fuse_rotary and layer.defers(t):
+                        if qkv_consumer is not None and layer.defers(t, Feeds.ROTARY_KV_WRITE):
                             qkv, pending = layer.begin_stacked(x, base)   # q/k/v: inside rotary + KV write
                             qkv_consumer(pending, qkv)
                         calls += 1
@@ -321,14 +325,14 @@ class LoRAManager:
                     layer(x, y)
                     if layer.fuse_silu_mul:          # the MLP's path: the update inside SiLU-and-mul
                         layer.finish_silu_mul(layer.begin(x), y)
-                    elif layer.fuse_norm and layer.defers(t):   # o/down: the update inside add + RMSNorm
+                    elif layer.defers(t, Feeds.ADD_RMS_NORM):   # o/down: the update inside add + RMSNorm
                         pending = layer.begin(x)
                         # NOTE: without a split plan (overlap off) the engine finishes the update
                         # before the norm: nothing more to compile.
                         if pending.plan is not None:
                             norm_weight = torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
                             layer.finish_add_rms_norm(pending, y, norm_weight, 1e-5, torch.zeros_like(y))
-                    elif qkv_consumer is not None and layer.fuse_rotary and layer.defers(t):
+                    elif qkv_consumer is not None and layer.defers(t, Feeds.ROTARY_KV_WRITE):
                         pending = layer.begin(x)     # q/k/v: the update inside rotary + KV write
                         if pending.plan is not None:
                             qkv_consumer(pending, y)

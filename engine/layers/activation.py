@@ -1,12 +1,20 @@
 """SiLU-and-mul for gated MLPs (one Triton kernel on CUDA, torch elsewhere)."""
 
+from __future__ import annotations
+
 import torch
 
+from engine.layers.adapter import take_update
 from kernels.reference import silu_and_mul_ref
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d] = silu(gate) * up."""
+    """x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d] = silu(gate) * up. When x is a gate/up
+    projection's output whose adapter update is pending (``engine.layers.adapter``), the update is
+    added inside (one launch)."""
+    pending = take_update(x)
+    if pending is not None:
+        return pending.finish_silu_mul()
     if x.is_cuda:
         from kernels.layer_ops import silu_and_mul as silu_and_mul_triton
         return silu_and_mul_triton(x)

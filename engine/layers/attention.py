@@ -7,7 +7,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from engine.attention import AttentionBackend, get_attention_metadata
+from engine.attention import AttentionBackend
+from engine.forward_context import get_forward_context
+from engine.layers.adapter import take_update
 
 
 class PagedAttention(nn.Module):
@@ -29,27 +31,32 @@ class PagedAttention(nn.Module):
 
     def fuses_rotary_write(self, x: torch.Tensor) -> bool:
         """Inputs like x take the fused rotary + KV write (CUDA with the Triton backend), which
-        can also add the q/k/v projection's pending LoRA update (``forward``'s lora_pending)."""
+        can also add the q/k/v projection's pending adapter update."""
         return x.is_cuda and self.backend is not None and self.backend.name == "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                rotary=None, lora_pending=None) -> torch.Tensor:
+                rotary=None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]. With ``rotary`` (a RotaryEmbedding) and
         ``positions`` ([T]), q and k are rotated first (fused with the KV write on CUDA).
-        ``lora_pending``: the q/k/v projection's adapter update, still to add to q, k, v (a
-        ``lora.layers.LoRAPending``; only where ``fuses_rotary_write`` and rotary are given)."""
-        meta = get_attention_metadata()
-        if rotary is not None and self.fuses_rotary_write(q):
-            if lora_pending is None:
+
+        When q, k, v are views of a packed q | k | v projection output whose adapter update is
+        still pending (``engine.layers.adapter``, ``Feeds.ROTARY_KV_WRITE``), the fused rotary + KV
+        write adds it first; elsewhere it is added in place before anything reads q, k, v.
+        """
+        meta = get_forward_context().attn_metadata
+        pending = take_update(q)
+        fused = rotary is not None and self.fuses_rotary_write(q)
+        if pending is not None and not fused:
+            pending.finish()                        # in place: q, k, v view its output
+            pending = None
+        if fused:
+            if pending is None:
                 out = self.backend.attend_decode_rotary(q, k, v, positions, rotary, self.k_cache, self.v_cache,
                                                         meta, self.scale)
                 if out is not None:                 # a pure-decode step: rotary + KV write + attention in one kernel
                     return out.reshape(q.shape[0], self.num_heads * self.head_dim)
-            rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                      lora_pending)
+            rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, pending)
         else:
-            if lora_pending is not None:
-                raise RuntimeError("a pending q/k/v LoRA update needs the fused rotary + KV write path")
             if rotary is not None:
                 q, k = rotary(positions, q, k)
             self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)

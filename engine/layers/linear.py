@@ -1,33 +1,50 @@
-"""Linear layers with packed output slices and an optional LoRA hook."""
+"""Linear layers with packed output slices, their fast base paths, and the adapter seam.
+
+``Linear.forward`` picks the base computation by the step (``engine.kernel_policy``): on CUDA,
+decode steps of a few tokens run one ``kernels.gemv`` launch; a projection that feeds a residual
+add + RMSNorm may return split-K partials the norm sums (decode-sized bf16 steps, where the GEMM
+alone would leave SMs idle); everything else is one ``F.linear``. With an adapter attached
+(``engine.layers.adapter``) and active in the step, the adapter runs the projection and adds
+its update, or leaves it to the consumer the layer ``feeds``.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from lora.layers import LinearLoRASlots, LoRAPending
+from engine.forward_context import current_policy
+from engine.kernel_policy import KernelPolicy
+from engine.layers.adapter import Feeds, LinearAdapter, defer_update
 
 
 class Linear(nn.Module):
     """``y = x @ W.T + b`` whose output is the concatenation of ``output_sizes`` slices.
 
     A packed projection (q/k/v, or gate/up) is one matmul; checkpoints store the slices
-    separately, so ``load_slice`` copies each into its rows. ``lora`` (set by the LoRA
-    manager) adds the batch's adapter updates in place: ``y += lora(x)`` per token.
+    separately, so ``load_slice`` copies each into its rows.
+
+    Args:
+        input_size: input features.
+        output_sizes: the packed output slices (e.g. [q, kv, kv]).
+        bias: with a bias.
+        feeds: what reads the output (``Feeds``): the consumer an adapter update may be fused into.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 feeds: Feeds = Feeds.ANY) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
+        self.feeds = feeds
         self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)  # [out, in]
         self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False) if bias else None
-        self.lora: Optional[LinearLoRASlots] = None
+        self.adapter: Optional[LinearAdapter] = None
+        """The per-token update attached to this layer (``lora.layers.LinearLoRASlots``), or None."""
 
     def slice_offsets(self) -> list[int]:
         offs, acc = [], 0
@@ -49,46 +66,57 @@ class Linear(nn.Module):
         param.data[start:start + size].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora is None or self.lora.adds_nothing():
-            return F.linear(x, self.weight, self.bias)  # [num_tokens, output_size]
-        y, pending = self._base_with_lora(x)
-        return y if pending is None else self.lora.finish(pending, y)
+        """x: [num_tokens, input_size] -> [num_tokens, output_size] (or, for ``Feeds.ADD_RMS_NORM``,
+        possibly split-K partials [num_parts, num_tokens, output_size], see ``forward_base``)."""
+        adapter = self.adapter
+        if adapter is None or adapter.adds_nothing():
+            return self.forward_base(x)
+        num_tokens = x.numel() // max(1, x.shape[-1])
+        defer = self.feeds is not Feeds.ANY and adapter.defers(num_tokens, self.feeds)
+        y, pending = adapter.run(self, x, defer)
+        if pending is not None:
+            defer_update(pending)           # the consumer ``feeds`` names completes it
+        return y
+
+    def forward_base(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection without adapter update: one ``kernels.gemv`` launch for a decode step of a
+        few tokens (``uses_decode_gemv``), split-K partials for a layer feeding the add + RMSNorm
+        (``split_k_parts``), else ``F.linear``."""
+        policy = current_policy()
+        if self.uses_decode_gemv(x, policy):
+            from kernels.gemv import gemv
+            return gemv(x, self.weight, self.bias, override=policy.gemv)
+        if self.feeds is Feeds.ADD_RMS_NORM:
+            parts = self.split_k_parts(x, policy)
+            if parts > 1:
+                return self.forward_split_k(x, parts)
+        return F.linear(x, self.weight, self.bias)  # [num_tokens, output_size]
+
+    def uses_decode_gemv(self, x: torch.Tensor, policy: KernelPolicy) -> bool:
+        """Whether this layer of x runs as ``kernels.gemv`` (CUDA, at most
+        ``policy.decode_gemv_max_tokens`` rows, row-contiguous, no adapter update in the step)."""
+        return (x.is_cuda and 0 < x.shape[0] <= policy.decode_gemv_max_tokens and x.dtype == self.weight.dtype
+                and x.dim() == 2 and x.stride(-1) == 1 and (self.adapter is None or self.adapter.adds_nothing()))
+
+    def split_k_parts(self, x: torch.Tensor, policy: KernelPolicy) -> int:
+        """Partial products to run this layer of x as (1: a plain GEMM). Only on CUDA, in bfloat16
+        (float32's range, so an unrounded half cannot overflow where the sum does not), without bias
+        or adapter update; then by shape (``KernelPolicy.split_k_parts``). The caller guarantees a
+        consumer that sums partials (``Feeds.ADD_RMS_NORM``)."""
+        if not (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and self.weight.dtype == x.dtype
+                and x.is_contiguous() and self.bias is None
+                and (self.adapter is None or self.adapter.adds_nothing())):
+            return 1
+        return policy.split_k_parts(x.shape[0], self.input_size, self.output_size)
 
     def forward_split_k(self, x: torch.Tensor, num_parts: int) -> torch.Tensor:
         """The product without bias or adapter as ``num_parts`` partial products over equal slices
         of the input features: x [num_tokens, input_size] -> [num_parts, num_tokens, output_size],
         whose sum over dim 0 is ``x @ W.T``. One batched GEMM on strided views of x and W (no
         copies); the consumer sums the partials (``kernels.layer_ops.add_rms_norm``). Policy:
-        ``engine.layers.fused.split_k_parts``."""
+        ``split_k_parts``."""
         num_tokens, k = x.shape
         part_k = k // num_parts
         xs = x.view(num_tokens, num_parts, part_k).transpose(0, 1)                # [P, T, K/P]
         ws = self.weight.view(self.output_size, num_parts, part_k).permute(1, 2, 0)  # [P, K/P, N]
         return torch.bmm(xs, ws)                                                   # [P, T, N]
-
-    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
-        """(y, pending): like ``forward``, but when the LoRA hook fuses its update into the
-        consumer (``LinearLoRASlots.defers``: gate/up into SiLU-and-mul, q/k/v into the rotary + KV
-        write, o/down into the add + RMSNorm), y is the base output and ``pending`` the update
-        still to add; its consumer must complete it (``pending.owner.finish_silu_mul`` /
-        ``finish_rotary_write_kv`` / ``finish_add_rms_norm``, or ``finish``). pending is None when
-        y is complete."""
-        num_tokens = x.numel() // max(1, x.shape[-1])
-        if self.lora is None or self.lora.adds_nothing() or not self.lora.defers(num_tokens):
-            return self.forward(x), None
-        y, pending = self._base_with_lora(x)
-        if pending is not None and pending.plan is None:    # nothing issued early: the plain path
-            return self.lora.finish(pending, y), None
-        return y, pending
-
-    def _base_with_lora(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[LoRAPending]]:
-        """(y, pending) for a step with an adapter update here: the base GEMM with the update still
-        to add, over the stacked weight, which gives every slot's shrink too (decode-sized steps,
-        ``LinearLoRASlots.begin_stacked``), or the plain one; the LoRA shrink needs x only:
-        ``begin`` issues it (on a side stream on CUDA) so it runs alongside the GEMM; ``finish``
-        joins it and adds the expand."""
-        stacked = self.lora.begin_stacked(x, self.weight)        # decode: the shrink inside the GEMM
-        if stacked is not None:
-            return stacked
-        pending = self.lora.begin(x)
-        return F.linear(x, self.weight, self.bias), pending  # [num_tokens, output_size]

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from engine.layers.adapter import take_update
 from kernels.reference import rms_norm_ref
 
 
@@ -25,10 +26,17 @@ class RMSNorm(nn.Module):
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
 
         x: [num_tokens, hidden], or with ``residual`` split-K partials [num_parts, num_tokens,
-        hidden] whose sum is x (``engine.layers.fused.split_k_parts``).
+        hidden] whose sum is x (``Linear.forward_base``). When x is a projection's output whose
+        adapter update is still pending (``engine.layers.adapter``), the update is added here:
+        inside the add + RMSNorm with a residual (one launch), before the norm without one.
         NOTE: on CUDA, with ``residual`` given, ``x`` and ``residual`` are overwritten (the
         returned tensors are a 2-D x and residual); callers never reuse them.
         """
+        pending = take_update(x)
+        if pending is not None:
+            if residual is not None:
+                return pending.finish_add_rms_norm(self.weight, self.eps, residual)
+            x = pending.finish()
         if x.is_cuda:
             from kernels.layer_ops import add_rms_norm
             if residual is None:
@@ -36,16 +44,6 @@ class RMSNorm(nn.Module):
             out = x if x.dim() == 2 else None
             return add_rms_norm(x, self.weight, self.eps, residual=residual, out=out), residual
         return self.forward_torch(x, residual)
-
-    def forward_pending(self, x: torch.Tensor, residual: Optional[torch.Tensor], lora_pending=None):
-        """``forward`` where x may still lack its projection's adapter update (``lora_pending``, a
-        ``lora.layers.LoRAPending`` from ``Linear.forward_deferred``): with a residual, the update
-        is added inside the add + RMSNorm (one launch, ``LinearLoRASlots.finish_add_rms_norm``)."""
-        if lora_pending is None:
-            return self.forward(x, residual)
-        if residual is None:
-            return self.forward(lora_pending.owner.finish(lora_pending, x))
-        return lora_pending.owner.finish_add_rms_norm(lora_pending, x, self.weight, self.eps, residual)
 
     def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """``forward`` in torch, without writing x or residual (``kernels.reference.rms_norm_ref``)."""

@@ -63,15 +63,16 @@ class RotaryEmbedding(nn.Module):
 
     def apply_and_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           lora_pending=None) -> None:
+                           pending_update=None) -> None:
         """CUDA: rotate q and k in place and write the rotated k and v into the paged cache, in one
-        kernel (``kernels.kv_write.rotary_write_kv``); with ``lora_pending`` (the q/k/v projection's
-        update still to add) that kernel adds it first (``LinearLoRASlots.finish_rotary_write_kv``)."""
+        kernel (``kernels.kv_write.rotary_write_kv``); with ``pending_update`` (the q/k/v projection's
+        adapter update still to add, an ``engine.layers.adapter.PendingUpdate``) the adapter's
+        variant of that kernel adds it first."""
         half = self.rotary_dim // 2
         args = (positions, q, k, v, self.cos[:, :half], self.sin[:, :half], self.rotary_dim, k_cache, v_cache,
                 slot_mapping)
-        if lora_pending is not None:
-            lora_pending.owner.finish_rotary_write_kv(lora_pending, *args)
+        if pending_update is not None:
+            pending_update.finish_rotary_write_kv(*args)
             return
         from kernels.kv_write import rotary_write_kv
         rotary_write_kv(*args)

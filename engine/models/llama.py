@@ -7,19 +7,17 @@ mixed prefill/decode step; attention finds each request's context through the st
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
 
+from engine.layers.adapter import Feeds
 from engine.layers.attention import PagedAttention
-from engine.layers.fused import linear_forward_deferred, norm_linear_deferred, silu_mul_linear_deferred
+from engine.layers.fused import norm_linear, silu_mul_linear
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from lora.layers import LoRAPending
 
 
 def _num_kv_heads(config) -> int:
@@ -41,24 +39,20 @@ class LlamaAttention(nn.Module):
                              f"num_key_value_heads={self.num_kv_heads}")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, [config.hidden_size], bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
+                               feeds=Feeds.ROTARY_KV_WRITE)
+        self.o_proj = Linear(self.q_size, [config.hidden_size], bias=o_bias, feeds=Feeds.ADD_RMS_NORM)
         self.rotary_emb = rotary_emb  # NOTE: one instance shared by every layer (one cos/sin gather per step)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, lora_pending: Optional[LoRAPending] = None
-                ) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """qkv: [T, q + 2 kv], the output of ``qkv_proj`` (run fused with the input norm by the
-        decoder layer), without its adapter update when ``lora_pending`` holds it -> ([T, hidden],
-        o_proj's update still to add or None)."""
-        if lora_pending is not None and not self.attn.fuses_rotary_write(qkv):
-            qkv = lora_pending.owner.finish(lora_pending, qkv)     # the update first, then rotary
-            lora_pending = None
+        decoder layer) -> [T, hidden], for the post-attention add + RMSNorm."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        return linear_forward_deferred(self.o_proj, self.attn(q, k, v, positions, self.rotary_emb, lora_pending))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):
@@ -67,15 +61,14 @@ class LlamaMLP(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (Llama-family models use 'silu').")
-        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                   feeds=Feeds.SILU_MUL)
+        self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias, feeds=Feeds.ADD_RMS_NORM)
 
-    def forward(self, gate_up: torch.Tensor, lora_pending: Optional[LoRAPending] = None
-                ) -> tuple[torch.Tensor, Optional[LoRAPending]]:
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2 * intermediate], the output of ``gate_up_proj`` (run fused with the
-        post-attention norm by the decoder layer), without its adapter update when
-        ``lora_pending`` holds it -> ([T, hidden], down_proj's update still to add or None)."""
-        return silu_mul_linear_deferred(self.down_proj, gate_up, lora_pending)
+        post-attention norm by the decoder layer) -> [T, hidden], for the next add + RMSNorm."""
+        return silu_mul_linear(self.down_proj, gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,18 +79,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, lora_pending: Optional[LoRAPending] = None):
-        """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual,
-        pending). Each projection's adapter update may be left to the kernel after it (q/k/v: the
-        rotary + KV write; o: the add + RMSNorm; gate/up: SiLU-and-mul; down: the next layer's
-        input norm, hence ``lora_pending`` in and pending out: the update output still lacks)."""
-        qkv, qkv_pending, residual = norm_linear_deferred(self.input_layernorm, self.self_attn.qkv_proj, hidden,
-                                                          residual, lora_pending)
-        hidden, o_pending = self.self_attn(positions, qkv, qkv_pending)
-        gate_up, pending, residual = norm_linear_deferred(self.post_attention_layernorm, self.mlp.gate_up_proj,
-                                                          hidden, residual, o_pending)
-        hidden, down_pending = self.mlp(gate_up, pending)
-        return hidden, residual, down_pending
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual); the
+        output is for the next add + RMSNorm (the next layer's input norm or the final norm)."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -114,10 +103,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        residual, pending = None, None
+        residual = None
         for layer in self.layers:
-            hidden, residual, pending = layer(positions, hidden, residual, pending)
-        hidden, _ = self.norm.forward_pending(hidden, residual, pending)
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
 

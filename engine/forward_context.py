@@ -1,0 +1,76 @@
+"""What every layer of one forward pass may read: the step's attention metadata, the engine's
+kernel policy, and the one adapter update in flight between a projection and its consumer.
+
+The runner (and the CUDA-graph capture) enters ``forward_context(meta, policy)`` around each
+forward; layers read it with ``get_forward_context()``. Forward passes do not nest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+
+from engine.kernel_policy import KernelPolicy
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionMetadata
+    from engine.layers.adapter import PendingUpdate
+
+
+@dataclass
+class ForwardContext:
+    """The state of one forward pass, shared by all its layers."""
+
+    attn_metadata: Optional["AttentionMetadata"]
+    """The step's attention inputs (None for a forward without attention, e.g. a layer test)."""
+    policy: KernelPolicy
+    """The engine's fast-path choices (``engine.kernel_policy``)."""
+    pending_update: Optional["PendingUpdate"] = None
+    """An adapter update a Linear left to its consumer (``engine.layers.adapter``); None between ops."""
+
+
+_CURRENT: Optional[ForwardContext] = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: Optional["AttentionMetadata"], policy: Optional[KernelPolicy] = None
+                    ) -> Iterator[ForwardContext]:
+    """Make ``meta`` and ``policy`` (None: ``default_policy()``) visible to every layer for one
+    forward pass. Refuses nesting; on exit an update still pending is an error (its consumer never ran)."""
+    global _CURRENT
+    if _CURRENT is not None:
+        raise RuntimeError("forward_context is already active; forward passes do not nest.")
+    ctx = ForwardContext(meta, policy or default_policy())
+    _CURRENT = ctx
+    try:
+        yield ctx
+    finally:
+        _CURRENT = None
+    if ctx.pending_update is not None:
+        raise RuntimeError("a forward pass ended with an adapter update still pending: the Linear's Feeds "
+                           "names a consumer the model never ran.")
+
+
+def current_forward_context() -> Optional[ForwardContext]:
+    """The active context, or None outside a forward pass."""
+    return _CURRENT
+
+
+def get_forward_context() -> ForwardContext:
+    if _CURRENT is None:
+        raise RuntimeError("a layer that needs the step's state ran outside forward_context(); the runner sets it.")
+    return _CURRENT
+
+
+def current_policy() -> KernelPolicy:
+    """The active forward's kernel policy; outside one (layer tests, tools) ``default_policy()``."""
+    return _CURRENT.policy if _CURRENT is not None else default_policy()
+
+
+def default_policy() -> KernelPolicy:
+    """The policy of an engine on this machine's default device (CUDA device 0 where there is one),
+    with ``CHORUS_KERNEL_POLICY`` applied (read on each call: for tests and tools, not the engine)."""
+    return KernelPolicy.for_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))

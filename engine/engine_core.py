@@ -87,7 +87,7 @@ class EngineCore:
         lora_manager = None
         if cfg.lora_config is not None:
             from lora.manager import LoRAManager
-            lora_manager = LoRAManager(cfg.lora_config, loaded.model, device, loaded.dtype)
+            lora_manager = LoRAManager(cfg.lora_config, loaded.model, device, loaded.dtype, policy=runner.policy)
             runner.lora_manager = lora_manager
         num_blocks = runner.determine_num_blocks(max_blocks_needed(
             cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size))

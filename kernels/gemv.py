@@ -57,7 +57,7 @@ PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
 
 GemvOverride = tuple[tuple[str, int], ...]
 """(field, value) pairs of ``GemvConfig`` applied over the default config (the engine passes
-CHORUS_GEMV_CONFIG's)."""
+``KernelPolicy.gemv``)."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -72,9 +72,10 @@ def _load_inputs(x_ptr, r_ptr, nw_ptr, rows, row_ok, k0, K, stride_x, stride_r,
         SILU_MUL:             (gate, up, unused)
 
     NOTE: split from ``_build_input`` so the fused loops can issue the next chunk's loads before
-    computing on this one (register prefetch). Without it every K step of every program waited
-    on an L2 round trip for its input rows (H200, down_proj with SiLU at M=1: 61 us, with it 32;
-    num_stages pipelines the weight loads only, whose tiles feed tl.dot directly).
+    computing on this one (register prefetch). Without it every K step of every program waits
+    on an L2 round trip for its input rows, which nearly doubled the fused down_proj's time at
+    one row (``benchmarks/sweeps/gemv_sweep.py``); num_stages pipelines the weight loads only,
+    whose tiles feed tl.dot directly.
     """
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
@@ -289,17 +290,15 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         override: ``GemvConfig`` (field, value) pairs; ValueError for an unknown field or a value
             the config rejects.
 
-    NOTE: H200 sweep (``benchmarks/sweeps/gemv_sweep.py``, Llama-3-8B shapes, bf16, M 1..16, weights from
-    HBM, CUDA graphs): tl.dot wins at every M (the elementwise form is 1.2-3x slower). Plain
-    GEMVs against cuBLAS (3 runs): o ahead (11.6 vs 12.5 us), lm_head 1.5-4% ahead, down on a
-    par, qkv within ~1 us either way, gate_up 1-3% behind. Plain: block_n 32 / block_k 512 for N <= 16384 (qkv, o, down: within 4% of each case's
-    best), block_n 64 / block_k 256 above (gate_up, lm_head: within 1.3%); 4 warps, 3 stages.
-    Fused prologues (every program rebuilds its input rows, so wider block_n pays above 16384):
-    block_n 32 / block_k 512 up to 16384, block_n 128 / block_k 128 above (within 5% of the best
-    of 8-10 candidates at M <= 4). Against norm / SiLU kernel + cuBLAS they are on a par or ahead
-    at M <= 2 (qkv -0.9..+0.9 us, gate_up -1..-2, down -1..+1, lm_head -10) and lose from M = 4-8
-    on (down at M 16: 62 vs 34 us): the rebuild's cost grows with M. Differences under ~1 us
-    are within run-to-run noise.
+    NOTE: defaults chosen with ``benchmarks/sweeps/gemv_sweep.py`` on an H200 (Llama-3-8B shapes,
+    bf16, M 1..16, weights from HBM, CUDA graphs): tl.dot beats the elementwise form at every M,
+    and the plain GEMVs are about level with cuBLAS. Plain: block_n 32 / block_k 512 for N <=
+    16384 (qkv, o, down), block_n 64 / block_k 256 above (gate_up, lm_head); 4 warps, 3 stages;
+    each close to the best tile of its case. Fused prologues (every program rebuilds its input
+    rows, so wider block_n pays above 16384): block_n 32 / block_k 512 up to 16384, block_n 128 /
+    block_k 128 above. Against norm / SiLU kernel + cuBLAS the fused launches are on a par or
+    ahead at M <= 2 and lose from M = 4-8 on, because the rebuild's cost grows with M: hence
+    ``KernelPolicy.decode_gemv_max_tokens`` (the measurements: ``benchmarks/RESULTS.md``).
     """
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),

@@ -1,9 +1,10 @@
 """Fused elementwise layer ops for the CUDA path: add + RMSNorm, rotary (neox, in place), SiLU-and-mul.
 
-Each replaces a chain of 3 to 15 small torch kernels per layer call with one launch; at batch 1
-an 8B decode step runs ~32 x 35 such kernels, a few microseconds each, next to ~4 ms of weight
-reads, so fusing them is what keeps the step near its memory floor. The torch twins are
-``kernels.reference.rms_norm_ref`` and ``silu_and_mul_ref`` (which the engine's CPU path runs) and
+Each replaces a chain of 3 to 15 small torch kernels per layer call with one launch. A batch-1
+decode step is bound by its weight reads, and unfused these short launches, dozens per layer,
+would add a large share on top of them, so fusing them is what keeps the step near its memory
+floor (``benchmarks/RESULTS.md``). The torch twins are ``kernels.reference.rms_norm_ref`` and
+``silu_and_mul_ref`` (which the engine's CPU path runs) and
 ``engine.layers.rotary.RotaryEmbedding.forward_torch``; ``tests/kernels/test_kernel_layer_ops.py``
 compares the two.
 

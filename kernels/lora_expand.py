@@ -20,9 +20,9 @@ decode steps, where most segments are a few tokens.
 
 Launch configs (``LoRAExpandConfig``) come from ``lora_expand_config``: as many column tiles per
 program as keep a few waves of programs with work when segments are as small as they can be.
-``CHORUS_LORA_EXPAND_CONFIG`` overrides fields, e.g. ``"block_m=16,block_n=256,n_tiles=4,
-num_warps=4,num_stages=2"`` (fields of ``LoRAExpandConfig``); ``lora.layers`` reads it once per
-layer.
+``KernelPolicy.lora_expand`` overrides fields of ``LoRAExpandConfig`` (``CHORUS_KERNEL_POLICY``
+items such as ``lora_expand.block_n=256,lora_expand.n_tiles=4``); ``lora.layers`` passes the
+engine's overrides to every launch.
 
 Numerics: the shrink's fp32 sum is rounded to B's dtype before the dot on float16/bfloat16 GPUs
 (as PEFT's ``lora_B(lora_A(x))`` rounds ``lora_A(x)``), and the dot runs on the tensor cores'
@@ -287,7 +287,7 @@ def _lora_expand_token_kernel(
 
 @dataclass(frozen=True)
 class LoRAExpandConfig:
-    """Launch parameters of the expand kernel (``CHORUS_LORA_EXPAND_CONFIG`` field names)."""
+    """Launch parameters of the expand kernel (``KernelPolicy.lora_expand`` overrides these fields)."""
 
     block_m: int = 16
     """Tokens per tile: a power of two >= 16 (the smallest tl.dot tile)."""
@@ -323,23 +323,21 @@ def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, 
         num_segments: ``meta.num_active`` (max_loras with a fixed grid: sized for the worst case).
         out_dims: output width of each slice.
         device: where it runs (SM count; CPU means the interpreter: small tiles).
-        override: from ``kernels.lora_shrink.parse_config_override``.
+        override: (field, value) pairs, e.g. ``KernelPolicy.lora_expand``.
     """
     block_m, tiles = tile_m_for(num_tokens, num_segments)
     if is_interpreted(device):
         cfg = LoRAExpandConfig(16, min(32, max(16, next_power_of_2(max(out_dims)))), 2, 4)
     else:
         if block_m <= 16:
-            # NOTE: H200 sweep of decode steps (rerun: benchmarks/sweeps/lora_prefill_sweep.py
-            # --tokens 64,256): short segments want short
-            # programs: 256 columns each (128 x 2), 512 for slices wider than 8192 (gate/up of
-            # Llama-3-8B); within ~5% of the best of 40 candidates on every decode case.
-            # Decode steps of few tokens per segment take per-token programs of 512 columns, 2
-            # warps (benchmarks/sweeps/lora_prefill_sweep.py, H200): at 64 tokens the best of 18 per-token
-            # candidates on o / down with 1, 16 and 64 adapters and ahead of (q/k/v with 1 adapter:
-            # level with) the segment programs (o 7.0-9.6 us, q/k/v 8.6-10.7 us); at 128 tokens
-            # ahead with 64 segments, behind with 16 (q/k/v 12.4 vs 10.6 us); at 256 behind.
-            # Each token streams its adapter's B (from L2 after the first), hence the bounds.
+            # NOTE: defaults from benchmarks/sweeps/lora_prefill_sweep.py --tokens 64,256 on an
+            # H200. Short segments want short programs: 256 columns each (128 x 2), 512 for slices
+            # wider than 8192 (gate/up of Llama-3-8B), close to the best candidate of every decode
+            # case. Decode steps of few tokens per segment take per-token programs of 512 columns,
+            # 2 warps: at 64 tokens the best per-token candidate on o / down with 1, 16 and 64
+            # adapters and ahead of (q/k/v with 1 adapter: level with) the segment programs; at 128
+            # tokens ahead with 64 segments, behind with 16; at 256 behind. Each token streams its
+            # adapter's B (from L2 after the first), hence the bounds.
             if num_tokens <= PER_TOKEN_MAX_TOKENS and num_tokens <= PER_TOKEN_MAX_PER_SEGMENT * max(1, num_segments):
                 cfg = LoRAExpandConfig(block_m, 512, 1, 2, 2, per_token=1)
             else:

@@ -18,10 +18,10 @@ input. So there is no memset and no atomic add; ``split_k`` is ``out.shape[1]``.
 Launch configs (``LoRAShrinkConfig``) come from ``lora_shrink_config``: tile sizes from the
 tokens per segment, and split_k so that the programs with work fill a few waves of the GPU even
 when every segment is as small as it can be (with a fixed grid: ``max_loras`` segments).
-``CHORUS_LORA_SHRINK_CONFIG`` overrides fields, e.g. ``"block_m=16,block_k=256,split_k=4,
-num_warps=4,num_stages=3"`` (fields of ``LoRAShrinkConfig``; split_k is clamped to
-``max_split_k``, so a reserved buffer always fits). ``lora.layers`` reads it (through ``engine.envs``) once per
-layer; the kernel wrappers never read the environment.
+``KernelPolicy.lora_shrink`` overrides fields of ``LoRAShrinkConfig`` (``CHORUS_KERNEL_POLICY``
+items such as ``lora_shrink.block_k=256,lora_shrink.split_k=4``; split_k is clamped to
+``max_split_k``, so a reserved buffer always fits). ``lora.layers`` passes the engine's overrides
+to every launch; the kernel wrappers read no configuration of their own.
 
 The torch twin is ``kernels.reference.lora_shrink_ref``.
 """
@@ -166,7 +166,7 @@ def _check_launch(num_warps: int, num_stages: int) -> None:
 
 @dataclass(frozen=True)
 class LoRAShrinkConfig:
-    """Launch parameters of the shrink kernel (``CHORUS_LORA_SHRINK_CONFIG`` field names)."""
+    """Launch parameters of the shrink kernel (``KernelPolicy.lora_shrink`` overrides these fields)."""
 
     block_m: int = 16
     """Tokens per tile: a power of two >= 16 (the smallest tl.dot tile)."""
@@ -237,7 +237,8 @@ def lora_shrink_config(num_tokens: int, num_segments: int, num_slices: int, in_d
         num_segments: ``meta.num_active`` (max_loras with a fixed grid: sized for the worst case).
         num_slices, in_dim: of lora_a.
         device: where it runs (SM count; CPU means the interpreter: small tiles).
-        override: from ``parse_config_override`` (split_k is clamped to ``max_split_k``).
+        override: (field, value) pairs, e.g. ``KernelPolicy.lora_shrink`` (split_k is clamped to
+            ``max_split_k``).
     """
     block_m, tiles = tile_m_for(num_tokens, num_segments)
     if is_interpreted(device):
@@ -245,13 +246,12 @@ def lora_shrink_config(num_tokens: int, num_segments: int, num_slices: int, in_d
         split_k = 2 if in_dim > 16 and max_split_k(num_tokens) >= 2 else 1
         cfg = LoRAShrinkConfig(16, min(64, max(16, next_power_of_2(cdiv(in_dim, split_k)))), split_k, 4)
     else:
-        # NOTE: H200 sweep (decode batch 64/256, 1-64 adapters; rerun:
-        # benchmarks/sweeps/lora_prefill_sweep.py --tokens 64,256):
-        # one-token segments want block_k 128 and ~8 split programs per SM (split_k 8 on every
-        # Llama-3-8B projection), not the 2 per SM that suit long segments.
-        # Prefill-length segments (block_m 64) of packed projections (q/k/v, gate/up) want block_k 64
-        # (benchmarks/sweeps/lora_prefill_sweep.py, 16384 tokens, 16 adapters: qkv 91 -> 60 us, gate_up
-        # 65 -> 52 us; o and down: no better config than 128).
+        # NOTE: defaults from benchmarks/sweeps/lora_prefill_sweep.py on an H200. Decode (--tokens
+        # 64,256, 1-64 adapters): one-token segments want block_k 128 and ~8 split programs per SM
+        # (split_k 8 on every Llama-3-8B projection), not the 2 per SM that suit long segments.
+        # Prefill-length segments (block_m 64; 16384 tokens, 16 adapters) of packed projections
+        # (q/k/v, gate/up) were clearly faster with block_k 64; o and down found no better config
+        # than 128.
         block_k = 128 if block_m <= 16 else (256 if block_m <= 32 else (64 if num_slices >= 2 else 128))
         per_sm = 8 if block_m <= 16 else PROGRAMS_PER_SM
         # Fewest splits that give per_sm programs with work per SM, each split >= 2 steps.

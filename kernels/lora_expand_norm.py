@@ -16,8 +16,8 @@ the second reloads the sum and stores the normalized row):
   [4096, rank] with every load in flight at once, 16 warps); the update is a multiply-add over
   the rank. Each row streams its adapter's B itself (from L2 when rows share an adapter).
   (Spreading a row over (row, 1024-column) programs, the row's last arrival normalizing it after
-  an acq_rel counter, measured slower end to end on an H200: batch-64 decode 7.34 / 8.17 ms with
-  16 / 64 adapters against 7.28 / 8.02; see benchmarks/RESULTS.md.)
+  an acq_rel counter, measured slower end to end in batch-64 decode on an H200, with 16 and 64
+  adapters.)
 - *Tiles* (larger steps; ``lora.layers`` fuses from ``TILES_MIN_TOKENS`` rows on: long prefill
   steps): one program per ``block_m`` rows of one adapter segment (``LoRAKernelMeta``; the
   base-model rows get tiles of their own, as in ``kernels.lora_expand_silu_mul``), walking
@@ -51,11 +51,12 @@ PER_ROW_MAX_TOKENS = 128
 
 TILES_MIN_TOKENS = 4097
 """``lora.layers`` fuses steps of at most PER_ROW_MAX_TOKENS or at least this many tokens and
-leaves the sizes between to the expand + ``add_rms_norm`` pair. H200, Llama-3-8B hidden, 16
-adapters (``benchmarks/sweeps/lora_prefill_sweep.py --fused-consumers``), us per call, fused (best shape)
-vs the pair: 256 rows 12.4 (per row) vs 13.0, 512 19.3 vs 15.9, 1024 34.0 vs 23.6, 2048 50.4
-(tiles) vs 35.6, 4096 64.7 vs 65.1, 16384 183 vs 233; end to end the 256-row per-row launch made
-batch-256 decode slower (14.33 vs 14.05 ms/step with 16 adapters), hence 128."""
+leaves the sizes between to the expand + ``add_rms_norm`` pair. Measured per call on an H200
+(Llama-3-8B hidden, 16 adapters, ``benchmarks/sweeps/lora_prefill_sweep.py --fused-consumers``):
+the fused kernel, in its best shape, loses to the pair from 512 to 2048 rows, is level at 4096
+and ahead above (long prefill steps: ``benchmarks/RESULTS.md``, ``lora_fuse_norm``). At 256 rows
+it is ahead per call, but end to end the per-row launch there made batch-256 decode slower, hence
+PER_ROW_MAX_TOKENS 128."""
 
 
 MAX_CHUNK = 4096
@@ -229,14 +230,13 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
         block_m: rows per tile (a power of two >= 16); None: sized for the mean segment.
         chunk, num_warps: the per-row programs' columns per piece (a power of two) and warps;
             None: ``row_launch`` (rank 16: the whole row up to MAX_CHUNK columns, 16 warps at
-            4096; larger ranks: narrower pieces, same B elements per thread). (H200: with a cold L2,
-            ``benchmarks/sweeps/lora_prefill_sweep.py --fused-consumers``, 8 warps took 10.0-11.1 us against
-            11.0-12.3 at 64 / 128 rows, the best of 512-4096 columns x 2-16 warps, but in the engine
-            batch-64 decode was slower with 8: 7.16-7.17 / 8.00 ms against 7.11 / 7.93 with 16 and
-            64 adapters, one machine. Again in a later session: back to back (``benchmarks/
-            lora_decode_sweep.py``) 8 warps 6.3-7.9 us against 7.5-9.0, in the engine's decode graph
-            (``benchmarks/profile_step.py``, batch 64) 8.9 / 8.0 us per call against 7.8 / 7.0 with 64 / 16
-            adapters.)
+            4096; larger ranks: narrower pieces, same B elements per thread). (16 warps,
+            although on an H200 the isolated sweeps favour 8, both with a cold L2
+            (``benchmarks/sweeps/lora_prefill_sweep.py --fused-consumers``) and back to back
+            (``benchmarks/sweeps/lora_decode_sweep.py``): inside the engine's batch-64 decode
+            step 16 warps were faster with 16 and 64 adapters, by step time
+            (``benchmarks/multi_lora.py``) and per call in the decode graph
+            (``benchmarks/profile_step.py``).)
 
     Returns:
         out: the normalized rows.

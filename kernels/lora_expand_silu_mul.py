@@ -23,8 +23,9 @@ output rounded before ``* up``.
 With ``LoRAExpandConfig.per_token`` the programs are (token, column range) instead, as the
 expand's per-token kernel (``kernels.lora_expand``; a base-model token reads no B).
 
-Launch configs are ``LoRAExpandConfig``s (``lora_expand_silu_mul_config``; CHORUS_LORA_EXPAND_CONFIG
-overrides apply to this kernel too). The torch twin is ``kernels.reference.lora_expand_silu_mul_ref``.
+Launch configs are ``LoRAExpandConfig``s (``lora_expand_silu_mul_config``; the
+``KernelPolicy.lora_expand`` overrides apply to this kernel too). The torch twin is
+``kernels.reference.lora_expand_silu_mul_ref``.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _lora_expand_silu_mul_kernel(
         mask = m_ok[:, None] & n_ok[None, :]
         g = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(y_rows + d + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        # NOTE: on GPUs the native tensor-core dot (h rounded above): 1.26x faster at prefill than tf32.
+        # NOTE: on GPUs the native tensor-core dot (h rounded above): measured faster at prefill than tf32.
         g += _tile_delta(h_gate, bg_ptr, slot, lora_flag, offs_n, n_ok, d, rank, BLOCK_R, UPCAST, DOT_PRECISION)
         u += _tile_delta(h_up, bu_ptr, slot, lora_flag, offs_n, n_ok, d, rank, BLOCK_R, UPCAST, DOT_PRECISION)
         _silu_mul_store(g, u, out_rows + offs_n[None, :], mask)
@@ -147,22 +148,22 @@ def _lora_expand_silu_mul_token_kernel(
 @functools.lru_cache(maxsize=4096)
 def lora_expand_silu_mul_config(num_tokens: int, num_segments: int, d: int, device: torch.device,
                                 override: ConfigOverride = ()) -> LoRAExpandConfig:
-    """The default launch config, with ``override`` (CHORUS_LORA_EXPAND_CONFIG's fields) applied last.
+    """The default launch config, with ``override`` (e.g. ``KernelPolicy.lora_expand``) applied last.
 
     Decode-sized segments (block_m 16) take the expand's config for the two slices. Longer ones
-    take 32 x 128 tiles, two per program: on an H200 (``benchmarks/sweeps/lora_prefill_sweep.py``, 16384
-    tokens, d = 14336) 547 us against 714 us for the expand's 64 x 128 x 32 (plain SiLU-and-mul:
-    343 us).
+    take 32 x 128 tiles, two per program: at a 16384-token prefill step (d = 14336) clearly faster
+    on an H200 than the expand's 64 x 128 x 32 (``benchmarks/sweeps/lora_prefill_sweep.py``).
     """
     cfg = lora_expand_config(num_tokens, num_segments, (d, d), device)
     if not is_interpreted(device) and cfg.block_m > 16:
         cfg = LoRAExpandConfig(block_m=32, block_n=128, n_tiles=2, num_warps=4, num_stages=2)
     elif not is_interpreted(device) and num_tokens <= PER_TOKEN_MAX_TOKENS:
-        # Decode: segment programs of 128 x 2 columns while at most 16 segments can exist,
-        # per-token programs of 512 x 2 columns above. H200, back to back as in a decode graph
-        # (benchmarks/sweeps/lora_decode_sweep.py; us per call, 64 / 128 tokens): 1 adapter 7.7 / 8.6
-        # (the 64 x 4 segment programs before: 9.4 / 10.3), 16 adapters 10.0 / 11.0 (10.8 / 11.9),
-        # 64 adapters 21.1 / 29.4 (512 x 4 per-token: 27.2 / 29.0; plain SiLU-and-mul 2.6 / 3.0).
+        # Decode: segment programs of 128 x 2 columns while at most FEW_SEGMENTS segments can
+        # exist, per-token programs of 512 x 2 columns above: on an H200, back to back as in a
+        # decode graph (benchmarks/sweeps/lora_decode_sweep.py, 64 and 128 tokens), faster than
+        # the wider shapes before them (64 x 4 segment programs, 512 x 4 per-token ones) with 1,
+        # 16 and 64 adapters, except level at 128 tokens with 64 (benchmarks/RESULTS.md,
+        # lora_fuse_silu_mul).
         cfg = (LoRAExpandConfig(16, 512, 2, 2, 2, per_token=1) if num_segments > FEW_SEGMENTS
                else LoRAExpandConfig(16, 128, 2, 4, 2))
     return dataclasses.replace(cfg, **dict(override))

@@ -45,8 +45,9 @@ SMALL_DECODE_TILES = (32, 1, 3)
 DECODE_TILES = (64, 2, 3)
 DEFAULT_HEADS_PER_PROG = 1
 """KV heads per program of ``kernels.paged_decode`` for pure-decode batches without split-KV
-(0: this module's kernel). H200 sweep (batch 256, 534-token contexts, best tiles each): 1 head
-135.9 us, 2 heads 138.2, 4 heads 142.9, 8 heads 171.8, this module's kernel 141.2."""
+(0: this module's kernel). 1 because on an H200 (``benchmarks/sweeps/attention_sweep.py``, batch
+256, 534-token contexts, best tiles each) every grouping of more heads per program was slower,
+and this module's kernel slower still than one head per program."""
 
 
 @triton.jit
@@ -224,9 +225,9 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     heads_per_prog = 0
     o = (decode_tiles or {}) if max_query_len == 1 else {}
     if max_query_len == 1 and not interpreted:
-        # This module's kernel at decode (benchmarks/sweeps/attention_sweep.py on H200, Llama-3-8B heads,
-        # 534-token contexts): 2 stages beat 3 at batch 1 (6.3 vs 7.5 us, 16 splits) and 256 (140.8
-        # vs 146.3 us). Pure-decode batches without split-KV take kernels.paged_decode's tiles below.
+        # This module's kernel at decode: 2 stages beat 3 at batch 1 (16 splits) and at batch 256
+        # (benchmarks/sweeps/attention_sweep.py on an H200, Llama-3-8B heads, 534-token contexts).
+        # Pure-decode batches without split-KV take kernels.paged_decode's tiles below.
         num_stages = 2
     programs = num_reqs * num_kv_heads
     sms = num_sms(device)
@@ -234,7 +235,7 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
         num_splits = 1
         if not interpreted and max_query_len == 1 and programs < sms:
             # Flash-decoding: enough segments for about one wave, each at least one KV tile
-            # (measured on H200, Llama-3-8B shapes, 512 ctx: batch 1 -> 8, 8 -> 4, 32 -> 1).
+            # (on an H200 with Llama-3-8B shapes and 512-token contexts: batch 1 -> 8, 8 -> 4, 32 -> 1).
             want = next_power_of_2(cdiv(sms, max(programs, 1)))
             max_useful = max(1, cdiv(max_seq_len, o.get("tile_n", tile_n)))
             while want > 1 and want > max_useful:
@@ -243,14 +244,14 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     if pure_decode and num_splits == 1:
         heads_per_prog = DEFAULT_HEADS_PER_PROG
         if not interpreted and head_pad <= 128:
-            # kernels.paged_decode tiles, timed in the engine's step (H200, Llama-3-8B, where the
-            # step runs at the board's power cap and the SM clock drops to ~1.5 GHz): one warp per
-            # program with 32 keys and 3 stages where programs fill >= 6 waves of SMs (batch 256,
-            # 512-token contexts: 11.82 ms per step vs 12.23-12.61 with 32 keys / 2 warps / 2 stages;
-            # 1024-token contexts 15.72 vs 16.78; batch 128: 7.43 vs 7.60-7.62 with 64 / 2 / 3), else
-            # 64 keys, 2 warps, 3 stages (batch 64: 6.06 vs 6.17 ms with one warp; batch 32: 5.30 vs
-            # 5.61). Alone at full clock the two large-batch tiles differ less (132.7-135.2 vs
-            # 142.1-145.4 us per layer at batch 256, ``benchmarks/sweeps/power_probe.py``).
+            # kernels.paged_decode tiles, timed in the engine's step on an H200 (Llama-3-8B; large
+            # decode batches run at the board's power cap, below full SM clock): one warp per
+            # program with 32 keys and 3 stages where programs fill >= SMALL_DECODE_TILE_WAVES waves
+            # of SMs (faster steps at batch 128 and 256, at 512- and 1024-token contexts), else 64
+            # keys, 2 warps, 3 stages (faster at batch 32 and 64). Alone at full clock the two
+            # large-batch tiles differ less (``benchmarks/sweeps/power_probe.py``): the one-warp
+            # tiles win in the step by spending less energy per call. Step times:
+            # benchmarks/RESULTS.md (``KernelPolicy.attn_decode``, which overrides these tiles).
             tile_n, num_warps, num_stages = (SMALL_DECODE_TILES if programs >= SMALL_DECODE_TILE_WAVES * sms
                                              else DECODE_TILES)
     tile_n, num_warps, num_stages = (o.get("tile_n", tile_n), o.get("num_warps", num_warps),
@@ -273,8 +274,8 @@ def min_reqs_for_small_decode_tiles(device: torch.device, num_kv_heads: int) -> 
 
 def find_chunk(num_reqs: int) -> int:
     """``_find_request``'s vector width: 16 up to 16 requests, else 256 (one masked load covers up to
-    256). NOTE: two values only, since each is a compile of its own (a step's first compile stalls
-    it ~1 s on an H200; ``engine.attention.AttentionBackend.warm_up`` compiles both at start-up)."""
+    256). NOTE: two values only, since each is a compile of its own (a compile stalls the step
+    that first needs it; ``engine.attention.AttentionBackend.warm_up`` compiles both at start-up)."""
     return 16 if num_reqs <= 16 else 256
 
 
@@ -446,12 +447,13 @@ def _merge(out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def decode_rotary_pays(num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
-    """Whether a pure-decode batch should take ``paged_decode_rotary`` (CHORUS_DECODE_FUSE_ROTARY
-    auto): when its programs (requests x KV heads) do not fill the SMs, i.e. the split-KV batches,
-    whose steps are chains of short, latency-bound launches. H200, Llama-3-8B shape (one A/B run):
-    batch 1 4.55 -> 4.46 ms per step; batch 32 and 128 unchanged (5.30 / 5.28, 7.46 / 7.47 ms);
-    batch 256 12.13 -> 12.45 ms, where the extra rotary work of every (request, KV head) program
-    costs more than the launch it saves."""
+    """Whether a pure-decode batch should take ``paged_decode_rotary`` when
+    ``KernelPolicy.decode_fuse_rotary`` is ``auto``: when its programs (requests x KV heads) do not
+    fill the SMs, i.e. the split-KV batches, whose steps are chains of short, latency-bound
+    launches, so the launch saved shortens the step. Measured on an H200 with the Llama-3-8B shape:
+    small batches gain, batches of 32 and 128 neither gain nor lose, and batch 256 loses, because
+    there the extra rotary work of every (request, KV head) program costs more than the launch it
+    saves (``benchmarks/RESULTS.md``)."""
     return num_reqs * num_kv_heads < num_sms(device)
 
 

@@ -1,19 +1,18 @@
 """Paged attention for pure-decode batches (one query token per request): one Triton kernel.
 
 Why a kernel of its own: at large decode batches ``kernels.paged_attention`` streams the KV cache
-at the H200's read bandwidth but pays a fixed cost per wave of programs. On an H200 (Llama-3-8B
-heads, batch 256) its time fits 14 us + ctx x 0.232 us per call: the slope is 4.5 TB/s of KV,
-the intercept is ~3 us per wave of programs (2048 programs, ~5 waves), the chain of dependent
+near the GPU's read bandwidth but pays a fixed cost per wave of programs: the chain of dependent
 loads each program waits for before its first KV tile (its request from ``query_start_loc``, the
-request's rows, ``seq_lens``, the block table, then K/V). At 534-token contexts that is ~10% of
-the call.
+request's rows, ``seq_lens``, the block table, then K/V). Fitted over context lengths on an H200
+(Llama-3-8B heads, batch 256), the call's time is that fixed cost per wave plus a slope at the KV
+read bandwidth, and at typical decode contexts the fixed part is a noticeable share of the call.
 
 This kernel cuts the chain:
   * the batch is pure decode (token i is request i), so a program knows its request and query
     row from its grid position: no ``query_start_loc`` loads;
   * optionally one program runs ``HEADS_PER_PROG`` KV heads of one request in a single loop over
-    (head, tile) pairs, so the chain is paid once per program. Measured (H200, batch 256,
-    534-token contexts): 1 head 135.9 us, 2 heads 138.2, 4 heads 142.9, so the default is 1
+    (head, tile) pairs, so the chain is paid once per program. Measured on an H200 (batch 256,
+    534-token contexts) more heads per program were slower, so the default is 1
     (``kernels.paged_attention.DEFAULT_HEADS_PER_PROG``).
 
 Two options for one head per program (``kernels.paged_attention.paged_decode_rotary``, the

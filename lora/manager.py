@@ -44,9 +44,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 GRAPH_FEW_ADAPTERS = 16
 """Decode CUDA graphs of a Triton LoRA engine with more slots than this get a variant for steps whose
 adapters all sit in the first this-many slots (``few_adapters_bound``; the slot manager fills the
-lowest free slot first). On an H200 (Llama-3-8B shape, batch 64, rank 16)
-the decode step with 16 adapters took 7.62 ms with launches over 64 slots and 7.35 ms over 16; with
-1 adapter 7.21 ms over 64 slots, 6.93 over 16 (``benchmarks/multi_lora.py``)."""
+lowest free slot first): fixed-grid launches over fewer slots have fewer programs that find an
+empty segment, so such steps run faster (measured on an H200 with 1 and 16 adapters, Llama-3-8B
+shape, batch 64, rank 16, ``benchmarks/multi_lora.py``)."""
 
 
 STACKED_COVER_MIN_GAIN = 0.03
@@ -290,8 +290,8 @@ class LoRAManager:
                               | {t for t in range(min_tokens, min(max_tokens, 64) + 1)})
         actives = sorted({a for a in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, self.max_loras)
                           if a <= self.max_loras})
-        # Layers of one shape share their launch keys (the overrides and fusion switches are read
-        # once, from the environment): one layer per shape is enough, not every decoder layer's.
+        # Layers of one shape share their launch keys (the overrides and fusion switches come from
+        # the engine's one KernelPolicy): one layer per shape is enough, not every decoder layer's.
         by_shape = {(layer.input_size, tuple(layer.output_sizes)): layer for layer in self.layers.values()}
         seen, calls = set(), 0
         for shape, layer in by_shape.items():
@@ -351,9 +351,11 @@ class LoRAManager:
         STACKED_COVER_MIN_GAIN faster than the bound (each of the two timed twice, the faster sample
         kept). The extra rows' shrink is computed and never read.
 
-        Why: cuBLAS picks its kernel by shape. On an H200 (Llama-3-8B, 64 tokens, rank 16,
-        ``benchmarks/sweeps/stacked_gemm_sweep.py``) o_proj over 16 slots took 15.3 us, over 24 slots
-        12.3 us (base rows alone 11.9); down_proj 39.8 over 16 slots, 38.5 over 20.
+        Why: cuBLAS picks its kernel by shape, so a GEMM covering a few more slots than the bound
+        can be faster than the bound's own. On an H200 (Llama-3-8B, 64 tokens, rank 16,
+        ``benchmarks/sweeps/stacked_gemm_sweep.py``) that held for o_proj and down_proj, and the
+        wider o_proj came close to the base rows alone (``benchmarks/RESULTS.md``,
+        ``lora_stacked_tune``).
 
         Args:
             token_counts: the step sizes (decode graph batch sizes); those that do not take the

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine.kernel_policy import KernelPolicy
+from engine.layers.adapter import Feeds
 from engine.layers.linear import Linear
 from kernels.reference import lora_expand_ref, lora_shrink_ref
 from lora.batch import LoRABatchState, build_lora_batch
@@ -15,13 +17,15 @@ from lora.peft_adapter import LoRASliceWeights
 IN, OUTS, MAX_LORAS, MAX_RANK = 24, [16, 8, 8], 3, 8
 
 
-def _layer(backend: str, dtype=torch.float32, outs=OUTS):
+def _layer(backend: str, dtype=torch.float32, outs=OUTS, policy=None, feeds=Feeds.ANY):
+    """A Linear (consumer ``feeds``) with LoRA slots attached as its adapter, built with ``policy``
+    (None: the device's default policy)."""
     torch.manual_seed(0)
-    base = Linear(IN, outs)
+    base = Linear(IN, outs, feeds=feeds)
     base.weight.data.normal_()
     state = LoRABatchState()
-    slots = LinearLoRASlots(IN, outs, MAX_LORAS, MAX_RANK, dtype, torch.device("cpu"), state, backend)
-    base.lora = slots
+    slots = LinearLoRASlots(IN, outs, MAX_LORAS, MAX_RANK, dtype, torch.device("cpu"), state, backend, policy)
+    base.adapter = slots
     return base, slots, state
 
 
@@ -183,13 +187,14 @@ def test_reserved_shrink_buffer_is_never_reallocated():
 
 
 @pytest.mark.skipif("triton" not in _backends(), reason="needs triton")
-def test_kernel_config_overrides_from_env(monkeypatch):
-    """CHORUS_LORA_{SHRINK,EXPAND}_CONFIG are read when a layer is built and drive its launches."""
-    monkeypatch.setenv("CHORUS_LORA_SHRINK_CONFIG", "block_k=16,split_k=4")
-    monkeypatch.setenv("CHORUS_LORA_EXPAND_CONFIG", "block_n=16,n_tiles=2")
-    base, slots, state = _layer("triton")
-    assert slots.overrides.shrink == (("block_k", 16), ("split_k", 4))
-    assert slots.overrides.expand == (("block_n", 16), ("n_tiles", 2))
+def test_kernel_config_overrides_from_policy():
+    """The policy's ``lora_shrink`` / ``lora_expand`` overrides are taken when a layer is built and
+    drive its launches."""
+    policy = KernelPolicy().with_overrides("lora_shrink.block_k=16,lora_shrink.split_k=4,"
+                                           "lora_expand.block_n=16,lora_expand.n_tiles=2")
+    base, slots, state = _layer("triton", policy=policy)
+    assert slots.shrink_overrides == (("block_k", 16), ("split_k", 4))
+    assert slots.expand_overrides == (("block_n", 16), ("n_tiles", 2))
     adapters = _adapters()
     _load(slots, adapters)
     token_slots = [0, 2, -1, 2, 1]
@@ -200,9 +205,6 @@ def test_kernel_config_overrides_from_env(monkeypatch):
     y = base(x)
     torch.testing.assert_close(y, _manual(x, base_y, token_slots, adapters), rtol=1e-4, atol=1e-4)
     assert state._shrink_buffer.numel() >= 3 * 4 * len(token_slots) * MAX_RANK     # 4 partials per row
-    monkeypatch.setenv("CHORUS_LORA_EXPAND_CONFIG", "block_k=16")
-    with pytest.raises(ValueError, match="LoRAExpandConfig override"):
-        _layer("triton")
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -229,23 +231,23 @@ def test_fixed_grid_over_few_adapters(backend):
     assert bufs.fill(np.array([-1], dtype=np.int32), False, False).slot_bound == 0
 
 
-def test_stacked_gemm_matches_manual(monkeypatch):
+def test_stacked_gemm_matches_manual():
     """The stacked weight (``stack_onto``): base rows then every slot's A rows in one tensor, the
     Linear's weight / bias and the slots' A all views of it; a decode-sized step takes one GEMM
     over the base and the slots below the step's slot bound, and the expand reads each token's own
     slot's h from it. Same y as the hand-written update (+ bias) for exact and fixed-grid steps;
-    a step past CHORUS_LORA_STACKED_MAX_TOKENS, or a weight replaced after stacking, takes the
-    shrink kernel instead, with the same result."""
+    a step past the policy's ``lora_stacked_max_tokens``, or a weight replaced after stacking, takes
+    the shrink kernel instead, with the same result."""
     from lora.batch import LoRAMetaBuffers
 
-    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", "6")
     torch.manual_seed(0)
     base = Linear(IN, OUTS, bias=True)
     base.weight.data.normal_()
     base.bias.data.normal_()
     state = LoRABatchState()
-    slots = LinearLoRASlots(IN, OUTS, MAX_LORAS, MAX_RANK, torch.float32, torch.device("cpu"), state, "triton")
-    base.lora = slots
+    slots = LinearLoRASlots(IN, OUTS, MAX_LORAS, MAX_RANK, torch.float32, torch.device("cpu"), state,
+                            "triton", KernelPolicy(lora_stacked_max_tokens=6))
+    base.adapter = slots
     adapters = _adapters()
     _load(slots, {0: adapters[0]})                      # loaded before stacking: carried over
     weight, bias = base.weight.clone(), base.bias.clone()
@@ -292,16 +294,21 @@ def test_stacked_gemm_matches_manual(monkeypatch):
 
 def test_which_updates_are_deferred_by_step_size():
     """``defers``: gate/up (SiLU-and-mul fusion) at every size, q/k/v (rotary fusion) up to 128 tokens,
-    o/down (add + RMSNorm fusion) up to 128 and from 4097 tokens on (``lora_expand_norm.fuses``);
-    the torch backend never defers."""
+    o/down (add + RMSNorm fusion) up to 128 and from 4097 tokens on (``lora_expand_norm.fuses``),
+    each only for the consumer it fuses into; the torch backend never defers."""
     state = LoRABatchState()
 
     def layer(outs, backend="triton"):
-        return LinearLoRASlots(IN, outs, MAX_LORAS, MAX_RANK, torch.float32, torch.device("cpu"), state, backend)
+        return LinearLoRASlots(IN, outs, MAX_LORAS, MAX_RANK, torch.float32, torch.device("cpu"), state,
+                               backend, KernelPolicy())
 
     sizes = (1, 128, 129, 4096, 4097)
     gate_up, qkv, o = layer([24, 24]), layer([16, 8, 8]), layer([IN])
-    assert [gate_up.defers(t) for t in sizes] == [True] * 5
-    assert [qkv.defers(t) for t in sizes] == [True, True, False, False, False]
-    assert [o.defers(t) for t in sizes] == [True, True, False, False, True]
-    assert not any(layer(outs, "torch").defers(t) for outs in ([24, 24], [16, 8, 8], [IN]) for t in sizes)
+    assert [gate_up.defers(t, Feeds.SILU_MUL) for t in sizes] == [True] * 5
+    assert [qkv.defers(t, Feeds.ROTARY_KV_WRITE) for t in sizes] == [True, True, False, False, False]
+    assert [o.defers(t, Feeds.ADD_RMS_NORM) for t in sizes] == [True, True, False, False, True]
+    assert not any(lay.defers(t, feeds) for lay in (gate_up, qkv, o) for t in sizes for feeds in Feeds
+                   if (lay, feeds) not in ((gate_up, Feeds.SILU_MUL), (qkv, Feeds.ROTARY_KV_WRITE),
+                                           (o, Feeds.ADD_RMS_NORM)))
+    assert not any(layer(outs, "torch").defers(t, feeds) for outs in ([24, 24], [16, 8, 8], [IN])
+                   for t in sizes for feeds in Feeds)

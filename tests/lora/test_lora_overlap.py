@@ -1,9 +1,9 @@
-"""``LinearLoRASlots.begin`` / ``finish`` (CHORUS_LORA_OVERLAP): the split path's shrink issued
-before the base GEMM, on a side stream on CUDA, and the expand after the join.
+"""``LinearLoRASlots.begin`` / ``finish`` (``KernelPolicy.lora_overlap``): the split path's shrink
+issued before the base GEMM, on a side stream on CUDA, and the expand after the join.
 
 CPU (Triton interpreter): the two phases give exactly ``forward``'s y on both backends, the shrink
-runs in ``begin`` only on the Triton split path with overlap on, and the choice is read once per
-layer. GPU: overlap on and off give identical outputs eagerly and through a CUDA graph, and a
+runs in ``begin`` only on the Triton split path with overlap on, and the choice is the policy the
+layer was built with. GPU: overlap on and off give identical outputs eagerly and through a CUDA graph, and a
 side stream held back by a sleep shows that ``finish`` waits for the shrink.
 """
 
@@ -16,6 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.forward_context import forward_context
+from engine.kernel_policy import KernelPolicy
+from engine.layers.adapter import Feeds
 from lora.batch import LoRAMetaBuffers, build_lora_batch
 from lora.layers import side_stream
 from tests.lora.test_layers import IN, MAX_LORAS, MAX_RANK, _adapters, _backends, _layer, _load, _manual
@@ -39,8 +42,7 @@ def _input(num_tokens: int, strided: bool, seed: int = 0) -> torch.Tensor:
 def test_begin_finish_equals_forward(backend, overlap, token_slots, strided, monkeypatch):
     import kernels.lora_shrink as lora_shrink
 
-    monkeypatch.setenv("CHORUS_LORA_OVERLAP", overlap)
-    base, slots, state = _layer(backend)
+    base, slots, state = _layer(backend, policy=KernelPolicy(lora_overlap=overlap == "1"))
     adapters = _adapters()
     _load(slots, adapters)
     shrink_spy = Mock(wraps=lora_shrink.lora_shrink)       # ``lora.layers`` imports it at call time
@@ -81,20 +83,20 @@ def test_begin_finish_add_nothing_without_adapters():
         assert torch.equal(slots.finish(pending, y), want)
 
 
-def test_overlap_read_once_per_layer(monkeypatch):
-    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
+def test_overlap_is_the_policys(monkeypatch):
+    """A layer takes the overlap of the policy it is built with; without one, the device's default
+    policy with CHORUS_KERNEL_POLICY applied."""
+    monkeypatch.delenv("CHORUS_KERNEL_POLICY", raising=False)
     assert _layer("triton")[1].overlap is True                          # default on
     assert _layer("torch")[1].overlap is False                          # the torch path never overlaps
-    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "0")
-    base, slots, state = _layer("triton")
+    base, slots, state = _layer("triton", policy=KernelPolicy(lora_overlap=False))
     assert slots.overlap is False
     _load(slots, _adapters())
-    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "bogus")                  # after construction: not read
     state.batch = build_lora_batch(torch.tensor([0, 2], dtype=torch.int32), MAX_LORAS, with_segments=False)
-    assert slots.begin(_input(2, False)).plan is None
-    with pytest.raises(ValueError, match="CHORUS_LORA_OVERLAP='bogus'"):
-        _layer("triton")
-    _layer("torch")                                                     # reads nothing
+    assert slots.begin(_input(2, False)).plan is None                   # no early shrink
+    monkeypatch.setenv("CHORUS_KERNEL_POLICY", "lora_overlap=0")
+    assert _layer("triton")[1].overlap is False                         # no policy given: the override string
+    assert _layer("triton", policy=KernelPolicy())[1].overlap is True   # a policy given: not read
 
 
 # ----------------------------------------------------------------------------------------
@@ -105,11 +107,10 @@ SLEEP_CYCLES = 200_000_000
 the NaN-filled scratch buffer long before the shrink overwrites it."""
 
 
-def _cuda_layer(overlap: str, num_tokens: int, monkeypatch):
+def _cuda_layer(overlap: str, num_tokens: int):
     """A Triton-backend layer on CUDA with the reserved scratch and static meta of the graph path."""
-    monkeypatch.setenv("CHORUS_LORA_OVERLAP", overlap)
     dev = torch.device("cuda")
-    base, slots, state = _layer("triton")
+    base, slots, state = _layer("triton", policy=KernelPolicy.for_device(dev, f"lora_overlap={overlap}"))
     _load(slots, _adapters())
     base.to(dev)
     state.reserve(slots.num_slices, num_tokens, MAX_RANK, dev)
@@ -123,14 +124,14 @@ def _poison_scratch(state) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_overlap_eager_and_graph_match(monkeypatch):
+def test_cuda_overlap_eager_and_graph_match():
     eager_slots = np.array(STEPS[0], dtype=np.int32)
     graph_slots = np.array([1, 0, 2, 2, -1, 0, 2, 0, 0], dtype=np.int32)      # another mix, same size
     num_tokens = len(eager_slots)
     x_eager, x_graph = _input(num_tokens, False, seed=1), _input(num_tokens, False, seed=2)
     results = {}
     for overlap in ("0", "1"):
-        base, slots, state, meta_bufs = _cuda_layer(overlap, num_tokens, monkeypatch)
+        base, slots, state, meta_bufs = _cuda_layer(overlap, num_tokens)
         assert slots.overlap is (overlap == "1")
         x = x_eager.cuda()                                              # [T, IN], the graph's static input
         state.batch = meta_bufs.fill(eager_slots, fixed_grid=True, with_segments=False)
@@ -162,7 +163,7 @@ def test_cuda_overlap_eager_and_graph_match(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------
-# The gate/up update fused into SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL)
+# The gate/up update fused into SiLU-and-mul (``KernelPolicy.lora_fuse_silu_mul``)
 # ----------------------------------------------------------------------------------------
 GATE_UP = [12, 12]
 
@@ -177,15 +178,14 @@ def _gate_up_adapters():
 
 @pytest.mark.parametrize("fuse", ["1", "0"])
 @pytest.mark.parametrize("token_slots", STEPS, ids=["mixed", "one-slot", "decode-row"])
-def test_forward_deferred_then_silu_mul_equals_unfused(fuse, token_slots, monkeypatch):
-    """``Linear.forward_deferred`` on a gate/up-shaped layer leaves the update pending (fused) or
-    adds it (unfused); either way SiLU-and-mul of the result is silu_and_mul(forward(x))."""
-    from engine.layers.activation import silu_and_mul_torch
+def test_deferred_update_then_silu_mul_equals_unfused(fuse, token_slots, monkeypatch):
+    """A gate/up-shaped Linear feeding SiLU-and-mul leaves its update pending in the forward context
+    (fused) or adds it (unfused); either way SiLU-and-mul of the result is silu_and_mul(forward(x))."""
+    from engine.layers.activation import silu_and_mul, silu_and_mul_torch
     from kernels import lora_expand, lora_expand_silu_mul
 
-    monkeypatch.setenv("CHORUS_LORA_FUSE_SILU_MUL", fuse)
-    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
-    base, slots, state = _layer("triton", outs=GATE_UP)
+    policy = KernelPolicy(lora_fuse_silu_mul=fuse == "1")
+    base, slots, state = _layer("triton", outs=GATE_UP, policy=policy, feeds=Feeds.SILU_MUL)
     assert slots.fuse_silu_mul is (fuse == "1")
     adapters = _gate_up_adapters()
     _load(slots, adapters)
@@ -197,32 +197,38 @@ def test_forward_deferred_then_silu_mul_equals_unfused(fuse, token_slots, monkey
     expand_spy = Mock(wraps=lora_expand.lora_expand)
     monkeypatch.setattr(lora_expand_silu_mul, "lora_expand_silu_mul", fused_spy)
     monkeypatch.setattr(lora_expand, "lora_expand", expand_spy)
-    y, pending = base.forward_deferred(x)
+    with forward_context(None, policy) as ctx:
+        y = base(x)
+        pending = ctx.pending_update
+        if fuse == "1":
+            assert pending is not None and pending.owner is slots and pending.y is y
+            assert torch.equal(y, F.linear(x, base.weight))               # the update is not in y yet
+        else:
+            assert pending is None
+        act = silu_and_mul(y)                                             # takes the pending update
+        assert ctx.pending_update is None
     if fuse == "1":
-        assert pending is not None and pending.owner is slots
-        assert torch.equal(y, F.linear(x, base.weight))                   # the update is not in y yet
-        act = slots.finish_silu_mul(pending, y)
         assert (fused_spy.call_count, expand_spy.call_count) == (1, 0)
     else:
-        assert pending is None
-        act = silu_and_mul_torch(y)
         assert (fused_spy.call_count, expand_spy.call_count) == (0, 1)
+        torch.testing.assert_close(act, silu_and_mul_torch(y), rtol=0, atol=0)
     torch.testing.assert_close(act, want, rtol=1e-4, atol=1e-4)
 
 
-def test_silu_mul_fusion_only_on_gate_up_shapes(monkeypatch):
-    """Read once per layer; only two equal slices on the overlapped Triton split path fuse."""
-    monkeypatch.delenv("CHORUS_LORA_FUSE_SILU_MUL", raising=False)
-    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
-    assert _layer("triton", outs=GATE_UP)[1].fuse_silu_mul is True
-    assert _layer("triton")[1].fuse_silu_mul is False                   # q/k/v: three slices
-    assert _layer("triton", outs=[12, 8])[1].fuse_silu_mul is False     # unequal widths
-    assert _layer("torch", outs=GATE_UP)[1].fuse_silu_mul is False
-    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "0")
-    assert _layer("triton", outs=GATE_UP)[1].fuse_silu_mul is False
-    base, slots, state = _layer("torch", outs=GATE_UP)                  # the torch path: y complete
+def test_silu_mul_fusion_only_on_gate_up_shapes():
+    """Only two equal slices on the overlapped Triton split path fuse."""
+    policy = KernelPolicy()
+    assert _layer("triton", outs=GATE_UP, policy=policy)[1].fuse_silu_mul is True
+    assert _layer("triton", policy=policy)[1].fuse_silu_mul is False                # q/k/v: three slices
+    assert _layer("triton", outs=[12, 8], policy=policy)[1].fuse_silu_mul is False  # unequal widths
+    assert _layer("torch", outs=GATE_UP, policy=policy)[1].fuse_silu_mul is False
+    assert _layer("triton", outs=GATE_UP, policy=KernelPolicy(lora_overlap=False))[1].fuse_silu_mul is False
+    # the torch path: y complete, nothing left pending
+    base, slots, state = _layer("torch", outs=GATE_UP, policy=policy, feeds=Feeds.SILU_MUL)
     _load(slots, _gate_up_adapters())
     state.batch = build_lora_batch(torch.tensor([0, 2], dtype=torch.int32), MAX_LORAS, with_segments=True)
     x = _input(2, False)
-    y, pending = base.forward_deferred(x)
-    assert pending is None and torch.equal(y, base(x))
+    with forward_context(None, policy) as ctx:
+        y = base(x)
+        assert ctx.pending_update is None
+    assert torch.equal(y, base(x))

@@ -100,8 +100,9 @@ def batch_defaults(device: str, usage_context: str) -> tuple[int, int]:
 
     On a CUDA GPU with >= 70 GiB that is not an A100: 16384 tokens for the offline ``LLM`` class,
     8192 for the server, and 1024 requests per step (many short decodes share every weight read:
-    on an H200 the offline Llama-3-8B workload of benchmarks/throughput.py runs 7,967 out tok/s at
-    256 / 8192 and 9,672 at 1024 / 16384). Elsewhere (smaller GPUs, CPU): 8192 tokens, 256 requests.
+    on an H200 the offline Llama-3-8B workload of ``benchmarks/throughput.py`` ran clearly faster
+    with 1024 / 16384 than with 256 / 8192). Elsewhere (smaller GPUs, CPU): 8192 tokens, 256
+    requests.
     """
     if usage_context not in USAGE_CONTEXTS:
         raise ValueError(f"usage_context={usage_context!r}: use one of {', '.join(USAGE_CONTEXTS)}.")

@@ -218,8 +218,9 @@ class AttentionBackend:
 
         Why: an eager (prefill or mixed) step picks its launch constants from its shape (prefill
         tiles of 16 or 64 rows, a separate decode launch, ``find_chunk``), and Triton compiles each
-        new combination when first launched. On an H200 the first burst of 160 requests after start
-        waited ~7 s for its first tokens (TTFT p50 7.0 s vs 1.8 s for the same burst right after).
+        new combination when first launched. Without this warm-up the first burst of requests after
+        start waited several times longer for its first tokens than the same burst right after
+        (measured on an H200 with ``benchmarks/serve.py``).
         The calls attend 2 or 17 requests of zero queries over block 0 of the cache (read only),
         with the longest query below and at the 64-token prefill tile, with and without decodes,
         and one pure-decode batch large enough for the decode kernel's small tiles. With

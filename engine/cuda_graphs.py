@@ -21,9 +21,9 @@ needs no copies of its own: the runner writes the step into those buffers, then 
   computes their logits eagerly (and prompt logprobs, if asked). Larger steps run eagerly: their
   GEMMs take longer than the launches, which then overlap the device work.
 
-Why mixed graphs: an eager step of a 32-layer model issues ~350 launches (~24 ms of host time on
-our H200 host), longer than the device time of a step of a few hundred tokens, so while requests
-keep arriving (every step mixed) the GPU waited on Python.
+Why mixed graphs: an eager step of a 32-layer model issues hundreds of launches, whose host time
+exceeds the device time of a step of a few hundred tokens, so while requests keep arriving (every
+step mixed) the GPU waited on Python.
 
 With LoRA, graphs are captured with the fixed-grid shrink/expand kernels reading the manager's
 static meta tensors (``lora.batch.LoRAMetaBuffers``), refilled by ``set_batch`` before each replay:
@@ -237,8 +237,8 @@ class StepGraphs:
         t0 = time.perf_counter()
         pool = None
         gc.collect()
-        # NOTE: torch.cuda.graph runs gc.collect() and empty_cache() before every capture (~0.5 s
-        # each with a loaded model); once above is enough, as vLLM does.
+        # NOTE: torch.cuda.graph runs gc.collect() and empty_cache() before every capture (slow
+        # with a loaded model, and paid per graph); once above is enough, as vLLM does.
         with mock.patch("gc.collect", lambda *a, **k: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
             for key in self.keys_to_capture():
                 self._fill_padding(key)

@@ -47,7 +47,7 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32  # bf16 prefill is ~6x slower on CPUs without AMX
+        return torch.float32  # bf16 prefill is several times slower on CPUs without AMX
     return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 

@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import LoRAConfig
+from engine.kernel_policy import KernelPolicy
 from lora import LoRARequest
 from lora.adapter_store import AdapterStore
 from lora.errors import InvalidLoRAAdapterError, LoRAAdapterNotFoundError
@@ -60,8 +61,8 @@ def test_manager_wraps_every_projection(tiny_llama_dir):
     mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), model, torch.device("cpu"), torch.float32)
     assert len(mgr.layers) == 8
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert qkv.lora is mgr.layers["model.layers.0.self_attn.qkv_proj"]
-    assert qkv.lora.lora_a.shape == (3, 2, 8, 64)
+    assert qkv.adapter is mgr.layers["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.adapter.lora_a.shape == (3, 2, 8, 64)
     assert mgr.slot_nbytes() > 0 and mgr.backend == "torch"
 
 
@@ -185,9 +186,10 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
     from lora.layers import LinearLoRASlots
 
     model = _model(tiny_llama_dir)
-    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", "0")            # the split path's keys first
+    split_only = KernelPolicy(lora_stacked_max_tokens=0)                  # the split path's keys first
     mgr = LoRAManager(LoRAConfig(max_loras=4, max_lora_rank=8), model, torch.device("cpu"), torch.float32,
-                      backend="triton")
+                      backend="triton", policy=split_only)
+    assert mgr.policy is split_only and all(layer.stacked_weight is None for layer in mgr.layers.values())
     keys, forward = [], LinearLoRASlots.forward
 
     rows = []
@@ -231,9 +233,8 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
     assert mgr.warm_up_kernels(201, 200) == 0
     # Decode-sized steps with the stacked GEMM (the default up to 128 tokens): one begin_stacked +
     # finish per key (gate/up: and a begin_stacked + finish_silu_mul), the split path not at all.
-    monkeypatch.delenv("CHORUS_LORA_STACKED_MAX_TOKENS")
     stacked_mgr = LoRAManager(LoRAConfig(max_loras=4, max_lora_rank=8), _model(tiny_llama_dir),
-                              torch.device("cpu"), torch.float32, backend="triton")
+                              torch.device("cpu"), torch.float32, backend="triton", policy=KernelPolicy())
     stacked_keys, begin_stacked = [], LinearLoRASlots.begin_stacked
 
     rows_stacked = []
@@ -267,17 +268,17 @@ def test_warm_up_kernels_runs_each_launch_key_once(tiny_llama_dir, monkeypatch):
 
 def test_warm_up_without_a_split_plan(tiny_llama_dir, monkeypatch):
     """With the overlap off, ``begin`` issues nothing (no split plan): the warm-up still runs every
-    key, and the o/down norm fusion is simply not taken (the engine's ``Linear.forward_deferred``
-    finishes such updates before the norm)."""
+    key, and the o/down norm fusion is simply not taken (``LinearLoRASlots.run`` returns such
+    updates complete, so the norm never gets one)."""
     if torch.cuda.is_available():
         pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET (set on CPU-only machines)")
     import kernels.lora_expand_norm as lora_expand_norm
 
     monkeypatch.setattr(lora_expand_norm, "TILES_MIN_TOKENS", 150)
-    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", "0")
-    monkeypatch.setenv("CHORUS_LORA_OVERLAP", "0")
     mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), _model(tiny_llama_dir), torch.device("cpu"),
-                      torch.float32, backend="triton")
+                      torch.float32, backend="triton",
+                      policy=KernelPolicy(lora_stacked_max_tokens=0, lora_overlap=False))
+    assert not any(layer.overlap for layer in mgr.layers.values())
     assert mgr.warm_up_kernels(150, 160) > 0 and mgr.state.batch is None
 
 
@@ -369,7 +370,7 @@ def test_rotary_qkv_consumer_adds_the_update(tiny_llama_dir):
     mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), model, torch.device("cpu"), torch.float32,
                       backend="triton")
     attn = next(m for m in model.modules() if hasattr(m, "rotary_emb") and hasattr(m, "q_size"))
-    layer = attn.qkv_proj.lora
+    layer = attn.qkv_proj.adapter
     paged = attn.attn
     paged.k_cache = torch.zeros(2, 16, paged.num_kv_heads, paged.head_dim)
     paged.v_cache = torch.zeros_like(paged.k_cache)

@@ -63,7 +63,10 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     monkeypatch.setattr(LoRAManager, "__init__", triton_backend)
     tiles = kernel == "split-tiles"
     kernel = "split" if tiles else kernel
-    monkeypatch.setenv("CHORUS_LORA_STACKED_MAX_TOKENS", str(len(PLAN) if kernel == "stacked" else 0))
+    # The engine's policy (``ModelRunner.policy``, handed to the LoRA manager) with only the stacked
+    # bound overridden: the overlap and the consumer fusions keep their defaults.
+    stacked_max_tokens = len(PLAN) if kernel == "stacked" else 0
+    monkeypatch.setenv("CHORUS_KERNEL_POLICY", f"lora_stacked_max_tokens={stacked_max_tokens}")
     import kernels.lora_expand as lora_expand
     stacked_spy = Mock(wraps=lora_expand.slotwise_buf)
     monkeypatch.setattr(lora_expand, "slotwise_buf", stacked_spy)
@@ -76,7 +79,6 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
         monkeypatch.setattr(lora_expand_norm, "TILES_MIN_TOKENS", 1)
         monkeypatch.setattr(lora_expand_norm, "_lora_expand_add_rms_norm_kernel", None)   # must not run
         monkeypatch.setattr(lora_expand_norm, "_lora_expand_add_rms_norm_tile_kernel", tile_spy)
-    monkeypatch.delenv("CHORUS_LORA_OVERLAP", raising=False)
     shrink_spy = Mock(wraps=lora_shrink.lora_shrink)       # ``lora.layers`` imports it at call time
     monkeypatch.setattr(lora_shrink, "lora_shrink", shrink_spy)
     silu_mul_spy = Mock(wraps=lora_expand_silu_mul.lora_expand_silu_mul)
@@ -84,7 +86,8 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=16,
               enable_prefix_caching=False)
     manager = llm.llm_engine.lora_manager
-    assert manager.backend == "triton"
+    assert manager.backend == "triton" and manager.policy is llm.llm_engine.runner.policy
+    assert manager.policy.lora_stacked_max_tokens == stacked_max_tokens
     reqs = [None if a is None else LoRARequest(a, list(ADAPTERS).index(a) + 1, str(paths[a]))
             for _, a in PLAN]
     outs = llm.generate([tiny_prompts[p] for p, _ in PLAN],
@@ -102,9 +105,9 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
         assert split == num_layers and silu_mul_spy.call_count == MAX_TOKENS * num_mlps
     else:
         assert stacked_spy.call_count == 0 and split >= MAX_TOKENS * num_layers   # every step, layer
-        # The split path adds the gate/up update inside SiLU-and-mul (CHORUS_LORA_FUSE_SILU_MUL's default).
+        # The split path adds the gate/up update inside SiLU-and-mul (``lora_fuse_silu_mul``'s default).
         assert silu_mul_spy.call_count >= MAX_TOKENS * num_mlps
-    # The o_proj and down_proj updates ride in the add + RMSNorm after them (CHORUS_LORA_FUSE_NORM's
+    # The o_proj and down_proj updates ride in the add + RMSNorm after them (``lora_fuse_norm``'s
     # default), every step.
     assert norm_spy.call_count == 2 * MAX_TOKENS * num_mlps
     if tiles:   # every norm launch took the segment tiles (the q/k/v update: CUDA only, the rotary

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Protoc
 from engine.core_messages import (CALLABLE_METHODS, AbortRequests, AddRequest, CallMethod, CallResult,
                                   CoreMessage, EngineCoreOutputs, EngineDead, InjectFault)
 from engine.core_transport import EngineTransport, ProcessTransport, ThreadTransport
+from engine.engine_core import freeze_gc_heap
 from engine.errors import EngineDeadError
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerStats
@@ -173,6 +174,7 @@ class AsyncLLM:
         self._dead_error: Optional[EngineDeadError] = None
         self._dead_lock = threading.Lock()
         self._stats = SchedulerStats()
+        freeze_gc_heap()   # the tokenizer, processor and imports stay out of GC passes
         transport.start(self._on_message)
 
     @classmethod

@@ -19,8 +19,8 @@ from engine.outputs import Logprob
 from engine.server.errors import BadRequestError, error_body, to_openai_error
 from engine.server.protocol import (SSE_DONE, ChatCompletionRequest, ChatCompletionResponse,
                                     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                    ChatMessage, ChatResponseMessage, DeltaMessage, UsageInfo, now_s,
-                                    random_id, sse_event, stream_chunk)
+                                    ChatMessage, ChatResponseMessage, DeltaMessage, StreamChunkHead, UsageInfo,
+                                    now_s, random_id, sse_event, stream_chunk)
 from engine.server.serving_base import (ServingBase, merge_streams, run_unless_disconnected,
                                         serialize_prompt_logprobs, to_sampling_params)
 
@@ -183,6 +183,9 @@ class OpenAIServingChat(ServingBase):
                                                                             finish_reason=finish)],
                                 usage=usage, include_usage_key=include_usage)
 
+        head = StreamChunkHead(id=request_id, object="chat.completion.chunk", created=created, model=model_name,
+                               include_usage_key=include_usage)
+        fast = not req.logprobs and not continuous
         first = True
         try:
             async for _, out in merge_streams([stream]):
@@ -196,7 +199,9 @@ class OpenAIServingChat(ServingBase):
                 for c in out.outputs:
                     ch = choices[c.index]
                     ch.num_tokens += len(c.token_ids)
-                    if c.text or (c.token_ids and req.logprobs):
+                    if c.text and fast:
+                        yield head.chat_content(c.index, c.text)
+                    elif c.text or (c.token_ids and req.logprobs):
                         logprobs = (self.chat_logprobs(list(c.token_ids), list(c.logprobs or []),
                                                        req.top_logprobs or 0, as_ids)
                                     if req.logprobs else None)

@@ -12,8 +12,8 @@ from engine.async_llm import RequestStream
 from engine.outputs import Logprob, RequestOutput
 from engine.server.errors import BadRequestError, to_openai_error, error_body
 from engine.server.protocol import (SSE_DONE, CompletionRequest, CompletionResponse,
-                                    CompletionResponseChoice, CompletionResponseStreamChoice, UsageInfo,
-                                    now_s, random_id, sse_event, stream_chunk)
+                                    CompletionResponseChoice, CompletionResponseStreamChoice, StreamChunkHead,
+                                    UsageInfo, now_s, random_id, sse_event, stream_chunk)
 from engine.server.serving_base import (ServingBase, merge_streams, run_unless_disconnected,
                                         serialize_prompt_logprobs, to_sampling_params)
 
@@ -120,6 +120,9 @@ class OpenAIServingCompletion(ServingBase):
         choices = [_Choice() for _ in range(num_prompts * n)]
         prompts = [_PromptInfo() for _ in range(num_prompts)]
         as_ids = bool(req.return_tokens_as_token_ids)
+        head = StreamChunkHead(id=request_id, object="text_completion", created=created, model=model_name,
+                               include_usage_key=include_usage)
+        fast = req.logprobs is None and not continuous
         try:
             async for i, out in merge_streams(streams):
                 p = prompts[i]
@@ -140,11 +143,14 @@ class OpenAIServingCompletion(ServingBase):
                     if not text and not token_ids and c.finish_reason is None:
                         continue  # as vLLM: a chunk per output with new tokens, even if their text
                         # is still held back (partial UTF-8, a possible stop string)
+                    ch.text_offset += len(text)
+                    if fast:
+                        yield head.completion(idx, text, c.finish_reason, c.stop_reason)
+                        continue
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self.completion_logprobs(token_ids, steps, req.logprobs, ch.text_offset,
-                                                            as_ids)
-                    ch.text_offset += len(text)
+                        logprobs = self.completion_logprobs(token_ids, steps, req.logprobs,
+                                                            ch.text_offset - len(text), as_ids)
                     choice = CompletionResponseStreamChoice(index=idx, text=text, logprobs=logprobs,
                                                             finish_reason=c.finish_reason,
                                                             stop_reason=c.stop_reason)

@@ -1,4 +1,5 @@
-"""The fused decode path (``engine.layers.fused`` -> ``kernels.gemv``) inside the model, on CPU.
+"""The fused decode path (``engine.layers.fused`` / ``Linear.forward_base`` -> ``kernels.gemv``)
+inside the model, on CPU.
 
 On CUDA, steps of a few tokens run norm -> qkv, SiLU-and-mul -> down and o_proj as GEMV kernels.
 Here the path is forced on for CPU tensors (the kernels run through the Triton interpreter) and
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-import engine.layers.fused as fused
 import kernels.gemv as gemv_kernels
 from engine import LLM, SamplingParams
+from engine.forward_context import forward_context
+from engine.kernel_policy import KernelPolicy
+from engine.layers.linear import Linear
 from tests.models.utils import check_logprobs_close, ours_as_ref, spy_split_k
 
 MAX_TOKENS = 6
@@ -22,10 +25,10 @@ def force_fused_on_cpu(monkeypatch, max_tokens: int = 2) -> dict[str, int]:
     """Take the fused path for CPU steps of <= ``max_tokens`` tokens; count the kernels' calls."""
     calls = {"gemv": 0, "silu_mul_gemv": 0, "add_rms_norm_gemv": 0}
 
-    def use(linear, x):
-        return 0 < x.shape[0] <= max_tokens and (linear.lora is None or linear.lora.adds_nothing())
+    def use(linear, x, policy):
+        return 0 < x.shape[0] <= max_tokens and (linear.adapter is None or linear.adapter.adds_nothing())
 
-    monkeypatch.setattr(fused, "use_decode_gemv", use)
+    monkeypatch.setattr(Linear, "uses_decode_gemv", use)
     for name in calls:
         fn = getattr(gemv_kernels, name)
 
@@ -52,12 +55,11 @@ def test_fused_decode_matches_unfused(arch, tiny_llama_dir, tiny_qwen2_dir, tiny
     assert calls["add_rms_norm_gemv"] == 2 * calls["silu_mul_gemv"] == 2 * calls["gemv"]
 
 
-def test_gemv_override_from_the_environment(monkeypatch):
-    """CHORUS_GEMV_CONFIG reaches the GEMV launches as the wrappers' ``override`` (``kernels.gemv``
-    reads no environment itself), parsed once."""
+def test_gemv_override_from_the_policy(monkeypatch):
+    """The policy's ``gemv`` overrides reach the GEMV launches as the wrappers' ``override``
+    (``kernels.gemv`` reads no configuration itself): the forward context's policy, and outside one
+    the default policy with CHORUS_KERNEL_POLICY applied."""
     import torch
-
-    from engine.layers.linear import Linear
 
     seen = []
 
@@ -65,45 +67,36 @@ def test_gemv_override_from_the_environment(monkeypatch):
         seen.append(kw)
         return torch.zeros(x.shape[0], weight.shape[0])
     monkeypatch.setattr(gemv_kernels, "gemv", spy)
-    monkeypatch.setattr(fused, "use_decode_gemv", lambda linear, x: True)
-    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "use_dot=1, block_n=32")
-    fused.gemv_override.cache_clear()
-    try:
-        fused.linear_forward(Linear(8, [4]), torch.zeros(1, 8))
-        monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=64")         # read once: not seen
-        fused.linear_forward(Linear(8, [4]), torch.zeros(1, 8))
-    finally:
-        fused.gemv_override.cache_clear()
-    assert seen == [{"override": (("block_n", 32), ("use_dot", 1))}] * 2
+    monkeypatch.setattr(Linear, "uses_decode_gemv", lambda linear, x, policy: True)
+    policy = KernelPolicy().with_overrides("gemv.use_dot=1, gemv.block_n=32")
+    with forward_context(None, policy):
+        Linear(8, [4])(torch.zeros(1, 8))
+        monkeypatch.setenv("CHORUS_KERNEL_POLICY", "gemv.block_n=64")     # the context's policy wins
+        Linear(8, [4])(torch.zeros(1, 8))
+    Linear(8, [4])(torch.zeros(1, 8))                                    # no context: the string's
+    assert seen == [{"override": (("block_n", 32), ("use_dot", 1))}] * 2 + [{"override": (("block_n", 64),)}]
 
 
 # ----------------------------------------------------------------------------------------
 # Split-K into the norm: o_proj / down_proj as partial products the add + RMSNorm sums
 # ----------------------------------------------------------------------------------------
-def test_split_k_policy_by_shape():
-    """Llama-3-8B's o_proj / down_proj (N = 4096) on 132 SMs split from 3 to 256 tokens; neither
-    a step the GEMV path takes, nor a small or unaligned K, nor a GEMM whose tiles fill the GPU."""
-    for k in (4096, 14336):
-        assert [fused.split_k_parts_for(t, k, 4096, 132) for t in (1, 2, 3, 64, 256, 257, 1024)] == [1, 1, 2, 2, 2, 1, 1]
-    assert fused.split_k_parts_for(64, 1024, 4096, 132) == 1            # K below SPLIT_K_MIN_K
-    assert fused.split_k_parts_for(64, 4104, 4096, 132) == 1            # halves not 16-byte aligned
-    assert fused.split_k_parts_for(64, 4096, 16384, 132) == 1           # 128 tiles: the GPU is full
-
-
 def test_split_k_never_on_cpu():
+    """The shape rule is ``KernelPolicy.split_k_parts`` (tests/unit/test_kernel_policy.py); a Linear
+    on CPU never splits, even under a policy whose rule would."""
     import torch
 
-    from engine.layers.linear import Linear
+    policy = KernelPolicy(num_sms=132)
+    assert policy.split_k_parts(64, 4096, 4096) == 2
     lin = Linear(4096, [4096]).to(torch.bfloat16)
-    assert fused.split_k_parts(lin, torch.zeros(64, 4096, dtype=torch.bfloat16)) == 1    # CPU: never
+    assert lin.split_k_parts(torch.zeros(64, 4096, dtype=torch.bfloat16), policy) == 1    # CPU: never
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "lora"])
 def test_split_k_in_the_model_matches_plain(case, tiny_llama_dir, tiny_qwen2_dir, tiny_prompts, tmp_path, monkeypatch):
     """The split-K path forced on CPU for every o_proj / down_proj call it may take: same tokens and
     logprobs as the plain GEMMs. Steps that carry an adapter never split: every projection with
-    LoRA slots then adds an update (zero where the adapter has no weights), so ``split_k_parts``
-    says 1 even for the o/down of an adapter on q/v only."""
+    LoRA slots then adds an update (zero where the adapter has no weights) through its adapter, not
+    ``Linear.forward_base``, even the o/down of an adapter on q/v only."""
     from lora.request import LoRARequest
     from tests.lora.utils import build_peft_adapter
 
@@ -119,11 +112,11 @@ def test_split_k_in_the_model_matches_plain(case, tiny_llama_dir, tiny_qwen2_dir
         kw |= dict(enable_lora=True, max_loras=1, max_lora_rank=8)
     ref = LLM(model_dir, **kw).generate(prompts, params, lora_request=reqs, use_tqdm=False)
 
-    def forced(linear, x):
+    def forced(linear, x, policy):
         eligible = x.dim() == 2 and x.is_contiguous() and linear.bias is None and (
-            linear.lora is None or linear.lora.adds_nothing())
+            linear.adapter is None or linear.adapter.adds_nothing())
         return 2 if eligible else 1
-    monkeypatch.setattr(fused, "split_k_parts", forced)
+    monkeypatch.setattr(Linear, "split_k_parts", forced)
     calls = spy_split_k(monkeypatch)
     outs = LLM(model_dir, **kw).generate(prompts, params, lora_request=reqs, use_tqdm=False)
     for i, (o, r) in enumerate(zip(outs, ref)):
@@ -143,8 +136,8 @@ def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, ti
     """The Triton attention backend forced on CPU (interpreter), as on CUDA: prefill steps rotate
     and write K/V (``rotary_write_kv``) and then attend; pure-decode steps run
     ``paged_decode_rotary``, whose cache writes later steps read. Greedy tokens and logprobs match
-    transformers (CHORUS_DECODE_FUSE_ROTARY=1: every decode step); with 0 no decode step takes
-    the fused kernel."""
+    transformers (the engine's policy with ``decode_fuse_rotary=1``: every decode step); with 0 no
+    decode step takes the fused kernel."""
     from unittest.mock import Mock
 
     import torch
@@ -161,21 +154,31 @@ def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, ti
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = tiny_prompts[:3]
     refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in prompts]
-    monkeypatch.setattr(model_runner, "select_backend", lambda device: AttentionBackend("triton"))
+    backends = []
+
+    def triton_backend(device, policy=None):
+        backends.append(AttentionBackend("triton", policy))
+        return backends[-1]
+    monkeypatch.setattr(model_runner, "select_backend", triton_backend)
     monkeypatch.setattr(PagedAttention, "fuses_rotary_write",
                         lambda self, x: self.backend is not None and self.backend.name == "triton")
     spy = Mock(wraps=pa.paged_decode_rotary)
     monkeypatch.setattr(pa, "paged_decode_rotary", spy)
-    monkeypatch.setenv("CHORUS_DECODE_FUSE_ROTARY", "1")         # auto: only batches below the SM count
+    monkeypatch.setenv("CHORUS_KERNEL_POLICY", "decode_fuse_rotary=1")   # auto: only batches below the SMs
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    outs = LLM(str(model_dir), max_num_seqs=4, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), max_num_seqs=4, enable_prefix_caching=False)
+    policy = backends[-1].policy
+    assert policy is llm.llm_engine.runner.policy and policy.decode_fuse_rotary == "1"
+    outs = llm.generate(prompts, params, use_tqdm=False)
     for i, (o, r) in enumerate(zip(outs, refs)):
         check_logprobs_close(r, ours_as_ref(o.outputs[0]), name=f"prompt {i}")
     num_layers = hf.config.num_hidden_layers
     assert spy.call_count == (MAX_TOKENS - 1) * num_layers         # every decode step, every layer
     spy.reset_mock()
-    monkeypatch.setenv("CHORUS_DECODE_FUSE_ROTARY", "0")
-    outs = LLM(str(model_dir), max_num_seqs=4, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setenv("CHORUS_KERNEL_POLICY", "decode_fuse_rotary=0")
+    llm = LLM(str(model_dir), max_num_seqs=4, enable_prefix_caching=False)
+    assert backends[-1].policy.decode_fuse_rotary == "0"
+    outs = llm.generate(prompts, params, use_tqdm=False)
     assert spy.call_count == 0
     for i, (o, r) in enumerate(zip(outs, refs)):
         check_logprobs_close(r, ours_as_ref(o.outputs[0]), name=f"prompt {i}, unfused")

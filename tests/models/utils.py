@@ -81,7 +81,8 @@ class EagerReplayGraphs:
 
         runner = llm.llm_engine.runner
         graphs = _Graphs(runner.model, runner.buffers, runner.max_model_len, runner._graph_sizes, token_sizes,
-                         runner.config.scheduler_config.max_num_seqs, lora_manager=runner.lora_manager)
+                         runner.config.scheduler_config.max_num_seqs, lora_manager=runner.lora_manager,
+                         policy=runner.policy)
         graphs.capture()
         runner.graphs = graphs
         return graphs
@@ -89,7 +90,7 @@ class EagerReplayGraphs:
 
 def spy_split_k(monkeypatch) -> list[int]:
     """Record ``num_parts`` of every ``Linear.forward_split_k`` call (the split-K path of
-    ``engine.layers.fused``) into the returned list; the calls still run."""
+    ``Linear.forward_base``) into the returned list; the calls still run."""
     from engine.layers.linear import Linear
 
     calls: list[int] = []

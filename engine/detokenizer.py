@@ -35,7 +35,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = context
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.output_text = ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
@@ -44,10 +43,9 @@ class IncrementalDetokenizer:
         """Append tokens; return the newly completed text (possibly empty)."""
         if self._stream is not None:
             stream, backend = self._stream, self._backend
-            pieces = [stream.step(backend, tid) for tid in new_token_ids]
-            text = "".join(p for p in pieces if p)
-            self.output_text += text
-            return text
+            if len(new_token_ids) == 1:
+                return stream.step(backend, new_token_ids[0]) or ""
+            return "".join(stream.step(backend, tid) or "" for tid in new_token_ids)
         delta = []
         for tid in new_token_ids:
             self.ids.append(tid)
@@ -57,9 +55,7 @@ class IncrementalDetokenizer:
                 delta.append(new_text[len(prefix_text):])
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
-        text = "".join(delta)
-        self.output_text += text
-        return text
+        return "".join(delta)
 
 
 def _rust_backend(tokenizer) -> Optional[Any]:

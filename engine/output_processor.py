@@ -149,10 +149,8 @@ class OutputProcessor:
             out = self._make_output(parent, final=False)
             if out is not None:
                 outputs.append(out)
-        # Drop finished parents after building their last output.
-        for parent in touched.values():
-            if all(c.finish_reason is not None for c in parent.children.values()):
-                self._drop(parent)
+            if _all_finished(parent):
+                self._drop(parent)   # after building its last output
         return outputs, reqs_to_abort
 
     def _append_tokens(self, c: ChildState, co: EngineCoreOutput) -> None:
@@ -211,7 +209,7 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ building outputs
     def _make_output(self, parent: ParentRequest, final: bool) -> Optional[RequestOutput]:
-        finished = all(c.finish_reason is not None for c in parent.children.values())
+        finished = _all_finished(parent)
         kind = parent.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
@@ -259,3 +257,10 @@ class OutputProcessor:
         c.final_sent = finished
         return CompletionOutput(index=c.index, text=text, token_ids=toks, cumulative_logprob=c.cumulative_logprob,
                                 logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def _all_finished(parent: ParentRequest) -> bool:
+    children = parent.children
+    if len(children) == 1:
+        return children[0].finish_reason is not None
+    return all(c.finish_reason is not None for c in children.values())

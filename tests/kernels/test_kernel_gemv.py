@@ -114,9 +114,10 @@ def test_zero_rows(prologue):
 
 
 def test_gemv_config_override(monkeypatch):
-    """The override applies over the default config; the kernel module reads no environment
-    (CHORUS_GEMV_CONFIG is parsed in ``engine.envs`` and passed in by ``engine.layers.fused``)."""
-    monkeypatch.setenv("CHORUS_GEMV_CONFIG", "block_n=128")             # not read here
+    """The override applies over the default config; the kernel module reads no configuration of its
+    own (the engine's ``KernelPolicy.gemv`` is passed in by ``Linear.forward_base`` and
+    ``engine.layers.fused``)."""
+    monkeypatch.setenv("CHORUS_KERNEL_POLICY", "gemv.block_n=128")      # not read here
     base = gemv_config(4, 6144, 4096)
     assert base == GemvConfig(32, 512, 4, 3, 1)
     override = (("block_k", 128), ("block_n", 64), ("num_stages", 2), ("use_dot", 1))

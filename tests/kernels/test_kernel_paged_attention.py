@@ -341,18 +341,19 @@ def test_warm_up_runs_every_eager_variant_and_leaves_the_cache_alone(monkeypatch
 @pytest.mark.parametrize("fuse", ["1", "0"])
 def test_warm_up_also_runs_the_fused_decode_rotary(fuse, monkeypatch):
     """With the model's rotary_dim, the pure-decode warm-up batches that would take the fused
-    rotary kernel (CHORUS_DECODE_FUSE_ROTARY) run it too, writing nothing (slots -1)."""
+    rotary kernel (the backend's policy, ``decode_fuse_rotary``) run it too, writing nothing (slots -1)."""
     import kernels.paged_attention as pa
     from engine.attention import AttentionBackend
+    from engine.kernel_policy import KernelPolicy
 
-    monkeypatch.setenv("CHORUS_DECODE_FUSE_ROTARY", fuse)
     fused = []
     rotary = pa.paged_decode_rotary
     monkeypatch.setattr(pa, "paged_decode_rotary", lambda *a, **kw: fused.append(a[0].shape[0]) or rotary(*a, **kw))
     kc = torch.randn(3, 16, 2, 32, device=DEVICE, dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32)
     vc = torch.randn_like(kc)
     before = (kc.clone(), vc.clone())
-    calls = AttentionBackend("triton").warm_up(kc, vc, 4, 32 ** -0.5, rotary_dim=32)
+    backend = AttentionBackend("triton", KernelPolicy(decode_fuse_rotary=fuse))
+    calls = backend.warm_up(kc, vc, 4, 32 ** -0.5, rotary_dim=32)
     big = max(18, pa.min_reqs_for_small_decode_tiles(DEVICE, 2))
     assert fused == ([2, 17, big] if fuse == "1" else []) and calls == 11 + len(fused)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])

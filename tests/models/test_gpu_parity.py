@@ -88,11 +88,12 @@ def test_gpu_stop_token_with_async_scheduling(cuda_refs):
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
 def test_gpu_parity_split_k(cuda_refs, enforce_eager, monkeypatch):
-    """o_proj / down_proj as split-K partials summed in the add + RMSNorm (``engine.layers.fused``;
-    the tiny checkpoints' K is below ``SPLIT_K_MIN_K``, lowered here), in graphs and eagerly."""
-    import engine.layers.fused as fused
+    """o_proj / down_proj as split-K partials summed in the add + RMSNorm (``Linear.forward_base``;
+    the tiny checkpoints' K is below ``engine.kernel_policy.SPLIT_K_MIN_K``, lowered here), in graphs
+    and eagerly."""
+    import engine.kernel_policy as kernel_policy
 
-    monkeypatch.setattr(fused, "SPLIT_K_MIN_K", 16)
+    monkeypatch.setattr(kernel_policy, "SPLIT_K_MIN_K", 16)
     calls = spy_split_k(monkeypatch)
     d, prompts, refs = cuda_refs
     llm = LLM(d, dtype="bfloat16", enforce_eager=enforce_eager, gpu_memory_utilization=0.5, max_num_seqs=16)

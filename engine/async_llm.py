@@ -61,16 +61,23 @@ class _RequestState:
     """Event-loop side bookkeeping of one in-flight request."""
 
     request_id: str
+    """The user's request id (the parent of its ``n`` sequences)."""
     params: SamplingParams
+    """As the processor resolved them (max_tokens filled in)."""
     collector: "_OutputCollector"
+    """Outputs not yet taken by the stream's consumer."""
     arrival_s: float
     """time.monotonic() when the request was added."""
     num_prompt_tokens: int
+    """Prompt length in tokens (counted once, at the first token)."""
     first_token_s: Optional[float] = None
+    """time.monotonic() of the first output with tokens."""
     last_token_s: Optional[float] = None
+    """time.monotonic() of the latest output with tokens (inter-token gaps)."""
     num_tokens_by_index: dict[int, int] = field(default_factory=dict)
     """Sample index -> generated tokens seen so far (counters; works for every output kind)."""
     finished: bool = False
+    """The stream delivered the finished output."""
 
     @property
     def num_generation_tokens(self) -> int:
@@ -135,7 +142,8 @@ def _merge_delta(acc: RequestOutput, new: RequestOutput) -> None:
         a.token_ids = a.token_ids + c.token_ids
         if c.logprobs is not None:
             a.logprobs = (a.logprobs or []) + c.logprobs
-        a.cumulative_logprob, a.finish_reason, a.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+        a.cumulative_logprob = c.cumulative_logprob
+        a.finish_reason, a.stop_reason = c.finish_reason, c.stop_reason
     if acc.prompt_logprobs is None:
         acc.prompt_logprobs = new.prompt_logprobs
     acc.finished, acc.num_cached_tokens, acc.metrics = new.finished, new.num_cached_tokens, new.metrics
@@ -247,8 +255,9 @@ class AsyncLLM:
         text, children = self.processor.process(request_id, prompt, sampling_params, lora_request, priority,
                                                 time.time())
         params = children[0].sampling_params
-        state = _RequestState(request_id, params, _OutputCollector(params.output_kind == RequestOutputKind.DELTA),
-                              arrival_s=time.monotonic(), num_prompt_tokens=len(children[0].prompt_token_ids))
+        collector = _OutputCollector(delta=params.output_kind == RequestOutputKind.DELTA)
+        state = _RequestState(request_id, params, collector, arrival_s=time.monotonic(),
+                              num_prompt_tokens=len(children[0].prompt_token_ids))
         self._states[request_id] = state
         self.output_processor.add_request(request_id, children, text)
         self._transport.send(AddRequest(request_id, children))
@@ -384,8 +393,8 @@ class AsyncLLM:
         reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None)
         ttft = None if state.first_token_s is None else state.first_token_s - state.arrival_s
         for sl in self.stat_loggers:
-            sl.on_finished(reason, state.num_prompt_tokens, state.num_generation_tokens, now_s - state.arrival_s,
-                           ttft, state.params)
+            sl.on_finished(reason, state.num_prompt_tokens, state.num_generation_tokens,
+                           now_s - state.arrival_s, ttft, state.params)
 
     def _on_call_result(self, result: CallResult) -> None:
         future = self._calls.pop(result.call_id, None)

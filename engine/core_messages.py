@@ -94,7 +94,8 @@ class EngineCoreOutputs:
     def __reduce__(self) -> tuple:
         # Columns: pickling lists of ints and strings is ~6x cheaper than one dataclass per entry.
         outs = self.outputs
-        extras = {i: (o.new_logprobs, o.new_prompt_logprobs, o.finish_reason, o.stop_reason, o.num_cached_tokens)
+        extras = {i: (o.new_logprobs, o.new_prompt_logprobs, o.finish_reason, o.stop_reason,
+                      o.num_cached_tokens)
                   for i, o in enumerate(outs)
                   if o.new_logprobs is not None or o.new_prompt_logprobs is not None
                   or o.finish_reason is not None or o.num_cached_tokens}
@@ -103,7 +104,8 @@ class EngineCoreOutputs:
 
 
 def _rebuild_outputs(req_ids: list[str], new_token_ids: list[list[int]], extras: dict[int, tuple],
-                     stats: Optional[SchedulerStats], rejected: dict[str, BaseException]) -> EngineCoreOutputs:
+                     stats: Optional[SchedulerStats],
+                     rejected: dict[str, BaseException]) -> EngineCoreOutputs:
     outputs = [EngineCoreOutput(rid, ids) for rid, ids in zip(req_ids, new_token_ids)]
     for i, (logprobs, prompt_logprobs, finish_reason, stop_reason, num_cached) in extras.items():
         o = outputs[i]

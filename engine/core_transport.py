@@ -89,7 +89,8 @@ class ThreadTransport:
 
     def start(self, on_message: OnMessage) -> None:
         channel = _ThreadChannel(self._commands, on_message)
-        self._thread = threading.Thread(target=self.core.run, args=(channel,), name="chorus-engine", daemon=True)
+        self._thread = threading.Thread(target=self.core.run, args=(channel,), name="chorus-engine",
+                                        daemon=True)
         self._thread.start()
 
     def send(self, command: EngineCommand) -> None:
@@ -160,7 +161,8 @@ class ProcessTransport:
         ctx = mp.get_context("spawn")
         self._commands = ctx.Queue()
         self._messages = ctx.Queue()
-        self.proc = ctx.Process(target=run_engine_process, args=(engine_kwargs, self._commands, self._messages),
+        self.proc = ctx.Process(target=run_engine_process,
+                                args=(engine_kwargs, self._commands, self._messages),
                                 name="chorus-engine-core", daemon=True)
         self.proc.start()
         self._receiver: Optional[threading.Thread] = None
@@ -187,8 +189,8 @@ class ProcessTransport:
         return message.facts
 
     def start(self, on_message: OnMessage) -> None:
-        self._receiver = threading.Thread(target=self._receive, args=(on_message,), name="chorus-engine-client",
-                                          daemon=True)
+        self._receiver = threading.Thread(target=self._receive, args=(on_message,),
+                                          name="chorus-engine-client", daemon=True)
         self._receiver.start()
 
     def send(self, command: EngineCommand) -> None:

@@ -99,7 +99,8 @@ class EngineCore:
         lora_manager = None
         if cfg.lora_config is not None:
             from lora.manager import LoRAManager
-            lora_manager = LoRAManager(cfg.lora_config, loaded.model, device, loaded.dtype, policy=runner.policy)
+            lora_manager = LoRAManager(cfg.lora_config, loaded.model, device, loaded.dtype,
+                                       policy=runner.policy)
             runner.lora_manager = lora_manager
         num_blocks = runner.determine_num_blocks(max_blocks_needed(
             cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size))
@@ -163,7 +164,8 @@ class EngineCore:
             outputs += self._update(so, pending)
         return outputs
 
-    def _update(self, so: SchedulerOutput, result: ModelRunnerOutput | PendingOutput) -> list[EngineCoreOutput]:
+    def _update(self, so: SchedulerOutput,
+                result: ModelRunnerOutput | PendingOutput) -> list[EngineCoreOutput]:
         runner_out = result.get() if isinstance(result, PendingOutput) else result
         outputs = self.scheduler.update_from_output(so, runner_out)
         if self.lora_manager is not None and self.lora_manager.pending_removals():

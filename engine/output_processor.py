@@ -255,7 +255,8 @@ class OutputProcessor:
         if c.logprobs is not None:
             c.num_sent_logprobs = len(c.logprobs)
         c.final_sent = finished
-        return CompletionOutput(index=c.index, text=text, token_ids=toks, cumulative_logprob=c.cumulative_logprob,
+        return CompletionOutput(index=c.index, text=text, token_ids=toks,
+                                cumulative_logprob=c.cumulative_logprob,
                                 logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
 

@@ -2,7 +2,8 @@
 
 Two sources:
 - per-step and per-request events from ``AsyncLLM`` (``PrometheusStatLogger`` implements its
-  ``StatLogger``): token counters, finished requests by reason, TTFT / inter-token / end-to-end latency histograms;
+  ``StatLogger``): token counters, finished requests by reason, TTFT / inter-token / end-to-end
+  latency histograms;
 - the engine's latest ``SchedulerStats`` snapshot, read at scrape time (``EngineStatsCollector``):
   running/waiting requests, KV cache usage, prefix-cache queries/hits, preemptions, and
   ``chorus:max_num_reqs_per_step`` (most requests batched into one step; proves batching).

@@ -19,8 +19,8 @@ from engine.outputs import Logprob
 from engine.server.errors import BadRequestError, error_body, to_openai_error
 from engine.server.protocol import (SSE_DONE, ChatCompletionRequest, ChatCompletionResponse,
                                     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                    ChatMessage, ChatResponseMessage, DeltaMessage, StreamChunkHead, UsageInfo,
-                                    now_s, random_id, sse_event, stream_chunk)
+                                    ChatMessage, ChatResponseMessage, DeltaMessage, StreamChunkHead,
+                                    UsageInfo, now_s, random_id, sse_event, stream_chunk)
 from engine.server.serving_base import (ServingBase, merge_streams, run_unless_disconnected,
                                         serialize_prompt_logprobs, to_sampling_params)
 
@@ -183,8 +183,8 @@ class OpenAIServingChat(ServingBase):
                                                                             finish_reason=finish)],
                                 usage=usage, include_usage_key=include_usage)
 
-        head = StreamChunkHead(id=request_id, object="chat.completion.chunk", created=created, model=model_name,
-                               include_usage_key=include_usage)
+        head = StreamChunkHead(id=request_id, object="chat.completion.chunk", created=created,
+                               model=model_name, include_usage_key=include_usage)
         fast = not req.logprobs and not continuous
         first = True
         try:

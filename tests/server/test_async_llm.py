@@ -124,7 +124,8 @@ def test_engine_fault_fails_inflight_requests_calls_and_new_requests(llm):
 
 def test_concurrent_requests_share_steps_and_calls_by_name(llm):
     async def go():
-        results = await asyncio.gather(*[collect(llm, TINY_PROMPTS[i % 8], params(8), f"c{i}") for i in range(16)])
+        results = await asyncio.gather(*[collect(llm, TINY_PROMPTS[i % 8], params(8), f"c{i}")
+                                         for i in range(16)])
         assert all(sum(len(o.outputs[0].token_ids) for o in r) == 8 for r in results)
         with pytest.raises(AttributeError):
             await llm.call_engine("step")

@@ -9,7 +9,8 @@ from engine.server.protocol import (ChatCompletionResponseStreamChoice, Completi
 
 
 @pytest.mark.parametrize("include_usage_key", [False, True])
-@pytest.mark.parametrize("text, finish, stop", [("hello", None, None), ('q"uo\\te\n\u00e9\u4e16 \ud83d\ude00', None, None),
+@pytest.mark.parametrize("text, finish, stop", [("hello", None, None),
+                                                ('q"uo\\te\n\u00e9\u4e16 \ud83d\ude00', None, None),
                                                 ("", "stop", "##"), ("x", "stop", 7), ("", "length", None)])
 def test_completion_chunk_matches_pydantic(include_usage_key, text, finish, stop):
     common = dict(id="cmpl-1\"x", object="text_completion", created=123, model="tiny/llama \u00e9",

@@ -113,7 +113,9 @@ def test_block_sizes_and_gqa(block_size, num_heads, num_kv_heads):
 def test_pure_decode_kernel(heads_per_prog, num_heads, num_kv_heads, head_dim, block_size):
     """Pure-decode batches run kernels.paged_decode with 1-4 KV heads per program (one loop over
     (head, tile) pairs; fewer where the heads do not divide), or the general kernel (0); contexts
-    of 1 key, at and across block and tile edges, head dims padded to a power of two."""
+    of 1 key, at and across block and tile edges, head dims padded to a power of two. One KV
+    segment (num_splits=1): on a GPU a batch this small would otherwise split the KV work and take
+    the split-KV launches instead."""
     import kernels.paged_attention as pa
 
     layout = [(1, c) for c in (0, 31, 32, 33, 95, 6, block_size - 1, 2 * block_size)]
@@ -121,9 +123,9 @@ def test_pure_decode_kernel(heads_per_prog, num_heads, num_kv_heads, head_dim, b
                    block_size=block_size, dtype=torch.bfloat16, seed=heads_per_prog + head_dim)
     scale = head_dim ** -0.5
     cfg = pa._choose_config(b.q.device, num_heads // num_kv_heads, head_dim, len(layout), num_kv_heads, 1,
-                            b.max_seq_len, None, {"heads_per_prog": heads_per_prog}, pure_decode=True)
+                            b.max_seq_len, 1, {"heads_per_prog": heads_per_prog}, pure_decode=True)
     assert cfg.heads_per_prog == (0 if heads_per_prog == 0 else math.gcd(heads_per_prog, num_kv_heads))
-    out = run_kernel(b, scale, decode_tiles={"heads_per_prog": heads_per_prog})
+    out = run_kernel(b, scale, decode_tiles={"heads_per_prog": heads_per_prog}, num_splits=1)
     assert_close(out, paged_attention_ref(*b.args(), scale), torch.bfloat16)
 
 
@@ -156,17 +158,18 @@ def test_grid_orders_of_the_general_kernel(heads_first):
 
 def test_pure_decode_kernel_only_for_one_token_per_row(monkeypatch):
     """The decode kernel takes row i as request i: padding rows past the requests, or a batch
-    whose max_query_len exceeds 1, go to the general kernel."""
+    whose max_query_len exceeds 1, go to the general kernel (one KV segment, as on a GPU a batch
+    this small would otherwise split)."""
     import kernels.paged_attention as pa
 
     used = []
     decode = pa.launch_paged_decode
     monkeypatch.setattr(pa, "launch_paged_decode", lambda *a, **kw: used.append(1) or decode(*a, **kw))
     b = make_batch(LAYOUTS["decodes"], head_dim=16, pad_tokens=2)
-    run_kernel(b, 0.25)
+    run_kernel(b, 0.25, num_splits=1)
     assert used == []
     b = make_batch(LAYOUTS["decodes"], head_dim=16)
-    assert_close(run_kernel(b, 0.25), paged_attention_ref(*b.args(), 0.25), torch.float32)
+    assert_close(run_kernel(b, 0.25, num_splits=1), paged_attention_ref(*b.args(), 0.25), torch.float32)
     assert used == [1]
 
 

@@ -112,3 +112,22 @@ def test_killed_engine_process_gives_503_and_shutdown_stops_it(tiny_llama_dir):
     srv2.stop()
     srv2.engine_client.shutdown()
     assert wait_until(lambda: not child.is_alive())
+
+
+def test_fault_in_the_engine_process_ends_streams_with_503(tiny_llama_dir):
+    """The child's loop dies of an exception: its EngineDead crosses the pipe; the in-flight stream
+    ends with an in-band 503 event and [DONE], then /health and new requests get 503."""
+    srv = start_server(str(tiny_llama_dir), served_model_name=["tiny-llama"], max_model_len=128, engine_process=True)
+    try:
+        body = {"model": "tiny-llama", "prompt": "A", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            srv.engine_client.inject_fault()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and any('"code":503' in line for line in rest), rest[-3:]
+        assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503
+    finally:
+        srv.stop()

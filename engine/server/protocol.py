@@ -281,9 +281,21 @@ class ModelList(OpenAIBaseModel):
 # ----------------------------------------------------------------------------------------
 # SSE framing
 # ----------------------------------------------------------------------------------------
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+"""One encoder: ``json.dumps`` with non-default options builds a new one per call."""
+_json_str = json.encoder.encode_basestring
+"""A str as a JSON string literal (what ``dumps`` gives for a str), in C."""
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON, as OpenAI and vLLM send it."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return _COMPACT_JSON.encode(obj)
+
+
+def _json_scalar(value: Optional[Union[int, str]]) -> str:
+    if value is None:
+        return "null"
+    return _json_str(value) if isinstance(value, str) else dumps(value)
 
 
 def sse_event(payload: dict[str, Any]) -> str:
@@ -318,12 +330,13 @@ class StreamChunkHead:
     def completion(self, index: int, text: str, finish_reason: Optional[str],
                    stop_reason: Optional[Union[int, str]]) -> str:
         """A ``text_completion`` chunk: ``CompletionResponseStreamChoice`` with ``logprobs: null``."""
-        return (f'{self._head}{{"index":{index},"text":{dumps(text)},"logprobs":null,'
-                f'"finish_reason":{dumps(finish_reason)},"stop_reason":{dumps(stop_reason)}}}{self._tail}')
+        return (f'{self._head}{{"index":{index},"text":{_json_str(text)},"logprobs":null,'
+                f'"finish_reason":{_json_scalar(finish_reason)},"stop_reason":{_json_scalar(stop_reason)}}}'
+                f'{self._tail}')
 
     def chat_content(self, index: int, content: str) -> str:
         """A ``chat.completion.chunk`` with ``delta: {"content": ...}``, no logprobs, not finished."""
-        return (f'{self._head}{{"index":{index},"delta":{{"content":{dumps(content)}}},"logprobs":null,'
+        return (f'{self._head}{{"index":{index},"delta":{{"content":{_json_str(content)}}},"logprobs":null,'
                 f'"finish_reason":null}}{self._tail}')
 
 

@@ -115,8 +115,8 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
               gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
     engine = llm.llm_engine
     runner = engine.runner
-    hf_cfg = engine.hf_config
-    elem = torch.finfo(engine.dtype).bits // 8
+    hf_cfg = engine.runner.hf_config
+    elem = torch.finfo(engine.runner.dtype).bits // 8
     weight_bytes = sum(p.numel() for p in runner.model.parameters()) * elem
     embed_bytes = runner.model.model.embed_tokens.weight.numel() * elem
     cuda = torch.cuda.is_available()

@@ -187,33 +187,6 @@ class LoRAShrinkConfig:
         _check_launch(self.num_warps, self.num_stages)
 
 
-def parse_config_override(text: Optional[str], config_cls: type) -> ConfigOverride:
-    """Parse ``"field=int,field=int"`` (e.g. ``"block_k=256,split_k=4"``) against a config dataclass.
-
-    Raises ``ValueError`` naming the field for unknown names or non-integer values. Empty or
-    None gives no override.
-    """
-    if not text or not text.strip():
-        return ()
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    pairs = {}
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in names:
-            raise ValueError(f"{config_cls.__name__} override {item.strip()!r}: expected field=int with "
-                             f"field in {sorted(names)}.")
-        try:
-            pairs[key] = int(value)
-        except ValueError:
-            raise ValueError(f"{config_cls.__name__} override {key}={value.strip()!r}: "
-                             "not an integer.") from None
-    dataclasses.replace(config_cls(), **pairs)                    # validates the values now
-    return tuple(sorted(pairs.items()))
-
-
 def tile_m_for(num_tokens: int, num_segments: int) -> tuple[int, int]:
     """(block_m, upper bound on the tiles with work) when num_tokens fall into num_segments segments.
 

@@ -81,7 +81,7 @@ class LoRAManager:
 
     Args:
         lora_config: ``engine.config.LoRAConfig`` (max_loras, max_lora_rank, max_cpu_loras, lora_dtype).
-        model: the loaded base model; its q/k/v/o/gate/up/down ``Linear``s get a ``lora`` hook.
+        model: the loaded base model; its q/k/v/o/gate/up/down ``Linear``s get a ``LinearLoRASlots`` as ``adapter``.
         device: where the slot buffers live.
         dtype: the model dtype (the slot dtype when ``lora_dtype`` is "auto").
         backend: "triton" or "torch"; None picks triton on CUDA, torch elsewhere.

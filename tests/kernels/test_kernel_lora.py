@@ -14,7 +14,7 @@ import torch
 
 from kernels.lora_expand import LoRAExpandConfig, lora_expand, lora_expand_config
 from kernels.lora_meta import NO_LORA, build_lora_kernel_meta, max_split_k, shrink_buffer_rows
-from kernels.lora_shrink import LoRAShrinkConfig, lora_shrink, lora_shrink_config, parse_config_override
+from kernels.lora_shrink import LoRAShrinkConfig, lora_shrink, lora_shrink_config
 from kernels.reference import lora_expand_ref, lora_shrink_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -280,19 +280,11 @@ def test_default_configs_fill_the_gpu(h200_sms):
     assert lora_expand_config(64, 64, (4096,), cuda, (("n_tiles", 2),)).n_tiles == 2
 
 
-def test_config_overrides_parse_and_validate():
-    assert parse_config_override("block_m=16, block_k=256,split_k=4,num_warps=4", LoRAShrinkConfig) == (
-        ("block_k", 256), ("block_m", 16), ("num_warps", 4), ("split_k", 4))
-    assert parse_config_override("", LoRAShrinkConfig) == ()
-    assert parse_config_override(None, LoRAExpandConfig) == ()
-    assert parse_config_override("block_n=64,n_tiles=8", LoRAExpandConfig) == (
-        ("block_n", 64), ("n_tiles", 8))
-    with pytest.raises(ValueError, match="field in"):
-        parse_config_override("block_n=64", LoRAShrinkConfig)
-    with pytest.raises(ValueError, match="not an integer"):
-        parse_config_override("block_k=big", LoRAShrinkConfig)
+def test_configs_validate_their_fields():
+    """Bad launch-config values fail at construction (``KernelPolicy`` builds its lora_shrink /
+    lora_expand overrides through these checks)."""
     with pytest.raises(ValueError, match="split_k"):
-        parse_config_override("split_k=3", LoRAShrinkConfig)
+        LoRAShrinkConfig(split_k=3)
     with pytest.raises(ValueError, match="block_m"):
         LoRAExpandConfig(block_m=8)
     with pytest.raises(ValueError, match="n_tiles"):

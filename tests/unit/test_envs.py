@@ -1,6 +1,5 @@
 """engine/envs.py: the user-facing variables, and the one kernel-policy override string."""
 
-
 from engine import envs
 from engine.kernel_policy import KernelPolicy
 

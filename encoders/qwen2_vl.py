@@ -1,0 +1,237 @@
+"""The Qwen2-VL vision transformer, exact against transformers' Qwen2VisionTransformerPretrainedModel.
+
+Patches come flattened by the image processor ([num_patches, C * temporal_patch * patch * patch], each
+image's patches in spatial-merge block order). The stride == kernel Conv3d patch embedding is one
+Linear; every block applies the 2-D rotary (h / w patch coordinates) to q and k in float32 and attends
+within one frame of one image only; the PatchMerger turns each merge x merge block of patches into one
+language-model token.
+
+Attention runs one SDPA call per run of consecutive frames with the same number of patches (one call
+for a batch of same-sized images), with no mask: the flash / memory-efficient kernels stay usable and
+no work is spent on the zero blocks a block-diagonal mask over all patches would carry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from encoders.vit import TowerWeights, ViTMLP, WeightLoadError
+
+_TOWER = "Qwen2VLVisionTransformer"
+_EXPECTED_NAMES = "transformers' Qwen2VisionTransformerPretrainedModel.state_dict()"
+_NORM_EPS = 1e-6  # transformers hard-codes LayerNorm(eps=1e-6) in the blocks and the merger
+
+
+class GridError(ValueError):
+    """pixel_values and grid_thw disagree, or a grid is not a whole number of merge blocks."""
+
+
+@dataclass(frozen=True)
+class FrameRun:
+    """Consecutive frames with the same number of patches: they attend in one batched SDPA call."""
+
+    first_patch: int  # index of the run's first patch in the packed sequence
+    num_frames: int  # frames in the run; each attends only to its own patches
+    patches_per_frame: int  # grid_h * grid_w of every frame in the run
+
+
+@dataclass(frozen=True)
+class VisionBatch:
+    """What every block needs about the packed images, computed once per forward."""
+
+    cos: torch.Tensor  # [num_patches, head_dim] float32, the rotary cos per patch
+    sin: torch.Tensor  # [num_patches, head_dim] float32
+    runs: list[FrameRun]  # the attention segments, in order, covering every patch once
+
+
+def frame_runs(grid_thw: list[list[int]]) -> list[FrameRun]:
+    """Group the frames of ``grid_thw`` rows ([t, h, w] per image) into runs of consecutive frames of
+    equal size (transformers' cu_seqlens segments, batched where they are the same length)."""
+    runs: list[FrameRun] = []
+    first_patch = 0
+    for t, h, w in grid_thw:
+        if runs and runs[-1].patches_per_frame == h * w:
+            last = runs[-1]
+            runs[-1] = FrameRun(last.first_patch, last.num_frames + t, h * w)
+        else:
+            runs.append(FrameRun(first_patch, t, h * w))
+        first_patch += t * h * w
+    return runs
+
+
+def rotary_position_ids(grid_thw: list[list[int]], merge_size: int, device: torch.device) -> torch.Tensor:
+    """[num_patches, 2] (row, column) of every patch, in the processor's order: frames, then merge
+    blocks row-major, then the merge x merge patches of a block row-major."""
+    position_ids = []
+    for t, h, w in grid_thw:
+        rows = torch.arange(h, device=device)[:, None].expand(h, w)  # [h, w]
+        cols = torch.arange(w, device=device)[None, :].expand(h, w)  # [h, w]
+        block_shape = (h // merge_size, merge_size, w // merge_size, merge_size)
+        rows = rows.reshape(block_shape).transpose(1, 2).flatten()
+        cols = cols.reshape(block_shape).transpose(1, 2).flatten()
+        position_ids.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(position_ids)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [..., d]: (x1, x2) -> (-x2, x1) over the two halves of the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_patches, heads, head_dim] rotated in float32 by cos / sin [num_patches, head_dim], cast back."""
+    x_float = x.float()
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [num_patches, 1, head_dim]
+    return (x_float * cos + rotate_half(x_float) * sin).to(x.dtype)
+
+
+class VisionRotary(nn.Module):
+    """Axial 2-D rotary: head_dim / 4 frequencies, the first half of each rotated pair turns with the
+    patch row, the second with the column."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        spatial_dim = head_dim // 2
+        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 4]
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [num_patches, 2] -> cos, sin [num_patches, head_dim] float32."""
+        inv_freq = self.inv_freq.to(device=position_ids.device, dtype=torch.float)
+        freqs = (position_ids[..., None].float() * inv_freq).flatten(1)  # [num_patches, head_dim / 2] (h | w)
+        angles = torch.cat([freqs, freqs], dim=-1)  # [num_patches, head_dim]
+        return angles.cos(), angles.sin()
+
+
+class VisionAttention(nn.Module):
+    """Self-attention over the packed patches, per frame of each image, with the 2-D rotary on q and k."""
+
+    def __init__(self, embed_dim: int, num_heads: int) -> None:
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"{_TOWER}: embed_dim={embed_dim} is not a multiple of num_heads={num_heads}.")
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        self.proj = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, hidden_states: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        """hidden_states [num_patches, embed_dim] -> [num_patches, embed_dim]."""
+        num_patches, embed_dim = hidden_states.shape
+        qkv = self.qkv(hidden_states).view(num_patches, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(1)  # each [num_patches, heads, head_dim]
+        q = apply_vision_rotary(q, batch.cos, batch.sin)
+        k = apply_vision_rotary(k, batch.cos, batch.sin)
+        outputs = []
+        for run in batch.runs:
+            span = slice(run.first_patch, run.first_patch + run.num_frames * run.patches_per_frame)
+            shape = (run.num_frames, run.patches_per_frame, self.num_heads, self.head_dim)
+            # each [frames, heads, patches_per_frame, head_dim]
+            q_run, k_run, v_run = (x[span].view(shape).transpose(1, 2) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(q_run, k_run, v_run, scale=self.scale)  # [F, heads, L, hd]
+            outputs.append(out.transpose(1, 2).reshape(-1, embed_dim))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [num_patches, embed_dim]
+        return self.proj(out)
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.embed_dim, eps=_NORM_EPS)
+        self.norm2 = nn.LayerNorm(config.embed_dim, eps=_NORM_EPS)
+        self.attn = VisionAttention(config.embed_dim, config.num_heads)
+        self.mlp = ViTMLP(config.embed_dim, int(config.embed_dim * config.mlp_ratio), config.hidden_act)
+
+    def forward(self, hidden_states: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
+        """hidden_states [num_patches, embed_dim] -> [num_patches, embed_dim]."""
+        hidden_states = hidden_states + self.attn(self.norm1(hidden_states), batch)
+        return hidden_states + self.mlp(self.norm2(hidden_states))
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm each patch, concatenate each merge x merge block, 2-layer GELU MLP to the LM's width."""
+
+    def __init__(self, out_dim: int, embed_dim: int, merge_size: int) -> None:
+        super().__init__()
+        self.merged_dim = embed_dim * merge_size ** 2
+        self.ln_q = nn.LayerNorm(embed_dim, eps=_NORM_EPS)
+        self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
+                                 nn.Linear(self.merged_dim, out_dim))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [num_patches, embed_dim] -> [num_patches / merge**2, out_dim]."""
+        return self.mlp(self.ln_q(hidden_states).view(-1, self.merged_dim))
+
+
+class Qwen2VLVisionTransformer(nn.Module):
+    """Qwen2-VL's vision encoder built from a transformers ``Qwen2VLVisionConfig``: patch embedding,
+    ``depth`` rotary ViT blocks, PatchMerger to ``config.hidden_size`` (the language model's width)."""
+
+    def __init__(self, vision_config) -> None:
+        super().__init__()
+        config = vision_config
+        self.merge_size = config.spatial_merge_size
+        # transformers' Conv3d kernel [C, T, P, P]; a patch is flattened from it in this order.
+        self.patch_shape = (config.in_channels, config.temporal_patch_size, config.patch_size,
+                            config.patch_size)
+        self.patch_dim = math.prod(self.patch_shape)  # values per flattened patch
+        # The Conv3d of transformers (stride == kernel) as a matmul over the flattened patch.
+        self.patch_embed = nn.Linear(self.patch_dim, config.embed_dim, bias=False)
+        rope = getattr(config, "rope_parameters", None) or {}
+        self.rotary = VisionRotary(config.embed_dim // config.num_heads, rope.get("rope_theta", 10000.0))
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config.hidden_size, config.embed_dim, config.spatial_merge_size)
+
+    def _batch(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionBatch:
+        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+            raise GridError(f"{_TOWER}: grid_thw must be [num_images, 3] (t, h, w in patches), "
+                            f"got {list(grid_thw.shape)}.")
+        grids = grid_thw.tolist()
+        for t, h, w in grids:
+            if t < 1 or h % self.merge_size or w % self.merge_size or h < 1 or w < 1:
+                raise GridError(f"{_TOWER}: grid (t={t}, h={h}, w={w}) must have t >= 1 and h, w positive "
+                                f"multiples of spatial_merge_size={self.merge_size}.")
+        num_patches = sum(t * h * w for t, h, w in grids)
+        if tuple(pixel_values.shape) != (num_patches, self.patch_dim):
+            raise GridError(f"{_TOWER}: pixel_values must be [{num_patches}, {self.patch_dim}] for grid_thw "
+                            f"{grids} (patches, C * temporal_patch_size * patch_size**2), "
+                            f"got {list(pixel_values.shape)}.")
+        cos, sin = self.rotary(rotary_position_ids(grids, self.merge_size, pixel_values.device))
+        return VisionBatch(cos=cos, sin=sin, runs=frame_runs(grids))
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [num_patches, C * temporal_patch_size * patch_size**2] (any float dtype), grid_thw
+        [num_images, 3] (t, h, w in patches) -> [num_patches / spatial_merge_size**2, hidden_size], the
+        images' embeddings concatenated in order."""
+        batch = self._batch(pixel_values, grid_thw)
+        hidden_states = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))  # [P, embed_dim]
+        for block in self.blocks:
+            hidden_states = block(hidden_states, batch)
+        return self.merger(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors named as in transformers' ``Qwen2VisionTransformerPretrainedModel.state_dict()``
+        (strip the checkpoint's ``visual.`` / ``model.visual.`` prefix first); the Conv3d patch weight
+        [embed_dim, C, T, P, P] is flattened to the Linear's [embed_dim, C * T * P * P]."""
+        loader = TowerWeights(self, _TOWER, _EXPECTED_NAMES)
+        for name, tensor in weights:
+            if name == "patch_embed.proj.weight":
+                if tuple(tensor.shape[1:]) != self.patch_shape:
+                    raise WeightLoadError(
+                        f"{_TOWER}: checkpoint tensor {name!r} has shape {list(tensor.shape)}, expected "
+                        f"[embed_dim, {', '.join(map(str, self.patch_shape))}] (the config's in_channels, "
+                        f"temporal_patch_size, patch_size, patch_size).")
+                loader.load(name, "patch_embed.weight", tensor.reshape(tensor.shape[0], -1))
+            else:
+                loader.load(name, name, tensor)
+        loader.finish()

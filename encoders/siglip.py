@@ -4,9 +4,9 @@ SiglipVisionModel.
 Embeddings (patches through a biased conv + learned positions, no class token) -> pre-norm encoder
 layers. ``forward`` returns the hidden states indexed like
 ``SiglipVisionModel(output_hidden_states=True).hidden_states`` (no post-layernorm on them). When every
-layer is built, ``post_layernorm`` is built and loaded too: ``tower.post_layernorm`` of the last
-layer's features is SiglipVisionModel's ``last_hidden_state``. The attention-pooling head is never
-built and its tensors are skipped.
+layer is built, ``post_layernorm`` is built and loaded too (None when the checkpoint lacks it):
+``tower.post_layernorm`` of the last layer's features is SiglipVisionModel's ``last_hidden_state``.
+The attention-pooling head is never built and its tensors are skipped.
 """
 
 from __future__ import annotations
@@ -37,3 +37,6 @@ class SiglipVisionTower(ViTTower):
 
     def skipped_prefixes(self) -> tuple[str, ...]:
         return ("head.",) if self.post_layernorm is not None else ("head.", "post_layernorm.")
+
+    def optional_modules(self) -> tuple[str, ...]:
+        return ("post_layernorm",) if self.post_layernorm is not None else ()

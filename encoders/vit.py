@@ -218,15 +218,20 @@ class TowerWeights:
         target.copy_(tensor)
         self._loaded_rows[param_name].add((start, stop))
 
-    def finish(self) -> None:
-        """WeightLoadError naming up to five parameters not (fully) loaded."""
+    def finish(self, optional_modules: tuple[str, ...] = ()) -> list[str]:
+        """WeightLoadError naming up to five parameters not (fully) loaded, except that the modules named
+        in ``optional_modules`` may be absent from the checkpoint as a whole: those are returned."""
         missing = [name for name, param in self._params.items()
                    if sum(stop - start for start, stop in self._loaded_rows[name]) != param.shape[0]]
+        absent = [module for module in optional_modules if not any(
+            self._loaded_rows[name] for name in self._params if name.startswith(f"{module}."))]
+        missing = [name for name in missing if not name.startswith(tuple(f"{module}." for module in absent))]
         if missing:
             listed = ", ".join(repr(name) for name in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise WeightLoadError(f"{self.tower}: the checkpoint left {len(missing)} parameter(s) unset: "
                                   f"{listed}{more}; pass every tensor of {self.expected_names}.")
+        return absent
 
 
 _PACKED_QKV = re.compile(r"encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)")
@@ -260,6 +265,11 @@ class ViTTower(nn.Module):
         """Checkpoint names (besides unbuilt layers) that load_weights skips."""
         return ()
 
+    def optional_modules(self) -> tuple[str, ...]:
+        """Built modules that the forward never uses: a checkpoint without them loads, and load_weights
+        sets them to None."""
+        return ()
+
     def forward(self, pixel_values: torch.Tensor, feature_layers: Sequence[int]) -> list[torch.Tensor]:
         """pixel_values [N, C, image_size, image_size] (any float dtype, cast to the parameters') -> one
         [N, S, hidden] per entry of ``feature_layers``, indexed like transformers' ``hidden_states``:
@@ -291,4 +301,5 @@ class ViTTower(nn.Module):
                             shard="qkv".index(which), num_shards=3)
             else:
                 loader.load(checkpoint_name, name, tensor)
-        loader.finish()
+        for module in loader.finish(optional_modules=self.optional_modules()):
+            setattr(self, module, None)

@@ -112,13 +112,20 @@ def test_vit_tower_stops_after_the_deepest_requested_layer(kind):
     assert ran == [0]
 
 
-def test_siglip_post_layernorm_is_built_and_loaded_only_with_every_layer():
+def test_siglip_post_layernorm_is_built_with_every_layer_and_optional_in_the_checkpoint():
     config, hf, full = _loaded_vit("siglip")
     pixels = _pixels(config)
     with torch.no_grad():
         (last,) = full(pixels, [-1])
         assert _max_diff(full.post_layernorm(last), hf(pixels).last_hidden_state) <= MAX_ABS_DIFF
     assert SiglipVisionTower(config, num_layers=2).post_layernorm is None
+    without = SiglipVisionTower(config)
+    without.load_weights((name, t) for name, t in hf.state_dict().items()
+                         if not name.startswith("post_layernorm."))
+    assert without.post_layernorm is None
+    half = {name: t for name, t in hf.state_dict().items() if name != "post_layernorm.bias"}
+    with pytest.raises(WeightLoadError, match="left 1 parameter.*'post_layernorm.bias'"):
+        SiglipVisionTower(config).load_weights(half.items())
 
 
 @pytest.mark.parametrize("kind", sorted(TOWERS))

@@ -1,0 +1,272 @@
+"""Loading user images safely: PIL images, bytes, data URLs, http(s) URLs, file:// URLs and local paths.
+
+Every source ends in one decoder that refuses what a server must not take: formats outside a short
+list of web image formats (PIL would otherwise try every plugin it has), more pixels than
+``MediaLimits.max_image_pixels`` (checked from the header, before decoding), empty images, and files
+that fail to decode in full (the image is ``load()``-ed here, so a truncated file fails now, not later
+in a worker). Downloads, data URLs and files are read up to ``max_image_bytes`` and no further; file://
+URLs are confined to ``allowed_local_media_path`` after resolving symlinks and ``..``. Every refusal is
+a ``MediaError`` whose message can go back to the user as it is.
+
+EXIF orientation is applied to decoded files (a phone photo comes out upright, as transformers'
+``load_image`` does); PIL images given directly are returned as they are.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import importlib
+import io
+import os
+import re
+import stat
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from PIL import Image, ImageOps
+
+for _plugin in ("Png", "Jpeg", "Gif", "WebP", "Bmp", "Tiff", "Avif"):
+    try:
+        importlib.import_module(f"PIL.{_plugin}ImagePlugin")
+    except ImportError:   # a Pillow built without that codec
+        pass
+ALLOWED_FORMATS = tuple(f for f in ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF", "AVIF") if f in Image.OPEN)
+"""Formats a user image may be in (JPEG includes MPO); PIL's other plugins (EPS, PSD, ...) are not
+offered untrusted bytes."""
+MAGIC_NUMBERS = ((b"\x89PNG", "PNG"), (b"\xff\xd8", "JPEG"), (b"GIF8", "GIF"), (b"RIFF", "WEBP"),
+                 (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+"""How a file of each allowed format starts: names what a file that fails to open was meant to be."""
+READ_CHUNK_BYTES = 1 << 16
+DATA_URL = re.compile(r"^data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)$", re.DOTALL)
+WHITESPACE = re.compile(r"\s+")
+SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+URL_SAFE_TO_STANDARD = str.maketrans("-_", "+/")
+
+ImageSource = Union[Image.Image, bytes, bytearray, memoryview, str, os.PathLike]
+
+
+class MediaError(ValueError):
+    """An image could not be loaded; the message says why, for the user (an HTTP 400 body)."""
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What a request's images may be and where they may come from."""
+
+    allowed_local_media_path: Optional[str] = None
+    """file:// URLs are served only from under this directory (symlinks and ``..`` resolved first);
+    None: file:// URLs are refused."""
+    fetch_timeout_s: float = 10.0
+    """http(s): the connect timeout, each read's timeout, and the limit on the whole download."""
+    max_image_bytes: int = 20 << 20
+    """Largest download, data URL payload, file or bytes object, in bytes."""
+    max_redirects: int = 5
+    """http(s) redirects followed before giving up."""
+    max_image_pixels: int = 50_000_000
+    """Largest width * height, checked from the header before decoding (decompression bombs)."""
+
+
+def load_image(source: ImageSource, limits: MediaLimits = MediaLimits(),
+               allow_local_paths: bool = False) -> Image.Image:
+    """A fully decoded PIL image from ``source``: a PIL image, encoded bytes, a ``data:image/...;base64,``
+    URL, an ``http(s)://`` URL, a ``file://`` URL (under ``limits.allowed_local_media_path``) or, with
+    ``allow_local_paths`` (the offline API), a filesystem path. Raises ``MediaError``."""
+    if isinstance(source, Image.Image):
+        return checked_image(source, limits)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        if len(data) > limits.max_image_bytes:
+            raise MediaError(f"the image is {len(data)} bytes, above the limit of {limits.max_image_bytes}")
+        return decode_image(data, limits)
+    if isinstance(source, os.PathLike):
+        if not allow_local_paths:
+            raise MediaError("local file paths are not accepted here; send the image as a data URL or an "
+                             "http(s) URL")
+        return decode_image(read_local_file(Path(source), str(source), limits), limits)
+    if not isinstance(source, str):
+        raise MediaError(f"an image must be a URL, a data URL, bytes or a PIL image, not {type(source).__name__}")
+    match = SCHEME.match(source[:64])
+    scheme = match[1].lower() if match else ""
+    if scheme == "data":
+        return decode_image(decode_data_url(source, limits), limits)
+    if scheme in ("http", "https"):
+        return decode_image(fetch_url(source, limits), limits)
+    if scheme == "file":
+        return decode_image(read_local_file(file_url_path(source, limits), source, limits), limits)
+    if allow_local_paths and (not scheme or len(scheme) == 1):   # a plain path (or a Windows drive letter)
+        return decode_image(read_local_file(Path(source), source, limits), limits)
+    shown = source if len(source) <= 80 else source[:77] + "..."
+    raise MediaError(f"unsupported image URL {shown!r}: use an http(s):// URL or a data:image/...;base64, URL"
+                     + (" (or a file:// URL under the allowed media directory)"
+                        if limits.allowed_local_media_path else ""))
+
+
+def checked_image(image: Image.Image, limits: MediaLimits) -> Image.Image:
+    """``image`` after the size checks, fully loaded."""
+    check_size(image.width, image.height, limits)
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise MediaError(f"the image could not be decoded, it is truncated or corrupt ({e})") from e
+    return image
+
+
+def check_size(width_px: int, height_px: int, limits: MediaLimits) -> None:
+    if width_px <= 0 or height_px <= 0:
+        raise MediaError(f"the image is empty ({width_px}x{height_px} px)")
+    max_pixels = limits.max_image_pixels
+    if Image.MAX_IMAGE_PIXELS is not None:   # PIL's own bomb limit, where it is lower, refuses too
+        max_pixels = min(max_pixels, Image.MAX_IMAGE_PIXELS)
+    if width_px * height_px > max_pixels:
+        raise MediaError(f"the image is {width_px}x{height_px} px = {width_px * height_px} pixels, above the "
+                         f"limit of {max_pixels}; send a smaller image")
+
+
+def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
+    """Decode encoded image bytes in full, refusing unknown formats and oversized or broken images."""
+    if not data:
+        raise MediaError("the image is empty (0 bytes)")
+    try:
+        image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise MediaError(f"the image has too many pixels ({e})") from e
+    except Image.UnidentifiedImageError as e:
+        kind = next((name for magic, name in MAGIC_NUMBERS if data.startswith(magic)), None)
+        if kind is not None:
+            raise MediaError(f"the data starts like a {kind} image but could not be read, it is truncated or "
+                             f"corrupt") from e
+        raise MediaError(f"the data is not an image in a supported format ({', '.join(ALLOWED_FORMATS)})") from e
+    except (OSError, SyntaxError, ValueError) as e:
+        raise MediaError(f"the image could not be read, it is truncated or corrupt ({e})") from e
+    image = checked_image(image, limits)
+    try:
+        ImageOps.exif_transpose(image, in_place=True)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise MediaError(f"the image's EXIF orientation could not be applied ({e})") from e
+    return image
+
+
+def decode_data_url(url: str, limits: MediaLimits) -> bytes:
+    """The payload of a ``data:image/...;base64,`` URL."""
+    match = DATA_URL.match(url)
+    if match is None:
+        raise MediaError("malformed data URL: expected data:image/<type>;base64,<data>")
+    media_type = match["type"].strip().lower()
+    if not media_type.startswith("image/"):
+        raise MediaError(f"a data URL must hold an image (data:image/...), got {media_type or 'no media type'!r}")
+    if "base64" not in (p.strip().lower() for p in match["params"].split(";")):
+        raise MediaError("a data URL image must be base64-encoded (data:image/...;base64,...)")
+    # Tolerated: percent-encoding, line breaks, the URL-safe alphabet.
+    payload = WHITESPACE.sub("", urllib.parse.unquote(match["data"])).translate(URL_SAFE_TO_STANDARD)
+    if len(payload) * 3 // 4 > limits.max_image_bytes + 2:
+        raise MediaError(f"the data URL image is about {len(payload) * 3 // 4} bytes, above the limit of "
+                         f"{limits.max_image_bytes}")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise MediaError(f"the data URL is not valid base64 ({e})") from e
+    if len(data) > limits.max_image_bytes:
+        raise MediaError(f"the data URL image is {len(data)} bytes, above the limit of {limits.max_image_bytes}")
+    return data
+
+
+class LimitedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows at most ``max_redirections`` redirects, and only to http(s) URLs."""
+
+    def __init__(self, max_redirects: int):
+        super().__init__()
+        self.max_redirections = max_redirects
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
+        if scheme not in ("http", "https"):
+            raise MediaError(f"the image URL redirects to a {scheme or 'relative'}: URL, which is not allowed")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def fetch_url(url: str, limits: MediaLimits) -> bytes:
+    """GET an http(s) URL: status 200, at most ``max_image_bytes``, within ``fetch_timeout_s``."""
+    shown = url if len(url) <= 200 else url[:197] + "..."
+    opener = urllib.request.build_opener(LimitedRedirects(limits.max_redirects))
+    request = urllib.request.Request(url, headers={"User-Agent": "chorus-media/1", "Accept": "image/*"})
+    deadline = time.monotonic() + limits.fetch_timeout_s
+    try:
+        with opener.open(request, timeout=limits.fetch_timeout_s) as response:
+            length = response.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > limits.max_image_bytes:
+                raise MediaError(f"the image at {shown} is {length} bytes, above the limit of "
+                                 f"{limits.max_image_bytes}")
+            chunks, size = [], 0
+            while size <= limits.max_image_bytes:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("download deadline")
+                chunk = response.read1(min(READ_CHUNK_BYTES, limits.max_image_bytes + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+    except MediaError:
+        raise
+    except urllib.error.HTTPError as e:
+        if str(e.reason).startswith(LimitedRedirects.inf_msg):
+            raise MediaError(f"fetching {shown} failed: too many redirects (more than {limits.max_redirects}) "
+                             f"or a redirect loop") from e
+        raise MediaError(f"fetching {shown} failed: HTTP {e.code} {e.reason}") from e
+    except TimeoutError as e:
+        raise MediaError(f"fetching {shown} timed out after {limits.fetch_timeout_s:g} s") from e
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, TimeoutError):
+            raise MediaError(f"fetching {shown} timed out after {limits.fetch_timeout_s:g} s") from e
+        raise MediaError(f"fetching {shown} failed: {e.reason}") from e
+    except (OSError, ValueError, http.client.HTTPException) as e:   # bad status line, cut body, bad URL
+        raise MediaError(f"fetching {shown} failed: {e}") from e
+    if size > limits.max_image_bytes:
+        raise MediaError(f"the image at {shown} is larger than the limit of {limits.max_image_bytes} bytes")
+    return b"".join(chunks)
+
+
+def file_url_path(url: str, limits: MediaLimits) -> Path:
+    """The real path of a ``file://`` URL, which must lie under ``allowed_local_media_path``."""
+    if limits.allowed_local_media_path is None:
+        raise MediaError("file:// URLs are not enabled on this server; send the image as a data URL or an "
+                         "http(s) URL")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise MediaError(f"file:// URL {url!r} names host {parts.netloc!r}; only local files are allowed")
+    path = Path(urllib.request.url2pathname(parts.path))
+    allowed = Path(limits.allowed_local_media_path).resolve()
+    real = path.resolve()
+    if not path.is_absolute() or not real.is_relative_to(allowed):
+        raise MediaError(f"file:// URL {url!r} is outside the allowed media directory")
+    return real
+
+
+def read_local_file(path: Path, shown: str, limits: MediaLimits) -> bytes:
+    """The bytes of a regular local file, at most ``max_image_bytes``; ``shown`` names it in errors."""
+    try:
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise MediaError(f"{shown} is a directory, not an image file")
+        if not stat.S_ISREG(info.st_mode):   # a FIFO or a device would block or never end
+            raise MediaError(f"{shown} is not a regular file")
+        if info.st_size > limits.max_image_bytes:
+            raise MediaError(f"the image file {shown} is {info.st_size} bytes, above the limit of "
+                             f"{limits.max_image_bytes}")
+        with open(path, "rb") as f:
+            data = f.read(limits.max_image_bytes + 1)
+    except FileNotFoundError as e:
+        raise MediaError(f"image file not found: {shown}") from e
+    except PermissionError as e:
+        raise MediaError(f"image file {shown} cannot be read (permission denied)") from e
+    except OSError as e:
+        raise MediaError(f"image file {shown} cannot be read ({e.strerror})") from e
+    if len(data) > limits.max_image_bytes:
+        raise MediaError(f"the image file {shown} is larger than the limit of {limits.max_image_bytes} bytes")
+    return data

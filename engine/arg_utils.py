@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from engine.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, MultiModalConfig,
+                           SchedulerConfig)
 
 
 @dataclass
@@ -50,6 +51,10 @@ class EngineArgs:
     """None: the largest rank among adapters given at start-up (at least 16)."""
     max_cpu_loras: Optional[int] = None
     lora_dtype: str = "auto"
+    limit_mm_per_prompt: Optional[dict[str, int]] = None
+    allowed_local_media_path: Optional[str] = None
+    max_num_encoder_input_tokens: Optional[int] = None
+    encoder_cache_size: Optional[int] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -84,8 +89,13 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=mnbt, max_num_seqs=max_num_seqs, policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                async_scheduling=self.async_scheduling),
-            lora_config=lora, device=self.device, enforce_eager=self.enforce_eager,
+                async_scheduling=self.async_scheduling,
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                encoder_cache_size=self.encoder_cache_size),
+            lora_config=lora,
+            mm_config=MultiModalConfig(limit_mm_per_prompt=dict(self.limit_mm_per_prompt or {}),
+                                       allowed_local_media_path=self.allowed_local_media_path),
+            device=self.device, enforce_eager=self.enforce_eager,
             max_cudagraph_capture_size=self.max_cudagraph_capture_size)
 
 

@@ -94,6 +94,22 @@ class SchedulerConfig:
     async_scheduling: bool = True
     """Schedule step N+1 before step N's sampled ids are read (output placeholders), so host work
     overlaps the device's; off: schedule -> run -> update, one step at a time."""
+    max_num_encoder_input_tokens: Optional[int] = None
+    """Encoder embeddings (media placeholder tokens) encoded per step; None: max(max_num_batched_tokens,
+    the largest item the model can produce). Always raised to that largest item."""
+    encoder_cache_size: Optional[int] = None
+    """Encoder embeddings the encoder cache holds; None: the per-step encoder budget. Always raised to
+    that budget, so any item the model can produce fits."""
+
+    def encoder_budgets(self, max_embeds_per_item: int) -> tuple[int, int]:
+        """(per-step encoder compute budget, encoder cache size), in embeddings, for a model whose
+        largest media item has ``max_embeds_per_item`` embeddings (0: a text-only model)."""
+        budget = self.max_num_encoder_input_tokens
+        if budget is None:
+            budget = max(self.max_num_batched_tokens, max_embeds_per_item)
+        budget = max(budget, max_embeds_per_item)
+        cache_size = max(self.encoder_cache_size or 0, budget)
+        return budget, cache_size
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -102,6 +118,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1.")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy {self.policy!r}: use one of {SCHEDULING_POLICIES}.")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name}={v} must be >= 1 (or unset for the default).")
 
 
 @dataclass
@@ -132,6 +152,40 @@ class LoRAConfig:
             raise ValueError(f"lora_dtype={self.lora_dtype!r}: use one of {SUPPORTED_DTYPES}.")
 
 
+MODALITIES = ("image",)
+
+
+@dataclass
+class MultiModalConfig:
+    """Media in prompts: how many, from where, how big (vision models only)."""
+
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    """Modality -> most items in one prompt; a modality left out allows 999 (vLLM's default)."""
+    allowed_local_media_path: Optional[str] = None
+    """Directory whose files ``file://`` image URLs may name (None: file URLs are refused)."""
+    media_fetch_timeout_s: float = 5.0
+    """Timeout of one http(s) media download, seconds."""
+    max_image_bytes: int = 20 << 20
+    """Largest encoded image accepted (download, data URL or file), bytes."""
+    max_image_pixels: int = 50_000_000
+    """Largest width x height accepted, checked before decoding (decompression bombs)."""
+    mm_processor_workers: int = 8
+    """Threads that load and preprocess media off the engine loop."""
+
+    def limit(self, modality: str) -> int:
+        return self.limit_mm_per_prompt.get(modality, 999)
+
+    def __post_init__(self) -> None:
+        for modality, n in self.limit_mm_per_prompt.items():
+            if modality not in MODALITIES:
+                raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r}; use one of {MODALITIES}.")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}]={n!r} must be an integer >= 0.")
+        for name in ("media_fetch_timeout_s", "max_image_bytes", "max_image_pixels", "mm_processor_workers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0.")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, resolved once at start-up."""
@@ -141,6 +195,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora_config: Optional[LoRAConfig] = None
     """None: adapters disabled (requests naming one are rejected)."""
+    mm_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     enforce_eager: bool = False

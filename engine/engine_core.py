@@ -105,12 +105,14 @@ class EngineCore:
         num_blocks = runner.determine_num_blocks(max_blocks_needed(
             cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size))
         runner.allocate_kv_cache(num_blocks)
+        max_embeds_per_item = loaded.mm_processor.max_embeds_per_item() if loaded.mm_processor else 0
         scheduler = Scheduler(cfg.scheduler_config, cfg.cache_config, loaded.max_model_len, num_blocks,
-                              cfg.lora_config)
+                              cfg.lora_config, max_embeds_per_mm_item=max_embeds_per_item)
         processor = Processor(loaded.tokenizer, cfg.model_config, loaded.max_model_len,
-                              loaded.hf_config.vocab_size, loaded.eos_token_ids,
+                              loaded.hf_config.get_text_config().vocab_size, loaded.eos_token_ids,
                               lora_enabled=cfg.lora_config is not None,
-                              max_n=cfg.scheduler_config.max_num_seqs)
+                              max_n=cfg.scheduler_config.max_num_seqs, mm_processor=loaded.mm_processor,
+                              mm_config=cfg.mm_config)
         facts = EngineFacts(model_name=loaded.model_name, max_model_len=loaded.max_model_len,
                             engine_config=cfg, tokenizer=loaded.tokenizer, processor=processor,
                             default_sampling_params=loaded.default_sampling,

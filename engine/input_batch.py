@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.request import MultiModalFeature
 from engine.sampling_params import SamplingParams
 
 NO_ROW = -1
@@ -47,6 +48,12 @@ class CachedRequestState:
     """False while preempted (state kept, row dropped)."""
     row: int = NO_ROW
     """Row of the persistent host block table (NO_ROW while preempted)."""
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    """The request's media items (placeholder ranges, content hashes, encoder inputs)."""
+    mrope_positions: Optional[np.ndarray] = None
+    """[3, num_prompt_tokens] int64 M-RoPE positions of the prompt (M-RoPE models with media only)."""
+    mrope_delta: int = 0
+    """M-RoPE: a token at index i past the prompt is at rotary position i + mrope_delta."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -119,6 +126,9 @@ class StepInputs:
     """req_id -> (first token index in the batch, count, first prompt position) for prompt logprobs."""
     num_placeholders: int = 0
     """Input ids taken on the device from the previous step's sampled ids."""
+    mrope_positions: Optional[np.ndarray] = None
+    """[3, num_tokens] int64 host M-RoPE positions when the step has prompt tokens of a request with
+    media (its rows differ at image tokens); ``positions`` then holds row 0. None otherwise."""
 
 
 class _HostMirror:
@@ -159,6 +169,8 @@ class StepBuffers:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
+        self.uses_mrope = False
+        """Lay out M-RoPE positions (set by the runner for M-RoPE models)."""
         pin = device.type == "cuda"
 
         def alloc(shape, dtype):
@@ -233,6 +245,7 @@ class StepBuffers:
         req_of_token = np.repeat(np.arange(num_reqs), counts)                                # [T]
         pos = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]            # [T]
         a["positions"][:num_tokens] = pos
+        mrope = self._mrope_positions(states, counts, qsl, computed, a["positions"]) if self.uses_mrope else None
         a["positions"][num_tokens:padded_tokens] = 0
         a["slot_mapping"][:num_tokens] = (table.rows[rows[req_of_token], pos // block_size].astype(np.int64)
                                           * block_size + pos % block_size)
@@ -313,4 +326,28 @@ class StepBuffers:
             attn_metadata=meta, sample_req_ids=sample_req_ids,
             logits_indices=self.logits_indices[:num_sampled], all_rows_sample=all_rows_sample,
             token_lora_slots=lora_slots,
-            prompt_logprob_ranges=prompt_ranges, num_placeholders=num_ph)
+            prompt_logprob_ranges=prompt_ranges, num_placeholders=num_ph, mrope_positions=mrope)
+
+    @staticmethod
+    def _mrope_positions(states: list[CachedRequestState], counts: np.ndarray, qsl: np.ndarray,
+                         computed: np.ndarray, positions: np.ndarray) -> Optional[np.ndarray]:
+        """Rewrite ``positions`` ([T] host) to rotary positions for requests with an M-RoPE table
+        (row 0 in the prompt, index + delta after it), and return the step's [3, T] positions when
+        any scheduled token lies in such a prompt (None otherwise: all rows equal ``positions``)."""
+        segments: list[tuple[int, np.ndarray]] = []   # (first token in the step, [3, n] table slice)
+        for i, s in enumerate(states):
+            if s.mrope_positions is None:
+                continue
+            start, n, c = int(qsl[i]), int(counts[i]), int(computed[i])
+            in_prompt = max(0, min(c + n, s.mrope_positions.shape[1]) - c)
+            positions[start + in_prompt:start + n] += s.mrope_delta
+            if in_prompt:
+                table = s.mrope_positions[:, c:c + in_prompt]                          # [3, in_prompt]
+                positions[start:start + in_prompt] = table[0]
+                segments.append((start, table))
+        if not segments:
+            return None
+        full = np.tile(positions[:int(counts.sum())], (3, 1))                         # [3, T]
+        for start, table in segments:
+            full[:, start:start + table.shape[1]] = table
+        return full

@@ -26,6 +26,7 @@ from engine.cuda_graphs import GraphKey
 from engine.config import EngineConfig
 from engine.input_batch import NO_ROW, BlockTableRows, CachedRequestState, StepBuffers, StepInputs
 from engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from engine.request import MultiModalFeature
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from engine.sampling_params import SamplingParams
@@ -179,9 +180,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.cache_config.block_size
-        self.vocab_size = hf_config.vocab_size
+        text_config = hf_config.get_text_config()
+        self.vocab_size = text_config.vocab_size
         self.max_model_len = config.model_config.max_model_len or getattr(
-            hf_config, "max_position_embeddings", 2048)
+            text_config, "max_position_embeddings", 2048)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.lora_manager = None  # set by the engine when LoRA is enabled
@@ -201,6 +203,13 @@ class ModelRunner:
         self._prev_sampled: Optional[tuple[torch.Tensor, dict[str, int]]] = None
         """The last sampling step's ids on the device, and each request's row in them."""
         self._sampling_cache: Optional[tuple[tuple[str, ...], SamplingMetadata]] = None
+        self.is_multimodal = hasattr(model, "embed_multimodal")
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        """Media item content hash -> its encoder output [num_embeds, hidden] (the scheduler's
+        ``EncoderCacheManager`` decides what stays; evictions arrive in ``free_encoder_identifiers``)."""
+        self.num_encoded_items = 0
+        """Media items the encoder has run on since start (an item served from the cache is not counted)."""
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -230,7 +239,7 @@ class ModelRunner:
 
     def _activation_reserve_bytes(self) -> int:
         sc = self.config.scheduler_config
-        h = self.hf_config
+        h = self.hf_config.get_text_config()
         elem = torch.finfo(self.dtype).bits // 8
         per_token = (4 * h.hidden_size + 3 * h.intermediate_size) * elem
         logits = sc.max_num_seqs * h.vocab_size * 4 * 3
@@ -275,6 +284,7 @@ class ModelRunner:
                                                     self.config.max_cudagraph_capture_size)
         max_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
         self.buffers = StepBuffers(max_tokens, sc.max_num_seqs, max_blocks_per_req, self.device)
+        self.buffers.uses_mrope = self.uses_mrope
         self.block_table = BlockTableRows(sc.max_num_seqs, max_blocks_per_req)
         if self.lora_manager is not None:
             self.lora_manager.allocate_step_buffers(max_tokens)
@@ -343,12 +353,20 @@ class ModelRunner:
                 table.remove(old.row)
                 old.row = NO_ROW
             generator = old.generator if old is not None else self._make_generator(new.sampling_params.seed)
-            self.requests[new.req_id] = CachedRequestState(
+            state = CachedRequestState(
                 req_id=new.req_id, token_ids=list(new.all_token_ids), num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params,
                 eos_token_ids=set(new.eos_token_ids),
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=generator, lora_slot=new.lora_slot, row=table.add(new.block_ids))
+                generator=generator, lora_slot=new.lora_slot, row=table.add(new.block_ids),
+                mm_features=new.mm_features)
+            if self.uses_mrope and new.mm_features:
+                if old is not None and old.mrope_positions is not None:
+                    state.mrope_positions, state.mrope_delta = old.mrope_positions, old.mrope_delta
+                else:
+                    state.mrope_positions, state.mrope_delta = self.model.mrope_positions(
+                        new.num_prompt_tokens, new.mm_features)
+            self.requests[new.req_id] = state
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             s = self.requests[rid]
@@ -393,6 +411,10 @@ class ModelRunner:
         self._apply_diff(so)
         if self.lora_manager is not None and so.lora_loads:
             self.lora_manager.load_slots(so.lora_loads)
+        for identifier in so.free_encoder_identifiers:
+            self.encoder_cache.pop(identifier, None)
+        if so.scheduled_encoder_inputs:
+            self._run_encoders(so.scheduled_encoder_inputs)
         if so.total_num_scheduled_tokens == 0:
             return PendingOutput.done(self, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
@@ -400,7 +422,8 @@ class ModelRunner:
         counts = [so.num_scheduled_tokens[r] for r in order]
         if not all(_sampling_is_simple(s.sampling_params) for s in states):
             self._resolve_all()   # penalties / min_tokens need every token on the host
-        graph_key = self._graph_key(states, counts)
+        mm_rows = self._gather_mm_embeds(states, counts) if self.is_multimodal else None
+        graph_key = self._graph_key(states, counts) if mm_rows is None else None
         if self.step_timer is not None:
             kind = "eager" if graph_key is None else ("mixed graph" if graph_key.mixed else "decode graph")
             run = graph_key.num_tokens if graph_key is not None else sum(counts)
@@ -422,7 +445,7 @@ class ModelRunner:
             self.lora_manager.set_batch(inputs.token_lora_slots,
                                         fixed_grid=graph_key is not None and graph_key.lora,
                                         max_active=few or None)
-        logits, prompt_logprobs = self._forward(inputs, graph_key)
+        logits, prompt_logprobs = self._forward(inputs, graph_key, mm_rows)
         pending = self._sample(inputs, logits, prompt_logprobs)
         for s, n in zip(states, counts):
             s.num_computed_tokens += n
@@ -445,9 +468,13 @@ class ModelRunner:
             num_adapters, slot_bound = len(used), max(used, default=-1) + 1     # distinct adapters, slots
         return self.graphs.key_for(len(states), sum(counts), decode_only, num_adapters, slot_bound)
 
-    def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey]
+    def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey],
+                 mm_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  ) -> tuple[Optional[torch.Tensor], dict[str, LogprobsLists]]:
-        """Logits [num_sampled, vocab] (model dtype) of the sampling rows (None if none), prompt logprobs."""
+        """Logits [num_sampled, vocab] (model dtype) of the sampling rows (None if none), prompt logprobs.
+
+        ``mm_rows``: (token indices [M], embeddings [M, hidden]) of the step's media placeholder tokens,
+        written over the token embeddings (an eager step)."""
         if graph_key is not None and not graph_key.mixed:
             all_logits = self.graphs.replay(graph_key)                   # [batch_size, vocab]
             if inputs.all_rows_sample:
@@ -456,12 +483,62 @@ class ModelRunner:
         if graph_key is not None:
             hidden = self.graphs.replay(graph_key)                       # [T_padded, hidden]
         else:
+            inputs_embeds = None
+            if mm_rows is not None:
+                inputs_embeds = self.model.embed_input_ids(inputs.input_ids)       # [T, hidden]
+                inputs_embeds[mm_rows[0]] = mm_rows[1].to(inputs_embeds.dtype)
+            positions = inputs.positions
+            if inputs.mrope_positions is not None:
+                positions = torch.from_numpy(inputs.mrope_positions).to(self.device, non_blocking=True)  # [3, T]
             with forward_context(inputs.attn_metadata, self.policy):
-                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+                hidden = self.model(inputs.input_ids, positions, inputs_embeds)    # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if not inputs.sample_req_ids:
             return None, prompt_logprobs
         return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logprobs  # [R, vocab]
+
+    # ------------------------------------------------------------------ media
+    def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:
+        """Encode the step's scheduled media items (one batched call per modality) into the cache."""
+        by_modality: dict[str, dict[str, MultiModalFeature]] = {}
+        for req_id, input_ids in scheduled.items():
+            features = self.requests[req_id].mm_features
+            for i in input_ids:
+                f = features[i]
+                by_modality.setdefault(f.modality, {})[f.identifier] = f
+        for modality, items in by_modality.items():
+            features = list(items.values())
+            outputs = self.model.embed_multimodal(modality, [f.data for f in features])
+            for f, out in zip(features, outputs):
+                if out.shape[0] != f.placeholder.length:
+                    raise RuntimeError(f"the encoder gave {out.shape[0]} embeddings for a {modality} with "
+                                       f"{f.placeholder.length} placeholder tokens")
+                self.encoder_cache[f.identifier] = out
+            self.num_encoded_items += len(features)
+
+    def _gather_mm_embeds(self, states: list[CachedRequestState], counts: list[int]
+                          ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(token indices [M] in the step, embeddings [M, hidden]) of the step's placeholder tokens,
+        from the encoder cache; None when the step has none."""
+        token_idx: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
+        step_start = 0
+        for s, n in zip(states, counts):
+            c = s.num_computed_tokens
+            for f in s.mm_features:
+                lo = max(f.placeholder.offset, c)
+                hi = min(f.placeholder.offset + f.placeholder.length, c + n)
+                if lo < hi:
+                    embeds = self.encoder_cache.get(f.identifier)
+                    if embeds is None:
+                        raise RuntimeError(f"request {s.req_id}: its {f.modality} {f.identifier[:12]} is not in the "
+                                           "encoder cache (the scheduler should have scheduled it)")
+                    rows.append(embeds[lo - f.placeholder.offset:hi - f.placeholder.offset])
+                    token_idx.append(torch.arange(step_start + lo - c, step_start + hi - c))
+            step_start += n
+        if not rows:
+            return None
+        return torch.cat(token_idx).to(self.device, non_blocking=True), torch.cat(rows)
 
     def _sample(self, inputs: StepInputs, logits: Optional[torch.Tensor],
                 prompt_logprobs: dict[str, LogprobsLists]) -> PendingOutput:

@@ -76,9 +76,10 @@ class SchedulerOutput:
     lora_loads: list[LoRASlotLoad] = field(default_factory=list)
     """Adapters to copy into slots before this step."""
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
-    """req_id -> indices into its mm_features whose encoder must run this step."""
+    """req_id -> indices into its mm_features whose encoder runs this step (before the step's forward;
+    a request preempted this step keeps its entry: other requests may read the output)."""
     free_encoder_identifiers: list[str] = field(default_factory=list)
-    """Encoder outputs the runner may drop."""
+    """Encoder outputs evicted from the cache: the runner drops them before this step runs."""
 
     @property
     def is_empty(self) -> bool:
@@ -154,6 +155,12 @@ class SchedulerStats:
     """Tokens of the last step."""
     num_active_loras: int = 0
     """Adapters in GPU slots."""
+    encoder_cache_usage: float = 0.0
+    """Fraction of the encoder cache's embeddings held by entries, 0..1."""
+    encoder_cache_queries: int = 0
+    """Media items looked up in the encoder cache since start."""
+    encoder_cache_hits: int = 0
+    """Of those, found already encoded (or being encoded this step)."""
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """User input -> validated ``EngineRequest``s. Every user error is a ``ValueError`` raised here.
 
-Handles prompt forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``), chat
-templates, length checks, the n > 1 fan-out (children share the prompt's KV blocks through the
-prefix cache) and adapter checks.
+Handles prompt forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``, either with
+``"multi_modal_data": {"image": ...}``), chat templates, media (loaded, checked, preprocessed and
+placed: ``multimodal/``), length checks, the n > 1 fan-out (children share the prompt's KV blocks
+through the prefix cache) and adapter checks.
 """
 
 from __future__ import annotations
@@ -11,16 +12,20 @@ import os
 import time
 from typing import Any, Optional, Union
 
-from engine.config import ModelConfig
-from engine.request import EngineRequest
+from engine.config import ModelConfig, MultiModalConfig
+from engine.request import EngineRequest, MultiModalFeature, PlaceholderRange
 from engine.sampling_params import SamplingParams
+from multimodal.media import MediaLimits, load_image
+from multimodal.processing import ImagePromptProcessor
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class Processor:
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, vocab_size: int,
-                 eos_token_ids: set[int], lora_enabled: bool, max_n: int = 256) -> None:
+                 eos_token_ids: set[int], lora_enabled: bool, max_n: int = 256,
+                 mm_processor: Optional[ImagePromptProcessor] = None,
+                 mm_config: Optional[MultiModalConfig] = None) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -33,6 +38,19 @@ class Processor:
         self.reject_overlong_max_tokens = False
         """True (the HTTP server, as vLLM's): prompt + max_tokens beyond max_model_len is a 400.
         False (offline): max_tokens is capped at the room left and the output ends with 'length'."""
+        self.mm_processor = mm_processor
+        """Images -> placeholder tokens + encoder inputs; None for a text-only model."""
+        self.mm_config = mm_config or MultiModalConfig()
+        self.allow_local_media_paths = True
+        """Offline: images may be given as plain file paths. The server sets False (only URLs, and
+        ``file://`` only under ``allowed_local_media_path``)."""
+
+    @property
+    def media_limits(self) -> MediaLimits:
+        c = self.mm_config
+        return MediaLimits(allowed_local_media_path=c.allowed_local_media_path,
+                           fetch_timeout_s=c.media_fetch_timeout_s, max_image_bytes=c.max_image_bytes,
+                           max_image_pixels=c.max_image_pixels)
 
     # ------------------------------------------------------------------ prompts
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -91,12 +109,50 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: expected a SamplingParams.")
         text, ids = self.tokenize_prompt(prompt)
+        features: list[MultiModalFeature] = []
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            ids, features = self.process_media(ids, prompt["multi_modal_data"])
         return text, self.make_requests(request_id, text, ids, params, lora_request, priority, arrival_time,
-                                        cache_salt)
+                                        cache_salt, features)
+
+    def process_media(self, ids: list[int], mm_data: Any) -> tuple[list[int], list[MultiModalFeature]]:
+        """Load, check and preprocess the prompt's media; expand its placeholders.
+
+        ``mm_data``: ``{"image": one image or a list}``; an image is a PIL image, bytes, a URL
+        (http(s), data:, file:// under ``allowed_local_media_path``) or, offline, a file path.
+        Slow (downloads, decoding, resizing): the server runs it off the event loop.
+        """
+        if not isinstance(mm_data, dict):
+            raise ValueError("multi_modal_data: expected a dict like {'image': image_or_list}.")
+        unknown = sorted(set(mm_data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data: unsupported modality {unknown[0]!r}; this engine takes 'image'.")
+        images = mm_data.get("image")
+        if images is None:
+            return ids, []
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if not images:
+            return ids, []
+        if self.mm_processor is None:
+            raise ValueError("multi_modal_data: this model is text-only and takes no images; serve a vision "
+                             "model (LLaVA, Qwen2-VL) to send images.")
+        limit = self.mm_config.limit("image")
+        if len(images) > limit:
+            raise ValueError(f"multi_modal_data: at most {limit} image(s) per prompt, got {len(images)} "
+                             "(raise --limit-mm-per-prompt).")
+        limits = self.media_limits
+        loaded = [load_image(img, limits, allow_local_paths=self.allow_local_media_paths) for img in images]
+        ids, items = self.mm_processor.process(ids, loaded)
+        features = [MultiModalFeature(modality=it.modality, identifier=it.identifier,
+                                      placeholder=PlaceholderRange(it.offset, it.length), data=it.data)
+                    for it in items]
+        return ids, features
 
     def make_requests(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams,
                       lora_request=None, priority: int = 0, arrival_time: Optional[float] = None,
-                      cache_salt: Optional[str] = None) -> list[EngineRequest]:
+                      cache_salt: Optional[str] = None,
+                      mm_features: Optional[list[MultiModalFeature]] = None) -> list[EngineRequest]:
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(
                 f"prompt: the prompt is {len(ids)} tokens long, but this model's maximum context length "
@@ -135,7 +191,7 @@ class Processor:
             children.append(EngineRequest(
                 request_id=rid, prompt=text, prompt_token_ids=list(ids), sampling_params=p,
                 eos_token_ids=eos, arrival_time=arrival, priority=priority, lora_request=lora_request,
-                cache_salt=cache_salt, max_tokens=max_tokens))
+                cache_salt=cache_salt, max_tokens=max_tokens, mm_features=list(mm_features or [])))
         return children
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
+from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import (CachedRequestData, EngineCoreOutput, LoRASlotLoad, ModelRunnerOutput,
                             NewRequestData, SchedulerOutput, SchedulerStats)
@@ -43,6 +44,10 @@ class _StepPlan:
     """req_id -> blocks allocated this step (running requests)."""
     preempted: list[Request] = field(default_factory=list)
     lora_loads: list[LoRASlotLoad] = field(default_factory=list)
+    encoder_budget: int = 0
+    """Encoder embeddings still available this step."""
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> indices of its media items encoded this step."""
 
 
 @dataclass
@@ -65,11 +70,13 @@ class Scheduler:
         max_model_len: prompt + output tokens per request at most.
         num_kv_blocks: KV blocks in the cache, including the reserved null block 0.
         lora_config: adapter slots; None when adapters are disabled.
+        max_embeds_per_mm_item: encoder embeddings of the largest media item the model can produce
+            (0: a text-only model); sizes the encoder budget and cache (``SchedulerConfig.encoder_budgets``).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_kv_blocks: int,
-                 lora_config: Optional[LoRAConfig] = None) -> None:
+                 lora_config: Optional[LoRAConfig] = None, max_embeds_per_mm_item: int = 0) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -82,6 +89,8 @@ class Scheduler:
         # req_id -> step at which a waiting LoRA request first found no slot.
         self._lora_blocked_since: dict[str, int] = {}
         self.lora_reserve_after_steps = LORA_RESERVE_AFTER_STEPS
+        self.encoder_compute_budget, encoder_cache_size = scheduler_config.encoder_budgets(max_embeds_per_mm_item)
+        self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
 
         # Every unfinished request by id.
         self.requests: dict[str, Request] = {}
@@ -111,6 +120,13 @@ class Scheduler:
                 f"Request {rid!r}: the prompt has {prompt_len} tokens but max_model_len="
                 f"{self.max_model_len} leaves no room for one output token; shorten the prompt "
                 "or raise max_model_len.")
+        for feature in request.mm_features:
+            # NOTE: the budget is at most the cache size, so an item within it always fits both.
+            if feature.placeholder.length > self.encoder_compute_budget:
+                raise ValueError(
+                    f"Request {rid!r}: a {feature.modality} of {feature.placeholder.length} embeddings exceeds "
+                    f"the encoder budget of {self.encoder_compute_budget} embeddings per step; send a smaller "
+                    "one or raise --max-num-encoder-input-tokens (and --encoder-cache-size).")
         if request.lora_request is not None and self.lora_slots is None:
             raise ValueError(f"Request {rid!r} names adapter {request.lora_request.lora_name!r} but "
                              "LoRA is disabled; start the engine with a LoRA config (--enable-lora).")
@@ -155,7 +171,8 @@ class Scheduler:
         placeholders already reach ``max_tokens`` is not scheduled again.
         """
         self._validate_lora_reservation()
-        plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens,
+                         encoder_budget=self.encoder_compute_budget)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -165,6 +182,8 @@ class Scheduler:
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1   # this step samples a token
+            if request.mm_features:
+                self._release_consumed_encoder_inputs(request)
         self.finished_req_ids = set()
         self.num_steps += 1
         self.max_reqs_per_step = max(self.max_reqs_per_step, len(plan.num_scheduled_tokens))
@@ -187,6 +206,9 @@ class Scheduler:
                 idx += 1   # its in-flight token is its last (async scheduling)
                 continue
             n = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            encoder_inputs: list[int] = []
+            if n > 0 and request.mm_features:
+                encoder_inputs, n = self._plan_encoder_inputs(request, request.num_computed_tokens, n, plan)
             if n <= 0:
                 idx += 1
                 continue
@@ -212,6 +234,7 @@ class Scheduler:
             plan.new_block_ids[request.request_id] = new_block_ids
             plan.num_scheduled_tokens[request.request_id] = n
             plan.token_budget -= n
+            self._allocate_encoder_inputs(plan, request, encoder_inputs)
             idx += 1
 
     def _pick_preemption_victim(self) -> Request:
@@ -230,8 +253,12 @@ class Scheduler:
         plan.new_block_ids.pop(request.request_id, None)
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: free everything, back to the front of the waiting queue."""
+        """Recompute preemption: free everything, back to the front of the waiting queue.
+
+        Media items it encodes this step stay scheduled (another request may read them): its
+        references go, the entries stay cached until evicted."""
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         if request.lora_request is not None:
             assert self.lora_slots is not None
             self.lora_slots.release(request.lora_request)
@@ -262,6 +289,14 @@ class Scheduler:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_computed = request.num_computed_tokens + num_hit_tokens
             n = self._num_new_tokens(request, num_computed, plan.token_budget)
+            encoder_inputs: list[int] = []
+            if n > 0 and request.mm_features:
+                encoder_inputs, n = self._plan_encoder_inputs(request, num_computed, n, plan)
+                if n <= 0:
+                    # Its next item cannot be encoded this step (budget or cache space): the
+                    # requests behind it go on; it keeps its place in the queue.
+                    skipped.append(self.waiting.pop_request())
+                    continue
             new_block_ids = None
             if n > 0:
                 new_block_ids = self.kv_cache_manager.allocate_slots(
@@ -270,6 +305,7 @@ class Scheduler:
                 break
             self.waiting.pop_request()
             self._admit(plan, request, num_computed, n)
+            self._allocate_encoder_inputs(plan, request, encoder_inputs)
         self.waiting.prepend_requests(skipped)
         if first_slotless is not None:
             self._maybe_reserve_lora_slot(first_slotless)
@@ -294,6 +330,59 @@ class Scheduler:
         plan.new_reqs.append(request)
         plan.num_scheduled_tokens[request.request_id] = num_new_tokens
         plan.token_budget -= num_new_tokens
+
+    # ----------------------------------------------------------------------------------
+    # Encoder inputs (media items)
+    # ----------------------------------------------------------------------------------
+    def _plan_encoder_inputs(self, request: Request, num_computed: int, num_new_tokens: int,
+                             plan: _StepPlan) -> tuple[list[int], int]:
+        """Which of ``request``'s media items must be encoded for tokens [num_computed,
+        num_computed + num_new_tokens), and how many of those tokens can run this step.
+
+        An item is encoded whole, in one step, or not at all. Items already cached (or being
+        encoded this step by another request) are referenced. When an item does not fit the
+        step's encoder budget or the cache, the chunk stops just before its placeholder (0 tokens
+        when the request has already reached into it, e.g. through a prefix-cache hit).
+        Cache space for the chosen items is taken by ``_allocate_encoder_inputs`` once the
+        request's KV blocks are allocated.
+        """
+        ecm = self.encoder_cache_manager
+        end = num_computed + num_new_tokens
+        to_encode: list[int] = []
+        identifiers: set[str] = set()
+        num_embeds_planned = 0
+        for i, feature in enumerate(request.mm_features):
+            start, length = feature.placeholder.offset, feature.placeholder.length
+            if start >= end:
+                break
+            if start + length <= num_computed:
+                continue   # already in the KV cache
+            if feature.identifier in identifiers or ecm.check_and_update_cache(request, i):
+                continue
+            if not ecm.can_allocate(request, i, plan.encoder_budget - num_embeds_planned, num_embeds_planned):
+                num_new_tokens = max(0, start - num_computed)
+                break
+            to_encode.append(i)
+            identifiers.add(feature.identifier)
+            num_embeds_planned += length
+        return to_encode, num_new_tokens
+
+    def _allocate_encoder_inputs(self, plan: _StepPlan, request: Request, encoder_inputs: list[int]) -> None:
+        if not encoder_inputs:
+            return
+        for i in encoder_inputs:
+            self.encoder_cache_manager.allocate(request, i)
+            plan.encoder_budget -= request.mm_features[i].placeholder.length
+        plan.encoder_inputs[request.request_id] = encoder_inputs
+
+    def _release_consumed_encoder_inputs(self, request: Request) -> None:
+        """Drop the request's reference to each item whose last placeholder in the request is computed."""
+        last_end: dict[str, tuple[int, int]] = {}
+        for i, feature in enumerate(request.mm_features):
+            last_end[feature.identifier] = (i, feature.placeholder.offset + feature.placeholder.length)
+        for i, end in last_end.values():
+            if end <= request.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(request, i)
 
     # ----------------------------------------------------------------------------------
     # LoRA slots and anti-starvation
@@ -412,6 +501,8 @@ class Scheduler:
             finished_req_ids=set(self.finished_req_ids),
             preempted_req_ids={r.request_id for r in plan.preempted},
             lora_loads=plan.lora_loads,
+            scheduled_encoder_inputs=plan.encoder_inputs,
+            free_encoder_identifiers=self.encoder_cache_manager.take_freed(),
         )
 
     # ----------------------------------------------------------------------------------
@@ -514,8 +605,9 @@ class Scheduler:
             self.waiting.remove_requests(from_waiting)
 
     def _free_request(self, request: Request, held_slot: bool) -> None:
-        """Release KV blocks and the adapter slot reference; forget the request."""
+        """Release KV blocks, encoder-cache references and the adapter slot reference; forget the request."""
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         if held_slot and request.lora_request is not None:
             assert self.lora_slots is not None
             self.lora_slots.release(request.lora_request)
@@ -550,4 +642,7 @@ class Scheduler:
             max_reqs_per_step=self.max_reqs_per_step,
             num_scheduled_tokens=self.last_num_scheduled_tokens,
             num_active_loras=self.lora_slots.num_resident if self.lora_slots is not None else 0,
+            encoder_cache_usage=self.encoder_cache_manager.usage,
+            encoder_cache_queries=self.encoder_cache_manager.num_queries,
+            encoder_cache_hits=self.encoder_cache_manager.num_hits,
         )

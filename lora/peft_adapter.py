@@ -67,10 +67,13 @@ class LoRATargets:
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "LoRATargets":
-        """Map PEFT names onto the model's ``Linear`` modules through ``packed_modules_mapping``."""
+        """Map PEFT names onto the model's ``Linear`` modules through ``packed_modules_mapping``; a model
+        whose checkpoints name modules differently (``checkpoint_prefixes``: (theirs, ours) pairs, e.g.
+        LLaVA's ``model.language_model.`` for our ``language_model.model.``) also takes their names."""
         from engine.layers.linear import Linear
 
         packed = getattr(model, "packed_modules_mapping", {})
+        prefixes = getattr(model, "checkpoint_prefixes", ())
         slices: dict[str, TargetSlice] = {}
         for name, module in model.named_modules():
             if not isinstance(module, Linear):
@@ -84,7 +87,11 @@ class LoRATargets:
                 if peft_name not in SUPPORTED_TARGET_MODULES:
                     continue
                 peft_module = f"{parent}.{peft_name}" if parent else peft_name
-                slices[peft_module] = TargetSlice(name, idx, module.input_size, module.output_sizes[idx])
+                target = TargetSlice(name, idx, module.input_size, module.output_sizes[idx])
+                slices[peft_module] = target
+                for theirs, ours in prefixes:
+                    if peft_module.startswith(ours):
+                        slices.setdefault(theirs + peft_module[len(ours):], target)
         return cls(slices)
 
     @property

@@ -37,7 +37,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 rotary=None) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H * D]. With ``rotary`` (a RotaryEmbedding) and
-        ``positions`` ([T]), q and k are rotated first (fused with the KV write on CUDA).
+        ``positions`` ([T], or [3, T] for M-RoPE steps with image tokens), q and k are rotated first
+        (fused with the KV write on CUDA for [T] positions).
 
         When q, k, v are views of a packed q | k | v projection output whose adapter update is
         still pending (``engine.layers.adapter``, ``Feeds.ROTARY_KV_WRITE``), the fused rotary + KV
@@ -45,7 +46,7 @@ class PagedAttention(nn.Module):
         """
         meta = get_forward_context().attn_metadata
         pending = take_update(q)
-        fused = rotary is not None and self.fuses_rotary_write(q)
+        fused = rotary is not None and positions.dim() == 1 and self.fuses_rotary_write(q)
         if pending is not None and not fused:
             pending.finish()                        # in place: q, k, v view its output
             pending = None

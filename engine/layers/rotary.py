@@ -19,6 +19,8 @@ def rope_parameters(config) -> dict:
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    if params["rope_type"] == "mrope":
+        params["rope_type"] = "default"   # Qwen2-VL's old spelling: default frequencies, sections below
     return params
 
 
@@ -96,3 +98,42 @@ class RotaryEmbedding(nn.Module):
         kr, kp = k[..., :r], k[..., r:]
         return (torch.cat((qr * cos + self._rotate_half(qr) * sin, qp), -1),
                 torch.cat((kr * cos + self._rotate_half(kr) * sin, kp), -1))
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary (Qwen2-VL's M-RoPE): positions are [3, T] (temporal, height, width) and
+    the rotary dims are split into ``mrope_section`` (halves, e.g. [16, 24, 24]): section i takes
+    its angles from row i. Text tokens have three equal rows, where this is plain rotary at that
+    position, so [T] positions (the runner's 1-D steps, CUDA graphs included) take the parent's
+    paths; [3, T] positions (steps with image tokens) rotate in torch."""
+
+    def __init__(self, config, head_dim: int, max_position: int) -> None:
+        super().__init__(config, head_dim, max_position)
+        sections = list(rope_parameters(config).get("mrope_section") or [])
+        half = self.rotary_dim // 2
+        if len(sections) != 3 or sum(sections) != half:
+            raise ValueError(f"mrope_section={sections} must be 3 sizes summing to rotary_dim / 2 = {half}.")
+        row = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))   # [rotary_dim / 2]
+        self.register_buffer("section_row", torch.cat((row, row)), persistent=False)  # [rotary_dim]
+
+    def _cos_sin_3d(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [3, T] -> cos, sin [T, 1, rotary_dim], each dim from its section's row."""
+        cached = self._step_cache
+        if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
+            return cached[1], cached[2]
+        num_tokens = positions.shape[1]
+        index = self.section_row.view(1, 1, -1).expand(1, num_tokens, -1)              # [1, T, rotary_dim]
+        cos = self.cos[positions].gather(0, index)[0].to(dtype)[:, None, :]             # [T, 1, rotary_dim]
+        sin = self.sin[positions].gather(0, index)[0].to(dtype)[:, None, :]
+        self._step_cache = (positions, cos, sin)
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        return self.forward_torch(positions, q, k)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        if positions.dim() == 1:
+            return super()._cos_sin(positions, dtype)
+        return self._cos_sin_3d(positions, dtype)

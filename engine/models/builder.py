@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from engine.config import ModelConfig
 from engine.models.registry import get_model_class
+from multimodal.processing import ImagePromptProcessor
 
 logger = logging.getLogger("chorus.models")
 
@@ -30,6 +31,8 @@ class LoadedModel:
     default_sampling: dict
     """Sampling fields the checkpoint's generation_config.json sets (temperature, top_p, ...):
     vLLM's ``--generation-config auto`` defaults for requests that leave them unset."""
+    mm_processor: Optional[ImagePromptProcessor] = None
+    """Images -> placeholder tokens + encoder inputs (vision models; None for text-only models)."""
 
 
 @contextlib.contextmanager
@@ -43,6 +46,7 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    hf_config = hf_config.get_text_config()
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "model_type", "") == "mistral":
@@ -66,6 +70,7 @@ def _eos_ids(hf_config, tokenizer, resolved) -> set[int]:
             ids.update(x for x in v if isinstance(x, int))
 
     add(getattr(hf_config, "eos_token_id", None))
+    add(getattr(hf_config.get_text_config(), "eos_token_id", None))
     add(getattr(tokenizer, "eos_token_id", None))
     if resolved.kind == "hf":
         try:
@@ -115,10 +120,16 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
         name = DEFAULT_MODEL_NAME
     else:
         name = model_config.model
+    mm_processor = None
+    if hasattr(model, "make_prompt_processor"):
+        from engine.loader import checkpoint_dir
+        from multimodal.image_processor import load_image_processor
+        mm_processor = model.make_prompt_processor(load_image_processor(checkpoint_dir(resolved)))
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, dtype=dtype,
                        max_model_len=max_model_len, model_name=model_config.served_model_name or name,
                        eos_token_ids=_eos_ids(hf_config, tokenizer, resolved),
-                       default_sampling=default_sampling_from_generation_config(resolved))
+                       default_sampling=default_sampling_from_generation_config(resolved),
+                       mm_processor=mm_processor)
 
 
 @torch.no_grad()

@@ -90,11 +90,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_position: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+    def __init__(self, config, max_position: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 rotary_cls: type[RotaryEmbedding] = RotaryEmbedding) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position)
+        rotary_emb = rotary_cls(config, _head_dim(config), max_position)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias)
             for _ in range(config.num_hidden_layers))
@@ -119,6 +120,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     qkv_bias_default = False
+    rotary_cls: type[RotaryEmbedding] = RotaryEmbedding
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
@@ -126,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = bool(getattr(config, "attention_bias", self.qkv_bias_default)) or self.qkv_bias_default
         o_bias = bool(getattr(config, "attention_bias", False)) and not self.qkv_bias_default
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.model = LlamaModel(config, max_position, qkv_bias, o_bias, mlp_bias)
+        self.model = LlamaModel(config, max_position, qkv_bias, o_bias, mlp_bias, self.rotary_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None

@@ -5,11 +5,15 @@ from __future__ import annotations
 import torch.nn as nn
 
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from engine.models.llava import LlavaForConditionalGeneration
+from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
 }
 
 
@@ -22,7 +26,8 @@ def get_model_class(config) -> type[nn.Module]:
     if not archs:
         # Configs built in code may lack `architectures`; fall back on model_type.
         archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
-                 "mistral": ["MistralForCausalLM"]}.get(getattr(config, "model_type", ""), [])
+                 "mistral": ["MistralForCausalLM"], "llava": ["LlavaForConditionalGeneration"],
+                 "qwen2_vl": ["Qwen2VLForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
     for arch in archs:
         if arch in _MODELS:
             return _MODELS[arch]

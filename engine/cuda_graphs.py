@@ -10,7 +10,7 @@ needs no copies of its own: the runner writes the step into those buffers, then 
   ``max_query_len=1`` and ``max_seq_len=max_model_len``: the kernel's grid depends only on the
   batch size and its split-KV segments are cut on the device from the real lengths. The graph
   ends with the logits of every row.
-- **Mixed graphs**: a step with prefill chunks of ``T`` tokens in all runs the graph of the
+- **Mixed graphs**: a step with prefill chunks (or media placeholder tokens) of ``T`` tokens in all runs the graph of the
   smallest token bucket ``T_b >= T`` (up to ``max_cudagraph_capture_size``). Requests are padded
   to ``max_num_seqs`` with zero-token requests (their attention programs exit at once) and tokens
   to ``T_b`` with rows that belong to no request (KV slot -1, adapter -1; their hidden states are
@@ -20,6 +20,10 @@ needs no copies of its own: the runner writes the step into those buffers, then 
   decodes. The graph ends with the final hidden states; the runner gathers the sampled rows and
   computes their logits eagerly (and prompt logprobs, if asked). Larger steps run eagerly: their
   GEMMs take longer than the launches, which then overlap the device work.
+
+Vision models: mixed graphs read the step's encoder embeddings and a mask of their rows from static
+buffers (``StepBuffers.enable_media``) and write them over the token embeddings; M-RoPE models also
+read [3, T] positions. Decode graphs stay text-only (a step with a media token is a mixed step).
 
 Why mixed graphs: an eager step of a 32-layer model issues hundreds of launches, whose host time
 exceeds the device time of a step of a few hundred tokens, so while requests keep arriving (every
@@ -203,6 +207,8 @@ class StepGraphs:
             buf.query_start_loc[:r + 1].copy_(torch.arange(r + 1, dtype=torch.int32, device=buf.device))
             buf.seq_lens[:r].fill_(1)
         buf.block_tables[:r].zero_()
+        if key.mixed and buf.mm_mask is not None:
+            buf.write_media(t, None, None)
         if self.lora_manager is not None:
             # fixed_grid=False with no adapter token is "no LoRA": the layers add nothing, and
             # the capture holds no LoRA node.
@@ -211,8 +217,16 @@ class StepGraphs:
 
     def _forward(self, key: GraphKey, meta: AttentionMetadata) -> torch.Tensor:
         t = key.num_tokens
+        buf = self.buffers
         with forward_context(meta, self.policy):
-            hidden = self.model(self.buffers.input_ids[:t], self.buffers.positions[:t])   # [t, hidden]
+            if key.mixed and buf.mm_mask is not None:
+                # Vision models: token embeddings with the step's encoder rows written over them.
+                embeds = self.model.embed_input_ids(buf.input_ids[:t])                       # [t, hidden]
+                embeds = torch.where(buf.mm_mask[:t, None], buf.mm_embeds[:t], embeds)
+                positions = buf.positions[:t] if buf.mrope_positions is None else buf.mrope_positions[:, :t]
+                hidden = self.model(buf.input_ids[:t], positions, embeds)                   # [t, hidden]
+            else:
+                hidden = self.model(buf.input_ids[:t], buf.positions[:t])                   # [t, hidden]
         if key.mixed:
             return hidden
         return self.model.compute_logits(hidden)                    # [batch_size, vocab] model dtype

@@ -188,6 +188,40 @@ class StepBuffers:
         self._mirrors = [_HostMirror(max_num_tokens, max_num_reqs, max_blocks_per_req, pin) for _ in range(2)]
         self._turn = 0
         self._non_blocking = pin
+        # Media inputs of mixed CUDA graphs (``enable_media``); None for text-only models.
+        self.mm_embeds: Optional[torch.Tensor] = None
+        """[max_graph_tokens, hidden] model dtype: encoder embeddings at their tokens' rows."""
+        self.mm_mask: Optional[torch.Tensor] = None
+        """[max_graph_tokens] bool: the row takes ``mm_embeds`` instead of its token's embedding."""
+        self.mrope_positions: Optional[torch.Tensor] = None
+        """[3, max_graph_tokens] int64 M-RoPE positions (M-RoPE models)."""
+
+    def enable_media(self, max_graph_tokens: int, hidden_size: int, dtype: torch.dtype, mrope: bool) -> None:
+        """Allocate the media inputs mixed graphs of a vision model read (steps of up to
+        ``max_graph_tokens`` tokens)."""
+        self.mm_embeds = torch.zeros((max_graph_tokens, hidden_size), dtype=dtype, device=self.device)
+        self.mm_mask = torch.zeros(max_graph_tokens, dtype=torch.bool, device=self.device)
+        if mrope:
+            self.mrope_positions = torch.zeros((3, max_graph_tokens), dtype=torch.int64, device=self.device)
+
+    def write_media(self, num_tokens_padded: int, mm_rows: Optional[tuple[torch.Tensor, torch.Tensor]],
+                    mrope_positions: Optional[np.ndarray]) -> None:
+        """Fill the media inputs for a mixed graph step (after ``prepare``): the step's encoder rows
+        (token indices [M], embeddings [M, hidden]) and its M-RoPE positions ([3, T] host, or None:
+        every row equals ``positions``)."""
+        t = num_tokens_padded
+        self.mm_mask[:t].zero_()
+        if mm_rows is not None:
+            idx, rows = mm_rows
+            self.mm_embeds.index_copy_(0, idx, rows.to(self.mm_embeds.dtype))
+            self.mm_mask.index_fill_(0, idx, True)
+        if self.mrope_positions is not None:
+            if mrope_positions is None:
+                self.mrope_positions[:, :t].copy_(self.positions[:t].expand(3, t))
+            else:
+                n = mrope_positions.shape[1]
+                self.mrope_positions[:, :n].copy_(torch.from_numpy(mrope_positions))
+                self.mrope_positions[:, n:t].zero_()
 
     def _next_mirror(self) -> _HostMirror:
         mirror = self._mirrors[self._turn]

@@ -285,6 +285,9 @@ class ModelRunner:
         max_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
         self.buffers = StepBuffers(max_tokens, sc.max_num_seqs, max_blocks_per_req, self.device)
         self.buffers.uses_mrope = self.uses_mrope
+        if self.is_multimodal and self.use_cuda_graphs and self._graph_token_sizes:
+            self.buffers.enable_media(max(self._graph_token_sizes), self.hf_config.get_text_config().hidden_size,
+                                      self.dtype, self.uses_mrope)
         self.block_table = BlockTableRows(sc.max_num_seqs, max_blocks_per_req)
         if self.lora_manager is not None:
             self.lora_manager.allocate_step_buffers(max_tokens)
@@ -423,7 +426,7 @@ class ModelRunner:
         if not all(_sampling_is_simple(s.sampling_params) for s in states):
             self._resolve_all()   # penalties / min_tokens need every token on the host
         mm_rows = self._gather_mm_embeds(states, counts) if self.is_multimodal else None
-        graph_key = self._graph_key(states, counts) if mm_rows is None else None
+        graph_key = self._graph_key(states, counts, has_media=mm_rows is not None)
         if self.step_timer is not None:
             kind = "eager" if graph_key is None else ("mixed graph" if graph_key.mixed else "decode graph")
             run = graph_key.num_tokens if graph_key is not None else sum(counts)
@@ -439,6 +442,8 @@ class ModelRunner:
                                       with_lora=self.lora_manager is not None,
                                       num_reqs_padded=reqs_padded, num_tokens_padded=tokens_padded,
                                       prev_sampled_rows=prev_rows, prev_sampled=prev_ids)
+        if graph_key is not None and graph_key.mixed and self.buffers.mm_mask is not None:
+            self.buffers.write_media(graph_key.num_tokens, mm_rows, inputs.mrope_positions)
         if self.lora_manager is not None:
             # LoRA graphs: the fixed-grid launches captured for every adapter mix read the refilled buffers.
             few = graph_key.few_adapters if graph_key is not None else 0
@@ -454,11 +459,15 @@ class ModelRunner:
         self._unresolved.append(pending)
         return pending
 
-    def _graph_key(self, states: list[CachedRequestState], counts: list[int]) -> Optional[GraphKey]:
-        """The CUDA graph that runs this step, or None to run eagerly."""
+    def _graph_key(self, states: list[CachedRequestState], counts: list[int],
+                   has_media: bool = False) -> Optional[GraphKey]:
+        """The CUDA graph that runs this step, or None to run eagerly. A step with media placeholder
+        tokens takes a mixed graph (those read the encoder rows), if the model's graphs read media."""
         if self.graphs is None:
             return None
-        decode_only = max(counts) == 1
+        if has_media and self.buffers.mm_mask is None:
+            return None
+        decode_only = max(counts) == 1 and not has_media
         if decode_only and any(s.sampling_params.prompt_logprobs is not None
                                and s.num_computed_tokens < s.num_prompt_tokens for s in states):
             return None   # decode graphs end in logits of the sampled rows only
@@ -474,7 +483,7 @@ class ModelRunner:
         """Logits [num_sampled, vocab] (model dtype) of the sampling rows (None if none), prompt logprobs.
 
         ``mm_rows``: (token indices [M], embeddings [M, hidden]) of the step's media placeholder tokens,
-        written over the token embeddings (an eager step)."""
+        written over the token embeddings (eager steps; graph steps read them from the step buffers)."""
         if graph_key is not None and not graph_key.mixed:
             all_logits = self.graphs.replay(graph_key)                   # [batch_size, vocab]
             if inputs.all_rows_sample:

@@ -109,3 +109,28 @@ def test_images_adapters_and_text_in_one_generate_call(tmp_path, llava_dir, imag
         ref = hf_llava_greedy(llava_dir, req["prompt"], imgs, model=ref_model if lr else None)
         check_logprobs_close(ref, ours_as_ref(out.outputs[0]), f"{req['prompt']} lora={lr is not None}")
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids   # the adapter matters with images
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_graph_path_with_images_matches_eager(family, llava_dir, tiny_qwen2_vl_dir, images):
+    """Mixed graph steps with image tokens (their encoder rows and, for Qwen2-VL, [3, T] M-RoPE
+    positions read from static buffers), run on CPU by replaying the graph path eagerly, equal the
+    eager engine; decode steps take decode graphs."""
+    from tests.models.utils import EagerReplayGraphs
+
+    model_dir = llava_dir if family == "llava" else tiny_qwen2_vl_dir
+    img = "<image>" if family == "llava" else "<|vision_start|><|image_pad|><|vision_end|>"
+    prompts = [{"prompt": f"Look: {img} what?", "multi_modal_data": {"image": images[i]}} for i in range(3)]
+    prompts.append({"prompt": "The quick brown fox"})
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=6, max_num_batched_tokens=40, max_model_len=256)
+    ref = LLM(str(model_dir), **kw).generate(prompts, params(), use_tqdm=False)
+
+    llm = LLM(str(model_dir), **kw)
+    runner = llm.llm_engine.runner
+    runner.buffers.enable_media(40, runner.hf_config.get_text_config().hidden_size, runner.dtype,
+                                runner.uses_mrope)
+    graphs = EagerReplayGraphs.install(llm, token_sizes=[16, 24, 40])
+    outs = llm.generate(prompts, params(), use_tqdm=False)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        check_logprobs_close(ours_as_ref(r.outputs[0]), ours_as_ref(o.outputs[0]), name=f"{family} prompt {i}")
+    assert graphs.num_mixed_replays > 0 and graphs.num_replays > graphs.num_mixed_replays

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -33,12 +33,13 @@ class GridError(ValueError):
 
 
 @dataclass(frozen=True)
-class FrameRun:
-    """Consecutive frames with the same number of patches: they attend in one batched SDPA call."""
+class SegmentRun:
+    """Consecutive attention segments (frames; windows in Qwen2.5-VL) of the same number of patches:
+    they attend in one batched SDPA call."""
 
     first_patch: int  # index of the run's first patch in the packed sequence
-    num_frames: int  # frames in the run; each attends only to its own patches
-    patches_per_frame: int  # grid_h * grid_w of every frame in the run
+    num_segments: int  # segments in the run; each attends only to its own patches
+    patches_per_segment: int  # patches in every segment of the run
 
 
 @dataclass(frozen=True)
@@ -47,31 +48,37 @@ class VisionBatch:
 
     cos: torch.Tensor  # [num_patches, head_dim] float32, the rotary cos per patch
     sin: torch.Tensor  # [num_patches, head_dim] float32
-    runs: list[FrameRun]  # the attention segments, in order, covering every patch once
+    runs: list[SegmentRun]  # the attention segments, in order, covering every patch once
 
 
-def frame_runs(grid_thw: list[list[int]]) -> list[FrameRun]:
-    """Group the frames of ``grid_thw`` rows ([t, h, w] per image) into runs of consecutive frames of
-    equal size (transformers' cu_seqlens segments, batched where they are the same length)."""
-    runs: list[FrameRun] = []
+def join_runs(segments: Iterable[tuple[int, int]]) -> list[SegmentRun]:
+    """Consecutive attention segments, given as (count, patches each) groups in order, as runs: groups
+    of equal length that follow each other join into one run."""
+    runs: list[SegmentRun] = []
     first_patch = 0
-    for t, h, w in grid_thw:
-        if runs and runs[-1].patches_per_frame == h * w:
+    for count, length in segments:
+        if runs and runs[-1].patches_per_segment == length:
             last = runs[-1]
-            runs[-1] = FrameRun(last.first_patch, last.num_frames + t, h * w)
+            runs[-1] = SegmentRun(last.first_patch, last.num_segments + count, length)
         else:
-            runs.append(FrameRun(first_patch, t, h * w))
-        first_patch += t * h * w
+            runs.append(SegmentRun(first_patch, count, length))
+        first_patch += count * length
     return runs
 
 
-def rotary_position_ids(grid_thw: list[list[int]], merge_size: int, device: torch.device) -> torch.Tensor:
-    """[num_patches, 2] (row, column) of every patch, in the processor's order: frames, then merge
+def frame_runs(grid_thw: list[list[int]]) -> list[SegmentRun]:
+    """The frames of ``grid_thw`` rows ([t, h, w] per image) as runs of consecutive equal-size frames
+    (transformers' cu_seqlens segments, batched where they are the same length)."""
+    return join_runs((t, h * w) for t, h, w in grid_thw)
+
+
+def rotary_position_ids(grid_thw: list[list[int]], merge_size: int) -> torch.Tensor:
+    """[num_patches, 2] (row, column) of every patch, on the CPU, in the processor's order: frames, then merge
     blocks row-major, then the merge x merge patches of a block row-major."""
     position_ids = []
     for t, h, w in grid_thw:
-        rows = torch.arange(h, device=device)[:, None].expand(h, w)  # [h, w]
-        cols = torch.arange(w, device=device)[None, :].expand(h, w)  # [h, w]
+        rows = torch.arange(h)[:, None].expand(h, w)  # [h, w]
+        cols = torch.arange(w)[None, :].expand(h, w)  # [h, w]
         block_shape = (h // merge_size, merge_size, w // merge_size, merge_size)
         rows = rows.reshape(block_shape).transpose(1, 2).flatten()
         cols = cols.reshape(block_shape).transpose(1, 2).flatten()
@@ -132,11 +139,11 @@ class VisionAttention(nn.Module):
         k = apply_vision_rotary(k, batch.cos, batch.sin)
         outputs = []
         for run in batch.runs:
-            span = slice(run.first_patch, run.first_patch + run.num_frames * run.patches_per_frame)
-            shape = (run.num_frames, run.patches_per_frame, self.num_heads, self.head_dim)
-            # each [frames, heads, patches_per_frame, head_dim]
+            span = slice(run.first_patch, run.first_patch + run.num_segments * run.patches_per_segment)
+            shape = (run.num_segments, run.patches_per_segment, self.num_heads, self.head_dim)
+            # each [segments, heads, patches_per_segment, head_dim]
             q_run, k_run, v_run = (x[span].view(shape).transpose(1, 2) for x in (q, k, v))
-            out = F.scaled_dot_product_attention(q_run, k_run, v_run, scale=self.scale)  # [F, heads, L, hd]
+            out = F.scaled_dot_product_attention(q_run, k_run, v_run, scale=self.scale)  # same shape
             outputs.append(out.transpose(1, 2).reshape(-1, embed_dim))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [num_patches, embed_dim]
         return self.proj(out)
@@ -159,18 +166,61 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """LayerNorm each patch, concatenate each merge x merge block, 2-layer GELU MLP to the LM's width."""
+    """Normalize each patch (LayerNorm, or the ``norm`` given), concatenate each merge x merge block,
+    2-layer GELU MLP to the LM's width."""
 
-    def __init__(self, out_dim: int, embed_dim: int, merge_size: int) -> None:
+    def __init__(self, out_dim: int, embed_dim: int, merge_size: int,
+                 norm: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.merged_dim = embed_dim * merge_size ** 2
-        self.ln_q = nn.LayerNorm(embed_dim, eps=_NORM_EPS)
+        self.ln_q = nn.LayerNorm(embed_dim, eps=_NORM_EPS) if norm is None else norm
         self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
                                  nn.Linear(self.merged_dim, out_dim))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [num_patches, embed_dim] -> [num_patches / merge**2, out_dim]."""
         return self.mlp(self.ln_q(hidden_states).view(-1, self.merged_dim))
+
+
+def check_grids(pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int, patch_dim: int,
+                tower: str) -> list[list[int]]:
+    """grid_thw [num_images, 3] as lists of (t, h, w); GridError unless every grid is whole merge blocks
+    and pixel_values is [sum of t * h * w, patch_dim]."""
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        raise GridError(f"{tower}: grid_thw must be [num_images, 3] (t, h, w in patches), "
+                        f"got {list(grid_thw.shape)}.")
+    grids = grid_thw.tolist()
+    for t, h, w in grids:
+        if t < 1 or h < 1 or w < 1 or h % merge_size or w % merge_size:
+            raise GridError(f"{tower}: grid (t={t}, h={h}, w={w}) must have t >= 1 and h, w positive "
+                            f"multiples of spatial_merge_size={merge_size}.")
+    num_patches = sum(t * h * w for t, h, w in grids)
+    if tuple(pixel_values.shape) != (num_patches, patch_dim):
+        raise GridError(f"{tower}: pixel_values must be [{num_patches}, {patch_dim}] for grid_thw {grids} "
+                        f"(patches, C * temporal_patch_size * patch_size**2), "
+                        f"got {list(pixel_values.shape)}.")
+    return grids
+
+
+def conv3d_as_linear(name: str, weight: torch.Tensor, patch_shape: tuple[int, ...],
+                     tower: str) -> torch.Tensor:
+    """transformers' patch Conv3d weight [embed_dim, C, T, P, P] -> the Linear's [embed_dim, C * T * P * P]
+    (stride == kernel: the conv is a matmul over the flattened patch)."""
+    if tuple(weight.shape[1:]) != patch_shape:
+        raise WeightLoadError(f"{tower}: checkpoint tensor {name!r} has shape {list(weight.shape)}, expected "
+                              f"[embed_dim, {', '.join(map(str, patch_shape))}] (the config's in_channels, "
+                              f"temporal_patch_size, patch_size, patch_size).")
+    return weight.reshape(weight.shape[0], -1)
+
+
+def patch_shape(config) -> tuple[int, int, int, int]:
+    """(C, T, P, P): transformers' Conv3d kernel; a flattened patch is in this order."""
+    return (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
+
+
+def rope_theta(config) -> float:
+    """The vision rotary base (``rope_parameters`` in transformers 5; 10000 before)."""
+    return (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
 
 
 class Qwen2VLVisionTransformer(nn.Module):
@@ -181,32 +231,18 @@ class Qwen2VLVisionTransformer(nn.Module):
         super().__init__()
         config = vision_config
         self.merge_size = config.spatial_merge_size
-        # transformers' Conv3d kernel [C, T, P, P]; a patch is flattened from it in this order.
-        self.patch_shape = (config.in_channels, config.temporal_patch_size, config.patch_size,
-                            config.patch_size)
+        self.patch_shape = patch_shape(config)  # transformers' Conv3d kernel (C, T, P, P)
         self.patch_dim = math.prod(self.patch_shape)  # values per flattened patch
         # The Conv3d of transformers (stride == kernel) as a matmul over the flattened patch.
         self.patch_embed = nn.Linear(self.patch_dim, config.embed_dim, bias=False)
-        rope = getattr(config, "rope_parameters", None) or {}
-        self.rotary = VisionRotary(config.embed_dim // config.num_heads, rope.get("rope_theta", 10000.0))
+        self.rotary = VisionRotary(config.embed_dim // config.num_heads, rope_theta(config))
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config.hidden_size, config.embed_dim, config.spatial_merge_size)
 
     def _batch(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionBatch:
-        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
-            raise GridError(f"{_TOWER}: grid_thw must be [num_images, 3] (t, h, w in patches), "
-                            f"got {list(grid_thw.shape)}.")
-        grids = grid_thw.tolist()
-        for t, h, w in grids:
-            if t < 1 or h % self.merge_size or w % self.merge_size or h < 1 or w < 1:
-                raise GridError(f"{_TOWER}: grid (t={t}, h={h}, w={w}) must have t >= 1 and h, w positive "
-                                f"multiples of spatial_merge_size={self.merge_size}.")
-        num_patches = sum(t * h * w for t, h, w in grids)
-        if tuple(pixel_values.shape) != (num_patches, self.patch_dim):
-            raise GridError(f"{_TOWER}: pixel_values must be [{num_patches}, {self.patch_dim}] for grid_thw "
-                            f"{grids} (patches, C * temporal_patch_size * patch_size**2), "
-                            f"got {list(pixel_values.shape)}.")
-        cos, sin = self.rotary(rotary_position_ids(grids, self.merge_size, pixel_values.device))
+        grids = check_grids(pixel_values, grid_thw, self.merge_size, self.patch_dim, _TOWER)
+        position_ids = rotary_position_ids(grids, self.merge_size).to(pixel_values.device)  # built on the CPU
+        cos, sin = self.rotary(position_ids)
         return VisionBatch(cos=cos, sin=sin, runs=frame_runs(grids))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -226,12 +262,8 @@ class Qwen2VLVisionTransformer(nn.Module):
         loader = TowerWeights(self, _TOWER, _EXPECTED_NAMES)
         for name, tensor in weights:
             if name == "patch_embed.proj.weight":
-                if tuple(tensor.shape[1:]) != self.patch_shape:
-                    raise WeightLoadError(
-                        f"{_TOWER}: checkpoint tensor {name!r} has shape {list(tensor.shape)}, expected "
-                        f"[embed_dim, {', '.join(map(str, self.patch_shape))}] (the config's in_channels, "
-                        f"temporal_patch_size, patch_size, patch_size).")
-                loader.load(name, "patch_embed.weight", tensor.reshape(tensor.shape[0], -1))
+                weight = conv3d_as_linear(name, tensor, self.patch_shape, _TOWER)
+                loader.load(name, "patch_embed.weight", weight)
             else:
                 loader.load(name, name, tensor)
         loader.finish()

@@ -12,11 +12,14 @@ import pytest
 import torch
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 from transformers.activations import ACT2FN
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from encoders.clip import CLIPVisionTower
-from encoders.qwen2_vl import FrameRun, GridError, Qwen2VLVisionTransformer, frame_runs
+from encoders.qwen2_5_vl import Qwen2_5_VLVisionTransformer, window_layout
+from encoders.qwen2_vl import SegmentRun, GridError, Qwen2VLVisionTransformer, frame_runs
 from encoders.siglip import SiglipVisionTower
 from encoders.vit import ACTIVATIONS, FeatureLayerError, WeightLoadError
 
@@ -36,7 +39,8 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen) * 0.2
-            is_norm_scale = param.dim() == 1 and name.endswith("weight") and "norm" in name
+            is_norm = "norm" in name or "ln_q" in name
+            is_norm_scale = param.dim() == 1 and name.endswith("weight") and is_norm
             param.copy_(1.0 + noise if is_norm_scale else noise)
 
 
@@ -203,7 +207,7 @@ def test_vit_tower_load_errors(kind):
                  wrong_shape_name="encoder.layers.0.mlp.fc1.weight")
 
 
-# ------------------------------------------------------------------------------------------------ Qwen2-VL
+# ------------------------------------------------------------------------------------ Qwen2-VL, Qwen2.5-VL
 
 TINY_QWEN2_VL = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=4, hidden_size=48, patch_size=14,
                      temporal_patch_size=2, spatial_merge_size=2)
@@ -216,45 +220,68 @@ def _hf_qwen2_vl(seed: int = 0):
     return config, model
 
 
+# window_size 56 = 2 x 2 merge blocks = 16 patches a window; blocks 1 and 3 attend to the whole frame.
+TINY_QWEN2_5_VL = dict(depth=4, hidden_size=32, num_heads=4, intermediate_size=48, out_hidden_size=40,
+                       patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=56,
+                       fullatt_block_indexes=[1, 3])
+
+
+def _hf_qwen2_5_vl(seed: int = 0):
+    config = Qwen2_5_VLVisionConfig(**TINY_QWEN2_5_VL)
+    model = Qwen2_5_VisionTransformerPretrainedModel(config).eval()
+    _redraw(model, seed)
+    return config, model
+
+
 def _patches(grid_thw: torch.Tensor) -> torch.Tensor:
     num_patches = int(grid_thw.prod(-1).sum())
     return torch.randn(num_patches, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("grids", [
-    [[1, 4, 6], [1, 8, 4]],  # two images of different grids: two segments
+QWEN_GRIDS = [
+    [[1, 4, 6], [1, 8, 4]],  # two images of different grids: two segments; full and partial windows
     [[1, 4, 4], [1, 4, 4], [2, 4, 6], [1, 2, 2]],  # equal images batched, a 2-frame video, a small image
-])
-def test_qwen2_vl_matches_transformers(grids):
-    config, hf = _hf_qwen2_vl()
-    tower = Qwen2VLVisionTransformer(config)
+    [[1, 10, 14], [2, 6, 4], [1, 2, 2], [1, 8, 8], [1, 8, 8]],  # every window shape
+]
+
+
+def _loaded_qwen(kind: str):
+    """(transformers' model, our tower with its weights loaded) for "qwen2_vl" or "qwen2_5_vl"."""
+    config, hf = _hf_qwen2_vl() if kind == "qwen2_vl" else _hf_qwen2_5_vl()
+    tower = Qwen2VLVisionTransformer(config) if kind == "qwen2_vl" else Qwen2_5_VLVisionTransformer(config)
     tower.load_weights(hf.state_dict().items())
+    return hf, tower
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("grids", QWEN_GRIDS)
+def test_qwen_vision_matches_transformers(kind, grids):
+    hf, tower = _loaded_qwen(kind)
     grid_thw = torch.tensor(grids, dtype=torch.int64)
     pixels = _patches(grid_thw)
     with torch.no_grad():
         expected = hf(pixels, grid_thw=grid_thw).pooler_output
         got = tower(pixels, grid_thw)
-    assert got.shape == (pixels.shape[0] // 4, config.hidden_size)
+    assert expected.shape[0] == pixels.shape[0] // 4
     assert _max_diff(got, expected) <= MAX_ABS_DIFF
 
 
-def test_qwen2_vl_images_attend_only_to_themselves():
-    config, hf = _hf_qwen2_vl()
-    tower = Qwen2VLVisionTransformer(config)
-    tower.load_weights(hf.state_dict().items())
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vision_images_attend_only_to_themselves(kind):
+    _, tower = _loaded_qwen(kind)
     grid_thw = torch.tensor([[1, 4, 6], [1, 8, 4]])
     pixels = _patches(grid_thw)
     with torch.no_grad():
         together = tower(pixels, grid_thw)
-        first_alone = tower(pixels[:24], grid_thw[:1])
-    assert _max_diff(together[:6], first_alone) <= MAX_ABS_DIFF
+        second_alone = tower(pixels[24:], grid_thw[1:])
+    assert _max_diff(together[6:], second_alone) <= MAX_ABS_DIFF
 
 
 def test_frame_runs_batch_consecutive_equal_frames():
     assert frame_runs([[1, 4, 6], [1, 4, 6], [2, 4, 4], [1, 4, 4], [1, 2, 2]]) == [
-        FrameRun(first_patch=0, num_frames=2, patches_per_frame=24),
-        FrameRun(first_patch=48, num_frames=3, patches_per_frame=16),
-        FrameRun(first_patch=96, num_frames=1, patches_per_frame=4),
+        SegmentRun(first_patch=0, num_segments=2, patches_per_segment=24),
+        SegmentRun(first_patch=48, num_segments=3, patches_per_segment=16),
+        SegmentRun(first_patch=96, num_segments=1, patches_per_segment=4),
     ]
 
 
@@ -279,6 +306,24 @@ def test_qwen2_vl_load_errors():
             [*state.items(), ("patch_embed.proj.weight", torch.zeros(32, 3, 1, 14, 14))])
 
 
+def test_window_layout_groups_windows_by_size_within_each_frame():
+    # One 3 x 3-block frame with 2 x 2-block windows: sizes 4, 2, 2, 1 blocks (x4 patches each).
+    layout = window_layout([[1, 6, 6]], merge_size=2, window_blocks=2)
+    assert layout.unit_order.tolist() == [0, 1, 3, 4, 2, 5, 6, 7, 8]
+    assert layout.runs == [SegmentRun(0, 1, 16), SegmentRun(16, 2, 8), SegmentRun(32, 1, 4)]
+    two_frames = window_layout([[2, 6, 6]], merge_size=2, window_blocks=2)
+    assert two_frames.unit_order.tolist()[9:] == [9, 10, 12, 13, 11, 14, 15, 16, 17]
+    assert [run.patches_per_segment for run in two_frames.runs] == [16, 8, 4, 16, 8, 4]
+
+
+def test_qwen2_5_vl_load_errors():
+    config, hf = _hf_qwen2_5_vl()
+    _load_errors(Qwen2_5_VLVisionTransformer(config), dict(hf.state_dict()),
+                 bad_name="blocks.0.mlp.fc1.weight",
+                 dropped_name="blocks.2.mlp.up_proj.bias", unset_param="blocks.2.mlp.gate_up_proj.bias",
+                 wrong_shape_name="merger.ln_q.weight")
+
+
 # ------------------------------------------------------------------------------------ full shapes, on meta
 
 def _numel(named: dict[str, torch.Tensor], skip=lambda name: False) -> int:
@@ -296,7 +341,7 @@ def test_clip_vit_l14_336_llava_layout_on_meta():
     tower.load_weights(state.items())
     skipped = lambda name: name.startswith(("post_layernorm.", "encoder.layers.23."))  # noqa: E731
     assert _numel(dict(tower.named_parameters())) == _numel(state, skipped)
-    (features,) = tower(torch.empty(2, 3, 336, 336, device="meta"), [-2])
+    (features,) = tower(torch.empty(2, 3, 336, 336, device="meta"), [1])  # meta ops are slow: one layer
     assert features.shape == (2, 577, 1024)
 
 
@@ -309,7 +354,7 @@ def test_siglip_so400m_patch14_384_layout_on_meta():
     state = dict(hf.state_dict())
     tower.load_weights(state.items())
     assert _numel(dict(tower.named_parameters())) == _numel(state, lambda name: name.startswith("head."))
-    (features,) = tower(torch.empty(1, 3, 384, 384, device="meta"), [-1])
+    (features,) = tower(torch.empty(1, 3, 384, 384, device="meta"), [1])  # meta ops are slow: one layer
     assert features.shape == (1, 729, 1152)
 
 
@@ -322,6 +367,24 @@ def test_qwen2_vl_7b_vision_layout_on_meta():
     state = dict(hf.state_dict())
     tower.load_weights(state.items())
     assert _numel(dict(tower.named_parameters())) == _numel(state)
+    tower.blocks = tower.blocks[:2]  # meta ops are slow; the depth does not change a shape
     grid_thw = torch.tensor([[1, 16, 16], [1, 32, 24]])
     out = tower(torch.empty(256 + 768, 1176, device="meta"), grid_thw)
     assert out.shape == (256, 3584)
+
+
+def test_qwen2_5_vl_7b_vision_layout_on_meta():
+    config = Qwen2_5_VLVisionConfig(hidden_size=1280, depth=32, num_heads=16, intermediate_size=3420,
+                                    out_hidden_size=3584, patch_size=14, temporal_patch_size=2,
+                                    spatial_merge_size=2, window_size=112,
+                                    fullatt_block_indexes=[7, 15, 23, 31])
+    with torch.device("meta"):
+        hf = Qwen2_5_VisionTransformerPretrainedModel(config)
+        tower = Qwen2_5_VLVisionTransformer(config)
+    state = dict(hf.state_dict())
+    tower.load_weights(state.items())
+    assert _numel(dict(tower.named_parameters())) == _numel(state)
+    tower.blocks = tower.blocks[:8]  # meta ops are slow; blocks 0-7 have window and full attention
+    grid_thw = torch.tensor([[1, 16, 16], [1, 36, 20]])
+    out = tower(torch.empty(256 + 720, 1176, device="meta"), grid_thw)
+    assert out.shape == (244, 3584)

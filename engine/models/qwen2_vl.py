@@ -1,5 +1,6 @@
-"""Qwen2-VL (``Qwen2VLForConditionalGeneration``), images: a dynamic-resolution vision tower (the
-image's size decides its embeddings), and a Qwen2 language model with M-RoPE (3-D positions).
+"""Qwen2-VL and Qwen2.5-VL (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``),
+images: a dynamic-resolution vision tower (the image's size decides its embeddings), and a Qwen2
+language model with M-RoPE (3-D positions).
 
 Positions: text tokens advance one position each on all three rows; an image's tokens take
 (t, h, w) grid positions starting at the position after the text before it, and the text after
@@ -14,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from encoders.qwen2_5_vl import Qwen2_5_VLVisionTransformer
 from encoders.qwen2_vl import Qwen2VLVisionTransformer
 from engine.layers.rotary import MRotaryEmbedding
 from engine.models.llama import Qwen2ForCausalLM
@@ -77,12 +79,13 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     checkpoint_prefixes = CHECKPOINT_PREFIXES
     weight_parts = ("visual", "language_model")
     uses_mrope = True
+    vision_cls: type[torch.nn.Module] = Qwen2VLVisionTransformer
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
         self.config = config
         text_config = config.get_text_config()
-        self.visual = Qwen2VLVisionTransformer(config.vision_config)
+        self.visual = self.vision_cls(config.vision_config)
         self.language_model = Qwen2VLTextForCausalLM(text_config, max_position)
         self.image_token_id = image_token_id(config)
         self.merge_size = config.vision_config.spatial_merge_size
@@ -113,3 +116,10 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         """[3, P] prompt positions and the delta after it, for a request's image features."""
         placeholders = [(f.placeholder.offset, f.placeholder.length, tuple(f.data.grid_thw)) for f in features]
         return mrope_positions(num_prompt_tokens, placeholders, self.merge_size)
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL, images: Qwen2-VL's language model, positions and processor with a window-attention
+    vision tower (RMSNorm, gated MLP)."""
+
+    vision_cls = Qwen2_5_VLVisionTransformer

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
-from engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -14,6 +14,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 
@@ -27,7 +28,8 @@ def get_model_class(config) -> type[nn.Module]:
         # Configs built in code may lack `architectures`; fall back on model_type.
         archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
                  "mistral": ["MistralForCausalLM"], "llava": ["LlavaForConditionalGeneration"],
-                 "qwen2_vl": ["Qwen2VLForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
+                 "qwen2_vl": ["Qwen2VLForConditionalGeneration"],
+                 "qwen2_5_vl": ["Qwen2_5_VLForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
     for arch in archs:
         if arch in _MODELS:
             return _MODELS[arch]

@@ -65,9 +65,11 @@ def build_tiny_llava(out_dir: Path, tower: str = "clip", seed: int = 0, strategy
     return out_dir
 
 
-def build_tiny_qwen2_vl(out_dir: Path, seed: int = 0, legacy_layout: bool = False) -> Path:
-    """A tiny ``Qwen2VLForConditionalGeneration`` saved with its tokenizer and image processor."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+def build_tiny_qwen2_vl(out_dir: Path, seed: int = 0, legacy_layout: bool = False, version: str = "2") -> Path:
+    """A tiny ``Qwen2VLForConditionalGeneration`` (``version="2.5"``: Qwen2.5-VL) saved with its
+    tokenizer and image processor."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor)
 
     tok = build_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"] + QWEN_SPECIALS})
@@ -78,12 +80,18 @@ def build_tiny_qwen2_vl(out_dir: Path, seed: int = 0, legacy_layout: bool = Fals
     assert head_dim == text["hidden_size"] // text["num_attention_heads"]
     vision = dict(depth=2, embed_dim=32, hidden_size=text["hidden_size"], num_heads=4, mlp_ratio=2,
                   patch_size=14, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision,
+    config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    if version == "2.5":
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=text["hidden_size"], num_heads=4,
+                      intermediate_size=64, window_size=56, fullatt_block_indexes=[1], patch_size=14,
+                      temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    cfg = config_cls(text_config=text, vision_config=vision,
                         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                         vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
                         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"))
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    model = model_cls(cfg).eval()
     with torch.no_grad():
         for p in model.model.visual.merger.parameters():
             p.normal_(0.0, 0.3)

@@ -35,8 +35,12 @@ def _hf_model(model_dir: str):
 
 @functools.lru_cache(maxsize=4)
 def _hf_processor(model_dir: str):
-    from transformers import AutoProcessor
-    return AutoProcessor.from_pretrained(model_dir)
+    """transformers' processor with its PIL image backend (the torchvision one, where installed,
+    resizes differently; ours follows the PIL one)."""
+    from transformers import AutoImageProcessor, AutoProcessor
+    proc = AutoProcessor.from_pretrained(model_dir)
+    proc.image_processor = AutoImageProcessor.from_pretrained(model_dir, use_fast=False)
+    return proc
 
 
 def params(max_tokens: int = MAX_TOKENS) -> SamplingParams:

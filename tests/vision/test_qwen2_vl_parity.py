@@ -30,7 +30,8 @@ def hf_inputs(model_dir, prompt: str, images) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     out = {}
     if images:
-        out = dict(AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt"))
+        image_processor = AutoImageProcessor.from_pretrained(model_dir, use_fast=False)   # the PIL backend
+        out = dict(image_processor(images=images, return_tensors="pt"))
         parts = prompt.split("<|image_pad|>")
         counts = [int(t * h * w) // 4 for t, h, w in out["image_grid_thw"].tolist()]
         prompt = parts[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, parts[1:]))

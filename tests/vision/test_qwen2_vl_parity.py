@@ -116,3 +116,14 @@ def test_qwen2_5_vl(tmp_path, images):
         ref = hf_qwen2_vl_greedy(d, PROMPTS[0], [img])
         out = llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {"image": img}}, params(), use_tqdm=False)
         check_logprobs_close(ref, ours_as_ref(out[0].outputs[0]), f"qwen2.5-vl {img.size}")
+
+
+def test_chunked_prefill_across_images(tiny_qwen2_vl_dir, images):
+    """A 7-token step budget: chunks start and end inside images, each chunk's M-RoPE rows cut from
+    the prompt's table."""
+    llm = LLM(str(tiny_qwen2_vl_dir), device="cpu", dtype="float32", max_num_batched_tokens=7, max_model_len=512)
+    imgs = [images[2], images[1]]
+    out = llm.generate({"prompt": PROMPTS[1], "multi_modal_data": {"image": imgs}}, params(), use_tqdm=False)
+    ref = hf_qwen2_vl_greedy(tiny_qwen2_vl_dir, PROMPTS[1], imgs)
+    check_logprobs_close(ref, ours_as_ref(out[0].outputs[0]), "chunked")
+    assert llm.llm_engine.core.scheduler.num_steps > len(out[0].prompt_token_ids) // 7

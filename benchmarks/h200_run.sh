@@ -12,6 +12,10 @@
 #               the carried .whl folder (fetch-wheels)                             (~180 s, not timed yet)
 #   multi-lora  16-64 distinct adapters vs the base model, batch 64 and 256                        (~400 s)
 #   profile     kernel tables of decode steps: batch 1 and 256, batch 64 with 16 adapters         (~250 s)
+#   vision      benchmarks/vision.py all: LLaVA-1.5-7B shape, 1000 one-image requests vs transformers;
+#               the encoder cache on and off; text TPOT alone and under image requests; Qwen2-VL-7B
+#               shape, 500 requests of mixed image sizes and its vision tower's TFLOP/s; JSON $OUT/vision.json
+#               (no baseline run; HF=0 skips transformers)                                  (not timed yet)
 #   fetch-wheels  run HERE, not on the GPU machine: the server's packages the GPU image lacks, into .whl/
 #
 # Before / after in one run: BASELINE_DIR=DIR (an older tree, e.g. a `git archive` of the old
@@ -110,6 +114,8 @@ for phase in "$@"; do
       done ;;
     serve)
       serve_phase ;;
+    vision)
+      python3 benchmarks/vision.py all $(skip_hf) --out "$OUT/vision.json" 2>&1 | quiet ;;
     profile)
       python3 benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 1,256 --skip-mixed --top 16 \
         --out "$OUT/profile_base.json" 2>&1 | quiet

@@ -6,12 +6,17 @@ transport's business (``engine/core_transport.py``) and nothing below depends on
     event loop (this object)                                  engine core (its loop)
     ------------------------                                  ----------------------
     add_request: processor (validate, tokenize, n)  -- AddRequest ------------->  scheduler
+        (prompts with multi_modal_data: in the media thread pool)
         ValueError -> the caller (400), nothing sent
     stream.abort() / disconnect                     -- AbortRequests ---------->  frees blocks
     _on_step (one call_soon_threadsafe per step)   <-- EngineCoreOutputs (ids) --  step()
         output processor: detokenize, stop strings  -- AbortRequests (stopped) ->
         RequestOutput -> that request's collector (DELTA outputs merge while its consumer lags)
     call_engine("add_lora", ...)                    -- CallMethod / CallResult -
+
+Prompts with images are processed (downloads, decoding, resizing, hashing) by a thread pool of
+``MultiModalConfig.mm_processor_workers`` threads, so a burst of images never stalls the event loop
+(streams, other requests); text prompts are processed inline as before, with no hop.
 
 Commands are FIFO, so an abort always lands after its add. When the core dies (an exception
 escaped a step, a fault injected by a test, a killed process) every in-flight stream and call
@@ -21,6 +26,7 @@ gets ``EngineDeadError`` and new requests are refused with it (503 and a failed 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -182,6 +188,8 @@ class AsyncLLM:
         self._dead_error: Optional[EngineDeadError] = None
         self._dead_lock = threading.Lock()
         self._stats = SchedulerStats()
+        self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        """Processes prompts with ``multi_modal_data`` off the event loop; made on first use."""
         freeze_gc_heap()   # the tokenizer, processor and imports stay out of GC passes
         transport.start(self._on_message)
 
@@ -247,16 +255,21 @@ class AsyncLLM:
         The caller must iterate the returned stream to its end or call ``stream.abort()``. A
         request the engine core itself refuses ends its stream with that error.
         """
-        self._bind_loop()
-        if self._dead_error is not None:
-            raise self._dead_error
-        if request_id in self._states:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
-        text, children = self.processor.process(request_id, prompt, sampling_params, lora_request, priority,
-                                                time.time())
+        loop = self._bind_loop()
+        self._check_can_add(request_id)
+        arrival_s, arrival_time = time.monotonic(), time.time()
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # Downloads, decoding and preprocessing take milliseconds to seconds: not on the loop.
+            text, children = await loop.run_in_executor(
+                self._media_executor(), self.processor.process, request_id, prompt, sampling_params,
+                lora_request, priority, arrival_time)
+            self._check_can_add(request_id)   # the engine died, or the id got taken, meanwhile
+        else:
+            text, children = self.processor.process(request_id, prompt, sampling_params, lora_request,
+                                                    priority, arrival_time)
         params = children[0].sampling_params
         collector = _OutputCollector(delta=params.output_kind == RequestOutputKind.DELTA)
-        state = _RequestState(request_id, params, collector, arrival_s=time.monotonic(),
+        state = _RequestState(request_id, params, collector, arrival_s=arrival_s,
                               num_prompt_tokens=len(children[0].prompt_token_ids))
         self._states[request_id] = state
         self.output_processor.add_request(request_id, children, text)
@@ -265,6 +278,19 @@ class AsyncLLM:
             logger.info("Added request %s: prompt=%s, params=%s, lora=%s", request_id, _short(prompt),
                         sampling_params, getattr(lora_request, "lora_name", None))
         return RequestStream(self, state)
+
+    def _check_can_add(self, request_id: str) -> None:
+        if self._dead_error is not None:
+            raise self._dead_error
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+
+    def _media_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._media_pool is None:
+            workers = self.engine_config.mm_config.mm_processor_workers
+            self._media_pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                                                     thread_name_prefix="chorus-media")
+        return self._media_pool
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        lora_request: Optional["LoRARequest"] = None,
@@ -321,6 +347,8 @@ class AsyncLLM:
         """Stop the engine loop; in-flight streams end with ``EngineDeadError``."""
         self._transport.shutdown(timeout_s)
         self._mark_dead(EngineDeadError("The engine was shut down."))
+        if self._media_pool is not None:   # queued media jobs are dropped; running ones end on their own
+            self._media_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------
     # Messages from the core (transport thread -> event loop)
@@ -498,5 +526,11 @@ class RequestStream:
 
 
 def _short(prompt: Any, limit: int = 80) -> str:
+    if isinstance(prompt, dict) and isinstance(prompt.get("multi_modal_data"), dict):
+        # Not repr'd: a data URL can be megabytes. The prompt's head and the image count.
+        images = prompt["multi_modal_data"].get("image")
+        num_images = len(images) if isinstance(images, (list, tuple)) else int(images is not None)
+        head = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        return f"{_short(head, limit)} + {num_images} image(s)"
     text = repr(prompt)
     return text if len(text) <= limit else text[:limit] + "...'"

@@ -6,6 +6,7 @@ import itertools
 from typing import Optional, Sequence, Union
 
 from engine.arg_utils import EngineArgs
+from engine.chat_utils import parse_chat_messages
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
@@ -68,13 +69,26 @@ class LLM:
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
              lora_request=None, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several (a list of lists), through the chat template."""
+        """One conversation (a list of messages) or several (a list of lists), through the chat template.
+
+        Content may be a string or OpenAI content parts: ``{"type": "text", "text": ...}``,
+        ``{"type": "image_url", "image_url": {"url": ...}}`` (http(s), data: or file:// URL, or a
+        file path), ``{"type": "image_pil", "image_pil": PIL.Image}`` or ``{"type": "image", "image":
+        PIL image | path | URL | bytes}``; each image becomes the model's placeholder in the
+        template and goes to the engine as ``multi_modal_data`` (``engine/chat_utils.py``).
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
+        takes_images = engine.processor.mm_processor is not None
         prompts = []
         for conv in convs:
-            text = engine.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message)
-            prompts.append({"prompt": text, "prompt_token_ids": engine.processor.encode_chat(text)})
+            parsed = parse_chat_messages(conv, takes_images=takes_images, offline=True)
+            text = engine.apply_chat_template(parsed.messages, add_generation_prompt, chat_template,
+                                              continue_final_message)
+            prompt = {"prompt": text, "prompt_token_ids": engine.processor.encode_chat(text)}
+            if parsed.images:
+                prompt["multi_modal_data"] = {"image": parsed.images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------------ helpers

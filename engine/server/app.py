@@ -151,6 +151,7 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
     """Build the app around a running ``AsyncLLM``; the app shuts the engine down on exit."""
     args = args or serve_args.make_serve_namespace()
     engine_client.processor.reject_overlong_max_tokens = True   # vLLM's server behaviour
+    engine_client.processor.allow_local_media_paths = False     # images: URLs only (file:// if allowed)
     served_names = args.served_model_name or [engine_client.model_name]
     model_path = serve_args.resolve_model(args) or engine_client.model_name
     models = OpenAIServingModels(engine_client, served_names, model_path,

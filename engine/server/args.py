@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 from typing import Any, Optional
 
@@ -19,6 +21,53 @@ def _human_int(value: str) -> int:
     number, suffix = float(m.group(1)), m.group(2)
     scale = {"": 1, "k": 1000, "K": 1024, "m": 1000 ** 2, "M": 1024 ** 2, "g": 1000 ** 3, "G": 1024 ** 3}
     return int(number * scale[suffix])
+
+
+def _positive_human_int(value: str) -> int:
+    n = _human_int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be a positive integer (suffixes k, m, g are allowed).")
+    return n
+
+
+def _limit_mm_per_prompt(value: str) -> dict[str, int]:
+    """'{"image": 2}' (vLLM's JSON) or 'image=2' -> {"image": 2}."""
+    from engine.config import MODALITIES
+    example = 'use JSON like \'{"image": 2}\' or image=2'
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            limits = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{value!r} is not valid JSON ({e.msg}); {example}.") from e
+    else:
+        limits = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, sep, number = item.partition("=")
+            if not sep or not re.fullmatch(r"\s*-?\d+\s*", number):
+                raise argparse.ArgumentTypeError(f"{value!r}: {item!r} is not MODALITY=COUNT; {example}.")
+            if key.strip() in limits:
+                raise argparse.ArgumentTypeError(f"{value!r} gives {key.strip()!r} twice; give it once.")
+            limits[key.strip()] = int(number)
+    if not isinstance(limits, dict) or not limits:
+        raise argparse.ArgumentTypeError(f"{value!r} names no modality; {example}.")
+    for modality, n in limits.items():
+        if modality not in MODALITIES:
+            raise argparse.ArgumentTypeError(f"{value!r}: unknown modality {modality!r}; use one of "
+                                             f"{', '.join(MODALITIES)}.")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise argparse.ArgumentTypeError(f"{value!r}: the limit for {modality!r} must be an integer >= 0, "
+                                             f"got {n!r}.")
+    return limits
+
+
+def _media_dir(value: str) -> str:
+    """An existing directory, made absolute."""
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an existing directory; give the directory whose "
+                                          "images file:// URLs may name.")
+    return path
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -95,6 +144,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
 
+    mm = p.add_argument_group("Images (vision models: LLaVA, Qwen2-VL, Qwen2.5-VL)")
+    mm.add_argument("--limit-mm-per-prompt", type=_limit_mm_per_prompt, default=None, metavar="JSON",
+                    help='Most images in one request, as JSON \'{"image": 2}\' (or image=2); more is a '
+                         "400. 0 refuses images. Default: 999.")
+    mm.add_argument("--allowed-local-media-path", type=_media_dir, default=None, metavar="DIR",
+                    help="Let image_url parts name file:// URLs of files under DIR (symlinks and '..' "
+                         "resolved first; anything outside is a 400). Default: file:// URLs are refused. "
+                         "Only for trusted clients: they can read any image under DIR.")
+    mm.add_argument("--max-num-encoder-input-tokens", type=_positive_human_int, default=None,
+                    help="Image embeddings the vision encoder computes per engine step (its compute "
+                         "budget). Default: max(max-num-batched-tokens, the largest image's "
+                         "embeddings); never below the largest image's.")
+    mm.add_argument("--encoder-cache-size", type=_positive_human_int, default=None,
+                    help="Image embeddings the encoder cache holds (encoded images kept for their "
+                         "prompt's prefill, then reused by later requests with the same image until evicted, "
+                         "least recently used first). Default and minimum: the per-step encoder budget.")
+
     lora = p.add_argument_group("LoRA")
     lora.add_argument("--enable-lora", action="store_true",
                       help="Serve LoRA adapters (the 'model' field picks one). Implied by --lora-modules.")
@@ -137,8 +203,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_logprobs=args.max_logprobs, device=args.device, enforce_eager=args.enforce_eager,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size, load_format=args.load_format, enable_lora=args.enable_lora,
         async_scheduling=getattr(args, "async_scheduling", True), usage_context="server")
-    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-        if getattr(args, name) is not None:
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "limit_mm_per_prompt",
+                 "allowed_local_media_path", "max_num_encoder_input_tokens", "encoder_cache_size"):
+        if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     if args.lora_modules:
         # Adapters named at start-up imply --enable-lora, and size the slots: max_lora_rank

@@ -5,7 +5,8 @@ Two sources:
   ``StatLogger``): token counters, finished requests by reason, TTFT / inter-token / end-to-end
   latency histograms;
 - the engine's latest ``SchedulerStats`` snapshot, read at scrape time (``EngineStatsCollector``):
-  running/waiting requests, KV cache usage, prefix-cache queries/hits, preemptions, and
+  running/waiting requests, KV cache usage, prefix-cache queries/hits, encoder-cache usage and
+  queries/hits (images), preemptions, and
   ``chorus:max_num_reqs_per_step`` (most requests batched into one step; proves batching).
 
 Each app gets its own ``CollectorRegistry`` so several servers can live in one process (tests).
@@ -130,6 +131,12 @@ class EngineStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield gauge("encoder_cache_usage_perc", "Fraction of the encoder cache (image embeddings) held by "
+                    "entries, referenced or kept for reuse (1 = 100%).", s.encoder_cache_usage)
+        yield counter("encoder_cache_queries", "Media items looked up in the encoder cache.",
+                      s.encoder_cache_queries)
+        yield counter("encoder_cache_hits", "Media items found in the encoder cache (not encoded again).",
+                      s.encoder_cache_hits)
         yield counter("num_preemptions", "Preemptions (requests freed to recompute later).",
                       s.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", s.num_steps)

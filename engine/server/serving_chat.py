@@ -1,5 +1,10 @@
 """POST /v1/chat/completions: messages -> chat template -> tokens -> a reply or SSE chunks.
 
+Image content parts (``image_url``: http(s) or data URLs; ``file://`` under
+``--allowed-local-media-path``) render as the model's image placeholder and travel to the engine
+client as ``multi_modal_data``; it loads and preprocesses them off the event loop. Every bad image
+is a 400 with the reason (``engine/chat_utils.py``, ``multimodal/media.py``).
+
 Stream shape (OpenAI's): per choice a first chunk ``delta: {"role": "assistant", "content": ""}``,
 then ``delta: {"content": ...}`` chunks, then a chunk with ``delta: {}`` and ``finish_reason``;
 with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one last chunk has
@@ -15,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.async_llm import RequestStream
+from engine.chat_utils import ParsedChat, parse_chat_messages
 from engine.outputs import Logprob
 from engine.server.errors import BadRequestError, error_body, to_openai_error
 from engine.server.protocol import (SSE_DONE, ChatCompletionRequest, ChatCompletionResponse,
@@ -23,6 +29,7 @@ from engine.server.protocol import (SSE_DONE, ChatCompletionRequest, ChatComplet
                                     UsageInfo, now_s, random_id, sse_event, stream_chunk)
 from engine.server.serving_base import (ServingBase, merge_streams, run_unless_disconnected,
                                         serialize_prompt_logprobs, to_sampling_params)
+from multimodal.media import MediaError
 
 ASSISTANT = "assistant"
 
@@ -42,27 +49,30 @@ class ChatPrompt:
     """A rendered conversation, ready for the engine."""
 
     text: str
-    """The templated conversation."""
+    """The templated conversation (one image placeholder per image)."""
     token_ids: list[int]
     """What the engine gets (tokenized here so the template's own special tokens are not doubled)."""
+    images: list[str] = field(default_factory=list)
+    """The conversation's image URLs in placeholder order (loaded by the engine client, off the
+    event loop)."""
+
+    def engine_prompt(self) -> dict[str, Any]:
+        """The engine client's prompt dict (with ``multi_modal_data`` when there are images)."""
+        prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        if self.images:
+            prompt["multi_modal_data"] = {"image": list(self.images)}
+        return prompt
 
 
-def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """pydantic messages -> template input. Text-only part lists become one string ('\\n'-joined,
-    as vLLM's "string" content format); other parts are the multimodal processor's business."""
-    out = []
-    for m in messages:
-        d = m.model_dump(exclude_none=True)
-        content = d.get("content")
-        if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise BadRequestError("Only text content parts are supported for this model.",
-                                      param="messages")
-            d["content"] = "\n".join(part.get("text", "") for part in content)
-        elif content is None:
-            d["content"] = ""
-        out.append(d)
-    return out
+def parse_messages(engine_client: Any, messages: list[ChatMessage]) -> ParsedChat:
+    """pydantic messages -> template messages + image URLs (``engine/chat_utils.py``). Malformed
+    parts and images for a text-only model -> 400 (param ``messages``), before anything is fetched."""
+    takes_images = getattr(engine_client.processor, "mm_processor", None) is not None
+    try:
+        return parse_chat_messages([m.model_dump(exclude_none=True) for m in messages],
+                                   takes_images=takes_images)
+    except ValueError as e:
+        raise BadRequestError(str(e), param="messages") from e
 
 
 def render_chat(engine_client: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
@@ -72,10 +82,10 @@ def render_chat(engine_client: Any, messages: list[ChatMessage], *, add_generati
     if add_generation_prompt and continue_final_message:
         raise BadRequestError("Cannot set both continue_final_message and add_generation_prompt to true.",
                               param="continue_final_message")
-    dicts = messages_to_dicts(messages)
+    parsed = parse_messages(engine_client, messages)
     try:
         text = engine_client.apply_chat_template(
-            dicts, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            parsed.messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
     except (ValueError, TypeError, KeyError) as e:
         raise BadRequestError(f"Could not apply the chat template: {e}", param="messages") from e
@@ -84,7 +94,7 @@ def render_chat(engine_client: Any, messages: list[ChatMessage], *, add_generati
             raise BadRequestError(f"Could not apply the chat template: {e}", param="messages") from e
         raise
     token_ids = engine_client.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return ChatPrompt(text=text, token_ids=list(token_ids))
+    return ChatPrompt(text=text, token_ids=list(token_ids), images=parsed.images)
 
 
 class OpenAIServingChat(ServingBase):
@@ -110,8 +120,10 @@ class OpenAIServingChat(ServingBase):
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
                                     defaults=self.engine_client.default_sampling_params)
         request_id = req.request_id or raw_request.headers.get("X-Request-Id") or random_id("chatcmpl")
-        engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
-        streams = await self.submit_all([engine_prompt], params, request_id, lora, req.priority)
+        try:
+            streams = await self.submit_all([prompt.engine_prompt()], params, request_id, lora, req.priority)
+        except MediaError as e:   # loading / decoding an image failed: say so, and where it came from
+            raise BadRequestError(f"An image could not be loaded: {e}", param="messages") from e
         created = now_s()
         echo = self._echo_text(req)
         if req.stream:

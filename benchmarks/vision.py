@@ -946,6 +946,10 @@ def main() -> None:
                     help="encoder-cache paced arrivals, req/s (default 0.6 x the no-cache burst's req/s)")
     ap.add_argument("--encoder-cache-size", type=int, default=None,
                     help="engine encoder cache, embeddings (default: the engine's)")
+    ap.add_argument("--cache-output-len", type=int, default=None,
+                    help="new tokens of encoder-cache requests (default 32)")
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="new tokens of llava, qwen2-vl and text-tpot's image requests (default 128)")
     ap.add_argument("--qwen-requests", type=int, default=None, help="qwen2-vl requests (default 500)")
     ap.add_argument("--tpot-image-rate", type=float, default=None, help="text-tpot image req/s (default 10)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default 2048 (--tiny: 512)")
@@ -953,6 +957,10 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
     args.scale = TINY if args.tiny else FULL
+    if args.output_len:
+        args.scale = replace(args.scale, output_len=args.output_len)
+    if args.cache_output_len:
+        args.scale = replace(args.scale, cache_output_len=args.cache_output_len)
     args.max_model_len = args.max_model_len or (512 if args.tiny else 2048)
     if args.out is None:
         args.out = "benchmarks/out/vision_tiny.json" if args.tiny else "benchmarks/results/vision.json"

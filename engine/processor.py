@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 from engine.config import ModelConfig, MultiModalConfig
 from engine.request import EngineRequest, MultiModalFeature, PlaceholderRange
 from engine.sampling_params import SamplingParams
-from multimodal.media import MediaLimits, load_image
+from multimodal.media import MediaError, MediaLimits, load_image
 from multimodal.processing import ImagePromptProcessor
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -142,7 +142,14 @@ class Processor:
             raise ValueError(f"multi_modal_data: at most {limit} image(s) per prompt, got {len(images)} "
                              "(raise --limit-mm-per-prompt).")
         limits = self.media_limits
-        loaded = [load_image(img, limits, allow_local_paths=self.allow_local_media_paths) for img in images]
+        loaded = []
+        for k, img in enumerate(images):
+            try:
+                loaded.append(load_image(img, limits, allow_local_paths=self.allow_local_media_paths))
+            except MediaError as e:
+                if len(images) == 1:
+                    raise
+                raise MediaError(f"image {k + 1} of {len(images)}: {e}") from e
         ids, items = self.mm_processor.process(ids, loaded)
         features = [MultiModalFeature(modality=it.modality, identifier=it.identifier,
                                       placeholder=PlaceholderRange(it.offset, it.length), data=it.data)

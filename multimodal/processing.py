@@ -134,8 +134,9 @@ def expand_placeholders(token_ids: list[int], placeholder_id: int,
 
 
 def _split_runs(runs: list[tuple[int, int]], lengths: list[int]) -> list[tuple[int, int]]:
-    """Runs as items: a run of 1 is one item; a longer run must be one or more pre-expanded items
-    back to back (each exactly its item's length)."""
+    """Runs as items: a run of 1 is one item; a longer run is either pre-expanded items back to back
+    (each exactly its item's length) or, failing that, one item per token (``<image><image>``: two
+    images next to each other, as a chat template renders two adjacent image parts)."""
     out: list[tuple[int, int]] = []
     k = 0
     for start, run_len in runs:
@@ -143,14 +144,19 @@ def _split_runs(runs: list[tuple[int, int]], lengths: list[int]) -> list[tuple[i
             out.append((start, run_len))
             k += 1
             continue
-        pos, left = start, run_len
+        first, pos, left = k, start, run_len
         while left > 0 and k < len(lengths) and lengths[k] <= left:
             out.append((pos, lengths[k]))
             pos += lengths[k]
             left -= lengths[k]
             k += 1
-        if left:
+        if not left:
+            continue
+        if first + run_len > len(lengths):
             raise ValueError(f"prompt: a run of {run_len} image placeholder tokens at token {start} does not "
                              "match the images' sizes; use one placeholder token per image.")
+        del out[len(out) - (k - first):]
+        out.extend((start + i, 1) for i in range(run_len))
+        k = first + run_len
     return out
 

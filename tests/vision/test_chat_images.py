@@ -135,9 +135,6 @@ def test_parse_chat_messages_shapes():
         parse_chat_messages([{"role": "user", "content": 5}], takes_images=True)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="multimodal/processing.py::_split_runs reads two adjacent single placeholders "
-                          "('<image><image>', two image parts in a row) as one pre-expanded run and refuses it")
 def test_adjacent_images(llava, images):
     image_token_id = llava.get_tokenizer().convert_tokens_to_ids("<image>")
     one = llava.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]}]}], params(),

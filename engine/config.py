@@ -6,6 +6,7 @@ Environment variables are read in ``engine/envs.py`` only.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -169,8 +170,8 @@ class MultiModalConfig:
     """Largest encoded image accepted (download, data URL or file), bytes."""
     max_image_pixels: int = 50_000_000
     """Largest width x height accepted, checked before decoding (decompression bombs)."""
-    mm_processor_workers: int = 8
-    """Threads that load and preprocess media off the engine loop."""
+    mm_processor_workers: int = field(default_factory=lambda: min(16, os.cpu_count() or 1))
+    """Threads that load and preprocess media off the engine loop (default: the CPUs, at most 16)."""
 
     def limit(self, modality: str) -> int:
         return self.limit_mm_per_prompt.get(modality, 999)

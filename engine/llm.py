@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from typing import Optional, Sequence, Union
 
@@ -53,12 +54,10 @@ class LLM:
         prios = self._per_prompt(priority, n, "priority") if isinstance(priority, list) else [priority or 0] * n
         engine = self.llm_engine
         # Validate everything first so one bad prompt leaves the engine untouched.
+        rids = [str(next(self._counter)) for _ in prompts]
+        processed = self._process_all(rids, prompts, params, loras, prios)
         staged = []
-        for prompt, p, lora, prio in zip(prompts, params, loras, prios):
-            p = p.clone()
-            p.output_kind = RequestOutputKind.FINAL_ONLY
-            rid = str(next(self._counter))
-            text, children = engine.processor.process(rid, prompt, p, lora, prio)
+        for rid, lora, (text, children) in zip(rids, loras, processed):
             if lora is not None and engine.lora_manager is not None:
                 engine.lora_manager.register(lora)  # a bad adapter fails here, before anything is queued
             staged.append((rid, text, children))
@@ -92,6 +91,25 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------------ helpers
+    def _process_all(self, rids, prompts, params, loras, prios) -> list:
+        """``Processor.process`` of every prompt, in order; prompts with media (loading, decoding,
+        resizing, hashing: milliseconds each) on ``mm_processor_workers`` threads."""
+        processor = self.llm_engine.processor
+
+        def one(args):
+            rid, prompt, p, lora, prio = args
+            p = p.clone()
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            return processor.process(rid, prompt, p, lora, prio)
+
+        jobs = list(zip(rids, prompts, params, loras, prios))
+        num_media = sum(isinstance(pr, dict) and pr.get("multi_modal_data") is not None for pr in prompts)
+        if num_media < 2:
+            return [one(job) for job in jobs]
+        workers = self.llm_engine.engine_config.mm_config.mm_processor_workers
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="chorus-media") as pool:
+            return list(pool.map(one, jobs))
+
     @staticmethod
     def _per_prompt(value, n: int, name: str) -> list:
         if isinstance(value, (list, tuple)):

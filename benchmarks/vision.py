@@ -358,13 +358,17 @@ def sync() -> None:
 
 
 class CallTimer:
-    """Time spent in ``obj.name(...)`` while installed: wall seconds, or with ``device`` the device time
-    between CUDA events recorded around each call (no synchronization on the way)."""
+    """Time spent in ``obj.name(...)`` while installed: wall seconds summed over calls (``span``: from the
+    first call's start to the last one's end, for calls made on several threads at once), or with
+    ``device`` the device time between CUDA events recorded around each call (no synchronization)."""
 
-    def __init__(self, device: bool = False) -> None:
+    def __init__(self, device: bool = False, span: bool = False) -> None:
         self.device = device
+        self.span = span
         self.calls = 0
         self._wall = 0.0
+        self._first_start: Optional[float] = None
+        self._last_end = 0.0
         self._events: list[tuple[Any, Any]] = []
 
     @contextlib.contextmanager
@@ -381,10 +385,14 @@ class CallTimer:
                 self._events.append((start, stop))
                 return out
             t0 = time.perf_counter()
+            if self._first_start is None or t0 < self._first_start:
+                self._first_start = t0
             try:
                 return original(*args, **kwargs)
             finally:
-                self._wall += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self._wall += t1 - t0
+                self._last_end = max(self._last_end, t1)
 
         setattr(obj, name, timed)
         try:
@@ -395,6 +403,8 @@ class CallTimer:
     @property
     def seconds(self) -> float:
         if not self.device:
+            if self.span:
+                return 0.0 if self._first_start is None else self._last_end - self._first_start
             return self._wall
         torch.cuda.synchronize()
         return sum(a.elapsed_time(b) for a, b in self._events) / 1e3
@@ -491,7 +501,7 @@ def generate_timed(llm, prompts: list[dict], max_tokens: int) -> dict:
         from engine.model_runner import StepTimer
         timer = engine.runner.step_timer = StepTimer()
     stats0, encoded0, retries0 = engine.get_stats(), engine.runner.num_encoded_items, alloc_retries()
-    with CallTimer().install(engine.processor, "process") as pre, encoder_timer(llm) as enc:
+    with CallTimer(span=True).install(engine.processor, "process") as pre, encoder_timer(llm) as enc:
         sync()
         t0 = time.perf_counter()
         res = llm.generate(prompts, sampling(max_tokens), use_tqdm=False)
@@ -737,11 +747,18 @@ def bench_llava(session: Session) -> dict:
 def bench_encoder_cache(session: Session) -> dict:
     args, s = session.args, session.scale
     n = args.cache_requests or s.cache_requests
-    llm = session.llava_llm()
+    if args.cache_model == "qwen2-vl":   # a heavy vision tower: the largest image size of the qwen2-vl run
+        session.release()
+        shape, image_size = s.qwen, s.qwen_sizes[-1]
+        llm = build_llm(args, shape)
+        warm_up(llm, one_image_prompts(shape, distinct_images(2, image_size, seed=99), s.text_len, seed=99))
+    else:
+        shape, image_size = s.llava, s.image_size
+        llm = session.llava_llm()
     engine = llm.llm_engine
     choice = cache_image_choice(n, s.cache_popular, 0.8, seed=2)
-    images = distinct_images(max(choice) + 1, s.image_size, seed=2)
-    prompts = cache_prompts(s.llava, choice, images, s.text_len, seed=2)
+    images = distinct_images(max(choice) + 1, image_size, seed=2)
+    prompts = cache_prompts(shape, choice, images, s.text_len, seed=2)
 
     prepared, prepare_s = {}, {}
     for mode in ("without", "with"):   # the processor runs once per mode, before any timed run
@@ -782,7 +799,8 @@ def bench_encoder_cache(session: Session) -> dict:
         ttft_p50_ratio_burst=by["with", "burst"]["ttft_p50_ms"] / by["without", "burst"]["ttft_p50_ms"],
         ttft_p50_ratio_paced=by["with", "paced"]["ttft_p50_ms"] / by["without", "paced"]["ttft_p50_ms"],
         paced_rate_req_s=rate)
-    print(f"\nencoder-cache: {n} requests ({s.cache_popular} shared images for 80%, a unique image for 20%; "
+    print(f"\nencoder-cache, {args.cache_model} ({image_size[0]}x{image_size[1]} images): {n} requests "
+          f"({s.cache_popular} shared images for 80%, a unique image for 20%; "
           f"{s.text_len} varying tokens before the image, 16 after), {s.cache_output_len} new tokens; "
           f"burst = all at once, paced = {rate:.2f} req/s; encoder cache "
           f"{engine.scheduler.encoder_cache_manager.cache_size} embeddings; {device_name()}")
@@ -794,7 +812,11 @@ def bench_encoder_cache(session: Session) -> dict:
     print(f"with / without: throughput {summary['throughput_ratio']:.2f}x (target >= 1.3x), TTFT p50 "
           f"{summary['ttft_p50_ratio_burst']:.2f}x burst, {summary['ttft_p50_ratio_paced']:.2f}x paced "
           "(lower is better)")
-    return dict(rows=rows, summary=summary, num_requests=n, popular_images=s.cache_popular,
+    if args.cache_model == "qwen2-vl":
+        del llm
+        free_memory()
+    return dict(rows=rows, summary=summary, model=args.cache_model, image_size=image_size, num_requests=n,
+                popular_images=s.cache_popular,
                 prepare_s=prepare_s, output_len=s.cache_output_len,
                 encoder_cache_size=engine.scheduler.encoder_cache_manager.cache_size)
 
@@ -946,6 +968,9 @@ def main() -> None:
                     help="encoder-cache paced arrivals, req/s (default 0.6 x the no-cache burst's req/s)")
     ap.add_argument("--encoder-cache-size", type=int, default=None,
                     help="engine encoder cache, embeddings (default: the engine's)")
+    ap.add_argument("--cache-model", choices=["llava", "qwen2-vl"], default="llava",
+                    help="encoder-cache model: llava (CLIP-L, light next to the LM) or qwen2-vl (its largest "
+                         "image size: a heavy tower)")
     ap.add_argument("--cache-output-len", type=int, default=None,
                     help="new tokens of encoder-cache requests (default 32)")
     ap.add_argument("--output-len", type=int, default=None,

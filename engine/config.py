@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
+ENCODER_CACHE_BUDGETS = 4
+"""Default encoder cache size in per-step encoder budgets: 20 shared 1344x896 images (1,536 embeddings
+each) stay cached under Qwen2-VL's default budget of 16,384 (benchmarks/RESULTS.md, encoder cache)."""
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -99,8 +102,9 @@ class SchedulerConfig:
     """Encoder embeddings (media placeholder tokens) encoded per step; None: max(max_num_batched_tokens,
     the largest item the model can produce). Always raised to that largest item."""
     encoder_cache_size: Optional[int] = None
-    """Encoder embeddings the encoder cache holds; None: the per-step encoder budget. Always raised to
-    that budget, so any item the model can produce fits."""
+    """Encoder embeddings the encoder cache holds; None: ENCODER_CACHE_BUDGETS x the per-step encoder
+    budget (vLLM keeps just one budget, which a few large images fill). Always raised to that budget,
+    so any item the model can produce fits."""
 
     def encoder_budgets(self, max_embeds_per_item: int) -> tuple[int, int]:
         """(per-step encoder compute budget, encoder cache size), in embeddings, for a model whose
@@ -109,8 +113,8 @@ class SchedulerConfig:
         if budget is None:
             budget = max(self.max_num_batched_tokens, max_embeds_per_item)
         budget = max(budget, max_embeds_per_item)
-        cache_size = max(self.encoder_cache_size or 0, budget)
-        return budget, cache_size
+        cache_size = self.encoder_cache_size or ENCODER_CACHE_BUDGETS * budget
+        return budget, max(cache_size, budget)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -102,10 +102,11 @@ class EngineCore:
             lora_manager = LoRAManager(cfg.lora_config, loaded.model, device, loaded.dtype,
                                        policy=runner.policy)
             runner.lora_manager = lora_manager
+        max_embeds_per_item = loaded.mm_processor.max_embeds_per_item() if loaded.mm_processor else 0
+        runner.encoder_cache_size = cfg.scheduler_config.encoder_budgets(max_embeds_per_item)[1] if max_embeds_per_item else 0
         num_blocks = runner.determine_num_blocks(max_blocks_needed(
             cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size))
         runner.allocate_kv_cache(num_blocks)
-        max_embeds_per_item = loaded.mm_processor.max_embeds_per_item() if loaded.mm_processor else 0
         scheduler = Scheduler(cfg.scheduler_config, cfg.cache_config, loaded.max_model_len, num_blocks,
                               cfg.lora_config, max_embeds_per_mm_item=max_embeds_per_item)
         processor = Processor(loaded.tokenizer, cfg.model_config, loaded.max_model_len,

@@ -208,6 +208,8 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         """Media item content hash -> its encoder output [num_embeds, hidden] (the scheduler's
         ``EncoderCacheManager`` decides what stays; evictions arrive in ``free_encoder_identifiers``)."""
+        self.encoder_cache_size = 0
+        """Embeddings the scheduler's encoder cache may keep (set by the engine; sizes the memory reserve)."""
         self.num_encoded_items = 0
         """Media items the encoder has run on since start (an item served from the cache is not counted)."""
 
@@ -247,7 +249,8 @@ class ModelRunner:
         if self.use_cuda_graphs:
             # The graph pool keeps the largest graph's activations while eager steps need their own.
             tokens += min(sc.max_num_batched_tokens, self.config.max_cudagraph_capture_size)
-        return int(tokens * per_token + logits + (512 << 20))
+        encoder_cache = self.encoder_cache_size * h.hidden_size * elem   # one hidden-size row per embedding
+        return int(tokens * per_token + logits + encoder_cache + (512 << 20))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer; then the

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import ENCODER_CACHE_BUDGETS, CacheConfig, SchedulerConfig
 from engine.outputs import ModelRunnerOutput
 from engine.request import MultiModalFeature, PlaceholderRange, RequestStatus
 from engine.scheduler import Scheduler
@@ -56,8 +56,9 @@ def referenced(sched: Scheduler) -> dict[str, set[str]]:
 
 
 def test_budgets_are_in_embeddings_and_raised_to_the_largest_item():
-    assert SchedulerConfig(max_num_batched_tokens=16).encoder_budgets(576) == (576, 576)
-    assert SchedulerConfig(max_num_batched_tokens=8192).encoder_budgets(576) == (8192, 8192)
+    k = ENCODER_CACHE_BUDGETS
+    assert SchedulerConfig(max_num_batched_tokens=16).encoder_budgets(576) == (576, k * 576)
+    assert SchedulerConfig(max_num_batched_tokens=8192).encoder_budgets(576) == (8192, k * 8192)
     assert SchedulerConfig(max_num_encoder_input_tokens=100, encoder_cache_size=50).encoder_budgets(576) == (576, 576)
     assert SchedulerConfig(max_num_encoder_input_tokens=600, encoder_cache_size=2000).encoder_budgets(576) == (600, 2000)
 

@@ -30,11 +30,12 @@ def _text_config(tok, **overrides) -> dict:
 
 
 def build_tiny_llava(out_dir: Path, tower: str = "clip", seed: int = 0, strategy: str = "default",
-                     feature_layer=-2, legacy_layout: bool = False) -> Path:
+                     feature_layer=-2, legacy_layout: bool = False, text: str = "llama") -> Path:
     """A tiny ``LlavaForConditionalGeneration`` (transformers' own) saved with its tokenizer and image
     processor; ``legacy_layout`` renames the tensors to the transformers 4.x layout."""
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, SiglipImageProcessor, SiglipVisionConfig)
+                              LlavaForConditionalGeneration, Qwen2Config, SiglipImageProcessor,
+                              SiglipVisionConfig)
 
     tok = build_tokenizer()
     vision_kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -45,7 +46,8 @@ def build_tiny_llava(out_dir: Path, tower: str = "clip", seed: int = 0, strategy
     else:
         vision = SiglipVisionConfig(**vision_kwargs)
         proc = SiglipImageProcessor(size={"height": 56, "width": 56})
-    cfg = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**_text_config(tok)),
+    text_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[text]
+    cfg = LlavaConfig(vision_config=vision, text_config=text_cls(**_text_config(tok)),
                       image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=feature_layer,
                       vision_feature_select_strategy=strategy, projector_hidden_act="gelu")
     cfg.eos_token_id = tok.eos_token_id

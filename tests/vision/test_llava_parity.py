@@ -86,17 +86,19 @@ def test_two_images_one_prompt_mixed_batch(llava, tiny_llava_dir, images):
         check_logprobs_close(ref, ours_as_ref(out.outputs[0]), req["prompt"])
 
 
-@pytest.mark.parametrize("tower,strategy,layer,legacy", [
-    ("siglip", "default", -1, False), ("clip", "full", [-2, 1], True)])
-def test_variants(tmp_path, images, tower, strategy, layer, legacy):
-    """SigLIP tower, 'full' strategy (CLS kept), a list of feature layers, the transformers 4.x layout."""
-    d = build_tiny_llava(tmp_path / "m", tower=tower, strategy=strategy, feature_layer=layer, legacy_layout=legacy)
+@pytest.mark.parametrize("tower,strategy,layer,legacy,text", [
+    ("siglip", "default", -1, False, "qwen2"), ("clip", "full", [-2, 1], True, "llama")])
+def test_variants(tmp_path, images, tower, strategy, layer, legacy, text):
+    """SigLIP tower with a Qwen2 language model; 'full' strategy (CLS kept), a list of feature layers
+    and the transformers 4.x layout."""
+    d = build_tiny_llava(tmp_path / "m", tower=tower, strategy=strategy, feature_layer=layer, legacy_layout=legacy,
+                         text=text)
     has_cls = tower == "clip"
     save_llava_processor(d, strategy, additional=int(has_cls))
     llm = LLM(str(d), device="cpu", dtype="float32", max_num_seqs=4)
     ref_dir = d
     if legacy:   # transformers 5 reads only its own layout: the reference comes from a 5.x copy
-        ref_dir = build_tiny_llava(tmp_path / "ref", tower=tower, strategy=strategy, feature_layer=layer)
+        ref_dir = build_tiny_llava(tmp_path / "ref", tower=tower, strategy=strategy, feature_layer=layer, text=text)
         save_llava_processor(ref_dir, strategy, additional=int(has_cls))
     ref = hf_llava_greedy(ref_dir, PROMPTS[0], [images[1]])
     out = llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {"image": images[1]}}, params(), use_tqdm=False)

@@ -159,7 +159,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     mm.add_argument("--encoder-cache-size", type=_positive_human_int, default=None,
                     help="Image embeddings the encoder cache holds (encoded images kept for their "
                          "prompt's prefill, then reused by later requests with the same image until evicted, "
-                         "least recently used first). Default and minimum: the per-step encoder budget.")
+                         "least recently used first). Default: 4 per-step encoder budgets; minimum: one.")
 
     lora = p.add_argument_group("LoRA")
     lora.add_argument("--enable-lora", action="store_true",

@@ -13,12 +13,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One converted copy of the default GGUF model shared by every test run (and the server's subprocesses).
 os.environ.setdefault("CHORUS_CACHE", str(__import__("pathlib").Path(__file__).resolve().parents[1] / ".cache" / "chorus"))
 
+# Under pytest-xdist (the README's test command runs 2 workers) the workers share the CPUs: each
+# worker's torch and BLAS get cores / workers threads (1 on CI's 2 cores). More oversubscribes the
+# cores, and an OpenMP thread that waits for a descheduled peer makes a whole step wait.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)      # set in xdist workers only
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_WORKER_THREADS = max(1, _CPUS // _XDIST_WORKERS) if _XDIST_WORKERS else 0
+if _WORKER_THREADS:
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_WORKER_THREADS))   # also read by subprocesses (servers)
+
 import torch  # noqa: E402
 
+if _WORKER_THREADS:
+    torch.set_num_threads(_WORKER_THREADS)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -102,3 +115,44 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_prompts() -> list[str]:
     return list(TINY_PROMPTS)
+
+
+# ------------------------------------------------------------------------------------------
+# pytest-xdist work units (the README's test command runs ``-n 2 --dist loadgroup``)
+# ------------------------------------------------------------------------------------------
+PER_TEST_DIRS = ("tests/kernels/", "tests/unit/")
+"""Scheduled test by test: no fixture wider than a function there, beyond this file's tiny
+checkpoints (session-scoped: each worker builds its own once)."""
+DEFAULT_MODEL_TESTS = ("tests/models/test_smollm2.py::", "tests/lora/test_smollm2_lora.py::",
+                       "tests/server/test_cli.py::test_readme_serve_command_default_smollm2")
+"""The tests of the real SmolLM2 default model (shared CHORUS_CACHE): one work unit, so a clean
+cache converts the GGUF once, on one worker, not on both at the same time."""
+
+
+def work_unit(nodeid: str) -> Optional[str]:
+    """The xdist work unit of a test: the default-model group, its module elsewhere (module-scoped
+    servers, engines and references are built once), or None (the test alone)."""
+    if nodeid.startswith(DEFAULT_MODEL_TESTS):
+        return "default-model"
+    if nodeid.startswith(PER_TEST_DIRS):
+        return None
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` over ``work_unit``'s units (the tests it leaves alone: xdist's own rule).
+
+    NOTE: a scheduler, not ``xdist_group`` marks added at collection: with pytest 9.2 xdist can no
+    longer tag node ids with their group (pytest-dev/pytest-xdist#1386), and the controller, which
+    schedules, sees only node ids. Units go out biggest (most tests) first and single tests last,
+    so the two workers end close together."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class WorkUnitScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid) or super()._split_scope(nodeid)
+
+    return WorkUnitScheduling(config, log)

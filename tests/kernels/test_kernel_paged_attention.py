@@ -107,9 +107,22 @@ def test_block_sizes_and_gqa(block_size, num_heads, num_kv_heads):
     assert_close(run_kernel(b, 0.25), paged_attention_ref(*b.args(), 0.25), torch.float32)
 
 
-@pytest.mark.parametrize("heads_per_prog", [0, 1, 2, 4])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (8, 4, 32, 16), (12, 4, 80, 16), (4, 1, 16, 32), (6, 2, 64, 64), (8, 8, 16, 16), (4, 2, 256, 16), (32, 1, 16, 16)])
+def _distinct_heads_per_prog(num_kv_heads: int) -> list[int]:
+    """Of 0 (the general kernel) and 1, 2, 4 KV heads per program, those giving distinct launch
+    configs: a count the KV heads do not divide is halved until it does (4 -> 2 with 2 KV heads,
+    2 or 4 -> 1 with one), the same launch as the smaller count; the largest of those stays (it
+    also checks that clamp)."""
+    by_config = {}
+    for heads_per_prog in (0, 1, 2, 4):
+        by_config[heads_per_prog and math.gcd(heads_per_prog, num_kv_heads)] = heads_per_prog
+    return sorted(by_config.values())
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,heads_per_prog", [
+    (*shape, heads_per_prog)
+    for shape in [(8, 4, 32, 16), (12, 4, 80, 16), (4, 1, 16, 32), (6, 2, 64, 64), (8, 8, 16, 16), (4, 2, 256, 16),
+                  (32, 1, 16, 16)]
+    for heads_per_prog in _distinct_heads_per_prog(shape[1])])
 def test_pure_decode_kernel(heads_per_prog, num_heads, num_kv_heads, head_dim, block_size):
     """Pure-decode batches run kernels.paged_decode with 1-4 KV heads per program (one loop over
     (head, tile) pairs; fewer where the heads do not divide), or the general kernel (0); contexts

@@ -84,11 +84,17 @@ def start_server(model: str, engine_kwargs: dict | None = None, **serve_override
     engine_client = AsyncLLM.from_engine_args(log_requests=False,
                                               engine_process=getattr(args, "engine_process", False), **kwargs)
     app = build_app(engine_client, args)
-    port = free_port()
+    # NOTE: uvicorn serves a socket bound here (a free port, chosen by the OS) instead of binding a
+    # port number itself: no other process (another xdist worker) can take the port in between.
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds its own
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}",
+                              daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:

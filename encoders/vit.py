@@ -189,16 +189,18 @@ class TowerWeights:
     packed one (q/k/v). ``finish`` raises WeightLoadError naming parameters (or blocks) never loaded.
     """
 
-    def __init__(self, module: nn.Module, tower: str, expected_names: str) -> None:
+    def __init__(self, module: nn.Module, tower: str, expected_names: str,
+                 outer_prefixes: str = "'vision_tower.' or 'visual.'") -> None:
         self.tower = tower
         self.expected_names = expected_names  # a hint for error messages: whose state_dict names we take
+        self.outer_prefixes = outer_prefixes  # a hint for error messages: prefixes the caller should strip
         self._params = dict(module.named_parameters())
         self._loaded_rows: dict[str, set[tuple[int, int]]] = {name: set() for name in self._params}
 
     def unknown(self, checkpoint_name: str) -> WeightLoadError:
         return WeightLoadError(f"{self.tower}: checkpoint tensor {checkpoint_name!r} has no place in the "
                                f"tower; names must be as in {self.expected_names} (strip any outer prefix "
-                               f"such as 'vision_tower.' or 'visual.' first).")
+                               f"such as {self.outer_prefixes} first).")
 
     @torch.no_grad()
     def load(self, checkpoint_name: str, param_name: str, tensor: torch.Tensor, shard: int = 0,

@@ -1,0 +1,148 @@
+"""Whisper's audio encoder, exact against transformers' ``WhisperEncoder`` (``last_hidden_state``).
+
+log-mel [B, num_mel_bins, 2 * max_source_positions] -> conv1 (k3, pad 1) + GELU -> conv2 (k3, stride 2,
+pad 1) + GELU -> + ``embed_positions.weight`` (sinusoids in the released checkpoints; loaded like any
+tensor) -> ``encoder_layers`` pre-norm layers -> ``layer_norm`` -> [B, max_source_positions, d_model].
+A layer is x + out_proj(attention(self_attn_layer_norm(x))), then x + fc2(act(fc1(final_layer_norm(x)))),
+with q/k/v packed into one Linear (``encoders.vit.ViTAttention``, SDPA). Whisper's k_proj has no bias:
+the k block of the packed bias is zero, and ``load_weights`` sets it so.
+
+LoRA on the encoder is not implemented here. ``LORA_TARGET_MODULES`` names the projections an adapter may
+target, ``WhisperEncoderTower.packed_modules_mapping`` says which block of which packed Linear each of
+q/k/v is (as in ``engine.models.llama``), and ``WhisperEncoderTower.lora_targets()`` maps every
+transformers module name to its Linear and row block here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from encoders.vit import TowerWeights, ViTAttention, activation
+
+_TOWER = "WhisperEncoderTower"
+_EXPECTED_NAMES = "transformers' WhisperEncoder.state_dict()"
+_QKV = re.compile(r"layers\.(\d+)\.self_attn\.(q_proj\.weight|q_proj\.bias|k_proj\.weight|v_proj\.weight"
+                  r"|v_proj\.bias)")
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+"""The per-layer projections (transformers' names) a LoRA adapter on the encoder may target."""
+
+
+class LoRATarget(NamedTuple):
+    """Where one transformers projection lives in the tower."""
+
+    module: str
+    """Our ``nn.Linear`` (relative to the tower), e.g. ``layers.0.self_attn.qkv``."""
+    shard: int
+    """The row block of ``module``'s output that is this projection's."""
+    num_shards: int
+    """How many equal row blocks ``module``'s output has (3 for qkv, else 1)."""
+
+
+class WhisperEncoderLayer(nn.Module):
+    """Pre-norm layer; parameter names are transformers' except q/k/v packed in ``self_attn.qkv``."""
+
+    def __init__(self, d_model: int, num_heads: int, ffn_dim: int, act: str) -> None:
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(d_model)
+        self.self_attn = ViTAttention(d_model, num_heads)
+        self.final_layer_norm = nn.LayerNorm(d_model)
+        self.act = activation(act)
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [B, S, d_model] -> [B, S, d_model]."""
+        hidden_states = hidden_states + self.self_attn(self.self_attn_layer_norm(hidden_states))
+        hidden_states = hidden_states + self.fc2(self.act(self.fc1(self.final_layer_norm(hidden_states))))
+        if hidden_states.dtype == torch.float16:  # transformers clamps float16 activations after each layer
+            clamp = torch.finfo(torch.float16).max - 1000
+            hidden_states = hidden_states.clamp(min=-clamp, max=clamp)
+        return hidden_states
+
+
+class WhisperEncoderTower(nn.Module):
+    """Whisper's encoder built from a transformers ``WhisperConfig``.
+
+    ``forward(input_features [B, num_mel_bins, 2 * max_source_positions])`` ->
+    [B, max_source_positions, d_model]; ``load_weights`` takes ``WhisperEncoder.state_dict()`` names
+    (strip the checkpoint's ``model.encoder.`` first).
+    """
+
+    packed_modules_mapping = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2)}
+    """transformers projection name -> (our packed Linear under ``self_attn``, its row block)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.d_model % config.encoder_attention_heads:
+            raise ValueError(f"{_TOWER}: d_model={config.d_model} is not a multiple of "
+                             f"encoder_attention_heads={config.encoder_attention_heads}; fix the config.")
+        self.d_model = config.d_model
+        self.num_mel_bins = config.num_mel_bins
+        self.max_source_positions = config.max_source_positions
+        self.num_frames = 2 * config.max_source_positions  # conv2's stride halves the frames
+        self.conv1 = nn.Conv1d(config.num_mel_bins, config.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(config.d_model, config.d_model, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(config.max_source_positions, config.d_model)
+        self.embed_positions.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            WhisperEncoderLayer(config.d_model, config.encoder_attention_heads, config.encoder_ffn_dim,
+                                config.activation_function)
+            for _ in range(config.encoder_layers))
+        self.layer_norm = nn.LayerNorm(config.d_model)
+
+    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
+        """input_features [B, num_mel_bins, 2 * max_source_positions] (any float dtype, cast to the
+        parameters') -> [B, max_source_positions, d_model] in the parameters' dtype."""
+        expected = (self.num_mel_bins, self.num_frames)
+        if input_features.dim() != 3 or tuple(input_features.shape[1:]) != expected:
+            raise ValueError(f"{_TOWER}: input_features must be [B, {expected[0]}, {expected[1]}] (the "
+                             f"config's num_mel_bins, and 2 * max_source_positions frames: pad or trim the "
+                             f"log-mel as WhisperFeatureExtractor does), got {list(input_features.shape)}.")
+        features = input_features.to(self.conv1.weight.dtype)
+        features = F.gelu(self.conv1(features))  # [B, d_model, frames]
+        features = F.gelu(self.conv2(features))  # [B, d_model, positions]
+        hidden_states = (features.transpose(1, 2) + self.embed_positions.weight).contiguous()  # [B, S, d]
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.layer_norm(hidden_states)
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """transformers module name of every ``LORA_TARGET_MODULES`` projection, relative to the encoder
+        (``layers.0.self_attn.k_proj``; a PEFT adapter of WhisperForConditionalGeneration prefixes
+        ``model.encoder.``) -> its Linear and row block here."""
+        targets = {}
+        for index in range(len(self.layers)):
+            for name in LORA_TARGET_MODULES:
+                parent = f"layers.{index}.self_attn" if name.endswith("_proj") else f"layers.{index}"
+                module, shard = self.packed_modules_mapping.get(name, (name, 0))
+                num_shards = 3 if name in self.packed_modules_mapping else 1
+                targets[f"{parent}.{name}"] = LoRATarget(f"{parent}.{module}", shard, num_shards)
+        return targets
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors named as in transformers' ``WhisperEncoder.state_dict()``; each layer's q/k/v go
+        into row blocks of ``self_attn.qkv`` and the k block of its bias is zeroed. WeightLoadError (a
+        ValueError) for an unknown name, a wrong shape, or a parameter left unset."""
+        loader = TowerWeights(self, _TOWER, _EXPECTED_NAMES, outer_prefixes="'model.encoder.'")
+        k_shard = self.packed_modules_mapping["k_proj"][1]
+        for index, layer in enumerate(self.layers):
+            bias = layer.self_attn.qkv.bias
+            loader.load(f"layers.{index}.self_attn.k_proj (no bias)", f"layers.{index}.self_attn.qkv.bias",
+                        torch.zeros(self.d_model, dtype=bias.dtype, device=bias.device),
+                        shard=k_shard, num_shards=3)
+        for name, tensor in weights:
+            packed = _QKV.fullmatch(name)
+            if packed:
+                projection, kind = packed.group(2).split(".")
+                module, shard = self.packed_modules_mapping[projection]
+                loader.load(name, f"layers.{packed.group(1)}.self_attn.{module}.{kind}", tensor,
+                            shard=shard, num_shards=3)
+            else:
+                loader.load(name, name, tensor)
+        loader.finish()

@@ -120,9 +120,10 @@ def tiny_prompts() -> list[str]:
 # ------------------------------------------------------------------------------------------
 # pytest-xdist work units (the README's test command runs ``-n 2 --dist loadgroup``)
 # ------------------------------------------------------------------------------------------
-PER_TEST_DIRS = ("tests/kernels/", "tests/unit/")
-"""Scheduled test by test: no fixture wider than a function there, beyond this file's tiny
-checkpoints (session-scoped: each worker builds its own once)."""
+PER_TEST_DIRS = ("tests/kernels/",)
+"""Scheduled test by test (most of the run's time, in many short tests: they balance the workers'
+ends): no fixture there is wider than a function, beyond this file's session-scoped checkpoints,
+which each worker builds once."""
 DEFAULT_MODEL_TESTS = ("tests/models/test_smollm2.py::", "tests/lora/test_smollm2_lora.py::",
                        "tests/server/test_cli.py::test_readme_serve_command_default_smollm2")
 """The tests of the real SmolLM2 default model (shared CHORUS_CACHE): one work unit, so a clean

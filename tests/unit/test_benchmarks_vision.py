@@ -123,7 +123,8 @@ def test_drive_stops_the_background_stream_when_the_watched_kind_is_done(tiny_ll
     text = [{"prompt_token_ids": [1] + vision.text_ids(random.Random(0), 20, shape)} for _ in range(2)]
     staged = vision.stage(engine, text, 4, [0.0, 0.0], "text", "w-t")
     images = vision.one_image_prompts(shape, vision.distinct_images(200, (40, 30), seed=8), 8, seed=8)
-    staged += vision.stage(engine, images, 50, vision.even_arrivals(200, 50.0, 0.01), "image", "w-i")
+    # The first image arrives with the text (at 0 s), so the stream has started before the text can finish.
+    staged += vision.stage(engine, images, 50, vision.even_arrivals(200, 50.0, 0.0), "image", "w-i")
     rows, added = vision.drive(engine, staged, stop_when_done="text")
     assert {rid for rid, r in rows.items() if r["kind"] == "text"} == {"w-t-0", "w-t-1"}
     assert 0 < added["image"] < 200                             # the stream ran, and stopped with the text

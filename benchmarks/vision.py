@@ -623,9 +623,10 @@ def summarize_run(rows: dict[str, dict], kind: Optional[str] = None) -> dict:
 # ----------------------------------------------------------------------------------------
 # transformers
 # ----------------------------------------------------------------------------------------
-def run_hf_llava(shape: VLShape, prompts: list[dict], output_len: int, batch_size: int, tiny: bool) -> dict:
-    """transformers' LLaVA on ``prompts``: its image processor, placeholders expanded as its processor
-    does, left padding, ``generate`` per batch (greedy, exactly ``output_len`` new tokens)."""
+def run_hf_vlm(shape: VLShape, prompts: list[dict], output_len: int, batch_size: int, tiny: bool) -> dict:
+    """transformers' LLaVA or Qwen2-VL on ``prompts``: its image processor, placeholders expanded as its
+    processor does (LLaVA: patches; Qwen2-VL: t * h * w / merge**2 per image, with the mm_token_type_ids
+    its M-RoPE needs), left padding, ``generate`` per batch (greedy, exactly ``output_len`` new tokens)."""
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText
     device = "cuda" if cuda() else "cpu"
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -639,15 +640,19 @@ def run_hf_llava(shape: VLShape, prompts: list[dict], output_len: int, batch_siz
     load_s = time.perf_counter() - t0
     image_processor = AutoImageProcessor.from_pretrained(ckpt)
     vc = cfg.vision_config
-    num_embeds = (vc.image_size // vc.patch_size) ** 2    # 'default' strategy: the CLS token dropped
+    qwen = cfg.model_type != "llava"
 
     def run_batch(batch: list[dict], new_tokens: int) -> float:
         t = time.perf_counter()
         images = [p["multi_modal_data"]["image"] for p in batch]
-        pixels = image_processor(images, return_tensors="pt")["pixel_values"]           # [B, 3, H, W]
+        processed = image_processor(images, return_tensors="pt")
         pre = time.perf_counter() - t
+        if qwen:   # one image per prompt: its grid's tokens
+            counts = [int(t * h * w) // vc.spatial_merge_size ** 2 for t, h, w in processed["image_grid_thw"].tolist()]
+        else:      # 'default' strategy: the CLS token dropped
+            counts = [(vc.image_size // vc.patch_size) ** 2] * len(batch)
         rows = []
-        for p in batch:
+        for p, num_embeds in zip(batch, counts):
             ids = []
             for tid in p["prompt_token_ids"]:
                 ids.extend([tid] * num_embeds if tid == shape.image_token_id else [tid])
@@ -658,10 +663,14 @@ def run_hf_llava(shape: VLShape, prompts: list[dict], output_len: int, batch_siz
         for j, r in enumerate(rows):
             ids[j, width - len(r):] = torch.tensor(r)
             mask[j, width - len(r):] = 1
+        extra = {}
+        if qwen:
+            extra = dict(image_grid_thw=processed["image_grid_thw"].to(device),
+                         mm_token_type_ids=(ids == shape.image_token_id).int().to(device))
         with torch.no_grad():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 pixel_values=pixels.to(device, dtype), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=shape.pad_id)
+                                 pixel_values=processed["pixel_values"].to(device, dtype), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=shape.pad_id, **extra)
         assert out.shape[1] - width == new_tokens, (out.shape, width, new_tokens)
         return pre
 
@@ -717,8 +726,8 @@ def bench_llava(session: Session) -> dict:
     rows = []
     if not args.skip_hf:
         k = min(n, args.hf_requests or s.hf_requests)
-        rows.append(run_hf_llava(s.llava, prompts[:k], s.output_len, args.hf_batch_size or s.hf_batch_size,
-                                 args.tiny))
+        rows.append(run_hf_vlm(s.llava, prompts[:k], s.output_len, args.hf_batch_size or s.hf_batch_size,
+                               args.tiny))
         print(f"transformers: {rows[-1]['output_tok_s']:.1f} out tok/s ({rows[-1]['seconds']:.1f} s)",
               flush=True)
     llm = session.llava_llm()
@@ -876,6 +885,13 @@ def bench_qwen2_vl(session: Session) -> dict:
     sizes = [rng.choice(s.qwen_sizes) for _ in range(n)]
     images = [distinct_images(1, size, seed=1000 + i)[0] for i, size in enumerate(sizes)]
     prompts = one_image_prompts(s.qwen, images, s.text_len, seed=5)
+    hf_rows = []
+    if not args.skip_hf:
+        k = min(n, args.hf_requests or s.hf_requests)
+        hf_rows.append(run_hf_vlm(s.qwen, prompts[:k], s.output_len, args.hf_batch_size or s.hf_batch_size,
+                                  args.tiny))
+        print(f"transformers: {hf_rows[-1]['output_tok_s']:.1f} out tok/s ({hf_rows[-1]['seconds']:.1f} s)",
+              flush=True)
     llm = build_llm(args, s.qwen)
     warm_images = [distinct_images(1, size, seed=99)[0] for size in s.qwen_sizes]   # every size compiles
     warm = one_image_prompts(s.qwen, warm_images, s.text_len, seed=99)
@@ -890,14 +906,16 @@ def bench_qwen2_vl(session: Session) -> dict:
     print(f"\nqwen2-vl: {n} requests, 1 image each of {len(s.qwen_sizes)} sizes ({sizes_text}) + "
           f"{s.text_len} text tokens, {s.output_len} new tokens; {chorus['prompt_tokens'] / n:.0f} prompt "
           f"tokens per request on average; {device_name()}")
-    print_table([chorus], GENERATE_COLUMNS)
+    print_table([chorus] + hf_rows, GENERATE_COLUMNS)
+    if hf_rows:
+        print(f"Chorus / transformers: {chorus['output_tok_s'] / hf_rows[0]['output_tok_s']:.2f}x end to end")
     print_steps_by_kind(chorus.get("steps_by_kind"))
     print(f"\nvision tower alone ({len(vision[0]['grids']) if vision else 0} images, consecutive batches; "
           f"FLOPs counted analytically; H200 peak {H200_BF16_DENSE_TFLOPS:g} TFLOP/s dense bf16):")
     print_table(vision, [("batch", "batch", "d"), ("calls", "calls", "d"), ("patches", "patches", "d"),
                          ("ms_per_call", "ms/call", ".2f"), ("tflop", "TFLOP", ".3f"),
                          ("tflop_s", "TFLOP/s", ".1f"), ("fraction_of_peak", "of peak", ".3f")])
-    return dict(rows=[chorus], vision=vision, num_requests=n, sizes=s.qwen_sizes, output_len=s.output_len)
+    return dict(rows=[chorus] + hf_rows, vision=vision, num_requests=n, sizes=s.qwen_sizes, output_len=s.output_len)
 
 
 def time_vision_tower(llm, processed: list, batch_sizes: tuple[int, ...], iters: int = 3) -> list[dict]:

@@ -139,17 +139,19 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             bt = meta.block_tables[i:i + 1, :nblk]
             k = _gather_blocks(k_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
             v = _gather_blocks(v_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
-        qi = q[start:end].transpose(0, 1).float()                            # [H, qlen, d]
-        ki = k.transpose(0, 1).float()                                       # [Hkv, slen, d]
-        vi = v.transpose(0, 1).float()
+        # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's generic path, several times slower.
+        qi = q[start:end].transpose(0, 1)[None].float()                      # [1, H, qlen, d]
+        ki = k.transpose(0, 1)[None].float()                                 # [1, Hkv, slen, d]
+        vi = v.transpose(0, 1)[None].float()
         if ctx == 0:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
             # Query j (absolute position ctx + j) sees keys 0..ctx + j.
             mask = (torch.arange(slen, device=q.device)[None, :]
                     <= (ctx + torch.arange(qlen, device=q.device))[:, None])
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask[None, None], scale=scale,
+                                               enable_gqa=group > 1)
+        out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 

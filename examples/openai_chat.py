@@ -1,7 +1,8 @@
 """Talk to a running ``chorus serve`` with the official OpenAI SDK: one reply, then a streamed one.
 
-    chorus serve --port 8000            # in another terminal (no MODEL: SmolLM2-135M-Instruct)
-    python examples/openai_chat.py      # CHORUS_URL / CHORUS_API_KEY to point elsewhere
+    .venv/bin/chorus serve --port 8000      # in another terminal (no MODEL: SmolLM2-135M-Instruct)
+    .venv/bin/pip install -q openai         # the SDK (the test extra has it too)
+    .venv/bin/python examples/openai_chat.py    # CHORUS_URL / CHORUS_API_KEY to point elsewhere
 """
 
 from __future__ import annotations

@@ -689,6 +689,17 @@ def run_hf_vlm(shape: VLShape, prompts: list[dict], output_len: int, batch_size:
                 image_processor=type(image_processor).__name__)
 
 
+def hf_side_by_side(args, s, shape: VLShape, prompts: list[dict]) -> list[dict]:
+    """transformers on the first ``--hf-requests`` of ``prompts`` (``run_hf_vlm``), as a one-row list
+    ([] with ``--skip-hf``)."""
+    if args.skip_hf:
+        return []
+    k = min(len(prompts), args.hf_requests or s.hf_requests)
+    row = run_hf_vlm(shape, prompts[:k], s.output_len, args.hf_batch_size or s.hf_batch_size, args.tiny)
+    print(f"transformers: {row['output_tok_s']:.1f} out tok/s ({row['seconds']:.1f} s)", flush=True)
+    return [row]
+
+
 # ----------------------------------------------------------------------------------------
 # Sub-benchmarks
 # ----------------------------------------------------------------------------------------
@@ -723,13 +734,7 @@ def bench_llava(session: Session) -> dict:
     prompts = one_image_prompts(s.llava, images, s.text_len, seed=1)
     print(f"llava: {n} distinct {s.image_size[0]}x{s.image_size[1]} images made in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    rows = []
-    if not args.skip_hf:
-        k = min(n, args.hf_requests or s.hf_requests)
-        rows.append(run_hf_vlm(s.llava, prompts[:k], s.output_len, args.hf_batch_size or s.hf_batch_size,
-                               args.tiny))
-        print(f"transformers: {rows[-1]['output_tok_s']:.1f} out tok/s ({rows[-1]['seconds']:.1f} s)",
-              flush=True)
+    rows = hf_side_by_side(args, s, s.llava, prompts)
     llm = session.llava_llm()
     chorus = generate_timed(llm, prompts, s.output_len)
     clear_caches(llm.llm_engine)
@@ -885,13 +890,7 @@ def bench_qwen2_vl(session: Session) -> dict:
     sizes = [rng.choice(s.qwen_sizes) for _ in range(n)]
     images = [distinct_images(1, size, seed=1000 + i)[0] for i, size in enumerate(sizes)]
     prompts = one_image_prompts(s.qwen, images, s.text_len, seed=5)
-    hf_rows = []
-    if not args.skip_hf:
-        k = min(n, args.hf_requests or s.hf_requests)
-        hf_rows.append(run_hf_vlm(s.qwen, prompts[:k], s.output_len, args.hf_batch_size or s.hf_batch_size,
-                                  args.tiny))
-        print(f"transformers: {hf_rows[-1]['output_tok_s']:.1f} out tok/s ({hf_rows[-1]['seconds']:.1f} s)",
-              flush=True)
+    hf_rows = hf_side_by_side(args, s, s.qwen, prompts)
     llm = build_llm(args, s.qwen)
     warm_images = [distinct_images(1, size, seed=99)[0] for size in s.qwen_sizes]   # every size compiles
     warm = one_image_prompts(s.qwen, warm_images, s.text_len, seed=99)

@@ -103,7 +103,8 @@ class EngineCore:
                                        policy=runner.policy)
             runner.lora_manager = lora_manager
         max_embeds_per_item = loaded.mm_processor.max_embeds_per_item() if loaded.mm_processor else 0
-        runner.encoder_cache_size = cfg.scheduler_config.encoder_budgets(max_embeds_per_item)[1] if max_embeds_per_item else 0
+        if max_embeds_per_item:   # a vision model: the encoder cache's outputs take memory beside the KV cache
+            runner.encoder_cache_size = cfg.scheduler_config.encoder_budgets(max_embeds_per_item)[1]
         num_blocks = runner.determine_num_blocks(max_blocks_needed(
             cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size))
         runner.allocate_kv_cache(num_blocks)

@@ -537,6 +537,9 @@ class ModelRunner:
         step_start = 0
         for s, n in zip(states, counts):
             c = s.num_computed_tokens
+            if c >= s.num_prompt_tokens:   # placeholders lie in the prompt
+                step_start += n
+                continue
             for f in s.mm_features:
                 lo = max(f.placeholder.offset, c)
                 hi = min(f.placeholder.offset + f.placeholder.length, c + n)

@@ -182,8 +182,8 @@ class Scheduler:
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1   # this step samples a token
-            if request.mm_features:
-                self._release_consumed_encoder_inputs(request)
+            if request.mm_features and request.num_computed_tokens - n < request.num_prompt_tokens:
+                self._release_consumed_encoder_inputs(request)   # this step computed prompt tokens
         self.finished_req_ids = set()
         self.num_steps += 1
         self.max_reqs_per_step = max(self.max_reqs_per_step, len(plan.num_scheduled_tokens))

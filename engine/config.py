@@ -157,12 +157,12 @@ class LoRAConfig:
             raise ValueError(f"lora_dtype={self.lora_dtype!r}: use one of {SUPPORTED_DTYPES}.")
 
 
-MODALITIES = ("image",)
+MODALITIES = ("image", "audio")
 
 
 @dataclass
 class MultiModalConfig:
-    """Media in prompts: how many, from where, how big (vision models only)."""
+    """Media in prompts: how many, from where, how big (images for vision models, audio for Whisper)."""
 
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     """Modality -> most items in one prompt; a modality left out allows 999 (vLLM's default)."""
@@ -174,6 +174,11 @@ class MultiModalConfig:
     """Largest encoded image accepted (download, data URL or file), bytes."""
     max_image_pixels: int = 50_000_000
     """Largest width x height accepted, checked before decoding (decompression bombs)."""
+    max_audio_bytes: int = 25 << 20
+    """Largest encoded audio accepted (upload, bytes or file), bytes (OpenAI's 25 MB)."""
+    max_audio_duration_s: float = 3600.0
+    """Longest decoded audio, seconds; counted while decoding (a small compressed file cannot expand
+    into hours of samples)."""
     mm_processor_workers: int = field(default_factory=lambda: min(16, os.cpu_count() or 1))
     """Threads that load and preprocess media off the engine loop (default: the CPUs, at most 16)."""
 
@@ -186,7 +191,8 @@ class MultiModalConfig:
                 raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r}; use one of {MODALITIES}.")
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}]={n!r} must be an integer >= 0.")
-        for name in ("media_fetch_timeout_s", "max_image_bytes", "max_image_pixels", "mm_processor_workers"):
+        for name in ("media_fetch_timeout_s", "max_image_bytes", "max_image_pixels", "max_audio_bytes",
+                     "max_audio_duration_s", "mm_processor_workers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0.")
 

@@ -65,7 +65,7 @@ class EncoderCacheManager:
         """Whether item ``input_id`` can be encoded this step: it fits the step's remaining encoder
         budget, and the cache after ``num_embeds_to_schedule`` embeddings already planned this step,
         evicting unreferenced entries (LRU) if needed. Evicts only when the answer is yes."""
-        num_embeds = request.mm_features[input_id].placeholder.length
+        num_embeds = request.mm_features[input_id].num_embeds
         if num_embeds > encoder_compute_budget:
             return False
         num_needed = num_embeds + num_embeds_to_schedule
@@ -84,7 +84,7 @@ class EncoderCacheManager:
     def allocate(self, request: Request, input_id: int) -> None:
         """Reserve space for item ``input_id`` of ``request`` (encoded this step) and reference it."""
         feature = request.mm_features[input_id]
-        num_embeds = feature.placeholder.length
+        num_embeds = feature.num_embeds
         self.cached[feature.identifier] = {request.request_id}
         self.sizes[feature.identifier] = num_embeds
         self.num_free_slots -= num_embeds

@@ -103,10 +103,12 @@ class EngineCore:
                                        policy=runner.policy)
             runner.lora_manager = lora_manager
         max_embeds_per_item = loaded.mm_processor.max_embeds_per_item() if loaded.mm_processor else 0
-        if max_embeds_per_item:   # a vision model: the encoder cache's outputs take memory beside the KV cache
+        if max_embeds_per_item:   # a media model: the encoder cache's outputs take memory beside the KV cache
             runner.encoder_cache_size = cfg.scheduler_config.encoder_budgets(max_embeds_per_item)[1]
+        # Encoder-decoder models: each request also holds cross-attention K/V of its encoder output.
+        cross_tokens = max_embeds_per_item if runner.is_encoder_decoder else 0
         num_blocks = runner.determine_num_blocks(max_blocks_needed(
-            cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size))
+            cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size, cross_tokens))
         runner.allocate_kv_cache(num_blocks)
         scheduler = Scheduler(cfg.scheduler_config, cfg.cache_config, loaded.max_model_len, num_blocks,
                               cfg.lora_config, max_embeds_per_mm_item=max_embeds_per_item)

@@ -30,20 +30,23 @@ class ForwardContext:
     """The engine's fast-path choices (``engine.kernel_policy``)."""
     pending_update: Optional["PendingUpdate"] = None
     """An adapter update a Linear left to its consumer (``engine.layers.adapter``); None between ops."""
+    cross_attn_metadata: Optional["AttentionMetadata"] = None
+    """Encoder-decoder models: one single-query "request" per step token over its request's cross
+    blocks (``engine.models.whisper``); None for decoder-only models."""
 
 
 _CURRENT: Optional[ForwardContext] = None
 
 
 @contextlib.contextmanager
-def forward_context(meta: Optional["AttentionMetadata"], policy: Optional[KernelPolicy] = None
-                    ) -> Iterator[ForwardContext]:
-    """Make ``meta`` and ``policy`` (None: ``default_policy()``) visible to every layer for one
-    forward pass. Refuses nesting; on exit an update still pending is an error (its consumer never ran)."""
+def forward_context(meta: Optional["AttentionMetadata"], policy: Optional[KernelPolicy] = None,
+                    cross_meta: Optional["AttentionMetadata"] = None) -> Iterator[ForwardContext]:
+    """Make ``meta``, ``policy`` (None: ``default_policy()``) and ``cross_meta`` (encoder-decoder
+    models) visible to every layer for one forward pass. Refuses nesting; on exit an update still pending is an error (its consumer never ran)."""
     global _CURRENT
     if _CURRENT is not None:
         raise RuntimeError("forward_context is already active; forward passes do not nest.")
-    ctx = ForwardContext(meta, policy or default_policy())
+    ctx = ForwardContext(meta, policy or default_policy(), cross_attn_metadata=cross_meta)
     _CURRENT = ctx
     try:
         yield ctx

@@ -54,6 +54,10 @@ class CachedRequestState:
     """[3, num_prompt_tokens] int64 M-RoPE positions of the prompt (M-RoPE models with media only)."""
     mrope_delta: int = 0
     """M-RoPE: a token at index i past the prompt is at rotary position i + mrope_delta."""
+    cross_block_ids: list[int] = field(default_factory=list)
+    """Blocks of its cross-attention K/V (encoder-decoder models), in encoder-position order."""
+    num_cross_tokens: int = 0
+    """Encoder positions its decoder attends to (0: decoder-only)."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -129,6 +133,8 @@ class StepInputs:
     mrope_positions: Optional[np.ndarray] = None
     """[3, num_tokens] int64 host M-RoPE positions when the step has prompt tokens of a request with
     media (its rows differ at image tokens); ``positions`` then holds row 0. None otherwise."""
+    cross_attn_metadata: Optional[AttentionMetadata] = None
+    """Encoder-decoder models: each step token as a one-query request over its request's cross blocks."""
 
 
 class _HostMirror:

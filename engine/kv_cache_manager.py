@@ -29,6 +29,10 @@ def block_extra_keys(request: Request, start_token_idx: int, end_token_idx: int)
     if request.lora_request is not None:
         keys.append(("lora", request.lora_request.lora_name, request.lora_request.lora_int_id))
     for feature in request.mm_features:
+        if feature.placeholder is None:
+            if start_token_idx == 0:        # cross-attention input: every block depends on it (the chain)
+                keys.append((feature.identifier, "cross"))
+            continue
         offset, length = feature.placeholder.offset, feature.placeholder.length
         if offset < end_token_idx and offset + length > start_token_idx:
             keys.append((feature.identifier, offset - start_token_idx))
@@ -57,6 +61,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # req_id -> how many of its leading blocks are registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
+        # req_id -> blocks holding its cross-attention K/V (encoder-decoder models), taken with its
+        # first allocation, never prefix-cached, freed with its other blocks.
+        self.req_to_cross_blocks: dict[str, list[KVCacheBlock]] = {}
         # Prefix-cache counters, in tokens, since start.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -85,7 +92,9 @@ class KVCacheManager:
             (blocks, num_computed_tokens): the hit blocks (not yet referenced; pass them to
             ``allocate_slots``) and the tokens they cover.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
+                or request.num_cross_tokens):
+            # NOTE: an encoder-decoder request recomputes from token 0 (its cross K/V are written there).
             return [], 0
         self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -129,10 +138,13 @@ class KVCacheManager:
         num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - num_held)
         # Prefix hits sitting in the free queue stop being free once touched.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        num_needed = num_new_blocks + num_evictable_hits
+        num_cross_blocks = 0
+        if request.num_cross_tokens and req_id not in self.req_to_cross_blocks:
+            num_cross_blocks = cdiv(request.num_cross_tokens, self.block_size)
+        num_needed = num_new_blocks + num_evictable_hits + num_cross_blocks
         if full_sequence_must_fit:
             num_full_seq_blocks = max(0, cdiv(request.num_tokens, self.block_size) - num_held)
-            num_needed = max(num_needed, num_full_seq_blocks + num_evictable_hits)
+            num_needed = max(num_needed, num_full_seq_blocks + num_evictable_hits + num_cross_blocks)
         if num_needed > self.block_pool.num_free_blocks:
             return None
 
@@ -145,6 +157,8 @@ class KVCacheManager:
             self.num_cached_block[req_id] = len(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
+        if num_cross_blocks:
+            self.req_to_cross_blocks[req_id] = self.block_pool.get_new_blocks(num_cross_blocks)
 
         if self.enable_caching:
             # NOTE: blocks become full once this step's tokens are computed; later readers are
@@ -163,10 +177,15 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(self.req_to_cross_blocks.pop(request.request_id, []))
 
     # --- queries ------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def get_cross_block_ids(self, request_id: str) -> list[int]:
+        """The blocks of the request's cross-attention K/V (empty for decoder-only requests)."""
+        return [b.block_id for b in self.req_to_cross_blocks.get(request_id, [])]
 
     @property
     def usage(self) -> float:
@@ -181,9 +200,11 @@ class KVCacheManager:
     def num_usable_blocks(self) -> int:
         return self.block_pool.num_usable_blocks
 
-    def can_fit_ever(self, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` tokens of KV fit in the whole (empty) cache."""
-        return cdiv(num_tokens, self.block_size) <= self.block_pool.num_usable_blocks
+    def can_fit_ever(self, num_tokens: int, num_cross_tokens: int = 0) -> bool:
+        """Whether ``num_tokens`` tokens of KV (plus ``num_cross_tokens`` of cross-attention K/V) fit in
+        the whole (empty) cache."""
+        num_blocks = cdiv(num_tokens, self.block_size) + cdiv(num_cross_tokens, self.block_size)
+        return num_blocks <= self.block_pool.num_usable_blocks
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -16,10 +16,11 @@ import math
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 
-from engine.attention import select_backend
+from engine.attention import AttentionMetadata, select_backend
 from engine.forward_context import forward_context
 from engine.kernel_policy import KernelPolicy
 from engine.cuda_graphs import GraphKey
@@ -204,6 +205,14 @@ class ModelRunner:
         """The last sampling step's ids on the device, and each request's row in them."""
         self._sampling_cache: Optional[tuple[tuple[str, ...], SamplingMetadata]] = None
         self.is_multimodal = hasattr(model, "embed_multimodal")
+        self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        """Whisper: the decoder cross-attends to K/V the runner writes before each request's first token."""
+        if self.is_encoder_decoder and self.use_cuda_graphs:
+            logger.info("Encoder-decoder model: CUDA graphs are off (the steps run eagerly).")
+            self.use_cuda_graphs = False
+        self.logits_rules = getattr(model, "logits_rules", None)
+        """The model's per-row logits rules (Whisper's token suppression and timestamp rules), applied
+        before sampling with each row's prompt and outputs; None for most models."""
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.encoder_cache: dict[str, torch.Tensor] = {}
         """Media item content hash -> its encoder output [num_embeds, hidden] (the scheduler's
@@ -243,7 +252,8 @@ class ModelRunner:
         sc = self.config.scheduler_config
         h = self.hf_config.get_text_config()
         elem = torch.finfo(self.dtype).bits // 8
-        per_token = (4 * h.hidden_size + 3 * h.intermediate_size) * elem
+        intermediate = getattr(h, "intermediate_size", None) or getattr(h, "decoder_ffn_dim", 4 * h.hidden_size)
+        per_token = (4 * h.hidden_size + 3 * intermediate) * elem
         logits = sc.max_num_seqs * h.vocab_size * 4 * 3
         tokens = sc.max_num_batched_tokens
         if self.use_cuda_graphs:
@@ -365,7 +375,8 @@ class ModelRunner:
                 eos_token_ids=set(new.eos_token_ids),
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 generator=generator, lora_slot=new.lora_slot, row=table.add(new.block_ids),
-                mm_features=new.mm_features)
+                mm_features=new.mm_features, cross_block_ids=list(new.cross_block_ids),
+                num_cross_tokens=sum(f.num_cross_embeds for f in new.mm_features))
             if self.uses_mrope and new.mm_features:
                 if old is not None and old.mrope_positions is not None:
                     state.mrope_positions, state.mrope_delta = old.mrope_positions, old.mrope_delta
@@ -426,8 +437,8 @@ class ModelRunner:
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
         counts = [so.num_scheduled_tokens[r] for r in order]
-        if not all(_sampling_is_simple(s.sampling_params) for s in states):
-            self._resolve_all()   # penalties / min_tokens need every token on the host
+        if self.logits_rules is not None or not all(_sampling_is_simple(s.sampling_params) for s in states):
+            self._resolve_all()   # penalties / min_tokens / logits rules need every token on the host
         mm_rows = self._gather_mm_embeds(states, counts) if self.is_multimodal else None
         graph_key = self._graph_key(states, counts, has_media=mm_rows is not None)
         if self.step_timer is not None:
@@ -445,6 +456,9 @@ class ModelRunner:
                                       with_lora=self.lora_manager is not None,
                                       num_reqs_padded=reqs_padded, num_tokens_padded=tokens_padded,
                                       prev_sampled_rows=prev_rows, prev_sampled=prev_ids)
+        if self.is_encoder_decoder:
+            self._write_cross_kv(states)
+            inputs.cross_attn_metadata = self._cross_attn_metadata(states, counts)
         if graph_key is not None and graph_key.mixed and self.buffers.mm_mask is not None:
             self.buffers.write_media(graph_key.num_tokens, mm_rows, inputs.mrope_positions)
         if self.lora_manager is not None:
@@ -502,7 +516,7 @@ class ModelRunner:
             positions = inputs.positions
             if inputs.mrope_positions is not None:
                 positions = torch.from_numpy(inputs.mrope_positions).to(self.device, non_blocking=True)  # [3, T]
-            with forward_context(inputs.attn_metadata, self.policy):
+            with forward_context(inputs.attn_metadata, self.policy, inputs.cross_attn_metadata):
                 hidden = self.model(inputs.input_ids, positions, inputs_embeds)    # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if not inputs.sample_req_ids:
@@ -522,9 +536,9 @@ class ModelRunner:
             features = list(items.values())
             outputs = self.model.embed_multimodal(modality, [f.data for f in features])
             for f, out in zip(features, outputs):
-                if out.shape[0] != f.placeholder.length:
-                    raise RuntimeError(f"the encoder gave {out.shape[0]} embeddings for a {modality} with "
-                                       f"{f.placeholder.length} placeholder tokens")
+                if out.shape[0] != f.num_embeds:
+                    raise RuntimeError(f"the encoder gave {out.shape[0]} embeddings for a {modality} of "
+                                       f"{f.num_embeds}")
                 self.encoder_cache[f.identifier] = out
             self.num_encoded_items += len(features)
 
@@ -541,6 +555,8 @@ class ModelRunner:
                 step_start += n
                 continue
             for f in s.mm_features:
+                if f.placeholder is None:
+                    continue   # a cross-attention input (``_write_cross_kv``)
                 lo = max(f.placeholder.offset, c)
                 hi = min(f.placeholder.offset + f.placeholder.length, c + n)
                 if lo < hi:
@@ -555,11 +571,58 @@ class ModelRunner:
             return None
         return torch.cat(token_idx).to(self.device, non_blocking=True), torch.cat(rows)
 
+    def _write_cross_kv(self, states: list[CachedRequestState]) -> None:
+        """Project the encoder outputs of requests about to compute token 0 into their cross blocks
+        (every decoder layer's cross-attention K/V), in one batched call."""
+        bs = self.block_size
+        outputs: list[torch.Tensor] = []
+        slots: list[np.ndarray] = []
+        for s in states:
+            if s.num_computed_tokens != 0 or not s.num_cross_tokens:
+                continue
+            feature = next(f for f in s.mm_features if f.placeholder is None)
+            encoded = self.encoder_cache.get(feature.identifier)            # [num_cross_tokens, d_model]
+            if encoded is None:
+                raise RuntimeError(f"request {s.req_id}: its {feature.modality} {feature.identifier[:12]} is not "
+                                   "in the encoder cache at its first step (the scheduler should have scheduled it)")
+            position = np.arange(s.num_cross_tokens)
+            blocks = np.asarray(s.cross_block_ids, dtype=np.int64)
+            slots.append(blocks[position // bs] * bs + position % bs)
+            outputs.append(encoded)
+        if not outputs:
+            return
+        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device, non_blocking=True)  # [N]
+        with forward_context(None, self.policy):
+            self.model.write_cross_kv(torch.cat(outputs), slot_mapping)
+
+    def _cross_attn_metadata(self, states: list[CachedRequestState], counts: list[int]) -> AttentionMetadata:
+        """Each step token as a one-query request over its request's cross blocks (all positions visible)."""
+        counts_np = np.asarray(counts, dtype=np.int64)
+        num_tokens = int(counts_np.sum())
+        max_blocks = max(len(s.cross_block_ids) for s in states)
+        tables = np.zeros((len(states), max_blocks), dtype=np.int32)             # [R, max_blocks]
+        for i, s in enumerate(states):
+            tables[i, :len(s.cross_block_ids)] = s.cross_block_ids
+        lengths = np.fromiter((s.num_cross_tokens for s in states), np.int32, len(states))   # [R]
+        req_of_token = np.repeat(np.arange(len(states)), counts_np)               # [T]
+        seq_lens = lengths[req_of_token]                                          # [T]
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),   # nothing written
+            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables[req_of_token]).to(dev, non_blocking=True),
+            max_query_len=1, max_seq_len=int(lengths.max()), num_decode_reqs=num_tokens,
+            query_start_loc_cpu=list(range(num_tokens + 1)), seq_lens_cpu=seq_lens.tolist())
+
     def _sample(self, inputs: StepInputs, logits: Optional[torch.Tensor],
                 prompt_logprobs: dict[str, LogprobsLists]) -> PendingOutput:
         if logits is None:
             return PendingOutput(self, inputs.req_ids, [], None, None, prompt_logprobs=prompt_logprobs)
         states = [self.requests[r] for r in inputs.sample_req_ids]
+        if self.logits_rules is not None:
+            logits = self.logits_rules.apply(logits, [s.token_ids[:s.num_prompt_tokens] for s in states],
+                                             [s.output_token_ids for s in states])
         out = self.sampler(logits, self._sampling_metadata(states), to_host=False)
         self._prev_sampled = (out.sampled_token_ids, {s.req_id: i for i, s in enumerate(states)})
         logprobs = {}
@@ -608,6 +671,8 @@ class ModelRunner:
         return out
 
 
-def max_blocks_needed(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
-    """Blocks that could ever be in use at once (+1 for the reserved null block)."""
-    return max_num_seqs * math.ceil(max_model_len / block_size) + 1
+def max_blocks_needed(max_num_seqs: int, max_model_len: int, block_size: int, cross_tokens: int = 0) -> int:
+    """Blocks that could ever be in use at once (+1 for the reserved null block); ``cross_tokens``: the
+    cross-attention K/V positions each request of an encoder-decoder model holds."""
+    per_request = math.ceil(max_model_len / block_size) + math.ceil(cross_tokens / block_size)
+    return max_num_seqs * per_request + 1

@@ -30,6 +30,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     """Every KV block of the request, in order."""
+    cross_block_ids: list[int]
+    """Blocks for the cross-attention K/V of its encoder input, in position order (encoder-decoder
+    models; empty otherwise). Allocated at admission, written by the runner before token 0."""
     num_computed_tokens: int
     """Tokens whose KV is already in ``block_ids`` (prefix-cache hits)."""
     lora_slot: int = -1

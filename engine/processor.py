@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 from engine.config import ModelConfig, MultiModalConfig
 from engine.request import EngineRequest, MultiModalFeature, PlaceholderRange
 from engine.sampling_params import SamplingParams
+from multimodal.audio import AudioError, AudioLimits, load_audio
 from multimodal.media import MediaError, MediaLimits, load_image
 from multimodal.processing import ImagePromptProcessor
 
@@ -51,6 +52,11 @@ class Processor:
         return MediaLimits(allowed_local_media_path=c.allowed_local_media_path,
                            fetch_timeout_s=c.media_fetch_timeout_s, max_image_bytes=c.max_image_bytes,
                            max_image_pixels=c.max_image_pixels)
+
+    @property
+    def audio_limits(self) -> AudioLimits:
+        c = self.mm_config
+        return AudioLimits(max_audio_bytes=c.max_audio_bytes, max_duration_s=c.max_audio_duration_s)
 
     # ------------------------------------------------------------------ prompts
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -112,49 +118,76 @@ class Processor:
         features: list[MultiModalFeature] = []
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             ids, features = self.process_media(ids, prompt["multi_modal_data"])
+        self.check_required_media(features)
         return text, self.make_requests(request_id, text, ids, params, lora_request, priority, arrival_time,
                                         cache_salt, features)
 
     def process_media(self, ids: list[int], mm_data: Any) -> tuple[list[int], list[MultiModalFeature]]:
         """Load, check and preprocess the prompt's media; expand its placeholders.
 
-        ``mm_data``: ``{"image": one image or a list}``; an image is a PIL image, bytes, a URL
-        (http(s), data:, file:// under ``allowed_local_media_path``) or, offline, a file path.
-        Slow (downloads, decoding, resizing): the server runs it off the event loop.
+        ``mm_data``: ``{"image": one image or a list}`` (vision models) or ``{"audio": one audio or a
+        list}`` (Whisper). An image is a PIL image, bytes, a URL (http(s), data:, file:// under
+        ``allowed_local_media_path``) or, offline, a file path; an audio is ``(array, sample_rate)``,
+        encoded bytes, a binary file object or, offline, a file path.
+        Slow (downloads, decoding, resizing, features): the server runs it off the event loop.
         """
         if not isinstance(mm_data, dict):
-            raise ValueError("multi_modal_data: expected a dict like {'image': image_or_list}.")
-        unknown = sorted(set(mm_data) - {"image"})
+            raise ValueError("multi_modal_data: expected a dict like {'image': image_or_list} or "
+                             "{'audio': (array, sample_rate)}.")
+        takes = self.mm_processor.modality if self.mm_processor is not None else None
+        unknown = sorted(set(mm_data) - {"image", "audio"})
         if unknown:
-            raise ValueError(f"multi_modal_data: unsupported modality {unknown[0]!r}; this engine takes 'image'.")
-        images = mm_data.get("image")
-        if images is None:
+            raise ValueError(f"multi_modal_data: unsupported modality {unknown[0]!r}; this engine takes 'image' "
+                             "(vision models) and 'audio' (Whisper).")
+        items = mm_data.get(takes) if takes is not None else None
+        for modality in sorted(set(mm_data) - {takes}):
+            if mm_data[modality] is not None:
+                raise ValueError(self._no_modality_message(modality))
+        if items is None:
             return ids, []
-        if not isinstance(images, (list, tuple)):
-            images = [images]
-        if not images:
+        if not isinstance(items, (list, tuple)) or (takes == "audio" and _is_audio_pair(items)):
+            items = [items]
+        if not items:
             return ids, []
-        if self.mm_processor is None:
-            raise ValueError("multi_modal_data: this model is text-only and takes no images; serve a vision "
-                             "model (LLaVA, Qwen2-VL) to send images.")
-        limit = self.mm_config.limit("image")
-        if len(images) > limit:
-            raise ValueError(f"multi_modal_data: at most {limit} image(s) per prompt, got {len(images)} "
+        limit = self.mm_config.limit(takes)
+        if len(items) > limit:
+            raise ValueError(f"multi_modal_data: at most {limit} {takes}(s) per prompt, got {len(items)} "
                              "(raise --limit-mm-per-prompt).")
-        limits = self.media_limits
         loaded = []
-        for k, img in enumerate(images):
+        for k, item in enumerate(items):
             try:
-                loaded.append(load_image(img, limits, allow_local_paths=self.allow_local_media_paths))
-            except MediaError as e:
-                if len(images) == 1:
+                loaded.append(self._load(takes, item))
+            except (MediaError, AudioError) as e:
+                if len(items) == 1:
                     raise
-                raise MediaError(f"image {k + 1} of {len(images)}: {e}") from e
-        ids, items = self.mm_processor.process(ids, loaded)
-        features = [MultiModalFeature(modality=it.modality, identifier=it.identifier,
-                                      placeholder=PlaceholderRange(it.offset, it.length), data=it.data)
-                    for it in items]
+                raise type(e)(f"{takes} {k + 1} of {len(items)}: {e}") from e
+        ids, processed = self.mm_processor.process(ids, loaded)
+        features = [MultiModalFeature(
+            modality=it.modality, identifier=it.identifier,
+            placeholder=None if it.offset is None else PlaceholderRange(it.offset, it.length), data=it.data,
+            num_cross_embeds=it.length if it.offset is None else 0) for it in processed]
         return ids, features
+
+    def _load(self, modality: str, item: Any):
+        if modality == "image":
+            return load_image(item, self.media_limits, allow_local_paths=self.allow_local_media_paths)
+        if isinstance(item, (str, os.PathLike)) and not self.allow_local_media_paths:
+            raise AudioError("audio: file paths are not accepted here; send the audio's bytes.")
+        return load_audio(item, self.audio_limits)
+
+    def _no_modality_message(self, modality: str) -> str:
+        if self.mm_processor is None:
+            return (f"multi_modal_data: this model is text-only and takes no {modality}; serve a vision model "
+                    "(LLaVA, Qwen2-VL) for images or a Whisper model for audio.")
+        return (f"multi_modal_data: this model takes {self.mm_processor.modality}, not {modality}; "
+                f"{'serve a Whisper model to transcribe audio' if modality == 'audio' else 'serve a vision model for images'}.")
+
+    def check_required_media(self, features: list[MultiModalFeature]) -> None:
+        """An encoder-decoder model (Whisper) cannot run a prompt without its input."""
+        if getattr(self.mm_processor, "requires_item", False) and not features:
+            raise ValueError(f"prompt: this model transcribes {self.mm_processor.modality}; send it with "
+                             f"multi_modal_data={{'{self.mm_processor.modality}': ...}} (or use the "
+                             "/v1/audio/transcriptions endpoint), a text-only prompt cannot run on it.")
 
     def make_requests(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams,
                       lora_request=None, priority: int = 0, arrival_time: Optional[float] = None,
@@ -200,6 +233,12 @@ class Processor:
                 eos_token_ids=eos, arrival_time=arrival, priority=priority, lora_request=lora_request,
                 cache_salt=cache_salt, max_tokens=max_tokens, mm_features=list(mm_features or [])))
         return children
+
+
+def _is_audio_pair(value: Any) -> bool:
+    """``(array, sample_rate)``: one decoded audio, not a list of two items."""
+    return (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (int, float))
+            and not isinstance(value[1], bool) and hasattr(value[0], "shape"))
 
 
 def _read_template(template: Optional[str]) -> Optional[str]:

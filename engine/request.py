@@ -52,15 +52,42 @@ class PlaceholderRange:
 
 @dataclass
 class MultiModalFeature:
-    """One media item of a request, as the scheduler and runner see it."""
+    """One media item of a request, as the scheduler and runner see it.
+
+    Two kinds: a media item merged into the prompt (``placeholder`` set: its encoder rows replace
+    the placeholder tokens' embeddings), and an encoder-decoder input (``placeholder`` None, e.g.
+    Whisper's audio): the decoder reads it through cross-attention, whose K/V the runner computes
+    from the encoder output before the request's first token and keeps in the request's cross
+    blocks; the encoder output is needed only by the step that computes token 0.
+    """
 
     modality: str
     """'image' or 'audio'."""
     identifier: str
     """Content hash; the encoder-cache key and the prefix-cache extra key."""
-    placeholder: PlaceholderRange
+    placeholder: Optional[PlaceholderRange]
+    """Where its embeddings sit in the prompt; None for a cross-attention input."""
     data: Any = None
     """Processed encoder inputs (e.g. pixel_values); only the runner reads them."""
+    num_cross_embeds: int = 0
+    """Encoder output rows of a cross-attention input (``placeholder`` None); 0 otherwise."""
+
+    @property
+    def is_cross_attention(self) -> bool:
+        return self.placeholder is None
+
+    @property
+    def num_embeds(self) -> int:
+        """Encoder output rows (the encoder budget and cache size of this item)."""
+        return self.num_cross_embeds if self.placeholder is None else self.placeholder.length
+
+    @property
+    def needed_range(self) -> tuple[int, int]:
+        """Token range [start, end) of the request whose computation needs the encoder output:
+        the placeholder, or token 0 for a cross-attention input (its K/V are written before it)."""
+        if self.placeholder is None:
+            return 0, 1
+        return self.placeholder.offset, self.placeholder.offset + self.placeholder.length
 
 
 @dataclass
@@ -135,6 +162,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_cross_tokens(self) -> int:
+        """Encoder positions its decoder cross-attends to (KV held in cross blocks); 0 for decoder-only."""
+        return sum(f.num_cross_embeds for f in self.mm_features if f.placeholder is None)
 
     @property
     def lora_int_id(self) -> int:

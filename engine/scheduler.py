@@ -122,9 +122,9 @@ class Scheduler:
                 "or raise max_model_len.")
         for feature in request.mm_features:
             # NOTE: the budget is at most the cache size, so an item within it always fits both.
-            if feature.placeholder.length > self.encoder_compute_budget:
+            if feature.num_embeds > self.encoder_compute_budget:
                 raise ValueError(
-                    f"Request {rid!r}: a {feature.modality} of {feature.placeholder.length} embeddings exceeds "
+                    f"Request {rid!r}: a {feature.modality} of {feature.num_embeds} embeddings exceeds "
                     f"the encoder budget of {self.encoder_compute_budget} embeddings per step; send a smaller "
                     "one or raise --max-num-encoder-input-tokens (and --encoder-cache-size).")
         if request.lora_request is not None and self.lora_slots is None:
@@ -132,11 +132,13 @@ class Scheduler:
                              "LoRA is disabled; start the engine with a LoRA config (--enable-lora).")
         max_total_tokens = min(prompt_len + request.max_tokens, self.max_model_len)
         # NOTE: the last sampled token never gets KV, hence the -1.
-        if not self.kv_cache_manager.can_fit_ever(max_total_tokens - 1):
+        num_cross = request.num_cross_tokens
+        if not self.kv_cache_manager.can_fit_ever(max_total_tokens - 1, num_cross):
             n = self.kv_cache_manager.num_usable_blocks
+            cross = f" + {num_cross} encoder positions of cross-attention K/V" if num_cross else ""
             raise ValueError(
                 f"KV cache has {n} blocks of {self.block_size} tokens ({n * self.block_size} tokens); "
-                f"request {rid!r} needs up to {max_total_tokens} tokens (prompt {prompt_len} + "
+                f"request {rid!r} needs up to {max_total_tokens} tokens{cross} (prompt {prompt_len} + "
                 f"max_tokens {request.max_tokens}, within max_model_len {self.max_model_len}); raise kv_cache_space / gpu_memory_utilization / "
                 "num_gpu_blocks_override or lower max_tokens / max_model_len.")
         request.status = RequestStatus.WAITING
@@ -352,10 +354,10 @@ class Scheduler:
         identifiers: set[str] = set()
         num_embeds_planned = 0
         for i, feature in enumerate(request.mm_features):
-            start, length = feature.placeholder.offset, feature.placeholder.length
+            start, stop = feature.needed_range
             if start >= end:
                 break
-            if start + length <= num_computed:
+            if stop <= num_computed:
                 continue   # already in the KV cache
             if feature.identifier in identifiers or ecm.check_and_update_cache(request, i):
                 continue
@@ -364,7 +366,7 @@ class Scheduler:
                 break
             to_encode.append(i)
             identifiers.add(feature.identifier)
-            num_embeds_planned += length
+            num_embeds_planned += feature.num_embeds
         return to_encode, num_new_tokens
 
     def _allocate_encoder_inputs(self, plan: _StepPlan, request: Request, encoder_inputs: list[int]) -> None:
@@ -372,14 +374,14 @@ class Scheduler:
             return
         for i in encoder_inputs:
             self.encoder_cache_manager.allocate(request, i)
-            plan.encoder_budget -= request.mm_features[i].placeholder.length
+            plan.encoder_budget -= request.mm_features[i].num_embeds
         plan.encoder_inputs[request.request_id] = encoder_inputs
 
     def _release_consumed_encoder_inputs(self, request: Request) -> None:
         """Drop the request's reference to each item whose last placeholder in the request is computed."""
         last_end: dict[str, tuple[int, int]] = {}
         for i, feature in enumerate(request.mm_features):
-            last_end[feature.identifier] = (i, feature.placeholder.offset + feature.placeholder.length)
+            last_end[feature.identifier] = (i, feature.needed_range[1])
         for i, end in last_end.values():
             if end <= request.num_computed_tokens:
                 self.encoder_cache_manager.free_encoder_input(request, i)
@@ -481,6 +483,7 @@ class Scheduler:
                 num_prompt_tokens=r.num_prompt_tokens,
                 sampling_params=r.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                cross_block_ids=self.kv_cache_manager.get_cross_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 lora_slot=self._lora_slot(r),
                 mm_features=r.mm_features,

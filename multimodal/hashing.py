@@ -1,4 +1,4 @@
-"""Content hashes of images, the keys under which processed images and encoder outputs are cached.
+"""Content hashes of images and audio, the keys under which processed images and encoder outputs are cached.
 
 A hash covers everything that decides the processed result: the image's mode, size, raw pixel bytes,
 its palette and transparency (a palette image's pixels are indices; its colors live in the palette),
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 from PIL import Image
 
 
@@ -29,4 +30,14 @@ def hash_image(image: Image.Image, settings_key: str) -> str:
     add(bytes(palette or ()))
     add(repr(image.info.get("transparency")).encode("utf-8"))
     add(image.tobytes())
+    return h.hexdigest()
+
+
+def hash_audio(samples: np.ndarray, sample_rate_hz: int, settings_key: str) -> str:
+    """Hex BLAKE2b-256 of decoded mono ``samples`` (float32), their rate and ``settings_key``."""
+    h = hashlib.blake2b(digest_size=32)
+    for part in (b"chorus-audio-v1", settings_key.encode("utf-8"), str(int(sample_rate_hz)).encode("ascii"),
+                 np.ascontiguousarray(samples, dtype=np.float32).tobytes()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
     return h.hexdigest()

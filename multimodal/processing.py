@@ -10,6 +10,8 @@ image is expanded, a run that already has the right length is kept (a pre-expand
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
+
 from PIL import Image
 
 from multimodal.hashing import hash_image
@@ -21,15 +23,16 @@ class MultiModalItem:
     """One processed media item of a prompt, placed."""
 
     modality: str
-    """'image'."""
+    """'image' or 'audio'."""
     identifier: str
-    """Content hash over the pixels and every processor setting (the encoder-cache key)."""
-    offset: int
-    """Index of the item's first placeholder token in the expanded prompt."""
+    """Content hash over the content and every processor setting (the encoder-cache key)."""
+    offset: Optional[int]
+    """Index of the item's first placeholder token in the expanded prompt; None for an encoder-decoder
+    input the decoder reads through cross-attention (Whisper's audio)."""
     length: int
-    """Placeholder tokens = encoder embeddings of the item."""
-    data: ProcessedImage
-    """The encoder's inputs."""
+    """Encoder embeddings of the item (= its placeholder tokens when it has an offset)."""
+    data: Any
+    """The encoder's inputs (``ProcessedImage``, or a log-mel tensor)."""
 
 
 class ImagePromptProcessor:
@@ -39,6 +42,9 @@ class ImagePromptProcessor:
         image_processor: pixels -> encoder inputs (``multimodal.image_processor``).
         image_token_id: the token that stands for one image embedding in the prompt.
     """
+
+    modality = "image"
+    """What ``process`` takes."""
 
     def __init__(self, image_processor: ImageProcessor, image_token_id: int) -> None:
         self.image_processor = image_processor

@@ -1,4 +1,5 @@
-"""Reading checkpoints and tokenizers: HF directories (safetensors / .bin) and Llama GGUF files.
+"""Reading checkpoints and tokenizers: HF directories (safetensors / .bin), Llama GGUF files and
+faster-whisper (CTranslate2) Whisper directories.
 
 Public API (the model runner calls these)::
 
@@ -38,9 +39,13 @@ def checkpoint_dir(resolved: ResolvedModel) -> Path:
 
 
 def load_config(resolved: ResolvedModel, trust_remote_code: bool = False):
-    """The ``transformers.PretrainedConfig`` of ``resolved`` (for a GGUF: the config transformers builds)."""
+    """The ``transformers.PretrainedConfig`` of ``resolved`` (for a GGUF: the config transformers builds;
+    for a CTranslate2 Whisper: the ``WhisperConfig`` its tensors describe)."""
     from transformers import AutoConfig
 
+    if resolved.kind == "ct2":
+        from engine.loader.ct2_loader import ct2_whisper_to_hf, read_ct2_model
+        return ct2_whisper_to_hf(read_ct2_model(resolved.path), torch.float32)[0]
     return AutoConfig.from_pretrained(str(checkpoint_dir(resolved)), trust_remote_code=trust_remote_code)
 
 
@@ -53,6 +58,10 @@ def iter_weights(resolved: ResolvedModel, dtype: torch.dtype,
     """
     from engine.loader.safetensors_loader import iter_checkpoint_tensors
 
+    if resolved.kind == "ct2":
+        from engine.loader.ct2_loader import ct2_whisper_to_hf, read_ct2_model
+        _, weights = ct2_whisper_to_hf(read_ct2_model(resolved.path), dtype)
+        return ((name, tensor.to(device)) for name, tensor in weights)
     model_dir = checkpoint_dir(resolved)
     tied = bool(getattr(load_config(resolved), "tie_word_embeddings", False))
     return iter_checkpoint_tensors(model_dir, dtype, skip_lm_head=tied, device=device)
@@ -62,6 +71,8 @@ def checkpoint_dtype(resolved: ResolvedModel) -> torch.dtype:
     """The dtype the checkpoint was saved in (config.json ``dtype``/``torch_dtype``); float32 for GGUF."""
     if resolved.kind == "gguf":
         return torch.float32
+    if resolved.kind == "ct2":
+        return torch.float16   # the released faster-whisper models (int8 ones dequantize to it too)
     from engine.loader.safetensors_loader import config_dtype
 
     return config_dtype(resolved.path)

@@ -3,7 +3,8 @@
 Accepted forms of ``model`` (first match wins):
   1. ``None`` -> the default model (SmolLM2-135M-Instruct GGUF, see ``default_model.py``);
   2. an existing ``.gguf`` file -> kind "gguf";
-  3. an existing directory with ``config.json`` -> kind "hf";
+  3. an existing CTranslate2 (faster-whisper) Whisper directory -> kind "ct2"; else one with
+     ``config.json`` -> kind "hf";
   4. an existing directory holding exactly one ``.gguf`` file -> kind "gguf";
   5. a missing path that looks like a hub id ``org/name`` -> ``huggingface_hub.snapshot_download``,
      then rules 3-4 on the downloaded snapshot.
@@ -35,7 +36,8 @@ class ResolvedModel:
     """A model located on local disk, ready for ``load_config`` / ``iter_weights`` / ``load_tokenizer``."""
 
     kind: str
-    """"hf" (a directory with config.json and weights) or "gguf" (a single .gguf file)."""
+    """"hf" (a directory with config.json and weights), "gguf" (a single .gguf file) or "ct2" (a
+    faster-whisper / CTranslate2 Whisper directory: model.bin, config.json, tokenizer.json, vocabulary)."""
     path: Path
     """The checkpoint directory (kind "hf") or the .gguf file (kind "gguf"); absolute."""
     tokenizer_path: Optional[Path]
@@ -122,6 +124,9 @@ def _classify_local(local: Path, model: str) -> tuple[str, Path]:
         raise ValueError(
             f"Model path {model!r} is a file but not a .gguf file. Set `model` to a checkpoint directory "
             f"(with config.json) or a .gguf file.")
+    from engine.loader.ct2_loader import is_ct2_whisper_dir
+    if is_ct2_whisper_dir(local):       # faster-whisper: model.bin (its config.json is CTranslate2's)
+        return "ct2", local
     if (local / "config.json").is_file():
         return "hf", local
     ggufs = sorted(p for p in local.iterdir() if p.is_file() and p.suffix.lower() == ".gguf")

@@ -11,7 +11,6 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.registry import get_model_class
-from multimodal.processing import ImagePromptProcessor
 
 logger = logging.getLogger("chorus.models")
 
@@ -31,8 +30,9 @@ class LoadedModel:
     default_sampling: dict
     """Sampling fields the checkpoint's generation_config.json sets (temperature, top_p, ...):
     vLLM's ``--generation-config auto`` defaults for requests that leave them unset."""
-    mm_processor: Optional[ImagePromptProcessor] = None
-    """Images -> placeholder tokens + encoder inputs (vision models; None for text-only models)."""
+    mm_processor: Optional[Any] = None
+    """Media -> encoder inputs: an ``ImagePromptProcessor`` (vision models, placeholder tokens) or an
+    ``AudioPromptProcessor`` (Whisper); None for text-only models."""
 
 
 @contextlib.contextmanager
@@ -46,6 +46,12 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    if getattr(hf_config, "is_encoder_decoder", False):
+        limit = hf_config.max_target_positions   # the decoder's learned positions (Whisper: 448)
+        if requested is not None and requested > limit:
+            raise ValueError(f"max_model_len={requested} is larger than the decoder's {limit} positions "
+                             f"(max_target_positions); lower --max-model-len.")
+        return requested or limit
     hf_config = hf_config.get_text_config()
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     window = getattr(hf_config, "sliding_window", None)
@@ -124,7 +130,10 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     if hasattr(model, "make_prompt_processor"):
         from engine.loader import checkpoint_dir
         from multimodal.image_processor import load_image_processor
-        mm_processor = model.make_prompt_processor(load_image_processor(checkpoint_dir(resolved)))
+        if getattr(model, "is_encoder_decoder", False):   # Whisper: its audio features' settings
+            mm_processor = model.make_prompt_processor(checkpoint_dir(resolved))
+        else:
+            mm_processor = model.make_prompt_processor(load_image_processor(checkpoint_dir(resolved)))
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, dtype=dtype,
                        max_model_len=max_model_len, model_name=model_config.served_model_name or name,
                        eos_token_ids=_eos_ids(hf_config, tokenizer, resolved),

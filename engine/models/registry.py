@@ -7,6 +7,7 @@ import torch.nn as nn
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+from engine.models.whisper import WhisperForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -15,6 +16,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
 }
 
 
@@ -29,7 +31,8 @@ def get_model_class(config) -> type[nn.Module]:
         archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
                  "mistral": ["MistralForCausalLM"], "llava": ["LlavaForConditionalGeneration"],
                  "qwen2_vl": ["Qwen2VLForConditionalGeneration"],
-                 "qwen2_5_vl": ["Qwen2_5_VLForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
+                 "qwen2_5_vl": ["Qwen2_5_VLForConditionalGeneration"],
+                 "whisper": ["WhisperForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
     for arch in archs:
         if arch in _MODELS:
             return _MODELS[arch]

@@ -1,0 +1,262 @@
+"""Whisper: the audio encoder (``encoders.whisper``) and a text decoder with cross-attention, in the engine.
+
+The decoder runs like any decoder-only model: flat batches of prefill chunks and decodes, its
+self-attention over the paged KV cache. Cross-attention reads K/V of the encoder output that the runner
+writes once per request, before its first token (``write_cross_kv``), into the request's *cross blocks*:
+blocks of the same per-layer KV cache tensors, taken by the scheduler with the request's first allocation
+and freed with its other blocks. Each query token attends to all of its request's encoder positions, so
+the cross-attention step is a decode-shaped attention of one query per token (``cross_attn_metadata`` of
+the forward context: one "request" per token over its request's cross blocks).
+
+Names follow transformers' ``WhisperForConditionalGeneration`` (``model.encoder.*``, ``model.decoder.*``,
+``proj_out``), with the self-attention's q/k/v packed into ``qkv_proj`` and the cross-attention's k/v into
+``kv_proj``. Whisper's k projections have no bias: that block of the packed bias is zero.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from encoders.vit import activation
+from encoders.whisper import WhisperEncoderTower
+from engine.forward_context import get_forward_context
+from engine.layers.attention import PagedAttention
+from engine.layers.linear import Linear
+
+_ENCODER_PREFIX = "model.encoder."
+
+
+class WhisperSelfAttention(nn.Module):
+    """Causal self-attention over the paged KV cache (no rotary: positions are learned embeddings)."""
+
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.qkv_proj = Linear(d_model, [d_model] * 3, bias=True)
+        self.out_proj = Linear(d_model, [d_model], bias=True)
+        self.attn = PagedAttention(num_heads, num_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d_model] -> [T, d_model]."""
+        q, k, v = self.qkv_proj(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)   # [T, H, D] each
+        return self.out_proj(self.attn(q, k, v))
+
+
+class WhisperCrossAttention(nn.Module):
+    """Attention of the decoder tokens over their request's encoder output.
+
+    K/V live in the decoder layer's own KV cache (``cache``: its self-attention's ``PagedAttention``),
+    at the request's cross blocks; ``write_kv`` fills them, ``forward`` reads them through the forward
+    context's ``cross_attn_metadata``.
+    """
+
+    def __init__(self, d_model: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.q_proj = Linear(d_model, [d_model], bias=True)
+        self.kv_proj = Linear(d_model, [d_model] * 2, bias=True)
+        self.out_proj = Linear(d_model, [d_model], bias=True)
+
+    def forward(self, hidden: torch.Tensor, cache: PagedAttention) -> torch.Tensor:
+        """hidden [T, d_model] -> [T, d_model]."""
+        meta = get_forward_context().cross_attn_metadata
+        if meta is None:
+            raise RuntimeError("a cross-attention layer ran without cross_attn_metadata; the runner sets it "
+                               "for encoder-decoder models.")
+        q = self.q_proj(hidden).view(-1, self.num_heads, self.head_dim)                      # [T, H, D]
+        out = cache.backend.attend(q, cache.k_cache, cache.v_cache, meta, self.scale)     # [T, H, D]
+        return self.out_proj(out.reshape(q.shape[0], -1))
+
+    def write_kv(self, encoder_out: torch.Tensor, slot_mapping: torch.Tensor, cache: PagedAttention) -> None:
+        """encoder_out [N, d_model] (encoder positions of one or more requests, flat), slot_mapping [N]
+        int64: the cache slot of each position."""
+        k, v = self.kv_proj(encoder_out).view(-1, 2, self.num_heads, self.head_dim).unbind(1)
+        cache.backend.write_kv(k, v, cache.k_cache, cache.v_cache, slot_mapping)
+
+
+class WhisperDecoderLayer(nn.Module):
+    """Pre-norm: self-attention, cross-attention, MLP, each added to the residual."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        d_model = config.d_model
+        self.self_attn = WhisperSelfAttention(d_model, config.decoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d_model)
+        self.encoder_attn = WhisperCrossAttention(d_model, config.decoder_attention_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d_model)
+        self.act = activation(config.activation_function)
+        self.fc1 = Linear(d_model, [config.decoder_ffn_dim], bias=True)
+        self.fc2 = Linear(config.decoder_ffn_dim, [d_model], bias=True)
+        self.final_layer_norm = nn.LayerNorm(d_model)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d_model] -> [T, d_model]."""
+        hidden = hidden + self.self_attn(self.self_attn_layer_norm(hidden))
+        hidden = hidden + self.encoder_attn(self.encoder_attn_layer_norm(hidden), self.self_attn.attn)
+        return hidden + self.fc2(self.act(self.fc1(self.final_layer_norm(hidden))))
+
+
+class WhisperDecoder(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.d_model % config.decoder_attention_heads:
+            raise ValueError(f"Whisper: d_model={config.d_model} is not a multiple of decoder_attention_heads="
+                             f"{config.decoder_attention_heads}; fix the config.")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_positions = nn.Embedding(config.max_target_positions, config.d_model)
+        self.embed_scale = config.d_model ** 0.5 if getattr(config, "scale_embedding", False) else 1.0
+        self.layers = nn.ModuleList(WhisperDecoderLayer(config) for _ in range(config.decoder_layers))
+        self.layer_norm = nn.LayerNorm(config.d_model)
+        for p in (self.embed_tokens.weight, self.embed_positions.weight):
+            p.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, d_model]."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.embed_scale != 1.0:
+            hidden = hidden * self.embed_scale
+        hidden = hidden + self.embed_positions(positions)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.layer_norm(hidden)
+
+
+class _WhisperModel(nn.Module):
+    """transformers' ``WhisperModel`` naming: ``encoder`` and ``decoder``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.encoder = WhisperEncoderTower(config)
+        self.decoder = WhisperDecoder(config)
+
+
+class WhisperForConditionalGeneration(nn.Module):
+    """Whisper speech recognition / translation as an engine model (see the module docstring).
+
+    ``forward(input_ids, positions)`` runs the decoder over a flat step; ``embed_multimodal("audio",
+    features)`` runs the encoder; ``write_cross_kv`` fills the cross-attention K/V of new requests.
+    """
+
+    is_encoder_decoder = True
+    packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+    """Self-attention projections -> (our packed Linear, its row block); the cross-attention's are in
+    ``cross_packed_modules_mapping``."""
+    cross_packed_modules_mapping = {"q_proj": ("q_proj", 0), "k_proj": ("kv_proj", 0), "v_proj": ("kv_proj", 1)}
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _WhisperModel(config)
+        self.num_source_positions = config.max_source_positions
+        """Encoder output rows per audio item (1500: a 30 s window)."""
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.proj_out = None
+        if not self.tie_word_embeddings:
+            self.proj_out = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.proj_out.weight.requires_grad_(False)
+
+    # ------------------------------------------------------------------ engine interface
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids, positions [T] -> decoder hidden states [T, d_model]."""
+        return self.model.decoder(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, d_model] -> logits [R, vocab] in the model's dtype."""
+        weight = self.model.decoder.embed_tokens.weight if self.proj_out is None else self.proj_out.weight
+        return torch.matmul(hidden, weight.t())
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.decoder.embed_tokens(input_ids)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.decoder.layers]
+
+    def embed_multimodal(self, modality: str, items: list) -> list[torch.Tensor]:
+        """Encode audio items (each a log-mel [num_mel_bins, 3000] tensor) in one batch -> one
+        [num_source_positions, d_model] encoder output per item."""
+        if modality != "audio":
+            raise ValueError(f"Whisper takes audio, not {modality!r}.")
+        encoder = self.model.encoder
+        features = torch.stack([torch.as_tensor(f) for f in items]).to(encoder.conv1.weight.device)
+        return list(encoder(features).unbind(0))
+
+    def write_cross_kv(self, encoder_out: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Project encoder outputs [N, d_model] (positions of new requests, flat) into every decoder
+        layer's cross-attention K/V, stored at ``slot_mapping`` [N] of each layer's KV cache."""
+        for layer in self.model.decoder.layers:
+            layer.encoder_attn.write_kv(encoder_out, slot_mapping, layer.self_attn.attn)
+
+    def make_prompt_processor(self, checkpoint_dir):
+        """Audio -> log-mel features and content hashes (``multimodal.audio_processing``)."""
+        from multimodal.audio_processing import AudioPromptProcessor
+
+        return AudioPromptProcessor.for_whisper(self.config, checkpoint_dir)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named tensors (``model.encoder.*`` to the encoder tower, ``model.decoder.*``
+        and ``proj_out.weight`` here); every parameter must be set and every tensor placed."""
+        params = dict(self.named_parameters())
+        params = {n: p for n, p in params.items() if not n.startswith("model.encoder.")}
+        loaded: set[str] = set()
+        encoder_weights: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            if name.startswith(_ENCODER_PREFIX):
+                encoder_weights.append((name[len(_ENCODER_PREFIX):], tensor))
+                continue
+            if name == "proj_out.weight" and self.proj_out is None:
+                continue   # tied to the token embeddings
+            target, shard, num_shards = self._place(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            rows = param.shape[0] // num_shards
+            dest = param.data[shard * rows:(shard + 1) * rows] if num_shards > 1 else param.data
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        self.model.encoder.load_weights(encoder_weights)
+        # k projections have no bias: zero their block of the packed biases.
+        for i, layer in enumerate(self.model.decoder.layers):
+            for target, module, shard, num_shards in (
+                    (f"model.decoder.layers.{i}.self_attn.qkv_proj.bias", layer.self_attn.qkv_proj, 1, 3),
+                    (f"model.decoder.layers.{i}.encoder_attn.kv_proj.bias", layer.encoder_attn.kv_proj, 0, 2)):
+                rows = module.bias.shape[0] // num_shards
+                module.bias.data[shard * rows:(shard + 1) * rows].zero_()
+                loaded.add(f"{target}#{shard}")
+        missing = []
+        for target, param in params.items():
+            num_shards = self._num_shards(target)
+            for shard in range(num_shards):
+                if f"{target}#{shard}" not in loaded:
+                    missing.append(f"{target} (block {shard})" if num_shards > 1 else target)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} Whisper tensors, e.g. {missing[:3]}")
+
+    def _place(self, name: str) -> tuple[str, int, int]:
+        """transformers name -> (our parameter name, row block, number of blocks)."""
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[-3] in ("self_attn", "encoder_attn") and parts[-2] in self.packed_modules_mapping:
+            mapping = self.packed_modules_mapping if parts[-3] == "self_attn" else self.cross_packed_modules_mapping
+            module, shard = mapping[parts[-2]]
+            target = ".".join(parts[:-2] + [module, parts[-1]])
+            return target, shard, self._num_shards(target)
+        return name, 0, 1
+
+    @staticmethod
+    def _num_shards(target: str) -> int:
+        if ".qkv_proj." in target:
+            return 3
+        if ".kv_proj." in target:
+            return 2
+        return 1

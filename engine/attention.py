@@ -155,6 +155,48 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
+def cross_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Cross-attention: every query token of request i attends to all ``seq_lens[i]`` encoder positions
+    held in its blocks ``block_tables[i]`` (no causal mask).
+
+    q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]. One gather and one
+    SDPA call per request (its tokens share the K/V).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+    for i, slen in enumerate(seq_lens):
+        start, end = qsl[i], qsl[i + 1]
+        if start == end:
+            continue
+        nblk = (slen + block_size - 1) // block_size
+        bt = meta.block_tables[i:i + 1, :nblk]
+        k = _gather_blocks(k_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
+        v = _gather_blocks(v_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
+        qi = q[start:end].transpose(0, 1)[None].float()                      # [1, H, qlen, d]
+        o = F.scaled_dot_product_attention(qi, k.transpose(0, 1)[None].float(), v.transpose(0, 1)[None].float(),
+                                           scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out[start:end] = o[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+def per_token_metadata(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
+    """``meta`` (requests over their cross blocks) as one single-query request per token, on the device
+    without a host sync: the paged kernel's decode path then attends each token to all of its request's
+    positions (a one-token query sees its whole context)."""
+    counts = meta.query_start_loc[1:] - meta.query_start_loc[:-1]                       # [R]
+    req_of_token = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                           output_size=num_tokens)                      # [T]
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping, query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32,
+                                                                     device=counts.device),
+        seq_lens=meta.seq_lens.index_select(0, req_of_token), block_tables=meta.block_tables.index_select(0, req_of_token),
+        max_query_len=1, max_seq_len=meta.max_seq_len, num_decode_reqs=num_tokens)
+
+
 # ----------------------------------------------------------------------------------------
 # Backend choice
 # ----------------------------------------------------------------------------------------
@@ -191,6 +233,17 @@ class AttentionBackend:
                                    has_decodes=meta.captured or meta.num_decode_reqs > 0,
                                    decode_tiles=self.decode_tiles)
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new)
+
+    def attend_cross(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Cross-attention (``cross_attention_torch``'s semantics): q [T, H, D] -> [T, H, D]; ``meta``
+        describes requests over their cross blocks (``max_query_len`` its longest query)."""
+        if self.name == "triton":
+            from kernels.paged_attention import paged_attention
+            if meta.max_query_len > 1:
+                meta = per_token_metadata(meta, q.shape[0])
+            return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                   1, meta.max_seq_len, scale, has_decodes=True, decode_tiles=self.decode_tiles)
+        return cross_attention_torch(q, k_cache, v_cache, meta, scale)
 
     def attend_decode_rotary(self, q, k, v, positions, rotary, k_cache, v_cache, meta: AttentionMetadata,
                              scale: float) -> Optional[torch.Tensor]:

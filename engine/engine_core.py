@@ -116,7 +116,7 @@ class EngineCore:
                               loaded.hf_config.get_text_config().vocab_size, loaded.eos_token_ids,
                               lora_enabled=cfg.lora_config is not None,
                               max_n=cfg.scheduler_config.max_num_seqs, mm_processor=loaded.mm_processor,
-                              mm_config=cfg.mm_config)
+                              mm_config=cfg.mm_config, transcriber=loaded.transcriber)
         facts = EngineFacts(model_name=loaded.model_name, max_model_len=loaded.max_model_len,
                             engine_config=cfg, tokenizer=loaded.tokenizer, processor=processor,
                             default_sampling_params=loaded.default_sampling,

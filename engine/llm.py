@@ -91,6 +91,51 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ transcribe (Whisper)
+    def transcribe(self, audio, *, language: Optional[str] = None, task: str = "transcribe",
+                   prompt: Optional[str] = None, timestamps: bool = False, temperature: float = 0.0,
+                   lora_request=None, use_tqdm: bool = False):
+        """Transcribe (or translate into English, ``task="translate"``) one recording or a list of them
+        with a Whisper model -> ``engine.transcription.TranscriptionResult`` (``text``, timed ``segments``,
+        ``language``) per recording.
+
+        ``audio``: a file path (wav, flac, ogg, mp3; m4a/webm with PyAV), encoded bytes, a binary file
+        object or ``(array, sample_rate)``; or a list of those. Long audio is cut into 30 s windows at quiet
+        points, all windows of all recordings run as parallel requests. ``language`` None: English on
+        English-only models, detected from the first window on multilingual ones. ValueError (AudioError)
+        for bad audio or options.
+        """
+        from engine.transcription import TranscriptionOptions
+        from multimodal.audio import load_audio
+
+        transcriber = self.llm_engine.processor.transcriber
+        if transcriber is None:
+            raise ValueError(f"transcribe: {self.llm_engine.model_name} is not a Whisper model.")
+        single = not isinstance(audio, list)
+        recordings = [audio] if single else list(audio)
+        options = TranscriptionOptions(task=task, language=language, prompt=prompt, timestamps=timestamps,
+                                       temperature=temperature)
+        code = transcriber.check_options(options)
+        limits = self.llm_engine.processor.audio_limits
+        decoded = [load_audio(a, limits) for a in recordings]
+        for d in decoded:
+            transcriber.check_audio(d)
+        languages = [code] * len(decoded)
+        if code is None:   # detect each recording's language from its first window
+            detect = [transcriber.detection_request(d) for d in decoded]
+            outs = self.generate([r[0] for r in detect], [r[1] for r in detect], use_tqdm=False,
+                                 lora_request=lora_request)
+            languages = [transcriber.language_of(o) for o in outs]
+        plans = [transcriber.windows(d, options, lang) for d, lang in zip(decoded, languages)]
+        requests = [transcriber.window_request(w, options) for windows in plans for w in windows]
+        outs = self.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=use_tqdm,
+                             lora_request=lora_request)
+        results, start = [], 0
+        for d, windows, lang in zip(decoded, plans, languages):
+            results.append(transcriber.assemble(d, windows, outs[start:start + len(windows)], options, lang))
+            start += len(windows)
+        return results[0] if single else results
+
     def _process_all(self, rids, prompts, params, loras, prios) -> list:
         """``Processor.process`` of every prompt, in order; prompts with media (loading, decoding,
         resizing, hashing: milliseconds each) on ``mm_processor_workers`` threads."""

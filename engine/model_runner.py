@@ -596,24 +596,23 @@ class ModelRunner:
             self.model.write_cross_kv(torch.cat(outputs), slot_mapping)
 
     def _cross_attn_metadata(self, states: list[CachedRequestState], counts: list[int]) -> AttentionMetadata:
-        """Each step token as a one-query request over its request's cross blocks (all positions visible)."""
-        counts_np = np.asarray(counts, dtype=np.int64)
-        num_tokens = int(counts_np.sum())
+        """The step's requests over their cross blocks: every position visible to every query token."""
         max_blocks = max(len(s.cross_block_ids) for s in states)
         tables = np.zeros((len(states), max_blocks), dtype=np.int32)             # [R, max_blocks]
         for i, s in enumerate(states):
             tables[i, :len(s.cross_block_ids)] = s.cross_block_ids
         lengths = np.fromiter((s.num_cross_tokens for s in states), np.int32, len(states))   # [R]
-        req_of_token = np.repeat(np.arange(len(states)), counts_np)               # [T]
-        seq_lens = lengths[req_of_token]                                          # [T]
+        qsl = np.zeros(len(states) + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
         dev = self.device
         return AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),   # nothing written
-            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables[req_of_token]).to(dev, non_blocking=True),
-            max_query_len=1, max_seq_len=int(lengths.max()), num_decode_reqs=num_tokens,
-            query_start_loc_cpu=list(range(num_tokens + 1)), seq_lens_cpu=seq_lens.tolist())
+            slot_mapping=torch.empty(0, dtype=torch.int64, device=dev),           # cross-attention writes nothing
+            query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(lengths).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            max_query_len=max(counts), max_seq_len=int(lengths.max()),
+            num_decode_reqs=sum(1 for n in counts if n == 1),
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lengths.tolist())
 
     def _sample(self, inputs: StepInputs, logits: Optional[torch.Tensor],
                 prompt_logprobs: dict[str, LogprobsLists]) -> PendingOutput:

@@ -26,7 +26,7 @@ class Processor:
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, vocab_size: int,
                  eos_token_ids: set[int], lora_enabled: bool, max_n: int = 256,
                  mm_processor: Optional[ImagePromptProcessor] = None,
-                 mm_config: Optional[MultiModalConfig] = None) -> None:
+                 mm_config: Optional[MultiModalConfig] = None, transcriber=None) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -42,6 +42,8 @@ class Processor:
         self.mm_processor = mm_processor
         """Images -> placeholder tokens + encoder inputs; None for a text-only model."""
         self.mm_config = mm_config or MultiModalConfig()
+        self.transcriber = transcriber
+        """Whisper models: plans and assembles transcriptions (``engine.transcription``); None otherwise."""
         self.allow_local_media_paths = True
         """Offline: images may be given as plain file paths. The server sets False (only URLs, and
         ``file://`` only under ``allowed_local_media_path``)."""

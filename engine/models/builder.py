@@ -30,6 +30,8 @@ class LoadedModel:
     default_sampling: dict
     """Sampling fields the checkpoint's generation_config.json sets (temperature, top_p, ...):
     vLLM's ``--generation-config auto`` defaults for requests that leave them unset."""
+    transcriber: Optional[Any] = None
+    """Whisper: plans and assembles transcriptions (``engine.transcription.Transcriber``); None otherwise."""
     mm_processor: Optional[Any] = None
     """Media -> encoder inputs: an ``ImagePromptProcessor`` (vision models, placeholder tokens) or an
     ``AudioPromptProcessor`` (Whisper); None for text-only models."""
@@ -134,11 +136,38 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
             mm_processor = model.make_prompt_processor(checkpoint_dir(resolved))
         else:
             mm_processor = model.make_prompt_processor(load_image_processor(checkpoint_dir(resolved)))
+    transcriber = None
+    if getattr(model, "is_encoder_decoder", False):
+        transcriber = _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len, mm_processor)
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, dtype=dtype,
                        max_model_len=max_model_len, model_name=model_config.served_model_name or name,
                        eos_token_ids=_eos_ids(hf_config, tokenizer, resolved),
                        default_sampling=default_sampling_from_generation_config(resolved),
-                       mm_processor=mm_processor)
+                       mm_processor=mm_processor, transcriber=transcriber)
+
+
+def _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len: int, mm_processor):
+    """Whisper's decoding rules (token suppression from generation_config.json, else config.json) on the
+    model, and the ``Transcriber`` for its tokenizer."""
+    import json
+    from engine.transcription import Transcriber, token_ids_of
+
+    ids = token_ids_of(tokenizer, hf_config.vocab_size)
+    settings = {}
+    path = resolved.path / "generation_config.json" if resolved.kind == "hf" else None
+    if path is not None and path.is_file():
+        try:
+            settings = json.loads(path.read_text())
+        except (OSError, ValueError):
+            settings = {}
+
+    def token_list(key: str) -> list[int]:
+        value = settings.get(key, getattr(hf_config, key, None))
+        return [int(t) for t in value or []]
+
+    model.configure_decoding(ids, token_list("suppress_tokens"), token_list("begin_suppress_tokens"),
+                             int(settings.get("max_initial_timestamp_index", 50) or 50))
+    return Transcriber(tokenizer, ids, max_model_len, mm_processor.sample_rate_hz, mm_processor.window_s)
 
 
 @torch.no_grad()

@@ -5,8 +5,9 @@ self-attention over the paged KV cache. Cross-attention reads K/V of the encoder
 writes once per request, before its first token (``write_cross_kv``), into the request's *cross blocks*:
 blocks of the same per-layer KV cache tensors, taken by the scheduler with the request's first allocation
 and freed with its other blocks. Each query token attends to all of its request's encoder positions, so
-the cross-attention step is a decode-shaped attention of one query per token (``cross_attn_metadata`` of
-the forward context: one "request" per token over its request's cross blocks).
+the forward context's ``cross_attn_metadata`` holds the step's requests over their cross blocks, and
+``AttentionBackend.attend_cross`` attends without a causal mask (on CUDA: the paged kernel's decode path,
+one single-query "request" per token).
 
 Names follow transformers' ``WhisperForConditionalGeneration`` (``model.encoder.*``, ``model.decoder.*``,
 ``proj_out``), with the self-attention's q/k/v packed into ``qkv_proj`` and the cross-attention's k/v into
@@ -70,7 +71,7 @@ class WhisperCrossAttention(nn.Module):
             raise RuntimeError("a cross-attention layer ran without cross_attn_metadata; the runner sets it "
                                "for encoder-decoder models.")
         q = self.q_proj(hidden).view(-1, self.num_heads, self.head_dim)                      # [T, H, D]
-        out = cache.backend.attend(q, cache.k_cache, cache.v_cache, meta, self.scale)     # [T, H, D]
+        out = cache.backend.attend_cross(q, cache.k_cache, cache.v_cache, meta, self.scale)   # [T, H, D]
         return self.out_proj(out.reshape(q.shape[0], -1))
 
     def write_kv(self, encoder_out: torch.Tensor, slot_mapping: torch.Tensor, cache: PagedAttention) -> None:
@@ -156,6 +157,8 @@ class WhisperForConditionalGeneration(nn.Module):
         self.model = _WhisperModel(config)
         self.num_source_positions = config.max_source_positions
         """Encoder output rows per audio item (1500: a 30 s window)."""
+        self.logits_rules = None
+        """Set by ``configure_decoding`` once the tokenizer's special ids are known."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.proj_out = None
         if not self.tie_word_embeddings:
@@ -193,6 +196,15 @@ class WhisperForConditionalGeneration(nn.Module):
         layer's cross-attention K/V, stored at ``slot_mapping`` [N] of each layer's KV cache."""
         for layer in self.model.decoder.layers:
             layer.encoder_attn.write_kv(encoder_out, slot_mapping, layer.self_attn.attn)
+
+    def configure_decoding(self, token_ids, suppress_tokens: list[int], begin_suppress_tokens: list[int],
+                           max_initial_timestamp_index: int = 50) -> None:
+        """Set ``logits_rules``: Whisper's token suppression, timestamp and language-detection rules the
+        runner applies before sampling (as transformers' Whisper ``generate``)."""
+        from multimodal.whisper_decoding import WhisperLogitsRules
+
+        self.logits_rules = WhisperLogitsRules(token_ids, suppress_tokens, begin_suppress_tokens,
+                                               max_initial_timestamp_index)
 
     def make_prompt_processor(self, checkpoint_dir):
         """Audio -> log-mel features and content hashes (``multimodal.audio_processing``)."""

@@ -58,6 +58,9 @@ class CachedRequestState:
     """Blocks of its cross-attention K/V (encoder-decoder models), in encoder-position order."""
     num_cross_tokens: int = 0
     """Encoder positions its decoder attends to (0: decoder-only)."""
+    rules_need_history: bool = False
+    """The model's logits rules read this request's generated ids (Whisper's timestamp rules), so its
+    step waits for the previous step's ids; otherwise they read only how many there are."""
 
     @property
     def output_token_ids(self) -> list[int]:

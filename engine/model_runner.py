@@ -377,6 +377,8 @@ class ModelRunner:
                 generator=generator, lora_slot=new.lora_slot, row=table.add(new.block_ids),
                 mm_features=new.mm_features, cross_block_ids=list(new.cross_block_ids),
                 num_cross_tokens=sum(f.num_cross_embeds for f in new.mm_features))
+            if self.logits_rules is not None:
+                state.rules_need_history = self.logits_rules.needs_history(state.token_ids[:state.num_prompt_tokens])
             if self.uses_mrope and new.mm_features:
                 if old is not None and old.mrope_positions is not None:
                     state.mrope_positions, state.mrope_delta = old.mrope_positions, old.mrope_delta
@@ -437,8 +439,10 @@ class ModelRunner:
         order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
         counts = [so.num_scheduled_tokens[r] for r in order]
-        if self.logits_rules is not None or not all(_sampling_is_simple(s.sampling_params) for s in states):
-            self._resolve_all()   # penalties / min_tokens / logits rules need every token on the host
+        if (not all(_sampling_is_simple(s.sampling_params) for s in states)
+                or any(s.rules_need_history for s in states)):
+            self._resolve_all()   # penalties / min_tokens / history-reading logits rules need every token on the host
+        num_generated = {s.req_id: s.num_computed_tokens + n - s.num_prompt_tokens for s, n in zip(states, counts)}
         mm_rows = self._gather_mm_embeds(states, counts) if self.is_multimodal else None
         graph_key = self._graph_key(states, counts, has_media=mm_rows is not None)
         if self.step_timer is not None:
@@ -468,7 +472,7 @@ class ModelRunner:
                                         fixed_grid=graph_key is not None and graph_key.lora,
                                         max_active=few or None)
         logits, prompt_logprobs = self._forward(inputs, graph_key, mm_rows)
-        pending = self._sample(inputs, logits, prompt_logprobs)
+        pending = self._sample(inputs, logits, prompt_logprobs, num_generated)
         for s, n in zip(states, counts):
             s.num_computed_tokens += n
         if self.step_timer is not None:
@@ -615,13 +619,16 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lengths.tolist())
 
     def _sample(self, inputs: StepInputs, logits: Optional[torch.Tensor],
-                prompt_logprobs: dict[str, LogprobsLists]) -> PendingOutput:
+                prompt_logprobs: dict[str, LogprobsLists], num_generated: dict[str, int]) -> PendingOutput:
+        """``num_generated``: req_id -> output tokens before this step's sample (for the logits rules)."""
         if logits is None:
             return PendingOutput(self, inputs.req_ids, [], None, None, prompt_logprobs=prompt_logprobs)
         states = [self.requests[r] for r in inputs.sample_req_ids]
         if self.logits_rules is not None:
-            logits = self.logits_rules.apply(logits, [s.token_ids[:s.num_prompt_tokens] for s in states],
-                                             [s.output_token_ids for s in states])
+            # Rows whose rules read only the output count get placeholders (their last id may be in flight).
+            outputs = [s.output_token_ids if s.rules_need_history else [-1] * num_generated[s.req_id]
+                       for s in states]
+            logits = self.logits_rules.apply(logits, [s.token_ids[:s.num_prompt_tokens] for s in states], outputs)
         out = self.sampler(logits, self._sampling_metadata(states), to_host=False)
         self._prev_sampled = (out.sampled_token_ids, {s.req_id: i for i, s in enumerate(states)})
         logprobs = {}

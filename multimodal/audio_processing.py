@@ -1,6 +1,10 @@
-"""Prompt-side audio processing for encoder-decoder speech models (Whisper): decoded audio -> the
-encoder's log-mel window and a content hash, as ``MultiModalItem``s without a placeholder (the decoder
-reads the encoder output through cross-attention; the prompt's token ids are left as they are).
+"""Prompt-side audio processing for encoder-decoder speech models (Whisper): decoded audio -> an encoder
+input and a content hash, as ``MultiModalItem``s without a placeholder (the decoder reads the encoder
+output through cross-attention; the prompt's token ids are left as they are).
+
+The item carries the waveform (``AudioInput``); the log-mel features are computed where the encoder
+runs, batched over the step's items (``AudioInput.features``: on the GPU when there is one), with the
+settings that are part of the item's hash.
 
 One item is one encoder window (30 s). Longer audio is cut into windows before it gets here
 (``multimodal.audio_chunking``; the transcription API and ``LLM.transcribe`` do it).
@@ -12,6 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+import numpy as np
+import torch
 
 from multimodal.audio import DecodedAudio
 from multimodal.audio_features import CHUNK_LENGTH_S, HOP_LENGTH, N_FFT, WHISPER_SAMPLE_RATE_HZ, Padding, WhisperLogMel
@@ -54,6 +61,23 @@ class AudioFeatureSettings:
     def key(self) -> str:
         return (f"mel{self.num_mel_bins}-sr{self.sample_rate_hz}-fft{self.n_fft}-hop{self.hop_length}"
                 f"-win{self.chunk_length_s}-pad:{self.padding}")
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """One encoder input: a mono waveform of at most one window, and the features it takes."""
+
+    samples: np.ndarray
+    """float32 [num_samples] at ``settings.sample_rate_hz``."""
+    log_mel: WhisperLogMel
+    """The model's feature extractor (shared by all items)."""
+    padding: Padding
+
+    @staticmethod
+    def features(items: list["AudioInput"], device: torch.device) -> torch.Tensor:
+        """float32 log-mel [B, num_mel_bins, frames] of ``items`` (one batched STFT on ``device``)."""
+        waveforms = [torch.from_numpy(item.samples).to(device, non_blocking=True) for item in items]
+        return items[0].log_mel(waveforms, padding=items[0].padding)
 
 
 class AudioPromptProcessor:
@@ -108,7 +132,8 @@ class AudioPromptProcessor:
                     f"audio: {audio.duration_s:.1f} s is longer than the model's {self.window_s:.0f} s window; "
                     "transcribe long audio with LLM.transcribe() or /v1/audio/transcriptions, which cut it "
                     "into windows.")
-            features = self.log_mel(audio.samples, padding=self.settings.padding)[0]   # [num_mel_bins, frames]
-            identifier = hash_audio(audio.samples, audio.sample_rate_hz, self._settings_key)
-            items.append(MultiModalItem("audio", identifier, None, self.num_embeds, features))
+            samples = np.ascontiguousarray(audio.samples, dtype=np.float32)
+            identifier = hash_audio(samples, audio.sample_rate_hz, self._settings_key)
+            items.append(MultiModalItem("audio", identifier, None, self.num_embeds,
+                                        AudioInput(samples, self.log_mel, self.settings.padding)))
         return list(token_ids), items

@@ -231,6 +231,11 @@ class WhisperLogitsRules:
                 return True
         return False
 
+    def needs_history(self, prompt: list[int]) -> bool:
+        """Whether a row with this decoder prompt reads its generated ids (timestamp mode); otherwise its
+        rules depend only on how many ids it has generated, so ``apply`` may get placeholders for them."""
+        return self.is_timestamp_mode(prompt)
+
     def is_language_detection(self, prompt: list[int], output: list[int]) -> bool:
         """A multilingual model's prompt ending with sot, before the first token."""
         return self.ids.is_multilingual and not output and bool(prompt) and prompt[-1] == self.ids.sot

@@ -111,7 +111,8 @@ class WhisperDecoder(nn.Module):
                              f"{config.decoder_attention_heads}; fix the config.")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.embed_positions = nn.Embedding(config.max_target_positions, config.d_model)
-        self.embed_scale = config.d_model ** 0.5 if getattr(config, "scale_embedding", False) else 1.0
+        # NOTE: transformers' Whisper reads ``scale_embedding`` into an ``embed_scale`` it never applies;
+        # neither do we (every released Whisper has it False).
         self.layers = nn.ModuleList(WhisperDecoderLayer(config) for _ in range(config.decoder_layers))
         self.layer_norm = nn.LayerNorm(config.d_model)
         for p in (self.embed_tokens.weight, self.embed_positions.weight):
@@ -121,8 +122,6 @@ class WhisperDecoder(nn.Module):
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, d_model]."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.embed_scale != 1.0:
-            hidden = hidden * self.embed_scale
         hidden = hidden + self.embed_positions(positions)
         for layer in self.layers:
             hidden = layer(hidden)
@@ -183,12 +182,17 @@ class WhisperForConditionalGeneration(nn.Module):
         return [layer.self_attn.attn for layer in self.model.decoder.layers]
 
     def embed_multimodal(self, modality: str, items: list) -> list[torch.Tensor]:
-        """Encode audio items (each a log-mel [num_mel_bins, 3000] tensor) in one batch -> one
-        [num_source_positions, d_model] encoder output per item."""
+        """Encode audio items (``multimodal.audio_processing.AudioInput``: log-mel computed here, batched,
+        on the model's device; or log-mel tensors [num_mel_bins, frames]) -> one [num_source_positions,
+        d_model] encoder output per item."""
         if modality != "audio":
             raise ValueError(f"Whisper takes audio, not {modality!r}.")
         encoder = self.model.encoder
-        features = torch.stack([torch.as_tensor(f) for f in items]).to(encoder.conv1.weight.device)
+        device = encoder.conv1.weight.device
+        if all(isinstance(f, torch.Tensor) for f in items):
+            features = torch.stack(items).to(device)
+        else:
+            features = type(items[0]).features(items, device)           # [B, num_mel_bins, frames]
         return list(encoder(features).unbind(0))
 
     def write_cross_kv(self, encoder_out: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -16,6 +16,11 @@
 #               the encoder cache on and off; text TPOT alone and under image requests; Qwen2-VL-7B
 #               shape, 500 requests of mixed image sizes and its vision tower's TFLOP/s; JSON $OUT/vision.json
 #               (no baseline run; HF=0 skips transformers)                                  (not timed yet)
+#   whisper-weights  puts the carried tiny.en parts (.wdata/p1/tiny.en, then .wdata/p2/model.bin.part2: the
+#               75 MB model.bin travels in two calls) where whisper_model_dir finds it ($CHORUS_CACHE)
+#   whisper     GPU Whisper tests, then benchmarks/whisper.py rtf: 1000 30 s clips, tiny.en (real weights)
+#               and the large-v3-turbo shape (.wdata/turbo: config + tokenizer, random bf16) vs transformers
+#   whisper-latency  benchmarks/whisper.py latency: one 30 s clip alone and under Llama-3-8B chat streams
 #   fetch-wheels  run HERE, not on the GPU machine: the server's packages the GPU image lacks, into .whl/
 #
 # Before / after in one run: BASELINE_DIR=DIR (an older tree, e.g. a `git archive` of the old
@@ -33,11 +38,12 @@ OUT=$(mkdir -p "${OUT:-benchmarks/out}" && cd "${OUT:-benchmarks/out}" && pwd)
 BASELINE_DIR=${BASELINE_DIR:+$(cd "$BASELINE_DIR" && pwd)}
 HF=${HF:-$([ -n "$BASELINE_DIR" ] && echo 0 || echo 1)}
 SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5
-  annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2"
+  annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2
+  python-multipart==0.0.34 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 soxr==1.1.0"
 MODEL=${TMPDIR:-/tmp}/chorus-llama3-8b-dummy   # what --llama3-8b-dummy writes (a config and a tokenizer)
 PORT=${PORT:-8123}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export TRITON_CACHE_DIR=/tmp/triton-cache
+export TRITON_CACHE_DIR=/tmp/triton-cache CHORUS_CACHE=${CHORUS_CACHE:-/tmp/chorus-cache}
 
 skip_hf() { [ "$HF" = 1 ] || echo --skip-hf; }
 quiet() { grep -v -E "Warning|warn\(|Loading weights"; }
@@ -54,15 +60,20 @@ bench() {
   fi
 }
 
+install_wheels() {   # the carried .whl packages the GPU image lacks (server, audio decoding)
+  if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+}
+
 serve_phase() {
   # The same requests offline, with the server's step budget and no prefix caching on both sides.
   python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 256 --input-len 512 --output-len 128 \
     --skip-hf --max-num-batched-tokens 8192 --no-enable-prefix-caching --save-workload /tmp/serve_workload.jsonl \
     --out "$OUT/serve_offline.json" 2>&1 | quiet | grep -E "^chorus|^workload|limits"
-  if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  fi
-  PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} python3 -m engine.cli serve "$MODEL" --load-format dummy \
+  install_wheels
+  python3 -m engine.cli serve "$MODEL" --load-format dummy \
     --port "$PORT" --host 127.0.0.1 --max-model-len 2048 --max-num-batched-tokens 8192 --no-enable-prefix-caching \
     --disable-log-requests --disable-uvicorn-access-log --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
   local server=$! start=$(date +%s)
@@ -116,6 +127,21 @@ for phase in "$@"; do
       serve_phase ;;
     vision)
       python3 benchmarks/vision.py all $(skip_hf) --out "$OUT/vision.json" 2>&1 | quiet ;;
+    whisper-weights)
+      dir="$CHORUS_CACHE/whisper/tiny.en"; mkdir -p "$dir"
+      [ -d .wdata/p1/tiny.en ] && cp -r .wdata/p1/tiny.en/. "$dir/"
+      [ -f .wdata/p2/model.bin.part2 ] && cp .wdata/p2/model.bin.part2 "$dir/"
+      ls -la "$dir" ;;
+    whisper)
+      install_wheels
+      python3 -m pytest -q -p no:cacheprovider -n 0 tests/models/test_whisper_gpu.py 2>&1 | tail -5
+      python3 benchmarks/whisper.py rtf --model ${WHISPER_MODELS:-tiny.en turbo} --turbo-dir .wdata/turbo \
+        --hf-clips $([ "$HF" = 1 ] && echo "${HF_CLIPS:-256}" || echo 0) --out "$OUT/whisper.json" 2>&1 | quiet ;;
+    whisper-latency)
+      install_wheels
+      python3 -c "from benchmarks.throughput import llama3_8b_dummy; llama3_8b_dummy()"
+      python3 benchmarks/whisper.py latency --model ${WHISPER_MODELS:-tiny.en} --turbo-dir .wdata/turbo \
+        --chat-model "$MODEL" --out "$OUT/whisper_latency.json" 2>&1 | quiet ;;
     profile)
       python3 benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 1,256 --skip-mixed --top 16 \
         --out "$OUT/profile_base.json" 2>&1 | quiet

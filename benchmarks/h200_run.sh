@@ -136,11 +136,13 @@ for phase in "$@"; do
       install_wheels
       python3 -m pytest -q -p no:cacheprovider -n 0 tests/models/test_whisper_gpu.py 2>&1 | tail -5
       python3 benchmarks/whisper.py rtf --model ${WHISPER_MODELS:-tiny.en turbo} --turbo-dir .wdata/turbo \
+        $([ -d .wdata/speech ] && echo --speech-dir .wdata/speech) \
         --hf-clips $([ "$HF" = 1 ] && echo "${HF_CLIPS:-256}" || echo 0) --out "$OUT/whisper.json" 2>&1 | quiet ;;
     whisper-latency)
       install_wheels
       python3 -c "from benchmarks.throughput import llama3_8b_dummy; llama3_8b_dummy()"
       python3 benchmarks/whisper.py latency --model ${WHISPER_MODELS:-tiny.en} --turbo-dir .wdata/turbo \
+        $([ -d .wdata/speech ] && echo --speech-dir .wdata/speech) \
         --chat-model "$MODEL" --out "$OUT/whisper_latency.json" 2>&1 | quiet ;;
     profile)
       python3 benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 1,256 --skip-mixed --top 16 \

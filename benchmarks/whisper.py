@@ -58,11 +58,13 @@ TURBO_SHAPE = dict(d_model=1280, encoder_layers=32, decoder_layers=4, encoder_at
 # ----------------------------------------------------------------------------------------
 # Audio and models
 # ----------------------------------------------------------------------------------------
-def speech_pool() -> list[np.ndarray]:
-    """The committed speech clips (16 kHz mono), or synthetic voiced tones when there are none."""
+def speech_pool(speech_dir: Optional[str] = None) -> list[np.ndarray]:
+    """The speech clips of ``speech_dir`` (default: the committed tests/data/audio; 16 kHz mono wav), or
+    synthetic voiced tones when there are none."""
     import soundfile
     clips = []
-    for path in sorted(AUDIO_DIR.glob("*.wav")) if AUDIO_DIR.is_dir() else []:
+    directory = Path(speech_dir) if speech_dir else AUDIO_DIR
+    for path in sorted(directory.glob("*.wav")) if directory.is_dir() else []:
         samples, rate = soundfile.read(path, dtype="float32")
         if rate == SAMPLE_RATE_HZ and samples.ndim == 1 and np.abs(samples).max() > 1e-3 and len(samples) < 20 * rate:
             clips.append(samples)
@@ -74,9 +76,9 @@ def speech_pool() -> list[np.ndarray]:
     return clips
 
 
-def make_clips(n: int, seed: int = 0) -> list[np.ndarray]:
+def make_clips(n: int, seed: int = 0, speech_dir: Optional[str] = None) -> list[np.ndarray]:
     """``n`` distinct 30 s clips: speech laid end to end (0.3 s gaps) from a per-clip start, + noise."""
-    pool = speech_pool()
+    pool = speech_pool(speech_dir)
     window = int(CLIP_S * SAMPLE_RATE_HZ)
     gap = np.zeros(int(0.3 * SAMPLE_RATE_HZ), np.float32)
     cycle = np.concatenate([piece for clip in pool for piece in (clip, gap)])
@@ -157,21 +159,34 @@ def build_llm(args, name: str):
     return llm, path, random_weights
 
 
-def run_ours(llm, clips: list[np.ndarray], fixed_len: Optional[int], max_tokens: int) -> dict:
+def run_ours(llm, clips: list[np.ndarray], fixed_len: Optional[int], max_tokens: int,
+             profile: bool = False) -> dict:
     from engine.sampling_params import RequestOutputKind, SamplingParams
     engine = llm.llm_engine
     prompt = decoder_prompt(engine)
     params = SamplingParams(temperature=0.0, max_tokens=fixed_len or max_tokens, ignore_eos=fixed_len is not None,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     prompts = [{"prompt_token_ids": prompt, "multi_modal_data": {"audio": (c, SAMPLE_RATE_HZ)}} for c in clips]
-    llm.generate(prompts[:8], params, use_tqdm=False)             # warm-up: kernels, allocator
+    # Warm-up on the whole workload, 8 tokens each: Triton compiles a kernel variant per new launch shape and
+    # cuDNN plans its attention per batch size (both were seconds inside the first timed run); the allocator grows.
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    llm.generate(prompts, warm, use_tqdm=False)
     engine.scheduler.encoder_cache_manager.evict_unreferenced()
     stats0, encoded0 = engine.get_stats(), engine.core.runner.num_encoded_items
+    profiler = None
+    if profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     sync()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     sync()
     seconds = time.perf_counter() - t0
+    if profiler is not None:
+        import pstats
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     stats = engine.get_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     audio_s = len(clips) * CLIP_S
@@ -242,11 +257,11 @@ def run_hf(path: Path, random_weights: bool, clips: list[np.ndarray], batch_size
 def bench_rtf(args) -> list[dict]:
     rows = []
     for name in args.model:
-        clips = make_clips(args.num_clips, seed=1)
+        clips = make_clips(args.num_clips, seed=1, speech_dir=args.speech_dir)
         fixed = args.output_len if name == "turbo" else None
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
         llm, path, random_weights = build_llm(args, name)
-        ours = run_ours(llm, clips, fixed, args.max_tokens)
+        ours = run_ours(llm, clips, fixed, args.max_tokens, args.profile)
         ours.update(model=name)
         del llm
         free_memory()
@@ -304,7 +319,7 @@ async def chat_load(chat, stop: asyncio.Event, concurrency: int, counter: dict) 
 def bench_latency(args) -> list[dict]:
     from engine.async_llm import AsyncLLM
     path, random_weights = model_dir(args.model[0], args.dtype, args.turbo_dir)
-    clips = make_clips(args.latency_clips, seed=2)
+    clips = make_clips(args.latency_clips, seed=2, speech_dir=args.speech_dir)
     rows = []
 
     async def measure(label: str, whisper, chat=None) -> dict:
@@ -357,8 +372,10 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--output-len", type=int, default=100, help="tokens per clip for random-weight models")
     ap.add_argument("--max-tokens", type=int, default=200, help="cap per clip for real models")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-encoder-input-tokens", type=int, default=16 * 1500)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-encoder-input-tokens", type=int, default=32 * 1500,
+                    help="encoder budget per step (32 windows: the turbo shape's best of 16 and 32 on an H200)")
+    ap.add_argument("--speech-dir", default=None, help="wav files to build the clips from (default tests/data/audio)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--latency-clips", type=int, default=20)
     ap.add_argument("--chat-model", default=os.path.join(tempfile.gettempdir(), "chorus-llama3-8b-dummy"))
@@ -366,6 +383,7 @@ def main() -> None:
     ap.add_argument("--chat-warmup-s", type=float, default=5.0)
     ap.add_argument("--turbo-dir", default=None, help="the turbo shape's config directory (default: written "
                     "under $TMPDIR from the base model's tokenizer)")
+    ap.add_argument("--profile", action="store_true", help="cProfile of chorus' timed run (host time by function)")
     ap.add_argument("--out", default=None, help="JSON file for every row")
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")

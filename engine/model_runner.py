@@ -11,6 +11,7 @@ N's ids reach step N+1's inputs on the device). ``execute(so)`` is the synchrono
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -31,6 +32,7 @@ from engine.request import MultiModalFeature
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from engine.sampling_params import SamplingParams
+from lora import NO_LORA
 
 logger = logging.getLogger("chorus.runner")
 
@@ -219,6 +221,11 @@ class ModelRunner:
         ``EncoderCacheManager`` decides what stays; evictions arrive in ``free_encoder_identifiers``)."""
         self.encoder_cache_size = 0
         """Embeddings the scheduler's encoder cache may keep (set by the engine; sizes the memory reserve)."""
+        self.encoder_compute_budget = 0
+        """Embeddings the scheduler lets one step encode (set by the engine): with LoRA on an encoder-decoder
+        model, the rows one encoder or cross-attention K/V call runs at most (``lora_rows_per_call``)."""
+        self.lora_rows_per_call = 0
+        """Rows one adapted model call may run (the LoRA step buffers' size, ``_init_step_buffers``)."""
         self.num_encoded_items = 0
         """Media items the encoder has run on since start (an item served from the cache is not counted)."""
 
@@ -302,8 +309,13 @@ class ModelRunner:
             self.buffers.enable_media(max(self._graph_token_sizes), self.hf_config.get_text_config().hidden_size,
                                       self.dtype, self.uses_mrope)
         self.block_table = BlockTableRows(sc.max_num_seqs, max_blocks_per_req)
+        if self.is_encoder_decoder:   # cross blocks of each persistent row (one encoder input per request)
+            max_cross_blocks = math.ceil(self.model.num_source_positions / self.block_size)
+            self._cross_block_rows = np.zeros((sc.max_num_seqs, max_cross_blocks), dtype=np.int32)
         if self.lora_manager is not None:
-            self.lora_manager.allocate_step_buffers(max_tokens)
+            # Encoder-decoder models also run adapters on encoder rows outside the step's tokens.
+            self.lora_rows_per_call = max(max_tokens, self.encoder_compute_budget if self.is_encoder_decoder else 0)
+            self.lora_manager.allocate_step_buffers(self.lora_rows_per_call)
 
     def warm_up_lora_kernels(self) -> None:
         """Compile the LoRA kernels of eager steps (those no CUDA graph covers) at start-up (CUDA)."""
@@ -377,6 +389,8 @@ class ModelRunner:
                 generator=generator, lora_slot=new.lora_slot, row=table.add(new.block_ids),
                 mm_features=new.mm_features, cross_block_ids=list(new.cross_block_ids),
                 num_cross_tokens=sum(f.num_cross_embeds for f in new.mm_features))
+            if state.cross_block_ids:
+                self._cross_block_rows[state.row, :len(state.cross_block_ids)] = state.cross_block_ids
             if self.logits_rules is not None:
                 state.rules_need_history = self.logits_rules.needs_history(state.token_ids[:state.num_prompt_tokens])
             if self.uses_mrope and new.mm_features:
@@ -529,22 +543,37 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ media
     def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:
-        """Encode the step's scheduled media items (one batched call per modality) into the cache."""
-        by_modality: dict[str, dict[str, MultiModalFeature]] = {}
+        """Encode the step's scheduled media items (one batched call per modality) into the cache; an item
+        keyed under an adapter (``MultiModalFeature.encoder_lora_name``) runs with its request's slot."""
+        by_modality: dict[str, dict[str, tuple[MultiModalFeature, int]]] = {}
         for req_id, input_ids in scheduled.items():
-            features = self.requests[req_id].mm_features
+            state = self.requests[req_id]
             for i in input_ids:
-                f = features[i]
-                by_modality.setdefault(f.modality, {})[f.identifier] = f
+                f = state.mm_features[i]
+                # NOTE: one identifier, one adapter: every request naming it runs the same slot.
+                lora_slot = state.lora_slot if f.encoder_lora_name is not None else NO_LORA
+                by_modality.setdefault(f.modality, {})[f.identifier] = (f, lora_slot)
         for modality, items in by_modality.items():
-            features = list(items.values())
-            outputs = self.model.embed_multimodal(modality, [f.data for f in features])
+            features = [f for f, _ in items.values()]
+            row_slots = None
+            if self.lora_manager is not None and self.lora_manager.targets.adapts_encoder:
+                row_slots = np.repeat(np.fromiter((s for _, s in items.values()), np.int32, len(items)),
+                                      [f.num_embeds for f in features])                  # [num_rows]
+            with self._lora_rows(row_slots), forward_context(None, self.policy):
+                outputs = self.model.embed_multimodal(modality, [f.data for f in features])
             for f, out in zip(features, outputs):
                 if out.shape[0] != f.num_embeds:
                     raise RuntimeError(f"the encoder gave {out.shape[0]} embeddings for a {modality} of "
                                        f"{f.num_embeds}")
                 self.encoder_cache[f.identifier] = out
             self.num_encoded_items += len(features)
+
+    def _lora_rows(self, row_lora_slots: Optional[np.ndarray]) -> contextlib.AbstractContextManager:
+        """The LoRA batch of a model call on rows outside the step's tokens (``LoRAManager.rows_batch``);
+        nothing without LoRA or without row slots (the call's Linears have no adapters to run)."""
+        if self.lora_manager is None or row_lora_slots is None:
+            return contextlib.nullcontext()
+        return self.lora_manager.rows_batch(row_lora_slots)
 
     def _gather_mm_embeds(self, states: list[CachedRequestState], counts: list[int]
                           ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -577,10 +606,12 @@ class ModelRunner:
 
     def _write_cross_kv(self, states: list[CachedRequestState]) -> None:
         """Project the encoder outputs of requests about to compute token 0 into their cross blocks
-        (every decoder layer's cross-attention K/V), in one batched call."""
+        (every decoder layer's cross-attention K/V), batched: one call, or with LoRA calls of at most
+        ``lora_rows_per_call`` rows, each row under its request's adapter slot."""
         bs = self.block_size
         outputs: list[torch.Tensor] = []
         slots: list[np.ndarray] = []
+        lora_slots: list[int] = []
         for s in states:
             if s.num_computed_tokens != 0 or not s.num_cross_tokens:
                 continue
@@ -593,18 +624,27 @@ class ModelRunner:
             blocks = np.asarray(s.cross_block_ids, dtype=np.int64)
             slots.append(blocks[position // bs] * bs + position % bs)
             outputs.append(encoded)
-        if not outputs:
-            return
-        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device, non_blocking=True)  # [N]
-        with forward_context(None, self.policy):
-            self.model.write_cross_kv(torch.cat(outputs), slot_mapping)
+            lora_slots.append(s.lora_slot)
+        start = 0
+        while start < len(outputs):
+            stop, rows = start + 1, outputs[start].shape[0]
+            while (stop < len(outputs) and
+                   (self.lora_manager is None or rows + outputs[stop].shape[0] <= self.lora_rows_per_call)):
+                rows += outputs[stop].shape[0]
+                stop += 1
+            slot_mapping = torch.from_numpy(np.concatenate(slots[start:stop])).to(self.device, non_blocking=True)
+            row_slots = None
+            if self.lora_manager is not None:
+                row_slots = np.repeat(np.asarray(lora_slots[start:stop], dtype=np.int32),
+                                      [o.shape[0] for o in outputs[start:stop]])        # [rows]
+            with self._lora_rows(row_slots), forward_context(None, self.policy):
+                self.model.write_cross_kv(torch.cat(outputs[start:stop]), slot_mapping)
+            start = stop
 
     def _cross_attn_metadata(self, states: list[CachedRequestState], counts: list[int]) -> AttentionMetadata:
         """The step's requests over their cross blocks: every position visible to every query token."""
-        max_blocks = max(len(s.cross_block_ids) for s in states)
-        tables = np.zeros((len(states), max_blocks), dtype=np.int32)             # [R, max_blocks]
-        for i, s in enumerate(states):
-            tables[i, :len(s.cross_block_ids)] = s.cross_block_ids
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        tables = self._cross_block_rows[rows]                                    # [R, max_cross_blocks]
         lengths = np.fromiter((s.num_cross_tokens for s in states), np.int32, len(states))   # [R]
         qsl = np.zeros(len(states) + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])

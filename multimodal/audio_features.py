@@ -121,6 +121,18 @@ class WhisperLogMel:
         self._device_constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """Picklable (the engine process sends its processor to clients): without the lock and the
+        per-device tensors, which are rebuilt on use."""
+        state = dict(self.__dict__)
+        state["_device_constants"] = {}
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 filters transposed, ``[num_mel_bins, n_fft // 2 + 1]``, and the periodic Hann window
         ``[n_fft]``, on ``device``."""

@@ -36,8 +36,9 @@ def hash_image(image: Image.Image, settings_key: str) -> str:
 def hash_audio(samples: np.ndarray, sample_rate_hz: int, settings_key: str) -> str:
     """Hex BLAKE2b-256 of decoded mono ``samples`` (float32), their rate and ``settings_key``."""
     h = hashlib.blake2b(digest_size=32)
+    samples = np.ascontiguousarray(samples, dtype=np.float32)
     for part in (b"chorus-audio-v1", settings_key.encode("utf-8"), str(int(sample_rate_hz)).encode("ascii"),
-                 np.ascontiguousarray(samples, dtype=np.float32).tobytes()):
+                 memoryview(samples).cast("B")):   # no copy of the samples
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()

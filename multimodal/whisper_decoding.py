@@ -281,6 +281,8 @@ class WhisperLogitsRules:
         if vocab < self.ids.vocab_size:
             raise ValueError(f"logits have {vocab} columns, fewer than the model's {self.ids.vocab_size} "
                              f"tokens.")
+        if not any(self.needs_history(p) or self.is_language_detection(p, o) for p, o in zip(prompts, outputs)):
+            return self._apply_suppression(logits, [not o for o in outputs])
         rows = [self.row_mask(p, o) for p, o in zip(prompts, outputs)]
         bounds = torch.tensor([[r.below, min(r.from_id, self.ids.vocab_size), r.gap_lo, r.gap_hi, r.suppress,
                                 r.begin, r.timestamp_rules] for r in rows],
@@ -296,6 +298,17 @@ class WhisperLogitsRules:
         logits.masked_fill_(mask, float("-inf"))
         if any(r.timestamp_rules for r in rows):
             self._prefer_timestamps(logits, use_ts)
+        return logits
+
+    def _apply_suppression(self, logits: torch.Tensor, first: list[bool]) -> torch.Tensor:
+        """The common step (no row in timestamp mode or detecting its language): ``suppress_tokens`` on
+        every row, ``begin_suppress_tokens`` on rows at their first token; no per-row bounds."""
+        _, suppress, begin = self._static_masks(logits.shape[1], logits.device)
+        if any(first):
+            rows = torch.tensor(first, dtype=torch.bool).to(logits.device, non_blocking=True)   # [R]
+            logits.masked_fill_(suppress | (begin & rows[:, None]), float("-inf"))
+        else:
+            logits.masked_fill_(suppress, float("-inf"))
         return logits
 
     def _prefer_timestamps(self, logits: torch.Tensor, use_ts: torch.Tensor) -> None:

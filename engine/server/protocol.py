@@ -131,6 +131,27 @@ class TokenizeChatRequest(OpenAIBaseModel):
 TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
 
 
+class TranscriptionRequest(OpenAIBaseModel):
+    """The text fields of POST /v1/audio/transcriptions and /v1/audio/translations (multipart form);
+    the upload itself (``file``) is read apart."""
+
+    model: Optional[str] = None
+    """The Whisper model's served name (or an adapter's); None: the Whisper model."""
+    language: Optional[str] = None
+    """ISO-639-1 code or English name of the speech; None: English on English-only models, detected on
+    multilingual ones."""
+    prompt: Optional[str] = None
+    """Text to condition every 30 s window on (earlier transcript, spellings)."""
+    response_format: str = "json"
+    """json, text, verbose_json, srt or vtt (``transcription_formats.RESPONSE_FORMATS``)."""
+    temperature: Optional[float] = None
+    """Sampling temperature; None: 0 (greedy)."""
+    timestamp_granularities: list[str] = Field(default_factory=list)
+    """The form's ``timestamp_granularities[]`` values: "segment" ("word" is refused)."""
+    stream: bool = False
+    """SSE ``transcript.text.delta`` / ``transcript.text.done`` events (json and text formats)."""
+
+
 class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int

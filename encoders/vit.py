@@ -75,8 +75,12 @@ class ViTAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.scale = self.head_dim ** -0.5
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
-        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        self.qkv, self.out_proj = self.build_projections(hidden_size)
+
+    def build_projections(self, hidden_size: int) -> tuple[nn.Module, nn.Module]:
+        """(qkv [3 * hidden -> hidden], out_proj [hidden -> hidden]), both with bias; a subclass may
+        build them as other layers taking [..., hidden] (Whisper's: adapter-ready Linears)."""
+        return nn.Linear(hidden_size, 3 * hidden_size), nn.Linear(hidden_size, hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, S, hidden] -> [N, S, hidden]."""

@@ -7,10 +7,12 @@ A layer is x + out_proj(attention(self_attn_layer_norm(x))), then x + fc2(act(fc
 with q/k/v packed into one Linear (``encoders.vit.ViTAttention``, SDPA). Whisper's k_proj has no bias:
 the k block of the packed bias is zero, and ``load_weights`` sets it so.
 
-LoRA on the encoder is not implemented here. ``LORA_TARGET_MODULES`` names the projections an adapter may
-target, ``WhisperEncoderTower.packed_modules_mapping`` says which block of which packed Linear each of
-q/k/v is (as in ``engine.models.llama``), and ``WhisperEncoderTower.lora_targets()`` maps every
-transformers module name to its Linear and row block here.
+The projections are ``engine.layers.linear.Linear``s, so LoRA slots attach to them as to the decoder's
+(``lora.manager``); the runner gives the encoder's rows their request's adapter slot
+(``ModelRunner._run_encoders``). ``LORA_TARGET_MODULES`` names the projections an adapter may target,
+``WhisperEncoderTower.packed_modules_mapping`` says which block of which packed Linear each of q/k/v is
+(as in ``engine.models.llama``), and ``WhisperEncoderTower.lora_targets()`` maps every transformers module
+name to its Linear and row block here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from encoders.vit import TowerWeights, ViTAttention, activation
+from engine.layers.linear import Linear
 
 _TOWER = "WhisperEncoderTower"
 _EXPECTED_NAMES = "transformers' WhisperEncoder.state_dict()"
@@ -37,11 +40,18 @@ class LoRATarget(NamedTuple):
     """Where one transformers projection lives in the tower."""
 
     module: str
-    """Our ``nn.Linear`` (relative to the tower), e.g. ``layers.0.self_attn.qkv``."""
+    """Our ``Linear`` (relative to the tower), e.g. ``layers.0.self_attn.qkv``."""
     shard: int
     """The row block of ``module``'s output that is this projection's."""
     num_shards: int
     """How many equal row blocks ``module``'s output has (3 for qkv, else 1)."""
+
+
+class WhisperEncoderAttention(ViTAttention):
+    """``ViTAttention`` with its projections as ``Linear``s (q | k | v slices), which take adapters."""
+
+    def build_projections(self, hidden_size: int) -> tuple[nn.Module, nn.Module]:
+        return Linear(hidden_size, [hidden_size] * 3, bias=True), Linear(hidden_size, [hidden_size], bias=True)
 
 
 class WhisperEncoderLayer(nn.Module):
@@ -50,11 +60,11 @@ class WhisperEncoderLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, ffn_dim: int, act: str) -> None:
         super().__init__()
         self.self_attn_layer_norm = nn.LayerNorm(d_model)
-        self.self_attn = ViTAttention(d_model, num_heads)
+        self.self_attn = WhisperEncoderAttention(d_model, num_heads)
         self.final_layer_norm = nn.LayerNorm(d_model)
         self.act = activation(act)
-        self.fc1 = nn.Linear(d_model, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.fc1 = Linear(d_model, [ffn_dim], bias=True)
+        self.fc2 = Linear(ffn_dim, [d_model], bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [B, S, d_model] -> [B, S, d_model]."""

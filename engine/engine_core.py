@@ -104,7 +104,8 @@ class EngineCore:
             runner.lora_manager = lora_manager
         max_embeds_per_item = loaded.mm_processor.max_embeds_per_item() if loaded.mm_processor else 0
         if max_embeds_per_item:   # a media model: the encoder cache's outputs take memory beside the KV cache
-            runner.encoder_cache_size = cfg.scheduler_config.encoder_budgets(max_embeds_per_item)[1]
+            runner.encoder_compute_budget, runner.encoder_cache_size = cfg.scheduler_config.encoder_budgets(
+                max_embeds_per_item)
         # Encoder-decoder models: each request also holds cross-attention K/V of its encoder output.
         cross_tokens = max_embeds_per_item if runner.is_encoder_decoder else 0
         num_blocks = runner.determine_num_blocks(max_blocks_needed(
@@ -129,8 +130,13 @@ class EngineCore:
     def add_request(self, command: AddRequest) -> None:
         """Queue a user request's sequences (all or none). Raises ValueError / LoRA errors."""
         children = command.children
-        if children[0].lora_request is not None and self.lora_manager is not None:
-            self.lora_manager.register(children[0].lora_request)
+        lora_request = children[0].lora_request
+        if lora_request is not None and self.lora_manager is not None:
+            self.lora_manager.register(lora_request)
+            if self.lora_manager.adapts_encoder(lora_request.lora_name):
+                # The encoder output depends on the adapter: its own encoder-cache entries.
+                for child in children:
+                    child.mm_features = [f.with_encoder_adapter(lora_request.lora_name) for f in child.mm_features]
         added = []
         try:
             for child in children:

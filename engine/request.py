@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from engine.sampling_params import SamplingParams
@@ -64,13 +64,26 @@ class MultiModalFeature:
     modality: str
     """'image' or 'audio'."""
     identifier: str
-    """Content hash; the encoder-cache key and the prefix-cache extra key."""
+    """Content hash; the encoder-cache key and the prefix-cache extra key. With ``encoder_lora_name``
+    set it also carries the adapter's name (``with_encoder_adapter``)."""
     placeholder: Optional[PlaceholderRange]
     """Where its embeddings sit in the prompt; None for a cross-attention input."""
     data: Any = None
     """Processed encoder inputs (e.g. pixel_values); only the runner reads them."""
     num_cross_embeds: int = 0
     """Encoder output rows of a cross-attention input (``placeholder`` None); 0 otherwise."""
+    encoder_lora_name: Optional[str] = None
+    """The adapter the encoder runs for this item (the request's, when it updates encoder
+    projections); None: the base encoder, whose output requests of any other adapter share."""
+
+    def with_encoder_adapter(self, lora_name: str) -> "MultiModalFeature":
+        """This item encoded under adapter ``lora_name``: a copy whose encoder-cache key carries the name,
+        so the same media under two such adapters is encoded twice and never shares the base output.
+        NOTE: the key holds the name only, as the prefix cache's adapter key does."""
+        if self.encoder_lora_name == lora_name:
+            return self
+        assert self.encoder_lora_name is None, "an item is encoded under one adapter"
+        return replace(self, identifier=f"{self.identifier}+lora:{lora_name}", encoder_lora_name=lora_name)
 
     @property
     def is_cross_attention(self) -> bool:

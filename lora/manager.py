@@ -7,7 +7,9 @@ Life of an adapter:
 2. ``load_slots`` (before a step, as the scheduler's ``lora_loads`` say): copy the adapter from
    the host store (reloading it from disk if the LRU dropped it) into its slot of every adapted
    layer; projections it does not target are zeroed.
-3. ``set_batch`` (once per step): group the step's tokens by slot; every layer reads it.
+3. ``set_batch`` (once per step): group the step's tokens by slot; every layer reads it. Calls
+   outside the step's token batch (an encoder-decoder model's encoder and cross-attention K/V
+   projection, on encoder rows) run under ``rows_batch`` with one slot per row.
 4. ``remove``: forget the adapter, drop its host copy and zero its slot. The engine calls it
    only once the scheduler says no request uses the adapter any more.
 
@@ -18,8 +20,9 @@ class only copies what the step message says.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -127,6 +130,11 @@ class LoRAManager:
         """Adapters users may run, by name (validated once; weights may be evicted from the store)."""
         self._removing: set[str] = set()
         """Adapters being unloaded: new requests are refused; freed once their requests finish."""
+        self._adapts_encoder: dict[str, bool] = {}
+        """Registered adapter name -> it updates some encoder projection (``LoRAAdapter.adapts_encoder``);
+        kept apart from the host store, whose LRU may drop the weights."""
+        self._in_rows_batch = False
+        """``rows_batch`` is active (it refuses nesting)."""
         self._slot_names: list[Optional[str]] = [None] * self.max_loras
         """Adapter whose weights sit in each slot (None: zeroed)."""
         self.num_slot_loads = 0
@@ -161,8 +169,10 @@ class LoRAManager:
                     f"its requests finish) before loading {lora_request.lora_path!r} under the same name.")
             self._removing.discard(name)
             return
-        self.store.put(self._read(lora_request))
+        adapter = self._read(lora_request)
+        self.store.put(adapter)
         self._registered[name] = lora_request
+        self._adapts_encoder[name] = adapter.adapts_encoder
         logger.info("LoRA adapter %r registered from %s", name, lora_request.lora_path)
 
     def _read(self, lora_request: LoRARequest) -> LoRAAdapter:
@@ -180,6 +190,11 @@ class LoRAManager:
         """Whether any copy of the adapter remains: registry, host store or a slot."""
         return (lora_name in self._registered or lora_name in self.store
                 or lora_name in self._slot_names)
+
+    def adapts_encoder(self, lora_name: str) -> bool:
+        """Whether the registered adapter updates a projection of the model's encoder, so that a
+        request running it needs its own encoder output (False for an unknown name)."""
+        return self._adapts_encoder.get(lora_name, False)
 
     def slot_of(self, lora_name: str) -> Optional[int]:
         """The slot holding the adapter's weights, or None."""
@@ -216,6 +231,7 @@ class LoRAManager:
                 self._slot_names[slot] = None
         self.store.remove(lora_name)
         self._registered.pop(lora_name, None)
+        self._adapts_encoder.pop(lora_name, None)
         self._removing.discard(lora_name)
         if held:
             logger.info("LoRA adapter %r removed", lora_name)
@@ -423,6 +439,29 @@ class LoRAManager:
             token_lora_slots = token_lora_slots.cpu().numpy()
         self.state.batch = self._meta_for(len(token_lora_slots)).fill(
             np.asarray(token_lora_slots), fixed_grid, with_segments=self.backend == "torch", max_active=max_active)
+
+    @contextmanager
+    def rows_batch(self, row_lora_slots: Optional[np.ndarray]) -> Iterator[None]:
+        """The LoRA batch of a model call outside the step's token batch (an encoder-decoder model's
+        encoder or cross-attention K/V projection, on encoder rows): ``set_batch(row_lora_slots)``
+        for the call, and no batch after it (the step sets its own before its forward).
+
+        row_lora_slots: [num_rows] host int32 slot per row the call's adapted Linears see (NO_LORA:
+        the base model); None or all NO_LORA: nothing is added. At most the rows
+        ``allocate_step_buffers`` sized for. NOTE: refuses nesting; the meta buffers hold one batch.
+        """
+        if self._in_rows_batch:
+            raise RuntimeError("LoRAManager.rows_batch does not nest.")
+        self._in_rows_batch = True
+        try:
+            if row_lora_slots is None or not (np.asarray(row_lora_slots) >= 0).any():
+                self.state.batch = None
+            else:
+                self.set_batch(np.asarray(row_lora_slots, dtype=np.int32))
+            yield
+        finally:
+            self.state.batch = None
+            self._in_rows_batch = False
 
     def few_adapters_bound(self, num_tokens: int) -> Optional[int]:
         """The adapter count of the CUDA-graph variant for steps of few adapters (None: no such

@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -29,8 +29,12 @@ from lora.errors import InvalidLoRAAdapterError, LoRAAdapterNotFoundError
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
-SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""PEFT module suffixes an adapter may target (q/k/v and gate/up land in packed slices)."""
+SUFFIX_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""PEFT module suffixes of a model mapped by suffix (``LoRATargets.from_model`` without the model's own
+``lora_target_slices``): q/k/v and gate/up land in packed slices, o/down in their own Linear."""
+SUPPORTED_TARGET_MODULES = SUFFIX_TARGET_MODULES + ("out_proj", "fc1", "fc2")
+"""PEFT module suffixes some model offers (``out_proj``, ``fc1``, ``fc2``: Whisper's, through its own
+mapping). A given model takes only its own (``LoRATargets.suffixes``)."""
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head", "wte", "wpe", "embed_out", "output")
 
 # <module>.<kind>[.<adapter name>][.weight], optionally under PeftModel's "base_model.model." prefix.
@@ -56,6 +60,9 @@ class TargetSlice:
     """Columns of A (the projection's input features)."""
     output_size: int
     """Rows of B (this slice's output features)."""
+    in_encoder: bool = False
+    """The Linear runs in the model's encoder (under its ``lora_encoder_prefix``): an update here
+    changes the encoder output, so that output depends on the adapter."""
 
 
 @dataclass
@@ -67,9 +74,15 @@ class LoRATargets:
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "LoRATargets":
-        """Map PEFT names onto the model's ``Linear`` modules through ``packed_modules_mapping``; a model
-        whose checkpoints name modules differently (``checkpoint_prefixes``: (theirs, ours) pairs, e.g.
+        """The model's own exact mapping when it has one (``lora_target_slices()``: PEFT module name ->
+        (our Linear, output slice), for models whose one suffix lands in different packed Linears, like
+        Whisper's q_proj in self_attn.qkv_proj vs encoder_attn.q_proj); else PEFT names mapped onto the
+        model's ``Linear`` modules by suffix through ``packed_modules_mapping``, where a model whose
+        checkpoints name modules differently (``checkpoint_prefixes``: (theirs, ours) pairs, e.g.
         LLaVA's ``model.language_model.`` for our ``language_model.model.``) also takes their names."""
+        exact = getattr(model, "lora_target_slices", None)
+        if exact is not None:
+            return cls._from_exact(model, exact(), getattr(model, "lora_encoder_prefix", None))
         from engine.layers.linear import Linear
 
         packed = getattr(model, "packed_modules_mapping", {})
@@ -81,10 +94,10 @@ class LoRATargets:
             parent, _, suffix = name.rpartition(".")
             children = [(peft_name, idx) for peft_name, (packed_name, idx) in packed.items()
                         if packed_name == suffix]
-            if not children and suffix in SUPPORTED_TARGET_MODULES:
+            if not children and suffix in SUFFIX_TARGET_MODULES:
                 children = [(suffix, 0)]
             for peft_name, idx in children:
-                if peft_name not in SUPPORTED_TARGET_MODULES:
+                if peft_name not in SUFFIX_TARGET_MODULES:
                     continue
                 peft_module = f"{parent}.{peft_name}" if parent else peft_name
                 target = TargetSlice(name, idx, module.input_size, module.output_sizes[idx])
@@ -93,6 +106,39 @@ class LoRATargets:
                     if peft_module.startswith(ours):
                         slices.setdefault(theirs + peft_module[len(ours):], target)
         return cls(slices)
+
+    @classmethod
+    def _from_exact(cls, model: nn.Module, mapping: dict[str, tuple[str, int]],
+                    encoder_prefix: Optional[str]) -> "LoRATargets":
+        """Targets from a model's ``lora_target_slices()``; its Linears under ``encoder_prefix`` are
+        the encoder's. ValueError for a mapping that does not fit the model (a model bug)."""
+        from engine.layers.linear import Linear
+
+        slices: dict[str, TargetSlice] = {}
+        for peft_module, (module_name, idx) in mapping.items():
+            module = model.get_submodule(module_name)
+            suffix = peft_module.rpartition(".")[2]
+            if (not isinstance(module, Linear) or not 0 <= idx < len(module.output_sizes)
+                    or suffix not in SUPPORTED_TARGET_MODULES):
+                raise ValueError(f"{type(model).__name__}.lora_target_slices maps {peft_module!r} to slice {idx} "
+                                 f"of {module_name!r}, which is not an output slice of a Linear (or the suffix "
+                                 f"is not in {list(SUPPORTED_TARGET_MODULES)}).")
+            in_encoder = encoder_prefix is not None and module_name.startswith(encoder_prefix)
+            slices[peft_module] = TargetSlice(module_name, idx, module.input_size, module.output_sizes[idx],
+                                              in_encoder)
+        return cls(slices)
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """The PEFT module suffixes this model offers (in ``SUPPORTED_TARGET_MODULES`` order): what an
+        adapter's ``target_modules`` and tensors may name."""
+        have = {name.rpartition(".")[2] for name in self.slices}
+        return tuple(s for s in SUPPORTED_TARGET_MODULES if s in have)
+
+    @property
+    def adapts_encoder(self) -> bool:
+        """Some target lies in the model's encoder (``TargetSlice.in_encoder``)."""
+        return any(s.in_encoder for s in self.slices.values())
 
     @property
     def module_names(self) -> list[str]:
@@ -151,12 +197,15 @@ def resolve_adapter_path(path: str) -> Path:
     return p.resolve()
 
 
-def read_adapter_config(path: Union[str, Path], max_lora_rank: Optional[int] = None) -> PEFTAdapterConfig:
+def read_adapter_config(path: Union[str, Path], max_lora_rank: Optional[int] = None,
+                        supported_modules: Sequence[str] = SUPPORTED_TARGET_MODULES) -> PEFTAdapterConfig:
     """Read ``adapter_config.json`` and reject what we cannot serve.
 
     Args:
         path: the adapter directory.
         max_lora_rank: the slot rank; larger adapter ranks are rejected (None: not checked).
+        supported_modules: the module suffixes ``target_modules`` may name (the base model's
+            ``LoRATargets.suffixes``; default: any model's).
 
     Raises:
         LoRAAdapterNotFoundError: the directory or its config is missing or unreadable.
@@ -174,7 +223,7 @@ def read_adapter_config(path: Union[str, Path], max_lora_rank: Optional[int] = N
         raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} is not valid JSON ({e}).")
     if not isinstance(raw, dict):
         raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r}: {CONFIG_FILE} must hold a JSON object.")
-    problems = _config_problems(raw, max_lora_rank)
+    problems = _config_problems(raw, max_lora_rank, tuple(supported_modules))
     if problems:
         raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r} cannot be served: " + " ".join(problems))
     return PEFTAdapterConfig(
@@ -194,7 +243,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _config_problems(raw: dict, max_lora_rank: Optional[int]) -> list[str]:
+def _config_problems(raw: dict, max_lora_rank: Optional[int], supported_modules: tuple[str, ...]) -> list[str]:
     """Every reason the config cannot be served, as sentences (empty when it can)."""
     problems: list[str] = []
     peft_type = raw.get("peft_type", "LORA")
@@ -234,11 +283,12 @@ def _config_problems(raw: dict, max_lora_rank: Optional[int]) -> list[str]:
                       ("target_parameters", "target_parameters (LoRA on raw parameters)")):
         if raw.get(key):
             problems.append(f"{key}: {what} is not supported.")
-    problems.extend(_target_module_problems(raw.get("target_modules"), bool(raw.get("target_parameters"))))
+    problems.extend(_target_module_problems(raw.get("target_modules"), bool(raw.get("target_parameters")),
+                                            supported_modules))
     return problems
 
 
-def _target_module_problems(targets, has_target_parameters: bool) -> list[str]:
+def _target_module_problems(targets, has_target_parameters: bool, supported_modules: tuple[str, ...]) -> list[str]:
     if targets is None:
         return [] if has_target_parameters else ["target_modules is missing."]
     if isinstance(targets, str):
@@ -253,12 +303,12 @@ def _target_module_problems(targets, has_target_parameters: bool) -> list[str]:
         return [f"target_modules must be a list of names or a regex string, got {targets!r}."]
     embedding = [t for t in targets if t.rpartition(".")[2] in _EMBEDDING_MODULES]
     unknown = [t for t in targets
-               if t.rpartition(".")[2] not in SUPPORTED_TARGET_MODULES and t not in embedding]
+               if t.rpartition(".")[2] not in supported_modules and t not in embedding]
     problems = []
     if embedding:
         problems.append(f"LoRA on embeddings or the LM head ({embedding}) is not supported.")
     if unknown:
-        problems.append(f"unknown target modules {unknown}; supported: {list(SUPPORTED_TARGET_MODULES)}.")
+        problems.append(f"unknown target modules {unknown}; supported: {list(supported_modules)}.")
     return problems
 
 
@@ -287,6 +337,9 @@ class LoRAAdapter:
     config: PEFTAdapterConfig
     weights: dict[tuple[str, int], LoRASliceWeights]
     """(our Linear module name, slice index) -> weights; projections it does not target are absent."""
+    adapts_encoder: bool = False
+    """Some update lands in the model's encoder (``TargetSlice.in_encoder``): the encoder output of a
+    request running this adapter is its own (the encoder-cache key carries the adapter's name)."""
 
     def nbytes(self) -> int:
         return sum(w.lora_a.numel() * w.lora_a.element_size() + w.lora_b.numel() * w.lora_b.element_size()
@@ -340,11 +393,11 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
         InvalidLoRAAdapterError: unsupported options, too large a rank, unknown modules or
             shapes that do not fit the base model (all problems in one message).
     """
-    config = read_adapter_config(path, max_lora_rank)
+    config = read_adapter_config(path, max_lora_rank, targets.suffixes)
     tensors = read_adapter_tensors(path)
     pairs, problems = _group_lora_tensors(tensors, targets)
     weights: dict[tuple[str, int], LoRASliceWeights] = {}
-    max_rank = 0
+    max_rank, adapts_encoder = 0, False
     for peft_module, (a, b) in sorted(pairs.items()):
         target = targets.slices[peft_module]
         fitted = _fit_shapes(peft_module, a, b, target, config.fan_in_fan_out)
@@ -358,6 +411,7 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
                             f"start the engine with --max-lora-rank {rank} or more.")
             continue
         max_rank = max(max_rank, rank)
+        adapts_encoder = adapts_encoder or target.in_encoder
         scale = config.scaling(peft_module)
         weights[(target.module_name, target.slice_idx)] = LoRASliceWeights(
             lora_a=a.to(torch.float32).to(dtype).contiguous(),                  # [rank, in]
@@ -368,12 +422,13 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
         raise InvalidLoRAAdapterError(
             f"LoRA adapter {name!r} ({path}) cannot be served: " + " ".join(problems))
     return LoRAAdapter(name=name, path=str(resolve_adapter_path(path)), rank=max_rank, config=config,
-                       weights=weights)
+                       weights=weights, adapts_encoder=adapts_encoder)
 
 
 def _group_lora_tensors(tensors: dict[str, torch.Tensor], targets: LoRATargets
                         ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
     """PEFT module name -> (A, B), plus a sentence per tensor we cannot place."""
+    suffixes = targets.suffixes
     halves: dict[str, dict[str, torch.Tensor]] = {}
     embedding, unknown, missing_modules, base_weights = set(), set(), set(), set()
     for key, tensor in tensors.items():
@@ -389,7 +444,7 @@ def _group_lora_tensors(tensors: dict[str, torch.Tensor], targets: LoRATargets
             unknown.add(f"{module} (DoRA magnitude)")
         elif module in targets.slices:
             halves.setdefault(module, {})[kind] = tensor
-        elif suffix in SUPPORTED_TARGET_MODULES:
+        elif suffix in suffixes:
             missing_modules.add(module)
         else:
             unknown.add(module)
@@ -400,7 +455,7 @@ def _group_lora_tensors(tensors: dict[str, torch.Tensor], targets: LoRATargets
         problems.append(f"it carries base-model weights ({sorted(base_weights)[:3]}), e.g. from "
                         "modules_to_save or a resized vocabulary; that is not supported.")
     if unknown:
-        problems.append(f"expected target modules in {list(SUPPORTED_TARGET_MODULES)} but received "
+        problems.append(f"expected target modules in {list(suffixes)} but received "
                         f"{sorted(unknown)[:3]}.")
     if missing_modules:
         problems.append(f"tensors for {sorted(missing_modules)[:3]} do not fit the base model, "

@@ -12,6 +12,12 @@ one single-query "request" per token).
 Names follow transformers' ``WhisperForConditionalGeneration`` (``model.encoder.*``, ``model.decoder.*``,
 ``proj_out``), with the self-attention's q/k/v packed into ``qkv_proj`` and the cross-attention's k/v into
 ``kv_proj``. Whisper's k projections have no bias: that block of the packed bias is zero.
+
+LoRA: every projection of both stacks (q/k/v/out_proj, fc1/fc2) is a ``Linear`` an adapter may update;
+``lora_target_slices`` maps PEFT's (transformers') module names onto them, since one suffix lands in
+different Linears (q_proj: a slice of ``self_attn.qkv_proj``, or ``encoder_attn.q_proj``). The decoder's
+rows are the step's tokens; ``write_cross_kv`` and the encoder run on encoder rows, whose adapter slots the
+runner sets for those calls.
 """
 
 from __future__ import annotations
@@ -149,6 +155,8 @@ class WhisperForConditionalGeneration(nn.Module):
     """Self-attention projections -> (our packed Linear, its row block); the cross-attention's are in
     ``cross_packed_modules_mapping``."""
     cross_packed_modules_mapping = {"q_proj": ("q_proj", 0), "k_proj": ("kv_proj", 0), "v_proj": ("kv_proj", 1)}
+    lora_encoder_prefix = _ENCODER_PREFIX
+    """Our modules under it run in the encoder: an adapter updating any of them changes the encoder output."""
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
@@ -215,6 +223,23 @@ class WhisperForConditionalGeneration(nn.Module):
         from multimodal.audio_processing import AudioPromptProcessor
 
         return AudioPromptProcessor.for_whisper(self.config, checkpoint_dir)
+
+    def lora_target_slices(self) -> dict[str, tuple[str, int]]:
+        """PEFT module name of every projection an adapter may update (transformers' names, e.g.
+        ``model.decoder.layers.0.encoder_attn.k_proj``) -> (our Linear, its output slice)."""
+        slices = {}
+        for name, target in self.model.encoder.lora_targets().items():
+            slices[_ENCODER_PREFIX + name] = (_ENCODER_PREFIX + target.module, target.shard)
+        for i in range(len(self.model.decoder.layers)):
+            layer = f"model.decoder.layers.{i}"
+            for attn, mapping in (("self_attn", self.packed_modules_mapping),
+                                  ("encoder_attn", self.cross_packed_modules_mapping)):
+                for projection, (module, shard) in mapping.items():
+                    slices[f"{layer}.{attn}.{projection}"] = (f"{layer}.{attn}.{module}", shard)
+                slices[f"{layer}.{attn}.out_proj"] = (f"{layer}.{attn}.out_proj", 0)
+            for module in ("fc1", "fc2"):
+                slices[f"{layer}.{module}"] = (f"{layer}.{module}", 0)
+        return slices
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -107,9 +107,9 @@ def test_whisper_lora_targets_are_transformers_projections():
     assert {name.rsplit(".", 1)[1] for name in targets} == set(LORA_TARGET_MODULES)
     for name, target in targets.items():
         ours, theirs = tower.get_submodule(target.module), hf_linears[name]
-        rows = ours.out_features // target.num_shards
+        rows = ours.output_size // target.num_shards
         block = slice(target.shard * rows, (target.shard + 1) * rows)
-        assert ours.in_features == theirs.in_features and rows == theirs.out_features, name
+        assert ours.input_size == theirs.in_features and rows == theirs.out_features, name
         assert torch.equal(ours.weight[block], theirs.weight), name
         expected_bias = torch.zeros(rows) if theirs.bias is None else theirs.bias
         assert torch.equal(ours.bias[block], expected_bias), name

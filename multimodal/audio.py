@@ -9,8 +9,10 @@ its output is identical to the one-shot call.
 
 libsndfile decodes WAV (and RF64 / W64 / WAVEX), FLAC, Ogg (Vorbis, Opus), MP3, AIFF, CAF and AU; every
 other format it could recognise is refused. MP4 / M4A, WebM / Matroska and ADTS AAC are decoded with PyAV
-(``av``, FFmpeg) when it is importable, told their container explicitly so FFmpeg probes nothing else; it is
-not a dependency of Chorus, so without it those formats are refused with a message saying so.
+(``av``, FFmpeg's libraries in a PyPI wheel, a dependency of Chorus), told their container explicitly so
+FFmpeg probes nothing else. It is imported on first use; where it is missing those formats are refused with
+a message saying so. An MP4 decodes to the duration its track declares: FFmpeg drops the encoder's priming
+samples that the edit list skips, not the padding after the end, which is cut here.
 
 What a server must not take is refused with an ``AudioError`` whose message can go back to the user as it
 is (an HTTP 400 body): more than ``AudioLimits.max_audio_bytes`` (files and file-like objects are read no
@@ -19,9 +21,9 @@ it declares its length, and counted block by block while decoding, so a small fi
 of samples stops at the limit instead of filling memory), bytes that are no audio, an unsupported format, a
 corrupt header, data that fails to decode or is truncated, NaN or infinite samples, and audio with zero
 samples. Silent audio is not an error here. Truncation is seen where the header declares a length: WAV / AIFF
-/ AU data chunk sizes, FLAC's sample count, an MP3's Xing / LAME frame count, an MP4's duration. Ogg, and MP3
-without that tag, declare none, so a file cut after its headers decodes to its complete pages / frames, as
-with any decoder.
+/ AU data chunk sizes, FLAC's sample count, an MP3's Xing / LAME frame count, an MP4's or a WebM's duration.
+Ogg, MP3 without that tag, ADTS AAC and a WebM recorded live (a browser's MediaRecorder) declare none, so a
+file cut after its headers decodes to its complete pages / frames, as with any decoder.
 
 ``soundfile.SoundFile.read`` cannot read a stream of unknown length (see ``read_sound_file_blocks``), so
 blocks are read through libsndfile's ``sf_readf_float`` via soundfile's cffi handles (``soundfile._snd``).
@@ -29,6 +31,7 @@ blocks are read through libsndfile's ``sf_readf_float`` via soundfile's cffi han
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import io
 import math
@@ -409,11 +412,7 @@ def decode_with_pyav(data: bytes, kind: str, limits: AudioLimits) -> DecodedAudi
             raise AudioError(f"the {kind} file has no audio track")
         codec = stream.codec_context.name
         source_format = f"{container.format.name.split(',')[0]}/{codec}"
-        declared_s = None
-        if stream.duration is not None and stream.time_base is not None:
-            declared_s = float(stream.duration * stream.time_base)
-        elif container.duration is not None:
-            declared_s = container.duration / 1_000_000
+        declared_s = pyav_declared_duration_s(container, stream, kind)
         if declared_s is not None:
             check_declared_duration(declared_s, limits)
         try:
@@ -430,7 +429,33 @@ def decode_with_pyav(data: bytes, kind: str, limits: AudioLimits) -> DecodedAudi
         if decoded_s < declared_s * 0.99 - 0.1:
             raise AudioError(f"the {kind} file is truncated: its header declares {declared_s:.2f} s but only "
                              f"{decoded_s:.2f} s could be decoded; send the complete file")
-    return mixer.finish(source_format)
+    decoded = mixer.finish(source_format)
+    if kind == "mp4" and declared_s is not None:
+        return cut_to_duration(decoded, declared_s)
+    return decoded
+
+
+def pyav_declared_duration_s(container: Any, stream: Any, kind: str) -> Optional[float]:
+    """The length the container declares, in seconds, or None: an MP4 track's duration (its edit list's,
+    without the encoder's priming and padding), a Matroska segment's duration (absent from a live recording).
+    ADTS AAC declares none: FFmpeg's figure for it is an estimate from the bitrate of the first frames, off
+    by any factor for audio whose loudness changes (seconds of silence and then speech)."""
+    if kind == "aac":
+        return None
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / 1_000_000
+    return None
+
+
+def cut_to_duration(decoded: DecodedAudio, duration_s: float) -> DecodedAudio:
+    """``decoded`` without the samples past ``duration_s`` (rounded up to a whole sample)."""
+    num_samples = math.ceil(round(duration_s * decoded.sample_rate_hz, 6))
+    if decoded.samples.shape[0] <= num_samples:
+        return decoded
+    return dataclasses.replace(decoded, samples=decoded.samples[:num_samples].copy(),
+                               duration_s=num_samples / decoded.sample_rate_hz)
 
 
 def pyav_reason(error: Exception) -> str:

@@ -280,6 +280,93 @@ def test_m4a_with_pyav_when_installed():
         load_audio(data[:100])
 
 
+def pyav_encode(samples: np.ndarray, sample_rate_hz: int, container_format: str, codec: str,
+                bit_rate: int = 0) -> bytes:
+    """Mono float32 samples encoded by FFmpeg through PyAV. The first frame's timestamp lets the muxer record
+    the encoder's priming (an MP4 edit list, WebM's codec delay), as ffmpeg and phones do."""
+    av = pytest.importorskip("av")
+    from fractions import Fraction
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=sample_rate_hz, layout="mono")
+        if bit_rate:
+            stream.bit_rate = bit_rate
+        frame = av.AudioFrame.from_ndarray(samples[None, :].astype(np.float32), format="flt", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = sample_rate_hz, 0, Fraction(1, sample_rate_hz)
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def without_webm_duration(webm: bytes) -> bytes:
+    """The WebM with its Segment Info Duration element voided, as a live recording (a browser's
+    MediaRecorder) leaves it: ID 0x4489, size 8, a float64 become an 11-byte Void element."""
+    start = webm.index(b"\x44\x89\x88")
+    return webm[:start] + b"\xec\x89" + bytes(9) + webm[start + 11:]
+
+
+def relative_error(decoded: np.ndarray, reference: np.ndarray) -> float:
+    n = min(decoded.shape[0], reference.shape[0])
+    return float(np.sqrt(np.mean((decoded[:n] - reference[:n]) ** 2) / np.mean(reference[:n] ** 2)))
+
+
+@pytest.mark.parametrize("container_format,codec,source_format",
+                         [("ipod", "aac", "mp4/aac"), ("webm", "libopus", "matroska/opus")])
+def test_m4a_and_webm_decode_to_the_encoded_samples(container_format, codec, source_format):
+    """m4a and webm through PyAV, 24 kHz in: the encoder's priming is dropped and an MP4 is cut to its
+    declared duration (FFmpeg leaves the padding after the end), so the samples line up with the input's."""
+    samples = tone(24000, 1.5)
+    decoded = load_audio(pyav_encode(samples, 24000, container_format, codec))
+    reference = load_audio((samples, 24000)).samples
+    assert decoded.source_format == source_format and decoded.num_source_channels == 1
+    assert decoded.source_sample_rate_hz == (48000 if codec == "libopus" else 24000)   # Opus decodes at 48k
+    assert 0 <= decoded.samples.shape[0] - reference.shape[0] <= 8
+    assert relative_error(decoded.samples, reference) < 0.1
+
+
+def test_a_webm_without_its_duration_decodes_in_full():
+    samples = tone(SAMPLE_RATE_HZ, 1.0)
+    data = without_webm_duration(pyav_encode(samples, SAMPLE_RATE_HZ, "webm", "libopus"))
+    decoded = load_audio(data)
+    assert decoded.samples.shape == samples.shape
+    assert relative_error(decoded.samples, samples) < 0.1
+
+
+def test_an_adts_file_whose_bitrate_changes_is_not_taken_for_truncated():
+    """FFmpeg estimates an ADTS file's length from the first frames' bitrate: 3 s of silence then 3 s of
+    noise "lasts" 37 s by that estimate. It is not a header, so neither truncation nor the limit uses it."""
+    noise = 0.5 * np.random.default_rng(0).standard_normal(3 * SAMPLE_RATE_HZ)
+    samples = np.concatenate([np.zeros(3 * SAMPLE_RATE_HZ), noise]).astype(np.float32)
+    data = pyav_encode(samples, SAMPLE_RATE_HZ, "adts", "aac")
+    assert abs(load_audio(data, AudioLimits(max_duration_s=10.0)).duration_s - 6.0) < 0.2
+
+
+@pytest.mark.parametrize("container_format,codec,duration_s",
+                         [("adts", "aac", 600), ("webm", "libopus", 180)])
+def test_duration_limit_while_decoding_with_pyav(monkeypatch, container_format, codec, duration_s):
+    """Minutes of silence (ten in ADTS: 100 KB) in a file that declares no length (ADTS; a WebM without its
+    Duration) against a 60 s limit: decoding stops at the limit instead of expanding all of it."""
+    data = pyav_encode(np.zeros(duration_s * SAMPLE_RATE_HZ, np.float32), SAMPLE_RATE_HZ, container_format,
+                       codec, bit_rate=8000)
+    if container_format == "webm":
+        data = without_webm_duration(data)
+    assert len(data) < 400_000
+    seconds_decoded = []
+    real_decode = audio_module.decode_pyav_frames
+
+    def counting_decode(frames, limits):
+        def counted():
+            for frame in frames:
+                seconds_decoded.append(frame.samples / frame.sample_rate)
+                yield frame
+        return real_decode(counted(), limits)
+    monkeypatch.setattr(audio_module, "decode_pyav_frames", counting_decode)
+    with refused(r"^the audio lasts more than 60 s, the limit; send a shorter recording$"):
+        load_audio(data, AudioLimits(max_duration_s=60.0))
+    assert 60.0 < sum(seconds_decoded) <= 60.0 + max(seconds_decoded)   # one frame past the limit
+
+
 def test_over_the_byte_limit(tmp_path):
     data = encode(tone(SAMPLE_RATE_HZ, 0.5), SAMPLE_RATE_HZ, "WAV", "PCM_16")   # 16,044 bytes
     limits = AudioLimits(max_audio_bytes=10_000)

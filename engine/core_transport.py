@@ -139,7 +139,9 @@ def run_engine_process(engine_kwargs: dict, commands: "mp.Queue", messages: "mp.
     try:
         from engine.arg_utils import EngineArgs
         core = EngineCore.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
-        messages.put(EngineReady(core.facts))
+        ready = EngineReady(core.facts)
+        pickle.dumps(ready)   # here, not in the queue's feeder thread, which would only print the error
+        messages.put(ready)
     except BaseException as e:  # noqa: BLE001 - start-up errors go to the parent, which raises them
         messages.put(EngineStartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))
         return

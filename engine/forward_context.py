@@ -8,6 +8,7 @@ forward; layers read it with ``get_forward_context()``. Forward passes do not ne
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -35,7 +36,12 @@ class ForwardContext:
     blocks (``engine.models.whisper``); None for decoder-only models."""
 
 
-_CURRENT: Optional[ForwardContext] = None
+class _Local(threading.local):
+    current: Optional[ForwardContext] = None
+
+
+_LOCAL = _Local()
+"""The forward pass of this thread (two engines may run in one process, each loop in its own thread)."""
 
 
 @contextlib.contextmanager
@@ -43,15 +49,15 @@ def forward_context(meta: Optional["AttentionMetadata"], policy: Optional[Kernel
                     cross_meta: Optional["AttentionMetadata"] = None) -> Iterator[ForwardContext]:
     """Make ``meta``, ``policy`` (None: ``default_policy()``) and ``cross_meta`` (encoder-decoder
     models) visible to every layer for one forward pass. Refuses nesting; on exit an update still pending is an error (its consumer never ran)."""
-    global _CURRENT
-    if _CURRENT is not None:
+    local = _LOCAL
+    if local.current is not None:
         raise RuntimeError("forward_context is already active; forward passes do not nest.")
     ctx = ForwardContext(meta, policy or default_policy(), cross_attn_metadata=cross_meta)
-    _CURRENT = ctx
+    local.current = ctx
     try:
         yield ctx
     finally:
-        _CURRENT = None
+        local.current = None
     if ctx.pending_update is not None:
         raise RuntimeError("a forward pass ended with an adapter update still pending: the Linear's Feeds "
                            "names a consumer the model never ran.")
@@ -59,18 +65,20 @@ def forward_context(meta: Optional["AttentionMetadata"], policy: Optional[Kernel
 
 def current_forward_context() -> Optional[ForwardContext]:
     """The active context, or None outside a forward pass."""
-    return _CURRENT
+    return _LOCAL.current
 
 
 def get_forward_context() -> ForwardContext:
-    if _CURRENT is None:
+    current = _LOCAL.current
+    if current is None:
         raise RuntimeError("a layer that needs the step's state ran outside forward_context(); the runner sets it.")
-    return _CURRENT
+    return current
 
 
 def current_policy() -> KernelPolicy:
     """The active forward's kernel policy; outside one (layer tests, tools) ``default_policy()``."""
-    return _CURRENT.policy if _CURRENT is not None else default_policy()
+    current = _LOCAL.current
+    return current.policy if current is not None else default_policy()
 
 
 def default_policy() -> KernelPolicy:

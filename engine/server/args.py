@@ -342,19 +342,10 @@ def make_serve_namespace(**overrides: Any) -> argparse.Namespace:
 
 
 def engine_processes(args: argparse.Namespace) -> tuple[bool, bool]:
-    """Whether MODEL's engine and the ``--transcription-model`` one each run in a process of their own.
-
-    NOTE: two constraints of today's engine, to drop once lifted: a Whisper engine cannot run in a process
-    (its processor, sent back to this process, does not pickle: ``WhisperLogMel`` holds a lock), and this
-    process runs at most one engine loop (``engine.forward_context`` keeps the forward pass in a module
-    global). So a Whisper engine (the --transcription-model, or a Whisper MODEL) runs in a thread, and
-    next to one MODEL's engine runs in a process, whatever ``--engine-process`` says.
-    """
-    if getattr(args, "transcription_model", None):
-        return True, False
-    if getattr(args, "task", "auto") == "transcription" or is_whisper_dir(resolve_model_arg(args)):
-        return False, False
-    return use_engine_process(args), False
+    """Whether MODEL's engine and the ``--transcription-model`` one each run in a process of their own:
+    both follow ``--engine-process`` (default: on CUDA). Two engines may also share this process, each
+    loop in its thread."""
+    return use_engine_process(args), use_engine_process(args)
 
 
 def is_whisper_dir(model: Optional[str]) -> bool:

@@ -4,6 +4,7 @@ merging several requests' streams, logprob formatting, and cancel-on-disconnect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -239,4 +240,6 @@ async def run_unless_disconnected(raw_request: Request, work: Awaitable[T]) -> O
         if not task.done():  # client gone (or we were cancelled): abort the engine requests
             task.cancel()
             logger.info("Client disconnected; request cancelled.")
-    return task.result() if not task.cancelled() else None
+            with contextlib.suppress(asyncio.CancelledError):
+                await task   # let the cancellation run (its finally blocks abort the requests)
+    return None if task.cancelled() else task.result()

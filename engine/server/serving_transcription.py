@@ -350,12 +350,7 @@ class OpenAIServingTranscription(ServingBase):
     @staticmethod
     async def _guard_disconnect(raw_request: Request, work):
         """``run_unless_disconnected``: None when the client left (its requests are aborted)."""
-        try:
-            return await run_unless_disconnected(raw_request, work)
-        except asyncio.InvalidStateError:
-            # NOTE: run_unless_disconnected asks a task it has just cancelled for its result; until it
-            # waits for the cancellation, that raises this (the client is gone either way).
-            return None
+        return await run_unless_disconnected(raw_request, work)
 
 
 def _abort_added(task: asyncio.Future) -> None:

@@ -59,7 +59,8 @@ def _prompt(path) -> list[int]:
     return [cfg.decoder_start_token_id, cfg.no_timestamps_token_id]
 
 
-def _check_against_hf(path, llm: LLM, audios: list[np.ndarray], prompts: list[list[int]]) -> list:
+def _check_against_hf(path, llm: LLM, audios: list[np.ndarray], prompts: list[list[int]],
+                      atol: float = 1e-3) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"audio": (a, 16000)}}
                          for a, p in zip(audios, prompts)], params, use_tqdm=False)
@@ -69,7 +70,7 @@ def _check_against_hf(path, llm: LLM, audios: list[np.ndarray], prompts: list[li
         got = list(out.outputs[0].token_ids)
         assert got == ref_tokens
         ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, got)]
-        np.testing.assert_allclose(ours, ref_logprobs, atol=1e-3)
+        np.testing.assert_allclose(ours, ref_logprobs, atol=atol)
     return outs
 
 

@@ -87,8 +87,8 @@ def assert_whisper_idle(server, timeout_s: float = 15.0) -> None:
 @pytest.fixture(scope="module")
 def duo(tiny_llama_dir):
     """One server: the tiny llama as chat model, Whisper tiny.en as --transcription-model (served as
-    whisper-1), each engine with its own KV cache, run as ``chorus serve`` runs them (the chat engine in a
-    process, Whisper in a thread)."""
+    whisper-1), each engine with its own KV cache, run as ``chorus serve`` runs them on a CPU (both engine
+    loops in threads of the server's process)."""
     whisper = str(whisper_dir("tiny.en"))
     args = make_serve_namespace(transcription_model=whisper, transcription_served_model_name=[WHISPER],
                                 kv_cache_space=0.5, max_num_seqs=16)

@@ -33,14 +33,14 @@ def test_task_transcription_serves_default_whisper():
     assert kwargs["model"] == tiny_en and kwargs["served_model_name"] == "whisper-tiny.en"
     assert kwargs["max_logprobs"] == 20   # every window reads the top 20 at its first step
     assert transcription_engine_kwargs(args) is None and engine_processes(args) == (False, False)
-    assert engine_processes(serve_args(tiny_en, "--engine-process")) == (False, False)
+    assert engine_processes(serve_args(tiny_en, "--engine-process")) == (True, True)
     named = engine_kwargs(serve_args("--task", "transcription", "--served-model-name", "whisper-1"))
     assert named["served_model_name"] == "whisper-1"
     assert engine_kwargs(serve_args("/some/whisper", "--task", "transcription"))["model"] == "/some/whisper"
 
 
 def test_engine_process_for_a_chat_model(tiny_llama_dir):
-    assert engine_processes(serve_args(str(tiny_llama_dir), "--engine-process")) == (True, False)
+    assert engine_processes(serve_args(str(tiny_llama_dir), "--engine-process")) == (True, True)
     assert engine_processes(serve_args(str(tiny_llama_dir), "--no-engine-process")) == (False, False)
 
 
@@ -55,7 +55,7 @@ def test_transcription_model_is_a_second_engine():
     assert whisper["max_num_seqs"] == 8 and whisper["kv_cache_space"] == 1.0   # of --kv-cache-space 4
     for flag in ("max_model_len", "enable_lora", "chat_template", "tokenizer", "num_gpu_blocks_override"):
         assert flag not in whisper, flag   # MODEL's own flags stay MODEL's
-    assert engine_processes(args) == (True, False)
+    assert engine_processes(args) == (False, False)   # CPU: both engine loops in threads of this process
     named = transcription_engine_kwargs(serve_args(
         "m", "--transcription-model", "/w", "--kv-cache-space", "0.5",
         "--transcription-served-model-name", "whisper-1", "w"))

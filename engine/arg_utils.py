@@ -42,6 +42,7 @@ class EngineArgs:
     max_cudagraph_capture_size: int = 2048
     """Largest step (tokens) with prefill chunks run as a CUDA graph; 0: those run eagerly."""
     load_format: str = "auto"
+    quantization: Optional[str] = None
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True
     """Overlap scheduling / output processing of one step with the device work of the next."""
@@ -73,6 +74,9 @@ class EngineArgs:
             mnbt = max(default_tokens, mml or 0)
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
         lora = None
+        if self.enable_lora and self.quantization is not None:
+            raise ValueError("--quantization int8 with LoRA adapters is not supported yet; serve adapters on the "
+                             "float weights (leave --quantization unset).")
         if self.enable_lora:
             lora = LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank or 16,
                               max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype)
@@ -81,7 +85,7 @@ class EngineArgs:
                 model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=mml,
                 seed=self.seed, served_model_name=self.served_model_name, load_format=self.load_format,
                 chat_template=self.chat_template, max_logprobs=self.max_logprobs,
-                logprobs_mode=self.logprobs_mode),
+                logprobs_mode=self.logprobs_mode, quantization=self.quantization),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_space=self.kv_cache_space, num_gpu_blocks_override=self.num_gpu_blocks_override,

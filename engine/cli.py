@@ -22,7 +22,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype)
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
+              quantization=args.quantization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed if args.temperature > 0 else None)
     if args.chat:
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                     help="int8: weight-only int8 (CPU, Llama-family models; faster decode, not exact)")
 
     sub.add_parser("bench", help="Load-test an OpenAI-compatible server (benchmarks/serve.py; "
                                  "`chorus bench --help` for its flags).", add_help=False)

@@ -122,6 +122,8 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
         _init_dummy(model, hf_config, model_config.seed)
     else:
         model.load_weights(iter_weights(resolved, dtype, device))
+    if model_config.quantization == "int8":
+        _quantize_int8(model, device)
     model.eval()
     if model_config.model is None:
         from engine.loader.default_model import DEFAULT_MODEL_NAME
@@ -168,6 +170,18 @@ def _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len: int
     model.configure_decoding(ids, token_list("suppress_tokens"), token_list("begin_suppress_tokens"),
                              int(settings.get("max_initial_timestamp_index", 50) or 50))
     return Transcriber(tokenizer, ids, max_model_len, mm_processor.sample_rate_hz, mm_processor.window_s)
+
+
+@torch.no_grad()
+def _quantize_int8(model: torch.nn.Module, device: torch.device) -> None:
+    """``--quantization int8``: weight-only int8 in memory (``engine.layers.quantized``)."""
+    if device.type != "cpu":
+        raise ValueError("--quantization int8 runs on CPU (torch's weight-only int8 kernel); on CUDA serve the "
+                         "bfloat16 weights (leave --quantization unset).")
+    if not hasattr(model, "quantize_int8"):
+        raise ValueError(f"--quantization int8 supports Llama-family text models, not {type(model).__name__}; "
+                         "leave --quantization unset.")
+    model.quantize_int8()
 
 
 @torch.no_grad()

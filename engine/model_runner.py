@@ -277,8 +277,8 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = zeros(shape, self.dtype, self.device)
+            attn.v_cache = zeros(shape, self.dtype, self.device)
             attn.backend = backend
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.kv_bytes_per_block() / (1 << 30))
@@ -715,6 +715,18 @@ class ModelRunner:
             targets = torch.tensor(s.token_ids[first_pos:first_pos + count], device=self.device)
             out[rid] = compute_prompt_logprobs(logits, targets, s.sampling_params.prompt_logprobs)
         return out
+
+
+_NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
+"""Same-width numpy dtypes (bfloat16: its bits as uint16, viewed back)."""
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU from numpy's calloc, whose pages the OS maps as zeros when first touched, so a
+    4 GiB KV cache costs nothing until used (``torch.zeros`` writes every byte: 1.8 s at start-up here)."""
+    if device.type != "cpu" or dtype not in _NUMPY_OF:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_OF[dtype])).view(dtype)
 
 
 def max_blocks_needed(max_num_seqs: int, max_model_len: int, block_size: int, cross_tokens: int = 0) -> int:

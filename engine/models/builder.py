@@ -125,6 +125,10 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     if model_config.quantization == "int8":
         _quantize_int8(model, device)
     model.eval()
+    if resolved.kind == "gguf":
+        from engine.loader import checkpoint_dir
+        logger.info("%s runs from its converted Hugging Face checkpoint %s: point transformers / PEFT at that "
+                    "directory to train LoRA adapters for it.", resolved.path.name, checkpoint_dir(resolved))
     if model_config.model is None:
         from engine.loader.default_model import DEFAULT_MODEL_NAME
         name = DEFAULT_MODEL_NAME

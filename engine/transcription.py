@@ -236,9 +236,3 @@ def options_from_form(task: str, language: Optional[str], prompt: Optional[str],
     timestamps = response_format in ("verbose_json", "srt", "vtt") or "segment" in granularities
     return TranscriptionOptions(task=task, language=language or None, prompt=prompt or None, timestamps=timestamps,
                                 temperature=0.0 if temperature is None else float(temperature))
-
-
-def describe(result: TranscriptionResult) -> dict[str, Any]:
-    """A plain dict of the result (for ``LLM.transcribe`` users who want JSON)."""
-    return {"text": result.text, "language": result.language, "duration": result.duration_s,
-            "segments": [s.__dict__ for s in result.segments]}

@@ -1,10 +1,10 @@
 """The CPU path with the default model (SmolLM2-135M-Instruct GGUF): start-up, batch-1 decode, prefill.
 
 Examples:
-    python benchmarks/cpu.py                                  # float32 and int8, the default model
+    python benchmarks/cpu.py                                  # float32, int8 and int4, the default model
     python benchmarks/cpu.py --modes float32 bfloat16 int8 --out benchmarks/out/cpu.json
 
-For each mode (float32; bfloat16; int8 = float32 activations with ``--quantization int8`` weights) in a
+For each mode (float32; bfloat16; int8 / int4 = float32 activations with ``--quantization`` weights) in a
 fresh process: ``LLM()`` construction time (the converted GGUF already cached), then one request of a
 ``--context-len``-token prompt of random ids decoding ``--decode-tokens`` tokens (greedy, EOS ignored):
 decode tok/s from the first to the last token, prefill tok/s from its time to the first token, after an
@@ -40,8 +40,8 @@ def run_mode(mode: str, args_dict: dict, queue) -> None:
     if args_dict["threads"]:
         torch.set_num_threads(args_dict["threads"])
     kw = dict(max_model_len=args_dict["context_len"] + args_dict["decode_tokens"] + 16, enable_prefix_caching=False)
-    if mode == "int8":
-        kw.update(dtype="float32", quantization="int8")
+    if mode in ("int8", "int4"):
+        kw.update(dtype="float32", quantization=mode)
     else:
         kw.update(dtype=mode)
     t0 = time.perf_counter()
@@ -131,7 +131,8 @@ def llama_bench_rows(binary: str, threads: int, long_prompt: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["float32", "int8"], choices=["float32", "bfloat16", "int8"])
+    ap.add_argument("--modes", nargs="+", default=["float32", "int8", "int4"],
+                    choices=["float32", "bfloat16", "int8", "int4"])
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)

@@ -75,8 +75,8 @@ class EngineArgs:
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
         lora = None
         if self.enable_lora and self.quantization is not None:
-            raise ValueError("--quantization int8 with LoRA adapters is not supported yet; serve adapters on the "
-                             "float weights (leave --quantization unset).")
+            raise ValueError(f"--quantization {self.quantization} with LoRA adapters is not supported yet; serve "
+                             "adapters on the float weights (leave --quantization unset).")
         if self.enable_lora:
             lora = LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank or 16,
                               max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype)

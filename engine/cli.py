@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                     help="int8: weight-only int8 (CPU, Llama-family models; faster decode, not exact)")
+    gen.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                     help="weight-only int8 / int4 (CPU, Llama-family models; faster decode, not exact)")
 
     sub.add_parser("bench", help="Load-test an OpenAI-compatible server (benchmarks/serve.py; "
                                  "`chorus bench --help` for its flags).", add_help=False)

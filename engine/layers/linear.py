@@ -45,15 +45,15 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False) if bias else None
         self.adapter: Optional[LinearAdapter] = None
         """The per-token update attached to this layer (``lora.layers.LinearLoRASlots``), or None."""
-        self.int8: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-        """Weight-only int8 (``quantize_int8``): (q [out, in] int8, scales [out] float32, the same in
-        bfloat16); ``weight`` is then None."""
+        self.weight_q = None
+        """The weight kept quantized (``quantize``: ``engine.layers.quantized.Int8Weight`` /
+        ``Int4Weight``); ``weight`` is then None."""
 
-    def quantize_int8(self) -> None:
-        """Keep the weight as int8 with per-row scales (``engine.layers.quantized``); frees the float one."""
-        from engine.layers.quantized import quantize_int8
-        q, scales = quantize_int8(self.weight)
-        self.int8 = (q, scales, scales.to(torch.bfloat16))
+    def quantize(self, kind: str) -> None:
+        """Keep the weight as weight-only ``kind`` ("int8" or "int4", ``engine.layers.quantized``); frees
+        the float one."""
+        from engine.layers.quantized import quantize_weight
+        self.weight_q = quantize_weight(self.weight, kind)
         self.weight = None
 
     def slice_offsets(self) -> list[int]:
@@ -92,9 +92,9 @@ class Linear(nn.Module):
         """The projection without adapter update: one ``kernels.gemv`` launch for a decode step of a
         few tokens (``uses_decode_gemv``), split-K partials for a layer feeding the add + RMSNorm
         (``split_k_parts``), else ``F.linear``."""
-        if self.int8 is not None:
-            from engine.layers.quantized import int8_linear
-            return int8_linear(x, *self.int8, self.bias)
+        if self.weight_q is not None:
+            from engine.layers.quantized import quantized_linear
+            return quantized_linear(x, self.weight_q, self.bias)
         policy = current_policy()
         if self.uses_decode_gemv(x, policy):
             from kernels.gemv import gemv

@@ -1,59 +1,117 @@
-"""Weight-only int8 quantization for CPU decode: the weights stay int8 in memory (a quarter of float32's
-bytes, which is what a batch-1 decode step reads), activations stay float.
+"""Weight-only quantization for CPU decode: the weights stay int8 or int4 in memory (a quarter or an eighth of
+float32's bytes, which is what a batch-1 decode step reads), activations stay float.
 
-Per output channel, symmetric: ``q = round(w / s)``, ``s = max|w_row| / 127``. A projection runs as
-``x @ (q * s).T`` in one of two ways, by the number of rows of ``x``: up to ``PACKED_MAX_TOKENS`` rows,
-torch's ``_weight_int8pack_mm`` (bfloat16 activations, the int8 weight read once: bandwidth-bound decode
-steps); above, the weight is dequantized to ``x``'s dtype for one ``F.linear`` (compute-bound prefill,
-where the packed kernel is slower than float32 on CPUs without AMX).
+- int8 (``Int8Weight``): per output row, symmetric: ``q = round(w / s)``, ``s = max|w_row| / 127``.
+- int4 (``Int4Weight``): per group of ``INT4_GROUP_SIZE`` inputs of a row, asymmetric (as GGUF's Q4_1):
+  ``q = round((w - min) / s)`` in 0..15, ``s = (max - min) / 15``, so ``w ~ (q - 8) * s + zero`` with
+  ``zero = min + 8 s`` (the convention of torch's packed int4 kernel).
+
+A projection runs as ``x @ W.T`` in one of two ways, by the number of rows of ``x``: up to
+``PACKED_MAX_TOKENS`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
+bfloat16 activations, the quantized weight read once: bandwidth-bound decode steps); above, the weight is
+dequantized to ``x``'s dtype for one ``F.linear`` (compute-bound prefill, where the packed kernels are about
+half float32's speed on CPUs without AMX).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 PACKED_MAX_TOKENS = 32
-"""Rows up to which ``int8_linear`` takes the packed int8 kernel (2-core Xeon: 2.3x float32 at 1 row,
-2x at 8; at 64 rows even, at 512 half float32's speed; RESULTS.md "CPU")."""
+"""Rows up to which the packed kernels run (2-core Xeon, [3072, 576]: int8 2.3x float32 at 1 row, 2x at 8,
+even at 64, half at 512; int4 a further 1.6x over int8 when the weights stream from memory; RESULTS.md "CPU")."""
+INT4_GROUP_SIZE = 32
+"""Inputs per int4 scale (GGUF's Q4 block)."""
+INT4_INNER_K_TILES = 2
+"""Layout argument of ``torch._convert_weight_to_int4pack_for_cpu``."""
+QUANTIZATIONS = ("int8", "int4")
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] (float) -> (q [out, in] int8, scales [out] float32), symmetric per output row."""
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                      # [out]
-    q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
-    return q, scales
+class Int8Weight:
+    """A [out, in] weight as int8 with one scale per row."""
 
-
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(q [out, in] int8, scales [out]) -> [out, in] in ``dtype``."""
-    return (q.to(torch.float32) * scales[:, None]).to(dtype)
-
-
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_bf16: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] -> [T, out] = x @ (q * scales).T + bias, in x's dtype (see the module docstring)."""
-    if x.shape[0] <= PACKED_MAX_TOKENS and x.device.type == "cpu":
-        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scales_bf16).to(x.dtype)
-        return y if bias is None else y + bias
-    return F.linear(x, dequantize_int8(q, scales, x.dtype), bias)
-
-
-class Int8Embedding(torch.nn.Module):
-    """A token embedding kept as int8 rows (a tied embedding that is also the LM head): ``forward(ids)``
-    dequantizes the looked-up rows; ``logits(hidden)`` is the head's ``int8_linear``."""
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.q, self.scales = quantize_int8(weight)
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().float()
+        self.scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                           # [out]
+        self.q = torch.clamp(torch.round(w / self.scales[:, None]), -127, 127).to(torch.int8)  # [out, in]
         self.scales_bf16 = self.scales.to(torch.bfloat16)
-        self.dtype = dtype
+
+    def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[out, in] (or the ``rows`` selected) in ``dtype``."""
+        q, s = (self.q, self.scales) if rows is None else (self.q[rows], self.scales[rows])
+        return (q.to(torch.float32) * s[:, None]).to(dtype)
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales_bf16)
+
+
+class Int4Weight:
+    """A [out, in] weight as int4 with a scale and a zero point per group of ``INT4_GROUP_SIZE`` inputs;
+    the packed layout for decode and the 0..15 values (one byte each) for prefill's dequantization."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> None:
+        out_features, in_features = weight.shape
+        if in_features % group_size:
+            raise ValueError(f"int4: {in_features} input features are not a multiple of the group size "
+                             f"{group_size}; use --quantization int8 for this model.")
+        self.group_size = group_size
+        w = weight.detach().float().view(out_features, in_features // group_size, group_size)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)                                  # [out, groups]
+        self.scales = (high - low).clamp(min=1e-12) / 15.0                          # [out, groups]
+        self.zeros = low + 8.0 * self.scales                                        # value of q = 8
+        self.q = torch.clamp(torch.round((w - low[..., None]) / self.scales[..., None]), 0, 15).to(
+            torch.uint8).view(out_features, in_features)                           # [out, in]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32), INT4_INNER_K_TILES)
+        self.scale_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(
+            torch.bfloat16)                                                         # [groups, out, 2]
+
+    def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        q, s, z = (self.q, self.scales, self.zeros) if rows is None else (self.q[rows], self.scales[rows],
+                                                                          self.zeros[rows])
+        n = q.shape[0]
+        w = (q.view(n, -1, self.group_size).to(torch.float32) - 8.0) * s[..., None] + z[..., None]
+        return w.view(n, -1).to(dtype)
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size,
+                                                 self.scale_zeros)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def quantize_weight(weight: torch.Tensor, kind: str) -> QuantizedWeight:
+    if kind == "int8":
+        return Int8Weight(weight)
+    if kind == "int4":
+        return Int4Weight(weight)
+    raise ValueError(f"quantization={kind!r}: use one of {QUANTIZATIONS}.")
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype (see the module docstring)."""
+    if x.shape[0] <= PACKED_MAX_TOKENS and x.device.type == "cpu":
+        y = weight.packed_mm(x).to(x.dtype)
+        return y if bias is None else y + bias
+    return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """A token embedding kept quantized (a tied embedding that is also the LM head): ``forward(ids)``
+    dequantizes the looked-up rows; ``logits(hidden)`` is the head's ``quantized_linear``."""
+
+    def __init__(self, weight: torch.Tensor, kind: str) -> None:
+        super().__init__()
+        self.weight_q = quantize_weight(weight, kind)
+        self.dtype = weight.dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, hidden] in ``dtype``."""
-        return (self.q[ids].to(torch.float32) * self.scales[ids][:, None]).to(self.dtype)
+        return self.weight_q.dequantize(self.dtype, rows=ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> [R, vocab]."""
-        return int8_linear(hidden, self.q, self.scales, self.scales_bf16)
+        return quantized_linear(hidden, self.weight_q)

@@ -122,8 +122,8 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
         _init_dummy(model, hf_config, model_config.seed)
     else:
         model.load_weights(iter_weights(resolved, dtype, device))
-    if model_config.quantization == "int8":
-        _quantize_int8(model, device)
+    if model_config.quantization is not None:
+        _quantize(model, model_config.quantization, device)
     model.eval()
     if resolved.kind == "gguf":
         from engine.loader import checkpoint_dir
@@ -177,15 +177,15 @@ def _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len: int
 
 
 @torch.no_grad()
-def _quantize_int8(model: torch.nn.Module, device: torch.device) -> None:
-    """``--quantization int8``: weight-only int8 in memory (``engine.layers.quantized``)."""
+def _quantize(model: torch.nn.Module, kind: str, device: torch.device) -> None:
+    """``--quantization int8|int4``: weight-only quantized weights in memory (``engine.layers.quantized``)."""
     if device.type != "cpu":
-        raise ValueError("--quantization int8 runs on CPU (torch's weight-only int8 kernel); on CUDA serve the "
-                         "bfloat16 weights (leave --quantization unset).")
-    if not hasattr(model, "quantize_int8"):
-        raise ValueError(f"--quantization int8 supports Llama-family text models, not {type(model).__name__}; "
+        raise ValueError(f"--quantization {kind} runs on CPU (torch's weight-only {kind} kernels); on CUDA serve "
+                         "the bfloat16 weights (leave --quantization unset).")
+    if not hasattr(model, "quantize"):
+        raise ValueError(f"--quantization {kind} supports Llama-family text models, not {type(model).__name__}; "
                          "leave --quantization unset.")
-    model.quantize_int8()
+    model.quantize(kind)
 
 
 @torch.no_grad()

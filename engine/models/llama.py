@@ -129,8 +129,8 @@ class LlamaForCausalLM(nn.Module):
         o_bias = bool(getattr(config, "attention_bias", False)) and not self.qkv_bias_default
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.model = LlamaModel(config, max_position, qkv_bias, o_bias, mlp_bias, self.rotary_cls)
-        self.int8_head = None
-        """The LM head as int8 (``quantize_int8``), or None."""
+        self.quantized_head = None
+        """The LM head kept quantized (``quantize``), or None."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -147,25 +147,24 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [R, hidden] -> logits [R, vocab] in the model's dtype (as transformers computes
         them; the sampler upcasts to float32 where it needs more than an argmax, so a greedy decode
         step skips writing and re-reading a float32 copy of the [R, vocab] logits)."""
-        if self.int8_head is not None:
-            return self.int8_head.logits(hidden)
+        if self.quantized_head is not None:
+            return self.quantized_head.logits(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(hidden, weight.t())
 
-    def quantize_int8(self) -> None:
-        """Weight-only int8 (``--quantization int8``, CPU): every projection, and the LM head (a tied
-        embedding becomes an ``Int8Embedding`` serving both). Norms stay float."""
-        from engine.layers.quantized import Int8Embedding
+    def quantize(self, kind: str) -> None:
+        """Weight-only ``kind`` ("int8" / "int4"; ``--quantization``, CPU): every projection, and the LM head
+        (a tied embedding becomes a ``QuantizedEmbedding`` serving both). Norms stay float."""
+        from engine.layers.quantized import QuantizedEmbedding
         for module in self.modules():
             if isinstance(module, Linear):
-                module.quantize_int8()
-        dtype = self.model.embed_tokens.weight.dtype
+                module.quantize(kind)
         if self.lm_head is None:
-            self.int8_head = Int8Embedding(self.model.embed_tokens.weight, dtype)
-            self.model.embed_tokens = self.int8_head
+            self.quantized_head = QuantizedEmbedding(self.model.embed_tokens.weight, kind)
+            self.model.embed_tokens = self.quantized_head
         else:
-            self.int8_head = Int8Embedding(self.lm_head.weight, dtype)
-            self.lm_head = None   # the head is int8_head; embed_tokens stays float (lookups read a few rows)
+            self.quantized_head = QuantizedEmbedding(self.lm_head.weight, kind)
+            self.lm_head = None   # the head is quantized_head; embed_tokens stays float (lookups read a few rows)
 
     @property
     def rotary_dim(self) -> int:

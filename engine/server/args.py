@@ -156,9 +156,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="Schedule step N+1 while the device runs step N (default: on).")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
-    eng.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                     help="int8: keep the weights as weight-only int8 (CPU, Llama-family models): about 2x "
-                          "faster batch-1 decode, outputs close to but not equal to the float weights'.")
+    eng.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                     help="Keep the weights as weight-only int8 (per-row scales) or int4 (groups of 32, as "
+                          "GGUF's Q4_1) on CPU, Llama-family models: faster batch-1 decode, outputs close to "
+                          "but not equal to the float weights'.")
 
     speech = p.add_argument_group("Transcription (Whisper: /v1/audio/transcriptions, /v1/audio/translations)")
     speech.add_argument("--task", default="auto", choices=TASKS,

@@ -1,6 +1,7 @@
-"""Weight-only int8 (``--quantization int8``): the quantizer's error bound, both ``int8_linear`` paths against
-the dequantized weight, and an int8 engine against the float one (vLLM's rule: where greedy sequences part,
-each token is in the other's top 5), plus the settings it refuses."""
+"""Weight-only int8 / int4 (``--quantization``): the quantizers' error bounds, both ``quantized_linear`` paths
+against the dequantized weight, and an int8 engine against the float one (vLLM's rule: where greedy
+sequences part, each token is in the other's top 5; int4 against float on the real SmolLM2 in
+tests/models/test_smollm2.py), plus the settings it refuses."""
 
 from __future__ import annotations
 
@@ -8,53 +9,82 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.quantized import PACKED_MAX_TOKENS, dequantize_int8, int8_linear, quantize_int8
+from engine.layers.quantized import (INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Int4Weight, Int8Weight, QuantizedEmbedding,
+                                     quantized_linear)
+from engine.layers.linear import Linear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 
-def test_quantize_error_is_at_most_half_a_step():
-    torch.manual_seed(0)
-    w = torch.randn(48, 64) * torch.linspace(0.01, 3.0, 48)[:, None]     # rows of very different ranges
-    q, scales = quantize_int8(w)
-    assert q.dtype == torch.int8 and scales.shape == (48,)
-    err = (dequantize_int8(q, scales, torch.float32) - w).abs()
-    assert bool((err <= scales[:, None] / 2 + 1e-6).all())
-    assert int(q.abs().max()) == 127
+def _weight(seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(48, 64) * torch.linspace(0.01, 3.0, 48)[:, None]     # rows of very different ranges
 
 
+def test_int8_error_is_at_most_half_a_step():
+    w = _weight(0)
+    q = Int8Weight(w)
+    assert q.q.dtype == torch.int8 and q.scales.shape == (48,) and int(q.q.abs().max()) == 127
+    err = (q.dequantize(torch.float32) - w).abs()
+    assert bool((err <= q.scales[:, None] / 2 + 1e-6).all())
+
+
+def test_int4_error_is_at_most_half_a_step_per_group():
+    w = _weight(1)
+    q = Int4Weight(w)
+    assert q.q.dtype == torch.uint8 and int(q.q.max()) <= 15 and q.scales.shape == (48, 64 // INT4_GROUP_SIZE)
+    err = (q.dequantize(torch.float32) - w).abs().view(48, -1, INT4_GROUP_SIZE)
+    assert bool((err <= q.scales[..., None] / 2 + 1e-5).all())
+    rows = torch.tensor([3, 0, 47])
+    torch.testing.assert_close(q.dequantize(torch.float32, rows=rows), q.dequantize(torch.float32)[rows])
+
+
+@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
 @pytest.mark.parametrize("num_tokens", [1, 7, PACKED_MAX_TOKENS, PACKED_MAX_TOKENS + 1, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_equals_the_dequantized_weight(num_tokens, bias):
+def test_quantized_linear_equals_the_dequantized_weight(kind, num_tokens, bias):
     torch.manual_seed(num_tokens)
     w, x = torch.randn(96, 64), torch.randn(num_tokens, 64)
     b = torch.randn(96) if bias else None
-    q, scales = quantize_int8(w)
-    ref = F.linear(x, dequantize_int8(q, scales, torch.float32), b)
-    out = int8_linear(x, q, scales, scales.to(torch.bfloat16), b)
+    q = kind(w)
+    ref = F.linear(x, q.dequantize(torch.float32), b)
+    out = quantized_linear(x, q, b)
     assert out.dtype == x.dtype and out.shape == ref.shape
-    # The packed kernel (up to PACKED_MAX_TOKENS rows) takes bfloat16 activations and scales.
+    # The packed kernels (up to PACKED_MAX_TOKENS rows) take bfloat16 activations and scales.
     tol = 3e-2 * ref.abs().max() if num_tokens <= PACKED_MAX_TOKENS else 1e-4
     torch.testing.assert_close(out, ref, atol=float(tol), rtol=0)
 
 
-def test_int8_engine_follows_the_float_engine(tiny_llama_dir):
+def test_quantized_embedding_serves_lookups_and_the_head():
+    w = _weight(2)
+    emb = QuantizedEmbedding(w, "int4")
+    torch.testing.assert_close(emb(torch.tensor([5, 5, 0])), emb.weight_q.dequantize(torch.float32)[[5, 5, 0]])
+    hidden = torch.randn(3, 64)
+    ref = hidden @ emb.weight_q.dequantize(torch.float32).t()
+    torch.testing.assert_close(emb.logits(hidden), ref, atol=float(3e-2 * ref.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_engine_runs_every_projection_quantized(tiny_llama_dir, kind):
     prompts = ["The quick brown fox", "Hello world, this is", "One two three four five six seven"]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
     ref = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
-    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", quantization="int8")
-    assert all(m.int8 is not None for m in llm.llm_engine.core.runner.model.modules() if hasattr(m, "int8"))
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", quantization=kind)
+    linears = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight_q is not None and m.weight is None for m in linears)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(ref, outs):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        for i, (x, y) in enumerate(zip(ta, tb)):
-            if x != y:    # parted: each side's token is in the other's top 5, then the sequences differ
+        assert len(b.outputs[0].token_ids) == 12
+        if kind == "int4":
+            continue   # this random model's top tokens lie within 0.3 nats: int4 is checked on SmolLM2
+        for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)):
+            if x != y:    # parted: each side's token is in the other's top 5 (vLLM's rule)
                 assert x in b.outputs[0].logprobs[i] and y in a.outputs[0].logprobs[i]
                 break
 
 
-def test_int8_refuses_what_it_does_not_support(tiny_llama_dir):
+def test_quantization_refuses_what_it_does_not_support(tiny_llama_dir):
     with pytest.raises(ValueError, match="with LoRA adapters is not supported"):
         LLM(model=str(tiny_llama_dir), device="cpu", quantization="int8", enable_lora=True)
-    with pytest.raises(ValueError, match="use 'int8'"):
-        LLM(model=str(tiny_llama_dir), device="cpu", quantization="int4")
+    with pytest.raises(ValueError, match="use 'int8' or 'int4'"):
+        LLM(model=str(tiny_llama_dir), device="cpu", quantization="fp8")

@@ -39,6 +39,9 @@ class AttentionMetadata:
     """Host copy of query_start_loc (the torch backend loops over requests)."""
     seq_lens_cpu: Optional[list[int]] = None
     """Host copy of seq_lens."""
+    per_token: Optional["AttentionMetadata"] = None
+    """Cross-attention on the Triton backend: this metadata as one single-query request per token
+    (``per_token_metadata``), built by the step's first layer that needs it and reused by the others."""
     captured: bool = False
     """Built for a CUDA-graph capture: the host fields (max lengths, num_decode_reqs) describe the
     graph's bucket, not the requests a replay will run."""
@@ -72,6 +75,18 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
     """
     flat = cache.view(cache.shape[0], -1)
     return flat.index_select(0, block_table.reshape(-1).to(torch.long)).view(block_table.shape[0], -1)
+
+
+def _context_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor,
+                seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's first ``seq_len`` cached K and V ([seq_len, num_kv_heads, head_dim] each), gathered
+    from its block table row."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    nblk = (seq_len + block_size - 1) // block_size
+    bt = block_table_row[None, :nblk]
+    k = _gather_blocks(k_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:seq_len]
+    v = _gather_blocks(v_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:seq_len]
+    return k, v
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -135,10 +150,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if ctx == 0 and k_new is not None:
             k, v = k_new[start:end], v_new[start:end]
         else:
-            nblk = (slen + block_size - 1) // block_size
-            bt = meta.block_tables[i:i + 1, :nblk]
-            k = _gather_blocks(k_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
-            v = _gather_blocks(v_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
+            k, v = _context_kv(k_cache, v_cache, meta.block_tables[i], slen)
         # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's generic path, several times slower.
         qi = q[start:end].transpose(0, 1)[None].float()                      # [1, H, qlen, d]
         ki = k.transpose(0, 1)[None].float()                                 # [1, Hkv, slen, d]
@@ -163,8 +175,7 @@ def cross_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]. One gather and one
     SDPA call per request (its tokens share the K/V).
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
@@ -172,10 +183,7 @@ def cross_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         start, end = qsl[i], qsl[i + 1]
         if start == end:
             continue
-        nblk = (slen + block_size - 1) // block_size
-        bt = meta.block_tables[i:i + 1, :nblk]
-        k = _gather_blocks(k_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
-        v = _gather_blocks(v_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:slen]
+        k, v = _context_kv(k_cache, v_cache, meta.block_tables[i], slen)
         qi = q[start:end].transpose(0, 1)[None].float()                      # [1, H, qlen, d]
         o = F.scaled_dot_product_attention(qi, k.transpose(0, 1)[None].float(), v.transpose(0, 1)[None].float(),
                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
@@ -240,7 +248,9 @@ class AttentionBackend:
         if self.name == "triton":
             from kernels.paged_attention import paged_attention
             if meta.max_query_len > 1:
-                meta = per_token_metadata(meta, q.shape[0])
+                if meta.per_token is None:
+                    meta.per_token = per_token_metadata(meta, q.shape[0])
+                meta = meta.per_token
             return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                    1, meta.max_seq_len, scale, has_decodes=True, decode_tiles=self.decode_tiles)
         return cross_attention_torch(q, k_cache, v_cache, meta, scale)

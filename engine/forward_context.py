@@ -32,8 +32,8 @@ class ForwardContext:
     pending_update: Optional["PendingUpdate"] = None
     """An adapter update a Linear left to its consumer (``engine.layers.adapter``); None between ops."""
     cross_attn_metadata: Optional["AttentionMetadata"] = None
-    """Encoder-decoder models: one single-query "request" per step token over its request's cross
-    blocks (``engine.models.whisper``); None for decoder-only models."""
+    """Encoder-decoder models: the step's requests over their cross blocks, every position visible to
+    every query token (``AttentionBackend.attend_cross``); None for decoder-only models."""
 
 
 class _Local(threading.local):

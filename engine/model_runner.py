@@ -456,7 +456,9 @@ class ModelRunner:
         if (not all(_sampling_is_simple(s.sampling_params) for s in states)
                 or any(s.rules_need_history for s in states)):
             self._resolve_all()   # penalties / min_tokens / history-reading logits rules need every token on the host
-        num_generated = {s.req_id: s.num_computed_tokens + n - s.num_prompt_tokens for s, n in zip(states, counts)}
+        num_generated = None   # the logits rules' view: output tokens before this step's sample
+        if self.logits_rules is not None:
+            num_generated = {s.req_id: s.num_computed_tokens + n - s.num_prompt_tokens for s, n in zip(states, counts)}
         mm_rows = self._gather_mm_embeds(states, counts) if self.is_multimodal else None
         graph_key = self._graph_key(states, counts, has_media=mm_rows is not None)
         if self.step_timer is not None:
@@ -659,8 +661,9 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lengths.tolist())
 
     def _sample(self, inputs: StepInputs, logits: Optional[torch.Tensor],
-                prompt_logprobs: dict[str, LogprobsLists], num_generated: dict[str, int]) -> PendingOutput:
-        """``num_generated``: req_id -> output tokens before this step's sample (for the logits rules)."""
+                prompt_logprobs: dict[str, LogprobsLists],
+                num_generated: Optional[dict[str, int]] = None) -> PendingOutput:
+        """``num_generated``: req_id -> output tokens before this step's sample (with logits rules only)."""
         if logits is None:
             return PendingOutput(self, inputs.req_ids, [], None, None, prompt_logprobs=prompt_logprobs)
         states = [self.requests[r] for r in inputs.sample_req_ids]
@@ -723,7 +726,7 @@ _NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat1
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on CPU from numpy's calloc, whose pages the OS maps as zeros when first touched, so a
-    4 GiB KV cache costs nothing until used (``torch.zeros`` writes every byte: 1.8 s at start-up here)."""
+    4 GiB KV cache costs nothing until used (``torch.zeros`` writes every byte; RESULTS.md "CPU")."""
     if device.type != "cpu" or dtype not in _NUMPY_OF:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_OF[dtype])).view(dtype)

@@ -86,10 +86,6 @@ class MultiModalFeature:
         return replace(self, identifier=f"{self.identifier}+lora:{lora_name}", encoder_lora_name=lora_name)
 
     @property
-    def is_cross_attention(self) -> bool:
-        return self.placeholder is None
-
-    @property
     def num_embeds(self) -> int:
         """Encoder output rows (the encoder budget and cache size of this item)."""
         return self.num_cross_embeds if self.placeholder is None else self.placeholder.length

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 PACKED_MAX_TOKENS = 32
-"""Rows up to which the packed kernels run (2-core Xeon, [3072, 576]: int8 2.3x float32 at 1 row, 2x at 8,
-even at 64, half at 512; int4 a further 1.6x over int8 when the weights stream from memory; RESULTS.md "CPU")."""
+"""Rows up to which the packed kernels run: where they beat float32 on the 2-core CPU, measured in
+RESULTS.md "CPU" (faster at decode sizes, about half float32's speed at prefill sizes)."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2

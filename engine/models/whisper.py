@@ -191,16 +191,11 @@ class WhisperForConditionalGeneration(nn.Module):
 
     def embed_multimodal(self, modality: str, items: list) -> list[torch.Tensor]:
         """Encode audio items (``multimodal.audio_processing.AudioInput``: log-mel computed here, batched,
-        on the model's device; or log-mel tensors [num_mel_bins, frames]) -> one [num_source_positions,
-        d_model] encoder output per item."""
+        on the model's device) -> one [num_source_positions, d_model] encoder output per item."""
         if modality != "audio":
             raise ValueError(f"Whisper takes audio, not {modality!r}.")
         encoder = self.model.encoder
-        device = encoder.conv1.weight.device
-        if all(isinstance(f, torch.Tensor) for f in items):
-            features = torch.stack(items).to(device)
-        else:
-            features = type(items[0]).features(items, device)           # [B, num_mel_bins, frames]
+        features = type(items[0]).features(items, encoder.conv1.weight.device)   # [B, num_mel_bins, frames]
         return list(encoder(features).unbind(0))
 
     def write_cross_kv(self, encoder_out: torch.Tensor, slot_mapping: torch.Tensor) -> None:

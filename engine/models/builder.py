@@ -122,8 +122,9 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
         _init_dummy(model, hf_config, model_config.seed)
     else:
         model.load_weights(iter_weights(resolved, dtype, device))
-    if model_config.quantization is not None:
-        _quantize(model, model_config.quantization, device)
+    plan = _quantization_plan(model, model_config.quantization, resolved, device)
+    if plan is not None:
+        _quantize(model, plan, model_config.quantization or "auto", device)
     model.eval()
     if resolved.kind == "gguf":
         from engine.loader import checkpoint_dir
@@ -176,16 +177,34 @@ def _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len: int
     return Transcriber(tokenizer, ids, max_model_len, mm_processor.sample_rate_hz, mm_processor.window_s)
 
 
+def _quantization_plan(model: torch.nn.Module, quantization: Optional[str], resolved, device: torch.device):
+    """What ``_quantize`` applies: "int8" / "int4", a GGUF file's own (checkpoint tensor name -> kind) when
+    ``quantization`` is unset and the model runs on CPU, or None (float weights)."""
+    if quantization in ("int8", "int4"):
+        return quantization
+    if quantization == "none" or resolved.kind != "gguf" or device.type != "cpu" or not hasattr(model, "quantize"):
+        return None
+    from engine.layers.quantized import kind_for_gguf_type
+    from engine.loader import checkpoint_dir
+    from engine.loader.gguf_loader import stored_tensor_types
+    plan = {name: kind_for_gguf_type(t) for name, t in stored_tensor_types(checkpoint_dir(resolved)).items()}
+    if not any(plan.values()):
+        return None
+    logger.info("%s keeps its quantized tensors quantized on CPU (%s); --quantization none runs the float "
+                "weights.", resolved.path.name, ", ".join(sorted({k for k in plan.values() if k})))
+    return plan
+
+
 @torch.no_grad()
-def _quantize(model: torch.nn.Module, kind: str, device: torch.device) -> None:
-    """``--quantization int8|int4``: weight-only quantized weights in memory (``engine.layers.quantized``)."""
+def _quantize(model: torch.nn.Module, plan, flag: str, device: torch.device) -> None:
+    """Weight-only quantized weights in memory (``engine.layers.quantized``)."""
     if device.type != "cpu":
-        raise ValueError(f"--quantization {kind} runs on CPU (torch's weight-only {kind} kernels); on CUDA serve "
+        raise ValueError(f"--quantization {flag} runs on CPU (torch's weight-only kernels); on CUDA serve "
                          "the bfloat16 weights (leave --quantization unset).")
     if not hasattr(model, "quantize"):
-        raise ValueError(f"--quantization {kind} supports Llama-family text models, not {type(model).__name__}; "
+        raise ValueError(f"--quantization {flag} supports Llama-family text models, not {type(model).__name__}; "
                          "leave --quantization unset.")
-    model.quantize(kind)
+    model.quantize(plan)
 
 
 @torch.no_grad()

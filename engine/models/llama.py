@@ -7,7 +7,7 @@ mixed prefill/decode step; attention finds each request's context through the st
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -152,18 +152,35 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(hidden, weight.t())
 
-    def quantize(self, kind: str) -> None:
-        """Weight-only ``kind`` ("int8" / "int4"; ``--quantization``, CPU): every projection, and the LM head
-        (a tied embedding becomes a ``QuantizedEmbedding`` serving both). Norms stay float."""
-        from engine.layers.quantized import QuantizedEmbedding
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.quantize(kind)
+    def quantize(self, kind: Union[str, Mapping[str, Optional[str]]]) -> None:
+        """Weight-only quantization (``--quantization``, CPU; ``engine.layers.quantized``): ``kind`` is "int8" /
+        "int4" for every projection and the LM head, or a plan: checkpoint tensor name -> kind (None keeps
+        that tensor float; a packed projection takes the most precise kind of its parts). A quantized tied
+        embedding becomes a ``QuantizedEmbedding`` serving both lookups and the head. Norms stay float."""
+        from engine.layers.quantized import QuantizedEmbedding, most_precise
+        inverse = {}
+        for part, (packed, _) in self.packed_modules_mapping.items():
+            inverse.setdefault(packed, []).append(part)
+
+        def kind_of(module_name: str) -> Optional[str]:
+            if isinstance(kind, str):
+                return kind
+            prefix, dot, leaf = module_name.rpartition(".")
+            parts = inverse.get(leaf, [leaf])
+            return most_precise([kind.get(f"{prefix}{dot}{p}.weight") for p in parts])
+
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and (module_kind := kind_of(name)) is not None:
+                module.quantize(module_kind)
+        head_name = "model.embed_tokens" if self.lm_head is None else "lm_head"
+        head_kind = kind_of(head_name)
+        if head_kind is None:
+            return
         if self.lm_head is None:
-            self.quantized_head = QuantizedEmbedding(self.model.embed_tokens.weight, kind)
+            self.quantized_head = QuantizedEmbedding(self.model.embed_tokens.weight, head_kind)
             self.model.embed_tokens = self.quantized_head
         else:
-            self.quantized_head = QuantizedEmbedding(self.lm_head.weight, kind)
+            self.quantized_head = QuantizedEmbedding(self.lm_head.weight, head_kind)
             self.lm_head = None   # the head is quantized_head; embed_tokens stays float (lookups read a few rows)
 
     @property

@@ -156,10 +156,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="Schedule step N+1 while the device runs step N (default: on).")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
-    eng.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
-                     help="Keep the weights as weight-only int8 (per-row scales) or int4 (groups of 32, as "
-                          "GGUF's Q4_1) on CPU, Llama-family models: faster batch-1 decode, outputs close to "
-                          "but not equal to the float weights'.")
+    eng.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4"],
+                     help="Weights in memory (CPU, Llama-family models). Default: a GGUF file's quantized "
+                          "tensors stay quantized (4-bit types as int4, 5- to 8-bit as int8), other "
+                          "checkpoints and LoRA serving use float weights. none: always float (exact against "
+                          "transformers). int8 (per-row scales) / int4 (groups of 32, as GGUF's Q4_1): "
+                          "quantize any checkpoint. Quantized: faster batch-1 decode, outputs close to but "
+                          "not equal to the float weights'.")
 
     speech = p.add_argument_group("Transcription (Whisper: /v1/audio/transcriptions, /v1/audio/translations)")
     speech.add_argument("--task", default="auto", choices=TASKS,

@@ -25,7 +25,7 @@ def gguf_path():
 def test_smollm2_chat_matches_transformers(gguf_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    llm = LLM(None, max_model_len=512, max_num_seqs=8)
+    llm = LLM(None, max_model_len=512, max_num_seqs=8, quantization="none")
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = llm.chat(convs, params, use_tqdm=False)
@@ -44,15 +44,23 @@ def test_smollm2_chat_matches_transformers(gguf_path):
     assert "Paris" in outputs[0].outputs[0].text
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", None])
 def test_smollm2_quantized_follows_float(gguf_path, kind):
-    """``--quantization int8|int4`` on the real model: greedy tokens where the float engine's part from
+    """``--quantization int8|int4``, and the default (the GGUF's own: Q4_1 projections as int4, the Q8_0
+    tied embedding / head as int8), on the real model: greedy tokens where the float engine's part from
     them are in its top 5 and vice versa (vLLM's rule), and the sequences share their start."""
+    from engine.layers.quantized import Int4Weight, Int8Weight
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
-    ref = LLM(None, max_model_len=512, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
-    outs = LLM(None, max_model_len=512, max_num_seqs=4, quantization=kind).generate(prompts, params, use_tqdm=False)
-    for a, b in zip(ref, outs):
+    ref = LLM(None, max_model_len=512, max_num_seqs=4, quantization="none")
+    assert ref.llm_engine.core.runner.model.quantized_head is None
+    llm = LLM(None, max_model_len=512, max_num_seqs=4, quantization=kind)
+    model = llm.llm_engine.core.runner.model
+    if kind is None:
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight_q, Int4Weight)
+        assert isinstance(model.quantized_head.weight_q, Int8Weight)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ref.generate(prompts, params, use_tqdm=False), outs):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         assert ta[:4] == tb[:4]
         for i, (x, y) in enumerate(zip(ta, tb)):

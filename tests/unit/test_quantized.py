@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.quantized import (INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Int4Weight, Int8Weight, QuantizedEmbedding,
-                                     quantized_linear)
+                                     kind_for_gguf_type, most_precise, quantized_linear)
 from engine.layers.linear import Linear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -88,3 +88,35 @@ def test_quantization_refuses_what_it_does_not_support(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), device="cpu", quantization="int8", enable_lora=True)
     with pytest.raises(ValueError, match="use 'int8' or 'int4'"):
         LLM(model=str(tiny_llama_dir), device="cpu", quantization="fp8")
+
+
+@pytest.mark.parametrize("gguf_type, kind", [("F32", None), ("F16", None), ("BF16", None), ("Q4_0", "int4"),
+                                             ("Q4_1", "int4"), ("Q4_K", "int4"), ("IQ4_XS", "int4"),
+                                             ("Q3_K", "int4"), ("Q5_1", "int8"), ("Q6_K", "int8"),
+                                             ("Q8_0", "int8")])
+def test_gguf_types_keep_their_precision(gguf_type, kind):
+    assert kind_for_gguf_type(gguf_type) == kind
+
+
+def test_a_plan_quantizes_each_projection_as_its_most_precise_part(tiny_llama_dir):
+    """A GGUF-style plan (tensor name -> kind): q/k/v packed into one projection take the most precise
+    kind of the three; a float part keeps the projection float; the tied head follows the embedding."""
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", quantization="none")
+    model = llm.llm_engine.core.runner.model
+    layers = model.model.layers
+    plan = {}
+    for i in range(len(layers)):
+        prefix = f"model.layers.{i}."
+        plan.update({prefix + f"self_attn.{p}_proj.weight": "int4" for p in "qkvo"})
+        plan.update({prefix + f"mlp.{p}_proj.weight": "int4" for p in ("gate", "up", "down")})
+    plan["model.layers.0.self_attn.v_proj.weight"] = "int8"
+    plan["model.layers.0.mlp.up_proj.weight"] = None
+    head = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    plan[head] = "int8"
+    model.quantize(plan)
+    assert isinstance(layers[0].self_attn.qkv_proj.weight_q, Int8Weight)
+    assert layers[0].mlp.gate_up_proj.weight_q is None and layers[0].mlp.gate_up_proj.weight is not None
+    assert isinstance(layers[0].self_attn.o_proj.weight_q, Int4Weight)
+    assert isinstance(layers[1].self_attn.qkv_proj.weight_q, Int4Weight)
+    assert isinstance(model.quantized_head.weight_q, Int8Weight)
+    assert most_precise(["int4", "int8"]) == "int8" and most_precise(["int4", None]) is None

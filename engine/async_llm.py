@@ -114,7 +114,8 @@ class _OutputCollector:
         self._wake()
 
     def put_error(self, error: BaseException) -> None:
-        self._error = error
+        if self._error is None:   # the first error is the request's (a step's 500 before the engine's 503)
+            self._error = error
         self._wake()
 
     def _wake(self) -> None:
@@ -339,9 +340,10 @@ class AsyncLLM:
         """Whether ``call_engine(method)`` is available."""
         return method in CALLABLE_METHODS
 
-    def inject_fault(self, exc: Optional[BaseException] = None) -> None:
-        """Test hook: make the engine loop raise ``exc`` before its next step (it dies)."""
-        self._transport.send(InjectFault(exc or RuntimeError("injected engine fault")))
+    def inject_fault(self, exc: Optional[BaseException] = None, num_steps: int = 0) -> None:
+        """Test hook: make the engine loop raise ``exc`` before its next step (it dies), or with
+        ``num_steps > 0`` make each of the next ``num_steps`` steps raise it (``InjectFault``)."""
+        self._transport.send(InjectFault(exc or RuntimeError("injected engine fault"), num_steps))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine loop; in-flight streams end with ``EngineDeadError``."""
@@ -358,7 +360,7 @@ class AsyncLLM:
         if isinstance(message, EngineCoreOutputs):
             if message.stats is not None:
                 self._stats = message.stats
-            if message.outputs or message.rejected:
+            if message.outputs or message.rejected or message.failed:
                 self._post(self._on_step, message)
         elif isinstance(message, CallResult):
             self._post(self._on_call_result, message)
@@ -396,9 +398,27 @@ class AsyncLLM:
             self.output_processor.abort_requests([request_id])
             if state is not None:
                 state.collector.put_error(error)
+        if message.failed:
+            self._fail_sequences(message.failed)
         if self.stat_loggers and (num_generated or num_prompt):
             for sl in self.stat_loggers:
                 sl.on_step(num_prompt, num_generated, ttfts, itls)
+
+    def _fail_sequences(self, failed: dict[str, BaseException]) -> None:
+        """The core ended these sequences with an error: their requests end with it (the other
+        sequences of an ``n > 1`` request are aborted in the core)."""
+        for child_id, error in failed.items():
+            child = self.output_processor.children.get(child_id)
+            if child is None:
+                continue   # its request already ended (a sibling failed, or the client left)
+            request_id = child.parent.request_id
+            _, siblings = self.output_processor.abort_requests([request_id])
+            siblings = [cid for cid in siblings if cid not in failed]
+            if siblings and self._dead_error is None:
+                self._transport.send(AbortRequests(siblings))
+            state = self._states.get(request_id)
+            if state is not None:
+                state.collector.put_error(error)
 
     @staticmethod
     def _count_new_tokens(state: _RequestState, out: RequestOutput) -> int:

@@ -218,6 +218,12 @@ class BlockPool:
             block.block_hash = block_hashes[i]
             self.cached_block_hash_to_block.setdefault(block.block_hash, {})[block.block_id] = block
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take blocks out of the prefix cache (their KV may never have been written); held
+        blocks stay held."""
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         if block.block_hash is None:
             return False

@@ -63,10 +63,17 @@ class CallMethod:
 
 @dataclass
 class InjectFault:
-    """Test hook: the loop raises ``error`` before its next step, and dies of it."""
+    """Test hook: a fault in the loop or in the next steps.
+
+    ``num_steps == 0``: the loop raises ``error`` before its next step, and dies of it.
+    ``num_steps > 0``: each of the next ``num_steps`` steps raises ``error`` once the model runner has
+    launched it, as a failing runner would (``EngineCore.inject_step_faults``).
+    """
 
     error: BaseException
-    """What the loop raises."""
+    """What the loop (or the step) raises."""
+    num_steps: int = 0
+    """0: kill the loop now; N > 0: fail the next N steps."""
 
 
 @dataclass
@@ -90,6 +97,9 @@ class EngineCoreOutputs:
     """The scheduler after this step (None: unchanged)."""
     rejected: dict[str, BaseException] = field(default_factory=dict)
     """User request id -> why the core refused its ``AddRequest`` (nothing of it runs)."""
+    failed: dict[str, BaseException] = field(default_factory=dict)
+    """Sequence (child) id -> why the core ended it early: ``EngineStepError`` (its step raised, 500)
+    or a LoRA error (its adapter could not be read from disk, 4xx). The core freed it already."""
 
     def __reduce__(self) -> tuple:
         # Columns: pickling lists of ints and strings is ~6x cheaper than one dataclass per entry.
@@ -100,18 +110,18 @@ class EngineCoreOutputs:
                   if o.new_logprobs is not None or o.new_prompt_logprobs is not None
                   or o.finish_reason is not None or o.num_cached_tokens}
         return (_rebuild_outputs, ([o.req_id for o in outs], [o.new_token_ids for o in outs], extras,
-                                   self.stats, self.rejected))
+                                   self.stats, self.rejected, self.failed))
 
 
 def _rebuild_outputs(req_ids: list[str], new_token_ids: list[list[int]], extras: dict[int, tuple],
-                     stats: Optional[SchedulerStats],
-                     rejected: dict[str, BaseException]) -> EngineCoreOutputs:
+                     stats: Optional[SchedulerStats], rejected: dict[str, BaseException],
+                     failed: dict[str, BaseException]) -> EngineCoreOutputs:
     outputs = [EngineCoreOutput(rid, ids) for rid, ids in zip(req_ids, new_token_ids)]
     for i, (logprobs, prompt_logprobs, finish_reason, stop_reason, num_cached) in extras.items():
         o = outputs[i]
         o.new_logprobs, o.new_prompt_logprobs = logprobs, prompt_logprobs
         o.finish_reason, o.stop_reason, o.num_cached_tokens = finish_reason, stop_reason, num_cached
-    return EngineCoreOutputs(outputs, stats, rejected)
+    return EngineCoreOutputs(outputs, stats, rejected, failed)
 
 
 @dataclass
@@ -128,7 +138,7 @@ class CallResult:
 
 @dataclass
 class EngineDead:
-    """The loop stopped (an exception escaped a step, or the process is gone); sent once."""
+    """The loop stopped (a fatal step fault, an exception in the loop, or the process is gone); sent once."""
 
     message: str
     """Why, for the ``EngineDeadError`` every waiting caller gets."""

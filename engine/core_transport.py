@@ -239,6 +239,7 @@ def _portable_errors(message: CallResult | EngineCoreOutputs) -> CallResult | En
             message.error = _portable(message.error)
     else:
         message.rejected = {rid: _portable(e) for rid, e in message.rejected.items()}
+        message.failed = {rid: _portable(e) for rid, e in message.failed.items()}
     return message
 
 

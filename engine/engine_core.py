@@ -9,8 +9,16 @@ differs. The offline ``LLMEngine`` calls ``step()`` directly, without a loop or 
 
     run(channel):  repeat
         drain commands (block while idle): AddRequest / AbortRequests / CallMethod / InjectFault / Shutdown
-        if work: step(); channel.put(EngineCoreOutputs(outputs of the step, stats))
+        if work: step(); channel.put(EngineCoreOutputs(outputs of the step, stats, failed sequences))
         an exception escaping here: channel.put(EngineDead(...)), and the loop ends
+
+Faults inside a step (README, "Failure behaviour"): a step that raises fails the sequences it ran
+(with async scheduling, those of the launched step it completes too) with ``EngineStepError``, frees
+their KV blocks (out of the prefix cache: their KV may be unwritten), encoder-cache entries and
+adapter slots, and the engine goes on. ``MAX_CONSECUTIVE_STEP_FAULTS`` failed steps in a row, or one
+CUDA error (the device context is unusable after it), stop the engine instead: the step's sequences
+still get their ``EngineStepError``, then ``step()`` raises ``EngineDeadError`` (the loop reports
+``EngineDead``: a 503, a failed ``/health``, and ``chorus serve`` exits non-zero).
 
 With async scheduling (the default) each ``step()`` schedules and launches step N+1 before it
 reads step N's sampled ids, so scheduling and the update of one step overlap the device's work
@@ -32,14 +40,25 @@ from engine.config import EngineConfig
 from engine.core_messages import (CALLABLE_METHODS, AbortRequests, AddRequest, CallMethod, CallResult,
                                   CoreMessage, EngineCommand, EngineCoreOutputs, EngineDead, EngineFacts,
                                   InjectFault, Shutdown)
+from engine.errors import EngineDeadError, EngineStepError
 from engine.model_runner import ModelRunner, PendingOutput, max_blocks_needed, resolve_device
 from engine.models.builder import build_model
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from engine.processor import Processor
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from lora.errors import LoRAAdapterError
 
 logger = logging.getLogger("chorus.engine_core")
+
+MAX_CONSECUTIVE_STEP_FAULTS = 3
+"""Failed steps in a row after which the engine stops instead of recovering: a fault that repeats
+is not confined to the requests it hit (a broken device, a bug in every step), and a restart is
+what clears it."""
+
+_CUDA_ERROR_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert",
+                       "illegal memory access", "unspecified launch failure")
+"""Substrings of the messages of errors after which the CUDA context cannot be used any more."""
 
 
 def freeze_gc_heap() -> None:
@@ -85,6 +104,14 @@ class EngineCore:
         self.async_scheduling = engine_config.scheduler_config.async_scheduling
         self._in_flight: Optional[tuple[SchedulerOutput, PendingOutput]] = None
         """Async scheduling: the launched step whose output has not been processed yet."""
+        self._failed: dict[str, BaseException] = {}
+        """Sequences ended with an error since the last ``take_failed()`` (sequence id -> error)."""
+        self._num_consecutive_faults = 0
+        """Steps that raised in a row (0 after any step that did not)."""
+        self._dead_error: Optional[EngineDeadError] = None
+        """Set by a fatal step fault: every later ``step()`` / ``add_request`` raises it."""
+        self._injected_fault: Optional[tuple[BaseException, int]] = None
+        """Test hook (``inject_step_faults``): the error the next steps raise, and how many more do."""
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "EngineCore":
@@ -128,7 +155,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, command: AddRequest) -> None:
-        """Queue a user request's sequences (all or none). Raises ValueError / LoRA errors."""
+        """Queue a user request's sequences (all or none). Raises ValueError / LoRA errors, or
+        EngineDeadError after a fatal step fault."""
+        if self._dead_error is not None:
+            raise self._dead_error
         children = command.children
         lora_request = children[0].lora_request
         if lora_request is not None and self.lora_manager is not None:
@@ -163,11 +193,32 @@ class EngineCore:
         count it as a placeholder), launch it, then wait for step N's sampled ids (the one host
         sync) and process them while the device runs N+1. A request that step N finished drops
         the token N+1 computed for it (``update_from_output`` no longer knows it).
+
+        A step that raises is recovered (``_recover_from_fault``): the sequences it ran end in
+        ``take_failed()`` and this returns []. Raises ``EngineDeadError`` when the fault is fatal.
         """
-        so = self.scheduler.schedule()
+        if self._dead_error is not None:
+            raise self._dead_error
+        launched = self._in_flight
+        so: Optional[SchedulerOutput] = None
+        try:
+            so = self.scheduler.schedule()
+            if so.lora_loads:
+                self._check_adapter_loads(so)
+            outputs = self._run(so)
+        except Exception as e:  # noqa: BLE001 - recovered, or turned into EngineDeadError
+            self._recover_from_fault(e, [s for s in (launched[0] if launched else None, so) if s is not None])
+            return []
+        self._num_consecutive_faults = 0
+        return outputs
+
+    def _run(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
         if not self.async_scheduling:
-            return self._update(so, self.runner.execute(so))
+            result = self.runner.execute(so)
+            self._raise_injected_fault()
+            return self._update(so, result)
         pending = self.runner.execute_async(so)
+        self._raise_injected_fault()
         prev, self._in_flight = self._in_flight, None
         outputs = self._update(*prev) if prev is not None else []
         if so.total_num_scheduled_tokens > 0:
@@ -175,6 +226,76 @@ class EngineCore:
         else:
             outputs += self._update(so, pending)
         return outputs
+
+    def take_failed(self) -> dict[str, BaseException]:
+        """Sequences ended with an error since the last call: sequence id -> ``EngineStepError``
+        (500) or a LoRA error (4xx). The client reports the error instead of an output."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    # ------------------------------------------------------------------ faults
+    def _check_adapter_loads(self, so: SchedulerOutput) -> None:
+        """Read the step's adapters into host memory before the step runs. An adapter whose files went
+        missing or bad since it was registered (the host LRU had dropped it) fails the step's requests
+        naming it with its LoRA error (4xx) and loses its slot; the rest of the step runs as planned
+        (the failed requests' rows compute without their adapter and are discarded)."""
+        errors: dict[str, BaseException] = {}
+        for load in so.lora_loads:
+            try:
+                self.lora_manager.host_copy(load.lora_request)
+            except LoRAAdapterError as e:
+                errors[load.lora_request.lora_name] = e
+        if not errors:
+            return
+        so.lora_loads = [load for load in so.lora_loads if load.lora_request.lora_name not in errors]
+        failed = {}
+        for req_id in so.num_scheduled_tokens:
+            request = self.scheduler.requests.get(req_id)
+            lora_name = request.lora_request.lora_name if request and request.lora_request else None
+            if lora_name in errors:
+                failed[req_id] = errors[lora_name]
+        for lora_name, e in errors.items():
+            logger.warning("LoRA adapter %r could not be loaded; its requests fail: %s", lora_name, e)
+        self.scheduler.fail_requests(failed, stale_loras=errors)
+        self._failed.update(failed)
+
+    def _recover_from_fault(self, error: Exception, steps: list[SchedulerOutput]) -> None:
+        """Fail the sequences of ``steps`` (the step that raised, and the launched one it was
+        completing) with ``EngineStepError`` and free what they held; raise ``EngineDeadError`` if the
+        fault is fatal (a CUDA error, or ``MAX_CONSECUTIVE_STEP_FAULTS`` in a row)."""
+        self._in_flight = None
+        self._num_consecutive_faults += 1
+        req_ids = list(dict.fromkeys(rid for so in steps for rid in so.num_scheduled_tokens))
+        stale_loras = {load.lora_request.lora_name for so in steps for load in so.lora_loads}
+        fatal = _fatal_reason(error, self._num_consecutive_faults)
+        logger.error("Engine step failed (%d in a row) with %d request(s): %s", self._num_consecutive_faults,
+                     len(req_ids), "fatal: " + fatal if fatal else "recovering", exc_info=error)
+        cause = f"{type(error).__name__}: {error}"
+        if fatal:
+            step_error = EngineStepError(
+                f"An internal engine error occurred while running this request ({cause}); the engine is "
+                f"stopping ({fatal}) and must be restarted.")
+        else:
+            step_error = EngineStepError(
+                f"An internal engine error occurred while running this request ({cause}); the engine "
+                "freed it and keeps serving: retry the request, and report the error if it repeats.")
+        self._failed.update({rid: step_error for rid in req_ids})
+        if fatal:
+            self._dead_error = EngineDeadError(f"The engine stopped after a step failed ({fatal}): {cause}")
+            raise self._dead_error from error
+        self.scheduler.fail_requests(req_ids, stale_loras)
+
+    def inject_step_faults(self, error: BaseException, num_steps: int) -> None:
+        """Test hook: each of the next ``num_steps`` steps raises ``error`` once the runner has
+        launched it (as a failing model runner would)."""
+        self._injected_fault = (error, num_steps) if num_steps > 0 else None
+
+    def _raise_injected_fault(self) -> None:
+        if self._injected_fault is None:
+            return
+        error, num_left = self._injected_fault
+        self._injected_fault = (error, num_left - 1) if num_left > 1 else None
+        raise error
 
     def _update(self, so: SchedulerOutput,
                 result: ModelRunnerOutput | PendingOutput) -> list[EngineCoreOutput]:
@@ -226,7 +347,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the loop
     def handle(self, command: EngineCommand, rejected: dict[str, BaseException]) -> Optional[CoreMessage]:
         """Apply one command. Returns the reply to send (a ``CallResult``), if any; a refused
-        ``AddRequest`` goes into ``rejected``; ``InjectFault`` raises."""
+        ``AddRequest`` goes into ``rejected``; ``InjectFault`` raises (or arms step faults)."""
         if isinstance(command, AddRequest):
             try:
                 self.add_request(command)
@@ -243,7 +364,9 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - returned to the caller
                 return CallResult(command.call_id, error=e)
         elif isinstance(command, InjectFault):
-            raise command.error
+            if command.num_steps <= 0:
+                raise command.error
+            self.inject_step_faults(command.error, command.num_steps)
         else:
             raise AssertionError(f"unknown engine command {command!r}")
         return None
@@ -258,11 +381,15 @@ class EngineCore:
                     return
                 if self.has_unfinished_requests():
                     outputs = self.step()
-                    channel.put(EngineCoreOutputs(outputs, self.get_stats(), rejected))
+                    channel.put(EngineCoreOutputs(outputs, self.get_stats(), rejected, self.take_failed()))
                 elif drained:   # e.g. blocks freed by an abort, or a refused request
-                    channel.put(EngineCoreOutputs([], self.get_stats(), rejected))
+                    channel.put(EngineCoreOutputs([], self.get_stats(), rejected, self.take_failed()))
         except BaseException as e:  # noqa: BLE001 - any escape kills the engine, by design
-            logger.exception("Engine loop died.")
+            if not isinstance(e, EngineDeadError):
+                logger.exception("Engine loop died.")
+            failed = self.take_failed()
+            if failed:   # a fatal step fault: its requests get their 500 before everyone's 503
+                channel.put(EngineCoreOutputs([], None, {}, failed))
             channel.put(EngineDead(f"Engine loop died: {e!r}"))
 
     def _drain(self, channel: CoreChannel, block: bool, rejected: dict[str, BaseException]) -> Optional[int]:
@@ -280,3 +407,13 @@ class EngineCore:
             reply = self.handle(command, rejected)
             if reply is not None:
                 channel.put(reply)
+
+
+def _fatal_reason(error: BaseException, num_consecutive_faults: int) -> Optional[str]:
+    """Why a step fault stops the engine (None: recover from it)."""
+    if isinstance(error, getattr(torch, "AcceleratorError", ())) or any(
+            marker in str(error) for marker in _CUDA_ERROR_MARKERS):
+        return "a CUDA error leaves the device unusable"
+    if num_consecutive_faults >= MAX_CONSECUTIVE_STEP_FAULTS:
+        return f"{num_consecutive_faults} steps failed in a row"
+    return None

@@ -1,7 +1,8 @@
 """Errors of the engine as a service: the API layer maps them to HTTP statuses.
 
-``EngineDeadError`` -> 503 and a failed ``/health``; ``EngineStartupError`` stops ``chorus serve``
-before it listens. User errors stay ``ValueError`` (400), raised by the processor.
+``EngineDeadError`` -> 503 and a failed ``/health``; ``EngineStepError`` -> 500 for the requests of a
+step that raised; ``EngineStartupError`` stops ``chorus serve`` before it listens. User errors stay
+``ValueError`` (400), raised by the processor.
 """
 
 from __future__ import annotations
@@ -13,3 +14,8 @@ class EngineDeadError(RuntimeError):
 
 class EngineStartupError(RuntimeError):
     """The engine could not be built (bad checkpoint, out of memory, ...); the message says why."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised (in the model runner, the scheduler update, ...): the requests it ran end with
+    this error (HTTP 500). The message says whether the engine recovered or is stopping."""

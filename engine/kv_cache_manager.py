@@ -179,6 +179,11 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
         self.block_pool.free_blocks(self.req_to_cross_blocks.pop(request.request_id, []))
 
+    def uncache(self, request: Request) -> None:
+        """Take the request's blocks out of the prefix cache, before freeing them after a failed step:
+        blocks hashed when they were allocated may never have received their KV."""
+        self.block_pool.uncache_blocks(self.req_to_blocks.get(request.request_id, []))
+
     # --- queries ------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

@@ -177,6 +177,9 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+        except BaseException:
+            engine.abort_request(list(engine.output_processor.parents))   # the LLM stays usable
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -88,10 +88,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one core step; return the request outputs that became ready."""
+        """Run one core step; return the request outputs that became ready.
+
+        Raises:
+            EngineStepError: the step raised and the core recovered (the requests it ran are gone,
+                the engine stays usable); a LoRA error: an adapter could not be read again from disk
+                (its requests are gone). The other requests stay queued.
+            EngineDeadError: a fatal step fault (README, "Failure behaviour").
+        """
         outputs, stopped = self.output_processor.process(self.core.step())
         if stopped:
             self.core.abort_requests(stopped)
+        failed = self.core.take_failed()
+        if failed:
+            parents = {self.output_processor.children[cid].parent.request_id
+                       for cid in failed if cid in self.output_processor.children}
+            self.abort_request(parents)   # their other sequences too
+            raise next(iter(failed.values()))
         return outputs
 
     # ------------------------------------------------------------------ adapters, stats, chat

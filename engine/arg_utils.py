@@ -54,6 +54,8 @@ class EngineArgs:
     lora_dtype: str = "auto"
     limit_mm_per_prompt: Optional[dict[str, int]] = None
     allowed_local_media_path: Optional[str] = None
+    allowed_media_domains: Optional[list[str]] = None
+    allow_private_media_urls: bool = False
     max_num_encoder_input_tokens: Optional[int] = None
     encoder_cache_size: Optional[int] = None
 
@@ -101,7 +103,9 @@ class EngineArgs:
                 encoder_cache_size=self.encoder_cache_size),
             lora_config=lora,
             mm_config=MultiModalConfig(limit_mm_per_prompt=dict(self.limit_mm_per_prompt or {}),
-                                       allowed_local_media_path=self.allowed_local_media_path),
+                                       allowed_local_media_path=self.allowed_local_media_path,
+                                       allowed_media_domains=self.allowed_media_domains,
+                                       allow_private_media_urls=self.allow_private_media_urls),
             device=self.device, enforce_eager=self.enforce_eager,
             max_cudagraph_capture_size=self.max_cudagraph_capture_size)
 

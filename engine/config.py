@@ -177,6 +177,11 @@ class MultiModalConfig:
     """Modality -> most items in one prompt; a modality left out allows 999 (vLLM's default)."""
     allowed_local_media_path: Optional[str] = None
     """Directory whose files ``file://`` image URLs may name (None: file URLs are refused)."""
+    allowed_media_domains: Optional[list[str]] = None
+    """Hosts http(s) image URLs (and their redirects) may name, exactly; their addresses are trusted.
+    None: any host whose addresses are all public (``multimodal.media``: no SSRF)."""
+    allow_private_media_urls: bool = False
+    """Let image URLs reach loopback, private, link-local and other non-public addresses."""
     media_fetch_timeout_s: float = 5.0
     """Timeout of one http(s) media download, seconds."""
     max_image_bytes: int = 20 << 20

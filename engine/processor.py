@@ -53,7 +53,10 @@ class Processor:
         c = self.mm_config
         return MediaLimits(allowed_local_media_path=c.allowed_local_media_path,
                            fetch_timeout_s=c.media_fetch_timeout_s, max_image_bytes=c.max_image_bytes,
-                           max_image_pixels=c.max_image_pixels)
+                           max_image_pixels=c.max_image_pixels,
+                           allowed_media_domains=(tuple(c.allowed_media_domains)
+                                                  if c.allowed_media_domains is not None else None),
+                           allow_private_media_urls=c.allow_private_media_urls)
 
     @property
     def audio_limits(self) -> AudioLimits:

@@ -8,6 +8,15 @@ in a worker). Downloads, data URLs and files are read up to ``max_image_bytes`` 
 URLs are confined to ``allowed_local_media_path`` after resolving symlinks and ``..``. Every refusal is
 a ``MediaError`` whose message can go back to the user as it is.
 
+http(s) downloads cannot reach the server's own network (SSRF): before every connection (the first
+and each redirect hop) the host is resolved once with ``getaddrinfo`` and every address it resolves to
+must be public (not loopback, private, link-local, multicast, reserved, unspecified or shared, IPv4 or
+IPv6, an IPv4 address mapped or embedded in IPv6 included; decimal and octal host forms resolve to
+what they mean); the socket then connects to the checked address, so DNS rebinding cannot swap it.
+``MediaLimits.allowed_media_domains`` restricts the hosts (trusting their addresses, private ones
+too), ``allow_private_media_urls`` lifts the address check (tests, a trusted local network).
+Downloads connect directly: proxies from the environment are not used.
+
 EXIF orientation is applied to decoded files (a phone photo comes out upright, as transformers'
 ``load_image`` does); PIL images given directly are returned as they are.
 """
@@ -19,8 +28,10 @@ import binascii
 import http.client
 import importlib
 import io
+import ipaddress
 import os
 import re
+import socket
 import stat
 import time
 import urllib.error
@@ -71,6 +82,13 @@ class MediaLimits:
     """http(s) redirects followed before giving up."""
     max_image_pixels: int = 50_000_000
     """Largest width * height, checked from the header before decoding (decompression bombs)."""
+    allowed_media_domains: Optional[tuple[str, ...]] = None
+    """http(s) URLs (and every redirect) may only name these hosts, compared case-insensitively and
+    exactly (vLLM's ``--allowed-media-domains``); their addresses are trusted, private ones too.
+    None: any host whose addresses are all public."""
+    allow_private_media_urls: bool = False
+    """Let http(s) URLs reach non-public addresses (loopback, private, link-local, ...): tests and
+    trusted local networks only."""
 
 
 def load_image(source: ImageSource, limits: MediaLimits = MediaLimits(),
@@ -191,10 +209,116 @@ class LimitedRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+def _disallowed_kind(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Optional[str]:
+    """What kind of non-public address ``address`` is (None: a public one)."""
+    for kind in ("loopback", "unspecified", "link_local", "multicast", "reserved", "private"):   # most specific first
+        if getattr(address, f"is_{kind}"):
+            return kind.replace("_", "-")
+    return None if address.is_global else "not globally routable"
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> Optional[ipaddress.IPv4Address]:
+    """The IPv4 address an IPv6 one carries (mapped, 6to4, NAT64 64:ff9b::/96), if any."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address in _NAT64:
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return None
+
+
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+
+
+def check_address(address: str) -> None:
+    """Raise ``MediaError`` unless ``address`` (an IP literal) is public, with any IPv4 address it embeds."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])    # an IPv6 zone id ("fe80::1%eth0") dropped
+    embedded = _embedded_ipv4(ip) if ip.version == 6 else None
+    kind = _disallowed_kind(embedded or ip)                  # an embedded IPv4 address is where it goes
+    if kind:
+        raise MediaError(f"the image URL's host resolves to {address}, a {kind} address; media URLs must "
+                         "point to public addresses")
+
+
+class _AddressGuard:
+    """Resolves a host once, checks every address, connects to a checked one: the TCP connect of every
+    connection (each redirect hop) of a media download."""
+
+    def __init__(self, limits: MediaLimits) -> None:
+        self.limits = limits
+        self.allowed_hosts = ({h.strip().lower().rstrip(".") for h in limits.allowed_media_domains}
+                              if limits.allowed_media_domains is not None else None)
+
+    def attach(self, connection: http.client.HTTPConnection) -> http.client.HTTPConnection:
+        """``connection`` with its TCP connect (http.client's ``_create_connection`` hook) through here."""
+        connection._create_connection = self.create_connection
+        return connection
+
+    def create_connection(self, address: tuple[str, int], timeout: Optional[float] = None,
+                          source_address=None) -> socket.socket:
+        """``socket.create_connection`` to a checked address of ``address``'s host."""
+        host, port = address
+        name = host.lower().rstrip(".")
+        if self.allowed_hosts is not None and name not in self.allowed_hosts:
+            raise MediaError(f"the image URL's host {host!r} is not an allowed media domain (allowed: "
+                             f"{', '.join(sorted(self.allowed_hosts)) or 'none'})")
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise MediaError(f"the image URL's host {host!r} could not be resolved ({e})") from e
+        if self.allowed_hosts is None and not self.limits.allow_private_media_urls:
+            for *_, sockaddr in infos:
+                check_address(sockaddr[0])
+        error: Optional[OSError] = None
+        for family, kind, proto, _, sockaddr in infos:   # each address, as socket.create_connection does
+            sock = socket.socket(family, kind, proto)
+            try:
+                if timeout is not None:
+                    sock.settimeout(timeout)
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(sockaddr)
+                return sock
+            except OSError as e:
+                sock.close()
+                error = e
+        raise error or OSError(f"no address for {host!r}")
+
+
+class _GuardedHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, guard: _AddressGuard) -> None:
+        super().__init__()
+        self._guard = guard
+
+    def http_open(self, req):
+        return self.do_open(lambda host, **kw: self._guard.attach(http.client.HTTPConnection(host, **kw)), req)
+
+
+class _GuardedHTTPSHandler(urllib.request.HTTPSHandler):
+    """HTTPS over a checked address; TLS still verifies the certificate against the URL's host name."""
+
+    def __init__(self, guard: _AddressGuard) -> None:
+        super().__init__()
+        self._guard = guard
+
+    def https_open(self, req):
+        return self.do_open(lambda host, **kw: self._guard.attach(http.client.HTTPSConnection(host, **kw)), req,
+                            context=self._context)
+
+
+def build_media_opener(limits: MediaLimits) -> urllib.request.OpenerDirector:
+    """The opener media downloads use: no proxies, checked addresses on every hop, limited redirects."""
+    guard = _AddressGuard(limits)
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), _GuardedHTTPHandler(guard),
+                                       _GuardedHTTPSHandler(guard), LimitedRedirects(limits.max_redirects))
+
+
 def fetch_url(url: str, limits: MediaLimits) -> bytes:
-    """GET an http(s) URL: status 200, at most ``max_image_bytes``, within ``fetch_timeout_s``."""
+    """GET an http(s) URL: status 200, at most ``max_image_bytes``, within ``fetch_timeout_s``, from a
+    public address (or an allowed host) on every hop."""
     shown = url if len(url) <= 200 else url[:197] + "..."
-    opener = urllib.request.build_opener(LimitedRedirects(limits.max_redirects))
+    opener = build_media_opener(limits)
     request = urllib.request.Request(url, headers={"User-Agent": "chorus-media/1", "Accept": "image/*"})
     deadline = time.monotonic() + limits.fetch_timeout_s
     try:

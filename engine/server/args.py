@@ -191,6 +191,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="Let image_url parts name file:// URLs of files under DIR (symlinks and '..' "
                          "resolved first; anything outside is a 400). Default: file:// URLs are refused. "
                          "Only for trusted clients: they can read any image under DIR.")
+    mm.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                    help="Only these hosts (exact names, or IP literals) may appear in http(s) image URLs "
+                         "and their redirects; their addresses are trusted, private ones too. Default: "
+                         "any host whose addresses are all public.")
+    mm.add_argument("--allow-private-media-urls", action="store_true",
+                    help="Let image URLs reach loopback, private, link-local and other non-public "
+                         "addresses (refused by default: a client could otherwise make the server fetch "
+                         "from its own network). Only for trusted clients.")
     mm.add_argument("--max-num-encoder-input-tokens", type=_positive_human_int, default=None,
                     help="Image embeddings the vision encoder computes per engine step (its compute "
                          "budget). Default: max(max-num-batched-tokens, the largest image's "
@@ -283,9 +291,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         from engine.transcription import NO_SPEECH_TOP_LOGPROBS
         kwargs["max_logprobs"] = max(args.max_logprobs, NO_SPEECH_TOP_LOGPROBS)
     for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "limit_mm_per_prompt",
-                 "allowed_local_media_path", "max_num_encoder_input_tokens", "encoder_cache_size"):
+                 "allowed_local_media_path", "allowed_media_domains", "max_num_encoder_input_tokens",
+                 "encoder_cache_size"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
+    if getattr(args, "allow_private_media_urls", False):
+        kwargs["allow_private_media_urls"] = True
     if args.lora_modules:
         # Adapters named at start-up imply --enable-lora, and size the slots: max_lora_rank
         # defaults to the largest rank among them (at least 16), so nobody has to tune it.

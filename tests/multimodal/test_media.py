@@ -240,6 +240,10 @@ def test_plain_paths_only_when_allowed(media_dirs):
 # -- http(s) -----------------------------------------------------------------------------------------
 
 
+LOCAL = MediaLimits(allow_private_media_urls=True)
+"""The test server is on 127.0.0.1, which media URLs may not reach by default (SSRF)."""
+
+
 class Handler(BaseHTTPRequestHandler):
     png = b""
 
@@ -314,26 +318,27 @@ def no_proxy(monkeypatch):
 
 
 def test_http_fetch(server, picture):
-    assert np.array_equal(np.asarray(load_image(f"{server}/cat.png")), np.asarray(picture))
-    assert load_image(f"{server}/redirect").size == picture.size
-    assert load_image(f"{server}/chain/4", MediaLimits(max_redirects=5)).size == picture.size
+    assert np.array_equal(np.asarray(load_image(f"{server}/cat.png", LOCAL)), np.asarray(picture))
+    assert load_image(f"{server}/redirect", LOCAL).size == picture.size
+    limits = MediaLimits(max_redirects=5, allow_private_media_urls=True)
+    assert load_image(f"{server}/chain/4", limits).size == picture.size
 
 
 def test_http_errors(server):
     with pytest.raises(MediaError, match=r"fetching .*/missing failed: HTTP 404"):
-        load_image(f"{server}/missing")
+        load_image(f"{server}/missing", LOCAL)
     with pytest.raises(MediaError, match="too many redirects .* or a redirect loop"):
-        load_image(f"{server}/loop")
+        load_image(f"{server}/loop", LOCAL)
     with pytest.raises(MediaError, match=r"too many redirects \(more than 2\)"):
-        load_image(f"{server}/chain/3", MediaLimits(max_redirects=2))
+        load_image(f"{server}/chain/3", MediaLimits(max_redirects=2, allow_private_media_urls=True))
     with pytest.raises(MediaError, match="redirects to a ftp: URL, which is not allowed"):
-        load_image(f"{server}/to-ftp")
+        load_image(f"{server}/to-ftp", LOCAL)
     with pytest.raises(MediaError, match="not an image"):
-        load_image(f"{server}/text")
+        load_image(f"{server}/text", LOCAL)
 
 
 def test_http_too_large(server):
-    limits = MediaLimits(max_image_bytes=1000)
+    limits = MediaLimits(max_image_bytes=1000, allow_private_media_urls=True)
     with pytest.raises(MediaError, match="is 5000 bytes, above the limit of 1000"):
         load_image(f"{server}/big", limits)
     with pytest.raises(MediaError, match="larger than the limit of 1000 bytes"):
@@ -341,7 +346,7 @@ def test_http_too_large(server):
 
 
 def test_http_timeouts(server):
-    limits = MediaLimits(fetch_timeout_s=0.5)
+    limits = MediaLimits(fetch_timeout_s=0.5, allow_private_media_urls=True)
     start = time.monotonic()
     with pytest.raises(MediaError, match="timed out after 0.5 s"):
         load_image(f"{server}/slow", limits)
@@ -352,7 +357,7 @@ def test_http_timeouts(server):
 
 def test_connection_refused():
     with pytest.raises(MediaError, match="fetching http://127.0.0.1:1/x.png failed"):
-        load_image("http://127.0.0.1:1/x.png")
+        load_image("http://127.0.0.1:1/x.png", LOCAL)
 
 
 def test_error_is_a_value_error():

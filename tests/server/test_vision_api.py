@@ -147,7 +147,7 @@ def media_dir(tmp_path_factory):
 def server(llava_dir, media_dir):
     srv = start_server(str(llava_dir), served_model_name=[MODEL], dtype="float32", device="cpu",
                        max_model_len=256, max_num_seqs=8, limit_mm_per_prompt={"image": 2},
-                       allowed_local_media_path=str(media_dir))
+                       allowed_local_media_path=str(media_dir), allow_private_media_urls=True)
     # Test knobs (no flags for them): a short download timeout and a small size limit.
     mm_config = srv.engine_client.processor.mm_config
     mm_config.media_fetch_timeout_s = FETCH_TIMEOUT_S

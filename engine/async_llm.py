@@ -238,6 +238,11 @@ class AsyncLLM:
         """The scheduler snapshot sent with the engine's latest step (or idle command drain)."""
         return self._stats
 
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests this client still tracks (added, stream not yet closed): 0 when idle."""
+        return len(self._states)
+
     def next_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._request_counter)}"
 

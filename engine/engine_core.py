@@ -339,7 +339,11 @@ class EngineCore:
                 self.lora_manager.remove(name)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self.lora_manager is not None:
+            stats.num_loras_registered = (len(self.lora_manager.list_loras())
+                                          + len(self.lora_manager.pending_removals()))
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

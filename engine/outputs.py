@@ -164,6 +164,25 @@ class SchedulerStats:
     """Media items looked up in the encoder cache since start."""
     encoder_cache_hits: int = 0
     """Of those, found already encoded (or being encoded this step)."""
+    # Resources held now (leak checks: all 0 on an idle engine, ``benchmarks/soak.py``).
+    num_kv_blocks_in_use: int = 0
+    """KV blocks held by requests; a prefix-cached block nobody holds counts as free."""
+    num_kv_blocks: int = 0
+    """KV blocks that can be handed out (all but the reserved null block)."""
+    num_lora_slots_in_use: int = 0
+    """Adapter GPU slots with running requests (idle resident adapters not counted)."""
+    num_lora_slots: int = 0
+    """Adapter GPU slots (``max_loras``; 0 without LoRA)."""
+    num_loras_registered: int = 0
+    """Adapters the engine knows (host copies), those being unloaded included."""
+    num_encoder_cache_entries: int = 0
+    """Encoder outputs held, referenced or kept for reuse."""
+    num_encoder_cache_entries_in_use: int = 0
+    """Of those, referenced by a request."""
+    num_encoder_cache_embeds_in_use: int = 0
+    """Encoder embeddings of the referenced entries."""
+    encoder_cache_size: int = 0
+    """Encoder embeddings the cache holds at most."""
 
 
 # ----------------------------------------------------------------------------------------

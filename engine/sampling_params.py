@@ -120,8 +120,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (
                 not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63):
+            bad("seed", f"must be a 64-bit integer (-2**63 .. 2**63-1), got {self.seed!r}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must contain only non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -653,6 +653,8 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        ecm = self.encoder_cache_manager
+        slots = self.lora_slots
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -667,4 +669,13 @@ class Scheduler:
             encoder_cache_usage=self.encoder_cache_manager.usage,
             encoder_cache_queries=self.encoder_cache_manager.num_queries,
             encoder_cache_hits=self.encoder_cache_manager.num_hits,
+            num_kv_blocks_in_use=kv.num_usable_blocks - kv.num_free_blocks,
+            num_kv_blocks=kv.num_usable_blocks,
+            num_lora_slots_in_use=(sum(slots.num_running(s) > 0 for s in range(slots.max_loras))
+                                   if slots is not None else 0),
+            num_lora_slots=slots.max_loras if slots is not None else 0,
+            num_encoder_cache_entries=len(ecm.cached),
+            num_encoder_cache_entries_in_use=len(ecm.cached) - len(ecm.freeable),
+            num_encoder_cache_embeds_in_use=ecm.cache_size - ecm.num_freeable_slots,
+            encoder_cache_size=ecm.cache_size,
         )

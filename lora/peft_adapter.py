@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,7 +193,7 @@ def resolve_adapter_path(path: str) -> Path:
     if not path:
         raise LoRAAdapterNotFoundError("lora_path is empty: give the adapter's PEFT directory.")
     p = Path(path).expanduser()
-    if not p.is_dir():
+    if not os.path.isdir(p):   # False on any OSError too (a name too long, a lone surrogate), unlike is_dir
         raise LoRAAdapterNotFoundError(f"LoRA adapter path {path!r} does not exist or is not a directory.")
     return p.resolve()
 

@@ -7,7 +7,11 @@ Two sources:
 - the engine's latest ``SchedulerStats`` snapshot, read at scrape time (``EngineStatsCollector``):
   running/waiting requests, KV cache usage, prefix-cache queries/hits, encoder-cache usage and
   queries/hits (images), preemptions, and
-  ``chorus:max_num_reqs_per_step`` (most requests batched into one step; proves batching).
+  ``chorus:max_num_reqs_per_step`` (most requests batched into one step; proves batching);
+- what is held now, for leak checks (``benchmarks/soak.py``; every ``*_in_use`` gauge, the running,
+  waiting and tracked requests are 0 on an idle server): KV blocks in use and total (a prefix-cached
+  block no request holds counts as free), adapter slots in use and total, adapters registered,
+  encoder-cache entries (held, referenced) and referenced embeddings.
 
 Each app gets its own ``CollectorRegistry`` so several servers can live in one process (tests).
 """
@@ -34,6 +38,25 @@ ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  20.0, 40.0, 80.0]
 E2E_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                  240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+HELD_GAUGES = (
+    ("num_kv_blocks_in_use", "KV cache blocks held by requests (prefix-cached blocks no request holds count "
+     "as free).", "num_kv_blocks_in_use"),
+    ("num_kv_blocks_total", "KV cache blocks that can be handed out.", "num_kv_blocks"),
+    ("num_lora_slots_in_use", "Adapter slots with running requests.", "num_lora_slots_in_use"),
+    ("num_lora_slots_total", "Adapter slots (max_loras).", "num_lora_slots"),
+    ("num_loras_registered", "Adapters the engine holds in host memory (loaded, or being unloaded while "
+     "their requests finish).", "num_loras_registered"),
+    ("num_encoder_cache_entries", "Encoder outputs held, referenced or kept for reuse.",
+     "num_encoder_cache_entries"),
+    ("num_encoder_cache_entries_in_use", "Encoder outputs referenced by a request.",
+     "num_encoder_cache_entries_in_use"),
+    ("num_encoder_cache_embeds_in_use", "Encoder embeddings of the referenced entries.",
+     "num_encoder_cache_embeds_in_use"),
+    ("encoder_cache_size_embeds", "Encoder embeddings the encoder cache holds at most.", "encoder_cache_size"),
+)
+"""(gauge name, help, ``SchedulerStats`` field): what the engine holds now (leak checks)."""
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -143,6 +166,10 @@ class EngineStatsCollector(Collector):
         yield gauge("max_num_reqs_per_step", "Most requests scheduled in one engine step since start.",
                     s.max_reqs_per_step)
         yield gauge("num_active_loras", "Adapters resident in GPU slots.", s.num_active_loras)
+        yield gauge("num_requests_tracked", "Requests the server's engine client tracks (added, stream not "
+                    "closed yet).", getattr(self.engine_client, "num_tracked_requests", 0))
+        for name, doc, attr in HELD_GAUGES:
+            yield gauge(name, doc, getattr(s, attr))
         yield gauge("engine_healthy", "1 while the engine loop runs, 0 once it died.",
                     0.0 if self.engine_client.errored else 1.0)
 

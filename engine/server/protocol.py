@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -23,8 +23,31 @@ def now_s() -> int:
     return int(time.time())
 
 
+def _check_encodable(value: Any) -> None:
+    """ValueError (a 400) for a string JSON may carry but UTF-8 cannot (a lone surrogate, "\\ud800"):
+    tokenizers would raise a TypeError later."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"strings must be valid Unicode: {value[e.start:e.end]!r} at position {e.start} "
+                             "is a lone surrogate.") from None
+    elif isinstance(value, (list, dict)):
+        for item in (value.items() if isinstance(value, dict) else value):
+            _check_encodable(item)
+    elif isinstance(value, tuple):
+        for item in value:
+            _check_encodable(item)
+
+
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_strings(cls, data: Any) -> Any:
+        _check_encodable(data)
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):

@@ -18,6 +18,12 @@ Prompts with images are processed (downloads, decoding, resizing, hashing) by a 
 ``MultiModalConfig.mm_processor_workers`` threads, so a burst of images never stalls the event loop
 (streams, other requests); text prompts are processed inline as before, with no hop.
 
+``RequestLimits`` (the server's ``--max-queued-requests`` and ``--request-timeout``) bound how many
+requests may be in flight (beyond that ``EngineOverloadedError``, before anything is tokenized) and how
+long one may live (a timer per request aborts it in the engine: ``RequestTimeoutError``).
+``owned_requests()`` collects the streams opened in a context, so the server can abort an HTTP
+exchange's requests when its client stops reading.
+
 Commands are FIFO, so an abort always lands after its add. When the core dies (an exception
 escaped a step, a fault injected by a test, a killed process) every in-flight stream and call
 gets ``EngineDeadError`` and new requests are refused with it (503 and a failed ``/health``).
@@ -27,12 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Optional, Protocol
 
 from engine.core_messages import (CALLABLE_METHODS, AbortRequests, AddRequest, CallMethod, CallResult,
                                   CoreMessage, EngineCoreOutputs, EngineDead, InjectFault)
@@ -47,6 +55,47 @@ if TYPE_CHECKING:
     from lora.request import LoRARequest
 
 logger = logging.getLogger("chorus.async_llm")
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests are in flight than ``RequestLimits`` allows; nothing was sent (HTTP 503 with
+    Retry-After: the client should retry later)."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request ran past ``RequestLimits.request_timeout_s``: it was aborted in the engine (its KV blocks
+    are free) and its stream ends with this error (HTTP 504; streams: an in-band error event)."""
+
+
+@dataclass
+class RequestLimits:
+    """How many requests may wait and how long one may live (``chorus serve --max-queued-requests``,
+    ``--request-timeout``). The defaults limit nothing (offline use and tests)."""
+
+    max_queued_requests: Optional[int] = None
+    """Requests in flight beyond the engine's ``max_num_seqs`` (those cannot all be running: they wait)
+    that may be added; one more is refused with ``EngineOverloadedError`` before it is tokenized. An ``n > 1``
+    request or a transcription window counts once. None: no limit."""
+    request_timeout_s: Optional[float] = None
+    """Seconds from a request's arrival after which it is aborted (``RequestTimeoutError``). None: never."""
+
+
+_REQUEST_SINK: contextvars.ContextVar[Optional[list["RequestStream"]]] = contextvars.ContextVar(
+    "chorus_request_sink", default=None)
+"""The list ``owned_requests`` collects streams into, in the current context (None: not collecting)."""
+
+
+@contextlib.contextmanager
+def owned_requests() -> Iterator[list["RequestStream"]]:
+    """Collect every stream ``AsyncLLM.add_request`` opens inside this block, and in tasks started from it
+    (they copy the context), so that their owner can abort them all: the server aborts the requests of an
+    HTTP exchange whose client stopped reading."""
+    streams: list[RequestStream] = []
+    token = _REQUEST_SINK.set(streams)
+    try:
+        yield streams
+    finally:
+        _REQUEST_SINK.reset(token)
 
 
 class StatLogger(Protocol):
@@ -84,6 +133,8 @@ class _RequestState:
     """Sample index -> generated tokens seen so far (counters; works for every output kind)."""
     finished: bool = False
     """The stream delivered the finished output."""
+    timeout_handle: Optional[asyncio.TimerHandle] = None
+    """Fires ``RequestLimits.request_timeout_s`` after arrival (None: no timeout); cancelled on release."""
 
     @property
     def num_generation_tokens(self) -> int:
@@ -190,6 +241,8 @@ class AsyncLLM:
         self._dead_lock = threading.Lock()
         self._stats = SchedulerStats()
         self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.limits = RequestLimits()
+        """Queue bound and request timeout; the server sets them from its flags."""
         """Processes prompts with ``multi_modal_data`` off the event loop; made on first use."""
         freeze_gc_heap()   # the tokenizer, processor and imports stay out of GC passes
         transport.start(self._on_message)
@@ -278,18 +331,33 @@ class AsyncLLM:
         state = _RequestState(request_id, params, collector, arrival_s=arrival_s,
                               num_prompt_tokens=len(children[0].prompt_token_ids))
         self._states[request_id] = state
+        timeout_s = self.limits.request_timeout_s
+        if timeout_s is not None:
+            state.timeout_handle = loop.call_later(max(0.0, arrival_s + timeout_s - time.monotonic()),
+                                                   self._on_request_timeout, state, timeout_s)
         self.output_processor.add_request(request_id, children, text)
         self._transport.send(AddRequest(request_id, children))
         if self.log_requests:
             logger.info("Added request %s: prompt=%s, params=%s, lora=%s", request_id, _short(prompt),
                         sampling_params, getattr(lora_request, "lora_name", None))
-        return RequestStream(self, state)
+        stream = RequestStream(self, state)
+        sink = _REQUEST_SINK.get()
+        if sink is not None:
+            sink.append(stream)
+        return stream
 
     def _check_can_add(self, request_id: str) -> None:
         if self._dead_error is not None:
             raise self._dead_error
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        max_queued = self.limits.max_queued_requests
+        if max_queued is not None:
+            max_running = self.engine_config.scheduler_config.max_num_seqs
+            if len(self._states) >= max_running + max_queued:
+                raise EngineOverloadedError(
+                    f"The server is overloaded: {len(self._states)} requests are in flight ({max_running} "
+                    f"run at once, {max_queued} may wait: --max-queued-requests); retry later.")
 
     def _media_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._media_pool is None:
@@ -473,12 +541,25 @@ class AsyncLLM:
         """Forget a request on the event-loop side; abort it in the engine when asked."""
         if self._states.get(state.request_id) is state:
             del self._states[state.request_id]
+        if state.timeout_handle is not None:
+            state.timeout_handle.cancel()
         if send_abort:
             _, child_ids = self.output_processor.abort_requests([state.request_id])
             if child_ids and self._dead_error is None:
                 if self.log_requests:
                     logger.info("Aborted request %s.", state.request_id)
                 self._transport.send(AbortRequests(child_ids))
+
+    def _on_request_timeout(self, state: _RequestState, timeout_s: float) -> None:
+        """Event loop, ``timeout_s`` after the request arrived: abort it in the engine (its blocks are freed)
+        and end its stream with ``RequestTimeoutError`` (outputs already made are delivered first)."""
+        if self._states.get(state.request_id) is not state:
+            return   # released meanwhile
+        logger.info("Request %s timed out after %.1f s; aborting it.", state.request_id, timeout_s)
+        self._release(state, send_abort=True)
+        state.collector.put_error(RequestTimeoutError(
+            f"The request did not finish within {timeout_s:g} s (--request-timeout) and was aborted; "
+            "ask for fewer tokens (max_tokens), or raise --request-timeout."))
 
     def _mark_dead(self, error: EngineDeadError) -> None:
         """Any thread: refuse new work, then end every stream and call on the event loop."""

@@ -7,16 +7,36 @@ import argparse
 import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
+
+SERVE_EPILOG = (
+    "exit status: 0 after a clean shutdown (SIGTERM/SIGINT); 2 when a flag, a path, a file or the port "
+    "cannot work (one line on stderr, 'chorus serve: error: ...', naming the flag and the fix; nothing was "
+    "served); 1 when anything else stops it before it serves (one line; --debug prints the traceback) or "
+    "when the engine dies while serving.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``chorus serve: error: ...``, status 2), not the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = f"; `{self.prog} --help` lists them" if message.startswith("unrecognized arguments") else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from engine.server.app import run_server
+    from engine.server.app import StartupError, run_server
     try:
         run_server(args)
     except KeyboardInterrupt:
         pass
+    except StartupError as e:
+        if args.debug:
+            traceback.print_exception(e.__cause__ or e)
+        print(f"chorus serve: error: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 
@@ -50,7 +70,7 @@ def _bench(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from engine.server.args import add_serve_args
-    parser = argparse.ArgumentParser(prog="chorus", description="Chorus LLM serving engine.")
+    parser = _Parser(prog="chorus", description="Chorus LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
@@ -59,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "for a chat MODEL; /v1/audio/transcriptions and /v1/audio/translations for a Whisper "
                     "MODEL (--task transcription without MODEL: Whisper tiny.en), or for a Whisper model "
                     "served next to a chat MODEL with --transcription-model.",
-        formatter_class=argparse.HelpFormatter)
+        epilog=SERVE_EPILOG, formatter_class=argparse.HelpFormatter)
     add_serve_args(serve)
 
     gen = sub.add_parser("generate", help="Complete one prompt offline and print the text.")

@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, API-key and body-size guards, error handlers, and ``run_server``.
+"""The FastAPI app: routes, error handlers, the guards of ``guards.py``, and ``run_server`` (start-up
+checks, the port bound before the model loads, one-line start-up errors).
 
 Routes (vLLM's): GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
 POST /detokenize, GET /health, GET /version, GET /metrics; POST /v1/audio/transcriptions and
@@ -17,24 +18,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
+import builtins
+import errno
 import logging
+import re
+import socket
+import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Union
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.async_llm import AsyncLLM
+from engine.async_llm import AsyncLLM, RequestLimits
+from engine.errors import EngineStartupError
 from engine.server import args as serve_args
 from engine.server import metrics
-from engine.server.errors import (BadRequestError, PayloadTooLargeError, ServiceUnavailableError,
-                                  UnauthorizedError, error_body, install_error_handlers)
+from engine.server.errors import (BadRequestError, OpenAIError, ServiceUnavailableError, error_body,
+                                  install_error_handlers)
+from engine.server.guards import APIKeyMiddleware, ClientGuardMiddleware, head_deadline_protocol
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest)
 from engine.server.serving_chat import OpenAIServingChat
@@ -42,6 +48,7 @@ from engine.server.serving_completion import OpenAIServingCompletion
 from engine.server.serving_models import OpenAIServingModels, parse_lora_modules
 from engine.server.serving_tokenize import OpenAIServingTokenization
 from engine.server.serving_transcription import OpenAIServingTranscription
+from lora import errors as lora_errors
 
 logger = logging.getLogger("chorus.server")
 
@@ -56,90 +63,6 @@ class LoadLoRAAdapterRequest(BaseModel):
 
 class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str
-
-
-# ----------------------------------------------------------------------------------------
-# ASGI guards (pure ASGI so streaming responses pass through untouched)
-# ----------------------------------------------------------------------------------------
-async def _send_error(send: Send, status: int, body: dict) -> None:
-    resp = JSONResponse(body, status_code=status)
-    await resp({"type": "http"}, _no_receive, send)
-
-
-async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never reads
-    return {"type": "http.disconnect"}
-
-
-class APIKeyMiddleware:
-    """401 on /v1/* without ``Authorization: Bearer <key>`` (other routes stay open, as vLLM)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope.get("method") != "OPTIONS"
-                and scope.get("path", "").startswith("/v1")):
-            headers = dict(scope.get("headers") or [])
-            auth = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
-                err = UnauthorizedError("Unauthorized: missing or invalid API key.")
-                await _send_error(send, 401, error_body(err.message, err.err_type, 401))
-                return
-        await self.app(scope, receive, send)
-
-
-class BodySizeLimitMiddleware:
-    """413 for request bodies above ``max_bytes`` (by Content-Length, or counted when chunked)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None:
-            if length.isdigit() and int(length) > self.max_bytes:
-                await self._refuse(send, scope.get("path", ""))
-                return
-            await self.app(scope, receive, send)
-            return
-        if scope.get("method") not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        # No Content-Length (chunked): buffer up to the limit, then replay to the app.
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._refuse(send, scope.get("path", ""))
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send: Send, path: str) -> None:
-        err = PayloadTooLargeError(f"Request body is larger than the limit of {self.max_bytes} bytes.")
-        if path.startswith("/v1/audio/"):
-            err = PayloadTooLargeError(err.message + " Audio files may be at most 25 MB.", param="file")
-        await _send_error(send, 413, error_body(err.message, err.err_type, 413, err.param))
 
 
 # ----------------------------------------------------------------------------------------
@@ -161,6 +84,8 @@ class ServingState:
     """/v1/audio/*: MODEL's engine when it is Whisper, else the --transcription-model one; None: neither."""
     engine_clients: list[AsyncLLM] = field(default_factory=list)
     """Every engine served (MODEL's, then the Whisper one when it is a second engine): health, shutdown."""
+    static_adapters_loaded: bool = False
+    """The --lora-modules adapters are in the engine (``load_static_adapters`` ran)."""
 
     @property
     def serves_whisper_only(self) -> bool:
@@ -178,6 +103,8 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
     for client in engines:
         client.processor.reject_overlong_max_tokens = True   # vLLM's server behaviour
         client.processor.allow_local_media_paths = False     # media: URLs and uploads only
+        client.limits = RequestLimits(max_queued_requests=args.max_queued_requests,
+                                      request_timeout_s=args.request_timeout)
     served_names = args.served_model_name or [engine_client.model_name]
     model_path = serve_args.resolve_model(args) or engine_client.model_name
     models = OpenAIServingModels(engine_client, served_names, model_path,
@@ -204,7 +131,7 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await models.init_static_loras()
+        await load_static_adapters(st)   # run_server loads them before it serves; others (tests) here
         try:
             yield
         finally:
@@ -220,14 +147,27 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
     _add_audio_routes(app, st)
     if serve_args.runtime_lora_updating(args):
         _add_lora_routes(app, st)
-    # The middleware added last runs first: size limit, then API key, then CORS.
+    # The middleware added last runs first: body size and slow clients, then API key, then CORS.
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=True,
                        allow_methods=["*"], allow_headers=["*"])
     key = serve_args.api_key(args)
     if key:
         app.add_middleware(APIKeyMiddleware, api_key=key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    app.add_middleware(ClientGuardMiddleware, max_body_bytes=args.max_request_body_bytes,
+                       timeout_s=args.slow_client_timeout)
     return app
+
+
+async def load_static_adapters(st: ServingState) -> None:
+    """Load the --lora-modules adapters into the engine, once; ValueError naming the item and why."""
+    if st.static_adapters_loaded:
+        return
+    for module in st.models.static_lora_modules:
+        try:
+            await st.models.load_lora_adapter(module.name, module.path, module.base_model_name)
+        except (ValueError, OpenAIError) as e:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e}") from e
+    st.static_adapters_loaded = True
 
 
 def check_engines(args: argparse.Namespace, engine_client: AsyncLLM,
@@ -367,8 +307,85 @@ def _add_lora_routes(app: FastAPI, st: ServingState) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 
+EXIT_CONFIG_ERROR = 2
+"""``chorus serve``'s exit status when a flag, a path, a file or the port cannot work (argparse's own for
+usage errors): one line on stderr, ``chorus serve: error: ...``, naming the flag and the fix."""
+EXIT_STARTUP_FAILURE = 1
+"""... when anything else stops it before it serves (a bug, out of memory): one line too (``--debug``
+prints the traceback)."""
+
+
+class StartupError(Exception):
+    """``chorus serve`` stopped before it served. ``str()`` is one line that names the flag and the fix;
+    ``exit_code`` is ``EXIT_CONFIG_ERROR`` or ``EXIT_STARTUP_FAILURE``; the error itself is ``__cause__``."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+_CONFIG_ERRORS = (ValueError, OSError, ImportError)
+"""What a setting, a file or the environment causes (a LoRA adapter error is a ValueError)."""
+
+
+def startup_error(exc: BaseException) -> StartupError:
+    """Any error raised before the server serves -> its one-line ``StartupError``."""
+    if isinstance(exc, StartupError):
+        return exc
+    kind, message, config = type(exc).__name__, " ".join(str(exc).split()), isinstance(exc, _CONFIG_ERRORS)
+    if isinstance(exc, EngineStartupError):   # the engine process: "...: Type: message\ntraceback"
+        m = re.match(r"The engine failed to start: (\w+): (.*)", str(exc).split("\n", 1)[0])
+        if m is not None:
+            kind, message = m.group(1), m.group(2).strip()
+            known = getattr(builtins, kind, None) or getattr(lora_errors, kind, None)
+            config = isinstance(known, type) and issubclass(known, _CONFIG_ERRORS)
+        else:
+            message = str(exc).split("\n", 1)[0]
+    if config:
+        return StartupError(serve_args.name_the_flag(message or kind), EXIT_CONFIG_ERROR)
+    return StartupError(f"{kind}: {message} (start-up failed; --debug prints the traceback)",
+                        EXIT_STARTUP_FAILURE)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before any model loads (a port in use stops start-up at once, and no
+    other process can take the port while the model loads); uvicorn listens on it once serving.
+
+    Raises:
+        ValueError: naming --port or --host and the fix.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: a restart rebinds at once
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is already in use; stop the server that holds it "
+                             "or choose another --port.") from e
+        if e.errno == errno.EACCES:
+            raise ValueError(f"--port {port}: permission denied; choose a port above 1023 (or run with the "
+                             "privilege to bind low ports).") from e
+        raise ValueError(f"--host {host}: cannot listen there ({e.strerror or e}); give an address of this "
+                         "machine, e.g. 0.0.0.0 (all interfaces) or 127.0.0.1.") from e
+    return sock
+
+
+def uvicorn_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's settings from the serve flags; the caller passes the socket (``bind_socket``). Idle
+    keep-alive connections close after uvicorn's 5 s, request heads have ``--slow-client-timeout``."""
+    return uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                          access_log=not args.disable_uvicorn_access_log,
+                          timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on",
+                          http=head_deadline_protocol(args.slow_client_timeout))
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """``chorus serve``: load the engine, serve until SIGTERM/SIGINT, then shut down cleanly.
+    """``chorus serve``: check the flags, bind the port, load the engine and the --lora-modules adapters,
+    log "Serving ... on http://...", serve until SIGTERM/SIGINT, then shut down cleanly.
+
+    Raises:
+        StartupError: anything failed before the "Serving" line (nothing was served).
 
     On a signal uvicorn stops accepting connections; in-flight requests get ``--shutdown-timeout``
     seconds to finish, then the engine stops and the ones left end with a 503 error (streams: an
@@ -376,9 +393,45 @@ def run_server(args: argparse.Namespace) -> None:
     that dies by itself (a fatal step fault) stops the server the same way, then raises SystemExit
     (status 1).
     """
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    serve_args.check_task_args(args)
+    # NOTE: logs go to stdout (as vLLM's), so stderr carries only errors: a failed start-up is one line.
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engines: list[AsyncLLM] = []
+    sock: Optional[socket.socket] = None
+    try:
+        serve_args.check_serve_args(args)
+        host = args.host or "0.0.0.0"
+        sock = bind_socket(host, args.port)
+        app = _load_engines(args, engines)
+    except Exception as e:
+        _close(engines, sock)
+        raise startup_error(e) from e
+    except BaseException:   # Ctrl-C while loading
+        _close(engines, sock)
+        raise
+
+    async def before_serving() -> None:
+        await load_static_adapters(app.state.serving)
+        port = sock.getsockname()[1]
+        logger.info("Serving %s on http://%s:%d", " and ".join(c.model_name for c in engines), host, port)
+
+    server = _GracefulServer(uvicorn_config(app, args), engines, args.shutdown_timeout, before_serving)
+    try:
+        server.run(sockets=[sock])
+    except Exception as e:
+        if server.serving:
+            raise
+        raise startup_error(e) from e
+    finally:
+        _close(engines, sock)
+    if server.engine_error is not None:   # README, "Failure behaviour": a supervisor restarts us
+        raise SystemExit(f"The engine died ({server.engine_error}); exiting with status 1 so that a "
+                         "supervisor restarts the server.")
+    logger.info("Chorus server stopped.")
+
+
+def _load_engines(args: argparse.Namespace, engines: list[AsyncLLM]) -> FastAPI:
+    """Load MODEL's engine (and the --transcription-model one) into ``engines``; the app around them."""
 
     def load(kwargs: dict[str, Any], engine_process: bool) -> AsyncLLM:
         logger.info("Loading model %s ...", kwargs["model"] or "(default SmolLM2)")
@@ -386,43 +439,36 @@ def run_server(args: argparse.Namespace) -> None:
                                                  engine_process=engine_process, **kwargs))
         return engines[-1]
 
-    try:
-        # NOTE: the Whisper engine loads first: on CUDA MODEL's KV cache then takes what is left of
-        # --gpu-memory-utilization (the budget counts memory already in use on the device).
-        model_process, whisper_process = serve_args.engine_processes(args)
-        whisper_kwargs = serve_args.transcription_engine_kwargs(args)
-        transcription_client = load(whisper_kwargs, whisper_process) if whisper_kwargs is not None else None
-        engine_client = load(serve_args.engine_kwargs(args), model_process)
-        app = build_app(engine_client, args, transcription_client)
-    except BaseException:
-        for client in engines:
-            client.shutdown()
-        raise
-    host = args.host or "0.0.0.0"
-    config = uvicorn.Config(app, host=host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
-    logger.info("Serving %s on http://%s:%d", " and ".join(c.model_name for c in engines), host, args.port)
-    server = _GracefulServer(config, engines, args.shutdown_timeout)
-    try:
-        server.run()
-    finally:
-        for client in engines:
-            client.shutdown()
-    if server.engine_error is not None:   # README, "Failure behaviour": a supervisor restarts us
-        raise SystemExit(f"The engine died ({server.engine_error}); exiting with status 1 so that a "
-                         "supervisor restarts the server.")
-    logger.info("Chorus server stopped.")
+    # NOTE: the Whisper engine loads first: on CUDA MODEL's KV cache then takes what is left of
+    # --gpu-memory-utilization (the budget counts memory already in use on the device).
+    model_process, whisper_process = serve_args.engine_processes(args)
+    whisper_kwargs = serve_args.transcription_engine_kwargs(args)
+    transcription_client = load(whisper_kwargs, whisper_process) if whisper_kwargs is not None else None
+    engine_client = load(serve_args.engine_kwargs(args), model_process)
+    return build_app(engine_client, args, transcription_client)
+
+
+def _close(engines: list[AsyncLLM], sock: Optional[socket.socket]) -> None:
+    for client in engines:
+        client.shutdown()
+    if sock is not None:
+        sock.close()
 
 
 class _GracefulServer(uvicorn.Server):
     """uvicorn.Server that, after the grace period, ends leftover requests through the engine and
     does not re-raise the signal it caught (so a SIGTERM'd server exits with 0)."""
 
-    def __init__(self, config: uvicorn.Config, engine_clients: list[AsyncLLM], grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine_clients: list[AsyncLLM], grace_s: float,
+                 before_serving: Callable[[], Awaitable[None]]) -> None:
         super().__init__(config)
         self.engine_clients = engine_clients
         self.grace_s = grace_s
+        self.before_serving = before_serving
+        """Runs on the server's event loop before it serves (adapters, the "Serving" line); what it
+        raises stops start-up."""
+        self.serving = False
+        """``before_serving`` passed: errors from here on are not start-up errors."""
         self.engine_error: Optional[BaseException] = None
         """Why an engine died by itself (a fatal step fault, a killed engine process): the server
         then stops as on a signal, and ``run_server`` exits non-zero."""
@@ -435,6 +481,11 @@ class _GracefulServer(uvicorn.Server):
                 logger.error("The engine of %s died: %s; stopping the server.", dead.model_name, dead.dead_error)
                 return True
         return await super().on_tick(counter)
+
+    async def serve(self, sockets: Any = None) -> None:
+        await self.before_serving()
+        self.serving = True
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         logger.info("Signal %d received: shutting down (grace period %.1f s).", sig, self.grace_s)

@@ -18,6 +18,14 @@ TASKS = ("auto", "generate", "transcription")
 """``--task`` values (vLLM's older ``--task`` names for these two)."""
 DEFAULT_WHISPER = "tiny.en"
 """The Whisper model of ``--task transcription`` without MODEL and of ``--transcription-model default``."""
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+"""A PEFT adapter directory's files (PEFT's names; ``lora/peft_adapter.py`` reads them)."""
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+"""Requests that may wait beyond --max-num-seqs before new ones get a 503: a burst of a thousand requests
+still queues; a flood cannot grow the server's memory without bound."""
+DEFAULT_SLOW_CLIENT_TIMEOUT_S = 60.0
+"""As nginx's client_header_timeout / client_body_timeout: a 25 MB upload needs > 3.3 Mbit/s."""
 TRANSCRIPTION_KV_CACHE_SPACE_GIB = 1.0
 """Most host memory the second (Whisper) engine's KV cache takes on CPU: Whisper tiny's cross and self
 attention hold ~12 KiB per position, so 1 GiB runs ~40 30-second windows at once."""
@@ -71,6 +79,28 @@ def _limit_mm_per_prompt(value: str) -> dict[str, int]:
     return limits
 
 
+def _port(value: str) -> int:
+    if not value.isdigit() or int(value) > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number; use 1-65535 (0: any free port).")
+    return int(value)
+
+
+def _non_negative_int(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} must be an integer >= 0.")
+    return int(value)
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a number of seconds > 0.")
+    return seconds
+
+
 def _media_dir(value: str) -> str:
     """An existing directory, made absolute."""
     path = os.path.abspath(os.path.expanduser(value))
@@ -90,7 +120,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     net = p.add_argument_group("HTTP server")
     net.add_argument("--host", default=None, help="Interface to bind (default: all interfaces).")
-    net.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    net.add_argument("--port", type=_port, default=8000,
+                     help="Port to listen on (default: 8000; 0: any free port, logged at start-up). "
+                          "It is bound before the model loads: a port in use stops start-up at once.")
     net.add_argument("--api-key", default=None,
                      help="Require 'Authorization: Bearer KEY' on /v1/* routes (also $CHORUS_API_KEY).")
     net.add_argument("--served-model-name", nargs="+", default=None,
@@ -110,6 +142,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     net.add_argument("--shutdown-timeout", type=float, default=5.0,
                      help="Seconds in-flight requests get to finish after SIGTERM/SIGINT (default: 5).")
     net.add_argument("--allowed-origins", nargs="*", default=["*"], help="CORS allowed origins (default: *).")
+    net.add_argument("--max-queued-requests", type=_non_negative_int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                     metavar="N",
+                     help="Requests that may wait beyond the --max-num-seqs that run at once; more get a 503 "
+                          "with Retry-After (the OpenAI SDK retries it) instead of queueing without bound. "
+                          f"An n > 1 request counts once (default: {DEFAULT_MAX_QUEUED_REQUESTS}).")
+    net.add_argument("--request-timeout", type=_positive_seconds, default=None, metavar="S",
+                     help="Abort a request S seconds after it arrived, queueing included (its KV blocks are "
+                          "freed): a 504 error, or on a stream an in-band error event then [DONE]. "
+                          "Default: no timeout.")
+    net.add_argument("--slow-client-timeout", type=_positive_seconds, default=DEFAULT_SLOW_CLIENT_TIMEOUT_S,
+                     metavar="S",
+                     help="A client gets S seconds to send its request's headers and S more for its body "
+                          "(then 408 and the connection closes), and a response may wait S seconds for the "
+                          "client to read it (then its requests are aborted, freeing their KV blocks, and "
+                          f"the connection closes). Default: {DEFAULT_SLOW_CLIENT_TIMEOUT_S:g}.")
+    net.add_argument("--debug", action="store_true",
+                     help="Print the traceback of a start-up error (by default: one line naming the flag "
+                          "and the fix).")
 
     eng = p.add_argument_group("Engine")
     eng.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
@@ -307,6 +357,63 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             paths = [m.path for m in parse_lora_modules(args.lora_modules)]
             kwargs["max_lora_rank"] = LoRAManager.max_rank_in(paths)
     return kwargs
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag and the fix for flags that cannot work, found before any model loads."""
+    check_task_args(args)
+    check_lora_modules(args)
+
+
+def check_lora_modules(args: argparse.Namespace) -> None:
+    """Every ``--lora-modules`` item names an adapter, once, in a PEFT directory this server can load
+    (config read and checked against ``--max-lora-rank``, weights file present)."""
+    from engine.server.serving_models import parse_lora_modules
+    from lora.errors import LoRAAdapterError
+    from lora.manager import LoRAManager
+
+    fix = f"give a PEFT adapter directory ({PEFT_CONFIG_FILE} + {PEFT_WEIGHT_FILES[0]})"
+    max_lora_rank = getattr(args, "max_lora_rank", None)
+    seen: set[str] = set()
+    for item in args.lora_modules or []:
+        flag = f"--lora-modules {item}"
+        if "=" not in item and not item.lstrip().startswith("{"):
+            raise ValueError(f"{flag}: no adapter name; give NAME=PATH (e.g. sql={item}) or JSON "
+                             '{"name": ..., "path": ...}.')
+        module = parse_lora_modules([item])[0]
+        if not module.name or not module.path:
+            raise ValueError(f"{flag}: the adapter name and path must both be given, as NAME=PATH.")
+        if module.name in seen:
+            raise ValueError(f"{flag}: the name {module.name!r} is given twice; give each adapter its own "
+                             "name.")
+        seen.add(module.name)
+        path = Path(module.path).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"{flag}: {module.path} is not a directory; {fix}.")
+        if not (path / PEFT_CONFIG_FILE).is_file():
+            raise ValueError(f"{flag}: no {PEFT_CONFIG_FILE} in {module.path}; {fix}.")
+        if not any((path / name).is_file() for name in PEFT_WEIGHT_FILES):
+            raise ValueError(f"{flag}: no {' or '.join(PEFT_WEIGHT_FILES)} in {module.path}; {fix}.")
+        try:   # reads and checks the config (every unsupported option); the rank is checked below
+            rank = LoRAManager.max_rank_in([str(path)], at_least=1)
+        except LoRAAdapterError as e:
+            raise ValueError(f"{flag}: {e}") from e
+        if max_lora_rank is not None and rank > max_lora_rank:
+            raise ValueError(f"{flag}: the adapter's rank {rank} is above --max-lora-rank {max_lora_rank}; "
+                             f"raise --max-lora-rank to {rank} (or leave it unset: it defaults to the largest "
+                             "rank among --lora-modules).")
+
+
+def name_the_flag(message: str) -> str:
+    """A config check's message that opens with a field name (``max_num_seqs=0 must be >= 1.``) prefixed
+    with the serve flag of that field (``--max-num-seqs: ...``), unless it names a flag already."""
+    field = re.match(r"[a-z][a-z0-9_]*", message)
+    if field is None or "--" in message:
+        return message
+    flag = "--" + field.group(0).replace("_", "-")
+    parser = add_serve_args(argparse.ArgumentParser())
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    return f"{flag}: {message}" if flag in known else message
 
 
 def check_task_args(args: argparse.Namespace) -> None:

@@ -3,10 +3,15 @@
 Route code raises ``OpenAIError`` (or a subclass); ``install_error_handlers`` maps it, pydantic
 validation errors (400, not FastAPI's 422), ``ValueError`` from the engine (400),
 ``EngineDeadError`` (503), ``EngineStepError`` (500) and unknown routes (404) to that body.
+A body that is not JSON is a 400 that says where it stops parsing (line and column) or, when it was sent
+with another Content-Type, that the content type is the problem (400 as vLLM and OpenAI answer, not
+415). An overloaded engine is a 503 with a Retry-After header, a request past ``--request-timeout`` a 504.
 """
 
 from __future__ import annotations
 
+import email.message
+import json
 import logging
 from http import HTTPStatus
 from typing import Any, Optional
@@ -16,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.async_llm import EngineOverloadedError, RequestTimeoutError
 from engine.errors import EngineDeadError, EngineStepError
 
 logger = logging.getLogger("chorus.server")
@@ -28,10 +34,12 @@ class OpenAIError(Exception):
     err_type: str = "BadRequestError"
 
     def __init__(self, message: str, param: Optional[str] = None, status_code: Optional[int] = None,
-                 err_type: Optional[str] = None) -> None:
+                 err_type: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers = headers
+        """Extra response headers (Retry-After on a 503)."""
         if status_code is not None:
             self.status_code = status_code
         if err_type is not None:
@@ -63,13 +71,31 @@ class ServiceUnavailableError(OpenAIError):
     err_type = "ServiceUnavailableError"
 
 
+class RequestTimeoutHTTPError(OpenAIError):
+    """408: the client did not send its request (headers and body) in time."""
+
+    status_code = HTTPStatus.REQUEST_TIMEOUT
+    err_type = "RequestTimeoutError"
+
+
+class GatewayTimeoutError(OpenAIError):
+    """504: the request ran past ``--request-timeout`` (the engine aborted it)."""
+
+    status_code = HTTPStatus.GATEWAY_TIMEOUT
+    err_type = "GatewayTimeoutError"
+
+
+RETRY_AFTER_S = 5
+"""Retry-After of an overload 503: clients (the OpenAI SDK among them) wait this long before a retry."""
+
+
 def error_body(message: str, err_type: str, code: int, param: Optional[str] = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": int(code)}}
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.err_type, err.status_code, err.param),
-                        status_code=int(err.status_code))
+                        status_code=int(err.status_code), headers=err.headers)
 
 
 def to_openai_error(exc: BaseException) -> OpenAIError:
@@ -78,6 +104,10 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(f"The engine is not available: {exc}")
+    if isinstance(exc, EngineOverloadedError):
+        return ServiceUnavailableError(str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, RequestTimeoutError):
+        return GatewayTimeoutError(str(exc))
     if isinstance(exc, EngineStepError):   # the engine logged the traceback
         return OpenAIError(str(exc), status_code=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
     from lora.errors import LoRAAdapterNotFoundError
@@ -113,11 +143,51 @@ def format_validation_error(exc: RequestValidationError) -> tuple[str, Optional[
     return "; ".join(parts) or "Invalid request body.", param
 
 
+JSON_HINT = "send the body as a JSON object with 'Content-Type: application/json'"
+
+
+def body_error(exc: RequestValidationError, content_type: Optional[str]) -> Optional[BadRequestError]:
+    """A body that is not JSON at all (as opposed to JSON with a bad field): the content type, or where
+    the JSON stops parsing (FastAPI reports only the offset); None when the body is JSON."""
+    errors = exc.errors()
+    if not _is_json_content_type(content_type) and any(tuple(e.get("loc", ()))[:1] == ("body",)
+                                                        for e in errors):
+        # FastAPI does not parse a body of another content type (nor one without: CSRF) as JSON.
+        what = (f"Content-Type {content_type!r} is" if content_type
+                else "A request body without Content-Type is")
+        return BadRequestError(f"{what} not supported here; {JSON_HINT}.")
+    for err in errors:
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "json_invalid" and len(loc) == 2 and isinstance(loc[1], int):
+            doc = exc.body.decode("utf-8", "replace") if isinstance(exc.body, bytes) else str(exc.body or "")
+            msg = str((err.get("ctx") or {}).get("error", "invalid JSON"))
+            where = json.JSONDecodeError(msg, doc, loc[1]) if loc[1] <= len(doc) else None
+            place = f"line {where.lineno} column {where.colno} (char {loc[1]})" if where else f"char {loc[1]}"
+            return BadRequestError(f"The request body is not valid JSON: {msg} at {place}; {JSON_HINT}.")
+        if err.get("type") == "missing" and loc == ("body",):
+            return BadRequestError(f"The request body is empty; {JSON_HINT}.")
+    return None
+
+
+def _is_json_content_type(value: Optional[str]) -> bool:
+    """application/json or application/*+json (as FastAPI decides what to parse), any parameters."""
+    if not value:
+        return False
+    message = email.message.Message()
+    message["content-type"] = value
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json"
+                                                                or subtype.endswith("+json"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = format_validation_error(exc)
-        return error_response(BadRequestError(message, param=param))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = body_error(exc, request.headers.get("content-type"))
+        if err is None:
+            message, param = format_validation_error(exc)
+            err = BadRequestError(message, param=param)
+        return error_response(err)
 
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -134,6 +204,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def _value(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(to_openai_error(exc))
+
+    async def _classified(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_openai_error(exc))
+
+    for exc_type in (EngineOverloadedError, RequestTimeoutError):   # 503 + Retry-After, 504
+        app.add_exception_handler(exc_type, _classified)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

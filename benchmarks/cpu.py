@@ -19,6 +19,9 @@ transformers' own forward of the same ids on the converted checkpoint (its CPU a
 ``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench``) runs
 llama.cpp on the same GGUF file and threads: prefill of 512 and ``--long-prompt`` tokens, and 64-token
 decode at an empty and at a 512-token context (``-d``).
+``--matmul-rows 1,4,16,32`` (empty: skip): one decoder layer's projections of the default model's shapes at
+each row count, per weight format: float32 ``F.linear``, int8 / int4 through ``quantized_linear``'s packed
+kernels and through its dequantize + ``F.linear`` path: where ``PACKED_MAX_TOKENS`` should lie.
 ``--serve-clients N`` (0: skip): ``chorus serve`` on the default model with its defaults (a subprocess,
 the converted GGUF already cached): seconds from the command to ``/health`` and to the first chat answer,
 then ``benchmarks/serve.py`` with N concurrent streamed clients (4 N completions of 128 random prompt
@@ -136,6 +139,42 @@ def llama_bench_rows(binary: str, threads: int, long_prompt: int) -> list[dict]:
     return rows
 
 
+def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
+    """Microseconds for one layer's four projections (qkv, o, gate_up, down) at each row count."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine.layers.quantized import Int4Weight, Int8Weight
+    if threads:
+        torch.set_num_threads(threads)
+    hidden, inter, kv = 576, 1536, 192
+    shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]   # [out, in]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes]
+    formats = {"float32": [(w, None) for w in weights], "int8": [(None, Int8Weight(w)) for w in weights],
+               "int4": [(None, Int4Weight(w)) for w in weights]}
+
+    def timed(fn, reps: int = 50) -> float:
+        for _ in range(5):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
+
+    out = []
+    for rows in rows_list:
+        xs = [torch.randn(rows, i, generator=gen) for _, i in shapes]
+        row = dict(rows=rows)
+        row["float32"] = timed(lambda: [F.linear(x, w) for x, (w, _) in zip(xs, formats["float32"])])
+        for kind in ("int8", "int4"):
+            ws = [q for _, q in formats[kind]]
+            row[f"{kind}_packed"] = timed(lambda: [q.packed_mm(x) for x, q in zip(xs, ws)])
+            row[f"{kind}_dequantized"] = timed(lambda: [F.linear(x, q.dequantize(x.dtype)) for x, q in zip(xs, ws)])
+        out.append(row)
+    return out
+
+
 def serve_rows(num_clients: int, threads: int) -> dict:
     """``chorus serve`` start-up and ``num_clients`` concurrent streams through it (``benchmarks/serve.py``)."""
     import os
@@ -184,7 +223,7 @@ def serve_rows(num_clients: int, threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", nargs="+", default=["default", "float32", "int4"],
+    ap.add_argument("--modes", nargs="*", default=["default", "float32", "int4"],
                     choices=["default", "float32", "bfloat16", "int8", "int4"])
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -192,6 +231,8 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=8000, help="long prefill length (0: skip)")
     ap.add_argument("--long-chunk", type=int, default=2048, help="the chunked long prefill's step budget")
     ap.add_argument("--llama-bench", default=None, help="a llama-bench binary to run side by side")
+    ap.add_argument("--matmul-rows", default="1,2,4,8,16,32,64",
+                    help="row counts for the projection table (empty: skip)")
     ap.add_argument("--serve-clients", type=int, default=16, help="concurrent clients through chorus serve (0: skip)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -203,7 +244,9 @@ def main() -> None:
         proc.start()
         rows.append(queue.get())
         proc.join()
-    print(f"{'mode':10s} {'threads':>7s} {'LLM() s':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'ms/token':>9s}")
+    if rows:
+        print(f"{'mode':10s} {'threads':>7s} {'LLM() s':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
+              f"{'ms/token':>9s}")
     for r in rows:
         print(f"{r['mode']:10s} {r['threads']:7d} {r['start_s']:8.2f} {r['prefill_tok_s']:14.0f} "
               f"{r['decode_tok_s']:13.1f} {r['ms_per_token']:9.1f}")
@@ -217,6 +260,12 @@ def main() -> None:
         print(f"\n{'llama.cpp (llama-bench)':24s} {'prompt':>7s} {'gen':>5s} {'depth':>6s} {'tok/s':>8s}")
         for r in llama_rows:
             print(f"{r['test']:24s} {r['n_prompt']:7d} {r['n_gen']:5d} {r['depth']:6d} {r['tok_s']:8.1f}")
+    mm_rows = matmul_rows([int(r) for r in args.matmul_rows.split(",") if r], args.threads)
+    if mm_rows:
+        keys = [k for k in mm_rows[0] if k != "rows"]
+        print("\none layer's projections, us: " + " ".join(f"{k:>16s}" for k in ["rows"] + keys))
+        for r in mm_rows:
+            print(" " * 29 + " ".join([f"{r['rows']:16d}"] + [f"{r[k]:16.0f}" for k in keys]))
     served = serve_rows(args.serve_clients, args.threads) if args.serve_clients else None
     if served:
         print(f"\nchorus serve: /health after {served['health_s']:.1f} s, first chat answer after "
@@ -226,7 +275,7 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, long_prompt=long_rows,
-                                                  llama_cpp=llama_rows, serve=served), indent=2))
+                                                  llama_cpp=llama_rows, matmul=mm_rows, serve=served), indent=2))
 
 
 if __name__ == "__main__":

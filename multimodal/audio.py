@@ -410,6 +410,9 @@ def decode_with_pyav(data: bytes, kind: str, limits: AudioLimits) -> DecodedAudi
         stream = next((s for s in container.streams if s.type == "audio"), None)
         if stream is None:
             raise AudioError(f"the {kind} file has no audio track")
+        if stream.codec_context is None:   # FFmpeg has no decoder for the track's codec
+            raise AudioError(f"the {kind} file's audio track uses a codec this server cannot decode; send "
+                             f"{SUPPORTED_FORMATS_TEXT}, or m4a/mp4 (AAC) or webm (Opus, Vorbis)")
         codec = stream.codec_context.name
         source_format = f"{container.format.name.split(',')[0]}/{codec}"
         declared_s = pyav_declared_duration_s(container, stream, kind)

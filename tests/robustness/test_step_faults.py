@@ -92,6 +92,56 @@ def test_offline_a_success_resets_the_count_and_a_cuda_error_is_fatal_at_once(ll
         llm.generate(["Hi"], _params(), use_tqdm=False)
 
 
+def test_a_fault_while_loading_an_adapter_slot_frees_the_slot_for_a_clean_reload(tiny_llama_dir, tmp_path, monkeypatch):
+    """The step fails half-way through copying an adapter into its slot: the slot must not be taken
+    for loaded afterwards (the next request reloads it and matches a clean engine)."""
+    from lora import LoRARequest
+    from lora.manager import LoRAManager
+    from tests.lora.utils import ALL_TARGETS, build_peft_adapter
+
+    adapter = LoRARequest("a", 1, str(build_peft_adapter(tiny_llama_dir, tmp_path / "a", r=8, lora_alpha=16,
+                                                         target_modules=ALL_TARGETS, seed=1)))
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8)
+    ref = llm.generate([PROMPT], _params(), lora_request=adapter, use_tqdm=False)[0].outputs[0].token_ids
+    llm.llm_engine.remove_lora("a")
+    real_load = LoRAManager.load_slot
+
+    def half_load(self, lora_slot, lora_request):
+        for layer in list(self.layers.values())[:2]:   # some layers get garbage, then the copy fails
+            layer.lora_a[lora_slot].fill_(1.0)
+        raise RuntimeError("copy failed half-way")
+
+    monkeypatch.setattr(LoRAManager, "load_slot", half_load)
+    with pytest.raises(EngineStepError, match="copy failed half-way"):
+        llm.generate([PROMPT], _params(), lora_request=adapter, use_tqdm=False)
+    assert llm.llm_engine.get_stats().num_active_loras == 0
+    monkeypatch.setattr(LoRAManager, "load_slot", real_load)
+    again = llm.generate([PROMPT], _params(), lora_request=adapter, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == ref
+    _assert_idle(llm.llm_engine.core)
+
+
+def test_a_fault_in_the_vision_encoder_leaves_no_encoder_cache_entry_behind(tmp_path, monkeypatch):
+    """The encoder fails: the scheduler had counted the image as encoded; the next request with the
+    same image must encode it again (not read a missing entry) and match a clean engine."""
+    from tests.vision.conftest import build_tiny_llava, make_image
+
+    llm = LLM(str(build_tiny_llava(tmp_path / "llava")), device="cpu", dtype="float32", max_model_len=256)
+    prompt = {"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": make_image(40, 30, 0)}}
+    ref = llm.generate(prompt, _params(), use_tqdm=False)[0].outputs[0].token_ids
+    core = llm.llm_engine.core
+    assert llm.llm_engine.reset_prefix_cache()                     # the reference's KV and encoder
+    core.scheduler.encoder_cache_manager.evict_unreferenced()     # entry: gone, so the image is encoded
+    runner = llm.llm_engine.runner
+    monkeypatch.setattr(runner, "_run_encoders", lambda scheduled: (_ for _ in ()).throw(RuntimeError("encoder")))
+    with pytest.raises(EngineStepError, match="encoder"):
+        llm.generate(prompt, _params(), use_tqdm=False)
+    assert core.get_stats().encoder_cache_usage == 0.0
+    monkeypatch.undo()
+    assert llm.generate(prompt, _params(), use_tqdm=False)[0].outputs[0].token_ids == ref
+    _assert_idle(core)
+
+
 # ------------------------------------------------------------------------------------------
 # AsyncLLM
 # ------------------------------------------------------------------------------------------

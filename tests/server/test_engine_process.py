@@ -114,6 +114,18 @@ def test_killed_engine_process_gives_503_and_shutdown_stops_it(tiny_llama_dir):
     assert wait_until(lambda: not child.is_alive())
 
 
+def test_a_step_fault_in_the_engine_process_is_a_500_and_the_engine_goes_on(servers):
+    """A step that raises in the child: its request's EngineStepError crosses the pipe (a 500), the
+    engine keeps serving (README, "Failure behaviour")."""
+    proc, _ = servers
+    proc.engine_client.inject_fault(RuntimeError("boom in the child"), num_steps=1)
+    r = httpx.post(proc.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "A", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 500 and "boom in the child" in r.json()["error"]["message"], r.text
+    assert httpx.get(proc.url + "/health").status_code == 200
+    _complete(proc.url, PROMPTS[0])
+
+
 def test_fault_in_the_engine_process_ends_streams_with_503(tiny_llama_dir):
     """The child's loop dies of an exception: its EngineDead crosses the pipe; the in-flight stream
     ends with an in-band 503 event and [DONE], then /health and new requests get 503."""

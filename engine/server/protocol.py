@@ -32,16 +32,17 @@ def _check_encodable(value: Any) -> None:
         except UnicodeEncodeError as e:
             raise ValueError(f"strings must be valid Unicode: {value[e.start:e.end]!r} at position {e.start} "
                              "is a lone surrogate.") from None
-    elif isinstance(value, (list, dict)):
-        for item in (value.items() if isinstance(value, dict) else value):
-            _check_encodable(item)
-    elif isinstance(value, tuple):
-        for item in value:
+    elif isinstance(value, (dict, list, tuple)):
+        for item in (value.items() if isinstance(value, dict) else value):   # a dict's keys too
             _check_encodable(item)
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body: every string in it, nested ones included, must be encodable (else a 400)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -57,7 +58,7 @@ class StreamOptions(OpenAIBaseModel):
     """vLLM extension: every chunk carries the usage so far."""
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(OpenAIRequest):
     """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
     model: Optional[str] = None
@@ -133,14 +134,14 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(OpenAIRequest):
     model: Optional[str] = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: Optional[bool] = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(OpenAIRequest):
     model: Optional[str] = None
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
@@ -154,7 +155,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
 TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
 
 
-class TranscriptionRequest(OpenAIBaseModel):
+class TranscriptionRequest(OpenAIRequest):
     """The text fields of POST /v1/audio/transcriptions and /v1/audio/translations (multipart form);
     the upload itself (``file``) is read apart."""
 
@@ -182,7 +183,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: Optional[list[str]] = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: Optional[str] = None
     tokens: list[int]
 

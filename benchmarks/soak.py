@@ -777,20 +777,28 @@ class ServerProcess:
     """``chorus serve`` in a subprocess (its log in ``log_path``)."""
 
     def __init__(self, models: SoakModels, served_name: str, whisper_name: str, extra_args: list[str],
-                 log_path: Path, startup_timeout_s: float = 600.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "engine.cli", "serve", str(models.chat_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), "--served-model-name", served_name, "--enable-lora",
-               "--allow-runtime-lora-updating", "--disable-log-requests", "--disable-uvicorn-access-log",
-               "--uvicorn-log-level", "warning"]
-        if models.whisper:
-            cmd += ["--transcription-model", models.whisper, "--transcription-served-model-name", whisper_name]
-        cmd += (tiny_server_args() if models.tiny else []) + extra_args
+                 log_path: Path, startup_timeout_s: float = 600.0, attempts: int = 3) -> None:
         self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_ready(startup_timeout_s)
+        for attempt in range(attempts):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "engine.cli", "serve", str(models.chat_dir), "--host", "127.0.0.1",
+                   "--port", str(self.port), "--served-model-name", served_name, "--enable-lora",
+                   "--allow-runtime-lora-updating", "--disable-log-requests", "--disable-uvicorn-access-log",
+                   "--uvicorn-log-level", "warning"]
+            if models.whisper:
+                cmd += ["--transcription-model", models.whisper, "--transcription-served-model-name", whisper_name]
+            cmd += (tiny_server_args() if models.tiny else []) + extra_args
+            self._log = open(log_path, "w")
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+            try:
+                self._wait_ready(startup_timeout_s)
+                return
+            except RuntimeError:
+                # Another process took the free port before the server bound it (it loads first): retry.
+                if attempt + 1 == attempts or "address already in use" not in self.log_tail().lower():
+                    raise
+                self._log.close()
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.soak import (IDLE_GAUGES, MemorySample, RequestSpec, SoakConfig, build_tiny_models, growth_per_1k,
                              parse_gauges, parse_stream, soak_with_server)
+from tests.unit.fakes import FakeRunner, lora, make_request, make_scheduler, mm_feature
 
 NUM_REQUESTS = 200
 
@@ -64,3 +65,26 @@ def test_checks_can_fail():
     samples = [MemorySample(n, (100 + n) << 20, None) for n in range(0, 500, 50)]
     assert growth_per_1k(samples, "rss_bytes", 100) == pytest.approx(1000.0)
     assert growth_per_1k(samples, "gpu_bytes", 100) is None
+
+
+def test_held_stats_count_what_requests_hold():
+    """The snapshot behind the gauges: blocks, adapter slots and encoder entries count while requests hold
+    them, and read 0 once they finish, though the prefix cache still keeps their full blocks (free)."""
+    sched = make_scheduler(block_size=4, num_blocks=64, max_loras=2, max_num_batched_tokens=16)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", prompt_len=4, max_tokens=3, ignore_eos=True, lora_request=lora("x")))
+    sched.add_request(make_request("b", prompt_len=20, max_tokens=3, ignore_eos=True,
+                                   mm_features=[mm_feature("img-1", 10, 8)]))
+    runner.step()   # a: its 4 tokens; b: 12 of 20 (the image's placeholders 10..17 half computed)
+    held = sched.get_stats()
+    assert held.num_kv_blocks == 63 and held.num_kv_blocks_in_use == 1 + 3
+    assert held.num_lora_slots == 2 and held.num_lora_slots_in_use == 1 and held.num_active_loras == 1
+    assert held.num_encoder_cache_entries == held.num_encoder_cache_entries_in_use == 1
+    assert held.num_encoder_cache_embeds_in_use == 8 and held.encoder_cache_size >= 8
+    while sched.has_unfinished_requests():
+        runner.step()
+    idle = sched.get_stats()
+    assert idle.num_kv_blocks_in_use == 0 and sched.kv_cache_manager.block_pool.cached_block_hash_to_block
+    assert idle.num_lora_slots_in_use == 0 and idle.num_active_loras == 1     # idle adapter stays resident
+    assert idle.num_encoder_cache_entries == 1 and idle.num_encoder_cache_entries_in_use == 0
+    assert idle.num_encoder_cache_embeds_in_use == 0

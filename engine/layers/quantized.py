@@ -42,7 +42,7 @@ class Int8Weight:
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[out, in] (or the ``rows`` selected) in ``dtype``."""
         q, s = (self.q, self.scales) if rows is None else (self.q[rows], self.scales[rows])
-        return (q.to(torch.float32) * s[:, None]).to(dtype)
+        return q.to(torch.float32).mul_(s[:, None]).to(dtype)
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales_bf16)
@@ -62,6 +62,7 @@ class Int4Weight:
         low, high = w.amin(dim=-1), w.amax(dim=-1)                                  # [out, groups]
         self.scales = (high - low).clamp(min=1e-12) / 15.0                          # [out, groups]
         self.zeros = low + 8.0 * self.scales                                        # value of q = 8
+        self.low = low                                                              # value of q = 0
         self.q = torch.clamp(torch.round((w - low[..., None]) / self.scales[..., None]), 0, 15).to(
             torch.uint8).view(out_features, in_features)                           # [out, in]
         self.packed = torch._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32), INT4_INNER_K_TILES)
@@ -69,10 +70,10 @@ class Int4Weight:
             torch.bfloat16)                                                         # [groups, out, 2]
 
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        q, s, z = (self.q, self.scales, self.zeros) if rows is None else (self.q[rows], self.scales[rows],
-                                                                          self.zeros[rows])
+        q, s, low = (self.q, self.scales, self.low) if rows is None else (self.q[rows], self.scales[rows],
+                                                                          self.low[rows])
         n = q.shape[0]
-        w = (q.view(n, -1, self.group_size).to(torch.float32) - 8.0) * s[..., None] + z[..., None]
+        w = q.view(n, -1, self.group_size).to(torch.float32).mul_(s[..., None]).add_(low[..., None])
         return w.view(n, -1).to(dtype)
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:

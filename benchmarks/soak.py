@@ -65,9 +65,10 @@ IDLE_GAUGES = ("chorus:num_requests_running", "chorus:num_requests_waiting", "ch
                "chorus:num_loras_registered", "chorus:num_active_loras")
 """/metrics gauges that must read 0 (summed over the served models) once the soak is over and every
 adapter is unloaded."""
-WORDS = ("the quick brown fox jumps over lazy dog paged attention keeps cache in fixed size blocks a scheduler "
-         "hands out one token budget per step low rank adapters add small update to each projection what is "
-         "capital of France Paris numbers 0 1 2 3 4 5 6 7 8 9 hello world how are you today").split()
+WORDS = ("the quick brown fox jumps over lazy dog paged attention keeps cache in fixed size blocks a "
+         "scheduler hands out one token budget per step low rank adapters add small update to each "
+         "projection what is capital of France Paris numbers 0 1 2 3 4 5 6 7 8 9 hello world how are you "
+         "today").split()
 STOP_STRINGS = ("e", "th", " a", ".", "\n", "o ")
 MIB = 1 << 20
 
@@ -174,7 +175,8 @@ class MemorySample:
 # ----------------------------------------------------------------------------------------
 # Workload
 # ----------------------------------------------------------------------------------------
-def make_workload(cfg: SoakConfig, served: Served, images: list[bytes], clips: list[bytes]) -> list[RequestSpec]:
+def make_workload(cfg: SoakConfig, served: Served, images: list[bytes],
+                  clips: list[bytes]) -> list[RequestSpec]:
     """The seeded request list (adapters are picked at send time among those loaded)."""
     rng = random.Random(cfg.seed)
     prefixes = [" ".join(rng.choices(WORDS, k=rng.randint(8, 40))) for _ in range(8)]
@@ -384,7 +386,8 @@ def parse_stream(spec: RequestSpec, events: list[str]) -> tuple[Any, Optional[st
             continue
         for c in obj.get("choices", []):
             entry = texts.setdefault(c["index"], ["", None])
-            entry[0] += (c.get("delta", {}).get("content") or "") if spec.route == "chat" else c.get("text", "")
+            delta = c.get("delta", {}).get("content") if spec.route == "chat" else c.get("text")
+            entry[0] += delta or ""
             if c.get("finish_reason") is not None:
                 entry[1] = c["finish_reason"]
     if spec.route == "transcriptions":
@@ -572,14 +575,16 @@ async def _drive(client: httpx.AsyncClient, served: Served, cfg: SoakConfig, spe
                 results.append(await send(client, served, spec, model, cfg.request_timeout_s, spec.disconnect,
                                           on_admitted=lambda: admission.done(model)))
             else:
-                results.append(await send(client, served, spec, model, cfg.request_timeout_s, spec.disconnect))
+                results.append(await send(client, served, spec, model, cfg.request_timeout_s,
+                                          spec.disconnect))
         finally:
             sem.release()
 
     async def sample() -> None:
         while True:
             if served.pid is not None:
-                samples.append(MemorySample(len(results), process_tree_rss_bytes(served.pid), gpu_used_bytes()))
+                samples.append(MemorySample(len(results), process_tree_rss_bytes(served.pid),
+                                            gpu_used_bytes()))
             await asyncio.sleep(cfg.sample_interval_s)
 
     sampler = asyncio.ensure_future(sample())
@@ -602,7 +607,8 @@ async def _compare_alone(client: httpx.AsyncClient, served: Served, cfg: SoakCon
                          results: list[RequestResult], adapter_errors: list[str]) -> tuple[list[dict], int]:
     """Send each completed request (or a ``compare_frac`` sample) again, alone; the outputs must be equal."""
     sample = random.Random(cfg.seed + 1)
-    completed = [r for r in results if _completed(r) and (cfg.compare_frac >= 1 or sample.random() < cfg.compare_frac)]
+    completed = [r for r in results
+                 if _completed(r) and (cfg.compare_frac >= 1 or sample.random() < cfg.compare_frac)]
     used = sorted({r.model for r in completed} & set(served.adapters))
     for name in used:
         if err := await load_adapter(client, served, name):
@@ -612,7 +618,8 @@ async def _compare_alone(client: httpx.AsyncClient, served: Served, cfg: SoakCon
         alone = await send(client, served, specs[r.index], r.model, cfg.request_timeout_s)
         if alone.status != 200 or alone.error or alone.output != r.output:
             mismatches.append({"index": r.index, "model": r.model, "route": specs[r.index].route,
-                               "diverges_at_char": _common_prefix_len(json.dumps(r.output), json.dumps(alone.output)),
+                               "diverges_at_char": _common_prefix_len(json.dumps(r.output),
+                                                                      json.dumps(alone.output)),
                                "soak": r.output, "alone": alone.output,
                                "alone_status": alone.status, "alone_error": alone.error})
     for name in used:
@@ -634,7 +641,8 @@ def _report(cfg: SoakConfig, specs: list[RequestSpec], results: list[RequestResu
             samples: list[MemorySample], adapter_errors: list[str], mismatches: list[dict], num_compared: int,
             duration_s: float, after_soak: dict[str, float], after_reference: dict[str, float]) -> SoakReport:
     failed = [r for r in results if not r.cancelled and not _completed(r)]
-    leaked = {f"{when}:{g}": gauges[g] for when, gauges in (("soak", after_soak), ("reference", after_reference))
+    leaked = {f"{when}:{g}": gauges[g]
+              for when, gauges in (("soak", after_soak), ("reference", after_reference))
               for g in IDLE_GAUGES if gauges.get(g, 0.0) != 0}
     by_route: dict[str, int] = {}
     for s in specs:
@@ -648,7 +656,8 @@ def _report(cfg: SoakConfig, specs: list[RequestSpec], results: list[RequestResu
         num_mismatches=len(mismatches), num_compared=num_compared, duration_s=duration_s,
         requests_per_s=len(results) / duration_s if duration_s else 0.0, by_route=by_route,
         adapter_errors=adapter_errors,
-        failures=[{"index": r.index, "model": r.model, "status": r.status, "error": r.error} for r in failed[:20]],
+        failures=[{"index": r.index, "model": r.model, "status": r.status, "error": r.error}
+                  for r in failed[:20]],
         mismatches=mismatches[:20], gauges_after_soak=after_soak, gauges_after_reference=after_reference,
         leaked=leaked,
         rss_start_mib=samples[0].rss_bytes / MIB if samples else None,
@@ -665,12 +674,14 @@ def print_report(report: SoakReport) -> None:
         return "n/a" if x is None else f"{x:.2f}{unit}"
 
     rows = [("requests", report.num_requests), ("  by route", report.by_route),
-            ("completed (200)", report.num_completed), ("cancelled (client disconnects)", report.num_cancelled),
+            ("completed (200)", report.num_completed),
+            ("cancelled (client disconnects)", report.num_cancelled),
             ("failed (not cancelled, not 200)", report.num_failed), ("5xx", report.num_5xx),
             ("compared alone / mismatches", f"{report.num_compared} / {report.num_mismatches}"),
             ("adapter load/unload errors", len(report.adapter_errors)),
             ("duration", fmt(report.duration_s, " s")), ("rate", fmt(report.requests_per_s, " req/s")),
-            ("preemptions", int(report.num_preemptions)), ("most requests in one step", int(report.max_num_reqs_per_step)),
+            ("preemptions", int(report.num_preemptions)),
+            ("most requests in one step", int(report.max_num_reqs_per_step)),
             ("server RSS start -> warm -> end", f"{fmt(report.rss_start_mib, ' MiB')} -> "
              f"{fmt(report.rss_warm_mib, ' MiB')} -> {fmt(report.rss_end_mib, ' MiB')}"),
             ("RSS growth after warm-up", fmt(report.rss_growth_mib_per_1k, " MiB / 1,000 requests")),
@@ -724,7 +735,8 @@ def build_tiny_models(root: Path, num_adapters: int = 16, audio: bool = True) ->
     return SoakModels(chat_dir, adapters, whisper, tiny=True)
 
 
-def write_random_adapters(model_dir: Path, out_dir: Path, num: int, rank: int = 8, seed: int = 0) -> dict[str, Path]:
+def write_random_adapters(model_dir: Path, out_dir: Path, num: int, rank: int = 8,
+                          seed: int = 0) -> dict[str, Path]:
     """``num`` random PEFT adapters on q_proj and v_proj of a Llama-family (or LLaVA's language) model,
     written from its config.json alone (no weights loaded, so any size works)."""
     import torch
@@ -732,7 +744,7 @@ def write_random_adapters(model_dir: Path, out_dir: Path, num: int, rank: int = 
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     text = cfg.get("text_config", cfg)
-    prefix = "base_model.model.model.language_model.layers" if "text_config" in cfg else "base_model.model.model.layers"
+    prefix = "base_model.model.model." + ("language_model.layers" if "text_config" in cfg else "layers")
     hidden, heads = text["hidden_size"], text["num_attention_heads"]
     head_dim = text.get("head_dim") or hidden // heads
     kv_heads = text.get("num_key_value_heads", heads)
@@ -787,7 +799,8 @@ class ServerProcess:
                    "--allow-runtime-lora-updating", "--disable-log-requests", "--disable-uvicorn-access-log",
                    "--uvicorn-log-level", "warning"]
             if models.whisper:
-                cmd += ["--transcription-model", models.whisper, "--transcription-served-model-name", whisper_name]
+                cmd += ["--transcription-model", models.whisper,
+                        "--transcription-served-model-name", whisper_name]
             cmd += (tiny_server_args() if models.tiny else []) + extra_args
             self._log = open(log_path, "w")
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
@@ -830,13 +843,15 @@ class ServerProcess:
         self._log.close()
 
 
-def soak_with_server(models: SoakModels, cfg: SoakConfig, work_dir: Path, extra_args: Optional[list[str]] = None,
+def soak_with_server(models: SoakModels, cfg: SoakConfig, work_dir: Path,
+                     extra_args: Optional[list[str]] = None,
                      served_name: str = "soak-base", whisper_name: str = "soak-whisper") -> SoakReport:
     """Start ``chorus serve`` on ``models``, run the soak, stop the server."""
     server = ServerProcess(models, served_name, whisper_name, extra_args or [], work_dir / "server.log")
     try:
         served = Served(server.url, served_name, {k: str(v) for k, v in models.adapter_dirs.items()},
-                        images=_takes_images(models.chat_dir), whisper_model=whisper_name if models.whisper else None,
+                        images=_takes_images(models.chat_dir),
+                        whisper_model=whisper_name if models.whisper else None,
                         pid=server.proc.pid)
         report = asyncio.run(run_soak(served, cfg))
         if server.proc.poll() is not None:
@@ -898,7 +913,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             shutil.rmtree(work_dir, ignore_errors=True)
     print_report(report)
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": asdict(cfg), "ok": report.ok, **asdict(report)}, indent=2))
+        body = {"config": asdict(cfg), "ok": report.ok, **asdict(report)}
+        Path(args.out).write_text(json.dumps(body, indent=2))
     return 0 if report.ok else 1
 
 

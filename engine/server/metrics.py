@@ -54,7 +54,8 @@ HELD_GAUGES = (
      "num_encoder_cache_entries_in_use"),
     ("num_encoder_cache_embeds_in_use", "Encoder embeddings of the referenced entries.",
      "num_encoder_cache_embeds_in_use"),
-    ("encoder_cache_size_embeds", "Encoder embeddings the encoder cache holds at most.", "encoder_cache_size"),
+    ("encoder_cache_size_embeds", "Encoder embeddings the encoder cache holds at most.",
+     "encoder_cache_size"),
 )
 """(gauge name, help, ``SchedulerStats`` field): what the engine holds now (leak checks)."""
 

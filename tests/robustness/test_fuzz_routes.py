@@ -73,8 +73,9 @@ def fuzz_env(tmp_path_factory):
                                                **transcription_engine_kwargs(args))
             patch = stack.enter_context(pytest.MonkeyPatch.context())
             patch.setattr(app_module, "build_app", partial(app_module.build_app, transcription_client=client))
-        srv = start_server(str(llava), served_model_name=[MODEL], max_model_len=MAX_MODEL_LEN, dtype="float32",
-                           enable_lora=True, max_loras=2, max_lora_rank=8, allow_runtime_lora_updating=True,
+        srv = start_server(str(llava), served_model_name=[MODEL], max_model_len=MAX_MODEL_LEN,
+                           dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+                           allow_runtime_lora_updating=True,
                            lora_modules=[f"{ADAPTER}={adapter_dir}"], limit_mm_per_prompt={"image": 2},
                            engine_process=engine_processes(args)[0], **whisper, **common)
     http = httpx.Client(base_url=srv.url, timeout=REQUEST_TIMEOUT_S)
@@ -119,7 +120,8 @@ texts = st.one_of(st.text(max_size=40), st.sampled_from(EDGE_TEXT))
 
 def _image_part() -> st.SearchStrategy:
     png = base64.b64encode(make_images(1, 0)[0]).decode()
-    urls = st.sampled_from([f"data:image/png;base64,{png}", "data:image/png;base64,", "data:image/png;base64,!!!",
+    urls = st.sampled_from([f"data:image/png;base64,{png}", "data:image/png;base64,",
+                            "data:image/png;base64,!!!",
                             f"data:image/png;base64,{png[:40]}", "data:text/plain;base64,aGVsbG8=",
                             "file:///etc/passwd", "ftp://x/y.png", "http://[::1", "", "not a url"])
     return st.one_of(st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries(
@@ -135,7 +137,8 @@ content_parts = st.lists(_image_part(), max_size=3)
 FIELD_OVERRIDES: dict[str, st.SearchStrategy] = {
     "model": st.one_of(st.none(), st.sampled_from([MODEL, ADAPTER, WHISPER, "nope"]), texts),
     "max_tokens": small_ints, "max_completion_tokens": small_ints, "n": small_ints, "best_of": small_ints,
-    "logprobs": st.one_of(st.booleans(), small_ints), "top_logprobs": small_ints, "prompt_logprobs": small_ints,
+    "logprobs": st.one_of(st.booleans(), small_ints), "top_logprobs": small_ints,
+    "prompt_logprobs": small_ints,
     "min_tokens": small_ints, "top_k": small_ints, "priority": small_ints,
     "prompt": st.one_of(texts, st.lists(texts, max_size=3), st.lists(small_ints, max_size=5),
                         st.lists(st.lists(small_ints, max_size=4), max_size=3)),
@@ -174,14 +177,16 @@ def field_strategy(annotation: Any) -> st.SearchStrategy:
         return texts
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):   # a nested object
         hints = typing.get_type_hints(annotation)
-        return st.fixed_dictionaries({}, optional={n: field_strategy(hints[n]) for n in annotation.model_fields})
+        fields = {n: field_strategy(hints[n]) for n in annotation.model_fields}
+        return st.fixed_dictionaries({}, optional=fields)
     return json_values
 
 
 def plausible_message() -> st.SearchStrategy:
     png = "data:image/png;base64," + base64.b64encode(make_images(1, 1)[0]).decode()
-    parts = st.lists(st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}),
-                               st.just({"type": "image_url", "image_url": {"url": png}})), min_size=1, max_size=3)
+    text = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
+    image = st.just({"type": "image_url", "image_url": {"url": png}})
+    parts = st.lists(st.one_of(text, image), min_size=1, max_size=3)
     return st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
                                   "content": st.one_of(st.text(max_size=30), parts)})
 
@@ -190,7 +195,8 @@ PLAUSIBLE: dict[str, st.SearchStrategy] = {
     "model": st.sampled_from([MODEL, ADAPTER]),
     "prompt": st.one_of(st.text(max_size=30), st.lists(st.text(max_size=10), min_size=1, max_size=3),
                         st.lists(st.integers(0, 300), min_size=1, max_size=8),
-                        st.lists(st.lists(st.integers(0, 300), min_size=1, max_size=4), min_size=1, max_size=2)),
+                        st.lists(st.lists(st.integers(0, 300), min_size=1, max_size=4), min_size=1,
+                                 max_size=2)),
     "messages": st.lists(plausible_message(), min_size=1, max_size=3),
     "tokens": st.lists(st.integers(0, 300), max_size=8),
     "max_tokens": st.integers(1, 8), "max_completion_tokens": st.integers(1, 8), "n": st.integers(1, 3),
@@ -206,7 +212,8 @@ PLAUSIBLE: dict[str, st.SearchStrategy] = {
     "ignore_eos": st.booleans(), "min_tokens": st.integers(0, 4), "skip_special_tokens": st.booleans(),
     "spaces_between_special_tokens": st.booleans(), "include_stop_str_in_output": st.booleans(),
     "return_tokens_as_token_ids": st.booleans(), "priority": st.integers(-2, 2), "user": st.text(max_size=8),
-    "suffix": st.text(max_size=8), "add_special_tokens": st.booleans(), "add_generation_prompt": st.booleans(),
+    "suffix": st.text(max_size=8), "add_special_tokens": st.booleans(),
+    "add_generation_prompt": st.booleans(),
     "continue_final_message": st.booleans(), "return_token_strs": st.booleans(),
     "chat_template_kwargs": st.dictionaries(st.text(max_size=5), json_scalars, max_size=2),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
@@ -238,7 +245,8 @@ def model_bodies(model: type[BaseModel], base: dict[str, Any], logprobs: Optiona
             elif how == "any" or name not in hints:
                 body[name] = draw(json_values)
             else:
-                body[name] = draw(FIELD_OVERRIDES[name] if name in FIELD_OVERRIDES else field_strategy(hints[name]))
+                typed = FIELD_OVERRIDES[name] if name in FIELD_OVERRIDES else field_strategy(hints[name])
+                body[name] = draw(typed)
         return body
     return bodies()
 
@@ -264,9 +272,11 @@ def test_fuzz_chat(fuzz_env, body):
 
 @settings(FUZZ, max_examples=30)
 @given(path_body=st.one_of(
-    st.tuples(st.just("/tokenize"), model_bodies(TokenizeCompletionRequest, {"model": MODEL, "prompt": "Hello"})),
+    st.tuples(st.just("/tokenize"),
+              model_bodies(TokenizeCompletionRequest, {"model": MODEL, "prompt": "Hello"})),
     st.tuples(st.just("/tokenize"), model_bodies(TokenizeChatRequest, {"messages": BASE_CHAT["messages"]})),
-    st.tuples(st.just("/detokenize"), model_bodies(DetokenizeRequest, {"model": MODEL, "tokens": [1, 2, 3]}))))
+    st.tuples(st.just("/detokenize"),
+              model_bodies(DetokenizeRequest, {"model": MODEL, "tokens": [1, 2, 3]}))))
 def test_fuzz_tokenize_detokenize(fuzz_env, path_body):
     post_json(fuzz_env, *path_body)
 
@@ -274,8 +284,10 @@ def test_fuzz_tokenize_detokenize(fuzz_env, path_body):
 @settings(FUZZ, max_examples=25)
 @given(route=st.sampled_from(["load", "unload"]),
        body=st.fixed_dictionaries({}, optional={
-           "lora_name": st.one_of(st.sampled_from([ADAPTER, "fuzz-new", MODEL, WHISPER, ""]), texts, json_values),
-           "lora_path": st.one_of(st.sampled_from(["ADAPTER_DIR", "MODEL_DIR", "/", "/etc/passwd", "/nonexistent",
+           "lora_name": st.one_of(st.sampled_from([ADAPTER, "fuzz-new", MODEL, WHISPER, ""]), texts,
+                                  json_values),
+           "lora_path": st.one_of(st.sampled_from(["ADAPTER_DIR", "MODEL_DIR", "/", "/etc/passwd",
+                                                   "/nonexistent",
                                                    "", "relative/path"]), texts, json_values),
            "base_model_name": st.one_of(st.none(), texts)}))
 def test_fuzz_lora_load_unload(fuzz_env, route, body):
@@ -285,13 +297,15 @@ def test_fuzz_lora_load_unload(fuzz_env, route, body):
     post_json(fuzz_env, f"/v1/{route}_lora_adapter", body)
 
 
-AUDIO_EDGES = st.one_of(st.sampled_from(["", "0", "1", "-1", "true", "false", "nan", "inf", "1e309", "json", "text",
-                                         "srt", "vtt", "verbose_json", "segment", "word", "en", "english", "xx",
+AUDIO_EDGES = st.one_of(st.sampled_from(["", "0", "1", "-1", "true", "false", "nan", "inf", "1e309", "json",
+                                         "text", "srt", "vtt", "verbose_json", "segment", "word", "en",
+                                         "english", "xx",
                                          WHISPER, MODEL, ADAPTER]), st.text(max_size=12))
 AUDIO_PLAUSIBLE = {"model": st.just(WHISPER), "language": st.sampled_from(["en", "english"]),
                    "prompt": st.text(max_size=20), "temperature": st.sampled_from(["0", "0.5"]),
                    "response_format": st.sampled_from(["json", "text", "verbose_json", "srt", "vtt"]),
-                   "timestamp_granularities[]": st.just("segment"), "stream": st.sampled_from(["true", "false"])}
+                   "timestamp_granularities[]": st.just("segment"),
+                   "stream": st.sampled_from(["true", "false"])}
 
 
 @st.composite
@@ -308,7 +322,8 @@ def audio_forms(draw: Any) -> dict[str, str]:
 
 @settings(FUZZ, max_examples=30)
 @given(route=st.sampled_from(["transcriptions", "translations"]), fields=audio_forms(),
-       file=st.one_of(st.just("wav"), st.just("wav"), st.none(), st.sampled_from(["truncated", "empty", "text"]),
+       file=st.one_of(st.just("wav"), st.just("wav"), st.none(),
+                      st.sampled_from(["truncated", "empty", "text"]),
                       st.binary(max_size=64)))
 def test_fuzz_audio_form(fuzz_env, route, fields, file):
     wav = make_clips(1)[0]
@@ -325,9 +340,11 @@ def test_fuzz_audio_form(fuzz_env, route, fields, file):
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
                              "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/audio/transcriptions"]),
        content=st.one_of(st.binary(max_size=64), st.sampled_from([b"", b"{", b"[]", b"null", b"1e999", b'"x"',
-                                                                  b'{"prompt": "a"' + b" " * 10, b"\xff\xfe"])),
+                                                                  b'{"prompt": "a"' + b" " * 10,
+                                                                  b"\xff\xfe"])),
        content_type=st.sampled_from(["application/json", "text/plain", "multipart/form-data",
-                                     "multipart/form-data; boundary=x", "", "application/x-www-form-urlencoded"]))
+                                     "multipart/form-data; boundary=x", "",
+                                     "application/x-www-form-urlencoded"]))
 def test_fuzz_raw_bodies(fuzz_env, path, content, content_type):
     headers = {"Content-Type": content_type} if content_type else {}
     check(fuzz_env.http.post(path, content=content, headers=headers))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.soak import (IDLE_GAUGES, MemorySample, RequestSpec, SoakConfig, build_tiny_models, growth_per_1k,
-                             parse_gauges, parse_stream, soak_with_server)
+from benchmarks.soak import (IDLE_GAUGES, MemorySample, RequestSpec, SoakConfig, build_tiny_models,
+                             growth_per_1k, parse_gauges, parse_stream, soak_with_server)
 from tests.unit.fakes import FakeRunner, lora, make_request, make_scheduler, mm_feature
 
 NUM_REQUESTS = 200
@@ -61,7 +61,8 @@ def test_checks_can_fail():
     spec = RequestSpec(0, "chat", {}, stream=True)
     output, error = parse_stream(spec, ['{"error": {"message": "boom"}}', "[DONE]"])
     assert output is None and "boom" in error
-    assert parse_stream(spec, ['{"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}'])[1]
+    unfinished = '{"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}'
+    assert parse_stream(spec, [unfinished])[1]   # no [DONE]
     samples = [MemorySample(n, (100 + n) << 20, None) for n in range(0, 500, 50)]
     assert growth_per_1k(samples, "rss_bytes", 100) == pytest.approx(1000.0)
     assert growth_per_1k(samples, "gpu_bytes", 100) is None

@@ -50,7 +50,7 @@ def run_mode(mode: str, args_dict: dict, queue) -> None:
     if args_dict["threads"]:
         torch.set_num_threads(args_dict["threads"])
     kw = dict(max_model_len=args_dict["context_len"] + args_dict["decode_tokens"] + 16, enable_prefix_caching=False)
-    if mode in ("int8", "int4"):
+    if mode in ("int8", "int4", "fp16"):
         kw.update(dtype="float32", quantization=mode)
     elif mode != "default":
         kw.update(dtype=mode, quantization="none")
@@ -175,9 +175,10 @@ def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
     return out
 
 
-def serve_rows(num_clients: int, threads: int) -> dict:
+def serve_rows(num_clients: int, threads: int, extra_args: str = "") -> dict:
     """``chorus serve`` start-up and ``num_clients`` concurrent streams through it (``benchmarks/serve.py``)."""
     import os
+    import shlex
     import signal
     import socket
     import subprocess
@@ -191,8 +192,8 @@ def serve_rows(num_clients: int, threads: int) -> dict:
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     chorus = str(Path(sys.executable).parent / "chorus")
     t0 = time.perf_counter()
-    proc = subprocess.Popen([chorus, "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([chorus, "serve", "--port", str(port), *shlex.split(extra_args)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         health_s = None
@@ -215,7 +216,7 @@ def serve_rows(num_clients: int, threads: int) -> dict:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    return dict(clients=num_clients, health_s=health_s, first_answer_s=first_answer_s,
+    return dict(clients=num_clients, serve_args=extra_args, health_s=health_s, first_answer_s=first_answer_s,
                 output_tok_s=summary["output_throughput"], ttft_ms_p50=summary["ttft_ms"]["p50"],
                 tpot_ms_p50=summary["tpot_ms"]["p50"], requests=summary["completed"],
                 failed=summary["failed"])
@@ -224,7 +225,7 @@ def serve_rows(num_clients: int, threads: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="*", default=["default", "float32", "int4"],
-                    choices=["default", "float32", "bfloat16", "int8", "int4"])
+                    choices=["default", "float32", "bfloat16", "int8", "int4", "fp16"])
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
@@ -234,6 +235,7 @@ def main() -> None:
     ap.add_argument("--matmul-rows", default="1,2,4,8,16,32,64",
                     help="row counts for the projection table (empty: skip)")
     ap.add_argument("--serve-clients", type=int, default=16, help="concurrent clients through chorus serve (0: skip)")
+    ap.add_argument("--serve-args", default="", help="extra `chorus serve` flags for --serve-clients, e.g. '-q fp16'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -266,7 +268,7 @@ def main() -> None:
         print("\none layer's projections, us: " + " ".join(f"{k:>16s}" for k in ["rows"] + keys))
         for r in mm_rows:
             print(" " * 29 + " ".join([f"{r['rows']:16d}"] + [f"{r[k]:16.0f}" for k in keys]))
-    served = serve_rows(args.serve_clients, args.threads) if args.serve_clients else None
+    served = serve_rows(args.serve_clients, args.threads, args.serve_args) if args.serve_clients else None
     if served:
         print(f"\nchorus serve: /health after {served['health_s']:.1f} s, first chat answer after "
               f"{served['first_answer_s']:.1f} s; {served['clients']} concurrent clients: "

@@ -77,7 +77,7 @@ class EngineArgs:
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
         lora = None
         quantization = self.quantization
-        if self.enable_lora and quantization in ("int8", "int4"):
+        if self.enable_lora and quantization in ("int8", "int4", "fp16"):
             raise ValueError(f"--quantization {quantization} with LoRA adapters is not supported yet; serve "
                              "adapters on the float weights (leave --quantization unset).")
         if self.enable_lora:

@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4"],
+    gen.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4", "fp16"],
                      help="weights in memory on CPU (as `chorus serve`): default keeps a GGUF file's "
-                          "quantization; none = float (exact); int8 / int4 = quantize any Llama-family model")
+                          "quantization; none = float (exact); int8 / int4 / fp16 = convert any Llama-family model")
 
     sub.add_parser("bench", help="Load-test an OpenAI-compatible server (benchmarks/serve.py; "
                                  "`chorus bench --help` for its flags).", add_help=False)

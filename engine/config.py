@@ -45,7 +45,8 @@ class ModelConfig:
     """Weight format in memory. None (auto): a GGUF file's quantized tensors stay quantized on CPU (4-bit
     types as int4, 5- to 8-bit types as int8; ``engine.layers.quantized``), everything else is dequantized to
     ``dtype``. "none": always dequantized (exact against transformers on the same file). "int8" / "int4":
-    weight-only quantization of any Llama-family checkpoint on CPU. Quantized weights give faster batch-1
+    weight-only quantization of any Llama-family checkpoint on CPU; "fp16": float16 weights through fbgemm
+    (x86 CPUs), within ~1e-3 of float32. Quantized weights give faster batch-1
     decode (RESULTS.md "CPU") and outputs close to, not equal to, the float weights'."""
 
     def __post_init__(self) -> None:
@@ -57,9 +58,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be at least 2.")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0.")
-        if self.quantization not in (None, "none", "int8", "int4"):
-            raise ValueError(f"quantization={self.quantization!r}: use 'int8' or 'int4' (weight-only, CPU), 'none' "
-                             "(float weights) or leave it unset (a GGUF file's own quantization on CPU).")
+        if self.quantization not in (None, "none", "int8", "int4", "fp16"):
+            raise ValueError(f"quantization={self.quantization!r}: use 'int8', 'int4' or 'fp16' (weights, CPU), "
+                             "'none' (float weights) or leave it unset (a GGUF file's own quantization on CPU).")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
                 f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'.")

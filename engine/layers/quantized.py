@@ -5,6 +5,10 @@ float32's bytes, which is what a batch-1 decode step reads), activations stay fl
 - int4 (``Int4Weight``): per group of ``INT4_GROUP_SIZE`` inputs of a row, asymmetric (as GGUF's Q4_1):
   ``q = round((w - min) / s)`` in 0..15, ``s = (max - min) / 15``, so ``w ~ (q - 8) * s + zero`` with
   ``zero = min + 8 s`` (the convention of torch's packed int4 kernel).
+- fp16 (``Fp16Weight``): the weight rounded to float16 in fbgemm's packed layout (half float32's bytes,
+  outputs within ~1e-3 of float32's), every row count through ``torch.ops.quantized.linear_dynamic_fp16``
+  (float32 activations, converted weights, float32 accumulation): on the 2-core AVX2 machine as fast as
+  int4 at batch 1 and the fastest format at batch 16 (RESULTS.md "CPU").
 
 A projection runs as ``x @ W.T`` in one of two ways, by the number of rows of ``x``: up to
 ``PACKED_MAX_TOKENS`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
@@ -27,7 +31,7 @@ INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2
 """Layout argument of ``torch._convert_weight_to_int4pack_for_cpu``."""
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "fp16")
 
 
 class Int8Weight:
@@ -81,7 +85,26 @@ class Int4Weight:
                                                  self.scale_zeros)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+class Fp16Weight:
+    """A [out, in] weight as float16 packed for fbgemm's GEMM (every row count: ``packed_max_tokens`` None)."""
+
+    packed_max_tokens = None
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            raise ValueError("--quantization fp16 needs torch's fbgemm kernels (x86 CPUs); use int8 or int4 here.")
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
+
+    def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        w = torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
+        return (w if rows is None else w[rows]).to(dtype)
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
+
+
+Int8Weight.packed_max_tokens = Int4Weight.packed_max_tokens = PACKED_MAX_TOKENS
+QuantizedWeight = Int8Weight | Int4Weight | Fp16Weight
 
 _FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 _LOW_BIT_GGUF_PREFIXES = ("Q4", "IQ4", "Q3", "IQ3", "Q2", "IQ2", "IQ1", "TQ")
@@ -97,9 +120,10 @@ def kind_for_gguf_type(gguf_type: str) -> Optional[str]:
 
 def most_precise(kinds: list[Optional[str]]) -> Optional[str]:
     """The kind that loses least of the weights of every tensor of ``kinds`` (None = float)."""
-    if None in kinds:
-        return None
-    return "int8" if "int8" in kinds else "int4"
+    for kind in (None, "fp16", "int8"):
+        if kind in kinds:
+            return kind
+    return "int4"
 
 
 def quantize_weight(weight: torch.Tensor, kind: str) -> QuantizedWeight:
@@ -107,12 +131,15 @@ def quantize_weight(weight: torch.Tensor, kind: str) -> QuantizedWeight:
         return Int8Weight(weight)
     if kind == "int4":
         return Int4Weight(weight)
+    if kind == "fp16":
+        return Fp16Weight(weight)
     raise ValueError(f"quantization={kind!r}: use one of {QUANTIZATIONS}.")
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype (see the module docstring)."""
-    if x.shape[0] <= PACKED_MAX_TOKENS and x.device.type == "cpu":
+    limit = weight.packed_max_tokens
+    if (limit is None or x.shape[0] <= limit) and x.device.type == "cpu":
         y = weight.packed_mm(x).to(x.dtype)
         return y if bias is None else y + bias
     return F.linear(x, weight.dequantize(x.dtype), bias)
@@ -120,15 +147,19 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[to
 
 class QuantizedEmbedding(torch.nn.Module):
     """A token embedding kept quantized (a tied embedding that is also the LM head): ``forward(ids)``
-    dequantizes the looked-up rows; ``logits(hidden)`` is the head's ``quantized_linear``."""
+    dequantizes the looked-up rows (fp16: from a float16 copy of the table, as fbgemm's packed layout has
+    no row access); ``logits(hidden)`` is the head's ``quantized_linear``."""
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         super().__init__()
         self.weight_q = quantize_weight(weight, kind)
         self.dtype = weight.dtype
+        self.table_fp16 = weight.detach().to(torch.float16) if kind == "fp16" else None   # [vocab, hidden]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, hidden] in ``dtype``."""
+        if self.table_fp16 is not None:
+            return self.table_fp16[ids].to(self.dtype)
         return self.weight_q.dequantize(self.dtype, rows=ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

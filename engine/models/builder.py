@@ -180,7 +180,7 @@ def _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len: int
 def _quantization_plan(model: torch.nn.Module, quantization: Optional[str], resolved, device: torch.device):
     """What ``_quantize`` applies: "int8" / "int4", a GGUF file's own (checkpoint tensor name -> kind) when
     ``quantization`` is unset and the model runs on CPU, or None (float weights)."""
-    if quantization in ("int8", "int4"):
+    if quantization in ("int8", "int4", "fp16"):
         return quantization
     if quantization == "none" or resolved.kind != "gguf" or device.type != "cpu" or not hasattr(model, "quantize"):
         return None

@@ -44,7 +44,7 @@ def test_smollm2_chat_matches_transformers(gguf_path):
     assert "Paris" in outputs[0].outputs[0].text
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", None])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp16", None])
 def test_smollm2_quantized_follows_float(gguf_path, kind):
     """``--quantization int8|int4``, and the default (the GGUF's own: Q4_1 projections as int4, the Q8_0
     tied embedding / head as int8), on the real model: greedy tokens where the float engine's part from

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.quantized import (INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Int4Weight, Int8Weight, QuantizedEmbedding,
+from engine.layers.quantized import (INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Fp16Weight, Int4Weight, Int8Weight, QuantizedEmbedding,
                                      kind_for_gguf_type, most_precise, quantized_linear)
 from engine.layers.linear import Linear
 from engine.llm import LLM
@@ -39,7 +39,7 @@ def test_int4_error_is_at_most_half_a_step_per_group():
     torch.testing.assert_close(q.dequantize(torch.float32, rows=rows), q.dequantize(torch.float32)[rows])
 
 
-@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight, Fp16Weight])
 @pytest.mark.parametrize("num_tokens", [1, 7, PACKED_MAX_TOKENS, PACKED_MAX_TOKENS + 1, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_quantized_linear_equals_the_dequantized_weight(kind, num_tokens, bias):
@@ -50,9 +50,21 @@ def test_quantized_linear_equals_the_dequantized_weight(kind, num_tokens, bias):
     ref = F.linear(x, q.dequantize(torch.float32), b)
     out = quantized_linear(x, q, b)
     assert out.dtype == x.dtype and out.shape == ref.shape
-    # The packed kernels (up to PACKED_MAX_TOKENS rows) take bfloat16 activations and scales.
-    tol = 3e-2 * ref.abs().max() if num_tokens <= PACKED_MAX_TOKENS else 1e-4
+    # The int8/int4 packed kernels (up to PACKED_MAX_TOKENS rows) take bfloat16 activations and scales;
+    # fbgemm's fp16 GEMM (every row count) float32 activations.
+    if kind is Fp16Weight:
+        tol = 1e-5 * ref.abs().max() * 64
+    else:
+        tol = 3e-2 * ref.abs().max() if num_tokens <= PACKED_MAX_TOKENS else 1e-4
     torch.testing.assert_close(out, ref, atol=float(tol), rtol=0)
+
+
+def test_fp16_embedding_looks_up_float16_rows():
+    w = _weight(3)
+    emb = QuantizedEmbedding(w, "fp16")
+    torch.testing.assert_close(emb(torch.tensor([7, 0])), w[[7, 0]].half().float(), atol=0, rtol=0)
+    hidden = torch.randn(2, w.shape[1])
+    torch.testing.assert_close(emb.logits(hidden), hidden @ w.half().float().t(), atol=1e-3, rtol=1e-3)
 
 
 def test_quantized_embedding_serves_lookups_and_the_head():
@@ -64,7 +76,7 @@ def test_quantized_embedding_serves_lookups_and_the_head():
     torch.testing.assert_close(emb.logits(hidden), ref, atol=float(3e-2 * ref.abs().max()), rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp16"])
 def test_quantized_engine_runs_every_projection_quantized(tiny_llama_dir, kind):
     prompts = ["The quick brown fox", "Hello world, this is", "One two three four five six seven"]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
@@ -86,7 +98,7 @@ def test_quantized_engine_runs_every_projection_quantized(tiny_llama_dir, kind):
 def test_quantization_refuses_what_it_does_not_support(tiny_llama_dir):
     with pytest.raises(ValueError, match="with LoRA adapters is not supported"):
         LLM(model=str(tiny_llama_dir), device="cpu", quantization="int8", enable_lora=True)
-    with pytest.raises(ValueError, match="use 'int8' or 'int4'"):
+    with pytest.raises(ValueError, match="use 'int8', 'int4' or 'fp16'"):
         LLM(model=str(tiny_llama_dir), device="cpu", quantization="fp8")
 
 

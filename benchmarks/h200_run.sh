@@ -21,6 +21,9 @@
 #   whisper     GPU Whisper tests, then benchmarks/whisper.py rtf: 1000 30 s clips, tiny.en (real weights)
 #               and the large-v3-turbo shape (.wdata/turbo: config + tokenizer, random bf16) vs transformers
 #   whisper-latency  benchmarks/whisper.py latency: one 30 s clip alone and under Llama-3-8B chat streams
+#   soak        benchmarks/soak.py: SOAK_REQUESTS (default 10000) mixed requests through chorus serve on the
+#               tests' tiny random LLaVA (float32) + 16 adapters + a tiny Whisper, 256 clients, 10%
+#               disconnecting, 20% of the answers compared with the same request alone; JSON $OUT/soak.json
 #   fetch-wheels  run HERE, not on the GPU machine: the server's packages the GPU image lacks, into .whl/
 #
 # Before / after in one run: BASELINE_DIR=DIR (an older tree, e.g. a `git archive` of the old
@@ -105,6 +108,10 @@ for phase in "$@"; do
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl $SERVER_WHEELS && ls .whl ;;
+    soak)
+      install_wheels
+      python3 benchmarks/soak.py --num-requests "${SOAK_REQUESTS:-10000}" --concurrency 256 --compare-frac 0.2 \
+        --work-dir /tmp/soak --out "$OUT/soak.json" 2>&1 | tee "$OUT/soak.log" | quiet | tail -40 ;;
     tests)
       if [ -n "${TESTS:-}" ]; then
         python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -25

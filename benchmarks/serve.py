@@ -227,7 +227,8 @@ class ClientRun:
 
 def _http_client(args: argparse.Namespace, max_concurrency: Optional[int]) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(max_concurrency or 0, 256))
+    # keepalive_expiry under the server's keep-alive (uvicorn's 5 s): no request on a closing connection
+    limits = httpx.Limits(max_connections=max(max_concurrency or 0, 256), keepalive_expiry=2.0)
     return httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
                              timeout=httpx.Timeout(args.timeout, connect=30))
 

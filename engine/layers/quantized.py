@@ -7,8 +7,8 @@ float32's bytes, which is what a batch-1 decode step reads), activations stay fl
   ``zero = min + 8 s`` (the convention of torch's packed int4 kernel).
 - fp16 (``Fp16Weight``): the weight rounded to float16 in fbgemm's packed layout (half float32's bytes,
   outputs within ~1e-3 of float32's), every row count through ``torch.ops.quantized.linear_dynamic_fp16``
-  (float32 activations, converted weights, float32 accumulation): on the 2-core AVX2 machine as fast as
-  int4 at batch 1 and the fastest format at batch 16 (RESULTS.md "CPU").
+  (float32 activations, converted weights, float32 accumulation); which format is fastest at which batch
+  on the 2-core machine: RESULTS.md "CPU".
 
 A projection runs as ``x @ W.T`` in one of two ways, by the number of rows of ``x``: up to
 ``PACKED_MAX_TOKENS`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
@@ -37,6 +37,8 @@ QUANTIZATIONS = ("int8", "int4", "fp16")
 class Int8Weight:
     """A [out, in] weight as int8 with one scale per row."""
 
+    packed_max_tokens = PACKED_MAX_TOKENS
+
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
         self.scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0                           # [out]
@@ -55,6 +57,8 @@ class Int8Weight:
 class Int4Weight:
     """A [out, in] weight as int4 with a scale and a zero point per group of ``INT4_GROUP_SIZE`` inputs;
     the packed layout for decode and the 0..15 values (one byte each) for prefill's dequantization."""
+
+    packed_max_tokens = PACKED_MAX_TOKENS
 
     def __init__(self, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> None:
         out_features, in_features = weight.shape
@@ -96,6 +100,8 @@ class Fp16Weight:
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
 
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Unpacks the whole weight (tests' reference; the engine never calls it: ``packed_mm`` serves every
+        row count and ``QuantizedEmbedding`` looks rows up in its own float16 table)."""
         w = torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
         return (w if rows is None else w[rows]).to(dtype)
 
@@ -103,7 +109,6 @@ class Fp16Weight:
         return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
 
 
-Int8Weight.packed_max_tokens = Int4Weight.packed_max_tokens = PACKED_MAX_TOKENS
 QuantizedWeight = Int8Weight | Int4Weight | Fp16Weight
 
 _FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")

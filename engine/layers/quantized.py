@@ -10,11 +10,12 @@ float32's bytes, which is what a batch-1 decode step reads), activations stay fl
   (float32 activations, converted weights, float32 accumulation); which format is fastest at which batch
   on the 2-core machine: RESULTS.md "CPU".
 
-A projection runs as ``x @ W.T`` in one of two ways, by the number of rows of ``x``: up to
-``PACKED_MAX_TOKENS`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
-bfloat16 activations, the quantized weight read once: bandwidth-bound decode steps); above, the weight is
-dequantized to ``x``'s dtype for one ``F.linear`` (compute-bound prefill, where the packed kernels are about
-half float32's speed on CPUs without AMX).
+A projection runs as ``x @ W.T`` in one of three ways, by the number of rows of ``x``: up to
+``packed_max_tokens`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
+bfloat16 activations, the quantized weight read once: bandwidth-bound decode steps); above, the weight's
+fp16 copy when it keeps one (``keep_fp16_copy``: fbgemm's float16 GEMM, no per-call conversion: decode
+batches and prefill), else the weight dequantized to ``x``'s dtype for one ``F.linear`` (compute-bound
+prefill, where the packed kernels are about half float32's speed on CPUs without AMX).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ import torch.nn.functional as F
 PACKED_MAX_TOKENS = 32
 """Rows up to which the packed kernels run: where they beat float32 on the 2-core CPU, measured in
 RESULTS.md "CPU" (faster at decode sizes, about half float32's speed at prefill sizes)."""
+FP16_COPY_MIN_TOKENS = 5
+"""Rows from which a weight that keeps an fp16 copy runs it instead of its packed kernel: the 2-core AVX2
+machine's crossover (RESULTS.md "CPU": the packed kernels win at 1-4 decode rows, the fp16 GEMM at 8+)."""
+FP16_COPY_MAX_MEMORY_FRACTION = 0.25
+"""``cpu_fp16_copy`` unset: the copies are kept when they take at most this fraction of the machine's memory
+(SmolLM2-135M: 0.27 GB; a 7B model's 14 GB are not kept on a 24 GB machine)."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2
@@ -34,10 +41,33 @@ INT4_INNER_K_TILES = 2
 QUANTIZATIONS = ("int8", "int4", "fp16")
 
 
-class Int8Weight:
-    """A [out, in] weight as int8 with one scale per row."""
+class _PackedWeight:
+    """What int8 and int4 weights share: the optional fp16 copy for steps of many rows."""
 
-    packed_max_tokens = PACKED_MAX_TOKENS
+    fp16_copy: Optional["Fp16Weight"] = None
+    """The weight as fbgemm float16 (``keep_fp16_copy``), run above ``packed_max_tokens`` rows; None: those
+    rows run the dequantized weight."""
+
+    @property
+    def packed_max_tokens(self) -> int:
+        """Rows up to which the packed kernel runs."""
+        return PACKED_MAX_TOKENS if self.fp16_copy is None else FP16_COPY_MIN_TOKENS - 1
+
+    def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def keep_fp16_copy(self) -> None:
+        """Also keep the dequantized weight as fbgemm float16 (2 bytes per weight) for steps of
+        ``FP16_COPY_MIN_TOKENS`` rows or more."""
+        self.fp16_copy = Fp16Weight(self.dequantize(torch.float32))
+
+    def nbytes_fp16_copy(self) -> int:
+        """Bytes ``keep_fp16_copy`` adds."""
+        return 2 * self.q.numel()
+
+
+class Int8Weight(_PackedWeight):
+    """A [out, in] weight as int8 with one scale per row."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
@@ -54,11 +84,9 @@ class Int8Weight:
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales_bf16)
 
 
-class Int4Weight:
+class Int4Weight(_PackedWeight):
     """A [out, in] weight as int4 with a scale and a zero point per group of ``INT4_GROUP_SIZE`` inputs;
     the packed layout for decode and the 0..15 values (one byte each) for prefill's dequantization."""
-
-    packed_max_tokens = PACKED_MAX_TOKENS
 
     def __init__(self, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> None:
         out_features, in_features = weight.shape
@@ -93,6 +121,7 @@ class Fp16Weight:
     """A [out, in] weight as float16 packed for fbgemm's GEMM (every row count: ``packed_max_tokens`` None)."""
 
     packed_max_tokens = None
+    fp16_copy = None
 
     def __init__(self, weight: torch.Tensor) -> None:
         if "fbgemm" not in torch.backends.quantized.supported_engines:
@@ -143,10 +172,12 @@ def quantize_weight(weight: torch.Tensor, kind: str) -> QuantizedWeight:
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype (see the module docstring)."""
-    limit = weight.packed_max_tokens
-    if (limit is None or x.shape[0] <= limit) and x.device.type == "cpu":
-        y = weight.packed_mm(x).to(x.dtype)
-        return y if bias is None else y + bias
+    if x.device.type == "cpu":
+        limit = weight.packed_max_tokens
+        kernel = weight if limit is None or x.shape[0] <= limit else weight.fp16_copy
+        if kernel is not None:
+            y = kernel.packed_mm(x).to(x.dtype)
+            return y if bias is None else y + bias
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
@@ -170,3 +201,14 @@ class QuantizedEmbedding(torch.nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> [R, vocab]."""
         return quantized_linear(hidden, self.weight_q)
+
+
+def packed_weights(model: torch.nn.Module) -> list[_PackedWeight]:
+    """The int8 / int4 weights of ``model``'s projections and quantized head."""
+    return [m.weight_q for m in model.modules() if isinstance(getattr(m, "weight_q", None), _PackedWeight)]
+
+
+def fp16_copies_fit(nbytes: int, physical_bytes: int) -> bool:
+    """Whether ``nbytes`` of fp16 copies fit the auto rule: at most ``FP16_COPY_MAX_MEMORY_FRACTION`` of the
+    machine's memory."""
+    return nbytes <= FP16_COPY_MAX_MEMORY_FRACTION * physical_bytes

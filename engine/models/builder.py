@@ -125,6 +125,7 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     plan = _quantization_plan(model, model_config.quantization, resolved, device)
     if plan is not None:
         _quantize(model, plan, model_config.quantization or "auto", device)
+        _keep_fp16_copies(model, model_config.cpu_fp16_copy)
     model.eval()
     if resolved.kind == "gguf":
         from engine.loader import checkpoint_dir
@@ -205,6 +206,29 @@ def _quantize(model: torch.nn.Module, plan, flag: str, device: torch.device) -> 
         raise ValueError(f"--quantization {flag} supports Llama-family text models, not {type(model).__name__}; "
                          "leave --quantization unset.")
     model.quantize(plan)
+
+
+@torch.no_grad()
+def _keep_fp16_copies(model: torch.nn.Module, wanted: Optional[bool], physical_bytes: Optional[int] = None) -> None:
+    """The fp16 copies of the int8 / int4 weights (``ModelConfig.cpu_fp16_copy``); ``physical_bytes``: the
+    machine's memory (default: read from the OS)."""
+    import os
+
+    from engine.layers.quantized import fp16_copies_fit, packed_weights
+    weights = packed_weights(model)
+    nbytes = sum(w.nbytes_fp16_copy() for w in weights)
+    if not weights or wanted is False:
+        return
+    if physical_bytes is None:
+        physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if wanted is None and not fp16_copies_fit(nbytes, physical_bytes):
+        logger.info("Quantized weights: no fp16 copies for batched steps (%.1f GiB would exceed a quarter of this "
+                    "machine's memory; --cpu-fp16-copy keeps them anyway).", nbytes / (1 << 30))
+        return
+    for w in weights:
+        w.keep_fp16_copy()
+    logger.info("Quantized weights: fp16 copies for steps of several rows (%.2f GiB; --no-cpu-fp16-copy drops "
+                "them).", nbytes / (1 << 30))
 
 
 @torch.no_grad()

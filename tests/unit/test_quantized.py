@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.quantized import (INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Fp16Weight, Int4Weight, Int8Weight, QuantizedEmbedding,
-                                     kind_for_gguf_type, most_precise, quantized_linear)
+from engine.layers.quantized import (FP16_COPY_MIN_TOKENS, INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Fp16Weight, Int4Weight,
+                                     Int8Weight, QuantizedEmbedding, fp16_copies_fit, kind_for_gguf_type,
+                                     most_precise, packed_weights, quantized_linear)
 from engine.layers.linear import Linear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -57,6 +58,40 @@ def test_quantized_linear_equals_the_dequantized_weight(kind, num_tokens, bias):
     else:
         tol = 3e-2 * ref.abs().max() if num_tokens <= PACKED_MAX_TOKENS else 1e-4
     torch.testing.assert_close(out, ref, atol=float(tol), rtol=0)
+
+
+@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
+@pytest.mark.parametrize("num_tokens", [1, FP16_COPY_MIN_TOKENS - 1, FP16_COPY_MIN_TOKENS, 100])
+def test_fp16_copy_serves_steps_of_many_rows(kind, num_tokens):
+    """With ``keep_fp16_copy``, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel and larger ones
+    the float16 copy of the dequantized weight (within float16's rounding of it)."""
+    torch.manual_seed(num_tokens)
+    w, x, b = torch.randn(96, 64), torch.randn(num_tokens, 64), torch.randn(96)
+    q = kind(w)
+    assert q.fp16_copy is None and q.packed_max_tokens == PACKED_MAX_TOKENS
+    q.keep_fp16_copy()
+    assert q.packed_max_tokens == FP16_COPY_MIN_TOKENS - 1 and q.nbytes_fp16_copy() == 2 * 96 * 64
+    out = quantized_linear(x, q, b)
+    if num_tokens < FP16_COPY_MIN_TOKENS:
+        torch.testing.assert_close(out, q.packed_mm(x).float() + b, atol=0, rtol=0)
+    else:
+        torch.testing.assert_close(out, q.fp16_copy.packed_mm(x) + b, atol=0, rtol=0)
+        ref = F.linear(x, q.dequantize(torch.float32), b)
+        torch.testing.assert_close(out, ref, atol=float(1e-5 * ref.abs().max() * 64), rtol=0)
+
+
+def test_fp16_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir):
+    from engine.models.builder import _keep_fp16_copies
+    assert fp16_copies_fit(1 << 30, 4 << 30) and not fp16_copies_fit((1 << 30) + 1, 4 << 30)
+    for wanted, kept in ((False, False), (None, True), (True, True)):
+        llm = LLM(str(tiny_llama_dir), quantization="int4", cpu_fp16_copy=wanted, max_model_len=64)
+        weights = packed_weights(llm.llm_engine.core.runner.model)
+        assert weights and all((w.fp16_copy is not None) == kept for w in weights)
+    model = llm.llm_engine.core.runner.model
+    for w in weights:
+        w.fp16_copy = None
+    _keep_fp16_copies(model, None, physical_bytes=1)    # a machine too small for them: none kept
+    assert all(w.fp16_copy is None for w in weights)
 
 
 def test_fp16_embedding_looks_up_float16_rows():

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from engine.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, MultiModalConfig,
-                           SchedulerConfig)
+                           ParallelConfig, SchedulerConfig)
 
 
 @dataclass
@@ -60,6 +60,8 @@ class EngineArgs:
     allow_private_media_urls: bool = False
     max_num_encoder_input_tokens: Optional[int] = None
     encoder_cache_size: Optional[int] = None
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (``ParallelConfig.tensor_parallel_size``)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -108,6 +110,7 @@ class EngineArgs:
                                        allowed_local_media_path=self.allowed_local_media_path,
                                        allowed_media_domains=self.allowed_media_domains,
                                        allow_private_media_urls=self.allow_private_media_urls),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=self.device, enforce_eager=self.enforce_eager,
             max_cudagraph_capture_size=self.max_cudagraph_capture_size)
 

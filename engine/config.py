@@ -172,6 +172,57 @@ class LoRAConfig:
             raise ValueError(f"lora_dtype={self.lora_dtype!r}: use one of {SUPPORTED_DTYPES}.")
 
 
+@dataclass
+class ParallelConfig:
+    """How the model is spread over devices (``engine.distributed``)."""
+
+    tensor_parallel_size: int = 1
+    """Processes (one per GPU on CUDA; gloo processes on CPU) that each hold 1/N of every attention and
+    MLP projection, of the vocabulary's embedding rows and of the LM head, and run every step together
+    (one all-reduce per row-parallel layer). 1: one process, no collective anywhere."""
+    distributed_timeout_s: float = 120.0
+    """Seconds a collective may wait for a peer before it fails (a worker that hangs or died), which
+    stops the engine instead of hanging it."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r}: use an integer >= 1 "
+                             "(1 runs one process).")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s} must be > 0 seconds.")
+
+    def check_devices(self, device_type: str, num_gpus: int) -> None:
+        """ValueError when a CUDA engine asks for more ranks than there are GPUs."""
+        if device_type == "cuda" and self.tensor_parallel_size > num_gpus:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs {self.tensor_parallel_size} "
+                             f"GPUs, but {num_gpus} are visible; lower it to at most {num_gpus} (or expose more "
+                             "GPUs through CUDA_VISIBLE_DEVICES).")
+
+    def check_model(self, text_config) -> None:
+        """ValueError when the model's heads or MLP cannot be split over ``tensor_parallel_size`` ranks."""
+        n = self.tensor_parallel_size
+        if n == 1:
+            return
+        heads = text_config.num_attention_heads
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        fix = f"use a --tensor-parallel-size that divides {heads} (one of {_divisors(heads)})"
+        if heads % n:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by --tensor-parallel-size {n}: {fix}.")
+        if kv_heads % n and n % kv_heads:
+            raise ValueError(f"num_key_value_heads={kv_heads} and --tensor-parallel-size {n}: one must divide the "
+                             f"other (KV heads are split, or replicated when fewer than the ranks); {fix} and "
+                             f"{kv_heads} (one of {_divisors(kv_heads)}) or is a multiple of {kv_heads}.")
+        inter = getattr(text_config, "intermediate_size", None)
+        if inter is not None and inter % n:
+            raise ValueError(f"intermediate_size={inter} is not divisible by --tensor-parallel-size {n}; use one of "
+                             f"{[d for d in _divisors(inter) if heads % d == 0]}.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 MODALITIES = ("image", "audio")
 
 
@@ -227,6 +278,8 @@ class EngineConfig:
     lora_config: Optional[LoRAConfig] = None
     """None: adapters disabled (requests naming one are rejected)."""
     mm_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor parallelism (1 process by default)."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     enforce_eager: bool = False

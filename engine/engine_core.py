@@ -41,8 +41,10 @@ from engine.core_messages import (CALLABLE_METHODS, AbortRequests, AddRequest, C
                                   CoreMessage, EngineCommand, EngineCoreOutputs, EngineDead, EngineFacts,
                                   InjectFault, Shutdown)
 from engine.errors import EngineDeadError, EngineStepError
-from engine.model_runner import ModelRunner, PendingOutput, max_blocks_needed, resolve_device
-from engine.models.builder import build_model
+from engine.distributed.group import TensorParallelGroup
+from engine.distributed.rank import build_rank
+from engine.model_runner import ModelRunner, PendingOutput, resolve_device
+from engine.models.builder import check_tensor_parallel
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from engine.processor import Processor
 from engine.request import Request, RequestStatus
@@ -92,11 +94,14 @@ class EngineCore:
         scheduler: the request scheduler, sized for the runner's KV cache.
         facts: what clients need (tokenizer, processor, names, limits).
         lora_manager: the adapter manager, when LoRA is enabled.
+        executor: tensor parallelism (size > 1): rank 0's handle on the worker ranks
+            (``engine.distributed.executor.TensorParallelExecutor``); None in a one-process engine.
     """
 
     def __init__(self, engine_config: EngineConfig, runner: ModelRunner, scheduler: Scheduler,
-                 facts: EngineFacts, lora_manager=None) -> None:
+                 facts: EngineFacts, lora_manager=None, executor=None) -> None:
         self.engine_config = engine_config
+        self.executor = executor
         self.runner = runner
         self.scheduler = scheduler
         self.facts = facts
@@ -120,24 +125,23 @@ class EngineCore:
             torch.set_num_threads(envs.num_threads())
         probe = engine_args.create_engine_config()
         device = resolve_device(probe.device)
-        loaded = build_model(probe.model_config, device)
-        cfg = engine_args.create_engine_config(loaded.max_model_len)
-        runner = ModelRunner(cfg, loaded.model, loaded.hf_config, device, loaded.dtype)
-        lora_manager = None
-        if cfg.lora_config is not None:
-            from lora.manager import LoRAManager
-            lora_manager = LoRAManager(cfg.lora_config, loaded.model, device, loaded.dtype,
-                                       policy=runner.policy)
-            runner.lora_manager = lora_manager
-        max_embeds_per_item = loaded.mm_processor.max_embeds_per_item() if loaded.mm_processor else 0
-        if max_embeds_per_item:   # a media model: the encoder cache's outputs take memory beside the KV cache
-            runner.encoder_compute_budget, runner.encoder_cache_size = cfg.scheduler_config.encoder_budgets(
-                max_embeds_per_item)
-        # Encoder-decoder models: each request also holds cross-attention K/V of its encoder output.
-        cross_tokens = max_embeds_per_item if runner.is_encoder_decoder else 0
-        num_blocks = runner.determine_num_blocks(max_blocks_needed(
-            cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size, cross_tokens))
-        runner.allocate_kv_cache(num_blocks)
+        executor, tp = None, TensorParallelGroup.single()
+        if probe.parallel_config.tensor_parallel_size > 1:
+            # Checked before any worker starts: a model that cannot be sharded fails in a second.
+            check_tensor_parallel(probe.model_config, probe.parallel_config)
+            from engine.distributed.executor import TensorParallelExecutor
+            executor = TensorParallelExecutor.start(engine_args, probe.parallel_config, device)
+            tp, device = executor.group, executor.device
+        try:
+            parts = build_rank(engine_args, device, tp, on_built=executor.wait_built if executor else None)
+            if executor is not None:
+                executor.wait_ready()
+        except BaseException:
+            if executor is not None:
+                executor.close()
+            raise
+        cfg, loaded, runner, lora_manager = parts.config, parts.loaded, parts.runner, parts.lora_manager
+        num_blocks, max_embeds_per_item = parts.num_blocks, parts.max_embeds_per_item
         scheduler = Scheduler(cfg.scheduler_config, cfg.cache_config, loaded.max_model_len, num_blocks,
                               cfg.lora_config, max_embeds_per_mm_item=max_embeds_per_item)
         processor = Processor(loaded.tokenizer, cfg.model_config, loaded.max_model_len,
@@ -149,7 +153,7 @@ class EngineCore:
                             engine_config=cfg, tokenizer=loaded.tokenizer, processor=processor,
                             default_sampling_params=loaded.default_sampling,
                             lora_enabled=cfg.lora_config is not None)
-        core = cls(cfg, runner, scheduler, facts, lora_manager)
+        core = cls(cfg, runner, scheduler, facts, lora_manager, executor)
         freeze_gc_heap()
         return core
 
@@ -163,6 +167,8 @@ class EngineCore:
         lora_request = children[0].lora_request
         if lora_request is not None and self.lora_manager is not None:
             self.lora_manager.register(lora_request)
+            if self.executor is not None:
+                self.executor.add_adapter(lora_request)
             if self.lora_manager.adapts_encoder(lora_request.lora_name):
                 # The encoder output depends on the adapter: its own encoder-cache entries.
                 for child in children:
@@ -213,6 +219,8 @@ class EngineCore:
         return outputs
 
     def _run(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        if self.executor is not None:
+            self.executor.send_step(so)   # the workers run the same step alongside the runner below
         if not self.async_scheduling:
             result = self.runner.execute(so)
             self._raise_injected_fault()
@@ -267,7 +275,7 @@ class EngineCore:
         self._num_consecutive_faults += 1
         req_ids = list(dict.fromkeys(rid for so in steps for rid in so.num_scheduled_tokens))
         stale_loras = {load.lora_request.lora_name for so in steps for load in so.lora_loads}
-        fatal = _fatal_reason(error, self._num_consecutive_faults)
+        fatal = _fatal_reason(error, self._num_consecutive_faults, self.executor)
         logger.error("Engine step failed (%d in a row) with %d request(s): %s", self._num_consecutive_faults,
                      len(req_ids), "fatal: " + fatal if fatal else "recovering", exc_info=error)
         cause = f"{type(error).__name__}: {error}"
@@ -315,6 +323,8 @@ class EngineCore:
         if self.lora_manager is None:
             raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora=True.")
         self.lora_manager.register(lora_request, keep_if_removing=True)
+        if self.executor is not None:
+            self.executor.add_adapter(lora_request)
         return True
 
     def remove_lora(self, lora_name: str) -> bool:
@@ -337,6 +347,8 @@ class EngineCore:
         for name in self.lora_manager.pending_removals():
             if self.scheduler.remove_lora(name):
                 self.lora_manager.remove(name)
+                if self.executor is not None:
+                    self.executor.remove_adapter(name)
 
     def get_stats(self) -> SchedulerStats:
         stats = self.scheduler.get_stats()
@@ -375,8 +387,23 @@ class EngineCore:
             raise AssertionError(f"unknown engine command {command!r}")
         return None
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; the loop calls it when it ends)."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def _watch_workers(self, channel: CoreChannel) -> None:
+        """Tensor parallelism: a worker that dies while the loop waits for commands makes the engine
+        dead at once (``EngineDead`` to the client: /health fails, ``chorus serve`` exits)."""
+        def on_death(reason: str) -> None:
+            self._dead_error = EngineDeadError(reason)
+            channel.put(EngineDead(reason))
+        self.executor.on_death = on_death
+
     def run(self, channel: CoreChannel) -> None:
         """The engine loop: until ``Shutdown`` (or an error, reported as ``EngineDead``)."""
+        if self.executor is not None:
+            self._watch_workers(channel)
         try:
             while True:
                 rejected: dict[str, BaseException] = {}
@@ -395,6 +422,8 @@ class EngineCore:
             if failed:   # a fatal step fault: its requests get their 500 before everyone's 503
                 channel.put(EngineCoreOutputs([], None, {}, failed))
             channel.put(EngineDead(f"Engine loop died: {e!r}"))
+        finally:
+            self.shutdown()
 
     def _drain(self, channel: CoreChannel, block: bool, rejected: dict[str, BaseException]) -> Optional[int]:
         """Apply the queued commands (waiting for one while ``block``). Returns how many were
@@ -413,8 +442,11 @@ class EngineCore:
                 channel.put(reply)
 
 
-def _fatal_reason(error: BaseException, num_consecutive_faults: int) -> Optional[str]:
+def _fatal_reason(error: BaseException, num_consecutive_faults: int, executor=None) -> Optional[str]:
     """Why a step fault stops the engine (None: recover from it)."""
+    if executor is not None:
+        return executor.dead_reason or ("a step failed with tensor parallelism, after which the ranks "
+                                        "cannot be assumed to be in step")
     if isinstance(error, getattr(torch, "AcceleratorError", ())) or any(
             marker in str(error) for marker in _CUDA_ERROR_MARKERS):
         return "a CUDA error leaves the device unusable"

@@ -64,6 +64,31 @@ class TargetSlice:
     in_encoder: bool = False
     """The Linear runs in the model's encoder (under its ``lora_encoder_prefix``): an update here
     changes the encoder output, so that output depends on the adapter."""
+    output_range: Optional[tuple[int, int]] = None
+    """Tensor parallelism, column-parallel Linear: the (start, stop) rows of B this rank keeps (S-LoRA:
+    B split with the output, A whole); None: all."""
+    input_range: Optional[tuple[int, int]] = None
+    """Tensor parallelism, row-parallel Linear: the (start, stop) columns of A this rank keeps (A split
+    with the input, B whole: the partial update rides on the layer's all-reduce); None: all."""
+
+    def shard(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of A [r, input_size] and B [output_size, r]."""
+        if self.input_range is not None:
+            a = a[:, self.input_range[0]:self.input_range[1]]
+        if self.output_range is not None:
+            b = b[self.output_range[0]:self.output_range[1]]
+        return a, b
+
+
+def _target_slice(module_name: str, slice_idx: int, module: nn.Module) -> TargetSlice:
+    """Where a PEFT projection lands in ``module`` (sizes of the whole projection, and this rank's
+    ranges when the Linear is tensor-parallel: ``engine.distributed.sharding.LinearShard``)."""
+    shard = getattr(module, "tp_shard", None)
+    if shard is None:
+        return TargetSlice(module_name, slice_idx, module.input_size, module.output_sizes[slice_idx])
+    return TargetSlice(module_name, slice_idx, shard.full_input_size, shard.full_output_sizes[slice_idx],
+                       output_range=shard.output_ranges[slice_idx] if shard.output_ranges else None,
+                       input_range=shard.input_range)
 
 
 @dataclass
@@ -101,7 +126,7 @@ class LoRATargets:
                 if peft_name not in SUFFIX_TARGET_MODULES:
                     continue
                 peft_module = f"{parent}.{peft_name}" if parent else peft_name
-                target = TargetSlice(name, idx, module.input_size, module.output_sizes[idx])
+                target = _target_slice(name, idx, module)
                 slices[peft_module] = target
                 for theirs, ours in prefixes:
                     if peft_module.startswith(ours):
@@ -405,7 +430,7 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
         if isinstance(fitted, str):
             problems.append(fitted)
             continue
-        a, b = fitted
+        a, b = target.shard(*fitted)
         rank = a.shape[0]
         if rank > max_lora_rank:
             problems.append(f"{peft_module} has rank {rank}, greater than max_lora_rank {max_lora_rank}; "

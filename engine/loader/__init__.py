@@ -49,12 +49,14 @@ def load_config(resolved: ResolvedModel, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(str(checkpoint_dir(resolved)), trust_remote_code=trust_remote_code)
 
 
-def iter_weights(resolved: ResolvedModel, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 shard_of=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_parameter_name, tensor)`` for every weight, floating tensors cast to ``dtype``.
 
     ``lm_head.weight`` is never yielded when the config ties it to the embeddings. Safetensors
-    tensors are read straight onto ``device`` (and cast there).
+    tensors are read straight onto ``device`` (and cast there). ``shard_of`` (tensor parallelism:
+    name -> ``engine.distributed.sharding.Shard`` or None) cuts each tensor to this rank's range as it
+    is read (GGUF: from its converted directory, the same way; CTranslate2 Whisper: not sharded).
     """
     from engine.loader.safetensors_loader import iter_checkpoint_tensors
 
@@ -64,7 +66,7 @@ def iter_weights(resolved: ResolvedModel, dtype: torch.dtype,
         return ((name, tensor.to(device)) for name, tensor in weights)
     model_dir = checkpoint_dir(resolved)
     tied = bool(getattr(load_config(resolved), "tie_word_embeddings", False))
-    return iter_checkpoint_tensors(model_dir, dtype, skip_lm_head=tied, device=device)
+    return iter_checkpoint_tensors(model_dir, dtype, skip_lm_head=tied, device=device, shard_of=shard_of)
 
 
 def checkpoint_dtype(resolved: ResolvedModel) -> torch.dtype:

@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
+
+from engine.distributed.sharding import Shard
+
+ShardOf = Callable[[str], Optional[Shard]]
+"""Checkpoint tensor name -> the range this rank reads (None: the whole tensor)."""
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -57,7 +62,8 @@ def find_weight_files(model_dir: Path) -> WeightFiles:
 
 
 def iter_checkpoint_tensors(model_dir: Path, dtype: torch.dtype, skip_lm_head: bool,
-                            device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+                            device: torch.device | str = "cpu", shard_of: Optional[ShardOf] = None
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint, floating tensors cast to ``dtype``.
 
     Args:
@@ -66,10 +72,12 @@ def iter_checkpoint_tensors(model_dir: Path, dtype: torch.dtype, skip_lm_head: b
         skip_lm_head: drop ``lm_head.weight`` (the model ties it to the embeddings).
         device: where safetensors tensors are materialized (e.g. "cuda": read straight to the
             GPU, then cast there); pickled ``.bin`` checkpoints are always read on the CPU.
+        shard_of: tensor parallelism: the range of each tensor this rank keeps; safetensors files
+            read only that range (``get_slice``), so no rank holds the whole model.
     """
     files = find_weight_files(model_dir)
     for path in files.paths:
-        for name, tensor in _iter_file(path, files.format, str(device)):
+        for name, tensor in _iter_file(path, files.format, str(device), shard_of):
             if name.endswith(_SKIPPED_SUFFIXES) or (skip_lm_head and name == "lm_head.weight"):
                 continue
             if tensor.is_floating_point() and tensor.dtype != dtype:
@@ -101,14 +109,25 @@ def _shards_from_index(model_dir: Path, index_name: str) -> list[Path]:
     return [model_dir / s for s in shards]
 
 
-def _iter_file(path: Path, fmt: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the tensors of one file; safetensors files are read one tensor at a time, on ``device``."""
+def _iter_file(path: Path, fmt: str, device: str = "cpu", shard_of: Optional[ShardOf] = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one file (each cut to ``shard_of(name)`` when given); safetensors files are
+    read one tensor (or range) at a time, on ``device``."""
     if fmt == "safetensors":
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt", device=device) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                shard = shard_of(name) if shard_of is not None else None
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    part = f.get_slice(name)
+                    yield name, part[shard.start:shard.stop] if shard.dim == 0 else part[:, shard.start:shard.stop]
     else:
         state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        yield from state.items()
+        for name, tensor in state.items():   # memory-mapped: slicing reads only the shard's pages
+            shard = shard_of(name) if shard_of is not None else None
+            if shard is not None:
+                tensor = tensor.narrow(shard.dim, shard.start, shard.size).clone()
+            yield name, tensor

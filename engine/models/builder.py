@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, ParallelConfig
+from engine.distributed.group import TensorParallelGroup
 from engine.models.registry import get_model_class
 
 logger = logging.getLogger("chorus.models")
@@ -106,23 +107,36 @@ def default_sampling_from_generation_config(resolved) -> dict:
     return {ours: raw[theirs] for theirs, ours in _SAMPLING_KEYS.items() if raw.get(theirs) is not None}
 
 
-def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
+def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[TensorParallelGroup] = None,
+                parallel_config: Optional[ParallelConfig] = None) -> LoadedModel:
+    """Build and load the model; with ``tp`` of size > 1, this rank's shard of it (read as such)."""
     from engine.loader import checkpoint_dtype, iter_weights, load_config, load_tokenizer, resolve_model
     from engine.model_runner import resolve_dtype
 
+    tp = tp or TensorParallelGroup.single()
     resolved = resolve_model(model_config.model, model_config.tokenizer)
     hf_config = load_config(resolved)
     model_cls = get_model_class(hf_config)
+    if tp.size > 1:
+        _check_tensor_parallel(model_cls, hf_config, model_config, parallel_config or ParallelConfig(tp.size))
     tokenizer = load_tokenizer(resolved, model_config.chat_template)
     max_model_len = resolve_max_model_len(hf_config, model_config.max_model_len)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(resolved), device)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, max_position=max_model_len)
+        model = model_cls(hf_config, max_position=max_model_len, **({"tp": tp} if tp.size > 1 else {}))
     if model_config.load_format == "dummy":
         _init_dummy(model, hf_config, model_config.seed)
     else:
-        model.load_weights(iter_weights(resolved, dtype, device))
-    plan = _quantization_plan(model, model_config.quantization, resolved, device)
+        shard_of = model.checkpoint_shard if tp.size > 1 else None
+        model.load_weights(iter_weights(resolved, dtype, device, shard_of=shard_of))
+    if tp.size > 1:
+        from engine.layers.parallel import RowParallelLinear
+        for module in model.modules():
+            if isinstance(module, RowParallelLinear):
+                module.keep_bias_on_first_rank()
+    # Sharded models run float weights (a GGUF's quantized tensors are dequantized: its quantized LM head
+    # would bypass the vocab-parallel logits).
+    plan = _quantization_plan(model, model_config.quantization, resolved, device) if tp.size == 1 else None
     if plan is not None:
         _quantize(model, plan, model_config.quantization or "auto", device)
         _keep_fp16_copies(model, model_config.cpu_fp16_copy)
@@ -152,6 +166,27 @@ def build_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
                        eos_token_ids=_eos_ids(hf_config, tokenizer, resolved),
                        default_sampling=default_sampling_from_generation_config(resolved),
                        mm_processor=mm_processor, transcriber=transcriber)
+
+
+def check_tensor_parallel(model_config: ModelConfig, parallel_config: ParallelConfig) -> None:
+    """ValueError when the checkpoint's architecture or the settings cannot run at this
+    tensor_parallel_size (reads only the config)."""
+    from engine.loader import load_config, resolve_model
+
+    hf_config = load_config(resolve_model(model_config.model, model_config.tokenizer))
+    _check_tensor_parallel(get_model_class(hf_config), hf_config, model_config, parallel_config)
+
+
+def _check_tensor_parallel(model_cls, hf_config, model_config: ModelConfig, parallel_config: ParallelConfig) -> None:
+    """ValueError, saying what to change, for a model or setting that cannot run sharded."""
+    n = parallel_config.tensor_parallel_size
+    if not getattr(model_cls, "supports_tensor_parallel", False):
+        raise ValueError(f"{model_cls.__name__} cannot run with --tensor-parallel-size {n} yet (tensor parallelism "
+                         "covers the Llama, Mistral and Qwen2 text models); use --tensor-parallel-size 1.")
+    if model_config.quantization in ("int8", "int4", "fp16"):
+        raise ValueError(f"--quantization {model_config.quantization} with --tensor-parallel-size {n} is not "
+                         "supported; leave --quantization unset or use --tensor-parallel-size 1.")
+    parallel_config.check_model(hf_config.get_text_config())
 
 
 def _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len: int, mm_processor):

@@ -12,11 +12,14 @@ from typing import Iterable, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
+from engine.distributed.group import TensorParallelGroup
+from engine.distributed.sharding import Shard, attention_shard, column_shard, even_part, row_shard
 from engine.layers.adapter import Feeds
 from engine.layers.attention import PagedAttention
 from engine.layers.fused import norm_linear, silu_mul_linear
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding, copy_rows, linear_shard_of, parallel_logits
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -29,19 +32,36 @@ def _head_dim(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool) -> None:
+    """Self-attention over this rank's heads (all of them at tensor_parallel_size 1; see
+    ``engine.distributed.sharding.attention_shard``): q|k|v column-parallel, o_proj row-parallel."""
+
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = _num_kv_heads(config)
+        num_heads, num_kv_heads = config.num_attention_heads, _num_kv_heads(config)
         self.head_dim = _head_dim(config)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_kv_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
+        shard = attention_shard(num_heads, num_kv_heads, tp.rank, tp.size)
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
                                feeds=Feeds.ROTARY_KV_WRITE)
-        self.o_proj = Linear(self.q_size, [config.hidden_size], bias=o_bias, feeds=Feeds.ADD_RMS_NORM)
+        if tp.size == 1:
+            self.o_proj = Linear(self.q_size, [config.hidden_size], bias=o_bias, feeds=Feeds.ADD_RMS_NORM)
+        else:
+            q_start, kv_start = tp.rank * self.q_size, shard.kv_head_start * self.head_dim
+            kv_range = (kv_start, kv_start + self.kv_size)
+            self.qkv_proj.tp_shard = column_shard(
+                config.hidden_size, [num_heads * self.head_dim, num_kv_heads * self.head_dim,
+                                     num_kv_heads * self.head_dim],
+                [(q_start, q_start + self.q_size), kv_range, kv_range])
+            self.o_proj = RowParallelLinear(self.q_size, [config.hidden_size], o_bias, tp,
+                                            row_shard(num_heads * self.head_dim, config.hidden_size, tp.rank, tp.size),
+                                            feeds=Feeds.ADD_RMS_NORM)
         self.rotary_emb = rotary_emb  # NOTE: one instance shared by every layer (one cos/sin gather per step)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
@@ -56,14 +76,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool) -> None:
+    """SwiGLU over this rank's intermediate columns: gate|up column-parallel, down_proj row-parallel."""
+
+    def __init__(self, config, bias: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (Llama-family models use 'silu').")
-        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                   feeds=Feeds.SILU_MUL)
-        self.down_proj = Linear(config.intermediate_size, [config.hidden_size], bias=bias, feeds=Feeds.ADD_RMS_NORM)
+        inter = config.intermediate_size // tp.size
+        self.gate_up_proj = Linear(config.hidden_size, [inter] * 2, bias=bias, feeds=Feeds.SILU_MUL)
+        if tp.size == 1:
+            self.down_proj = Linear(inter, [config.hidden_size], bias=bias, feeds=Feeds.ADD_RMS_NORM)
+        else:
+            cols = even_part(config.intermediate_size, tp.rank, tp.size)
+            self.gate_up_proj.tp_shard = column_shard(config.hidden_size, [config.intermediate_size] * 2, [cols] * 2)
+            self.down_proj = RowParallelLinear(inter, [config.hidden_size], bias, tp,
+                                               row_shard(config.intermediate_size, config.hidden_size, tp.rank, tp.size),
+                                               feeds=Feeds.ADD_RMS_NORM)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2 * intermediate], the output of ``gate_up_proj`` (run fused with the
@@ -72,10 +101,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config, mlp_bias)
+        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias, o_bias, tp)
+        self.mlp = LlamaMLP(config, mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -91,13 +121,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, max_position: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 rotary_cls: type[RotaryEmbedding] = RotaryEmbedding) -> None:
+                 rotary_cls: type[RotaryEmbedding] = RotaryEmbedding,
+                 tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        tp = tp or TensorParallelGroup.single()
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens.weight.requires_grad_(False)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary_emb = rotary_cls(config, _head_dim(config), max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias)
+            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias, tp)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -121,19 +156,25 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias_default = False
     rotary_cls: type[RotaryEmbedding] = RotaryEmbedding
+    supports_tensor_parallel = True
+    """``tensor_parallel_size`` > 1 shards this model (``tp`` below)."""
 
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TensorParallelGroup.single()
+        """This rank's group: at size > 1 every projection, the embedding and the head hold this rank's shard."""
         qkv_bias = bool(getattr(config, "attention_bias", self.qkv_bias_default)) or self.qkv_bias_default
         o_bias = bool(getattr(config, "attention_bias", False)) and not self.qkv_bias_default
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.model = LlamaModel(config, max_position, qkv_bias, o_bias, mlp_bias, self.rotary_cls)
+        self.model = LlamaModel(config, max_position, qkv_bias, o_bias, mlp_bias, self.rotary_cls, self.tp)
         self.quantized_head = None
         """The LM head kept quantized (``quantize``), or None."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
+        elif self.tp.size > 1:
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)   # its rows only
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.lm_head.weight.requires_grad_(False)
@@ -150,7 +191,27 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_head is not None:
             return self.quantized_head.logits(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp.size > 1:
+            return parallel_logits(hidden, weight, self.tp, self.config.vocab_size)
         return torch.matmul(hidden, weight.t())
+
+    def checkpoint_shard(self, name: str) -> Optional[Shard]:
+        """The range of checkpoint tensor ``name`` this rank reads (None: all of it), so that no rank
+        materializes more than its shard (``engine.loader.iter_weights``)."""
+        if self.tp.size == 1:
+            return None
+        if name == "model.embed_tokens.weight" or (name == "lm_head.weight" and self.lm_head is not None):
+            return (self.model.embed_tokens if name.startswith("model.") else self.lm_head).shard()
+        parts = name.split(".")
+        if len(parts) < 3:
+            return None
+        packed, idx = self.packed_modules_mapping.get(parts[-2], (parts[-2], 0))
+        try:
+            module = self.get_submodule(".".join(parts[:-2] + [packed]))
+        except AttributeError:
+            return None   # load_weights names the stray tensor
+        shard = linear_shard_of(module)
+        return shard.weight_shard(idx, parts[-1]) if shard is not None else None
 
     def quantize(self, kind: Union[str, Mapping[str, Optional[str]]]) -> None:
         """Weight-only quantization (``--quantization``, CPU; ``engine.layers.quantized``): ``kind`` is "int8" /
@@ -212,6 +273,10 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[name]
+            if self.tp.size > 1 and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                copy_rows(param, tensor, name)   # this rank's vocabulary rows, padded
+                loaded.add(name)
+                continue
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(param.shape)}")

@@ -204,6 +204,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "thread is faster).")
     eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                      help="Schedule step N+1 while the device runs step N (default: on).")
+    eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                     help="Split the model over N processes (one per GPU with NCCL on CUDA, gloo on CPU): "
+                          "attention heads, MLP columns and the vocabulary are sharded, the scheduler stays in "
+                          "one place (default: 1). Llama, Mistral and Qwen2 text models.")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
     eng.add_argument("--cpu-fp16-copy", action=argparse.BooleanOptionalAction, default=None,
@@ -342,7 +346,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         _common_engine_kwargs(args), model=resolve_model(args), tokenizer=args.tokenizer,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks_override=args.num_gpu_blocks_override, served_model_name=served_name,
-        chat_template=args.chat_template, enable_lora=args.enable_lora, quantization=args.quantization)
+        chat_template=args.chat_template, enable_lora=args.enable_lora, quantization=args.quantization,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     if whisper_task:
         # Every 30 s window asks for the top logprobs at its first step (Whisper's no_speech_prob).
         from engine.transcription import NO_SPEECH_TOP_LOGPROBS

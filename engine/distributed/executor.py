@@ -264,3 +264,6 @@ class TensorParallelExecutor:
                 proc.join(SHUTDOWN_JOIN_S)
         destroy_tensor_parallel(self.group)
         torch.set_num_threads(self._prev_num_threads)
+        close_queue = getattr(self._reports, "close", None)   # a multiprocessing queue: free its semaphores
+        if close_queue is not None:
+            close_queue()

@@ -11,12 +11,15 @@ both transformers layouts load: 4.x (``language_model.model.*``, ``vision_tower.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
 from encoders.clip import CLIPVisionTower
 from encoders.siglip import SiglipVisionTower
 from encoders.vit import ACTIVATIONS
+from engine.distributed.group import TensorParallelGroup
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, image_token_id
 from multimodal.image_processor import ImageProcessor, ProcessedImage
@@ -69,7 +72,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     checkpoint_prefixes = CHECKPOINT_PREFIXES
     weight_parts = ("vision_tower", "multi_modal_projector", "language_model")
 
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
         self.config = config
         vision_config, text_config = config.vision_config, config.text_config
@@ -89,7 +92,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         self.multi_modal_projector = LlavaProjector(
             vision_config.hidden_size * len(self.feature_layers), text_config.hidden_size,
             config.projector_hidden_act, bool(getattr(config, "multimodal_projector_bias", True)))
-        self.language_model = language_model_class(text_config)(text_config, max_position)
+        self.language_model = language_model_class(text_config)(text_config, max_position, tp=tp)
         self.image_token_id = image_token_id(config)
         patches = (vision_config.image_size // vision_config.patch_size) ** 2
         has_cls = tower_cls is CLIPVisionTower

@@ -12,11 +12,14 @@ the request's delta. Weights load from both transformers layouts: 5.x (``model.l
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionTransformer
 from encoders.qwen2_vl import Qwen2VLVisionTransformer
+from engine.distributed.group import TensorParallelGroup
 from engine.layers.rotary import MRotaryEmbedding
 from engine.models.llama import Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, image_token_id
@@ -81,12 +84,12 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True
     vision_cls: type[torch.nn.Module] = Qwen2VLVisionTransformer
 
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
         self.config = config
         text_config = config.get_text_config()
         self.visual = self.vision_cls(config.vision_config)
-        self.language_model = Qwen2VLTextForCausalLM(text_config, max_position)
+        self.language_model = Qwen2VLTextForCausalLM(text_config, max_position, tp=tp)
         self.image_token_id = image_token_id(config)
         self.merge_size = config.vision_config.spatial_merge_size
 

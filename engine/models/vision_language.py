@@ -14,6 +14,8 @@ from typing import Iterable, Optional
 import torch
 import torch.nn as nn
 
+from engine.distributed.sharding import Shard
+
 
 def map_checkpoint_name(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
     """A checkpoint tensor or PEFT module name under our module tree (unchanged if no prefix matches)."""
@@ -50,8 +52,13 @@ def load_plain(module: nn.Module, weights: list[tuple[str, torch.Tensor]], what:
 
 
 class VisionLanguageModel(nn.Module):
-    """Delegates the language-model side to ``self.language_model``; routes checkpoint tensors."""
+    """Delegates the language-model side to ``self.language_model``; routes checkpoint tensors.
 
+    Tensor parallelism: the language model is sharded (a subclass passes its ``tp`` on); the vision
+    tower and projector are replicated on every rank, which encodes the step's images itself (a tower
+    is small next to the language model, and replication costs no collective per encoder layer)."""
+
+    supports_tensor_parallel = True
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
     """(their prefix, ours) pairs, most specific first; also used to match PEFT module names."""
     weight_parts: tuple[str, ...] = ()
@@ -79,6 +86,12 @@ class VisionLanguageModel(nn.Module):
 
     def attention_layers(self):
         return self.language_model.attention_layers()
+
+    def checkpoint_shard(self, name: str) -> Optional[Shard]:
+        """This rank's range of checkpoint tensor ``name``: the language model's shard, the whole of a
+        vision-side tensor."""
+        part, _, rest = map_checkpoint_name(name, self.checkpoint_prefixes).partition(".")
+        return self.language_model.checkpoint_shard(rest) if part == "language_model" else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Route each checkpoint tensor (either transformers layout) to its part; each part checks

@@ -1,0 +1,42 @@
+"""Vision-language models at tensor_parallel_size 2 (gloo, 2 processes, float32): the language model is
+sharded, the vision tower replicated on both ranks; image and text requests in one batch give the
+tokens of size 1 and logprobs within 1e-3 (tiny LLaVA with a CLIP tower and tiny Qwen2-VL, M-RoPE)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.models.utils import check_logprobs_close, ours_as_ref
+from tests.vision.conftest import build_tiny_llava, build_tiny_qwen2_vl, make_image
+
+MAX_TOKENS = 6
+IMAGE_TOKENS = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+def _requests(arch: str) -> list:
+    img = IMAGE_TOKENS[arch]
+    images = [make_image(64, 48, seed=s) for s in range(3)]
+    return [{"prompt": f"{img}\nWhat is in the picture?", "multi_modal_data": {"image": images[0]}},
+            {"prompt": f"Hello {img} and {img} again", "multi_modal_data": {"image": [images[1], images[2]]}},
+            "The quick brown fox"]
+
+
+def _generate(model_dir, arch: str, tp: int) -> list:
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=512,
+              num_gpu_blocks_override=64, tensor_parallel_size=tp)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
+        return [o.outputs[0] for o in llm.generate(_requests(arch), params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.core.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_tp2_vision_language_equals_tp1(arch, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"tp-{arch}")
+    model_dir = build_tiny_llava(out) if arch == "llava" else build_tiny_qwen2_vl(out)
+    ref, ours = _generate(model_dir, arch, tp=1), _generate(model_dir, arch, tp=2)
+    for i, (a, b) in enumerate(zip(ref, ours)):
+        assert list(a.token_ids) == list(b.token_ids), f"{arch} request {i}"
+        assert check_logprobs_close(ours_as_ref(a), ours_as_ref(b), f"{arch} request {i}") == MAX_TOKENS

@@ -80,14 +80,14 @@ class TargetSlice:
         return a, b
 
 
-def _target_slice(module_name: str, slice_idx: int, module: nn.Module) -> TargetSlice:
+def _target_slice(module_name: str, slice_idx: int, module: nn.Module, in_encoder: bool = False) -> TargetSlice:
     """Where a PEFT projection lands in ``module`` (sizes of the whole projection, and this rank's
     ranges when the Linear is tensor-parallel: ``engine.distributed.sharding.LinearShard``)."""
     shard = getattr(module, "tp_shard", None)
     if shard is None:
-        return TargetSlice(module_name, slice_idx, module.input_size, module.output_sizes[slice_idx])
+        return TargetSlice(module_name, slice_idx, module.input_size, module.output_sizes[slice_idx], in_encoder)
     return TargetSlice(module_name, slice_idx, shard.full_input_size, shard.full_output_sizes[slice_idx],
-                       output_range=shard.output_ranges[slice_idx] if shard.output_ranges else None,
+                       in_encoder, output_range=shard.output_ranges[slice_idx] if shard.output_ranges else None,
                        input_range=shard.input_range)
 
 
@@ -150,8 +150,7 @@ class LoRATargets:
                                  f"of {module_name!r}, which is not an output slice of a Linear (or the suffix "
                                  f"is not in {list(SUPPORTED_TARGET_MODULES)}).")
             in_encoder = encoder_prefix is not None and module_name.startswith(encoder_prefix)
-            slices[peft_module] = TargetSlice(module_name, idx, module.input_size, module.output_sizes[idx],
-                                              in_encoder)
+            slices[peft_module] = _target_slice(module_name, idx, module, in_encoder)
         return cls(slices)
 
     @property

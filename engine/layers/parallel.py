@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.distributed.group import TensorParallelGroup
-from engine.distributed.sharding import LinearShard, Shard, vocab_part
+from engine.distributed.sharding import LinearShard, Shard, column_shard, even_part, row_shard, vocab_part
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds
 from engine.layers.linear import Linear
@@ -80,6 +80,25 @@ class VocabParallelEmbedding(nn.Module):
 
     def shard(self) -> Shard:
         return Shard(0, self.start, self.stop)
+
+
+def column_parallel_linear(input_size: int, output_sizes: list[int], bias: bool, tp: TensorParallelGroup,
+                           feeds: Feeds = Feeds.ANY) -> Linear:
+    """A Linear holding rank's equal part of each packed output slice (the plain Linear at size 1)."""
+    layer = Linear(input_size, [s // tp.size for s in output_sizes], bias=bias, feeds=feeds)
+    if tp.size > 1:
+        layer.tp_shard = column_shard(input_size, output_sizes, [even_part(s, tp.rank, tp.size) for s in output_sizes])
+    return layer
+
+
+def row_parallel_linear(input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup,
+                        feeds: Feeds = Feeds.ANY) -> Linear:
+    """A ``RowParallelLinear`` over rank's equal part of the ``input_size`` features (the plain Linear,
+    with its fast paths, at size 1)."""
+    if tp.size == 1:
+        return Linear(input_size, [output_size], bias=bias, feeds=feeds)
+    return RowParallelLinear(input_size // tp.size, [output_size], bias, tp,
+                             row_shard(input_size, output_size, tp.rank, tp.size), feeds=feeds)
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TensorParallelGroup, vocab_size: int

@@ -56,14 +56,16 @@ def iter_weights(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devi
     ``lm_head.weight`` is never yielded when the config ties it to the embeddings. Safetensors
     tensors are read straight onto ``device`` (and cast there). ``shard_of`` (tensor parallelism:
     name -> ``engine.distributed.sharding.Shard`` or None) cuts each tensor to this rank's range as it
-    is read (GGUF: from its converted directory, the same way; CTranslate2 Whisper: not sharded).
+    is read (GGUF: from its converted directory, the same way; a CTranslate2 Whisper file is converted whole
+    in memory, then cut).
     """
     from engine.loader.safetensors_loader import iter_checkpoint_tensors
 
     if resolved.kind == "ct2":
         from engine.loader.ct2_loader import ct2_whisper_to_hf, read_ct2_model
+        from engine.loader.safetensors_loader import narrow_to
         _, weights = ct2_whisper_to_hf(read_ct2_model(resolved.path), dtype)
-        return ((name, tensor.to(device)) for name, tensor in weights)
+        return ((name, narrow_to(tensor, shard_of(name) if shard_of else None).to(device)) for name, tensor in weights)
     model_dir = checkpoint_dir(resolved)
     tied = bool(getattr(load_config(resolved), "tie_word_embeddings", False))
     return iter_checkpoint_tensors(model_dir, dtype, skip_lm_head=tied, device=device, shard_of=shard_of)

@@ -127,7 +127,9 @@ def _iter_file(path: Path, fmt: str, device: str = "cpu", shard_of: Optional[Sha
     else:
         state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
         for name, tensor in state.items():   # memory-mapped: slicing reads only the shard's pages
-            shard = shard_of(name) if shard_of is not None else None
-            if shard is not None:
-                tensor = tensor.narrow(shard.dim, shard.start, shard.size).clone()
-            yield name, tensor
+            yield name, narrow_to(tensor, shard_of(name) if shard_of is not None else None)
+
+
+def narrow_to(tensor: torch.Tensor, shard: Optional[Shard]) -> torch.Tensor:
+    """A copy of ``shard``'s range of ``tensor`` (the tensor itself when ``shard`` is None)."""
+    return tensor if shard is None else tensor.narrow(shard.dim, shard.start, shard.size).clone()

@@ -181,9 +181,8 @@ def _check_tensor_parallel(model_cls, hf_config, model_config: ModelConfig, para
     """ValueError, saying what to change, for a model or setting that cannot run sharded."""
     n = parallel_config.tensor_parallel_size
     if not getattr(model_cls, "supports_tensor_parallel", False):
-        raise ValueError(f"{model_cls.__name__} cannot run with --tensor-parallel-size {n} yet (tensor parallelism "
-                         "covers Llama, Mistral and Qwen2, and LLaVA and Qwen2-VL / Qwen2.5-VL, whose language "
-                         "model it shards); use --tensor-parallel-size 1.")
+        raise ValueError(f"{model_cls.__name__} cannot run with --tensor-parallel-size {n} yet; use "
+                         "--tensor-parallel-size 1.")
     if model_config.quantization in ("int8", "int4", "fp16"):
         raise ValueError(f"--quantization {model_config.quantization} with --tensor-parallel-size {n} is not "
                          "supported; leave --quantization unset or use --tensor-parallel-size 1.")

@@ -13,13 +13,14 @@ import torch
 import torch.nn as nn
 
 from engine.distributed.group import TensorParallelGroup
-from engine.distributed.sharding import Shard, attention_shard, column_shard, even_part, row_shard
+from engine.distributed.sharding import Shard, attention_shard, column_shard
 from engine.layers.adapter import Feeds
 from engine.layers.attention import PagedAttention
 from engine.layers.fused import norm_linear, silu_mul_linear
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
-from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding, copy_rows, linear_shard_of, parallel_logits
+from engine.layers.parallel import (VocabParallelEmbedding, column_parallel_linear, copy_rows, linear_shard_of,
+                                    parallel_logits, row_parallel_linear)
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -50,18 +51,15 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
                                feeds=Feeds.ROTARY_KV_WRITE)
-        if tp.size == 1:
-            self.o_proj = Linear(self.q_size, [config.hidden_size], bias=o_bias, feeds=Feeds.ADD_RMS_NORM)
-        else:
+        if tp.size > 1:   # KV heads may be replicated: ranges of their own
             q_start, kv_start = tp.rank * self.q_size, shard.kv_head_start * self.head_dim
             kv_range = (kv_start, kv_start + self.kv_size)
             self.qkv_proj.tp_shard = column_shard(
                 config.hidden_size, [num_heads * self.head_dim, num_kv_heads * self.head_dim,
                                      num_kv_heads * self.head_dim],
                 [(q_start, q_start + self.q_size), kv_range, kv_range])
-            self.o_proj = RowParallelLinear(self.q_size, [config.hidden_size], o_bias, tp,
-                                            row_shard(num_heads * self.head_dim, config.hidden_size, tp.rank, tp.size),
-                                            feeds=Feeds.ADD_RMS_NORM)
+        self.o_proj = row_parallel_linear(num_heads * self.head_dim, config.hidden_size, o_bias, tp,
+                                          feeds=Feeds.ADD_RMS_NORM)
         self.rotary_emb = rotary_emb  # NOTE: one instance shared by every layer (one cos/sin gather per step)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
@@ -83,16 +81,10 @@ class LlamaMLP(nn.Module):
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported (Llama-family models use 'silu').")
-        inter = config.intermediate_size // tp.size
-        self.gate_up_proj = Linear(config.hidden_size, [inter] * 2, bias=bias, feeds=Feeds.SILU_MUL)
-        if tp.size == 1:
-            self.down_proj = Linear(inter, [config.hidden_size], bias=bias, feeds=Feeds.ADD_RMS_NORM)
-        else:
-            cols = even_part(config.intermediate_size, tp.rank, tp.size)
-            self.gate_up_proj.tp_shard = column_shard(config.hidden_size, [config.intermediate_size] * 2, [cols] * 2)
-            self.down_proj = RowParallelLinear(inter, [config.hidden_size], bias, tp,
-                                               row_shard(config.intermediate_size, config.hidden_size, tp.rank, tp.size),
-                                               feeds=Feeds.ADD_RMS_NORM)
+        self.gate_up_proj = column_parallel_linear(config.hidden_size, [config.intermediate_size] * 2, bias, tp,
+                                                   feeds=Feeds.SILU_MUL)
+        self.down_proj = row_parallel_linear(config.intermediate_size, config.hidden_size, bias, tp,
+                                             feeds=Feeds.ADD_RMS_NORM)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2 * intermediate], the output of ``gate_up_proj`` (run fused with the

@@ -13,6 +13,10 @@ Names follow transformers' ``WhisperForConditionalGeneration`` (``model.encoder.
 ``proj_out``), with the self-attention's q/k/v packed into ``qkv_proj`` and the cross-attention's k/v into
 ``kv_proj``. Whisper's k projections have no bias: that block of the packed bias is zero.
 
+Tensor parallelism: the decoder is sharded like a Llama (heads split, q/k/v/fc1 column-parallel,
+out_proj/fc2 row-parallel, token embedding and head vocab-parallel); the encoder is replicated on every
+rank, which encodes the step's audio itself (no collective per encoder layer).
+
 LoRA: every projection of both stacks (q/k/v/out_proj, fc1/fc2) is a ``Linear`` an adapter may update;
 ``lora_target_slices`` maps PEFT's (transformers') module names onto them, since one suffix lands in
 different Linears (q_proj: a slice of ``self_attn.qkv_proj``, or ``encoder_attn.q_proj``). The decoder's
@@ -29,9 +33,12 @@ import torch.nn as nn
 
 from encoders.vit import activation
 from encoders.whisper import WhisperEncoderTower
+from engine.distributed.group import TensorParallelGroup
+from engine.distributed.sharding import Shard
 from engine.forward_context import get_forward_context
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import Linear
+from engine.layers.parallel import (VocabParallelEmbedding, column_parallel_linear, copy_rows, linear_shard_of,
+                                    parallel_logits, row_parallel_linear)
 
 _ENCODER_PREFIX = "model.encoder."
 
@@ -39,13 +46,13 @@ _ENCODER_PREFIX = "model.encoder."
 class WhisperSelfAttention(nn.Module):
     """Causal self-attention over the paged KV cache (no rotary: positions are learned embeddings)."""
 
-    def __init__(self, d_model: int, num_heads: int) -> None:
+    def __init__(self, d_model: int, num_heads: int, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads = num_heads // tp.size                  # this rank's heads
         self.head_dim = d_model // num_heads
-        self.qkv_proj = Linear(d_model, [d_model] * 3, bias=True)
-        self.out_proj = Linear(d_model, [d_model], bias=True)
-        self.attn = PagedAttention(num_heads, num_heads, self.head_dim, self.head_dim ** -0.5)
+        self.qkv_proj = column_parallel_linear(d_model, [d_model] * 3, True, tp)
+        self.out_proj = row_parallel_linear(d_model, d_model, True, tp)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, d_model] -> [T, d_model]."""
@@ -61,14 +68,14 @@ class WhisperCrossAttention(nn.Module):
     context's ``cross_attn_metadata``.
     """
 
-    def __init__(self, d_model: int, num_heads: int) -> None:
+    def __init__(self, d_model: int, num_heads: int, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads = num_heads // tp.size                  # this rank's heads
         self.head_dim = d_model // num_heads
         self.scale = self.head_dim ** -0.5
-        self.q_proj = Linear(d_model, [d_model], bias=True)
-        self.kv_proj = Linear(d_model, [d_model] * 2, bias=True)
-        self.out_proj = Linear(d_model, [d_model], bias=True)
+        self.q_proj = column_parallel_linear(d_model, [d_model], True, tp)
+        self.kv_proj = column_parallel_linear(d_model, [d_model] * 2, True, tp)
+        self.out_proj = row_parallel_linear(d_model, d_model, True, tp)
 
     def forward(self, hidden: torch.Tensor, cache: PagedAttention) -> torch.Tensor:
         """hidden [T, d_model] -> [T, d_model]."""
@@ -90,16 +97,16 @@ class WhisperCrossAttention(nn.Module):
 class WhisperDecoderLayer(nn.Module):
     """Pre-norm: self-attention, cross-attention, MLP, each added to the residual."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
         d_model = config.d_model
-        self.self_attn = WhisperSelfAttention(d_model, config.decoder_attention_heads)
+        self.self_attn = WhisperSelfAttention(d_model, config.decoder_attention_heads, tp)
         self.self_attn_layer_norm = nn.LayerNorm(d_model)
-        self.encoder_attn = WhisperCrossAttention(d_model, config.decoder_attention_heads)
+        self.encoder_attn = WhisperCrossAttention(d_model, config.decoder_attention_heads, tp)
         self.encoder_attn_layer_norm = nn.LayerNorm(d_model)
         self.act = activation(config.activation_function)
-        self.fc1 = Linear(d_model, [config.decoder_ffn_dim], bias=True)
-        self.fc2 = Linear(config.decoder_ffn_dim, [d_model], bias=True)
+        self.fc1 = column_parallel_linear(d_model, [config.decoder_ffn_dim], True, tp)
+        self.fc2 = row_parallel_linear(config.decoder_ffn_dim, d_model, True, tp)
         self.final_layer_norm = nn.LayerNorm(d_model)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -110,16 +117,23 @@ class WhisperDecoderLayer(nn.Module):
 
 
 class WhisperDecoder(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
         if config.d_model % config.decoder_attention_heads:
             raise ValueError(f"Whisper: d_model={config.d_model} is not a multiple of decoder_attention_heads="
                              f"{config.decoder_attention_heads}; fix the config.")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        for name in ("decoder_attention_heads", "decoder_ffn_dim"):
+            if getattr(config, name) % tp.size:
+                raise ValueError(f"Whisper: {name}={getattr(config, name)} is not divisible by "
+                                 f"--tensor-parallel-size {tp.size}; use a size that divides it.")
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.d_model, tp)
         self.embed_positions = nn.Embedding(config.max_target_positions, config.d_model)
         # NOTE: transformers' Whisper reads ``scale_embedding`` into an ``embed_scale`` it never applies;
         # neither do we (every released Whisper has it False).
-        self.layers = nn.ModuleList(WhisperDecoderLayer(config) for _ in range(config.decoder_layers))
+        self.layers = nn.ModuleList(WhisperDecoderLayer(config, tp) for _ in range(config.decoder_layers))
         self.layer_norm = nn.LayerNorm(config.d_model)
         for p in (self.embed_tokens.weight, self.embed_positions.weight):
             p.requires_grad_(False)
@@ -137,10 +151,10 @@ class WhisperDecoder(nn.Module):
 class _WhisperModel(nn.Module):
     """transformers' ``WhisperModel`` naming: ``encoder`` and ``decoder``."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.encoder = WhisperEncoderTower(config)
-        self.decoder = WhisperDecoder(config)
+        self.encoder = WhisperEncoderTower(config)      # replicated on every rank
+        self.decoder = WhisperDecoder(config, tp)
 
 
 class WhisperForConditionalGeneration(nn.Module):
@@ -157,18 +171,23 @@ class WhisperForConditionalGeneration(nn.Module):
     cross_packed_modules_mapping = {"q_proj": ("q_proj", 0), "k_proj": ("kv_proj", 0), "v_proj": ("kv_proj", 1)}
     lora_encoder_prefix = _ENCODER_PREFIX
     """Our modules under it run in the encoder: an adapter updating any of them changes the encoder output."""
+    supports_tensor_parallel = True
+    """``tensor_parallel_size`` > 1 shards the decoder (the encoder is replicated)."""
 
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
         self.config = config
-        self.model = _WhisperModel(config)
+        self.tp = tp or TensorParallelGroup.single()
+        self.model = _WhisperModel(config, self.tp)
         self.num_source_positions = config.max_source_positions
         """Encoder output rows per audio item (1500: a 30 s window)."""
         self.logits_rules = None
         """Set by ``configure_decoding`` once the tokenizer's special ids are known."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.proj_out = None
-        if not self.tie_word_embeddings:
+        if not self.tie_word_embeddings and self.tp.size > 1:
+            self.proj_out = VocabParallelEmbedding(config.vocab_size, config.d_model, self.tp)   # its rows only
+        elif not self.tie_word_embeddings:
             self.proj_out = nn.Linear(config.d_model, config.vocab_size, bias=False)
             self.proj_out.weight.requires_grad_(False)
 
@@ -181,7 +200,23 @@ class WhisperForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, d_model] -> logits [R, vocab] in the model's dtype."""
         weight = self.model.decoder.embed_tokens.weight if self.proj_out is None else self.proj_out.weight
+        if self.tp.size > 1:
+            return parallel_logits(hidden, weight, self.tp, self.config.vocab_size)
         return torch.matmul(hidden, weight.t())
+
+    def checkpoint_shard(self, name: str) -> Optional[Shard]:
+        """The range of checkpoint tensor ``name`` this rank reads (None: all of it; the encoder's)."""
+        if self.tp.size == 1 or name.startswith(_ENCODER_PREFIX):
+            return None
+        if name == "model.decoder.embed_tokens.weight" or (name == "proj_out.weight" and self.proj_out is not None):
+            return (self.model.decoder.embed_tokens if name.startswith("model.") else self.proj_out).shard()
+        target, block, _ = self._place(name)
+        module_name, _, param = target.rpartition(".")
+        try:
+            shard = linear_shard_of(self.get_submodule(module_name))
+        except AttributeError:
+            return None   # load_weights names the stray tensor
+        return shard.weight_shard(block, param) if shard is not None else None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.decoder.embed_tokens(input_ids)
@@ -254,6 +289,10 @@ class WhisperForConditionalGeneration(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[target]
+            if self.tp.size > 1 and name in ("model.decoder.embed_tokens.weight", "proj_out.weight"):
+                copy_rows(param, tensor, name)   # this rank's vocabulary rows, padded
+                loaded.add(f"{target}#0")
+                continue
             rows = param.shape[0] // num_shards
             dest = param.data[shard * rows:(shard + 1) * rows] if num_shards > 1 else param.data
             if tuple(dest.shape) != tuple(tensor.shape):

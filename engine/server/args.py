@@ -207,8 +207,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                      help="Split the model over N processes (one per GPU with NCCL on CUDA, gloo on CPU): "
                           "attention heads, MLP columns and the vocabulary are sharded, the scheduler stays in "
-                          "one place (default: 1). Llama, Mistral, Qwen2; LLaVA and Qwen2-VL (their vision "
-                          "towers replicated); not Whisper.")
+                          "one place (default: 1). Every model family; vision towers and the Whisper encoder "
+                          "are replicated on every rank. Not with --transcription-model's engine.")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
     eng.add_argument("--cpu-fp16-copy", action=argparse.BooleanOptionalAction, default=None,

@@ -1,6 +1,6 @@
 """Failures at tensor_parallel_size 2: a worker killed mid-generation stops the engine within a bounded
 time (no hang on a collective), start-up failures name the rank and the cause, and models or sizes that
-cannot be sharded (Whisper) are refused before any worker starts."""
+cannot be sharded are refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -104,13 +104,3 @@ def test_unshardable_settings_are_refused_before_spawning(tiny_llama_dir):
                                                tensor_parallel_size=2))
     assert time.monotonic() - started < 5
 
-
-def test_whisper_refuses_tensor_parallelism():
-    from engine.config import ModelConfig, ParallelConfig
-    from engine.models.builder import _check_tensor_parallel
-    from engine.models.registry import _MODELS
-
-    arch = "WhisperForConditionalGeneration"
-    with pytest.raises(ValueError, match=f"{arch} cannot run with --tensor-parallel-size 2.*use "
-                                         "--tensor-parallel-size 1"):
-        _check_tensor_parallel(_MODELS[arch], None, ModelConfig(model="x"), ParallelConfig(2))

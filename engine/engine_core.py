@@ -23,6 +23,13 @@ still get their ``EngineStepError``, then ``step()`` raises ``EngineDeadError`` 
 With async scheduling (the default) each ``step()`` schedules and launches step N+1 before it
 reads step N's sampled ids, so scheduling and the update of one step overlap the device's work
 on the next.
+
+Tensor parallelism (``tensor_parallel_size`` > 1): this core is rank 0. ``from_engine_args`` starts
+the other ranks (``engine.distributed.executor``), every rank builds its shard the same way
+(``engine.distributed.rank.build_rank``), and ``_run`` broadcasts each step's ``SchedulerOutput`` (with
+the adapter loads and unloads since the last one) before running it on rank 0's shard. Every step
+fault is then fatal (the ranks cannot be assumed to be in step after it), and a worker's death makes
+the engine dead even while idle.
 """
 
 from __future__ import annotations
@@ -388,9 +395,10 @@ class EngineCore:
         return None
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; the loop calls it when it ends)."""
+        """Stop the tensor-parallel workers, if any (idempotent; the loop calls it when it ends). After a
+        fatal step fault they are terminated: one may wait in a collective of the failed step."""
         if self.executor is not None:
-            self.executor.close()
+            self.executor.close(graceful=self._dead_error is None)
 
     def _watch_workers(self, channel: CoreChannel) -> None:
         """Tensor parallelism: a worker that dies while the loop waits for commands makes the engine

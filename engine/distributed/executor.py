@@ -92,6 +92,9 @@ class TensorParallelExecutor:
         self._dead_reason: Optional[str] = None
         """Why the engine cannot run steps any more (a worker died); None while healthy."""
         self._closed = False
+        self._serving = False
+        """Every worker is in its step loop (``wait_ready`` returned): a shutdown broadcast reaches them;
+        before that they may wait in a start-up collective, and are terminated instead."""
         self.on_death: Optional[Callable[[str], None]] = None
         """Called once, from the watchdog thread, when a worker dies while the engine runs."""
         self._watchdog: Optional[threading.Thread] = None
@@ -162,6 +165,7 @@ class TensorParallelExecutor:
     def wait_ready(self) -> None:
         """Block until every worker allocated its KV cache; then start the watchdog."""
         self._wait_for("ready")
+        self._serving = True
         self._watchdog = threading.Thread(target=self._watch, name="chorus-tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -244,15 +248,16 @@ class TensorParallelExecutor:
                 return
             time.sleep(WATCHDOG_POLL_S)
 
-    def close(self) -> None:
-        """Stop the workers (a shutdown broadcast while they are healthy, else terminate) and leave the
-        group. Idempotent; also registered with atexit."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop the workers and leave the group. ``graceful``: a shutdown broadcast while they all wait
+        for the next step; otherwise (a step failed half-way, so a worker may wait in a collective that
+        a broadcast would not match) they are terminated. Idempotent; also registered with atexit."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
         alive = all(p.is_alive() for p in self.procs)
-        if alive and self._dead_reason is None and self.group.size > 1:
+        if graceful and alive and self._serving and self._dead_reason is None:
             try:
                 self.group.broadcast_object(WorkerStep(self._pending, None, shutdown=True))
             except Exception as e:  # noqa: BLE001 - a broken group: terminate below

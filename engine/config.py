@@ -200,11 +200,12 @@ class ParallelConfig:
                              "GPUs through CUDA_VISIBLE_DEVICES).")
 
     def check_model(self, text_config) -> None:
-        """ValueError when the model's heads or MLP cannot be split over ``tensor_parallel_size`` ranks."""
+        """ValueError when the model's heads or MLP cannot be split over ``tensor_parallel_size`` ranks (the
+        decoder's, for an encoder-decoder model: its encoder is replicated)."""
         n = self.tensor_parallel_size
         if n == 1:
             return
-        heads = text_config.num_attention_heads
+        heads = getattr(text_config, "decoder_attention_heads", None) or text_config.num_attention_heads
         kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         fix = f"use a --tensor-parallel-size that divides {heads} (one of {_divisors(heads)})"
         if heads % n:
@@ -213,9 +214,10 @@ class ParallelConfig:
             raise ValueError(f"num_key_value_heads={kv_heads} and --tensor-parallel-size {n}: one must divide the "
                              f"other (KV heads are split, or replicated when fewer than the ranks); {fix} and "
                              f"{kv_heads} (one of {_divisors(kv_heads)}) or is a multiple of {kv_heads}.")
-        inter = getattr(text_config, "intermediate_size", None)
+        mlp = "decoder_ffn_dim" if getattr(text_config, "decoder_ffn_dim", None) else "intermediate_size"
+        inter = getattr(text_config, mlp, None)
         if inter is not None and inter % n:
-            raise ValueError(f"intermediate_size={inter} is not divisible by --tensor-parallel-size {n}; use one of "
+            raise ValueError(f"{mlp}={inter} is not divisible by --tensor-parallel-size {n}; use one of "
                              f"{[d for d in _divisors(inter) if heads % d == 0]}.")
 
 

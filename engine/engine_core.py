@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import threading
 from typing import Iterable, Optional, Protocol
 
 import torch
@@ -122,6 +123,8 @@ class EngineCore:
         """Steps that raised in a row (0 after any step that did not)."""
         self._dead_error: Optional[EngineDeadError] = None
         """Set by a fatal step fault: every later ``step()`` / ``add_request`` raises it."""
+        self._dead_sent = threading.Lock()
+        """Held once ``EngineDead`` went out (by the loop or the tensor-parallel watchdog): it is sent once."""
         self._injected_fault: Optional[tuple[BaseException, int]] = None
         """Test hook (``inject_step_faults``): the error the next steps raise, and how many more do."""
 
@@ -405,8 +408,12 @@ class EngineCore:
         dead at once (``EngineDead`` to the client: /health fails, ``chorus serve`` exits)."""
         def on_death(reason: str) -> None:
             self._dead_error = EngineDeadError(reason)
-            channel.put(EngineDead(reason))
+            self._send_dead(channel, reason)
         self.executor.on_death = on_death
+
+    def _send_dead(self, channel: CoreChannel, reason: str) -> None:
+        if self._dead_sent.acquire(blocking=False):
+            channel.put(EngineDead(reason))
 
     def run(self, channel: CoreChannel) -> None:
         """The engine loop: until ``Shutdown`` (or an error, reported as ``EngineDead``)."""
@@ -429,7 +436,7 @@ class EngineCore:
             failed = self.take_failed()
             if failed:   # a fatal step fault: its requests get their 500 before everyone's 503
                 channel.put(EngineCoreOutputs([], None, {}, failed))
-            channel.put(EngineDead(f"Engine loop died: {e!r}"))
+            self._send_dead(channel, f"Engine loop died: {e!r}")
         finally:
             self.shutdown()
 

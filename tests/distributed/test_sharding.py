@@ -176,6 +176,11 @@ def test_parallel_config_errors_say_how_to_fix():
     ParallelConfig(tensor_parallel_size=2).check_devices("cpu", 0)
     with pytest.raises(ValueError, match="integer >= 1"):
         ParallelConfig(tensor_parallel_size=0)
+    whisper = argparse.Namespace(num_attention_heads=6, decoder_attention_heads=4, decoder_ffn_dim=96)
+    ParallelConfig(tensor_parallel_size=4).check_model(whisper)        # the decoder's heads count, not the encoder's
+    with pytest.raises(ValueError, match="decoder_ffn_dim=98 is not divisible by --tensor-parallel-size 4"):
+        ParallelConfig(tensor_parallel_size=4).check_model(argparse.Namespace(num_attention_heads=4,
+                                                                              decoder_ffn_dim=96 + 2))
 
 
 def test_cli_flag():

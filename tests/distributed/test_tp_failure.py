@@ -4,11 +4,13 @@ cannot be sharded are refused before any worker starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
 import threading
 import time
+from typing import Iterator
 
 import pytest
 
@@ -43,33 +45,49 @@ class QueueChannel:
             self.dead.set()
 
 
-def test_killed_worker_stops_the_engine(tiny_llama_dir):
-    core = EngineCore.from_engine_args(EngineArgs(model=str(tiny_llama_dir), device="cpu", dtype="float32",
+@contextlib.contextmanager
+def running_tp2_core(model_dir) -> Iterator[tuple[EngineCore, QueueChannel]]:
+    """A tensor_parallel_size 2 core whose loop runs in a thread; on exit: Shutdown, and the loop must end."""
+    core = EngineCore.from_engine_args(EngineArgs(model=str(model_dir), device="cpu", dtype="float32",
                                                   max_model_len=256, num_gpu_blocks_override=64,
                                                   tensor_parallel_size=2))
     channel = QueueChannel()
     loop = threading.Thread(target=core.run, args=(channel,), daemon=True)
     loop.start()
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        text, children = core.facts.processor.process("r0", "The quick brown fox", params, None, 0, None, None)
-        channel.commands.put(AddRequest("r0", children))
-        deadline = time.monotonic() + 30
-        while not any(isinstance(m, EngineCoreOutputs) and m.outputs for m in channel.messages):
-            assert time.monotonic() < deadline, "no step ran"
-            time.sleep(0.01)
-        worker = core.executor.procs[0]
-        os.kill(worker.pid, signal.SIGKILL)                          # mid-generation
-        killed_at = time.monotonic()
-        assert channel.dead.wait(DEAD_WITHIN_S), "the engine did not report EngineDead"
-        assert time.monotonic() - killed_at < DEAD_WITHIN_S
-        with pytest.raises(EngineDeadError):
-            core.step()
+        yield core, channel
     finally:
         channel.commands.put(Shutdown())
         loop.join(30)
     assert not loop.is_alive(), "the engine loop hung"
     assert not any(p.is_alive() for p in core.executor.procs)
+
+
+def test_killed_worker_stops_the_engine(tiny_llama_dir):
+    with running_tp2_core(tiny_llama_dir) as (core, channel):
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        _, children = core.facts.processor.process("r0", "The quick brown fox", params, None, 0, None, None)
+        channel.commands.put(AddRequest("r0", children))
+        deadline = time.monotonic() + 30
+        while not any(isinstance(m, EngineCoreOutputs) and m.outputs for m in channel.messages):
+            assert time.monotonic() < deadline, "no step ran"
+            time.sleep(0.01)
+        os.kill(core.executor.procs[0].pid, signal.SIGKILL)                  # mid-generation
+        killed_at = time.monotonic()
+        assert channel.dead.wait(DEAD_WITHIN_S), "the engine did not report EngineDead"
+        assert time.monotonic() - killed_at < DEAD_WITHIN_S
+        with pytest.raises(EngineDeadError):
+            core.step()
+    assert sum(isinstance(m, EngineDead) for m in channel.messages) == 1
+
+
+def test_worker_dying_while_idle_makes_the_engine_dead(tiny_llama_dir):
+    """No step runs, so no collective fails: the watchdog reports the death (rank, exit code)."""
+    with running_tp2_core(tiny_llama_dir) as (core, channel):
+        os.kill(core.executor.procs[0].pid, signal.SIGKILL)
+        assert channel.dead.wait(DEAD_WITHIN_S), "the engine did not report EngineDead"
+        dead = [m for m in channel.messages if isinstance(m, EngineDead)]
+        assert "rank 1" in dead[0].message and "exited with code -9" in dead[0].message
 
 
 class _FakeProc:

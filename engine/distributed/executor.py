@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
+import engine.envs as envs
 from engine.arg_utils import EngineArgs
 from engine.config import ParallelConfig
 from engine.distributed.group import ENV_MASTER_ADDR, ENV_MASTER_PORT, TensorParallelGroup, destroy_tensor_parallel
@@ -68,7 +69,10 @@ def _children_allowed():
 
 
 def cpu_threads_per_rank(size: int) -> int:
-    """torch threads for each rank on CPU: the cores divided among the ranks (>= 1)."""
+    """torch threads for each rank on CPU: CHORUS_NUM_THREADS when set, else the cores divided among the
+    ranks (>= 1)."""
+    if envs.num_threads():
+        return envs.num_threads()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cpus // size)
 

@@ -42,14 +42,11 @@ class RankParts:
 
 
 def resolve_engine_config(engine_args: EngineArgs, max_model_len: Optional[int]) -> EngineConfig:
-    """The engine config; at tensor_parallel_size > 1 with the features every rank cannot yet follow
-    in lockstep turned off, each with a logged reason."""
+    """The engine config; at tensor_parallel_size > 1 with CUDA graphs off (logged). Async scheduling
+    stays: every rank samples the same ids, so a worker running each broadcast step to completion fills
+    the next step's placeholders exactly as rank 0 does."""
     cfg = engine_args.create_engine_config(max_model_len)
     if cfg.parallel_config.tensor_parallel_size > 1:
-        if cfg.scheduler_config.async_scheduling:
-            logger.info("Tensor parallelism: async scheduling is off (each step's SchedulerOutput is broadcast "
-                        "to the workers before it runs; overlapping steps is not done across ranks yet).")
-            cfg.scheduler_config.async_scheduling = False
         if not cfg.enforce_eager:
             logger.info("Tensor parallelism: CUDA graphs are off (capturing the all-reduces inside graphs has "
                         "not been verified on GPUs yet); steps run eagerly.")

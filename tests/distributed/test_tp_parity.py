@@ -6,7 +6,8 @@ batch next to base-model requests:
 - qwen2: q/k/v biases, 1 KV head (replicated on both ranks), tied embeddings, and a vocabulary of 387
   rows (not a multiple of 2: the last rank's shard is padded).
 
-One engine of each size per checkpoint; the size-2 engine's worker is spawned once per checkpoint.
+One engine of each size per checkpoint; the size-2 engine's worker is spawned once per checkpoint. A GGUF
+file runs sharded from its converted checkpoint too.
 """
 
 from __future__ import annotations
@@ -94,3 +95,28 @@ def test_unload_and_reload_reach_every_rank(runs):
         assert list(x.token_ids) == list(y.token_ids), f"{name} prompt {i}"
     for x, y in zip(ref.swapped, ours.swapped):
         assert list(x.token_ids) == list(y.token_ids)
+
+
+def test_gguf_runs_sharded_from_its_converted_directory(tiny_llama_dir, tmp_path, monkeypatch):
+    """A GGUF file (1 KV head: replicated) is read at TP=2 from its converted checkpoint like any other,
+    each rank taking its slices: the tokens of TP=1."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.models.test_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("CHORUS_CACHE", str(tmp_path / "cache"))
+    cfg = AutoConfig.for_model("llama", vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    torch.manual_seed(0)
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, AutoModelForCausalLM.from_config(cfg), tiny_llama_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        llm = LLM(str(gguf), device="cpu", num_gpu_blocks_override=32, tensor_parallel_size=tp)
+        try:
+            tokens.append([list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        finally:
+            llm.llm_engine.core.shutdown()
+    assert tokens[0] == tokens[1]

@@ -83,8 +83,14 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     monkeypatch.setattr(lora_shrink, "lora_shrink", shrink_spy)
     silu_mul_spy = Mock(wraps=lora_expand_silu_mul.lora_expand_silu_mul)
     monkeypatch.setattr(lora_expand_silu_mul, "lora_expand_silu_mul", silu_mul_spy)
-    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=16,
-              enable_prefix_caching=False)
+    # float32 on CUDA too (its "auto" is bfloat16): the reference is PEFT in float32, to 1e-3. Eager, and the
+    # spies reset after start-up: the counts below are per step (CUDA graph captures and the start-up
+    # kernel warm-up call the kernels too, and graph replays call none).
+    llm = LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, enable_lora=True, max_loras=2,
+              max_lora_rank=16, enable_prefix_caching=False)
+    for spy in (stacked_spy, norm_spy, shrink_spy, silu_mul_spy):
+        spy.reset_mock()
+    tile_spy.launches = 0
     manager = llm.llm_engine.lora_manager
     assert manager.backend == "triton" and manager.policy is llm.llm_engine.runner.policy
     assert manager.policy.lora_stacked_max_tokens == stacked_max_tokens

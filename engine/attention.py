@@ -71,6 +71,11 @@ class TorchDecodePlan:
 # ----------------------------------------------------------------------------------------
 # Torch reference backend
 # ----------------------------------------------------------------------------------------
+SLICE_WRITE_MIN_TOKENS = 64
+"""Rows from which ``write_kv_torch`` checks for consecutive slots (a fresh prefill over consecutive blocks)
+and writes them as one slice."""
+
+
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Store new K/V rows at their slots (rows with slot -1 are skipped).
@@ -81,6 +86,15 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     keep = slot_mapping >= 0                      # slot -1: padding token, writes nothing (as the kernel)
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    n = slot_mapping.numel()
+    if n >= SLICE_WRITE_MIN_TOKENS:
+        # A prefill chunk over consecutive blocks: one slice copy (index_copy_ was ~13 ms per layer at 8,192).
+        first = int(slot_mapping[0])
+        if torch.equal(slot_mapping, torch.arange(first, first + n, device=slot_mapping.device,
+                                                  dtype=slot_mapping.dtype)):
+            k_cache.view(nb * bs, h, d)[first:first + n].copy_(k)
+            v_cache.view(nb * bs, h, d)[first:first + n].copy_(v)
+            return
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

@@ -14,8 +14,9 @@ A projection runs as ``x @ W.T`` in one of three ways, by the number of rows of 
 ``packed_max_tokens`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
 bfloat16 activations, the quantized weight read once: bandwidth-bound decode steps); above, the weight's
 fp16 copy when it keeps one (``keep_fp16_copy``: fbgemm's float16 GEMM, no per-call conversion: decode
-batches and prefill), else the weight dequantized to ``x``'s dtype for one ``F.linear`` (compute-bound
-prefill, where the packed kernels are about half float32's speed on CPUs without AMX).
+batches and prefill chunks up to ``FP16_COPY_MAX_TOKENS`` rows), else the weight dequantized to ``x``'s dtype
+for one ``F.linear`` (compute-bound prefill, where the packed kernels are about half float32's speed on CPUs
+without AMX).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ machine's crossover (RESULTS.md "CPU": the packed kernels win at 1-4 decode rows
 FP16_COPY_MAX_MEMORY_FRACTION = 0.25
 """``cpu_fp16_copy`` unset: the copies are kept when they take at most this fraction of the machine's memory
 (SmolLM2-135M: 0.27 GB; a 7B model's 14 GB are not kept on a 24 GB machine)."""
+FP16_COPY_MAX_TOKENS = 2048
+"""Rows up to which the fp16 copy runs; larger steps (long prompts) dequantize for float32's GEMM, faster there
+(RESULTS.md "CPU": 4,096 rows 177 vs 191 ms per layer)."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2
@@ -174,7 +178,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[to
     """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype (see the module docstring)."""
     if x.device.type == "cpu":
         limit = weight.packed_max_tokens
-        kernel = weight if limit is None or x.shape[0] <= limit else weight.fp16_copy
+        rows = x.shape[0]
+        kernel = weight if limit is None or rows <= limit else (
+            weight.fp16_copy if rows <= FP16_COPY_MAX_TOKENS else None)
         if kernel is not None:
             y = kernel.packed_mm(x).to(x.dtype)
             return y if bias is None else y + bias

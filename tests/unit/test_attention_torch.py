@@ -52,3 +52,28 @@ def test_lone_decode_reads_consecutive_blocks_in_place(consecutive, context):
     assert meta.torch_decode.first_block == (first if consecutive or not multi_block else None)
     again = paged_attention_torch(b.q, b.k_cache, b.v_cache, meta, scale)      # the second layer: same plan
     torch.testing.assert_close(again, out)
+
+
+@pytest.mark.parametrize("slots", ["consecutive", "two runs", "shuffled", "padded"])
+def test_write_kv_torch_stores_each_row_at_its_slot(slots):
+    """The slice write of consecutive slots (``SLICE_WRITE_MIN_TOKENS`` rows and more) and the indexed write
+    store the same rows; slot -1 writes nothing."""
+    from engine.attention import SLICE_WRITE_MIN_TOKENS, write_kv_torch
+    n, num_blocks, block_size = SLICE_WRITE_MIN_TOKENS + 9, 12, 16
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(n, 2, 8, generator=gen), torch.randn(n, 2, 8, generator=gen)
+    if slots == "consecutive":
+        slot_mapping = torch.arange(20, 20 + n)
+    elif slots == "two runs":
+        slot_mapping = torch.cat([torch.arange(100, 100 + n // 2), torch.arange(10, 10 + n - n // 2)])
+    elif slots == "shuffled":
+        slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    else:
+        slot_mapping = torch.arange(20, 20 + n)
+        slot_mapping[-3:] = -1
+    k_cache, v_cache = torch.zeros(num_blocks, block_size, 2, 8), torch.zeros(num_blocks, block_size, 2, 8)
+    write_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    expect_k, expect_v = torch.zeros(num_blocks * block_size, 2, 8), torch.zeros(num_blocks * block_size, 2, 8)
+    expect_k[slot_mapping[keep]], expect_v[slot_mapping[keep]] = k[keep], v[keep]
+    assert torch.equal(k_cache.view(-1, 2, 8), expect_k) and torch.equal(v_cache.view(-1, 2, 8), expect_v)

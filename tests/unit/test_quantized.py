@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.quantized import (FP16_COPY_MIN_TOKENS, INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Fp16Weight, Int4Weight,
+from engine.layers.quantized import (FP16_COPY_MAX_TOKENS, FP16_COPY_MIN_TOKENS, INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Fp16Weight, Int4Weight,
                                      Int8Weight, QuantizedEmbedding, fp16_copies_fit, kind_for_gguf_type,
                                      most_precise, packed_weights, quantized_linear)
 from engine.layers.linear import Linear
@@ -61,10 +61,12 @@ def test_quantized_linear_equals_the_dequantized_weight(kind, num_tokens, bias):
 
 
 @pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
-@pytest.mark.parametrize("num_tokens", [1, FP16_COPY_MIN_TOKENS - 1, FP16_COPY_MIN_TOKENS, 100])
+@pytest.mark.parametrize("num_tokens", [1, FP16_COPY_MIN_TOKENS - 1, FP16_COPY_MIN_TOKENS, 100,
+                                        FP16_COPY_MAX_TOKENS + 1])
 def test_fp16_copy_serves_steps_of_many_rows(kind, num_tokens):
-    """With ``keep_fp16_copy``, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel and larger ones
-    the float16 copy of the dequantized weight (within float16's rounding of it)."""
+    """With ``keep_fp16_copy``, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel, those up to
+    ``FP16_COPY_MAX_TOKENS`` the float16 copy of the dequantized weight (within float16's rounding of it), and
+    larger ones the dequantized weight itself."""
     torch.manual_seed(num_tokens)
     w, x, b = torch.randn(96, 64), torch.randn(num_tokens, 64), torch.randn(96)
     q = kind(w)
@@ -74,6 +76,8 @@ def test_fp16_copy_serves_steps_of_many_rows(kind, num_tokens):
     out = quantized_linear(x, q, b)
     if num_tokens < FP16_COPY_MIN_TOKENS:
         torch.testing.assert_close(out, q.packed_mm(x).float() + b, atol=0, rtol=0)
+    elif num_tokens > FP16_COPY_MAX_TOKENS:
+        torch.testing.assert_close(out, F.linear(x, q.dequantize(torch.float32), b), atol=0, rtol=0)
     else:
         torch.testing.assert_close(out, q.fp16_copy.packed_mm(x) + b, atol=0, rtol=0)
         ref = F.linear(x, q.dequantize(torch.float32), b)

@@ -21,11 +21,13 @@ llama.cpp on the same GGUF file and threads: prefill of 512 and ``--long-prompt`
 decode at an empty and at a 512-token context (``-d``).
 ``--matmul-rows 1,4,16,32`` (empty: skip): one decoder layer's projections of the default model's shapes at
 each row count, per weight format: float32 ``F.linear``, int8 / int4 through ``quantized_linear``'s packed
-kernels and through its dequantize + ``F.linear`` path: where ``PACKED_MAX_TOKENS`` should lie.
+kernels and through its dequantize + ``F.linear`` path, and fbgemm float16 (the fp16 copy): where
+``PACKED_MAX_TOKENS`` and ``FP16_COPY_MIN_TOKENS`` should lie.
 ``--serve-clients N`` (0: skip): ``chorus serve`` on the default model with its defaults (a subprocess,
 the converted GGUF already cached): seconds from the command to ``/health`` and to the first chat answer,
-then ``benchmarks/serve.py`` with N concurrent streamed clients (4 N completions of 128 random prompt
-tokens and 64 output tokens): total output tok/s, TTFT and TPOT.
+then ``benchmarks/serve.py`` with N concurrent streamed clients (4 N completions of ``--serve-input-len``
+random prompt tokens and ``--serve-output-len`` output tokens, 128 and 64 by default): total output tok/s,
+TTFT and TPOT.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from engine.layers.quantized import Int4Weight, Int8Weight
+    from engine.layers.quantized import Fp16Weight, Int4Weight, Int8Weight
     if threads:
         torch.set_num_threads(threads)
     hidden, inter, kv = 576, 1536, 192
@@ -153,6 +155,7 @@ def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
     weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes]
     formats = {"float32": [(w, None) for w in weights], "int8": [(None, Int8Weight(w)) for w in weights],
                "int4": [(None, Int4Weight(w)) for w in weights]}
+    fp16 = [Fp16Weight(w) for w in weights]
 
     def timed(fn, reps: int = 50) -> float:
         for _ in range(5):
@@ -171,11 +174,13 @@ def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
             ws = [q for _, q in formats[kind]]
             row[f"{kind}_packed"] = timed(lambda: [q.packed_mm(x) for x, q in zip(xs, ws)])
             row[f"{kind}_dequantized"] = timed(lambda: [F.linear(x, q.dequantize(x.dtype)) for x, q in zip(xs, ws)])
+        row["fp16"] = timed(lambda: [q.packed_mm(x) for x, q in zip(xs, fp16)])
         out.append(row)
     return out
 
 
-def serve_rows(num_clients: int, threads: int, extra_args: str = "") -> dict:
+def serve_rows(num_clients: int, threads: int, extra_args: str = "", input_len: int = 128,
+               output_len: int = 64) -> dict:
     """``chorus serve`` start-up and ``num_clients`` concurrent streams through it (``benchmarks/serve.py``)."""
     import os
     import shlex
@@ -211,12 +216,13 @@ def serve_rows(num_clients: int, threads: int, extra_args: str = "") -> dict:
         first_answer_s = time.perf_counter() - t0
         args = serve_bench.build_parser().parse_args(
             ["--base-url", url, "--num-prompts", str(4 * num_clients), "--max-concurrency", str(num_clients),
-             "--input-len", "128", "--output-len", "64"])
+             "--input-len", str(input_len), "--output-len", str(output_len)])
         summary = serve_bench.run_benchmark(args)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    return dict(clients=num_clients, serve_args=extra_args, health_s=health_s, first_answer_s=first_answer_s,
+    return dict(clients=num_clients, serve_args=extra_args, input_len=input_len, output_len=output_len,
+                health_s=health_s, first_answer_s=first_answer_s,
                 output_tok_s=summary["output_throughput"], ttft_ms_p50=summary["ttft_ms"]["p50"],
                 tpot_ms_p50=summary["tpot_ms"]["p50"], requests=summary["completed"],
                 failed=summary["failed"])
@@ -235,6 +241,8 @@ def main() -> None:
     ap.add_argument("--matmul-rows", default="1,2,4,8,16,32,64",
                     help="row counts for the projection table (empty: skip)")
     ap.add_argument("--serve-clients", type=int, default=16, help="concurrent clients through chorus serve (0: skip)")
+    ap.add_argument("--serve-input-len", type=int, default=128, help="prompt tokens per served request")
+    ap.add_argument("--serve-output-len", type=int, default=64, help="output tokens per served request")
     ap.add_argument("--serve-args", default="", help="extra `chorus serve` flags for --serve-clients, e.g. '-q fp16'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -268,7 +276,8 @@ def main() -> None:
         print("\none layer's projections, us: " + " ".join(f"{k:>16s}" for k in ["rows"] + keys))
         for r in mm_rows:
             print(" " * 29 + " ".join([f"{r['rows']:16d}"] + [f"{r[k]:16.0f}" for k in keys]))
-    served = serve_rows(args.serve_clients, args.threads, args.serve_args) if args.serve_clients else None
+    served = serve_rows(args.serve_clients, args.threads, args.serve_args, args.serve_input_len,
+                        args.serve_output_len) if args.serve_clients else None
     if served:
         print(f"\nchorus serve: /health after {served['health_s']:.1f} s, first chat answer after "
               f"{served['first_answer_s']:.1f} s; {served['clients']} concurrent clients: "

@@ -1,4 +1,5 @@
-"""The CPU attention backend's fast paths (batched fresh prefills, batched decodes) against the twin."""
+"""The CPU attention backend's fast paths (batched fresh prefills, batched decodes, the KV write) and the CPU
+RMSNorm against their twins."""
 
 import pytest
 import torch
@@ -77,3 +78,20 @@ def test_write_kv_torch_stores_each_row_at_its_slot(slots):
     expect_k, expect_v = torch.zeros(num_blocks * block_size, 2, 8), torch.zeros(num_blocks * block_size, 2, 8)
     expect_k[slot_mapping[keep]], expect_v[slot_mapping[keep]] = k[keep], v[keep]
     assert torch.equal(k_cache.view(-1, 2, 8), expect_k) and torch.equal(v_cache.view(-1, 2, 8), expect_v)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rms_norm_equals_its_reference(rows, with_residual, dtype):
+    """The CPU RMSNorm (``torch.rms_norm`` for float32 rows) gives the reference's values bit for bit."""
+    from engine.layers.norm import RMSNorm
+    from kernels.reference import rms_norm_ref
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    x = (torch.randn(rows, 96, generator=gen) * 4).to(dtype)
+    residual = torch.randn(rows, 96, generator=gen).to(dtype) if with_residual else None
+    out, ref = norm.forward_torch(x, residual), rms_norm_ref(x, norm.weight, 1e-6, residual)
+    for a, b in zip(out if with_residual else [out], ref if with_residual else [ref]):
+        assert a.dtype == dtype and torch.equal(a, b)

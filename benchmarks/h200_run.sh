@@ -25,6 +25,11 @@
 #               tests' tiny random LLaVA (float32) + 16 adapters + a tiny Whisper, 256 clients, 10%
 #               disconnecting, 20% of the answers compared with the same request alone; JSON $OUT/soak.json
 #   fetch-wheels  run HERE, not on the GPU machine: the server's packages the GPU image lacks, into .whl/
+#   tp          needs nvidia-h200-x2: benchmarks/tp.py, tensor parallelism (issue #25) per TP_MODELS (default
+#               "llama3-70b llama3-8b"): the 70B shape at TP=2, the 8B at TP=1 and 2 with 0 and 16 adapters;
+#               decode batch 1/128 vs the bytes floor, the 1000-request throughput workload, the all-reduce
+#               share of a step; JSON $OUT/tp_llama3_70b.json, $OUT/tp_llama3_8b.json  (not timed yet; one model
+#               per device call: TP_MODELS=llama3-70b, then TP_MODELS=llama3-8b)
 #
 # Before / after in one run: BASELINE_DIR=DIR (an older tree, e.g. a `git archive` of the old
 # commit) makes latency, throughput and multi-lora also run DIR's own scripts right after ours,
@@ -151,6 +156,14 @@ for phase in "$@"; do
       python3 benchmarks/whisper.py latency --model ${WHISPER_MODELS:-tiny.en} --turbo-dir .wdata/turbo \
         $([ -d .wdata/speech ] && echo --speech-dir .wdata/speech) \
         --chat-model "$MODEL" --out "$OUT/whisper_latency.json" 2>&1 | quiet ;;
+    tp)
+      for model in ${TP_MODELS:-llama3-70b llama3-8b}; do
+        case $model in
+          llama3-70b) sizes="--tp 2" ;;
+          *) sizes="--tp 1 2 --lora-adapters 0 16" ;;
+        esac
+        python3 benchmarks/tp.py --model "$model" --device cuda $sizes --out "$OUT/tp_${model//-/_}.json" 2>&1 | quiet
+      done ;;
     profile)
       python3 benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 1,256 --skip-mixed --top 16 \
         --out "$OUT/profile_base.json" 2>&1 | quiet

@@ -74,7 +74,7 @@ def llama3_8b_dummy() -> str:
 
 
 def run_chorus(args, prompts, outs) -> dict:
-    from engine import LLM, SamplingParams
+    from engine import LLM
     kw = dict(dtype=args.dtype, seed=0, enforce_eager=args.enforce_eager)
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
@@ -89,11 +89,30 @@ def run_chorus(args, prompts, outs) -> dict:
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     load_s = time.perf_counter() - t0
+    run = timed_generate(llm, prompts, outs, args.warmup_prompts)
+    sc = llm.llm_engine.engine_config.scheduler_config
+    del llm
+    return dict(system="chorus" + (" (eager)" if args.enforce_eager else ""), **run, load_s=load_s,
+                max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
+
+
+def timed_generate(llm, prompts: list[list[int]], outs: list[int], warmup_prompts: int,
+                   lora_requests: Optional[list] = None) -> dict:
+    """One timed ``llm.generate`` of every prompt (token ids) to ``outs[i]`` new tokens (greedy, EOS
+    ignored), after an untimed warm-up on the first ``warmup_prompts`` prompts reversed.
+
+    ``lora_requests``: one per prompt (None entries or None: the base model). Returns seconds, token
+    and request rates, the engine's step and preemption counts and, on CUDA, the device time by step
+    kind (``StepTimer``) and allocator retries.
+    """
+    from engine import SamplingParams
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
     # Warm-up outside the timed run: Triton compiles its prefill / mixed-batch variants, the
-    # allocator grows. Prompts reversed so the prefix cache does not serve the timed run.
-    warm = [{"prompt_token_ids": p[::-1]} for p in prompts[:args.warmup_prompts]]
-    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # allocator grows, adapters move into their slots. Prompts reversed so the prefix cache does
+    # not serve the timed run.
+    warm = [{"prompt_token_ids": p[::-1]} for p in prompts[:warmup_prompts]]
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False,
+                 lora_request=lora_requests[:warmup_prompts] if lora_requests else None)
     timer = None
     if torch.cuda.is_available():
         from engine.model_runner import StepTimer
@@ -101,20 +120,18 @@ def run_chorus(args, prompts, outs) -> dict:
         timer = llm.llm_engine.runner.step_timer = StepTimer()
     retries0 = alloc_retries()
     t0 = time.perf_counter()
-    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                       lora_request=lora_requests)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     busy = timer.summary() if timer is not None else {}
+    llm.llm_engine.runner.step_timer = None
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
     stats = llm.llm_engine.get_stats()
-    sc = llm.llm_engine.engine_config.scheduler_config
-    del llm
-    return dict(system="chorus" + (" (eager)" if args.enforce_eager else ""), seconds=dt, output_tokens=n_out,
-                requests=len(prompts), output_tok_s=n_out / dt, req_s=len(prompts) / dt, load_s=load_s,
-                preemptions=stats.num_preemptions, steps=stats.num_steps, max_num_seqs=sc.max_num_seqs,
-                max_num_batched_tokens=sc.max_num_batched_tokens,
+    return dict(seconds=dt, output_tokens=n_out, requests=len(prompts), output_tok_s=n_out / dt,
+                req_s=len(prompts) / dt, preemptions=stats.num_preemptions, steps=stats.num_steps,
                 gpu_busy_fraction=busy.get("busy_fraction"), gpu_busy_ms=busy.get("gpu_busy_ms"),
                 gpu_span_ms=busy.get("span_ms"), steps_by_kind=busy.get("by_kind"),
                 alloc_retries=None if retries0 is None else alloc_retries() - retries0)

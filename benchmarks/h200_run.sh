@@ -28,8 +28,9 @@
 #   tp          needs nvidia-h200-x2: benchmarks/tp.py, tensor parallelism (issue #25) per TP_MODELS (default
 #               "llama3-70b llama3-8b"): the 70B shape at TP=2, the 8B at TP=1 and 2 with 0 and 16 adapters;
 #               decode batch 1/128 vs the bytes floor, the 1000-request throughput workload, the all-reduce
-#               share of a step; JSON $OUT/tp_llama3_70b.json, $OUT/tp_llama3_8b.json  (not timed yet; one model
-#               per device call: TP_MODELS=llama3-70b, then TP_MODELS=llama3-8b)
+#               share of a step; JSON $OUT/tp_llama3_70b.json, $OUT/tp_llama3_8b.json; needs the carried
+#               .whl folder (fetch-wheels)  (not timed yet; one model per device call: TP_MODELS=llama3-70b,
+#               then TP_MODELS=llama3-8b)
 #
 # Before / after in one run: BASELINE_DIR=DIR (an older tree, e.g. a `git archive` of the old
 # commit) makes latency, throughput and multi-lora also run DIR's own scripts right after ours,
@@ -157,6 +158,7 @@ for phase in "$@"; do
         $([ -d .wdata/speech ] && echo --speech-dir .wdata/speech) \
         --chat-model "$MODEL" --out "$OUT/whisper_latency.json" 2>&1 | quiet ;;
     tp)
+      install_wheels   # the engine imports soundfile (audio requests), which the GPU image lacks
       for model in ${TP_MODELS:-llama3-70b llama3-8b}; do
         case $model in
           llama3-70b) sizes="--tp 2" ;;

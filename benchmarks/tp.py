@@ -23,9 +23,9 @@ which it measures, in this order:
     bandwidth measured first (``latency.measure_copy_bandwidth``, as the `latency` phase does);
   * collectives: ``--profile-steps`` more decode steps under ``torch.profiler`` in rank 0's process:
     device time of the NCCL all-reduce / all-gather kernels (CUDA) or the gloo worker thread's
-    all_reduce / all_gather work (CPU), and the gloo broadcast of each step's ``SchedulerOutput``,
-    per step and as a share of the profiled step's wall time. NOTE: a collective's time includes
-    waiting for the slower rank;
+    all_reduce / all_gather work (CPU), and the gloo broadcast of each step's ``SchedulerOutput``, per
+    step; the all-reduce's share is of the unprofiled step time above (tracing slows rank 0's host:
+    ``profiled_step_ms`` in the JSON). NOTE: a collective's time includes waiting for the slower rank;
   * throughput: ``throughput.make_workload`` with throughput.py's defaults for the Llama shapes
     (1,000 requests, prompts uniform in [128, 1024], outputs in [64, 512], seed 0: the requests of
     the `throughput` phase), one timed ``LLM.generate`` after an untimed warm-up
@@ -249,10 +249,10 @@ def decode_row(engine, case: Case, batch: int, loras: list, copy_bw: Optional[fl
                profiled_step_ms=coll.profiled_step_ms,
                **{f"{k}_ms": coll.ms[k] for k in COLLECTIVES},
                **{f"{k}_calls": coll.calls[k] for k in COLLECTIVES},
-               all_reduce_share=coll.ms["all_reduce"] / coll.profiled_step_ms)
+               all_reduce_share=coll.ms["all_reduce"] / step_ms)
     print(f"  {_name(case)} batch {batch}: step {step_ms:.2f} ms, all-reduce {coll.ms['all_reduce']:.2f} ms "
-          f"({coll.calls['all_reduce']:.0f} calls) per step, {row['all_reduce_share']:.1%} of "
-          f"{coll.profiled_step_ms:.2f} ms profiled", flush=True)
+          f"({coll.calls['all_reduce']:.0f} calls) per step, {row['all_reduce_share']:.1%} of the step "
+          f"({coll.profiled_step_ms:.2f} ms profiled)", flush=True)
     return row
 
 

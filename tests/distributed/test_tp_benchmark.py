@@ -17,8 +17,8 @@ from benchmarks.multi_lora import TINY
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp-bench")
-    return tp_bench.main(["--model", "tiny", "--device", "cpu", "--tp", "1", "2", "--workdir", str(out / "work"),
-                          "--out", str(out / "tp.json")])
+    return tp_bench.main(["--model", "tiny", "--device", "cpu", "--tp", "1", "2",
+                          "--workdir", str(out / "work"), "--out", str(out / "tp.json")])
 
 
 def test_rows_for_both_sizes(report):
@@ -45,7 +45,7 @@ def test_collectives_in_the_profile(report):
     for d in rows[1]["decode"]:
         assert d["all_reduce_share"] == 0 and d["all_reduce_calls"] == 0 and d["broadcast_calls"] == 0
     for d in rows[2]["decode"]:
-        assert 0 < d["all_reduce_share"] < 1 and d["all_reduce_ms"] > 0
+        assert d["all_reduce_share"] > 0 and 0 < d["all_reduce_ms"] <= d["profiled_step_ms"]
         assert d["all_reduce_calls"] == 2 * TINY["num_hidden_layers"] + 1   # o_proj, down_proj; embedding
         assert d["all_gather_calls"] == 1 and d["broadcast_calls"] >= 1   # logits; the step message
 

@@ -81,7 +81,6 @@ serve_phase() {
   python3 benchmarks/throughput.py --llama3-8b-dummy --num-prompts 256 --input-len 512 --output-len 128 \
     --skip-hf --max-num-batched-tokens 8192 --no-enable-prefix-caching --save-workload /tmp/serve_workload.jsonl \
     --out "$OUT/serve_offline.json" 2>&1 | quiet | grep -E "^chorus|^workload|limits"
-  install_wheels
   python3 -m engine.cli serve "$MODEL" --load-format dummy \
     --port "$PORT" --host 127.0.0.1 --max-model-len 2048 --max-num-batched-tokens 8192 --no-enable-prefix-caching \
     --disable-log-requests --disable-uvicorn-access-log --uvicorn-log-level warning > "$OUT/server.log" 2>&1 &
@@ -106,6 +105,9 @@ serve_phase() {
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', t.__version__)" 2> /dev/null
+# Every phase imports the engine, which imports soundfile and the server's packages the GPU image lacks:
+# the carried .whl wheels go in once, first (a no-op without .whl).
+case " $* " in *" fetch-wheels "*) ;; *) install_wheels ;; esac
 for phase in "$@"; do
   t0=$(date +%s)
   echo "== phase $phase"
@@ -115,7 +117,6 @@ for phase in "$@"; do
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl $SERVER_WHEELS && ls .whl ;;
     soak)
-      install_wheels
       python3 benchmarks/soak.py --num-requests "${SOAK_REQUESTS:-10000}" --concurrency 256 --compare-frac 0.2 \
         --work-dir /tmp/soak --out "$OUT/soak.json" 2>&1 | tee "$OUT/soak.log" | quiet | tail -40 ;;
     tests)
@@ -146,19 +147,16 @@ for phase in "$@"; do
       [ -f .wdata/p2/model.bin.part2 ] && cp .wdata/p2/model.bin.part2 "$dir/"
       ls -la "$dir" ;;
     whisper)
-      install_wheels
       python3 -m pytest -q -p no:cacheprovider -n 0 tests/models/test_whisper_gpu.py 2>&1 | tail -5
       python3 benchmarks/whisper.py rtf --model ${WHISPER_MODELS:-tiny.en turbo} --turbo-dir .wdata/turbo \
         $([ -d .wdata/speech ] && echo --speech-dir .wdata/speech) \
         --hf-clips $([ "$HF" = 1 ] && echo "${HF_CLIPS:-256}" || echo 0) --out "$OUT/whisper.json" 2>&1 | quiet ;;
     whisper-latency)
-      install_wheels
       python3 -c "from benchmarks.throughput import llama3_8b_dummy; llama3_8b_dummy()"
       python3 benchmarks/whisper.py latency --model ${WHISPER_MODELS:-tiny.en} --turbo-dir .wdata/turbo \
         $([ -d .wdata/speech ] && echo --speech-dir .wdata/speech) \
         --chat-model "$MODEL" --out "$OUT/whisper_latency.json" 2>&1 | quiet ;;
     tp)
-      install_wheels   # the engine imports soundfile (audio requests), which the GPU image lacks
       for model in ${TP_MODELS:-llama3-70b llama3-8b}; do
         case $model in
           llama3-70b) sizes="--tp 2" ;;

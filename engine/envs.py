@@ -27,6 +27,13 @@ def num_threads() -> int | None:
     return int(v) if v else None
 
 
+def rendezvous() -> tuple[str | None, int | None]:
+    """MASTER_ADDR / MASTER_PORT (torch.distributed's env:// names, which torchrun sets): where the
+    tensor-parallel ranks meet; each None when unset (then localhost and a free port)."""
+    port = os.environ.get("MASTER_PORT")
+    return os.environ.get("MASTER_ADDR") or None, int(port) if port else None
+
+
 def kernel_policy() -> str | None:
     """CHORUS_KERNEL_POLICY: overrides of the engine's fast-path choices, for experiments and A/B
     runs, e.g. "gemm_split_k=0,attn_decode.tile_n=64" (fields of ``engine.kernel_policy.KernelPolicy``;

@@ -35,7 +35,7 @@ import torch
 import engine.envs as envs
 from engine.arg_utils import EngineArgs
 from engine.config import ParallelConfig
-from engine.distributed.group import ENV_MASTER_ADDR, ENV_MASTER_PORT, TensorParallelGroup, destroy_tensor_parallel
+from engine.distributed.group import TensorParallelGroup, destroy_tensor_parallel
 from engine.distributed.group import free_port, init_tensor_parallel
 from engine.distributed.messages import AddAdapter, AdapterCommand, RemoveAdapter, WorkerReport, WorkerStep
 from engine.distributed.worker import WorkerSpec, worker_main
@@ -116,8 +116,8 @@ class TensorParallelExecutor:
             parallel_config.check_devices("cuda", torch.cuda.device_count())
             device = torch.device("cuda", 0)
         threads = cpu_threads_per_rank(size) if device.type == "cpu" else 0
-        addr = os.environ.get(ENV_MASTER_ADDR) or "127.0.0.1"
-        port = int(os.environ.get(ENV_MASTER_PORT) or free_port())
+        addr, port = envs.rendezvous()
+        addr, port = addr or "127.0.0.1", port or free_port()
         ctx = torch.multiprocessing.get_context("spawn")
         reports = ctx.Queue()
         procs = []

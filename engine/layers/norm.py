@@ -47,8 +47,7 @@ class RMSNorm(nn.Module):
 
     def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """``forward`` in torch, without writing x or residual (``kernels.reference.rms_norm_ref``). Float32
-        rows take ``torch.rms_norm``, the same arithmetic in one kernel (the reference's five ops took ~6x
-        as long at 2,048 rows on CPU)."""
+        rows take ``torch.rms_norm``, the same arithmetic in one kernel instead of the reference's five ops."""
         if x.dim() == 2 and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             if residual is not None:
                 x = x + residual

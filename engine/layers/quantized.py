@@ -37,7 +37,7 @@ FP16_COPY_MAX_MEMORY_FRACTION = 0.25
 (SmolLM2-135M: 0.27 GB; a 7B model's 14 GB are not kept on a 24 GB machine)."""
 FP16_COPY_MAX_TOKENS = 2048
 """Rows up to which the fp16 copy runs; larger steps (long prompts) dequantize for float32's GEMM, faster there
-(RESULTS.md "CPU": 4,096 rows 177 vs 191 ms per layer)."""
+(RESULTS.md "CPU")."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2

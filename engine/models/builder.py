@@ -251,9 +251,9 @@ def _keep_fp16_copies(model: torch.nn.Module, wanted: Optional[bool], physical_b
 
     from engine.layers.quantized import fp16_copies_fit, packed_weights
     weights = packed_weights(model)
-    nbytes = sum(w.nbytes_fp16_copy() for w in weights)
     if not weights or wanted is False:
         return
+    nbytes = sum(w.nbytes_fp16_copy() for w in weights)
     if physical_bytes is None:
         physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if wanted is None and not fp16_copies_fit(nbytes, physical_bytes):

@@ -29,8 +29,8 @@
 #               "llama3-70b llama3-8b"): the 70B shape at TP=2, the 8B at TP=1 and 2 with 0 and 16 adapters;
 #               decode batch 1/128 vs the bytes floor, the 1000-request throughput workload, the all-reduce
 #               share of a step; JSON $OUT/tp_llama3_70b.json, $OUT/tp_llama3_8b.json; needs the carried
-#               .whl folder (fetch-wheels)  (not timed yet; one model per device call: TP_MODELS=llama3-70b,
-#               then TP_MODELS=llama3-8b)
+#               .whl folder (fetch-wheels); TP_ADAPTERS (default "0 16") sets the 8B's adapter counts
+#               (not timed yet; one model per device call: TP_MODELS=llama3-70b, then TP_MODELS=llama3-8b)
 #
 # Before / after in one run: BASELINE_DIR=DIR (an older tree, e.g. a `git archive` of the old
 # commit) makes latency, throughput and multi-lora also run DIR's own scripts right after ours,
@@ -160,7 +160,7 @@ for phase in "$@"; do
       for model in ${TP_MODELS:-llama3-70b llama3-8b}; do
         case $model in
           llama3-70b) sizes="--tp 2" ;;
-          *) sizes="--tp 1 2 --lora-adapters 0 16" ;;
+          *) sizes="--tp 1 2 --lora-adapters ${TP_ADAPTERS:-0 16}" ;;
         esac
         python3 benchmarks/tp.py --model "$model" --device cuda $sizes --out "$OUT/tp_${model//-/_}.json" 2>&1 | quiet
       done ;;

@@ -299,9 +299,10 @@ def collective_kind(name: str, on_device: bool) -> Optional[str]:
     """The kind (``COLLECTIVES``) of a collective's own profiler event, else None: an NCCL kernel on the
     device (e.g. ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``) or gloo's work on its thread
     (``gloo:all_reduce``). The dispatcher's ``c10d::allreduce_`` and NCCL's host-side ``nccl:all_reduce``
-    only enqueue the work (and would count it twice)."""
+    only enqueue the work, and the device-side copy of ``nccl:all_reduce`` (a GPU user annotation) spans
+    the kernel: counting either would count each call twice."""
     low = name.lower()
-    if not ((on_device and "nccl" in low) or (not on_device and low.startswith("gloo:"))):
+    if not ((on_device and low.startswith("nccl") and "kernel" in low) or (not on_device and low.startswith("gloo:"))):
         return None
     flat = low.replace("_", "")
     return next((k for k in COLLECTIVES if k.replace("_", "") in flat), None)

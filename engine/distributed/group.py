@@ -47,8 +47,10 @@ class TensorParallelGroup:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place; returns x."""
+        """Sum x over the ranks; returns the sum: x itself (in place), or, where x is a strided view
+        (e.g. an adapter's stacked GEMM output, ``y = out[:, :n]``), a contiguous copy (NCCL's rule)."""
         if self.size > 1:
+            x = x.contiguous()
             torch.distributed.all_reduce(x, group=self.device_group)
         return x
 

@@ -302,7 +302,8 @@ def collective_kind(name: str, on_device: bool) -> Optional[str]:
     only enqueue the work, and the device-side copy of ``nccl:all_reduce`` (a GPU user annotation) spans
     the kernel: counting either would count each call twice."""
     low = name.lower()
-    if not ((on_device and low.startswith("nccl") and "kernel" in low) or (not on_device and low.startswith("gloo:"))):
+    nccl_kernel = on_device and low.startswith("nccl") and "kernel" in low
+    if not (nccl_kernel or (not on_device and low.startswith("gloo:"))):
         return None
     flat = low.replace("_", "")
     return next((k for k in COLLECTIVES if k.replace("_", "") in flat), None)

@@ -18,12 +18,13 @@ MAX_TOKENS = 24
 BF16_LOGPROB_ATOL = 0.25
 
 
-def _generate(model_dir, prompts, tp: int) -> list:
+def _generate(model_dir, prompts, tp: int, lora_request=None, max_num_seqs: int = 16, **engine_kw) -> list:
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3,
-              tensor_parallel_size=tp, max_num_seqs=16)
+              tensor_parallel_size=tp, max_num_seqs=max_num_seqs, **engine_kw)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
-        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+        return [o.outputs[0] for o in outputs]
     finally:
         llm.llm_engine.core.shutdown()
 
@@ -53,18 +54,9 @@ def test_tp2_with_adapters_matches_tp1(tiny_llama_dir, tiny_prompts, tmp_path):
         for p in tiny_prompts:
             prompts.append(p)
             loras.append(None if path is None else LoRARequest(path.name, i, str(path)))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
-
-    def run(tp: int) -> list:
-        llm = LLM(str(tiny_llama_dir), device="cuda", dtype="bfloat16", max_model_len=256,
-                  gpu_memory_utilization=0.3, tensor_parallel_size=tp, max_num_seqs=32, enable_lora=True,
-                  max_loras=2, max_lora_rank=8)
-        try:
-            return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
-        finally:
-            llm.llm_engine.core.shutdown()
-
-    ref, ours = run(1), run(2)
+    lora_kw = dict(max_num_seqs=32, enable_lora=True, max_loras=2, max_lora_rank=8)
+    ref = _generate(tiny_llama_dir, prompts, tp=1, lora_request=loras, **lora_kw)
+    ours = _generate(tiny_llama_dir, prompts, tp=2, lora_request=loras, **lora_kw)
     for i, (a, b) in enumerate(zip(ref, ours)):
         check_logprobs_close(ours_as_ref(a), ours_as_ref(b), f"request {i}", atol=BF16_LOGPROB_ATOL)
     n = len(tiny_prompts)

@@ -45,6 +45,9 @@ class AttentionMetadata:
     per_token: Optional["AttentionMetadata"] = None
     """Cross-attention on the Triton backend: this metadata as one single-query request per token
     (``per_token_metadata``), built by the step's first layer that needs it and reused by the others."""
+    slots_padded: Optional[bool] = None
+    """Host flag: some ``slot_mapping`` entry is -1 (a padding token). False lets the torch backend's KV
+    write skip its per-layer check; None: unknown (checked per write)."""
     captured: bool = False
     """Built for a CUDA-graph capture: the host fields (max lengths, num_decode_reqs) describe the
     graph's bucket, not the requests a replay will run."""
@@ -64,8 +67,11 @@ class TorchDecodePlan:
     """A lone decode row whose blocks are consecutive ids from ``first_block`` (a fresh or lone request's
     usual layout): its context is a view of the cache, read in place with no gather; else None."""
     key_mask: Optional[torch.Tensor]
-    """[num_decode_reqs, num_blocks * block_size] bool, True on each row's real keys (the gathered
-    padded rows); None for a single row (its keys are sliced to its length)."""
+    """[num_decode_reqs, 1, 1, num_blocks * block_size] float32, 0 on each row's real keys and -inf on the
+    padding of the gathered rows (an additive mask: SDPA on CPU converts a bool one per call); None for a
+    single row (its keys are sliced to its length)."""
+    block_ids: Optional[torch.Tensor] = None
+    """[num_decode_reqs * num_blocks] int64: the blocks the gathered rows read (None: ``first_block``)."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -77,15 +83,17 @@ and writes them as one slice."""
 
 
 def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, slots_padded: Optional[bool] = None) -> None:
     """Store new K/V rows at their slots (rows with slot -1 are skipped).
 
     k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
+    slots_padded: ``AttentionMetadata.slots_padded`` (False: no -1 slots, nothing to check).
     """
     nb, bs, h, d = k_cache.shape
-    keep = slot_mapping >= 0                      # slot -1: padding token, writes nothing (as the kernel)
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if slots_padded is not False:
+        keep = slot_mapping >= 0                  # slot -1: padding token, writes nothing (as the kernel)
+        if not bool(keep.all()):
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     n = slot_mapping.numel()
     if n >= SLICE_WRITE_MIN_TOKENS:
         # A prefill chunk over consecutive blocks: one slice copy, faster than index_copy_ (RESULTS.md "CPU").
@@ -99,13 +107,12 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, Hkv, D], block_table [R, nblk] -> [R, nblk * block_size * Hkv * D].
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D], block_ids [N] int64 -> [N, block_size * Hkv * D].
 
     ``index_select`` on a flat view: several times faster on CPU than advanced indexing.
     """
-    flat = cache.view(cache.shape[0], -1)
-    return flat.index_select(0, block_table.reshape(-1).to(torch.long)).view(block_table.shape[0], -1)
+    return cache.view(cache.shape[0], -1).index_select(0, block_ids)
 
 
 def _context_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor,
@@ -114,9 +121,9 @@ def _context_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: t
     from its block table row."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     nblk = (seq_len + block_size - 1) // block_size
-    bt = block_table_row[None, :nblk]
-    k = _gather_blocks(k_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:seq_len]
-    v = _gather_blocks(v_cache, bt).view(nblk * block_size, num_kv_heads, head_dim)[:seq_len]
+    block_ids = block_table_row[:nblk].to(torch.long)
+    k = _gather_blocks(k_cache, block_ids).view(nblk * block_size, num_kv_heads, head_dim)[:seq_len]
+    v = _gather_blocks(v_cache, block_ids).view(nblk * block_size, num_kv_heads, head_dim)[:seq_len]
     return k, v
 
 
@@ -134,7 +141,6 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
     qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     nd = meta.num_decode_reqs
@@ -151,18 +157,24 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             k = k_cache[first:first + plan.num_blocks].view(1, padded, num_kv_heads, head_dim)
             v = v_cache[first:first + plan.num_blocks].view(1, padded, num_kv_heads, head_dim)
         else:
-            k = _gather_blocks(k_cache, meta.block_tables[:nd, :plan.num_blocks]).view(nd, padded, num_kv_heads,
-                                                                                    head_dim)
-            v = _gather_blocks(v_cache, meta.block_tables[:nd, :plan.num_blocks]).view(nd, padded, num_kv_heads,
-                                                                                    head_dim)
-        if plan.key_mask is None:                     # one row: its keys, no mask
-            k, v, mask = k[:, :seq_lens[0]], v[:, :seq_lens[0]], None
-        else:
-            mask = plan.key_mask[:, None, None, :]
-        od = F.scaled_dot_product_attention(
-            q[:nd, :, None, :].float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-            attn_mask=mask, scale=scale, enable_gqa=group > 1)  # [nd, H, 1, d]
-        out[:nd] = od[:, :, 0].to(q.dtype)
+            k = _gather_blocks(k_cache, plan.block_ids).view(nd, padded, num_kv_heads, head_dim)
+            v = _gather_blocks(v_cache, plan.block_ids).view(nd, padded, num_kv_heads, head_dim)
+        mask = plan.key_mask
+        if mask is None:                              # one row: its keys, no mask
+            k, v = k[:, :seq_lens[0]], v[:, :seq_lens[0]]
+        # A KV head's query heads as the query length: one SDPA row block per KV head, no K/V repeat
+        # (about twice as fast on CPU as enable_gqa; RESULTS.md "CPU"). Decode rows attend to every
+        # cached key, so no causal mask.
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim).float()                  # [nd, Hkv, G, d]
+        od = F.scaled_dot_product_attention(qd, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+                                            attn_mask=mask, scale=scale)          # [nd, Hkv, G, d]
+        od = od.reshape(nd, num_heads, head_dim).to(q.dtype)
+        if nd == num_tokens:
+            return od                                 # a pure decode step: no copy into an output
+        out = torch.empty_like(q)
+        out[:nd] = od
+    else:
+        out = torch.empty_like(q)
 
     # Fresh prefills (no cached prefix) of equal length go through one batched causal SDPA call.
     fresh: dict[int, list[int]] = {}
@@ -213,13 +225,17 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def _decode_plan(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> TorchDecodePlan:
     nd = meta.num_decode_reqs
     num_blocks = (max(seq_lens[:nd]) + block_size - 1) // block_size
+    block_ids = meta.block_tables[:nd, :num_blocks].reshape(-1).to(torch.long)
     if nd > 1:
         padded = num_blocks * block_size
-        mask = torch.arange(padded, device=meta.seq_lens.device)[None, :] < meta.seq_lens[:nd, None]
-        return TorchDecodePlan(num_blocks=num_blocks, first_block=None, key_mask=mask)
-    row = meta.block_tables[0, :num_blocks].tolist()
+        real = torch.arange(padded, device=meta.seq_lens.device)[None, :] < meta.seq_lens[:nd, None]
+        mask = torch.zeros(real.shape, dtype=torch.float32, device=real.device).masked_fill_(~real, float("-inf"))
+        return TorchDecodePlan(num_blocks=num_blocks, first_block=None, key_mask=mask[:, None, None, :],
+                               block_ids=block_ids)
+    row = block_ids.tolist()
     consecutive = row == list(range(row[0], row[0] + num_blocks))
-    return TorchDecodePlan(num_blocks=num_blocks, first_block=row[0] if consecutive else None, key_mask=None)
+    return TorchDecodePlan(num_blocks=num_blocks, first_block=row[0] if consecutive else None, key_mask=None,
+                           block_ids=None if consecutive else block_ids)
 
 
 def cross_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -280,12 +296,12 @@ class AttentionBackend:
         self.decode_tiles = self.policy.attn_decode_tiles
         """Decode attention tile overrides (``KernelPolicy.attn_decode``)."""
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, slots_padded: Optional[bool] = None) -> None:
         if self.name == "triton":
             from kernels.kv_write import write_kv
             write_kv(k, v, k_cache, v_cache, slot_mapping)
         else:
-            write_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+            write_kv_torch(k, v, k_cache, v_cache, slot_mapping, slots_padded)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_new=None,
                v_new=None) -> torch.Tensor:

@@ -361,6 +361,7 @@ class StepBuffers:
             num_decode_reqs=num_decodes + pad_req_tokens * (padded_reqs - num_reqs),
             query_start_loc_cpu=qsl[:padded_reqs + 1].tolist(),
             seq_lens_cpu=a["seq_lens"][:padded_reqs].tolist(),
+            slots_padded=padded_tokens > num_tokens,
         )
         all_rows_sample = num_sampled == num_reqs and num_tokens == num_reqs
         return StepInputs(

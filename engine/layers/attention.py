@@ -60,6 +60,6 @@ class PagedAttention(nn.Module):
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
-            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_padded)
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -47,12 +47,17 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)                          # [max_position, rotary_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        sign = torch.ones(rotary_dim)
+        sign[:rotary_dim // 2] = -1.0
+        # sin with its first half negated: rotate_half(x) * sin == x.roll(rotary_dim / 2) * sin_signed
+        self.register_buffer("sin_signed", self.sin * sign, persistent=False)
         self._step_cache = None
 
     @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x [T, H, r] -> x * cos + rotate_half(x) * sin, as x * cos + roll(x, r / 2) * sin_signed: three
+        kernels instead of rotate_half's slices, neg and cat (a third of the time at decode sizes on CPU)."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [T]; q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k) (in place on CUDA)."""
@@ -80,12 +85,13 @@ class RotaryEmbedding(nn.Module):
         rotary_write_kv(*args)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [T] -> cos, sin_signed [T, 1, rotary_dim] in ``dtype``."""
         # Every layer of one forward passes the same positions tensor: gather cos/sin once.
         cached = self._step_cache
         if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
             return cached[1], cached[2]
         cos = self.cos[positions].to(dtype)[:, None, :]                 # [T, 1, rotary_dim]
-        sin = self.sin[positions].to(dtype)[:, None, :]
+        sin = self.sin_signed[positions].to(dtype)[:, None, :]
         self._step_cache = (positions, cos, sin)
         return cos, sin
 
@@ -93,11 +99,10 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin(positions, q.dtype)
         r = self.rotary_dim
         if r == q.shape[-1]:
-            return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+            return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         qr, qp = q[..., :r], q[..., r:]
         kr, kp = k[..., :r], k[..., r:]
-        return (torch.cat((qr * cos + self._rotate_half(qr) * sin, qp), -1),
-                torch.cat((kr * cos + self._rotate_half(kr) * sin, kp), -1))
+        return torch.cat((self._rotate(qr, cos, sin), qp), -1), torch.cat((self._rotate(kr, cos, sin), kp), -1)
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -117,14 +122,14 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.register_buffer("section_row", torch.cat((row, row)), persistent=False)  # [rotary_dim]
 
     def _cos_sin_3d(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [3, T] -> cos, sin [T, 1, rotary_dim], each dim from its section's row."""
+        """positions [3, T] -> cos, sin_signed [T, 1, rotary_dim], each dim from its section's row."""
         cached = self._step_cache
         if cached is not None and cached[0] is positions and cached[1].dtype == dtype:
             return cached[1], cached[2]
         num_tokens = positions.shape[1]
         index = self.section_row.view(1, 1, -1).expand(1, num_tokens, -1)              # [1, T, rotary_dim]
         cos = self.cos[positions].gather(0, index)[0].to(dtype)[:, None, :]             # [T, 1, rotary_dim]
-        sin = self.sin[positions].gather(0, index)[0].to(dtype)[:, None, :]
+        sin = self.sin_signed[positions].gather(0, index)[0].to(dtype)[:, None, :]
         self._step_cache = (positions, cos, sin)
         return cos, sin
 

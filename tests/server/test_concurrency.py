@@ -88,8 +88,10 @@ def test_dropped_stream_is_aborted_and_blocks_freed(server):
 
 def test_dropped_non_streaming_request_is_aborted(server):
     success_before = server.metric("chorus:request_success_total")
-    body = {"model": MODEL, "prompt": TINY_PROMPTS[0], "max_tokens": 240, "temperature": 0,
-            "ignore_eos": True}
+    # 16 sequences of 240 tokens with logprobs: seconds of work, well past the client's 0.3 s read timeout
+    # (one 240-token sequence of the tiny model can finish inside it).
+    body = {"model": MODEL, "prompt": TINY_PROMPTS[0], "max_tokens": 240, "temperature": 1.0, "n": 16,
+            "logprobs": 5, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
     assert wait_until(lambda: _idle_and_free(server), timeout_s=10)

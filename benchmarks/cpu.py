@@ -19,6 +19,8 @@ transformers' own forward of the same ids on the converted checkpoint (its CPU a
 ``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench``) runs
 llama.cpp on the same GGUF file and threads: prefill of 512 and ``--long-prompt`` tokens, and 64-token
 decode at an empty and at a 512-token context (``-d``).
+``--step-batches 1,16`` (empty: skip): where a decode step's time goes at each batch size (``step_rows``:
+the decoder layers' forward, the LM head, and the engine's own work around them).
 ``--matmul-rows 1,4,16,32`` (empty: skip): one decoder layer's projections of the default model's shapes at
 each row count, per weight format: float32 ``F.linear``, int8 / int4 through ``quantized_linear``'s packed
 kernels and through its dequantize + ``F.linear`` path, and fbgemm float16 (the fp16 copy): where
@@ -81,6 +83,63 @@ def run_mode(mode: str, args_dict: dict, queue) -> None:
     queue.put(dict(mode=mode, threads=torch.get_num_threads(), start_s=start_s,
                    prefill_tok_s=len(prompt) / (first - t0), decode_tok_s=(tokens - 1) / (last - first),
                    ms_per_token=(last - first) / (tokens - 1) * 1e3, context_len=len(prompt), tokens=tokens))
+
+
+def step_rows(batches: list[int], args_dict: dict, queue) -> None:
+    """Where a decode step's time goes, with the engine's defaults: for each batch size B, B requests of
+    ``--context-len`` random prompt tokens decode together; ``--step-count`` steps are timed (after every
+    request decodes), split into the model's forward (the decoder layers), the LM head (``compute_logits``),
+    and the engine (the rest: scheduling, input preparation, sampling, outputs)."""
+    import numpy as np
+    import torch
+
+    from engine import LLM, SamplingParams
+    if args_dict["threads"]:
+        torch.set_num_threads(args_dict["threads"])
+    count = args_dict["step_count"]
+    llm = LLM(args_dict.get("model"), max_model_len=args_dict["context_len"] + count + 64,
+              enable_prefix_caching=False)
+    engine = llm.llm_engine
+    model = engine.runner.model
+    spent = {"forward": 0.0, "compute_logits": 0.0}
+
+    def timed(name: str):
+        fn = getattr(model, name)
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        setattr(model, name, wrapper)
+    timed("forward")
+    timed("compute_logits")
+    vocab = engine.runner.hf_config.get_text_config().vocab_size
+    rng = np.random.default_rng(2)
+    rows = []
+    for batch in batches:
+        params = SamplingParams(temperature=0.0, max_tokens=count + 8, ignore_eos=True)
+        for i in range(batch):
+            prompt = [int(t) for t in rng.integers(100, vocab - 100, args_dict["context_len"])]
+            engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": prompt}, params)
+        scheduler = engine.core.scheduler
+        while len(scheduler.running) < batch or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                     for r in scheduler.running):
+            engine.step()
+        engine.step()
+        spent.update(forward=0.0, compute_logits=0.0)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            engine.step()
+        step_s = (time.perf_counter() - t0) / count
+        forward_s, logits_s = spent["forward"] / count, spent["compute_logits"] / count
+        rows.append(dict(batch=batch, context_len=args_dict["context_len"], step_ms=step_s * 1e3,
+                         tok_s=batch / step_s, forward_ms=forward_s * 1e3, logits_ms=logits_s * 1e3,
+                         engine_ms=(step_s - forward_s - logits_s) * 1e3))
+        while engine.has_unfinished_requests():
+            engine.step()
+    queue.put(rows)
 
 
 def long_prompt_rows(num_tokens: int, chunk: int) -> list[dict]:
@@ -244,6 +303,9 @@ def main() -> None:
     ap.add_argument("--serve-input-len", type=int, default=128, help="prompt tokens per served request")
     ap.add_argument("--serve-output-len", type=int, default=64, help="output tokens per served request")
     ap.add_argument("--serve-args", default="", help="extra `chorus serve` flags for --serve-clients, e.g. '-q fp16'")
+    ap.add_argument("--step-batches", default="1,16",
+                    help="batch sizes for the decode step breakdown (forward / LM head / engine; empty: skip)")
+    ap.add_argument("--step-count", type=int, default=32, help="decode steps timed per batch size")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -260,6 +322,19 @@ def main() -> None:
     for r in rows:
         print(f"{r['mode']:10s} {r['threads']:7d} {r['start_s']:8.2f} {r['prefill_tok_s']:14.0f} "
               f"{r['decode_tok_s']:13.1f} {r['ms_per_token']:9.1f}")
+    batches = [int(b) for b in args.step_batches.split(",") if b]
+    steps = []
+    if batches:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=step_rows, args=(batches, vars(args), queue))
+        proc.start()
+        steps = queue.get()
+        proc.join()
+        print(f"\n{'decode step, default':20s} {'batch':>5s} {'context':>7s} {'ms/step':>8s} {'tok/s':>7s} "
+              f"{'forward':>8s} {'LM head':>8s} {'engine':>7s}")
+        for r in steps:
+            print(f"{'':20s} {r['batch']:5d} {r['context_len']:7d} {r['step_ms']:8.2f} {r['tok_s']:7.1f} "
+                  f"{r['forward_ms']:8.2f} {r['logits_ms']:8.2f} {r['engine_ms']:7.2f}")
     long_rows = long_prompt_rows(args.long_prompt, args.long_chunk) if args.long_prompt else []
     if long_rows:
         print(f"\n{'long prompt (' + str(args.long_prompt) + ' tokens)':34s} {'seconds':>8s} {'prefill tok/s':>14s}")
@@ -286,7 +361,8 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, long_prompt=long_rows,
-                                                  llama_cpp=llama_rows, matmul=mm_rows, serve=served), indent=2))
+                                                  steps=steps, llama_cpp=llama_rows, matmul=mm_rows, serve=served),
+                                             indent=2))
 
 
 if __name__ == "__main__":

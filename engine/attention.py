@@ -162,9 +162,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         mask = plan.key_mask
         if mask is None:                              # one row: its keys, no mask
             k, v = k[:, :seq_lens[0]], v[:, :seq_lens[0]]
-        # A KV head's query heads as the query length: one SDPA row block per KV head, no K/V repeat
-        # (about twice as fast on CPU as enable_gqa; RESULTS.md "CPU"). Decode rows attend to every
-        # cached key, so no causal mask.
+        # A KV head's query heads as the query length: each KV head's keys are read once for its whole
+        # group, no K/V repeat (faster on CPU than enable_gqa; RESULTS.md "CPU"). Decode rows attend to
+        # every cached key, so no causal mask.
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim).float()                  # [nd, Hkv, G, d]
         od = F.scaled_dot_product_attention(qd, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
                                             attn_mask=mask, scale=scale)          # [nd, Hkv, G, d]

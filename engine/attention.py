@@ -202,14 +202,19 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if qlen == 0 or i in batched:
             continue
         ctx = slen - qlen
+        # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's generic path, several times slower.
+        qi = q[start:end].transpose(0, 1)[None].float()                      # [1, H, qlen, d]
+        if ctx > 0 and k_new is not None and q.device.type == "cpu" and _FLASH_WITH_LSE is not None:
+            kp, vp = _context_kv(k_cache, v_cache, meta.block_tables[i], ctx)  # the cached prefix only
+            o = _prefix_then_chunk(qi, _heads_first(kp), _heads_first(vp), _heads_first(k_new[start:end]),
+                                   _heads_first(v_new[start:end]), scale)
+            out[start:end] = o[0].transpose(0, 1).to(q.dtype)
+            continue
         if ctx == 0 and k_new is not None:
             k, v = k_new[start:end], v_new[start:end]
         else:
             k, v = _context_kv(k_cache, v_cache, meta.block_tables[i], slen)
-        # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's generic path, several times slower.
-        qi = q[start:end].transpose(0, 1)[None].float()                      # [1, H, qlen, d]
-        ki = k.transpose(0, 1)[None].float()                                 # [1, Hkv, slen, d]
-        vi = v.transpose(0, 1)[None].float()
+        ki, vi = _heads_first(k), _heads_first(v)                           # [1, Hkv, slen, d]
         if ctx == 0:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
@@ -220,6 +225,32 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                                enable_gqa=group > 1)
         out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""SDPA's CPU flash kernel, which also returns each query's log-sum-exp (None where torch lacks it: the masked
+SDPA call serves instead)."""
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[len, heads, d] -> [1, heads, len, d] float32 (a view where x is float32)."""
+    return x.transpose(0, 1)[None].float()
+
+
+def _prefix_then_chunk(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_chunk: torch.Tensor,
+                       v_chunk: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk over its cached prefix and itself, as two flash calls merged by their
+    log-sum-exps: the prefix unmasked, the chunk causal (its queries and keys start together). One masked call
+    over both reads an explicit [qlen, ctx + qlen] mask and cannot skip the chunk's upper triangle.
+
+    q: [1, H, qlen, d]; k/v_prefix: [1, Hkv, ctx, d]; k/v_chunk: [1, Hkv, qlen, d] -> [1, H, qlen, d].
+    """
+    o1, lse1 = _FLASH_WITH_LSE(q, k_prefix, v_prefix, 0.0, False, scale=scale)   # [1, H, qlen, d], [1, H, qlen]
+    o2, lse2 = _FLASH_WITH_LSE(q, k_chunk, v_chunk, 0.0, True, scale=scale)
+    top = torch.maximum(lse1, lse2)
+    w1 = (lse1 - top).exp_().unsqueeze(-1)                                          # [1, H, qlen, 1]
+    w2 = (lse2 - top).exp_().unsqueeze(-1)
+    return (o1 * w1).add_(o2 * w2).div_(w1 + w2)
 
 
 def _decode_plan(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> TorchDecodePlan:

@@ -97,3 +97,19 @@ def test_cpu_rms_norm_equals_its_reference(rows, with_residual, dtype):
     out, ref = norm.forward_torch(x, residual), rms_norm_ref(x, norm.weight, 1e-6, residual)
     for a, b in zip(out if with_residual else [out], ref if with_residual else [ref]):
         assert a.dtype == dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("num_kv_heads", [1, 3])
+def test_chunk_over_a_cached_prefix_splits_into_two_merged_calls(with_lse, num_kv_heads, monkeypatch):
+    """A prefill chunk after a cached prefix: two flash calls (prefix, then the chunk causally) merged by their
+    log-sum-exps, or the one masked call where torch lacks the flash op: both equal the reference."""
+    import engine.attention as attention
+    if not with_lse:
+        monkeypatch.setattr(attention, "_FLASH_WITH_LSE", None)
+    layout = [(1, 30), (40, 70), (17, 1)]
+    b = make_batch(layout, num_heads=6, num_kv_heads=num_kv_heads)
+    k_new, v_new = _new_kv(b, layout)
+    scale = 32 ** -0.5
+    out = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, layout), scale, k_new, v_new)
+    assert_close(out, paged_attention_ref(*b.args(), scale), torch.float32)

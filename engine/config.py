@@ -49,10 +49,10 @@ class ModelConfig:
     (x86 CPUs), within ~1e-3 of float32. Quantized weights give faster batch-1
     decode (RESULTS.md "CPU") and outputs close to, not equal to, the float weights'."""
     cpu_fp16_copy: Optional[bool] = None
-    """With int8 / int4 weights on CPU: also keep each quantized weight as a 16-bit float copy (2 bytes per
-    weight; bfloat16 where the CPU has bf16 dot products, else fbgemm float16) for steps of more rows than the
-    packed kernels serve well (decode batches, prefill; ``engine.layers.quantized``). None (auto): kept when
-    the copies take at most a quarter of the machine's memory."""
+    """With int8 / int4 weights on CPU: also keep each quantized weight as fbgemm float16 (2 bytes per weight)
+    for steps of more rows than the packed kernels serve well (decode batches, prefill;
+    ``engine.layers.quantized``). None (auto): kept when the copies take at most a quarter of the machine's
+    memory."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -13,13 +13,10 @@ float32's bytes, which is what a batch-1 decode step reads), activations stay fl
 A projection runs as ``x @ W.T`` in one of three ways, by the number of rows of ``x``: up to
 ``packed_max_tokens`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
 bfloat16 activations, the quantized weight read once: bandwidth-bound decode steps); above, the weight's
-16-bit float copy when it keeps one (``keep_float_copy``, no per-call conversion of the weight: decode batches
-and prefill chunks), else the weight dequantized to ``x``'s dtype for one ``F.linear`` (compute-bound
-prefill, where the packed kernels are about half float32's speed on CPUs without AMX). The copy's format
-follows the CPU (``default_copy_format``): bfloat16 (``Bf16Weight``: oneDNN's bf16 GEMM, bfloat16 activations
-as the packed kernels take them) where the CPU has bf16 dot products (AVX512_BF16 / AMX), there faster than
-float32 at every size from ``BF16_COPY_MIN_TOKENS`` rows; else float16 (``Fp16Weight``) from
-``FP16_COPY_MIN_TOKENS`` to ``FP16_COPY_MAX_TOKENS`` rows.
+fp16 copy when it keeps one (``keep_fp16_copy``: fbgemm's float16 GEMM, no per-call conversion: decode
+batches and prefill chunks up to ``FP16_COPY_MAX_TOKENS`` rows), else the weight dequantized to ``x``'s dtype
+for one ``F.linear`` (compute-bound prefill, where the packed kernels are about half float32's speed on CPUs
+without AMX).
 """
 
 from __future__ import annotations
@@ -35,15 +32,12 @@ RESULTS.md "CPU" (faster at decode sizes, about half float32's speed at prefill 
 FP16_COPY_MIN_TOKENS = 5
 """Rows from which a weight that keeps an fp16 copy runs it instead of its packed kernel: the 2-core AVX2
 machine's crossover (RESULTS.md "CPU": the packed kernels win at 1-4 decode rows, the fp16 GEMM at 8+)."""
-BF16_COPY_MIN_TOKENS = 12
-"""Rows from which a bfloat16 copy runs instead of the packed kernel: the crossover on a 2-core AVX512_BF16 CPU
-(RESULTS.md "CPU": the int4 kernel wins at 8 rows, the bf16 GEMM at 16)."""
-FLOAT_COPY_MAX_MEMORY_FRACTION = 0.25
+FP16_COPY_MAX_MEMORY_FRACTION = 0.25
 """``cpu_fp16_copy`` unset: the copies are kept when they take at most this fraction of the machine's memory
 (SmolLM2-135M: 0.27 GB; a 7B model's 14 GB are not kept on a 24 GB machine)."""
 FP16_COPY_MAX_TOKENS = 2048
-"""Rows up to which an fp16 copy runs; larger steps (long prompts) dequantize for float32's GEMM, faster there
-(RESULTS.md "CPU"). A bf16 copy runs at every size."""
+"""Rows up to which the fp16 copy runs; larger steps (long prompts) dequantize for float32's GEMM, faster there
+(RESULTS.md "CPU")."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2
@@ -51,43 +45,28 @@ INT4_INNER_K_TILES = 2
 QUANTIZATIONS = ("int8", "int4", "fp16")
 
 
-def default_copy_format() -> str:
-    """The 16-bit float format of ``keep_float_copy`` on this CPU: "bfloat16" where it has bf16 dot products
-    (AVX512_BF16 or AMX: oneDNN's bf16 GEMM), else "float16" (fbgemm, which converts to float32 per call)."""
-    cpu = torch.cpu
-    native = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() or \
-        getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-    return "bfloat16" if native and torch.backends.mkldnn.is_available() else "float16"
-
-
 class _PackedWeight:
-    """What int8 and int4 weights share: the optional 16-bit float copy for steps of many rows."""
+    """What int8 and int4 weights share: the optional fp16 copy for steps of many rows."""
 
-    float_copy: Optional["Fp16Weight | Bf16Weight"] = None
-    """The weight as a 16-bit float (``keep_float_copy``), run from ``min_tokens`` to ``max_tokens`` rows (its
-    class attributes); None: steps above ``packed_max_tokens`` rows run the dequantized weight."""
+    fp16_copy: Optional["Fp16Weight"] = None
+    """The weight as fbgemm float16 (``keep_fp16_copy``), run above ``packed_max_tokens`` rows; None: those
+    rows run the dequantized weight."""
 
     @property
     def packed_max_tokens(self) -> int:
         """Rows up to which the packed kernel runs."""
-        return PACKED_MAX_TOKENS if self.float_copy is None else self.float_copy.min_tokens - 1
+        return PACKED_MAX_TOKENS if self.fp16_copy is None else FP16_COPY_MIN_TOKENS - 1
 
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def keep_float_copy(self, fmt: str) -> None:
-        """Also keep the dequantized weight as ``fmt`` ("float16": fbgemm's packed layout, "bfloat16": a plain
-        bf16 tensor; 2 bytes per weight either way) for steps of the copy's ``min_tokens`` rows or more."""
-        w = self.dequantize(torch.float32)
-        if fmt == "bfloat16":
-            self.float_copy = Bf16Weight(w)
-        elif fmt == "float16":
-            self.float_copy = Fp16Weight(w)
-        else:
-            raise ValueError(f"float copy format {fmt!r}: use 'bfloat16' or 'float16'.")
+    def keep_fp16_copy(self) -> None:
+        """Also keep the dequantized weight as fbgemm float16 (2 bytes per weight) for steps of
+        ``FP16_COPY_MIN_TOKENS`` rows or more."""
+        self.fp16_copy = Fp16Weight(self.dequantize(torch.float32))
 
-    def nbytes_float_copy(self) -> int:
-        """Bytes ``keep_float_copy`` adds."""
+    def nbytes_fp16_copy(self) -> int:
+        """Bytes ``keep_fp16_copy`` adds."""
         return 2 * self.q.numel()
 
 
@@ -146,10 +125,7 @@ class Fp16Weight:
     """A [out, in] weight as float16 packed for fbgemm's GEMM (every row count: ``packed_max_tokens`` None)."""
 
     packed_max_tokens = None
-    float_copy = None
-    min_tokens = FP16_COPY_MIN_TOKENS
-    """As an int8 / int4 weight's copy: the rows it runs from and up to."""
-    max_tokens = FP16_COPY_MAX_TOKENS
+    fp16_copy = None
 
     def __init__(self, weight: torch.Tensor) -> None:
         if "fbgemm" not in torch.backends.quantized.supported_engines:
@@ -164,21 +140,6 @@ class Fp16Weight:
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
-
-
-class Bf16Weight:
-    """An int8 / int4 weight's bfloat16 copy ([out, in]): ``x @ W.T`` as one bf16 ``F.linear`` (oneDNN, float32
-    accumulation) on bfloat16 activations, the packed kernels' input rounding; output in bfloat16."""
-
-    min_tokens = BF16_COPY_MIN_TOKENS
-    """The rows it runs from, and up to (None: every larger step)."""
-    max_tokens = None
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight.detach().to(torch.bfloat16).contiguous()               # [out, in]
-
-    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight)
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Fp16Weight
@@ -218,9 +179,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[to
     if x.device.type == "cpu":
         limit = weight.packed_max_tokens
         rows = x.shape[0]
-        copy = weight.float_copy
         kernel = weight if limit is None or rows <= limit else (
-            copy if copy is not None and (copy.max_tokens is None or rows <= copy.max_tokens) else None)
+            weight.fp16_copy if rows <= FP16_COPY_MAX_TOKENS else None)
         if kernel is not None:
             y = kernel.packed_mm(x).to(x.dtype)
             return y if bias is None else y + bias
@@ -254,7 +214,7 @@ def packed_weights(model: torch.nn.Module) -> list[_PackedWeight]:
     return [m.weight_q for m in model.modules() if isinstance(getattr(m, "weight_q", None), _PackedWeight)]
 
 
-def float_copies_fit(nbytes: int, physical_bytes: int) -> bool:
-    """Whether ``nbytes`` of float copies fit the auto rule: at most ``FLOAT_COPY_MAX_MEMORY_FRACTION`` of the
+def fp16_copies_fit(nbytes: int, physical_bytes: int) -> bool:
+    """Whether ``nbytes`` of fp16 copies fit the auto rule: at most ``FP16_COPY_MAX_MEMORY_FRACTION`` of the
     machine's memory."""
-    return nbytes <= FLOAT_COPY_MAX_MEMORY_FRACTION * physical_bytes
+    return nbytes <= FP16_COPY_MAX_MEMORY_FRACTION * physical_bytes

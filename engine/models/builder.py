@@ -139,7 +139,7 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
     plan = _quantization_plan(model, model_config.quantization, resolved, device) if tp.size == 1 else None
     if plan is not None:
         _quantize(model, plan, model_config.quantization or "auto", device)
-        _keep_float_copies(model, model_config.cpu_fp16_copy)
+        _keep_fp16_copies(model, model_config.cpu_fp16_copy)
     model.eval()
     if resolved.kind == "gguf":
         from engine.loader import checkpoint_dir
@@ -244,29 +244,26 @@ def _quantize(model: torch.nn.Module, plan, flag: str, device: torch.device) -> 
 
 
 @torch.no_grad()
-def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_bytes: Optional[int] = None,
-                       fmt: Optional[str] = None) -> None:
-    """The 16-bit float copies of the int8 / int4 weights (``ModelConfig.cpu_fp16_copy``); ``physical_bytes``:
-    the machine's memory (default: read from the OS); ``fmt``: their format (default: this CPU's,
-    ``engine.layers.quantized.default_copy_format``)."""
+def _keep_fp16_copies(model: torch.nn.Module, wanted: Optional[bool], physical_bytes: Optional[int] = None) -> None:
+    """The fp16 copies of the int8 / int4 weights (``ModelConfig.cpu_fp16_copy``); ``physical_bytes``: the
+    machine's memory (default: read from the OS)."""
     import os
 
-    from engine.layers.quantized import default_copy_format, float_copies_fit, packed_weights
+    from engine.layers.quantized import fp16_copies_fit, packed_weights
     weights = packed_weights(model)
     if not weights or wanted is False:
         return
-    nbytes = sum(w.nbytes_float_copy() for w in weights)
+    nbytes = sum(w.nbytes_fp16_copy() for w in weights)
     if physical_bytes is None:
         physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if wanted is None and not float_copies_fit(nbytes, physical_bytes):
-        logger.info("Quantized weights: no 16-bit copies for batched steps (%.1f GiB would exceed a quarter of "
-                    "this machine's memory; --cpu-fp16-copy keeps them anyway).", nbytes / (1 << 30))
+    if wanted is None and not fp16_copies_fit(nbytes, physical_bytes):
+        logger.info("Quantized weights: no fp16 copies for batched steps (%.1f GiB would exceed a quarter of this "
+                    "machine's memory; --cpu-fp16-copy keeps them anyway).", nbytes / (1 << 30))
         return
-    fmt = fmt or default_copy_format()
     for w in weights:
-        w.keep_float_copy(fmt)
-    logger.info("Quantized weights: %s copies for steps of several rows (%.2f GiB; --no-cpu-fp16-copy drops "
-                "them).", fmt, nbytes / (1 << 30))
+        w.keep_fp16_copy()
+    logger.info("Quantized weights: fp16 copies for steps of several rows (%.2f GiB; --no-cpu-fp16-copy drops "
+                "them).", nbytes / (1 << 30))
 
 
 @torch.no_grad()

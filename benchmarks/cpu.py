@@ -119,6 +119,9 @@ def step_rows(batches: list[int], args_dict: dict, queue) -> None:
     vocab = engine.runner.hf_config.get_text_config().vocab_size
     rng = np.random.default_rng(2)
     rows = []
+    max_num_seqs = engine.engine_config.scheduler_config.max_num_seqs
+    if max(batches) > max_num_seqs:
+        raise ValueError(f"--step-batches {max(batches)} exceeds the engine's max_num_seqs={max_num_seqs}.")
     for batch in batches:
         params = SamplingParams(temperature=0.0, max_tokens=count + 8, ignore_eos=True)
         for i in range(batch):

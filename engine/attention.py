@@ -203,7 +203,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             continue
         ctx = slen - qlen
         # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's generic path, several times slower.
-        qi = q[start:end].transpose(0, 1)[None].float()                      # [1, H, qlen, d]
+        qi = _heads_first(q[start:end])                                      # [1, H, qlen, d]
         if ctx > 0 and k_new is not None and q.device.type == "cpu" and _FLASH_WITH_LSE is not None:
             kp, vp = _context_kv(k_cache, v_cache, meta.block_tables[i], ctx)  # the cached prefix only
             o = _prefix_then_chunk(qi, _heads_first(kp), _heads_first(vp), _heads_first(k_new[start:end]),
@@ -286,7 +286,7 @@ def cross_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if start == end:
             continue
         k, v = _context_kv(k_cache, v_cache, meta.block_tables[i], slen)
-        qi = q[start:end].transpose(0, 1)[None].float()                      # [1, H, qlen, d]
+        qi = _heads_first(q[start:end])                                      # [1, H, qlen, d]
         o = F.scaled_dot_product_attention(qi, k.transpose(0, 1)[None].float(), v.transpose(0, 1)[None].float(),
                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
         out[start:end] = o[0].transpose(0, 1).to(q.dtype)

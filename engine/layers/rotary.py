@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """x [T, H, r] -> x * cos + rotate_half(x) * sin, as x * cos + roll(x, r / 2) * sin_signed: three
-        kernels instead of rotate_half's slices, neg and cat (a third of the time at decode sizes on CPU)."""
+        kernels instead of rotate_half's slices, neg and cat (RESULTS.md "CPU")."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -43,8 +43,8 @@ class EngineArgs:
     """Largest step (tokens) with prefill chunks run as a CUDA graph; 0: those run eagerly."""
     load_format: str = "auto"
     quantization: Optional[str] = None
-    cpu_fp16_copy: Optional[bool] = None
-    """``ModelConfig.cpu_fp16_copy``."""
+    cpu_float_copy: Optional[bool] = None
+    """``ModelConfig.cpu_float_copy``."""
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = True
     """Overlap scheduling / output processing of one step with the device work of the next."""
@@ -94,7 +94,7 @@ class EngineArgs:
                 model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=mml,
                 seed=self.seed, served_model_name=self.served_model_name, load_format=self.load_format,
                 chat_template=self.chat_template, max_logprobs=self.max_logprobs,
-                logprobs_mode=self.logprobs_mode, quantization=quantization, cpu_fp16_copy=self.cpu_fp16_copy),
+                logprobs_mode=self.logprobs_mode, quantization=quantization, cpu_float_copy=self.cpu_float_copy),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_space=self.kv_cache_space, num_gpu_blocks_override=self.num_gpu_blocks_override,

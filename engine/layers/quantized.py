@@ -10,13 +10,16 @@ float32's bytes, which is what a batch-1 decode step reads), activations stay fl
   (float32 activations, converted weights, float32 accumulation); which format is fastest at which batch
   on the 2-core machine: RESULTS.md "CPU".
 
-A projection runs as ``x @ W.T`` in one of three ways, by the number of rows of ``x``: up to
+A projection runs as ``x @ W.T`` in one of four ways, by the number of rows of ``x``: up to
 ``packed_max_tokens`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
 bfloat16 activations, the quantized weight read once: bandwidth-bound decode steps); above, the weight's
-fp16 copy when it keeps one (``keep_fp16_copy``: fbgemm's float16 GEMM, no per-call conversion: decode
-batches and prefill chunks up to ``FP16_COPY_MAX_TOKENS`` rows), else the weight dequantized to ``x``'s dtype
-for one ``F.linear`` (compute-bound prefill, where the packed kernels are about half float32's speed on CPUs
-without AMX).
+float copies when it keeps them (``keep_float_copies``, no per-call conversion of the weight): from
+``BF16_PRODUCTS_MIN_TOKENS`` rows on CPUs with AMX, a float32 copy whose GEMM multiplies in bfloat16 and
+accumulates and returns float32 (``Bf16ProductsWeight``: oneDNN's AMX tiles, 3-5x float32's GEMM at prompt
+sizes); otherwise the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
+``FP16_COPY_MAX_TOKENS`` rows); else the weight dequantized to ``x``'s dtype for one ``F.linear``
+(compute-bound prefill, where the packed kernels are about half float32's speed on CPUs without AMX).
+The LM head's logits are always float32 (``QuantizedEmbedding.logits``).
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ RESULTS.md "CPU" (faster at decode sizes, about half float32's speed at prefill 
 FP16_COPY_MIN_TOKENS = 5
 """Rows from which a weight that keeps an fp16 copy runs it instead of its packed kernel: the 2-core AVX2
 machine's crossover (RESULTS.md "CPU": the packed kernels win at 1-4 decode rows, the fp16 GEMM at 8+)."""
-FP16_COPY_MAX_MEMORY_FRACTION = 0.25
-"""``cpu_fp16_copy`` unset: the copies are kept when they take at most this fraction of the machine's memory
+FLOAT_COPY_MAX_MEMORY_FRACTION = 0.25
+"""``cpu_float_copy`` unset: the copies are kept when they take at most this fraction of the machine's memory
 (SmolLM2-135M: 0.27 GB; a 7B model's 14 GB are not kept on a 24 GB machine)."""
 FP16_COPY_MAX_TOKENS = 2048
 """Rows up to which the fp16 copy runs; larger steps (long prompts) dequantize for float32's GEMM, faster there
 (RESULTS.md "CPU")."""
+BF16_PRODUCTS_MIN_TOKENS = 20
+"""Rows from which a weight's bf16-products copy (CPUs with AMX) runs instead of its fp16 copy: the crossover on
+the 2-core AMX machine lies between 16 and 24 rows (RESULTS.md "CPU", twenty-third session)."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2
@@ -45,12 +51,21 @@ INT4_INNER_K_TILES = 2
 QUANTIZATIONS = ("int8", "int4", "fp16")
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles that oneDNN can use (its bf16 GEMM: ``Bf16ProductsWeight``)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx is not None and amx() and torch.backends.mkldnn.is_available())
+
+
 class _PackedWeight:
-    """What int8 and int4 weights share: the optional fp16 copy for steps of many rows."""
+    """What int8 and int4 weights share: the optional float copies for steps of many rows."""
 
     fp16_copy: Optional["Fp16Weight"] = None
-    """The weight as fbgemm float16 (``keep_fp16_copy``), run above ``packed_max_tokens`` rows; None: those
+    """The weight as fbgemm float16 (``keep_float_copies``), run above ``packed_max_tokens`` rows; None: those
     rows run the dequantized weight."""
+    bf16_products_copy: Optional["Bf16ProductsWeight"] = None
+    """The weight as float32 for bf16-product GEMMs (``keep_float_copies(bf16_products=True)``), run from
+    ``BF16_PRODUCTS_MIN_TOKENS`` rows."""
 
     @property
     def packed_max_tokens(self) -> int:
@@ -60,14 +75,18 @@ class _PackedWeight:
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def keep_fp16_copy(self) -> None:
+    def keep_float_copies(self, bf16_products: bool = False) -> None:
         """Also keep the dequantized weight as fbgemm float16 (2 bytes per weight) for steps of
-        ``FP16_COPY_MIN_TOKENS`` rows or more."""
-        self.fp16_copy = Fp16Weight(self.dequantize(torch.float32))
+        ``FP16_COPY_MIN_TOKENS`` rows or more, and with ``bf16_products`` as float32 (4 bytes per weight) for
+        steps of ``BF16_PRODUCTS_MIN_TOKENS`` rows or more."""
+        w = self.dequantize(torch.float32)
+        self.fp16_copy = Fp16Weight(w)
+        if bf16_products:
+            self.bf16_products_copy = Bf16ProductsWeight(w)
 
-    def nbytes_fp16_copy(self) -> int:
-        """Bytes ``keep_fp16_copy`` adds."""
-        return 2 * self.q.numel()
+    def nbytes_float_copies(self, bf16_products: bool = False) -> int:
+        """Bytes ``keep_float_copies`` adds."""
+        return (6 if bf16_products else 2) * self.q.numel()
 
 
 class Int8Weight(_PackedWeight):
@@ -142,6 +161,26 @@ class Fp16Weight:
         return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
 
 
+class Bf16ProductsWeight:
+    """An int8 / int4 weight's float32 copy ([out, in]) whose GEMM rounds both operands to bfloat16 and
+    accumulates and returns float32 (oneDNN's ``fp32_precision="bf16"`` matmul mode, set for the call only:
+    AMX tiles). The outputs are within ~3e-3 (relative) of float32's; the packed kernels round activations
+    the same way and their outputs too."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.detach().float().contiguous()                          # [out, in]
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out] float32."""
+        matmul = torch.backends.mkldnn.matmul
+        previous = matmul.fp32_precision
+        matmul.fp32_precision = "bf16"
+        try:
+            return F.linear(x.float(), self.weight)
+        finally:
+            matmul.fp32_precision = previous
+
+
 QuantizedWeight = Int8Weight | Int4Weight | Fp16Weight
 
 _FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
@@ -177,14 +216,21 @@ def quantize_weight(weight: torch.Tensor, kind: str) -> QuantizedWeight:
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype (see the module docstring)."""
     if x.device.type == "cpu":
-        limit = weight.packed_max_tokens
-        rows = x.shape[0]
-        kernel = weight if limit is None or rows <= limit else (
-            weight.fp16_copy if rows <= FP16_COPY_MAX_TOKENS else None)
+        kernel = _cpu_kernel(weight, x.shape[0])
         if kernel is not None:
             y = kernel.packed_mm(x).to(x.dtype)
             return y if bias is None else y + bias
     return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+def _cpu_kernel(weight: QuantizedWeight, rows: int):
+    """What runs ``rows`` rows of ``weight`` on CPU (module docstring); None: the dequantized weight."""
+    limit = weight.packed_max_tokens
+    if limit is None or rows <= limit:
+        return weight
+    if weight.bf16_products_copy is not None and rows >= BF16_PRODUCTS_MIN_TOKENS:
+        return weight.bf16_products_copy
+    return weight.fp16_copy if rows <= FP16_COPY_MAX_TOKENS else None
 
 
 class QuantizedEmbedding(torch.nn.Module):
@@ -205,7 +251,12 @@ class QuantizedEmbedding(torch.nn.Module):
         return self.weight_q.dequantize(self.dtype, rows=ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden] -> [R, vocab]."""
+        """hidden [R, hidden] -> [R, vocab]: on CPU the fp16 copy's float32 logits at every row count when
+        it keeps one (the packed kernels return bfloat16, whose 1/16 steps at logits of 8-16 tie greedy
+        choices and coarsen logprobs; 0.4 ms more per decode step for SmolLM2's head)."""
+        copy = getattr(self.weight_q, "fp16_copy", None)
+        if copy is not None and hidden.device.type == "cpu" and hidden.shape[0] <= FP16_COPY_MAX_TOKENS:
+            return copy.packed_mm(hidden).to(hidden.dtype)
         return quantized_linear(hidden, self.weight_q)
 
 
@@ -214,7 +265,7 @@ def packed_weights(model: torch.nn.Module) -> list[_PackedWeight]:
     return [m.weight_q for m in model.modules() if isinstance(getattr(m, "weight_q", None), _PackedWeight)]
 
 
-def fp16_copies_fit(nbytes: int, physical_bytes: int) -> bool:
-    """Whether ``nbytes`` of fp16 copies fit the auto rule: at most ``FP16_COPY_MAX_MEMORY_FRACTION`` of the
+def float_copies_fit(nbytes: int, physical_bytes: int) -> bool:
+    """Whether ``nbytes`` of float copies fit the auto rule: at most ``FLOAT_COPY_MAX_MEMORY_FRACTION`` of the
     machine's memory."""
-    return nbytes <= FP16_COPY_MAX_MEMORY_FRACTION * physical_bytes
+    return nbytes <= FLOAT_COPY_MAX_MEMORY_FRACTION * physical_bytes

@@ -139,7 +139,7 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
     plan = _quantization_plan(model, model_config.quantization, resolved, device) if tp.size == 1 else None
     if plan is not None:
         _quantize(model, plan, model_config.quantization or "auto", device)
-        _keep_fp16_copies(model, model_config.cpu_fp16_copy)
+        _keep_float_copies(model, model_config.cpu_float_copy)
     model.eval()
     if resolved.kind == "gguf":
         from engine.loader import checkpoint_dir
@@ -244,28 +244,35 @@ def _quantize(model: torch.nn.Module, plan, flag: str, device: torch.device) -> 
 
 
 @torch.no_grad()
-def _keep_fp16_copies(model: torch.nn.Module, wanted: Optional[bool], physical_bytes: Optional[int] = None) -> None:
-    """The fp16 copies of the int8 / int4 weights (``ModelConfig.cpu_fp16_copy``); ``physical_bytes``: the
-    machine's memory (default: read from the OS)."""
+def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_bytes: Optional[int] = None,
+                       bf16_products: Optional[bool] = None) -> None:
+    """The float copies of the int8 / int4 weights (``ModelConfig.cpu_float_copy``): fp16 for each, and where
+    ``bf16_products`` (default: the CPU has AMX) float32 for each projection (the LM head's logits stay on its
+    fp16 copy). ``physical_bytes``: the machine's memory (default: read from the OS)."""
     import concurrent.futures
     import os
 
-    from engine.layers.quantized import fp16_copies_fit, packed_weights
+    from engine.layers.quantized import QuantizedEmbedding, cpu_has_amx, float_copies_fit, packed_weights
     weights = packed_weights(model)
     if not weights or wanted is False:
         return
-    nbytes = sum(w.nbytes_fp16_copy() for w in weights)
+    if bf16_products is None:
+        bf16_products = cpu_has_amx()
+    heads = {id(m.weight_q) for m in model.modules() if isinstance(m, QuantizedEmbedding)}
+    plan = [(w, bf16_products and id(w) not in heads) for w in weights]
+    nbytes = sum(w.nbytes_float_copies(products) for w, products in plan)
     if physical_bytes is None:
         physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if wanted is None and not fp16_copies_fit(nbytes, physical_bytes):
-        logger.info("Quantized weights: no fp16 copies for batched steps (%.1f GiB would exceed a quarter of this "
-                    "machine's memory; --cpu-fp16-copy keeps them anyway).", nbytes / (1 << 30))
+    if wanted is None and not float_copies_fit(nbytes, physical_bytes):
+        logger.info("Quantized weights: no float copies for batched steps (%.1f GiB would exceed a quarter of "
+                    "this machine's memory; --cpu-float-copy keeps them anyway).", nbytes / (1 << 30))
         return
     # fbgemm's packing releases the GIL: one Python thread per torch thread packs them in parallel.
     with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        list(pool.map(lambda w: w.keep_fp16_copy(), weights))
-    logger.info("Quantized weights: fp16 copies for steps of several rows (%.2f GiB; --no-cpu-fp16-copy drops "
-                "them).", nbytes / (1 << 30))
+        list(pool.map(lambda item: item[0].keep_float_copies(item[1]), plan))
+    logger.info("Quantized weights: float copies for steps of several rows (fp16%s; %.2f GiB; "
+                "--no-cpu-float-copy drops them).", " and float32 for AMX's bf16 GEMM" if bf16_products else "",
+                nbytes / (1 << 30))
 
 
 @torch.no_grad()

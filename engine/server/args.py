@@ -211,11 +211,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "are replicated on every rank. Not with --transcription-model's engine.")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
-    eng.add_argument("--cpu-fp16-copy", action=argparse.BooleanOptionalAction, default=None,
+    eng.add_argument("--cpu-float-copy", "--cpu-fp16-copy", dest="cpu_float_copy",
+                     action=argparse.BooleanOptionalAction, default=None,
                      help="With int8/int4 weights on CPU (a GGUF's default): also keep each one as float16 for "
-                          "steps of 5 to 2,048 rows (concurrent decodes, prompt chunks), 2 bytes per weight; +20%% "
-                          "served output tokens with 16 clients on the 2-core machine. Default: on when the copies "
-                          "take at most a quarter of the machine's memory.")
+                          "steps of 5 to 2,048 rows (concurrent decodes, prompt chunks), 2 bytes per weight, and "
+                          "on CPUs with AMX as float32 for bf16-product GEMMs from 20 rows (prompts), 4 more; "
+                          "the LM head's logits stay float32. Default: on when the copies take at most a quarter "
+                          "of the machine's memory.")
     eng.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4", "fp16"],
                      help="Weights in memory (CPU, Llama-family models). Default: a GGUF file's quantized "
                           "tensors stay quantized (4-bit types as int4, 5- to 8-bit as int8), other "
@@ -355,7 +357,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["max_logprobs"] = max(args.max_logprobs, NO_SPEECH_TOP_LOGPROBS)
     for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "limit_mm_per_prompt",
                  "allowed_local_media_path", "allowed_media_domains", "max_num_encoder_input_tokens",
-                 "encoder_cache_size", "cpu_fp16_copy"):
+                 "encoder_cache_size", "cpu_float_copy"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     if getattr(args, "allow_private_media_urls", False):

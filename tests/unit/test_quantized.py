@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.quantized import (FP16_COPY_MAX_TOKENS, FP16_COPY_MIN_TOKENS, INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Fp16Weight, Int4Weight,
-                                     Int8Weight, QuantizedEmbedding, fp16_copies_fit, kind_for_gguf_type,
+from engine.layers.quantized import (BF16_PRODUCTS_MIN_TOKENS, FP16_COPY_MAX_TOKENS, FP16_COPY_MIN_TOKENS,
+                                     INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Bf16ProductsWeight, Fp16Weight, Int4Weight,
+                                     Int8Weight, QuantizedEmbedding, float_copies_fit, kind_for_gguf_type,
                                      most_precise, packed_weights, quantized_linear)
 from engine.layers.linear import Linear
 from engine.llm import LLM
@@ -61,41 +62,83 @@ def test_quantized_linear_equals_the_dequantized_weight(kind, num_tokens, bias):
 
 
 @pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
-@pytest.mark.parametrize("num_tokens", [1, FP16_COPY_MIN_TOKENS - 1, FP16_COPY_MIN_TOKENS, 100,
+@pytest.mark.parametrize("bf16_products", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, FP16_COPY_MIN_TOKENS - 1, FP16_COPY_MIN_TOKENS, BF16_PRODUCTS_MIN_TOKENS,
                                         FP16_COPY_MAX_TOKENS + 1])
-def test_fp16_copy_serves_steps_of_many_rows(kind, num_tokens):
-    """With ``keep_fp16_copy``, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel, those up to
-    ``FP16_COPY_MAX_TOKENS`` the float16 copy of the dequantized weight (within float16's rounding of it), and
+def test_float_copies_serve_steps_of_many_rows(kind, bf16_products, num_tokens):
+    """With ``keep_float_copies``, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel; with the
+    bf16-products copy, steps from ``BF16_PRODUCTS_MIN_TOKENS`` rows run it; the rest up to
+    ``FP16_COPY_MAX_TOKENS`` run the float16 copy (within float16's rounding of the dequantized weight), and
     larger ones the dequantized weight itself."""
     torch.manual_seed(num_tokens)
     w, x, b = torch.randn(96, 64), torch.randn(num_tokens, 64), torch.randn(96)
     q = kind(w)
     assert q.fp16_copy is None and q.packed_max_tokens == PACKED_MAX_TOKENS
-    q.keep_fp16_copy()
-    assert q.packed_max_tokens == FP16_COPY_MIN_TOKENS - 1 and q.nbytes_fp16_copy() == 2 * 96 * 64
+    q.keep_float_copies(bf16_products)
+    assert q.packed_max_tokens == FP16_COPY_MIN_TOKENS - 1
+    assert q.nbytes_float_copies(bf16_products) == (6 if bf16_products else 2) * 96 * 64
+    assert (q.bf16_products_copy is not None) == bf16_products
     out = quantized_linear(x, q, b)
+    ref = F.linear(x, q.dequantize(torch.float32), b)
     if num_tokens < FP16_COPY_MIN_TOKENS:
         torch.testing.assert_close(out, q.packed_mm(x).float() + b, atol=0, rtol=0)
+    elif bf16_products and num_tokens >= BF16_PRODUCTS_MIN_TOKENS:
+        torch.testing.assert_close(out, q.bf16_products_copy.packed_mm(x) + b, atol=0, rtol=0)
     elif num_tokens > FP16_COPY_MAX_TOKENS:
-        torch.testing.assert_close(out, F.linear(x, q.dequantize(torch.float32), b), atol=0, rtol=0)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
     else:
         torch.testing.assert_close(out, q.fp16_copy.packed_mm(x) + b, atol=0, rtol=0)
-        ref = F.linear(x, q.dequantize(torch.float32), b)
         torch.testing.assert_close(out, ref, atol=float(1e-5 * ref.abs().max() * 64), rtol=0)
 
 
-def test_fp16_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir):
-    from engine.models.builder import _keep_fp16_copies
-    assert fp16_copies_fit(1 << 30, 4 << 30) and not fp16_copies_fit((1 << 30) + 1, 4 << 30)
+@pytest.mark.parametrize("num_tokens", [1, 20, 300])
+def test_bf16_products_stay_within_bf16_rounding_and_leave_float32_exact(num_tokens):
+    """``Bf16ProductsWeight``: each product of bfloat16-rounded operands (relative error <= 2^-8), float32
+    sums and output; the float32 matmul mode is restored, so float weights stay exact afterwards."""
+    torch.manual_seed(num_tokens)
+    w, x = torch.randn(96, 64) * torch.linspace(0.01, 3.0, 96)[:, None], torch.randn(num_tokens, 64) * 50
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    out = Bf16ProductsWeight(w).packed_mm(x)
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    ref = x.double() @ w.double().T
+    bound = 2.0 ** -8 * (x.abs().double() @ w.abs().double().T) + 1e-5 * ref.abs().max()
+    assert out.dtype == torch.float32 and bool(((out.double() - ref).abs() <= bound).all())
+    exact = F.linear(x, w)                              # the float path after the call: float32's own GEMM
+    torch.testing.assert_close(exact, (x.double() @ w.double().T).float(), atol=1e-3, rtol=1e-5)
+
+
+def test_quantized_head_logits_are_float32_at_every_batch():
+    """The LM head's logits come from its fp16 copy at every row count: float32, not the packed kernels'
+    bfloat16 (whose steps of 1/16 at logits of 8-16 tie greedy choices)."""
+    torch.manual_seed(0)
+    head = QuantizedEmbedding(torch.randn(512, 64) * 0.5, "int8")
+    hidden = torch.randn(3, 64) * 4
+    packed = head.weight_q.packed_mm(hidden).float()
+    assert bool((packed == packed.bfloat16().float()).all())            # what the packed kernel returns
+    head.weight_q.keep_float_copies()
+    logits = head.logits(hidden)
+    assert logits.dtype == torch.float32 and bool((logits != logits.bfloat16().float()).any())
+    torch.testing.assert_close(logits, head.weight_q.fp16_copy.packed_mm(hidden), atol=0, rtol=0)
+    ref = F.linear(hidden, head.weight_q.dequantize(torch.float32))
+    torch.testing.assert_close(logits, ref, atol=float(1e-5 * ref.abs().max() * 64), rtol=0)
+
+
+def test_float_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir):
+    from engine.models.builder import _keep_float_copies
+    assert float_copies_fit(1 << 30, 4 << 30) and not float_copies_fit((1 << 30) + 1, 4 << 30)
     for wanted, kept in ((False, False), (None, True), (True, True)):
-        llm = LLM(str(tiny_llama_dir), quantization="int4", cpu_fp16_copy=wanted, max_model_len=64)
+        llm = LLM(str(tiny_llama_dir), quantization="int4", cpu_float_copy=wanted, max_model_len=64)
         weights = packed_weights(llm.llm_engine.core.runner.model)
         assert weights and all((w.fp16_copy is not None) == kept for w in weights)
     model = llm.llm_engine.core.runner.model
     for w in weights:
-        w.fp16_copy = None
-    _keep_fp16_copies(model, None, physical_bytes=1)    # a machine too small for them: none kept
-    assert all(w.fp16_copy is None for w in weights)
+        w.fp16_copy = w.bf16_products_copy = None
+    _keep_float_copies(model, None, physical_bytes=1)    # a machine too small for them: none kept
+    assert all(w.fp16_copy is None and w.bf16_products_copy is None for w in weights)
+    _keep_float_copies(model, True, bf16_products=True)  # the projections get one, the head's logits stay fp16
+    head = model.quantized_head.weight_q
+    assert all(w.fp16_copy is not None and (w.bf16_products_copy is None) == (w is head) for w in weights)
+    assert any(w.bf16_products_copy is not None for w in weights)
 
 
 def test_fp16_embedding_looks_up_float16_rows():

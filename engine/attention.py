@@ -77,6 +77,10 @@ class TorchDecodePlan:
 # ----------------------------------------------------------------------------------------
 # Torch reference backend
 # ----------------------------------------------------------------------------------------
+BF16_PREFILL_MIN_TOKENS = 128
+"""Query tokens from which a CPU prefill chunk of a model with bf16-product weights attends in bfloat16: the
+flash kernel's crossover on the 2-core AMX machine, casts included, lies between 64 and 128 (3.7x at 256, 3.2x
+at 2,048 queries over 8,192 keys; RESULTS.md "CPU", twenty-third session)."""
 SLICE_WRITE_MIN_TOKENS = 64
 """Rows from which ``write_kv_torch`` checks for consecutive slots (a fresh prefill over consecutive blocks)
 and writes them as one slice."""
@@ -129,14 +133,17 @@ def _context_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: t
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, k_new: Optional[torch.Tensor] = None,
-                          v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          v_new: Optional[torch.Tensor] = None, bf16_min_tokens: Optional[int] = None,
+                          ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context.
 
     q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim].
     Decodes (one query token) are batched into one padded attention; prefill chunks run one
     SDPA call each, with the mask shifted by the cached prefix length. A chunk with no cached
     prefix attends to this step's ``k_new``/``v_new`` ([num_tokens, num_kv_heads, head_dim])
-    directly (plain causal SDPA, no gather), when they are given.
+    directly (plain causal SDPA, no gather), when they are given. A chunk of at least ``bf16_min_tokens``
+    queries (None: never) attends with bfloat16 q, k and v (the CPU flash kernel's AMX path; float32
+    softmax, sums and output), as a model whose weights multiply in bfloat16 asks (``AttentionBackend``).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -202,19 +209,23 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if qlen == 0 or i in batched:
             continue
         ctx = slen - qlen
+        low = bf16_min_tokens is not None and qlen >= bf16_min_tokens and q.device.type == "cpu"
+        dtype = torch.bfloat16 if low else torch.float32
         # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's generic path, several times slower.
-        qi = _heads_first(q[start:end])                                      # [1, H, qlen, d]
+        qi = _heads_first(q[start:end], dtype)                               # [1, H, qlen, d]
         if ctx > 0 and k_new is not None and q.device.type == "cpu" and _FLASH_WITH_LSE is not None:
             kp, vp = _context_kv(k_cache, v_cache, meta.block_tables[i], ctx)  # the cached prefix only
-            o = _prefix_then_chunk(qi, _heads_first(kp), _heads_first(vp), _heads_first(k_new[start:end]),
-                                   _heads_first(v_new[start:end]), scale)
+            o = _prefix_then_chunk(qi, _heads_first(kp, dtype), _heads_first(vp, dtype),
+                                   _heads_first(k_new[start:end], dtype), _heads_first(v_new[start:end], dtype),
+                                   scale)
             out[start:end] = o[0].transpose(0, 1).to(q.dtype)
             continue
         if ctx == 0 and k_new is not None:
             k, v = k_new[start:end], v_new[start:end]
         else:
             k, v = _context_kv(k_cache, v_cache, meta.block_tables[i], slen)
-        ki, vi = _heads_first(k), _heads_first(v)                           # [1, Hkv, slen, d]
+            qi, dtype = qi.float(), torch.float32      # the masked call (no flash kernel): float32
+        ki, vi = _heads_first(k, dtype), _heads_first(v, dtype)             # [1, Hkv, slen, d]
         if ctx == 0:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
@@ -232,9 +243,9 @@ _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 SDPA call serves instead)."""
 
 
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[len, heads, d] -> [1, heads, len, d] float32 (a view where x is float32)."""
-    return x.transpose(0, 1)[None].float()
+def _heads_first(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[len, heads, d] -> [1, heads, len, d] in ``dtype`` (a view where x has it)."""
+    return x.transpose(0, 1)[None].to(dtype)
 
 
 def _prefix_then_chunk(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_chunk: torch.Tensor,
@@ -243,14 +254,15 @@ def _prefix_then_chunk(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.
     log-sum-exps: the prefix unmasked, the chunk causal (its queries and keys start together). One masked call
     over both reads an explicit [qlen, ctx + qlen] mask and cannot skip the chunk's upper triangle.
 
-    q: [1, H, qlen, d]; k/v_prefix: [1, Hkv, ctx, d]; k/v_chunk: [1, Hkv, qlen, d] -> [1, H, qlen, d].
+    q: [1, H, qlen, d]; k/v_prefix: [1, Hkv, ctx, d]; k/v_chunk: [1, Hkv, qlen, d] -> [1, H, qlen, d] float32
+    (inputs float32 or bfloat16; the log-sum-exps and the merge are float32).
     """
     o1, lse1 = _FLASH_WITH_LSE(q, k_prefix, v_prefix, 0.0, False, scale=scale)   # [1, H, qlen, d], [1, H, qlen]
     o2, lse2 = _FLASH_WITH_LSE(q, k_chunk, v_chunk, 0.0, True, scale=scale)
     top = torch.maximum(lse1, lse2)
     w1 = (lse1 - top).exp_().unsqueeze(-1)                                          # [1, H, qlen, 1]
     w2 = (lse2 - top).exp_().unsqueeze(-1)
-    return (o1 * w1).add_(o2 * w2).div_(w1 + w2)
+    return (o1.float() * w1).add_(o2.float() * w2).div_(w1 + w2)
 
 
 def _decode_plan(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> TorchDecodePlan:
@@ -317,12 +329,17 @@ class AttentionBackend:
         name: "torch" or "triton".
         policy: the engine's kernel policy (decode tiles, which decode steps fuse rotary);
             None: ``KernelPolicy()``'s defaults.
+        bf16_prefill: torch backend: prefill chunks of ``BF16_PREFILL_MIN_TOKENS`` queries or more attend in
+            bfloat16 (``paged_attention_torch``); set where the model's weights multiply in bfloat16
+            (``engine.layers.quantized``'s AMX copies), never for float weights, which stay exact.
     """
 
-    def __init__(self, name: str, policy: Optional[KernelPolicy] = None) -> None:
+    def __init__(self, name: str, policy: Optional[KernelPolicy] = None, bf16_prefill: bool = False) -> None:
         if name not in ("torch", "triton"):
             raise ValueError(f"attention backend {name!r}: use 'torch' or 'triton'.")
         self.name = name
+        self.bf16_min_tokens = BF16_PREFILL_MIN_TOKENS if bf16_prefill and name == "torch" else None
+        """Query tokens from which a prefill chunk attends in bfloat16 (None: never)."""
         self.policy = policy or KernelPolicy()
         self.decode_tiles = self.policy.attn_decode_tiles
         """Decode attention tile overrides (``KernelPolicy.attn_decode``)."""
@@ -342,7 +359,7 @@ class AttentionBackend:
                                    meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
                                    has_decodes=meta.captured or meta.num_decode_reqs > 0,
                                    decode_tiles=self.decode_tiles)
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new)
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new, self.bf16_min_tokens)
 
     def attend_cross(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Cross-attention (``cross_attention_torch``'s semantics): q [T, H, D] -> [T, H, D]; ``meta``
@@ -426,5 +443,6 @@ class AttentionBackend:
         return calls
 
 
-def select_backend(device: torch.device, policy: Optional[KernelPolicy] = None) -> AttentionBackend:
-    return AttentionBackend("triton" if device.type == "cuda" else "torch", policy)
+def select_backend(device: torch.device, policy: Optional[KernelPolicy] = None,
+                   bf16_prefill: bool = False) -> AttentionBackend:
+    return AttentionBackend("triton" if device.type == "cuda" else "torch", policy, bf16_prefill)

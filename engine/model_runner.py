@@ -273,7 +273,10 @@ class ModelRunner:
         """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer; then the
         step buffers, and the decode CUDA graphs (CUDA, unless ``enforce_eager``)."""
         self.num_blocks = num_blocks
-        backend = select_backend(self.device, self.policy)
+        from engine.layers.quantized import packed_weights
+        # Weights that multiply in bfloat16 (AMX copies) let long prefill chunks attend in bfloat16 too.
+        bf16_prefill = any(w.bf16_products_copy is not None for w in packed_weights(self.model))
+        backend = select_backend(self.device, self.policy, bf16_prefill)
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.

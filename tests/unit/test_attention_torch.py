@@ -113,3 +113,38 @@ def test_chunk_over_a_cached_prefix_splits_into_two_merged_calls(with_lse, num_k
     scale = 32 ** -0.5
     out = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, layout), scale, k_new, v_new)
     assert_close(out, paged_attention_ref(*b.args(), scale), torch.float32)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 3])
+def test_long_chunks_attend_in_bf16_only_where_asked(num_kv_heads):
+    """With ``bf16_min_tokens``, prefill chunks of at least that many queries (fresh, and after a cached
+    prefix) attend with bfloat16 q/k/v: within bf16's tolerance of the reference, and not float32's result;
+    shorter chunks and decodes stay float32, equal to the call without it."""
+    layout = [(1, 30), (40, 70), (33, 0), (12, 5)]
+    b = make_batch(layout, num_heads=6, num_kv_heads=num_kv_heads)
+    k_new, v_new = _new_kv(b, layout)
+    scale = 32 ** -0.5
+    exact = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, layout), scale, k_new, v_new)
+    low = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, layout), scale, k_new, v_new,
+                                bf16_min_tokens=33)
+    ref = paged_attention_ref(*b.args(), scale)
+    assert low.dtype == torch.float32
+    assert_close(low, ref, torch.bfloat16)
+    long_rows = torch.cat([torch.arange(1, 41), torch.arange(41, 74)])           # the 40- and 33-query chunks
+    short_rows = torch.tensor([0] + list(range(74, 86)))                          # the decode, the 12-query chunk
+    assert not torch.equal(low[long_rows], exact[long_rows])
+    torch.testing.assert_close(low[short_rows], exact[short_rows], atol=0, rtol=0)
+
+
+def test_backend_attends_in_bf16_only_for_models_whose_weights_multiply_in_bf16(tiny_llama_dir):
+    """The runner asks for bf16 prefill attention exactly when the weights keep AMX bf16-product copies: never
+    for float weights (exact against transformers)."""
+    from engine.attention import BF16_PREFILL_MIN_TOKENS, AttentionBackend
+    from engine.layers.quantized import cpu_has_amx
+    from engine.llm import LLM
+    assert AttentionBackend("torch", bf16_prefill=True).bf16_min_tokens == BF16_PREFILL_MIN_TOKENS
+    assert AttentionBackend("triton", bf16_prefill=True).bf16_min_tokens is None
+    for quantization, expected in (("none", None), ("int4", BF16_PREFILL_MIN_TOKENS if cpu_has_amx() else None)):
+        llm = LLM(str(tiny_llama_dir), quantization=quantization, max_model_len=64)
+        layers = llm.llm_engine.core.runner.model.attention_layers()
+        assert all(layer.backend.bf16_min_tokens == expected for layer in layers)

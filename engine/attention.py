@@ -196,9 +196,11 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         starts = torch.tensor([qsl[i] for i in reqs], device=q.device)
         rows = (starts[:, None] + torch.arange(qlen, device=q.device)[None, :]).reshape(-1)  # [B * qlen]
         shape = (len(reqs), qlen)
-        qb = q.index_select(0, rows).view(*shape, num_heads, head_dim).transpose(1, 2).float()
-        kb = k_new.index_select(0, rows).view(*shape, num_kv_heads, head_dim).transpose(1, 2).float()
-        vb = v_new.index_select(0, rows).view(*shape, num_kv_heads, head_dim).transpose(1, 2).float()
+        low = bf16_min_tokens is not None and qlen >= bf16_min_tokens and q.device.type == "cpu"
+        dtype = torch.bfloat16 if low else torch.float32
+        qb = q.index_select(0, rows).view(*shape, num_heads, head_dim).transpose(1, 2).to(dtype)
+        kb = k_new.index_select(0, rows).view(*shape, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
+        vb = v_new.index_select(0, rows).view(*shape, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
         o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=group > 1)
         out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, num_heads, head_dim).to(q.dtype))
     batched = {i for reqs in fresh.values() if len(reqs) > 1 for i in reqs}

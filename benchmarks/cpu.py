@@ -24,9 +24,9 @@ it crashes ``GGML_NATIVE`` builds: build with ``-DGGML_NATIVE=OFF`` and the AVX 
 the decoder layers' forward, the LM head, and the engine's own work around them).
 ``--matmul-rows 1,4,16,32`` (empty: skip): one decoder layer's projections of the default model's shapes at
 each row count, per weight format: float32 ``F.linear``, int8 / int4 through ``quantized_linear``'s packed
-kernels and through its dequantize + ``F.linear`` path, fbgemm float16 (the fp16 copy) and float32 with bf16
-products (the AMX copy): where ``PACKED_MAX_TOKENS``, ``FP16_COPY_MIN_TOKENS`` and ``BF16_PRODUCTS_MIN_TOKENS``
-should lie.
+kernels and through its dequantize + ``F.linear`` path, fbgemm float16 (the fp16 copy), and AMX's copies:
+packed bfloat16 and float32 with bf16 products: where ``PACKED_MAX_TOKENS``, ``FP16_COPY_MIN_TOKENS`` and
+``BF16_PRODUCTS_MIN_TOKENS`` should lie.
 ``--serve-clients N`` (0: skip): ``chorus serve`` on the default model with its defaults (a subprocess,
 the converted GGUF already cached): seconds from the command to ``/health`` and to the first chat answer,
 then ``benchmarks/serve.py`` with N concurrent streamed clients (4 N completions of ``--serve-input-len``
@@ -210,7 +210,7 @@ def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from engine.layers.quantized import Bf16ProductsWeight, Fp16Weight, Int4Weight, Int8Weight
+    from engine.layers.quantized import Bf16ProductsWeight, Bf16Weight, Fp16Weight, Int4Weight, Int8Weight
     if threads:
         torch.set_num_threads(threads)
     hidden, inter, kv = 576, 1536, 192
@@ -220,6 +220,7 @@ def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
     formats = {"float32": [(w, None) for w in weights], "int8": [(None, Int8Weight(w)) for w in weights],
                "int4": [(None, Int4Weight(w)) for w in weights]}
     fp16 = [Fp16Weight(w) for w in weights]
+    bf16 = [Bf16Weight(w) for w in weights]
     bf16_products = [Bf16ProductsWeight(w) for w in weights]
 
     def timed(fn, reps: int = 50) -> float:
@@ -240,6 +241,7 @@ def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
             row[f"{kind}_packed"] = timed(lambda: [q.packed_mm(x) for x, q in zip(xs, ws)])
             row[f"{kind}_dequantized"] = timed(lambda: [F.linear(x, q.dequantize(x.dtype)) for x, q in zip(xs, ws)])
         row["fp16"] = timed(lambda: [q.packed_mm(x) for x, q in zip(xs, fp16)])
+        row["bf16"] = timed(lambda: [q.packed_mm(x) for x, q in zip(xs, bf16)])
         row["bf16_products"] = timed(lambda: [q.packed_mm(x) for x, q in zip(xs, bf16_products)])
         out.append(row)
     return out

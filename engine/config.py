@@ -49,9 +49,9 @@ class ModelConfig:
     (x86 CPUs), within ~1e-3 of float32. Quantized weights give faster batch-1
     decode (RESULTS.md "CPU") and outputs close to, not equal to, the float weights'."""
     cpu_float_copy: Optional[bool] = None
-    """With int8 / int4 weights on CPU: also keep each quantized weight as fbgemm float16 (2 bytes per weight)
-    for steps of more rows than the packed kernels serve well (decode batches, prefill), and on CPUs with AMX
-    as float32 (4 bytes more) for bf16-product GEMMs on steps of many rows (``engine.layers.quantized``).
+    """With int8 / int4 weights on CPU: also keep each quantized weight as float copies for steps of more rows
+    than the packed kernels serve well (decode batches, prefill): fbgemm float16 (2 bytes per weight), or on
+    CPUs with AMX packed bfloat16 and float32 for bf16-product GEMMs (6 bytes; ``engine.layers.quantized``).
     None (auto): kept when the copies take at most a quarter of the machine's memory."""
 
     def __post_init__(self) -> None:

@@ -10,16 +10,17 @@ float32's bytes, which is what a batch-1 decode step reads), activations stay fl
   (float32 activations, converted weights, float32 accumulation); which format is fastest at which batch
   on the 2-core machine: RESULTS.md "CPU".
 
-A projection runs as ``x @ W.T`` in one of four ways, by the number of rows of ``x``: up to
+A projection runs as ``x @ W.T`` in one of these ways, by the number of rows of ``x``: up to
 ``packed_max_tokens`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
-bfloat16 activations, the quantized weight read once: bandwidth-bound decode steps); above, the weight's
-float copies when it keeps them (``keep_float_copies``, no per-call conversion of the weight): from
-``BF16_PRODUCTS_MIN_TOKENS`` rows on CPUs with AMX, a float32 copy whose GEMM multiplies in bfloat16 and
-accumulates and returns float32 (``Bf16ProductsWeight``: oneDNN's AMX tiles, 3-5x float32's GEMM at prompt
-sizes); otherwise the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
-``FP16_COPY_MAX_TOKENS`` rows); else the weight dequantized to ``x``'s dtype for one ``F.linear``
-(compute-bound prefill, where the packed kernels are about half float32's speed on CPUs without AMX).
-The LM head's logits are always float32 (``QuantizedEmbedding.logits``).
+bfloat16 activations and outputs, the quantized weight read once: bandwidth-bound decode steps); above, the
+weight's float copies when it keeps them (``keep_float_copies``, no per-call conversion of the weight). On
+CPUs with AMX: below ``BF16_PRODUCTS_MIN_TOKENS`` rows (decode batches) a bfloat16 copy in oneDNN's packed
+layout (``Bf16Weight``, the packed kernels' rounding), from there (prompts) a float32 copy whose GEMM
+multiplies in bfloat16 and accumulates and returns float32 (``Bf16ProductsWeight``: 3-5x float32's GEMM at
+prompt sizes). Elsewhere the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
+``FP16_COPY_MAX_TOKENS`` rows), else the weight dequantized to ``x``'s dtype for one ``F.linear``
+(compute-bound prefill, where the packed kernels are about half float32's speed). The LM head keeps an fp16
+copy everywhere: its logits are float32 at every batch (``QuantizedEmbedding.logits``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ FP16_COPY_MAX_TOKENS = 2048
 """Rows up to which the fp16 copy runs; larger steps (long prompts) dequantize for float32's GEMM, faster there
 (RESULTS.md "CPU")."""
 BF16_PRODUCTS_MIN_TOKENS = 20
-"""Rows from which a weight's bf16-products copy (CPUs with AMX) runs instead of its fp16 copy: the crossover on
-the 2-core AMX machine lies between 16 and 24 rows (RESULTS.md "CPU", twenty-third session)."""
+"""CPUs with AMX: rows from which a weight's bf16-products copy (float32 out) runs instead of its bf16 copy
+(bfloat16 out): prompts keep float32 outputs, while decode batches, which the packed kernels already round the
+same way below ``FP16_COPY_MIN_TOKENS`` rows, take the faster bf16 GEMM (RESULTS.md "CPU", twenty-third
+session)."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2
@@ -61,32 +64,37 @@ class _PackedWeight:
     """What int8 and int4 weights share: the optional float copies for steps of many rows."""
 
     fp16_copy: Optional["Fp16Weight"] = None
-    """The weight as fbgemm float16 (``keep_float_copies``), run above ``packed_max_tokens`` rows; None: those
-    rows run the dequantized weight."""
+    """The weight as fbgemm float16 (``keep_float_copies()``), run above ``packed_max_tokens`` rows; None:
+    those rows run the dequantized weight."""
+    bf16_copy: Optional["Bf16Weight"] = None
+    """CPUs with AMX (``keep_float_copies(amx=True)``): the weight as oneDNN-packed bfloat16, run above
+    ``packed_max_tokens`` rows and below ``BF16_PRODUCTS_MIN_TOKENS`` (decode batches)."""
     bf16_products_copy: Optional["Bf16ProductsWeight"] = None
-    """The weight as float32 for bf16-product GEMMs (``keep_float_copies(bf16_products=True)``), run from
-    ``BF16_PRODUCTS_MIN_TOKENS`` rows."""
+    """CPUs with AMX: the weight as float32 for bf16-product GEMMs, run from ``BF16_PRODUCTS_MIN_TOKENS`` rows."""
 
     @property
     def packed_max_tokens(self) -> int:
         """Rows up to which the packed kernel runs."""
-        return PACKED_MAX_TOKENS if self.fp16_copy is None else FP16_COPY_MIN_TOKENS - 1
+        copies = self.fp16_copy is not None or self.bf16_copy is not None
+        return FP16_COPY_MIN_TOKENS - 1 if copies else PACKED_MAX_TOKENS
 
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def keep_float_copies(self, bf16_products: bool = False) -> None:
-        """Also keep the dequantized weight as fbgemm float16 (2 bytes per weight) for steps of
-        ``FP16_COPY_MIN_TOKENS`` rows or more, and with ``bf16_products`` as float32 (4 bytes per weight) for
-        steps of ``BF16_PRODUCTS_MIN_TOKENS`` rows or more."""
+    def keep_float_copies(self, amx: bool = False) -> None:
+        """Also keep the dequantized weight for steps of ``FP16_COPY_MIN_TOKENS`` rows or more: as fbgemm
+        float16 (2 bytes per weight); with ``amx``, as packed bfloat16 below ``BF16_PRODUCTS_MIN_TOKENS`` rows
+        and float32 for bf16-product GEMMs from there (6 bytes per weight)."""
         w = self.dequantize(torch.float32)
-        self.fp16_copy = Fp16Weight(w)
-        if bf16_products:
+        if amx:
+            self.bf16_copy = Bf16Weight(w)
             self.bf16_products_copy = Bf16ProductsWeight(w)
+        else:
+            self.fp16_copy = Fp16Weight(w)
 
-    def nbytes_float_copies(self, bf16_products: bool = False) -> int:
+    def nbytes_float_copies(self, amx: bool = False) -> int:
         """Bytes ``keep_float_copies`` adds."""
-        return (6 if bf16_products else 2) * self.q.numel()
+        return (6 if amx else 2) * self.q.numel()
 
 
 class Int8Weight(_PackedWeight):
@@ -161,6 +169,24 @@ class Fp16Weight:
         return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
 
 
+class Bf16Weight:
+    """An int8 / int4 weight's bfloat16 copy in oneDNN's packed layout (a plain [out, in] tensor where torch lacks
+    the packing op): ``x @ W.T`` on bfloat16 activations with float32 accumulation and a bfloat16 output, the
+    packed kernels' rounding (AMX tiles; 2-4x fbgemm's float16 GEMM at 8-32 rows on the 2-core machine)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().to(torch.bfloat16).contiguous()                          # [out, in]
+        reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+        self.packed = reorder(w, 16) if reorder is not None else None             # packed for 16-row batches
+        self.weight = w if self.packed is None else None
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out] bfloat16."""
+        if self.packed is None:
+            return F.linear(x.to(torch.bfloat16), self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
+
+
 class Bf16ProductsWeight:
     """An int8 / int4 weight's float32 copy ([out, in]) whose GEMM rounds both operands to bfloat16 and
     accumulates and returns float32 (oneDNN's ``fp32_precision="bf16"`` matmul mode, set for the call only:
@@ -228,8 +254,8 @@ def _cpu_kernel(weight: QuantizedWeight, rows: int):
     limit = weight.packed_max_tokens
     if limit is None or rows <= limit:
         return weight
-    if weight.bf16_products_copy is not None and rows >= BF16_PRODUCTS_MIN_TOKENS:
-        return weight.bf16_products_copy
+    if weight.bf16_copy is not None:
+        return weight.bf16_copy if rows < BF16_PRODUCTS_MIN_TOKENS else weight.bf16_products_copy
     return weight.fp16_copy if rows <= FP16_COPY_MAX_TOKENS else None
 
 

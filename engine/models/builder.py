@@ -245,10 +245,10 @@ def _quantize(model: torch.nn.Module, plan, flag: str, device: torch.device) -> 
 
 @torch.no_grad()
 def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_bytes: Optional[int] = None,
-                       bf16_products: Optional[bool] = None) -> None:
-    """The float copies of the int8 / int4 weights (``ModelConfig.cpu_float_copy``): fp16 for each, and where
-    ``bf16_products`` (default: the CPU has AMX) float32 for each projection (the LM head's logits stay on its
-    fp16 copy). ``physical_bytes``: the machine's memory (default: read from the OS)."""
+                       amx: Optional[bool] = None) -> None:
+    """The float copies of the int8 / int4 weights (``ModelConfig.cpu_float_copy``): where ``amx`` (default:
+    the CPU has AMX) bf16 and float32 ones for each projection, else fp16 ones; the LM head's is always fp16
+    (float32 logits). ``physical_bytes``: the machine's memory (default: read from the OS)."""
     import concurrent.futures
     import os
 
@@ -256,11 +256,11 @@ def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_
     weights = packed_weights(model)
     if not weights or wanted is False:
         return
-    if bf16_products is None:
-        bf16_products = cpu_has_amx()
+    if amx is None:
+        amx = cpu_has_amx()
     heads = {id(m.weight_q) for m in model.modules() if isinstance(m, QuantizedEmbedding)}
-    plan = [(w, bf16_products and id(w) not in heads) for w in weights]
-    nbytes = sum(w.nbytes_float_copies(products) for w, products in plan)
+    plan = [(w, amx and id(w) not in heads) for w in weights]
+    nbytes = sum(w.nbytes_float_copies(w_amx) for w, w_amx in plan)
     if physical_bytes is None:
         physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if wanted is None and not float_copies_fit(nbytes, physical_bytes):
@@ -270,9 +270,8 @@ def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_
     # fbgemm's packing releases the GIL: one Python thread per torch thread packs them in parallel.
     with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         list(pool.map(lambda item: item[0].keep_float_copies(item[1]), plan))
-    logger.info("Quantized weights: float copies for steps of several rows (fp16%s; %.2f GiB; "
-                "--no-cpu-float-copy drops them).", " and float32 for AMX's bf16 GEMM" if bf16_products else "",
-                nbytes / (1 << 30))
+    logger.info("Quantized weights: float copies for steps of several rows (%s; %.2f GiB; --no-cpu-float-copy "
+                "drops them).", "AMX: bf16 and float32" if amx else "fp16", nbytes / (1 << 30))
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.quantized import (BF16_PRODUCTS_MIN_TOKENS, FP16_COPY_MAX_TOKENS, FP16_COPY_MIN_TOKENS,
-                                     INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Bf16ProductsWeight, Fp16Weight, Int4Weight,
+                                     INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Bf16ProductsWeight, Bf16Weight, Fp16Weight, Int4Weight,
                                      Int8Weight, QuantizedEmbedding, float_copies_fit, kind_for_gguf_type,
                                      most_precise, packed_weights, quantized_linear)
 from engine.layers.linear import Linear
@@ -62,33 +62,49 @@ def test_quantized_linear_equals_the_dequantized_weight(kind, num_tokens, bias):
 
 
 @pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
-@pytest.mark.parametrize("bf16_products", [False, True])
-@pytest.mark.parametrize("num_tokens", [1, FP16_COPY_MIN_TOKENS - 1, FP16_COPY_MIN_TOKENS, BF16_PRODUCTS_MIN_TOKENS,
-                                        FP16_COPY_MAX_TOKENS + 1])
-def test_float_copies_serve_steps_of_many_rows(kind, bf16_products, num_tokens):
-    """With ``keep_float_copies``, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel; with the
-    bf16-products copy, steps from ``BF16_PRODUCTS_MIN_TOKENS`` rows run it; the rest up to
-    ``FP16_COPY_MAX_TOKENS`` run the float16 copy (within float16's rounding of the dequantized weight), and
-    larger ones the dequantized weight itself."""
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, FP16_COPY_MIN_TOKENS - 1, FP16_COPY_MIN_TOKENS, BF16_PRODUCTS_MIN_TOKENS - 1,
+                                        BF16_PRODUCTS_MIN_TOKENS, FP16_COPY_MAX_TOKENS + 1])
+def test_float_copies_serve_steps_of_many_rows(kind, amx, num_tokens):
+    """With ``keep_float_copies``, steps below ``FP16_COPY_MIN_TOKENS`` rows run the packed kernel. Without AMX
+    the rest up to ``FP16_COPY_MAX_TOKENS`` run the float16 copy (within float16's rounding of the dequantized
+    weight) and larger ones the dequantized weight itself; with AMX, the bf16 copy runs below
+    ``BF16_PRODUCTS_MIN_TOKENS`` rows (within bf16's rounding) and the bf16-products copy from there, at every
+    size."""
     torch.manual_seed(num_tokens)
     w, x, b = torch.randn(96, 64), torch.randn(num_tokens, 64), torch.randn(96)
     q = kind(w)
     assert q.fp16_copy is None and q.packed_max_tokens == PACKED_MAX_TOKENS
-    q.keep_float_copies(bf16_products)
+    q.keep_float_copies(amx)
     assert q.packed_max_tokens == FP16_COPY_MIN_TOKENS - 1
-    assert q.nbytes_float_copies(bf16_products) == (6 if bf16_products else 2) * 96 * 64
-    assert (q.bf16_products_copy is not None) == bf16_products
+    assert q.nbytes_float_copies(amx) == (6 if amx else 2) * 96 * 64
+    assert (q.fp16_copy is None) == amx and (q.bf16_copy is not None) == amx == (q.bf16_products_copy is not None)
     out = quantized_linear(x, q, b)
     ref = F.linear(x, q.dequantize(torch.float32), b)
     if num_tokens < FP16_COPY_MIN_TOKENS:
         torch.testing.assert_close(out, q.packed_mm(x).float() + b, atol=0, rtol=0)
-    elif bf16_products and num_tokens >= BF16_PRODUCTS_MIN_TOKENS:
+    elif amx and num_tokens < BF16_PRODUCTS_MIN_TOKENS:
+        torch.testing.assert_close(out, q.bf16_copy.packed_mm(x).float() + b, atol=0, rtol=0)
+        torch.testing.assert_close(out, ref, atol=float(2e-2 * ref.abs().max()), rtol=0)
+    elif amx:
         torch.testing.assert_close(out, q.bf16_products_copy.packed_mm(x) + b, atol=0, rtol=0)
     elif num_tokens > FP16_COPY_MAX_TOKENS:
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
     else:
         torch.testing.assert_close(out, q.fp16_copy.packed_mm(x) + b, atol=0, rtol=0)
         torch.testing.assert_close(out, ref, atol=float(1e-5 * ref.abs().max() * 64), rtol=0)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+def test_bf16_copy_is_the_bf16_gemm(num_tokens):
+    """``Bf16Weight`` (oneDNN-packed where torch has the op): bfloat16 out, equal to a bf16 ``F.linear`` on the
+    rounded weight up to float32 summation order."""
+    torch.manual_seed(num_tokens)
+    w, x = torch.randn(80, 64), torch.randn(num_tokens, 64)
+    out = Bf16Weight(w).packed_mm(x)
+    ref = x.bfloat16().double() @ w.bfloat16().double().T
+    assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, 80)
+    torch.testing.assert_close(out.double(), ref, atol=float(1e-5 * ref.abs().max()), rtol=2 ** -8)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 20, 300])
@@ -115,7 +131,7 @@ def test_quantized_head_logits_are_float32_at_every_batch():
     hidden = torch.randn(3, 64) * 4
     packed = head.weight_q.packed_mm(hidden).float()
     assert bool((packed == packed.bfloat16().float()).all())            # what the packed kernel returns
-    head.weight_q.keep_float_copies()
+    head.weight_q.keep_float_copies(amx=False)                              # what the builder keeps for a head
     logits = head.logits(hidden)
     assert logits.dtype == torch.float32 and bool((logits != logits.bfloat16().float()).any())
     torch.testing.assert_close(logits, head.weight_q.fp16_copy.packed_mm(hidden), atol=0, rtol=0)
@@ -129,16 +145,17 @@ def test_float_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir):
     for wanted, kept in ((False, False), (None, True), (True, True)):
         llm = LLM(str(tiny_llama_dir), quantization="int4", cpu_float_copy=wanted, max_model_len=64)
         weights = packed_weights(llm.llm_engine.core.runner.model)
-        assert weights and all((w.fp16_copy is not None) == kept for w in weights)
+        assert weights and all((w.fp16_copy is not None or w.bf16_copy is not None) == kept for w in weights)
     model = llm.llm_engine.core.runner.model
     for w in weights:
-        w.fp16_copy = w.bf16_products_copy = None
+        w.fp16_copy = w.bf16_copy = w.bf16_products_copy = None
     _keep_float_copies(model, None, physical_bytes=1)    # a machine too small for them: none kept
-    assert all(w.fp16_copy is None and w.bf16_products_copy is None for w in weights)
-    _keep_float_copies(model, True, bf16_products=True)  # the projections get one, the head's logits stay fp16
+    assert all(w.fp16_copy is None and w.bf16_copy is None and w.bf16_products_copy is None for w in weights)
+    _keep_float_copies(model, True, amx=True)            # the projections get AMX's, the head's logits stay fp16
     head = model.quantized_head.weight_q
-    assert all(w.fp16_copy is not None and (w.bf16_products_copy is None) == (w is head) for w in weights)
-    assert any(w.bf16_products_copy is not None for w in weights)
+    assert head.fp16_copy is not None and head.bf16_copy is None and head.bf16_products_copy is None
+    assert all(w.fp16_copy is None and w.bf16_copy is not None and w.bf16_products_copy is not None
+               for w in weights if w is not head)
 
 
 def test_fp16_embedding_looks_up_float16_rows():

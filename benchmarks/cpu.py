@@ -20,6 +20,9 @@ transformers' own forward of the same ids on the converted checkpoint (its CPU a
 llama.cpp on the same GGUF file and threads: prefill of 512 and ``--long-prompt`` tokens, and 64-token
 decode at an empty and at a 512-token context (``-d``). (A CPU that reports AMX to a kernel that does not grant
 it crashes ``GGML_NATIVE`` builds: build with ``-DGGML_NATIVE=OFF`` and the AVX flags instead; RESULTS.md.)
+``--alternate-rounds N`` (with ``--llama-bench``): N rounds of llama.cpp's batch-1 decode at a
+``--context-len`` depth and Chorus's (64 steady steps of one request), one after the other, for hosts whose
+speed drifts within minutes: each round's ratio compares the two at the same moment.
 ``--step-batches 1,16`` (empty: skip): where a decode step's time goes at each batch size (``step_rows``:
 the decoder layers' forward, the LM head, and the engine's own work around them).
 ``--matmul-rows 1,4,16,32`` (empty: skip): one decoder layer's projections of the default model's shapes at
@@ -184,6 +187,48 @@ def long_prompt_rows(num_tokens: int, chunk: int) -> list[dict]:
     return rows
 
 
+def alternate_rows(rounds: int, args_dict: dict, queue) -> None:
+    """Batch-1 decode against llama.cpp in alternating rounds, for hosts whose speed drifts within minutes:
+    each round runs ``llama-bench`` (64 tokens at a ``--context-len`` depth) while this process waits, then
+    times 64 steady decode steps of one request of ``--context-len`` random prompt tokens (engine defaults)."""
+    import subprocess
+
+    import numpy as np
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.loader import resolve_model
+    if args_dict["threads"]:
+        torch.set_num_threads(args_dict["threads"])
+    threads = torch.get_num_threads()
+    ctx_len, count = args_dict["context_len"], 64
+    llm = LLM(args_dict.get("model"), max_model_len=ctx_len + count + 16, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    gguf = str(resolve_model(args_dict.get("model")).path)       # the default model's .gguf file
+    vocab = engine.runner.hf_config.get_text_config().vocab_size
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(rounds):
+        out = subprocess.run([args_dict["llama_bench"], "-m", gguf, "-t", str(threads), "-o", "json", "-p", "0",
+                              "-n", str(count), "-d", str(ctx_len), "-r", "1"], check=True, capture_output=True,
+                             text=True).stdout
+        llama_tok_s = json.loads(out)[0]["avg_ts"]
+        prompt = [int(t) for t in rng.integers(100, vocab - 100, ctx_len)]
+        engine.add_request(f"alt{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=count + 4, ignore_eos=True))
+        for _ in range(3):                                  # the prefill and the first decode steps
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(count):
+            engine.step()
+        chorus_tok_s = count / (time.perf_counter() - t0)
+        while engine.has_unfinished_requests():
+            engine.step()
+        rows.append(dict(round=i, context_len=ctx_len, llama_cpp_tok_s=llama_tok_s, chorus_tok_s=chorus_tok_s,
+                         ratio=chorus_tok_s / llama_tok_s, threads=threads))
+    queue.put(rows)
+
+
 def llama_bench_rows(binary: str, threads: int, long_prompt: int) -> list[dict]:
     """llama.cpp's own benchmark on the default model's GGUF file: one row per test."""
     import subprocess
@@ -315,6 +360,8 @@ def main() -> None:
     ap.add_argument("--step-batches", default="1,16",
                     help="batch sizes for the decode step breakdown (forward / LM head / engine; empty: skip)")
     ap.add_argument("--step-count", type=int, default=32, help="decode steps timed per batch size")
+    ap.add_argument("--alternate-rounds", type=int, default=0,
+                    help="with --llama-bench: rounds of llama.cpp's and Chorus's batch-1 decode in turn (0: skip)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -331,6 +378,18 @@ def main() -> None:
     for r in rows:
         print(f"{r['mode']:10s} {r['threads']:7d} {r['start_s']:8.2f} {r['prefill_tok_s']:14.0f} "
               f"{r['decode_tok_s']:13.1f} {r['ms_per_token']:9.1f}")
+    alternating = []
+    if args.alternate_rounds and args.llama_bench:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=alternate_rows, args=(args.alternate_rounds, vars(args), queue))
+        proc.start()
+        alternating = queue.get()
+        proc.join()
+        print(f"\n{'batch-1 decode, alternating':28s} {'round':>5s} {'context':>7s} {'llama.cpp tok/s':>16s} "
+              f"{'Chorus tok/s':>13s} {'ratio':>6s}")
+        for r in alternating:
+            print(f"{'':28s} {r['round']:5d} {r['context_len']:7d} {r['llama_cpp_tok_s']:16.1f} "
+                  f"{r['chorus_tok_s']:13.1f} {r['ratio']:6.2f}")
     batches = [int(b) for b in args.step_batches.split(",") if b]
     steps = []
     if batches:
@@ -370,7 +429,8 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, long_prompt=long_rows,
-                                                  steps=steps, llama_cpp=llama_rows, matmul=mm_rows, serve=served),
+                                                  steps=steps, llama_cpp=llama_rows, matmul=mm_rows, serve=served,
+                                                  alternating=alternating),
                                              indent=2))
 
 

@@ -55,9 +55,11 @@ QUANTIZATIONS = ("int8", "int4", "fp16")
 
 
 def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles that oneDNN can use (its bf16 GEMM: ``Bf16ProductsWeight``)."""
+    """Whether this CPU has AMX tiles that oneDNN can use, and torch the per-call bf16 matmul mode
+    (``torch.backends.mkldnn.matmul.fp32_precision``, torch 2.9+) that ``Bf16ProductsWeight`` sets."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(amx is not None and amx() and torch.backends.mkldnn.is_available())
+    mode = hasattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision")
+    return bool(amx is not None and amx() and mode and torch.backends.mkldnn.is_available())
 
 
 class _PackedWeight:

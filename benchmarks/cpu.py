@@ -341,6 +341,16 @@ def serve_rows(num_clients: int, threads: int, extra_args: str = "", input_len: 
                 failed=summary["failed"])
 
 
+def _spawned(ctx, target, *args):
+    """``target(*args, queue)`` in a fresh process (its own torch threads and caches) -> what it put."""
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="*", default=["default", "float32", "int4"],
@@ -367,11 +377,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     rows = []
     for mode in args.modes:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=run_mode, args=(mode, vars(args), queue))
-        proc.start()
-        rows.append(queue.get())
-        proc.join()
+        rows.append(_spawned(ctx, run_mode, mode, vars(args)))
     if rows:
         print(f"{'mode':10s} {'threads':>7s} {'LLM() s':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
               f"{'ms/token':>9s}")
@@ -380,11 +386,7 @@ def main() -> None:
               f"{r['decode_tok_s']:13.1f} {r['ms_per_token']:9.1f}")
     alternating = []
     if args.alternate_rounds and args.llama_bench:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=alternate_rows, args=(args.alternate_rounds, vars(args), queue))
-        proc.start()
-        alternating = queue.get()
-        proc.join()
+        alternating = _spawned(ctx, alternate_rows, args.alternate_rounds, vars(args))
         print(f"\n{'batch-1 decode, alternating':28s} {'round':>5s} {'context':>7s} {'llama.cpp tok/s':>16s} "
               f"{'Chorus tok/s':>13s} {'ratio':>6s}")
         for r in alternating:
@@ -393,11 +395,7 @@ def main() -> None:
     batches = [int(b) for b in args.step_batches.split(",") if b]
     steps = []
     if batches:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=step_rows, args=(batches, vars(args), queue))
-        proc.start()
-        steps = queue.get()
-        proc.join()
+        steps = _spawned(ctx, step_rows, batches, vars(args))
         print(f"\n{'decode step, default':20s} {'batch':>5s} {'context':>7s} {'ms/step':>8s} {'tok/s':>7s} "
               f"{'forward':>8s} {'LM head':>8s} {'engine':>7s}")
         for r in steps:

@@ -193,6 +193,10 @@ class ModelRunner:
         self.policy = KernelPolicy.for_device(device)
         """The engine's fast-path choices (``engine.kernel_policy``), built once; layers read it through
         the forward context, the attention backend and the LoRA layers get it at construction."""
+        from engine.layers.quantized import packed_weights
+        self.bf16_weights = any(w.bf16_products_copy is not None for w in packed_weights(model))
+        """The model's quantized weights keep bf16-product copies (CPUs with AMX, ``engine.layers.quantized``):
+        long prefill chunks attend in bfloat16 too, and steps run without ``BF16_MATMUL_MODE_LOCK``."""
         self.num_blocks = 0
         self.logprobs_mode = config.model_config.logprobs_mode
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
@@ -273,10 +277,8 @@ class ModelRunner:
         """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per layer; then the
         step buffers, and the decode CUDA graphs (CUDA, unless ``enforce_eager``)."""
         self.num_blocks = num_blocks
-        from engine.layers.quantized import packed_weights
         # Weights that multiply in bfloat16 (AMX copies) let long prefill chunks attend in bfloat16 too.
-        bf16_prefill = any(w.bf16_products_copy is not None for w in packed_weights(self.model))
-        backend = select_backend(self.device, self.policy, bf16_prefill)
+        backend = select_backend(self.device, self.policy, self.bf16_weights)
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.
@@ -438,9 +440,18 @@ class ModelRunner:
         """Run one step and wait for its sampled ids."""
         return self.execute_async(so).get()
 
-    @torch.inference_mode()
     def execute_async(self, so: SchedulerOutput) -> PendingOutput:
-        """Launch one step; the returned handle's ``get()`` waits for its sampled ids."""
+        """Launch one step; the returned handle's ``get()`` waits for its sampled ids. On CPU, a model without
+        bf16-product weights runs its step under ``BF16_MATMUL_MODE_LOCK``: its float32 matmuls never see
+        another engine's bf16 mode (``engine.layers.quantized``)."""
+        if self.device.type != "cpu" or self.bf16_weights:
+            return self._execute_async(so)
+        from engine.layers.quantized import BF16_MATMUL_MODE_LOCK
+        with BF16_MATMUL_MODE_LOCK:
+            return self._execute_async(so)
+
+    @torch.inference_mode()
+    def _execute_async(self, so: SchedulerOutput) -> PendingOutput:
         if self.buffers is None:
             raise RuntimeError("allocate_kv_cache() must run before the first step.")
         self._resolve_all(keep_last=True)   # at most one step in flight besides this one

@@ -25,6 +25,7 @@ copy everywhere: its logits are float32 at every batch (``QuantizedEmbedding.log
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -52,6 +53,11 @@ INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 2
 """Layout argument of ``torch._convert_weight_to_int4pack_for_cpu``."""
 QUANTIZATIONS = ("int8", "int4", "fp16")
+BF16_MATMUL_MODE_LOCK = threading.Lock()
+"""oneDNN's float32 matmul mode is process-wide: ``Bf16ProductsWeight`` holds this lock while the mode is
+"bf16", and a CPU runner whose model has no such weights holds it around each of its steps
+(``engine.model_runner``), so a float model served in another engine of the same process (e.g. the Whisper
+model of ``--transcription-model``) never computes under that mode."""
 
 
 def cpu_has_amx() -> bool:
@@ -191,9 +197,9 @@ class Bf16Weight:
 
 class Bf16ProductsWeight:
     """An int8 / int4 weight's float32 copy ([out, in]) whose GEMM rounds both operands to bfloat16 and
-    accumulates and returns float32 (oneDNN's ``fp32_precision="bf16"`` matmul mode, set for the call only:
-    AMX tiles). The outputs are within ~3e-3 (relative) of float32's; the packed kernels round activations
-    the same way and their outputs too."""
+    accumulates and returns float32 (oneDNN's ``fp32_precision="bf16"`` matmul mode, set for the call only,
+    under ``BF16_MATMUL_MODE_LOCK``: AMX tiles). The outputs are within ~3e-3 (relative) of float32's; the
+    packed kernels round activations the same way and their outputs too."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.detach().float().contiguous()                          # [out, in]
@@ -201,12 +207,13 @@ class Bf16ProductsWeight:
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] float32."""
         matmul = torch.backends.mkldnn.matmul
-        previous = matmul.fp32_precision
-        matmul.fp32_precision = "bf16"
-        try:
-            return F.linear(x.float(), self.weight)
-        finally:
-            matmul.fp32_precision = previous
+        with BF16_MATMUL_MODE_LOCK:
+            previous = matmul.fp32_precision
+            matmul.fp32_precision = "bf16"
+            try:
+                return F.linear(x.float(), self.weight)
+            finally:
+                matmul.fp32_precision = previous
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Fp16Weight

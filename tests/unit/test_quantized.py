@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.quantized import (BF16_PRODUCTS_MIN_TOKENS, FP16_COPY_MAX_TOKENS, FP16_COPY_MIN_TOKENS,
-                                     INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Bf16ProductsWeight, Bf16Weight, Fp16Weight, Int4Weight,
-                                     Int8Weight, QuantizedEmbedding, float_copies_fit, kind_for_gguf_type,
-                                     most_precise, packed_weights, quantized_linear)
+                                     INT4_GROUP_SIZE, PACKED_MAX_TOKENS, Bf16ProductsWeight, Bf16Weight, Fp16Weight,
+                                     Int4Weight, Int8Weight, QuantizedEmbedding, cpu_has_amx, float_copies_fit,
+                                     kind_for_gguf_type, most_precise, packed_weights, quantized_linear)
 from engine.layers.linear import Linear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -231,3 +231,35 @@ def test_a_plan_quantizes_each_projection_as_its_most_precise_part(tiny_llama_di
     assert isinstance(layers[1].self_attn.qkv_proj.weight_q, Int4Weight)
     assert isinstance(model.quantized_head.weight_q, Int8Weight)
     assert most_precise(["int4", "int8"]) == "int8" and most_precise(["int4", None]) is None
+
+
+def test_bf16_matmul_mode_is_held_under_one_lock(tiny_llama_dir):
+    """oneDNN's matmul mode is process-wide: a bf16-products GEMM waits while another holder has the lock, and
+    a CPU runner of float weights holds it through each step (a bf16-weights runner never does: its own
+    GEMMs take it), so a float engine beside a quantized one in one process never runs in bf16 mode."""
+    import threading
+
+    from engine.layers.quantized import BF16_MATMUL_MODE_LOCK
+    done = threading.Event()
+    weight = Bf16ProductsWeight(torch.randn(8, 16))
+    with BF16_MATMUL_MODE_LOCK:
+        worker = threading.Thread(target=lambda: (weight.packed_mm(torch.randn(2, 16)), done.set()))
+        worker.start()
+        assert not done.wait(0.3)
+    worker.join(10)
+    assert done.is_set() and not BF16_MATMUL_MODE_LOCK.locked()
+
+    for quantization in ("none", "int4"):
+        llm = LLM(str(tiny_llama_dir), quantization=quantization, max_model_len=64)
+        runner = llm.llm_engine.core.runner
+        model = runner.model
+        held = []
+        forward = model.forward
+
+        def spy(*args, **kwargs):
+            held.append(BF16_MATMUL_MODE_LOCK.locked())
+            return forward(*args, **kwargs)
+        model.forward = spy
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+        assert held and all(h == (not runner.bf16_weights) for h in held)
+        assert runner.bf16_weights == (quantization == "int4" and cpu_has_amx())

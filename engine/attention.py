@@ -79,8 +79,7 @@ class TorchDecodePlan:
 # ----------------------------------------------------------------------------------------
 BF16_PREFILL_MIN_TOKENS = 128
 """Query tokens from which a CPU prefill chunk of a model with bf16-product weights attends in bfloat16: the
-flash kernel's crossover on the 2-core AMX machine, casts included, lies between 64 and 128 (3.7x at 256, 3.2x
-at 2,048 queries over 8,192 keys; RESULTS.md "CPU", twenty-third session)."""
+flash kernel's crossover on the 2-core AMX machine, casts included (RESULTS.md "CPU", twenty-third session)."""
 SLICE_WRITE_MIN_TOKENS = 64
 """Rows from which ``write_kv_torch`` checks for consecutive slots (a fresh prefill over consecutive blocks)
 and writes them as one slice."""
@@ -196,8 +195,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         starts = torch.tensor([qsl[i] for i in reqs], device=q.device)
         rows = (starts[:, None] + torch.arange(qlen, device=q.device)[None, :]).reshape(-1)  # [B * qlen]
         shape = (len(reqs), qlen)
-        low = bf16_min_tokens is not None and qlen >= bf16_min_tokens and q.device.type == "cpu"
-        dtype = torch.bfloat16 if low else torch.float32
+        dtype = _prefill_dtype(qlen, bf16_min_tokens, q.device)
         qb = q.index_select(0, rows).view(*shape, num_heads, head_dim).transpose(1, 2).to(dtype)
         kb = k_new.index_select(0, rows).view(*shape, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
         vb = v_new.index_select(0, rows).view(*shape, num_kv_heads, head_dim).transpose(1, 2).to(dtype)
@@ -211,8 +209,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if qlen == 0 or i in batched:
             continue
         ctx = slen - qlen
-        low = bf16_min_tokens is not None and qlen >= bf16_min_tokens and q.device.type == "cpu"
-        dtype = torch.bfloat16 if low else torch.float32
+        dtype = _prefill_dtype(qlen, bf16_min_tokens, q.device)
         # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's generic path, several times slower.
         qi = _heads_first(q[start:end], dtype)                               # [1, H, qlen, d]
         if ctx > 0 and k_new is not None and q.device.type == "cpu" and _FLASH_WITH_LSE is not None:
@@ -243,6 +240,12 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 """SDPA's CPU flash kernel, which also returns each query's log-sum-exp (None where torch lacks it: the masked
 SDPA call serves instead)."""
+
+
+def _prefill_dtype(qlen: int, bf16_min_tokens: Optional[int], device: torch.device) -> torch.dtype:
+    """The dtype a prefill chunk of ``qlen`` queries attends in (``paged_attention_torch``)."""
+    low = bf16_min_tokens is not None and qlen >= bf16_min_tokens and device.type == "cpu"
+    return torch.bfloat16 if low else torch.float32
 
 
 def _heads_first(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

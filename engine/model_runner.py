@@ -24,6 +24,7 @@ import torch.nn as nn
 from engine.attention import AttentionMetadata, select_backend
 from engine.forward_context import forward_context
 from engine.kernel_policy import KernelPolicy
+from engine.layers.quantized import BF16_MATMUL_MODE_LOCK, packed_weights
 from engine.cuda_graphs import GraphKey
 from engine.config import EngineConfig
 from engine.input_batch import NO_ROW, BlockTableRows, CachedRequestState, StepBuffers, StepInputs
@@ -193,7 +194,6 @@ class ModelRunner:
         self.policy = KernelPolicy.for_device(device)
         """The engine's fast-path choices (``engine.kernel_policy``), built once; layers read it through
         the forward context, the attention backend and the LoRA layers get it at construction."""
-        from engine.layers.quantized import packed_weights
         self.bf16_weights = any(w.bf16_products_copy is not None for w in packed_weights(model))
         """The model's quantized weights keep bf16-product copies (CPUs with AMX, ``engine.layers.quantized``):
         long prefill chunks attend in bfloat16 too, and steps run without ``BF16_MATMUL_MODE_LOCK``."""
@@ -446,7 +446,6 @@ class ModelRunner:
         another engine's bf16 mode (``engine.layers.quantized``)."""
         if self.device.type != "cpu" or self.bf16_weights:
             return self._execute_async(so)
-        from engine.layers.quantized import BF16_MATMUL_MODE_LOCK
         with BF16_MATMUL_MODE_LOCK:
             return self._execute_async(so)
 

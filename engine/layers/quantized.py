@@ -16,8 +16,8 @@ bfloat16 activations and outputs, the quantized weight read once: bandwidth-boun
 weight's float copies when it keeps them (``keep_float_copies``, no per-call conversion of the weight). On
 CPUs with AMX: below ``BF16_PRODUCTS_MIN_TOKENS`` rows (decode batches) a bfloat16 copy in oneDNN's packed
 layout (``Bf16Weight``, the packed kernels' rounding), from there (prompts) a float32 copy whose GEMM
-multiplies in bfloat16 and accumulates and returns float32 (``Bf16ProductsWeight``: 3-5x float32's GEMM at
-prompt sizes). Elsewhere the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
+multiplies in bfloat16 and accumulates and returns float32 (``Bf16ProductsWeight``; speeds: RESULTS.md
+"CPU", twenty-third session). Elsewhere the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
 ``FP16_COPY_MAX_TOKENS`` rows), else the weight dequantized to ``x``'s dtype for one ``F.linear``
 (compute-bound prefill, where the packed kernels are about half float32's speed). The LM head keeps an fp16
 copy everywhere: its logits are float32 at every batch (``QuantizedEmbedding.logits``).
@@ -180,7 +180,7 @@ class Fp16Weight:
 class Bf16Weight:
     """An int8 / int4 weight's bfloat16 copy in oneDNN's packed layout (a plain [out, in] tensor where torch lacks
     the packing op): ``x @ W.T`` on bfloat16 activations with float32 accumulation and a bfloat16 output, the
-    packed kernels' rounding (AMX tiles; 2-4x fbgemm's float16 GEMM at 8-32 rows on the 2-core machine)."""
+    packed kernels' rounding (AMX tiles)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().to(torch.bfloat16).contiguous()                          # [out, in]
@@ -288,7 +288,7 @@ class QuantizedEmbedding(torch.nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> [R, vocab]: on CPU the fp16 copy's float32 logits at every row count when
         it keeps one (the packed kernels return bfloat16, whose 1/16 steps at logits of 8-16 tie greedy
-        choices and coarsen logprobs; 0.4 ms more per decode step for SmolLM2's head)."""
+        choices and coarsen logprobs; its cost: RESULTS.md "CPU", twenty-third session)."""
         copy = getattr(self.weight_q, "fp16_copy", None)
         if copy is not None and hidden.device.type == "cpu" and hidden.shape[0] <= FP16_COPY_MAX_TOKENS:
             return copy.packed_mm(hidden).to(hidden.dtype)

@@ -103,15 +103,8 @@ def test_dropped_non_streaming_request_is_aborted(server):
 
 def test_benchmark_script_against_server(server, tmp_path):
     """benchmarks/serve.py end to end (fixed concurrency, then Poisson arrivals) with JSON output."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serve.py"
-    spec = importlib.util.spec_from_file_location("bench_serve", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    from tests.benchmark_module import load_benchmark
+    bench = load_benchmark("serve.py", "bench_serve")   # registered: dataclasses look their module up there
     out = tmp_path / "r.json"
     s = bench.main(["--base-url", server.url, "--num-prompts", "6", "--max-concurrency", "3",
                     "--input-len", "16", "--output-len", "5", "--out", str(out)])

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_module import load_benchmark
 
 
 def _load_compare():
-    spec = importlib.util.spec_from_file_location("bench_compare_unit", ROOT / "benchmarks" / "compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("compare.py", "bench_compare_unit")
 
 
 def test_latency_rows_matched_by_batch_with_ratios():

@@ -3,11 +3,7 @@ the alternating rounds against a stand-in llama-bench."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_module import load_benchmark
 
 
 class _Queue(list):
@@ -16,11 +12,7 @@ class _Queue(list):
 
 
 def _cpu_module():
-    spec = importlib.util.spec_from_file_location("bench_cpu_unit", ROOT / "benchmarks" / "cpu.py")
-    cpu = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = cpu
-    spec.loader.exec_module(cpu)
-    return cpu
+    return load_benchmark("cpu.py", "bench_cpu_unit")
 
 
 def test_step_rows_split_each_step_into_forward_head_and_engine(tiny_llama_dir):

@@ -3,18 +3,16 @@ prompts from a workload file, requests split over client processes, client CPU, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_module import load_benchmark
 
 FAKE_SERVER = r'''
 import json, sys
@@ -78,11 +76,7 @@ def fake_server():
 
 
 def _load_serve():
-    spec = importlib.util.spec_from_file_location("bench_serve_unit", ROOT / "benchmarks" / "serve.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("serve.py", "bench_serve_unit")   # registered: dataclasses look their module up there
 
 
 @pytest.mark.parametrize("num_clients", [1, 3])

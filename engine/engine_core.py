@@ -49,6 +49,7 @@ from engine.core_messages import (CALLABLE_METHODS, AbortRequests, AddRequest, C
                                   CoreMessage, EngineCommand, EngineCoreOutputs, EngineDead, EngineFacts,
                                   InjectFault, Shutdown)
 from engine.errors import EngineDeadError, EngineStepError
+from engine.host_memory import keep_freed_host_memory
 from engine.distributed.group import TensorParallelGroup
 from engine.distributed.rank import build_rank
 from engine.model_runner import ModelRunner, PendingOutput, resolve_device
@@ -135,6 +136,8 @@ class EngineCore:
             torch.set_num_threads(envs.num_threads())
         probe = engine_args.create_engine_config()
         device = resolve_device(probe.device)
+        if device.type == "cpu":
+            keep_freed_host_memory()      # prompt steps reuse freed activations instead of faulting them in
         executor, tp = None, TensorParallelGroup.single()
         if probe.parallel_config.tensor_parallel_size > 1:
             # Checked before any worker starts: a model that cannot be sharded fails in a second.

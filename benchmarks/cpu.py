@@ -34,7 +34,8 @@ packed bfloat16 and float32 with bf16 products: where ``PACKED_MAX_TOKENS``, ``F
 the converted GGUF already cached): seconds from the command to ``/health`` and to the first chat answer,
 then ``benchmarks/serve.py`` with N concurrent streamed clients (4 N completions of ``--serve-input-len``
 random prompt tokens and ``--serve-output-len`` output tokens, 128 and 64 by default): total output tok/s,
-TTFT and TPOT.
+TTFT and TPOT, ``--serve-rounds`` times; with ``--llama-bench`` each run follows a round of llama.cpp's batch-1
+decode at a ``--context-len`` depth, and its ratio is the served rate over 3x llama.cpp's (the target).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # benchmarks/serve.py
@@ -293,8 +295,12 @@ def matmul_rows(rows_list: list[int], threads: int) -> list[dict]:
 
 
 def serve_rows(num_clients: int, threads: int, extra_args: str = "", input_len: int = 128,
-               output_len: int = 64) -> dict:
-    """``chorus serve`` start-up and ``num_clients`` concurrent streams through it (``benchmarks/serve.py``)."""
+               output_len: int = 64, rounds: int = 1, llama_bench: Optional[str] = None, context_len: int = 512,
+               model: Optional[str] = None) -> dict:
+    """``chorus serve`` start-up, then ``rounds`` runs of ``num_clients`` concurrent streams through it
+    (``benchmarks/serve.py``). With ``llama_bench``, each run follows one of llama.cpp's batch-1 decode (64
+    tokens at a ``context_len`` depth, on the same GGUF and threads), and its ratio is the served output tok/s
+    over 3x that rate (the target's terms), both measured at the same moment on a host whose speed drifts."""
     import os
     import shlex
     import signal
@@ -304,15 +310,17 @@ def serve_rows(num_clients: int, threads: int, extra_args: str = "", input_len: 
     import httpx
 
     import serve as serve_bench
+    from engine.loader import resolve_model
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     chorus = str(Path(sys.executable).parent / "chorus")
     t0 = time.perf_counter()
-    proc = subprocess.Popen([chorus, "serve", "--port", str(port), *shlex.split(extra_args)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([chorus, "serve", *(["--model", model] if model else []), "--port", str(port),
+                             *shlex.split(extra_args)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    runs = []
     try:
         health_s = None
         while health_s is None:
@@ -323,22 +331,31 @@ def serve_rows(num_clients: int, threads: int, extra_args: str = "", input_len: 
                     health_s = time.perf_counter() - t0
             except httpx.HTTPError:
                 time.sleep(0.05)
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        served_model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         httpx.post(url + "/v1/chat/completions", timeout=60,
-                   json={"model": model, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16})
+                   json={"model": served_model, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16})
         first_answer_s = time.perf_counter() - t0
-        args = serve_bench.build_parser().parse_args(
-            ["--base-url", url, "--num-prompts", str(4 * num_clients), "--max-concurrency", str(num_clients),
-             "--input-len", str(input_len), "--output-len", str(output_len)])
-        summary = serve_bench.run_benchmark(args)
+        gguf = str(resolve_model(model).path)
+        for i in range(rounds):
+            llama_tok_s = None
+            if llama_bench:
+                out = subprocess.run([llama_bench, "-m", gguf, "-t", str(threads or os.cpu_count()), "-o", "json",
+                                      "-p", "0", "-n", "64", "-d", str(context_len), "-r", "1"], check=True,
+                                     capture_output=True, text=True).stdout
+                llama_tok_s = json.loads(out)[0]["avg_ts"]
+            args = serve_bench.build_parser().parse_args(
+                ["--base-url", url, "--num-prompts", str(4 * num_clients), "--max-concurrency", str(num_clients),
+                 "--input-len", str(input_len), "--output-len", str(output_len)])
+            summary = serve_bench.run_benchmark(args)
+            runs.append(dict(round=i, output_tok_s=summary["output_throughput"], ttft_ms_p50=summary["ttft_ms"]["p50"],
+                             tpot_ms_p50=summary["tpot_ms"]["p50"], requests=summary["completed"],
+                             failed=summary["failed"], llama_cpp_tok_s=llama_tok_s,
+                             ratio=summary["output_throughput"] / (3 * llama_tok_s) if llama_tok_s else None))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     return dict(clients=num_clients, serve_args=extra_args, input_len=input_len, output_len=output_len,
-                health_s=health_s, first_answer_s=first_answer_s,
-                output_tok_s=summary["output_throughput"], ttft_ms_p50=summary["ttft_ms"]["p50"],
-                tpot_ms_p50=summary["tpot_ms"]["p50"], requests=summary["completed"],
-                failed=summary["failed"])
+                health_s=health_s, first_answer_s=first_answer_s, context_len=context_len, rounds=runs)
 
 
 def _spawned(ctx, target, *args):
@@ -366,6 +383,8 @@ def main() -> None:
     ap.add_argument("--serve-clients", type=int, default=16, help="concurrent clients through chorus serve (0: skip)")
     ap.add_argument("--serve-input-len", type=int, default=128, help="prompt tokens per served request")
     ap.add_argument("--serve-output-len", type=int, default=64, help="output tokens per served request")
+    ap.add_argument("--serve-rounds", type=int, default=1,
+                    help="served runs (each after a llama-bench batch-1 decode round with --llama-bench)")
     ap.add_argument("--serve-args", default="", help="extra `chorus serve` flags for --serve-clients, e.g. '-q fp16'")
     ap.add_argument("--step-batches", default="1,16",
                     help="batch sizes for the decode step breakdown (forward / LM head / engine; empty: skip)")
@@ -418,12 +437,18 @@ def main() -> None:
         for r in mm_rows:
             print(" " * 29 + " ".join([f"{r['rows']:16d}"] + [f"{r[k]:16.0f}" for k in keys]))
     served = serve_rows(args.serve_clients, args.threads, args.serve_args, args.serve_input_len,
-                        args.serve_output_len) if args.serve_clients else None
+                        args.serve_output_len, args.serve_rounds, args.llama_bench,
+                        args.context_len) if args.serve_clients else None
     if served:
         print(f"\nchorus serve: /health after {served['health_s']:.1f} s, first chat answer after "
-              f"{served['first_answer_s']:.1f} s; {served['clients']} concurrent clients: "
-              f"{served['output_tok_s']:.1f} output tok/s (TTFT p50 {served['ttft_ms_p50']:.0f} ms, "
-              f"TPOT p50 {served['tpot_ms_p50']:.0f} ms)")
+              f"{served['first_answer_s']:.1f} s; {served['clients']} concurrent clients, "
+              f"{4 * served['clients']} x ({served['input_len']} + {served['output_len']}) tokens:")
+        print(f"{'round':>5s} {'output tok/s':>12s} {'TTFT p50 ms':>11s} {'TPOT p50 ms':>11s} "
+              f"{'llama.cpp b1 tok/s':>18s} {'/ 3x llama.cpp':>14s}")
+        for r in served["rounds"]:
+            llama = f"{r['llama_cpp_tok_s']:18.1f} {r['ratio']:14.2f}" if r["llama_cpp_tok_s"] else ""
+            print(f"{r['round']:5d} {r['output_tok_s']:12.1f} {r['ttft_ms_p50']:11.0f} {r['tpot_ms_p50']:11.0f} "
+                  + llama)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, long_prompt=long_rows,

@@ -43,3 +43,20 @@ def test_alternate_rows_pair_each_llama_bench_round_with_a_chorus_round(tiny_lla
     for r in rows:
         assert r["llama_cpp_tok_s"] == 50.0 and r["chorus_tok_s"] > 0
         assert abs(r["ratio"] - r["chorus_tok_s"] / 50.0) < 1e-9
+
+
+def test_serve_rows_pair_each_served_run_with_a_llama_bench_round(tiny_llama_dir, tmp_path):
+    """``chorus serve`` on the tiny Llama: each round's stand-in llama-bench (60 tok/s at the context depth) is
+    followed by the served run, whose ratio is its output rate over 3x llama.cpp's."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    f'[ "$2" = "{tiny_llama_dir}" ] && echo "$@" | grep -q -- "-n 64 -d 24 -r 1" || exit 3\n'
+                    "echo '[{\"avg_ts\": 60.0}]'\n")
+    fake.chmod(0o755)
+    served = _cpu_module().serve_rows(2, 0, "--max-model-len 128", input_len=8, output_len=4, rounds=2,
+                                      llama_bench=str(fake), context_len=24, model=str(tiny_llama_dir))
+    assert served["health_s"] <= served["first_answer_s"]
+    assert [r["round"] for r in served["rounds"]] == [0, 1]
+    for r in served["rounds"]:
+        assert r["requests"] == 8 and r["failed"] == 0 and r["llama_cpp_tok_s"] == 60.0
+        assert abs(r["ratio"] - r["output_tok_s"] / 180.0) < 1e-9

@@ -298,9 +298,10 @@ def serve_rows(num_clients: int, threads: int, extra_args: str = "", input_len: 
                output_len: int = 64, rounds: int = 1, llama_bench: Optional[str] = None, context_len: int = 512,
                model: Optional[str] = None) -> dict:
     """``chorus serve`` start-up, then ``rounds`` runs of ``num_clients`` concurrent streams through it
-    (``benchmarks/serve.py``). With ``llama_bench``, each run follows one of llama.cpp's batch-1 decode (64
-    tokens at a ``context_len`` depth, on the same GGUF and threads), and its ratio is the served output tok/s
-    over 3x that rate (the target's terms), both measured at the same moment on a host whose speed drifts."""
+    (``benchmarks/serve.py``; each run draws its own random prompts, so none hits the prefix cache). With
+    ``llama_bench``, each run follows one of llama.cpp's batch-1 decode (64 tokens at a ``context_len`` depth, on
+    the same GGUF and threads), and its ratio is the served output tok/s over 3x that rate (the target's terms),
+    both measured at the same moment on a host whose speed drifts."""
     import os
     import shlex
     import signal
@@ -345,7 +346,7 @@ def serve_rows(num_clients: int, threads: int, extra_args: str = "", input_len: 
                 llama_tok_s = json.loads(out)[0]["avg_ts"]
             args = serve_bench.build_parser().parse_args(
                 ["--base-url", url, "--num-prompts", str(4 * num_clients), "--max-concurrency", str(num_clients),
-                 "--input-len", str(input_len), "--output-len", str(output_len)])
+                 "--input-len", str(input_len), "--output-len", str(output_len), "--seed", str(i)])
             summary = serve_bench.run_benchmark(args)
             runs.append(dict(round=i, output_tok_s=summary["output_throughput"], ttft_ms_p50=summary["ttft_ms"]["p50"],
                              tpot_ms_p50=summary["tpot_ms"]["p50"], requests=summary["completed"],

@@ -193,8 +193,6 @@ def alternate_rows(rounds: int, args_dict: dict, queue) -> None:
     """Batch-1 decode against llama.cpp in alternating rounds, for hosts whose speed drifts within minutes:
     each round runs ``llama-bench`` (64 tokens at a ``--context-len`` depth) while this process waits, then
     times 64 steady decode steps of one request of ``--context-len`` random prompt tokens (engine defaults)."""
-    import subprocess
-
     import numpy as np
     import torch
 
@@ -211,10 +209,7 @@ def alternate_rows(rounds: int, args_dict: dict, queue) -> None:
     rng = np.random.default_rng(3)
     rows = []
     for i in range(rounds):
-        out = subprocess.run([args_dict["llama_bench"], "-m", gguf, "-t", str(threads), "-o", "json", "-p", "0",
-                              "-n", str(count), "-d", str(ctx_len), "-r", "1"], check=True, capture_output=True,
-                             text=True).stdout
-        llama_tok_s = json.loads(out)[0]["avg_ts"]
+        llama_tok_s = llama_decode_tok_s(args_dict["llama_bench"], gguf, threads, ctx_len, count)
         prompt = [int(t) for t in rng.integers(100, vocab - 100, ctx_len)]
         engine.add_request(f"alt{i}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=count + 4, ignore_eos=True))
@@ -229,6 +224,14 @@ def alternate_rows(rounds: int, args_dict: dict, queue) -> None:
         rows.append(dict(round=i, context_len=ctx_len, llama_cpp_tok_s=llama_tok_s, chorus_tok_s=chorus_tok_s,
                          ratio=chorus_tok_s / llama_tok_s, threads=threads))
     queue.put(rows)
+
+
+def llama_decode_tok_s(binary: str, gguf: str, threads: int, depth: int, count: int = 64) -> float:
+    """llama.cpp's batch-1 decode rate: one ``llama-bench`` run of ``count`` tokens at a ``depth``-token context."""
+    import subprocess
+    out = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-o", "json", "-p", "0", "-n", str(count),
+                          "-d", str(depth), "-r", "1"], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)[0]["avg_ts"]
 
 
 def llama_bench_rows(binary: str, threads: int, long_prompt: int) -> list[dict]:
@@ -338,12 +341,8 @@ def serve_rows(num_clients: int, threads: int, extra_args: str = "", input_len: 
         first_answer_s = time.perf_counter() - t0
         gguf = str(resolve_model(model).path)
         for i in range(rounds):
-            llama_tok_s = None
-            if llama_bench:
-                out = subprocess.run([llama_bench, "-m", gguf, "-t", str(threads or os.cpu_count()), "-o", "json",
-                                      "-p", "0", "-n", "64", "-d", str(context_len), "-r", "1"], check=True,
-                                     capture_output=True, text=True).stdout
-                llama_tok_s = json.loads(out)[0]["avg_ts"]
+            llama_tok_s = llama_decode_tok_s(llama_bench, gguf, threads or os.cpu_count(), context_len) \
+                if llama_bench else None
             args = serve_bench.build_parser().parse_args(
                 ["--base-url", url, "--num-prompts", str(4 * num_clients), "--max-concurrency", str(num_clients),
                  "--input-len", str(input_len), "--output-len", str(output_len), "--seed", str(i)])

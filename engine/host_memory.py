@@ -2,8 +2,8 @@
 
 A prompt step on CPU allocates tens of MB of activations per layer and frees them. glibc hands
 blocks over its mmap threshold back to the kernel on ``free`` and trims the heap top over its
-trim threshold, so every such step page-faults its activations back in: ~250,000 minor faults
-per 2,048-token step of the default model, ~1 us each (RESULTS.md "CPU"). Raising both thresholds
+trim threshold, so every such step page-faults its activations back in (the counts and their cost:
+RESULTS.md "CPU", twenty-fourth session). Raising both thresholds
 once keeps the freed memory in the heap, where the next step's allocations reuse it; the resident
 set stays at its peak instead of shrinking between steps.
 

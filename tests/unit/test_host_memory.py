@@ -15,9 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # A step's pattern in miniature: four 20 MiB activations live at once, written, then freed; the minor
 # page faults of the third such step, before and after keep_freed_host_memory(), in one fresh process.
 _STEPS = r"""
-import ctypes, resource, sys
-sys.path.insert(0, sys.argv[1])
-import importlib.util
+import ctypes, importlib.util, resource, sys
 spec = importlib.util.spec_from_file_location("host_memory", sys.argv[1] + "/engine/host_memory.py")
 host_memory = importlib.util.module_from_spec(spec); spec.loader.exec_module(host_memory)
 libc = ctypes.CDLL("libc.so.6")

@@ -11,12 +11,14 @@ Backends: ``torch`` (the reference; used on CPU and as the test oracle) and ``tr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernel_policy import KernelPolicy
+from kernels.cpu_decode_attention import CpuDecodeAttention, supports as cpu_decode_supports
 
 
 @dataclass
@@ -133,7 +135,7 @@ def _context_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: t
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, k_new: Optional[torch.Tensor] = None,
                           v_new: Optional[torch.Tensor] = None, bf16_min_tokens: Optional[int] = None,
-                          ) -> torch.Tensor:
+                          decode_kernel: Optional[CpuDecodeAttention] = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole cached context.
 
     q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim].
@@ -143,6 +145,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     directly (plain causal SDPA, no gather), when they are given. A chunk of at least ``bf16_min_tokens``
     queries (None: never) attends with bfloat16 q, k and v (the CPU flash kernel's AMX path; float32
     softmax, sums and output), as a model whose weights multiply in bfloat16 asks (``AttentionBackend``).
+    With ``decode_kernel`` (CPU, a float32 cache), the decode rows attend through it, reading the blocks in
+    place, instead of through a gathered copy and SDPA.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -151,7 +155,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     nd = meta.num_decode_reqs
 
-    if nd > 0:
+    if nd > 0 and decode_kernel is not None and q.dtype == torch.float32:
+        od = decode_kernel(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens[:nd],
+                           max(seq_lens[:nd]), scale)                             # [nd, H, d]
+        if nd == num_tokens:
+            return od
+        out = torch.empty_like(q)
+        out[:nd] = od
+    elif nd > 0:
         plan = meta.torch_decode
         if plan is None:
             plan = _decode_plan(meta, seq_lens, block_size)
@@ -337,12 +348,17 @@ class AttentionBackend:
         bf16_prefill: torch backend: prefill chunks of ``BF16_PREFILL_MIN_TOKENS`` queries or more attend in
             bfloat16 (``paged_attention_torch``); set where the model's weights multiply in bfloat16
             (``engine.layers.quantized``'s AMX copies), never for float weights, which stay exact.
+        cpu_decode: torch backend: ``kernels.cpu_decode_attention``'s kernel for the decode rows of the
+            caches it supports (``select_backend`` loads it per ``KernelPolicy.cpu_decode_attention``).
     """
 
-    def __init__(self, name: str, policy: Optional[KernelPolicy] = None, bf16_prefill: bool = False) -> None:
+    def __init__(self, name: str, policy: Optional[KernelPolicy] = None, bf16_prefill: bool = False,
+                 cpu_decode: Optional[CpuDecodeAttention] = None) -> None:
         if name not in ("torch", "triton"):
             raise ValueError(f"attention backend {name!r}: use 'torch' or 'triton'.")
         self.name = name
+        self.cpu_decode = cpu_decode if name == "torch" else None
+        """Torch backend: the CPU decode attention kernel for float32 caches it supports (None: SDPA)."""
         self.bf16_min_tokens = BF16_PREFILL_MIN_TOKENS if bf16_prefill and name == "torch" else None
         """Query tokens from which a prefill chunk attends in bfloat16 (None: never)."""
         self.policy = policy or KernelPolicy()
@@ -364,7 +380,10 @@ class AttentionBackend:
                                    meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
                                    has_decodes=meta.captured or meta.num_decode_reqs > 0,
                                    decode_tiles=self.decode_tiles)
-        return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new, self.bf16_min_tokens)
+        decode_kernel = self.cpu_decode if self.cpu_decode is not None and cpu_decode_supports(
+            q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], k_cache.dtype) else None
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new, self.bf16_min_tokens,
+                                     decode_kernel)
 
     def attend_cross(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Cross-attention (``cross_attention_torch``'s semantics): q [T, H, D] -> [T, H, D]; ``meta``
@@ -448,6 +467,14 @@ class AttentionBackend:
         return calls
 
 
-def select_backend(device: torch.device, policy: Optional[KernelPolicy] = None,
-                   bf16_prefill: bool = False) -> AttentionBackend:
-    return AttentionBackend("triton" if device.type == "cuda" else "torch", policy, bf16_prefill)
+def select_backend(device: torch.device, policy: Optional[KernelPolicy] = None, bf16_prefill: bool = False,
+                   cpu_kernel_dir: Optional[Path] = None) -> AttentionBackend:
+    """Triton on CUDA; elsewhere torch, with the CPU decode kernel built into ``cpu_kernel_dir`` where the
+    policy takes it (None: not built)."""
+    policy = policy or KernelPolicy()
+    if device.type == "cuda":
+        return AttentionBackend("triton", policy, bf16_prefill)
+    cpu_decode = None
+    if device.type == "cpu" and policy.cpu_decode_attention and cpu_kernel_dir is not None:
+        cpu_decode = CpuDecodeAttention.load(cpu_kernel_dir, policy.cpu_decode_chunk_tokens)
+    return AttentionBackend("torch", policy, bf16_prefill, cpu_decode)

@@ -19,6 +19,7 @@ from engine.kernel_policy import KernelPolicy
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
     from engine.layers.adapter import PendingUpdate
+    from kernels.cpu_layer_ops import CpuLayerOps
 
 
 @dataclass
@@ -34,6 +35,9 @@ class ForwardContext:
     cross_attn_metadata: Optional["AttentionMetadata"] = None
     """Encoder-decoder models: the step's requests over their cross blocks, every position visible to
     every query token (``AttentionBackend.attend_cross``); None for decoder-only models."""
+    cpu_ops: Optional["CpuLayerOps"] = None
+    """On CPU, the C layer ops (add + RMSNorm, SiLU-and-mul) the runner loaded per
+    ``KernelPolicy.cpu_layer_ops``; None: torch's."""
 
 
 class _Local(threading.local):
@@ -46,13 +50,14 @@ _LOCAL = _Local()
 
 @contextlib.contextmanager
 def forward_context(meta: Optional["AttentionMetadata"], policy: Optional[KernelPolicy] = None,
-                    cross_meta: Optional["AttentionMetadata"] = None) -> Iterator[ForwardContext]:
-    """Make ``meta``, ``policy`` (None: ``default_policy()``) and ``cross_meta`` (encoder-decoder
-    models) visible to every layer for one forward pass. Refuses nesting; on exit an update still pending is an error (its consumer never ran)."""
+                    cross_meta: Optional["AttentionMetadata"] = None,
+                    cpu_ops: Optional["CpuLayerOps"] = None) -> Iterator[ForwardContext]:
+    """Make ``meta``, ``policy`` (None: ``default_policy()``), ``cross_meta`` (encoder-decoder
+    models) and ``cpu_ops`` visible to every layer for one forward pass. Refuses nesting; on exit an update still pending is an error (its consumer never ran)."""
     local = _LOCAL
     if local.current is not None:
         raise RuntimeError("forward_context is already active; forward passes do not nest.")
-    ctx = ForwardContext(meta, policy or default_policy(), cross_attn_metadata=cross_meta)
+    ctx = ForwardContext(meta, policy or default_policy(), cross_attn_metadata=cross_meta, cpu_ops=cpu_ops)
     local.current = ctx
     try:
         yield ctx
@@ -79,6 +84,12 @@ def current_policy() -> KernelPolicy:
     """The active forward's kernel policy; outside one (layer tests, tools) ``default_policy()``."""
     current = _LOCAL.current
     return current.policy if current is not None else default_policy()
+
+
+def current_cpu_ops() -> Optional["CpuLayerOps"]:
+    """The active forward's CPU layer ops (None outside a forward pass, off the CPU, or without a compiler)."""
+    current = _LOCAL.current
+    return current.cpu_ops if current is not None else None
 
 
 def default_policy() -> KernelPolicy:

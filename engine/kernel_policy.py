@@ -2,10 +2,11 @@
 
 Which decode steps take the fused GEMV, which projections split K into the norm after them, which
 decode batches fuse rotary into attention, how LoRA updates overlap and fuse into their consumers:
-every such choice is a field of ``KernelPolicy`` with the default measured on an H200
-(``benchmarks/RESULTS.md`` has the numbers and the commands). The model runner builds one policy
-per engine (``KernelPolicy.for_device``) and hands it to the attention backend and the LoRA layers
-at construction and to every layer through the forward context; nothing else reads these choices.
+every such choice is a field of ``KernelPolicy`` with the default measured on an H200 (the ``cpu_*``
+fields on the 2-core CPU machine; ``benchmarks/RESULTS.md`` has the numbers and the commands). The
+model runner builds one policy per engine (``KernelPolicy.for_device``) and hands it to the attention
+backend and the LoRA layers at construction and to every layer through the forward context; nothing
+else reads these choices.
 
 Experiments override fields with one string, ``CHORUS_KERNEL_POLICY`` (``engine.envs``), e.g.
 ``"gemm_split_k=0,decode_fuse_rotary=1,attn_decode.tile_n=64,lora_expand.block_n=32"``: plain
@@ -71,6 +72,16 @@ class KernelPolicy:
     """``kernels.lora_shrink.LoRAShrinkConfig`` field overrides."""
     lora_expand: Overrides = ()
     """``kernels.lora_expand.LoRAExpandConfig`` field overrides."""
+    cpu_decode_attention: bool = True
+    """On CPU, decode rows over a float32 KV cache attend through ``kernels.cpu_decode_attention``'s C
+    kernel (built at start-up with the system C compiler; without one, or off, the torch path gathers the
+    rows' blocks and runs SDPA)."""
+    cpu_layer_ops: bool = True
+    """On CPU, the residual add + RMSNorm and SiLU-and-mul run as ``kernels.cpu_layer_ops``'s C ops (one pass
+    per row; built like the decode kernel), else as torch ops."""
+    cpu_decode_chunk_tokens: int = 128
+    """Keys per work item of that kernel: a longer context is cut into chunks of this many keys (whole blocks)
+    so that one request spreads over all threads. 16-65536."""
     num_sms: int = 0
     """Streaming multiprocessors of the engine's GPU (0 on CPU); the shape rules count waves of them."""
 
@@ -79,6 +90,8 @@ class KernelPolicy:
             raise ValueError(f"decode_gemv_max_tokens={self.decode_gemv_max_tokens}: use 0-16.")
         if not 0 <= self.lora_stacked_max_tokens <= 1024:
             raise ValueError(f"lora_stacked_max_tokens={self.lora_stacked_max_tokens}: use 0-1024.")
+        if not 16 <= self.cpu_decode_chunk_tokens <= 65536:
+            raise ValueError(f"cpu_decode_chunk_tokens={self.cpu_decode_chunk_tokens}: use 16-65536.")
         if self.decode_fuse_rotary not in ("auto", "0", "1"):
             raise ValueError(f"decode_fuse_rotary={self.decode_fuse_rotary!r}: use auto, 0 or 1.")
         for key, value in self.attn_decode:

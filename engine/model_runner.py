@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from engine import envs
 from engine.attention import AttentionMetadata, select_backend
 from engine.forward_context import forward_context
 from engine.kernel_policy import KernelPolicy
@@ -33,6 +34,7 @@ from engine.request import MultiModalFeature
 from engine.sampler import Sampler, compute_prompt_logprobs
 from engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from engine.sampling_params import SamplingParams
+from kernels.cpu_layer_ops import CpuLayerOps
 from lora import NO_LORA
 
 logger = logging.getLogger("chorus.runner")
@@ -194,6 +196,9 @@ class ModelRunner:
         self.policy = KernelPolicy.for_device(device)
         """The engine's fast-path choices (``engine.kernel_policy``), built once; layers read it through
         the forward context, the attention backend and the LoRA layers get it at construction."""
+        self.cpu_ops = (CpuLayerOps.load(envs.cache_dir() / "cpu_kernels")
+                        if device.type == "cpu" and self.policy.cpu_layer_ops else None)
+        """On CPU, the C layer ops the layers take through the forward context (None: torch's)."""
         self.bf16_weights = any(w.bf16_products_copy is not None for w in packed_weights(model))
         """The model's quantized weights keep bf16-product copies (CPUs with AMX, ``engine.layers.quantized``):
         long prefill chunks attend in bfloat16 too, and steps run without ``BF16_MATMUL_MODE_LOCK``."""
@@ -278,7 +283,8 @@ class ModelRunner:
         step buffers, and the decode CUDA graphs (CUDA, unless ``enforce_eager``)."""
         self.num_blocks = num_blocks
         # Weights that multiply in bfloat16 (AMX copies) let long prefill chunks attend in bfloat16 too.
-        backend = select_backend(self.device, self.policy, self.bf16_weights)
+        backend = select_backend(self.device, self.policy, self.bf16_weights,
+                                 cpu_kernel_dir=envs.cache_dir() / "cpu_kernels")
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.
@@ -549,7 +555,7 @@ class ModelRunner:
             positions = inputs.positions
             if inputs.mrope_positions is not None:
                 positions = torch.from_numpy(inputs.mrope_positions).to(self.device, non_blocking=True)  # [3, T]
-            with forward_context(inputs.attn_metadata, self.policy, inputs.cross_attn_metadata):
+            with forward_context(inputs.attn_metadata, self.policy, inputs.cross_attn_metadata, self.cpu_ops):
                 hidden = self.model(inputs.input_ids, positions, inputs_embeds)    # [T, hidden]
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if not inputs.sample_req_ids:
@@ -574,7 +580,7 @@ class ModelRunner:
             if self.lora_manager is not None and self.lora_manager.targets.adapts_encoder:
                 row_slots = np.repeat(np.fromiter((s for _, s in items.values()), np.int32, len(items)),
                                       [f.num_embeds for f in features])                  # [num_rows]
-            with self._lora_rows(row_slots), forward_context(None, self.policy):
+            with self._lora_rows(row_slots), forward_context(None, self.policy, cpu_ops=self.cpu_ops):
                 outputs = self.model.embed_multimodal(modality, [f.data for f in features])
             for f, out in zip(features, outputs):
                 if out.shape[0] != f.num_embeds:
@@ -652,7 +658,7 @@ class ModelRunner:
             if self.lora_manager is not None:
                 row_slots = np.repeat(np.asarray(lora_slots[start:stop], dtype=np.int32),
                                       [o.shape[0] for o in outputs[start:stop]])        # [rows]
-            with self._lora_rows(row_slots), forward_context(None, self.policy):
+            with self._lora_rows(row_slots), forward_context(None, self.policy, cpu_ops=self.cpu_ops):
                 self.model.write_cross_kv(torch.cat(outputs[start:stop]), slot_mapping)
             start = stop
 

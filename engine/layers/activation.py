@@ -1,9 +1,11 @@
-"""SiLU-and-mul for gated MLPs (one Triton kernel on CUDA, torch elsewhere)."""
+"""SiLU-and-mul for gated MLPs (one Triton kernel on CUDA, ``kernels.cpu_layer_ops``' C op on CPU where the
+runner loaded it, torch elsewhere)."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.forward_context import current_cpu_ops
 from engine.layers.adapter import take_update
 from kernels.reference import silu_and_mul_ref
 
@@ -18,6 +20,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         from kernels.layer_ops import silu_and_mul as silu_and_mul_triton
         return silu_and_mul_triton(x)
+    ops = current_cpu_ops()
+    if ops is not None and x.dim() == 2 and x.dtype == torch.float32:
+        return ops.silu_mul(x)
     return silu_and_mul_torch(x)
 
 

@@ -1,8 +1,9 @@
 """RMSNorm, computed in float32 like transformers'.
 
 On CUDA one fused Triton kernel (``kernels.layer_ops.add_rms_norm``) does the residual add and
-the norm, updating the residual in place; ``forward_torch`` (``kernels.reference.rms_norm_ref``)
-is its twin and the CPU path.
+the norm, updating the residual in place; on CPU ``kernels.cpu_layer_ops``' C op does the same where
+the runner loaded it; ``forward_torch`` (``kernels.reference.rms_norm_ref``) is their twin and the CPU
+path without it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from engine.forward_context import current_cpu_ops
 from engine.layers.adapter import take_update
 from kernels.reference import rms_norm_ref
 
@@ -30,7 +32,8 @@ class RMSNorm(nn.Module):
         adapter update is still pending (``engine.layers.adapter``), the update is added here:
         inside the add + RMSNorm with a residual (one launch), before the norm without one.
         NOTE: on CUDA, with ``residual`` given, ``x`` and ``residual`` are overwritten (the
-        returned tensors are a 2-D x and residual); callers never reuse them.
+        returned tensors are a 2-D x and residual); callers never reuse them. The CPU C op overwrites
+        ``residual`` the same way.
         """
         pending = take_update(x)
         if pending is not None:
@@ -43,6 +46,11 @@ class RMSNorm(nn.Module):
                 return add_rms_norm(x, self.weight, self.eps)
             out = x if x.dim() == 2 else None
             return add_rms_norm(x, self.weight, self.eps, residual=residual, out=out), residual
+        ops = current_cpu_ops()
+        if (ops is not None and x.dim() == 2 and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))):
+            out = ops.add_rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         return self.forward_torch(x, residual)
 
     def forward_torch(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):

@@ -156,7 +156,7 @@ def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, ti
     refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in prompts]
     backends = []
 
-    def triton_backend(device, policy=None, bf16_prefill=False):
+    def triton_backend(device, policy=None, bf16_prefill=False, cpu_kernel_dir=None):
         backends.append(AttentionBackend("triton", policy))
         return backends[-1]
     monkeypatch.setattr(model_runner, "select_backend", triton_backend)

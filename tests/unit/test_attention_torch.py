@@ -28,12 +28,48 @@ def _new_kv(b, layout):
     [(1, 30), (1, 9), (1, 1)],                                      # a pure decode step (returns its rows)
 ])
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 6])
-def test_fast_paths_match_ref(layout, num_kv_heads):
+@pytest.mark.parametrize("decode_kernel", [False, True])
+def test_fast_paths_match_ref(layout, num_kv_heads, decode_kernel, tmp_path_factory):
+    """Every path, with the decode rows through SDPA over a gathered copy or through the CPU C kernel."""
     b = make_batch(layout, num_heads=6, num_kv_heads=num_kv_heads)
     k_new, v_new = _new_kv(b, layout)
     scale = 32 ** -0.5
-    out = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, layout), scale, k_new, v_new)
+    kernel = _cpu_decode_kernel(tmp_path_factory) if decode_kernel else None
+    out = paged_attention_torch(b.q, b.k_cache, b.v_cache, engine_meta(b, layout), scale, k_new, v_new,
+                                decode_kernel=kernel)
     assert_close(out, paged_attention_ref(*b.args(), scale), torch.float32)
+
+
+def _cpu_decode_kernel(tmp_path_factory):
+    from kernels.cpu_decode_attention import CpuDecodeAttention
+    kernel = CpuDecodeAttention.load(tmp_path_factory.getbasetemp() / "cpu_kernels", chunk_tokens=16)
+    assert kernel is not None, "the CPU decode kernel did not build (is gcc installed?)"
+    return kernel
+
+
+def test_cpu_backend_takes_the_decode_kernel_per_policy(tmp_path):
+    """``select_backend`` builds the C kernel on CPU where the policy asks; the backend passes it only for
+    caches it supports (a bfloat16 cache keeps SDPA)."""
+    from engine.attention import select_backend
+    from engine.kernel_policy import KernelPolicy
+    on = select_backend(torch.device("cpu"), KernelPolicy(), cpu_kernel_dir=tmp_path)
+    off = select_backend(torch.device("cpu"), KernelPolicy(cpu_decode_attention=False), cpu_kernel_dir=tmp_path)
+    assert on.cpu_decode is not None and on.cpu_decode.chunk_tokens == KernelPolicy().cpu_decode_chunk_tokens
+    assert off.cpu_decode is None
+    b = make_batch([(1, 40), (1, 7)], num_heads=6, num_kv_heads=2)
+    calls = []
+    real = on.cpu_decode
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+    on.cpu_decode = counted
+    meta = engine_meta(b, [(1, 40), (1, 7)])
+    out = on.attend(b.q, b.k_cache, b.v_cache, meta, 0.125)
+    assert calls == [torch.Size([2, 6, 32])]
+    assert_close(out, paged_attention_ref(*b.args(), 0.125), torch.float32)
+    bf = on.attend(b.q, b.k_cache.bfloat16(), b.v_cache.bfloat16(), meta, 0.125)
+    assert len(calls) == 1 and bf.shape == out.shape
 
 
 @pytest.mark.parametrize("consecutive", [True, False])

@@ -25,6 +25,7 @@ MAX_HEADS = 256
 MAX_BLOCK_SIZE = 256
 """Block size the kernel supports."""
 
+_CPU = torch.device("cpu")
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _I64, _P, _P, _I32]
 
@@ -45,6 +46,8 @@ class CpuDecodeAttention:
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = None
         self.chunk_tokens = check_int("chunk_tokens", chunk_tokens, min_value=1)
+        self._checked_caches: set[tuple] = set()
+        """Caches (by address, shapes and dtypes) that passed ``_check_caches``."""
 
     @classmethod
     def load(cls, build_dir: Path, chunk_tokens: int) -> Optional["CpuDecodeAttention"]:
@@ -60,26 +63,20 @@ class CpuDecodeAttention:
         [num_reqs, >= cdiv(max_seq_len, block_size)] int32; seq_lens: [num_reqs] int32, each in
         [1, max_seq_len] (``max_seq_len`` is their host max; not checked on the tensor: the caller's invariant).
         Returns out [num_reqs, num_heads, head_dim] float32."""
-        check_tensor("q", q, ndim=3, dtypes=(torch.float32,))
+        check_tensor("q", q, ndim=3, dtypes=(torch.float32,), device=_CPU)
         num_reqs, num_heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             raise ValueError(f"q: each row's heads must be contiguous, got strides {q.stride()} for shape "
                              f"{tuple(q.shape)}.")
-        check_tensor("k_cache", k_cache, ndim=4, dtypes=(torch.float32,), device=q.device, contiguous=True)
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, v_cache.shape, k_cache.dtype, v_cache.dtype)
+        if key not in self._checked_caches:            # a layer's caches: checked once, not on every call
+            self._check_caches(k_cache, v_cache, num_heads, head_dim)
+            self._checked_caches.add(key)
         _, block_size, num_kv_heads, _ = k_cache.shape
-        check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
-        check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), contiguous=True)
-        if q.device.type != "cpu":
-            raise ValueError(f"q: on {q.device}; this kernel runs on CPU tensors.")
-        if not supports(num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype):
-            raise ValueError(f"heads {num_heads}/{num_kv_heads}, head_dim {head_dim}, block_size "
-                             f"{block_size}: need num_heads % num_kv_heads == 0, num_heads <= {MAX_HEADS}, head_dim and "
-                             f"block_size multiples of 8, block_size <= {MAX_BLOCK_SIZE}.")
         max_seq_len = check_int("max_seq_len", max_seq_len, min_value=1)
         num_blocks = cdiv(max_seq_len, block_size)
-        check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(num_reqs,), device=q.device,
-                     contiguous=True)
-        check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=q.device,
+        check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(num_reqs,), device=_CPU, contiguous=True)
+        check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=_CPU,
                      last_dim_contiguous=True)
         if block_tables.shape[0] < num_reqs or block_tables.shape[1] < num_blocks:
             raise ValueError(f"block_tables: shape {tuple(block_tables.shape)} has fewer than {num_reqs} "
@@ -87,10 +84,22 @@ class CpuDecodeAttention:
         chunk_blocks = cdiv(self.chunk_tokens, block_size)
         max_chunks = cdiv(num_blocks, chunk_blocks)
         out = torch.empty(num_reqs, num_heads, head_dim)
-        part_acc = torch.empty(num_reqs * max_chunks, num_heads, head_dim)
-        part_ml = torch.empty(num_reqs * max_chunks, num_heads, 2)
+        items = num_reqs * max_chunks * num_heads
+        scratch = torch.empty(items * (head_dim + 2))      # [items, head_dim] outputs, then [items, 2] (max, sum)
         self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                  block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,
                  num_kv_heads, head_dim, block_size, float(scale), chunk_blocks, max_chunks,
-                 part_acc.data_ptr(), part_ml.data_ptr(), num_threads or torch.get_num_threads())
+                 scratch.data_ptr(), scratch.data_ptr() + 4 * items * head_dim,
+                 num_threads or torch.get_num_threads())
         return out
+
+    @staticmethod
+    def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, head_dim: int) -> None:
+        check_tensor("k_cache", k_cache, ndim=4, dtypes=(torch.float32,), device=_CPU, contiguous=True)
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
+        check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), contiguous=True)
+        if not supports(num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype):
+            raise ValueError(f"heads {num_heads}/{num_kv_heads}, head_dim {head_dim}, block_size "
+                             f"{block_size}: need num_heads % num_kv_heads == 0, num_heads <= {MAX_HEADS}, "
+                             f"head_dim and block_size multiples of 8, block_size <= {MAX_BLOCK_SIZE}.")

@@ -1,8 +1,9 @@
 """Elementwise layer ops on CPU: ``csrc/layer_ops.c`` through ctypes (semantics in the C file's header).
 
 ``add_rms_norm`` (the residual add fused with RMSNorm) and ``silu_mul`` (SiLU-and-mul), each one pass over a
-row that reads and writes float32 or bfloat16. Twins: ``kernels.reference.rms_norm_ref`` and
-``silu_and_mul_ref``. Why: at decode sizes torch's versions are several small kernels each (with casts around
+row that reads and writes float32 or bfloat16; ``rotary_write_kv`` (rotary on q and k in place, then k and v
+into the paged cache), float32. Twins: ``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and
+``rotary_write_kv_ref``. Why: at decode sizes torch's versions are several small kernels each (with casts around
 the bfloat16 projections), and their per-call cost is most of theirs (RESULTS.md "CPU").
 """
 
@@ -27,12 +28,18 @@ class CpuLayerOps:
     """The loaded ops (``load``)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self._checked: set[tuple] = set()
+        """Per-layer tensors (caches, rotary tables, norm weights: by address, shape, dtype) already checked."""
         self._norm = lib.chorus_add_rms_norm
         self._norm.argtypes = [_P, _I32, _I64, _P, _P, _F, _P, _I32, _I64, _I64, _I64, _I32]
         self._norm.restype = None
         self._silu = lib.chorus_silu_mul
         self._silu.argtypes = [_P, _I32, _I64, _P, _I32, _I64, _I64, _I64, _I32]
         self._silu.restype = None
+        self._rotary = lib.chorus_rotary_write_kv
+        self._rotary.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64,
+                                 _P, _P, _P, _I32]
+        self._rotary.restype = None
 
     @classmethod
     def load(cls, build_dir: Path) -> Optional["CpuLayerOps"]:
@@ -48,7 +55,10 @@ class CpuLayerOps:
         [T, N] tensor of ``out_dtype`` (None: x's)."""
         check_tensor("x", x, ndim=2, dtypes=IO_DTYPES, last_dim_contiguous=True)
         num_tokens, n = x.shape
-        check_tensor("weight", weight, dtypes=(torch.float32,), shape=(n,), contiguous=True)
+        key = (weight.data_ptr(), weight.shape, weight.dtype, weight.stride(), n)
+        if key not in self._checked:
+            check_tensor("weight", weight, dtypes=(torch.float32,), shape=(n,), contiguous=True)
+            self._checked.add(key)
         if residual is not None:
             check_tensor("residual", residual, dtypes=(torch.float32,), shape=(num_tokens, n), contiguous=True)
         out_dtype = out_dtype or x.dtype
@@ -77,3 +87,47 @@ class CpuLayerOps:
         self._silu(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), out.data_ptr(),
                    out_dtype == torch.bfloat16, d, num_tokens, d, num_threads or torch.get_num_threads())
         return out
+
+    def rotary_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        num_threads: Optional[int] = None) -> None:
+        """Rotate q [T, H, D] and k [T, Hkv, D] in place (neox layout, the first ``rotary_dim`` dims) and
+        store k and v [T, Hkv, D] at their ``slot_mapping`` [T] int64 slots (-1: skipped) of the caches
+        [num_blocks, block_size, Hkv, D]. All float32; q, k, v rows may be strided (each row's heads
+        contiguous, as views of a packed q | k | v output). positions: [T] int64; cos, sin: [max_position,
+        >= rotary_dim / 2] float32 (their first rotary_dim / 2 columns are read)."""
+        num_tokens, num_heads, head_dim = q.shape
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, v_cache.shape, k_cache.dtype, v_cache.dtype,
+               cos.data_ptr(), sin.data_ptr(), cos.shape, sin.shape, cos.stride(), sin.stride(), rotary_dim,
+               head_dim)
+        if key not in self._checked:                   # a layer's caches and tables: checked once
+            self._check_rotary_tables(k_cache, v_cache, cos, sin, rotary_dim, head_dim)
+            self._checked.add(key)
+        num_kv_heads = k_cache.shape[2]
+        for name, t, heads in (("q", q, num_heads), ("k", k, num_kv_heads), ("v", v, num_kv_heads)):
+            if t.dtype != torch.float32 or t.shape != (num_tokens, heads, head_dim):
+                raise ValueError(f"{name}: expected float32 [{num_tokens}, {heads}, {head_dim}], got {t.dtype} "
+                                 f"{tuple(t.shape)}.")
+            if t.stride(2) != 1 or t.stride(1) != head_dim:
+                raise ValueError(f"{name}: each row's heads must be contiguous, got strides {t.stride()}.")
+        check_tensor("positions", positions, dtypes=(torch.int64,), shape=(num_tokens,), contiguous=True)
+        check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,), contiguous=True)
+        self._rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), num_tokens,
+                     num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                     cos.stride(0), rotary_dim, k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+                     num_threads or torch.get_num_threads())
+
+    @staticmethod
+    def _check_rotary_tables(k_cache, v_cache, cos, sin, rotary_dim: int, head_dim: int) -> None:
+        check_tensor("k_cache", k_cache, ndim=4, dtypes=(torch.float32,), contiguous=True)
+        check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
+        check_tensor("v_cache", v_cache, dtypes=(torch.float32,), shape=tuple(k_cache.shape), contiguous=True)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim={rotary_dim}: use an even size in (0, head_dim={head_dim}].")
+        for name, t in (("cos", cos), ("sin", sin)):
+            check_tensor(name, t, ndim=2, dtypes=(torch.float32,), last_dim_contiguous=True)
+            if t.shape[1] < rotary_dim // 2:
+                raise ValueError(f"{name}: {t.shape[1]} columns, fewer than rotary_dim / 2 = {rotary_dim // 2}.")
+        if sin.stride(0) != cos.stride(0):
+            raise ValueError("cos and sin: rows must be equally strided (slices of one table each).")

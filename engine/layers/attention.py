@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from engine.attention import AttentionBackend
-from engine.forward_context import get_forward_context
+from engine.forward_context import current_cpu_ops, get_forward_context
 from engine.layers.adapter import take_update
 
 
@@ -57,9 +57,23 @@ class PagedAttention(nn.Module):
                 if out is not None:                 # a pure-decode step: rotary + KV write + attention in one kernel
                     return out.reshape(q.shape[0], self.num_heads * self.head_dim)
             rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, pending)
+        elif self._cpu_rotary_write(q, k, v, positions, rotary, meta):
+            pass                                    # q and k rotated in place, k and v in the cache
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
             self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_padded)
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _cpu_rotary_write(self, q, k, v, positions, rotary, meta) -> bool:
+        """On CPU with the C layer ops: rotary on q and k in place and the KV write as one op
+        (``kernels.cpu_layer_ops``); False where it does not apply (no rotary, M-RoPE's [3, T] positions,
+        non-float32 tensors): the caller rotates and writes in torch."""
+        ops = current_cpu_ops() if rotary is not None else None
+        if (ops is None or positions.dim() != 1 or q.dtype != torch.float32 or self.k_cache.dtype != torch.float32
+                or any(t.stride(-1) != 1 or t.stride(-2) != self.head_dim for t in (q, k, v))):
+            return False
+        ops.rotary_write_kv(positions, q, k, v, rotary.cos, rotary.sin, rotary.rotary_dim, self.k_cache,
+                            self.v_cache, meta.slot_mapping)
+        return True

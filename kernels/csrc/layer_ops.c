@@ -1,8 +1,8 @@
-/* Elementwise layer ops of a CPU decode step, for kernels/cpu_layer_ops.py: one pass over each row instead of
- * torch's 3-6 kernels with a float32 intermediate each (casts included).
+/* Elementwise layer ops of a CPU step, for kernels/cpu_layer_ops.py: one pass over each row instead of torch's
+ * 3-6 kernels with a float32 intermediate each (casts included). rotary_write_kv is at the end of the file.
  *
- * Semantics (torch twins: kernels.reference.rms_norm_ref and silu_and_mul_ref, float32 math, round to nearest
- * even where a bfloat16 is stored):
+ * Semantics (torch twins: kernels.reference.rms_norm_ref, silu_and_mul_ref and rotary_write_kv_ref; float32
+ * math, round to nearest even where a bfloat16 is stored):
  *
  *     add_rms_norm:  for t in range(T):
  *                      s = x[t] + residual[t] if residual else x[t]          # float32
@@ -103,6 +103,46 @@ void chorus_silu_mul(const void* x, int32_t x_bf16, int64_t x_stride, void* out,
             const v8 sig = (v8)(((v8i)(one / (one + e)) & ~neg) | ((v8i)(e / (one + e)) & neg));  /* sigmoid(g) */
             st8(y, gv * sig * ld8(u));
             for (int64_t i = 0; i < n; ++i) store(orow, out_bf16, i0 + i, y[i]);
+        }
+    }
+}
+
+/* rotary_write_kv:  for t in range(T):
+ *                     rotate q[t] and k[t] in place (neox / rotate-half: for i < rot_dim / 2, with
+ *                       c, s = cos[positions[t], i], sin[positions[t], i]:
+ *                       x[i], x[i + rot_dim / 2] = x[i] c - x[i + rot_dim / 2] s, x[i + rot_dim / 2] c + x[i] s;
+ *                       dims from rot_dim on pass through)
+ *                     if slot_mapping[t] >= 0: k_cache[slot], v_cache[slot] = k[t], v[t]   (all KV heads)
+ * q: [T, H, D], k and v: [T, KVH, D] float32, each row's heads contiguous, rows q/k/v_stride floats apart;
+ * cos, sin: [*, rot_dim / 2] rows cs_stride apart; caches: [num_blocks * block_size, KVH, D] float32. */
+static inline void rotate_heads(float* x, int64_t heads, int64_t D, const float* c, const float* s, int64_t half) {
+    for (int64_t h = 0; h < heads; ++h) {
+        float* xh = x + h * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = xh[i], x2 = xh[i + half];
+            xh[i] = x1 * c[i] - x2 * s[i];
+            xh[i + half] = x2 * c[i] + x1 * s[i];
+        }
+    }
+}
+
+void chorus_rotary_write_kv(float* q, int64_t q_stride, float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                            int64_t T, int64_t H, int64_t KVH, int64_t D, const int64_t* positions, const float* cos,
+                            const float* sin, int64_t cs_stride, int64_t rot_dim, float* k_cache, float* v_cache,
+                            const int64_t* slot_mapping, int32_t num_threads) {
+    const int threads = T >= (int64_t)MIN_ROWS_PER_THREAD * num_threads ? num_threads : 1;
+    const int64_t half = rot_dim / 2, row = KVH * D;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const float* c = cos + positions[t] * cs_stride;
+        const float* s = sin + positions[t] * cs_stride;
+        rotate_heads(q + t * q_stride, H, D, c, s, half);
+        rotate_heads(k + t * k_stride, KVH, D, c, s, half);
+        const int64_t slot = slot_mapping[t];
+        if (slot >= 0) {
+            memcpy(k_cache + slot * row, k + t * k_stride, sizeof(float) * row);
+            memcpy(v_cache + slot * row, v + t * v_stride, sizeof(float) * row);
         }
     }
 }

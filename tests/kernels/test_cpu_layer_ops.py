@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.cpu_layer_ops import CpuLayerOps
-from kernels.reference import rms_norm_ref, silu_and_mul_ref
+from kernels.reference import rms_norm_ref, rotary_write_kv_ref, silu_and_mul_ref
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,29 @@ def test_silu_mul_matches_ref(ops, rows, d, x_dtype, out_dtype):
     _close(out, silu_and_mul_ref(x.float()).to(out_dtype))
 
 
+@pytest.mark.parametrize("rotary_dim", [64, 32])                   # full, partial (pass-through dims)
+@pytest.mark.parametrize("padded", [False, True])
+def test_rotary_write_kv_matches_ref(ops, rotary_dim, padded):
+    """q and k as views of a packed q | k | v projection output, rotated in place; k and v written at their
+    slots (slot -1: nothing written, still rotated)."""
+    g = torch.Generator().manual_seed(rotary_dim)
+    num_tokens, heads, kv_heads, head_dim, block_size = 5, 6, 2, 64, 16
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                  kv_heads * head_dim], -1))
+    positions = torch.tensor([0, 7, 100, 3, 45])
+    angles = torch.randn(128, rotary_dim // 2, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    k_cache = torch.randn(4, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(4, block_size, kv_heads, head_dim, generator=g)
+    slots = torch.tensor([3, 17, -1 if padded else 18, 40, 63])
+    q_ref, k_ref, kc_ref, vc_ref = rotary_write_kv_ref(positions, q.clone(), k.clone(), v, cos, sin, rotary_dim,
+                                                       k_cache, v_cache, slots)
+    ops.rotary_write_kv(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slots, num_threads=2)
+    for actual, expected in ((q, q_ref), (k, k_ref), (k_cache, kc_ref), (v_cache, vc_ref)):
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_checks_arguments(ops):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="weight"):
@@ -67,3 +90,9 @@ def test_checks_arguments(ops):
         ops.silu_mul(x.half())
     with pytest.raises(ValueError, match="gate | up"):
         ops.silu_mul(torch.randn(2, 7))
+    q, k, cache = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.zeros(3, 4, 2, 8)
+    pos, slots, cs = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.ones(4, 4)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        ops.rotary_write_kv(pos, q, k, k, cs, cs, 7, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ops.rotary_write_kv(pos, q, k, k, cs, cs, 8, cache, cache.clone(), slots.int())

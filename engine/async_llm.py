@@ -250,14 +250,14 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, log_requests: bool = True, engine_process: bool = False,
                          **engine_kwargs: Any) -> "AsyncLLM":
-        """Build the engine core: in a process of its own with ``engine_process``, else here (its
-        loop then runs in a thread)."""
+        """Build the engine core: in a process of its own with ``engine_process``, else in the thread of
+        this process that then runs its loop (``ThreadTransport``)."""
         if engine_process:
             return cls(ProcessTransport(engine_kwargs), log_requests=log_requests)
         from engine.arg_utils import EngineArgs
         from engine.engine_core import EngineCore
-        core = EngineCore.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
-        return cls(ThreadTransport(core), log_requests=log_requests)
+        args = EngineArgs.from_kwargs(**engine_kwargs)         # bad arguments fail here, in the caller
+        return cls(ThreadTransport(lambda: EngineCore.from_engine_args(args)), log_requests=log_requests)
 
     # ------------------------------------------------------------------------------------
     # Engine facts and health (safe from any thread)

@@ -4,6 +4,7 @@ Both run the same ``EngineCore.run`` loop; they differ only in how commands and 
 
     ThreadTransport                                   ProcessTransport (spawn)
     ---------------                                   ------------------------
+    the engine thread builds the core                 the engine process builds the core
     send(cmd) -> queue.SimpleQueue -> engine thread   send(cmd) -> mp.Queue (pickled) -> engine process
     engine thread: on_message(msg) directly           engine process -> mp.Queue -> receiver thread:
                                                           on_message(msg)
@@ -79,30 +80,58 @@ class _ThreadChannel:
 
 
 class ThreadTransport:
-    """Runs ``core.run`` in a daemon thread of this process (``--no-engine-process``)."""
+    """Builds the core and runs ``core.run`` in one daemon thread of this process (``--no-engine-process``).
 
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
-        self.facts = core.facts
+    NOTE: the build runs in the loop's thread, not the caller's: building runs torch's parallel CPU ops
+    (weight packing), and GNU OpenMP keeps one worker pool per thread that ever ran one. A second pool
+    (the caller's, idle) makes OpenMP count more threads than CPUs and then it sleeps and wakes its workers
+    around every parallel region: a CPU step in another thread than the build's ran ~10% slower with ~600
+    context switches per step (RESULTS.md "CPU", twenty-fifth session).
+    """
+
+    def __init__(self, build: Callable[[], EngineCore]) -> None:
+        """Run ``build`` in the engine thread and wait for it; its exception is raised here."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._start: queue.SimpleQueue = queue.SimpleQueue()     # on_message, or None: stop unstarted
+        self._built = threading.Event()
+        self._build_error: Optional[BaseException] = None
+        self._started = False
+        self._thread = threading.Thread(target=self._main, args=(build,), name="chorus-engine", daemon=True)
+        self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+        self.facts = self.core.facts
+
+    def _main(self, build: Callable[[], EngineCore]) -> None:
+        try:
+            self.core = build()
+        except BaseException as e:                  # handed to the constructor's caller
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
+        on_message = self._start.get()
+        if on_message is not None:
+            self.core.run(_ThreadChannel(self._commands, on_message))
 
     def start(self, on_message: OnMessage) -> None:
-        channel = _ThreadChannel(self._commands, on_message)
-        self._thread = threading.Thread(target=self.core.run, args=(channel,), name="chorus-engine",
-                                        daemon=True)
-        self._thread.start()
+        self._started = True
+        self._start.put(on_message)
 
     def send(self, command: EngineCommand) -> None:
         self._commands.put(command)
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._started and self._thread.is_alive()
 
     def shutdown(self, timeout_s: float) -> None:
-        if self.is_alive():
+        if not self._started:
+            self._start.put(None)                   # a built core that never ran: let the thread end
+        elif self._thread.is_alive():
             self._commands.put(Shutdown())
-            self._thread.join(timeout_s)
+        self._thread.join(timeout_s)
 
 
 # ----------------------------------------------------------------------------------------

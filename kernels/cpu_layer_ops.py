@@ -1,10 +1,13 @@
 """Elementwise layer ops on CPU: ``csrc/layer_ops.c`` through ctypes (semantics in the C file's header).
 
-``add_rms_norm`` (the residual add fused with RMSNorm) and ``silu_mul`` (SiLU-and-mul), each one pass over a
-row that reads and writes float32 or bfloat16; ``rotary_write_kv`` (rotary on q and k in place, then k and v
-into the paged cache), float32. Twins: ``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and
-``rotary_write_kv_ref``. Why: at decode sizes torch's versions are several small kernels each (with casts around
-the bfloat16 projections), and their per-call cost is most of theirs (RESULTS.md "CPU").
+``add_rms_norm`` (the residual add fused with RMSNorm), ``silu_mul`` (SiLU-and-mul) and ``rotary_write_kv``
+(rotary on q and k in place, then k and v into the paged cache), all float32. Twins:
+``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and ``rotary_write_kv_ref``. Why: at decode sizes
+torch's versions are several small kernels each, and their per-call cost is most of their time (RESULTS.md
+"CPU").
+
+The per-step tensors are checked on every call; a layer's fixed tensors (norm weights, KV caches, rotary
+tables) once, by address, shape and dtype.
 """
 
 from __future__ import annotations
@@ -18,10 +21,16 @@ import torch
 from kernels import cpu_native
 from kernels.utils import check_tensor
 
-IO_DTYPES = (torch.float32, torch.bfloat16)
-"""Dtypes the ops read and write (their math is float32)."""
-
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+def _check_rows(name: str, x: torch.Tensor, width: Optional[int] = None) -> None:
+    """x: a 2-D float32 CPU tensor whose rows are contiguous (``width`` columns when given)."""
+    if (x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or (x.shape[1] > 1 and x.stride(1) != 1)
+            or (width is not None and x.shape[1] != width)):
+        raise ValueError(f"{name}: expected a 2-D float32 CPU tensor with contiguous rows"
+                         f"{'' if width is None else f' of {width} columns'}, got {x.dtype} {tuple(x.shape)} "
+                         f"strides {x.stride()} on {x.device}.")
 
 
 class CpuLayerOps:
@@ -31,10 +40,10 @@ class CpuLayerOps:
         self._checked: set[tuple] = set()
         """Per-layer tensors (caches, rotary tables, norm weights: by address, shape, dtype) already checked."""
         self._norm = lib.chorus_add_rms_norm
-        self._norm.argtypes = [_P, _I32, _I64, _P, _P, _F, _P, _I32, _I64, _I64, _I64, _I32]
+        self._norm.argtypes = [_P, _I64, _P, _P, _F, _P, _I64, _I64, _I32]
         self._norm.restype = None
         self._silu = lib.chorus_silu_mul
-        self._silu.argtypes = [_P, _I32, _I64, _P, _I32, _I64, _I64, _I64, _I32]
+        self._silu.argtypes = [_P, _I64, _P, _I64, _I64, _I32]
         self._silu.restype = None
         self._rotary = lib.chorus_rotary_write_kv
         self._rotary.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64,
@@ -48,44 +57,34 @@ class CpuLayerOps:
         return cls(lib) if lib is not None else None
 
     def add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                     num_threads: Optional[int] = None) -> torch.Tensor:
-        """x: [T, N] float32 / bfloat16 (rows may be strided); weight: [N] float32; residual: None or [T, N]
-        float32 contiguous, overwritten with x + residual. Returns RMSNorm(x + residual) * weight as a new
-        [T, N] tensor of ``out_dtype`` (None: x's)."""
-        check_tensor("x", x, ndim=2, dtypes=IO_DTYPES, last_dim_contiguous=True)
+                     residual: Optional[torch.Tensor] = None, num_threads: Optional[int] = None) -> torch.Tensor:
+        """x: [T, N] (rows may be strided); weight: [N]; residual: None or [T, N] contiguous, overwritten with
+        x + residual. Returns RMSNorm(x + residual) * weight, a new [T, N] tensor. All float32."""
+        _check_rows("x", x)
         num_tokens, n = x.shape
         key = (weight.data_ptr(), weight.shape, weight.dtype, weight.stride(), n)
         if key not in self._checked:
             check_tensor("weight", weight, dtypes=(torch.float32,), shape=(n,), contiguous=True)
             self._checked.add(key)
-        if residual is not None:
-            check_tensor("residual", residual, dtypes=(torch.float32,), shape=(num_tokens, n), contiguous=True)
-        out_dtype = out_dtype or x.dtype
-        if out_dtype not in IO_DTYPES:
-            raise ValueError(f"out_dtype: {out_dtype} not supported; expected one of {IO_DTYPES}.")
-        out = torch.empty(num_tokens, n, dtype=out_dtype)
-        self._norm(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0),
-                   residual.data_ptr() if residual is not None else None, weight.data_ptr(), float(eps),
-                   out.data_ptr(), out_dtype == torch.bfloat16, n, num_tokens, n,
+        if residual is not None and (residual.shape != x.shape or residual.dtype != torch.float32
+                                     or not residual.is_contiguous()):
+            raise ValueError(f"residual: expected a contiguous float32 {tuple(x.shape)} tensor, got "
+                             f"{residual.dtype} {tuple(residual.shape)} strides {residual.stride()}.")
+        out = torch.empty(num_tokens, n)
+        self._norm(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+                   weight.data_ptr(), float(eps), out.data_ptr(), num_tokens, n,
                    num_threads or torch.get_num_threads())
         return out
 
-    def silu_mul(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-                 num_threads: Optional[int] = None) -> torch.Tensor:
-        """x: [T, 2 d] (gate | up) float32 / bfloat16 (rows may be strided) -> silu(gate) * up, a new [T, d]
-        tensor of ``out_dtype`` (None: x's)."""
-        check_tensor("x", x, ndim=2, dtypes=IO_DTYPES, last_dim_contiguous=True)
+    def silu_mul(self, x: torch.Tensor, num_threads: Optional[int] = None) -> torch.Tensor:
+        """x: [T, 2 d] (gate | up; rows may be strided) -> silu(gate) * up, a new [T, d] tensor. float32."""
+        _check_rows("x", x)
         num_tokens, two_d = x.shape
         if two_d % 2:
             raise ValueError(f"x: last dim {two_d} is not gate | up (even).")
-        out_dtype = out_dtype or x.dtype
-        if out_dtype not in IO_DTYPES:
-            raise ValueError(f"out_dtype: {out_dtype} not supported; expected one of {IO_DTYPES}.")
-        d = two_d // 2
-        out = torch.empty(num_tokens, d, dtype=out_dtype)
-        self._silu(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), out.data_ptr(),
-                   out_dtype == torch.bfloat16, d, num_tokens, d, num_threads or torch.get_num_threads())
+        out = torch.empty(num_tokens, two_d // 2)
+        self._silu(x.data_ptr(), x.stride(0), out.data_ptr(), num_tokens, two_d // 2,
+                   num_threads or torch.get_num_threads())
         return out
 
     def rotary_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

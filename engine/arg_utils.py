@@ -30,6 +30,8 @@ class EngineArgs:
     UsageContext does."""
     gpu_memory_utilization: float = 0.9
     kv_cache_space: float = 4.0
+    kv_cache_dtype: str = "auto"
+    """``CacheConfig.cache_dtype``."""
     num_gpu_blocks_override: Optional[int] = None
     seed: int = 0
     served_model_name: Optional[str] = None
@@ -98,7 +100,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_space=self.kv_cache_space, num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching),
+                enable_prefix_caching=self.enable_prefix_caching, cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=mnbt, max_num_seqs=max_num_seqs, policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,

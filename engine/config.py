@@ -71,6 +71,10 @@ class ModelConfig:
                 f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'.")
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""``CacheConfig.cache_dtype`` values (``--kv-cache-dtype``)."""
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache sizing and prefix caching."""
@@ -85,6 +89,10 @@ class CacheConfig:
     """Exact number of KV blocks; overrides both budgets above (tests use it to force preemption)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of earlier requests that share a prefix (and adapter, media, salt)."""
+    cache_dtype: str = "auto"
+    """KV cache element type: auto (the model's dtype; on CPU bfloat16 where the weights multiply in
+    bfloat16, i.e. the AMX copies of quantized weights: the decode step then reads half the bytes), float32,
+    bfloat16 or float16. On CUDA only auto or the model's dtype."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -94,6 +102,8 @@ class CacheConfig:
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1], e.g. 0.9.")
         if self.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space={self.kv_cache_space} GiB must be > 0.")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 1.")
 

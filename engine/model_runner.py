@@ -202,6 +202,8 @@ class ModelRunner:
         self.bf16_weights = any(w.bf16_products_copy is not None for w in packed_weights(model))
         """The model's quantized weights keep bf16-product copies (CPUs with AMX, ``engine.layers.quantized``):
         long prefill chunks attend in bfloat16 too, and steps run without ``BF16_MATMUL_MODE_LOCK``."""
+        self.kv_cache_dtype = self._kv_cache_dtype(config.cache_config.cache_dtype)
+        """The KV cache's element type (``CacheConfig.cache_dtype`` resolved)."""
         self.num_blocks = 0
         self.logprobs_mode = config.model_config.logprobs_mode
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
@@ -239,9 +241,21 @@ class ModelRunner:
         """Media items the encoder has run on since start (an item served from the cache is not counted)."""
 
     # ------------------------------------------------------------------ KV cache
+    def _kv_cache_dtype(self, name: str) -> torch.dtype:
+        """``CacheConfig.cache_dtype`` as a dtype: auto is the model's, or bfloat16 on a CPU whose quantized
+        weights multiply in bfloat16 (their activations are rounded to bfloat16 already; the decode step reads
+        half the KV bytes: RESULTS.md "CPU", twenty-fifth session)."""
+        if name == "auto":
+            return torch.bfloat16 if self.device.type == "cpu" and self.bf16_weights else self.dtype
+        dtype = _DTYPES[name]
+        if self.device.type == "cuda" and dtype != self.dtype:
+            raise ValueError(f"kv_cache_dtype={name}: on CUDA the KV cache takes the model's dtype ({self.dtype}); "
+                             f"use auto.")
+        return dtype
+
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
-        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers) * torch.finfo(self.dtype).bits // 8
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers) * torch.finfo(self.kv_cache_dtype).bits // 8
         return per_token * self.block_size
 
     def determine_num_blocks(self, max_needed_blocks: int) -> int:
@@ -288,8 +302,8 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.
-            attn.k_cache = zeros(shape, self.dtype, self.device)
-            attn.v_cache = zeros(shape, self.dtype, self.device)
+            attn.k_cache = zeros(shape, self.kv_cache_dtype, self.device)
+            attn.v_cache = zeros(shape, self.kv_cache_dtype, self.device)
             attn.backend = backend
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.kv_bytes_per_block() / (1 << 30))

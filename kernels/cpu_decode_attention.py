@@ -20,6 +20,8 @@ import torch
 from kernels import cpu_native
 from kernels.utils import cdiv, check_int, check_tensor
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+"""KV cache dtypes the kernel reads (its math is float32 either way)."""
 MAX_HEADS = 256
 """Query heads the kernel supports (its per-head running sums live on the stack)."""
 MAX_BLOCK_SIZE = 256
@@ -27,12 +29,12 @@ MAX_BLOCK_SIZE = 256
 
 _CPU = torch.device("cpu")
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _I64, _P, _P, _I32]
+_ARGTYPES = [_P, _I64, _P, _P, _I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _I64, _P, _P, _I32]
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
     """Whether the kernel handles a model's attention shape and KV cache dtype (else the torch path runs)."""
-    return (dtype == torch.float32 and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+    return (dtype in CACHE_DTYPES and num_kv_heads > 0 and num_heads % num_kv_heads == 0
             and num_heads <= MAX_HEADS and head_dim % 8 == 0 and block_size % 8 == 0
             and block_size <= MAX_BLOCK_SIZE)
 
@@ -59,7 +61,7 @@ class CpuDecodeAttention:
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                  num_threads: Optional[int] = None) -> torch.Tensor:
         """q: [num_reqs, num_heads, head_dim] float32 (one query token per request; each row's heads
-        contiguous); caches: [num_blocks, block_size, num_kv_heads, head_dim] float32; block_tables:
+        contiguous); caches: [num_blocks, block_size, num_kv_heads, head_dim] float32 or bfloat16; block_tables:
         [num_reqs, >= cdiv(max_seq_len, block_size)] int32; seq_lens: [num_reqs] int32, each in
         [1, max_seq_len] (``max_seq_len`` is their host max; not checked on the tensor: the caller's invariant).
         Returns out [num_reqs, num_heads, head_dim] float32."""
@@ -86,16 +88,16 @@ class CpuDecodeAttention:
         out = torch.empty(num_reqs, num_heads, head_dim)
         items = num_reqs * max_chunks * num_heads
         scratch = torch.empty(items * (head_dim + 2))      # [items, head_dim] outputs, then [items, 2] (max, sum)
-        self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                 block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,
-                 num_kv_heads, head_dim, block_size, float(scale), chunk_blocks, max_chunks,
+        self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
+                 block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs,
+                 num_heads, num_kv_heads, head_dim, block_size, float(scale), chunk_blocks, max_chunks,
                  scratch.data_ptr(), scratch.data_ptr() + 4 * items * head_dim,
                  num_threads or torch.get_num_threads())
         return out
 
     @staticmethod
     def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, head_dim: int) -> None:
-        check_tensor("k_cache", k_cache, ndim=4, dtypes=(torch.float32,), device=_CPU, contiguous=True)
+        check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES, device=_CPU, contiguous=True)
         _, block_size, num_kv_heads, _ = k_cache.shape
         check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
         check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), contiguous=True)

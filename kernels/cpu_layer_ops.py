@@ -1,7 +1,7 @@
 """Elementwise layer ops on CPU: ``csrc/layer_ops.c`` through ctypes (semantics in the C file's header).
 
 ``add_rms_norm`` (the residual add fused with RMSNorm), ``silu_mul`` (SiLU-and-mul) and ``rotary_write_kv``
-(rotary on q and k in place, then k and v into the paged cache), all float32. Twins:
+(rotary on q and k in place, then k and v into the paged cache, float32 or bfloat16), float32 otherwise. Twins:
 ``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and ``rotary_write_kv_ref``. Why: at decode sizes
 torch's versions are several small kernels each, and their per-call cost is most of their time (RESULTS.md
 "CPU").
@@ -21,6 +21,8 @@ import torch
 from kernels import cpu_native
 from kernels.utils import check_tensor
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+"""KV cache dtypes ``rotary_write_kv`` stores into (bfloat16 rounded to nearest even)."""
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
@@ -47,7 +49,7 @@ class CpuLayerOps:
         self._silu.restype = None
         self._rotary = lib.chorus_rotary_write_kv
         self._rotary.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64,
-                                 _P, _P, _P, _I32]
+                                 _P, _P, _I32, _P, _I32]
         self._rotary.restype = None
 
     @classmethod
@@ -93,8 +95,8 @@ class CpuLayerOps:
                         num_threads: Optional[int] = None) -> None:
         """Rotate q [T, H, D] and k [T, Hkv, D] in place (neox layout, the first ``rotary_dim`` dims) and
         store k and v [T, Hkv, D] at their ``slot_mapping`` [T] int64 slots (-1: skipped) of the caches
-        [num_blocks, block_size, Hkv, D]. All float32; q, k, v rows may be strided (each row's heads
-        contiguous, as views of a packed q | k | v output). positions: [T] int64; cos, sin: [max_position,
+        [num_blocks, block_size, Hkv, D] (float32 or bfloat16; all else float32); q, k, v rows may be strided
+        (each row's heads contiguous, as views of a packed q | k | v output). positions: [T] int64; cos, sin: [max_position,
         >= rotary_dim / 2] float32 (their first rotary_dim / 2 columns are read)."""
         num_tokens, num_heads, head_dim = q.shape
         key = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, v_cache.shape, k_cache.dtype, v_cache.dtype,
@@ -114,14 +116,14 @@ class CpuLayerOps:
         check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,), contiguous=True)
         self._rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), num_tokens,
                      num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     cos.stride(0), rotary_dim, k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-                     num_threads or torch.get_num_threads())
+                     cos.stride(0), rotary_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                     k_cache.dtype == torch.bfloat16, slot_mapping.data_ptr(), num_threads or torch.get_num_threads())
 
     @staticmethod
     def _check_rotary_tables(k_cache, v_cache, cos, sin, rotary_dim: int, head_dim: int) -> None:
-        check_tensor("k_cache", k_cache, ndim=4, dtypes=(torch.float32,), contiguous=True)
+        check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES, contiguous=True)
         check_tensor("k_cache", k_cache, shape=(None, None, None, head_dim))
-        check_tensor("v_cache", v_cache, dtypes=(torch.float32,), shape=tuple(k_cache.shape), contiguous=True)
+        check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), contiguous=True)
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"rotary_dim={rotary_dim}: use an even size in (0, head_dim={head_dim}].")
         for name, t in (("cos", cos), ("sin", sin)):

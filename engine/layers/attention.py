@@ -69,9 +69,10 @@ class PagedAttention(nn.Module):
     def _cpu_rotary_write(self, q, k, v, positions, rotary, meta) -> bool:
         """On CPU with the C layer ops: rotary on q and k in place and the KV write as one op
         (``kernels.cpu_layer_ops``); False where it does not apply (no rotary, M-RoPE's [3, T] positions,
-        non-float32 tensors): the caller rotates and writes in torch."""
+        non-float32 tensors, a float16 cache): the caller rotates and writes in torch."""
         ops = current_cpu_ops() if rotary is not None else None
-        if (ops is None or positions.dim() != 1 or q.dtype != torch.float32 or self.k_cache.dtype != torch.float32
+        if (ops is None or positions.dim() != 1 or q.dtype != torch.float32
+                or self.k_cache.dtype not in (torch.float32, torch.bfloat16)
                 or any(t.stride(-1) != 1 or t.stride(-2) != self.head_dim for t in (q, k, v))):
             return False
         ops.rotary_write_kv(positions, q, k, v, rotary.cos, rotary.sin, rotary.rotary_dim, self.k_cache,

@@ -181,6 +181,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="Fraction of GPU memory the engine may use on CUDA (default: 0.9).")
     eng.add_argument("--kv-cache-space", type=float, default=4.0,
                      help="GiB of host memory for the KV cache on CPU (default: 4).")
+    eng.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="KV cache element type (default: auto: the model's dtype; on CPU bfloat16 where the "
+                          "quantized weights multiply in bfloat16 on AMX). On CUDA: auto or the model's dtype.")
     eng.add_argument("--num-gpu-blocks-override", type=int, default=None,
                      help="Exact number of KV blocks (overrides both budgets above; for testing).")
     eng.add_argument("--seed", type=int, default=0, help="Seed for unseeded sampling (default: 0).")
@@ -333,7 +336,8 @@ def _common_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_space=args.kv_cache_space, seed=args.seed, scheduling_policy=args.scheduling_policy,
+        kv_cache_space=args.kv_cache_space, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+        scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, device=args.device, enforce_eager=args.enforce_eager,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size, load_format=args.load_format,
         async_scheduling=getattr(args, "async_scheduling", True), usage_context="server")

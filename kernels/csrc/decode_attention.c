@@ -1,4 +1,5 @@
-/* Decode attention over the paged KV cache, on CPU (float32), for kernels/cpu_decode_attention.py.
+/* Decode attention over the paged KV cache, on CPU (a float32 or bfloat16 cache; float32 math), for
+ * kernels/cpu_decode_attention.py.
  *
  * Semantics (the torch twin is kernels.reference.paged_attention_ref with one query token per request):
  *
@@ -29,8 +30,8 @@
 /* One work item: blocks [b0, b1) of a request of seq_len keys, all heads. q: [H, D]; acc: [H, D] (unnormalized
  * output); ml: [H, 2] (running max, sum of weights). D8 = head_dim / 8 (a constant in the specialized copies,
  * so the accumulators live in registers). */
-#define DEFINE_CHUNK(NAME, D8_EXPR)                                                                          \
-    static void NAME(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_row,    \
+#define DEFINE_CHUNK(NAME, D8_EXPR, T, LOAD)                                                                  \
+    static void NAME(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_row,            \
                      int64_t seq_len, int64_t b0, int64_t b1, int64_t H, int64_t KVH, int64_t D, int64_t BS,  \
                      float scale, float* acc, float* ml) {                                                    \
         const int64_t D8 = D8_EXPR, group = H / KVH, tok_stride = KVH * D, blk_stride = BS * KVH * D;         \
@@ -43,24 +44,24 @@
             if (b + 1 < b1) {                               /* the next block, while this one computes */   \
                 const char* kn = (const char*)(k_cache + (int64_t)block_row[b + 1] * blk_stride);            \
                 const char* vn = (const char*)(v_cache + (int64_t)block_row[b + 1] * blk_stride);            \
-                for (int64_t off = 0; off < blk_stride * (int64_t)sizeof(float); off += 64) {                \
+                for (int64_t off = 0; off < blk_stride * (int64_t)sizeof(T); off += 64) {                    \
                     __builtin_prefetch(kn + off);                                                            \
                     __builtin_prefetch(vn + off);                                                            \
                 }                                                                                            \
             }                                                                                                \
             const int64_t npad = (ntok + 7) / 8 * 8;                                                         \
-            const float* kb = k_cache + (int64_t)block_row[b] * blk_stride;                                  \
-            const float* vb = v_cache + (int64_t)block_row[b] * blk_stride;                                  \
+            const T* kb = k_cache + (int64_t)block_row[b] * blk_stride;                                      \
+            const T* vb = v_cache + (int64_t)block_row[b] * blk_stride;                                      \
             for (int64_t h = 0; h < H; ++h) {                                                                \
                 const float* qh = q + h * D;                                                                 \
-                const float* kh = kb + (h / group) * D;                                                      \
-                const float* vh = vb + (h / group) * D;                                                      \
+                const T* kh = kb + (h / group) * D;                                                          \
+                const T* vh = vb + (h / group) * D;                                                          \
                 for (int64_t t = 0; t < npad; t += 8) {           /* scores, 8 slots at a time */           \
                     v8 a[8];                                                                                 \
                     for (int u = 0; u < 8; ++u) a[u] = splat8(0.f);                                          \
                     for (int64_t j = 0; j < D8; ++j) {                                                       \
                         const v8 qj = ld8(qh + 8 * j);                                                       \
-                        for (int u = 0; u < 8; ++u) a[u] += qj * ld8(kh + (t + u) * tok_stride + 8 * j);     \
+                        for (int u = 0; u < 8; ++u) a[u] += qj * LOAD(kh + (t + u) * tok_stride + 8 * j);    \
                     }                                                                                        \
                     st8(s + t, hsum8x8(a) * scale);                                                          \
                 }                                                                                            \
@@ -81,8 +82,8 @@
                 for (int64_t j = 0; j < D8; ++j) o[j] = ld8(ah + 8 * j) * alpha;                             \
                 for (int64_t t = 0; t < ntok; ++t) {              /* only real slots: the tail may be stale */ \
                     const v8 p = splat8(s[t]);                                                               \
-                    const float* vt = vh + t * tok_stride;                                                   \
-                    for (int64_t j = 0; j < D8; ++j) o[j] += p * ld8(vt + 8 * j);                            \
+                    const T* vt = vh + t * tok_stride;                                                       \
+                    for (int64_t j = 0; j < D8; ++j) o[j] += p * LOAD(vt + 8 * j);                           \
                 }                                                                                            \
                 for (int64_t j = 0; j < D8; ++j) st8(ah + 8 * j, o[j]);                                      \
             }                                                                                                \
@@ -90,25 +91,37 @@
         for (int64_t h = 0; h < H; ++h) { ml[2 * h] = m[h]; ml[2 * h + 1] = l[h]; }                          \
     }
 
-DEFINE_CHUNK(chunk_d64, 8)
-DEFINE_CHUNK(chunk_d128, 16)
-DEFINE_CHUNK(chunk_any, D / 8)
+DEFINE_CHUNK(chunk_d64_f32, 8, float, ld8)
+DEFINE_CHUNK(chunk_d128_f32, 16, float, ld8)
+DEFINE_CHUNK(chunk_any_f32, D / 8, float, ld8)
+DEFINE_CHUNK(chunk_d64_bf16, 8, uint16_t, ld8_bf16)
+DEFINE_CHUNK(chunk_d128_bf16, 16, uint16_t, ld8_bf16)
+DEFINE_CHUNK(chunk_any_bf16, D / 8, uint16_t, ld8_bf16)
 
-/* One work item's chunk, dispatched on the head size. */
-static void attend_chunk(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_row,
-                         int64_t seq_len, int64_t b0, int64_t b1, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                         float scale, float* acc, float* ml) {
-    if (D == 64) chunk_d64(q, k_cache, v_cache, block_row, seq_len, b0, b1, H, KVH, D, BS, scale, acc, ml);
-    else if (D == 128) chunk_d128(q, k_cache, v_cache, block_row, seq_len, b0, b1, H, KVH, D, BS, scale, acc, ml);
-    else chunk_any(q, k_cache, v_cache, block_row, seq_len, b0, b1, H, KVH, D, BS, scale, acc, ml);
+/* One work item's chunk, dispatched on the cache's element type and the head size. */
+static void attend_chunk(int cache_bf16, const float* q, const void* k_cache, const void* v_cache,
+                         const int32_t* block_row, int64_t seq_len, int64_t b0, int64_t b1, int64_t H, int64_t KVH,
+                         int64_t D, int64_t BS, float scale, float* acc, float* ml) {
+#define CALL(FN, T) \
+    FN(q, (const T*)k_cache, (const T*)v_cache, block_row, seq_len, b0, b1, H, KVH, D, BS, scale, acc, ml)
+    if (cache_bf16) {
+        if (D == 64) CALL(chunk_d64_bf16, uint16_t);
+        else if (D == 128) CALL(chunk_d128_bf16, uint16_t);
+        else CALL(chunk_any_bf16, uint16_t);
+    } else {
+        if (D == 64) CALL(chunk_d64_f32, float);
+        else if (D == 128) CALL(chunk_d128_f32, float);
+        else CALL(chunk_any_f32, float);
+    }
+#undef CALL
 }
 
 /* q: [R, H, D], each request's row contiguous, rows q_stride floats apart; k_cache, v_cache: [num_blocks, BS,
- * KVH, D] contiguous; block_tables: [R, *] int32 with row stride bt_stride;
+ * KVH, D] contiguous, float32 or (cache_bf16) bfloat16; block_tables: [R, *] int32 with row stride bt_stride;
  * seq_lens: [R] int32 (>= 1); out: [R, H, D] contiguous; part_acc: [R * max_chunks, H, D] and part_ml:
  * [R * max_chunks, H, 2] scratch, max_chunks >= every request's chunk count. */
-void chorus_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                             const int32_t* block_tables, int64_t bt_stride,
+void chorus_decode_attention(const float* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                             int32_t cache_bf16, const int32_t* block_tables, int64_t bt_stride,
                              const int32_t* seq_lens, float* out, int64_t R, int64_t H, int64_t KVH, int64_t D,
                              int64_t BS, float scale, int64_t chunk_blocks, int64_t max_chunks, float* part_acc,
                              float* part_ml, int32_t num_threads) {
@@ -119,7 +132,7 @@ void chorus_decode_attention(const float* q, int64_t q_stride, const float* k_ca
         const int64_t seq_len = seq_lens[r], nblk = (seq_len + BS - 1) / BS;
         if (b0 >= nblk) continue;
         const int64_t b1 = b0 + chunk_blocks < nblk ? b0 + chunk_blocks : nblk;
-        attend_chunk(q + r * q_stride, k_cache, v_cache, block_tables + r * bt_stride, seq_len, b0, b1,
+        attend_chunk(cache_bf16, q + r * q_stride, k_cache, v_cache, block_tables + r * bt_stride, seq_len, b0, b1,
                      H, KVH, D, BS, scale, part_acc + it * H * D, part_ml + it * H * 2);
     }
 #pragma omp parallel for num_threads(num_threads)

@@ -79,7 +79,8 @@ void chorus_silu_mul(const float* x, int64_t x_stride, float* out, int64_t T, in
  *                       dims from rot_dim on pass through)
  *                     if slot_mapping[t] >= 0: k_cache[slot], v_cache[slot] = k[t], v[t]   (all KV heads)
  * q: [T, H, D], k and v: [T, KVH, D] float32, each row's heads contiguous, rows q/k/v_stride floats apart;
- * cos, sin: [*, rot_dim / 2] rows cs_stride apart; caches: [num_blocks * block_size, KVH, D] float32. */
+ * cos, sin: [*, rot_dim / 2] rows cs_stride apart; caches: [num_blocks * block_size, KVH, D], float32 or
+ * (cache_bf16) bfloat16, rounded to nearest even. */
 static inline void rotate_heads(float* x, int64_t heads, int64_t D, const float* c, const float* s, int64_t half) {
     for (int64_t h = 0; h < heads; ++h) {
         float* xh = x + h * D;
@@ -92,10 +93,26 @@ static inline void rotate_heads(float* x, int64_t heads, int64_t D, const float*
     }
 }
 
+static inline uint16_t f32_to_bf16(float f) {       /* round to nearest even; NaN stays a (quiet) NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_row(void* cache, int cache_bf16, int64_t offset, const float* src, int64_t n) {
+    if (cache_bf16) {
+        uint16_t* dst = (uint16_t*)cache + offset;
+        for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float*)cache + offset, src, sizeof(float) * n);
+    }
+}
+
 void chorus_rotary_write_kv(float* q, int64_t q_stride, float* k, int64_t k_stride, const float* v, int64_t v_stride,
                             int64_t T, int64_t H, int64_t KVH, int64_t D, const int64_t* positions, const float* cos,
-                            const float* sin, int64_t cs_stride, int64_t rot_dim, float* k_cache, float* v_cache,
-                            const int64_t* slot_mapping, int32_t num_threads) {
+                            const float* sin, int64_t cs_stride, int64_t rot_dim, void* k_cache, void* v_cache,
+                            int32_t cache_bf16, const int64_t* slot_mapping, int32_t num_threads) {
     const int64_t half = rot_dim / 2, row = KVH * D;
 #pragma omp parallel for num_threads(row_threads(T, num_threads)) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
@@ -105,8 +122,8 @@ void chorus_rotary_write_kv(float* q, int64_t q_stride, float* k, int64_t k_stri
         rotate_heads(k + t * k_stride, KVH, D, c, s, half);
         const int64_t slot = slot_mapping[t];
         if (slot >= 0) {
-            memcpy(k_cache + slot * row, k + t * k_stride, sizeof(float) * row);
-            memcpy(v_cache + slot * row, v + t * v_stride, sizeof(float) * row);
+            store_row(k_cache, cache_bf16, slot * row, k + t * k_stride, row);
+            store_row(v_cache, cache_bf16, slot * row, v + t * v_stride, row);
         }
     }
 }

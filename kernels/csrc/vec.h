@@ -51,4 +51,15 @@ static inline v8 exp8(v8 x) {
 
 static inline float exp1(float x) { return exp8(splat8(x))[0]; }
 
+/* Eight bfloat16 values (the top halves of floats) as floats. */
+#ifdef __AVX2__
+#include <immintrin.h>
+static inline v8 ld8_bf16(const uint16_t* p) {
+    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#else
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+static inline v8 ld8_bf16(const uint16_t* p) { return (v8)(__builtin_convertvector(*(const v8h*)p, v8i) << 16); }
+#endif
+
 #endif

@@ -80,6 +80,16 @@ def test_large_scores_and_threads(build_dir):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_bfloat16_cache(build_dir, head_dim):
+    """A bfloat16 cache is read as its float32 values (each specialized copy)."""
+    q, kc, vc, bt, sl = make_decode([70, 16, 3], 8, 2, head_dim, 16, seed=5)
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    ref = paged_attention_ref(q, kb.float(), vb.float(), torch.arange(4, dtype=torch.int32), sl, bt, 0.1)
+    out = kernel(build_dir, 32)(q, kb, vb, bt, sl, 70, 0.1)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_checks_arguments(build_dir):
     q, kc, vc, bt, sl = make_decode([20], 4, 2, 64, 16)
     k = kernel(build_dir, 128)
@@ -90,7 +100,8 @@ def test_checks_arguments(build_dir):
     with pytest.raises(ValueError, match="head_dim"):
         k(q[..., :60].contiguous(), kc[..., :60].contiguous(), vc[..., :60].contiguous(), bt, sl, 20, 0.1)
     assert supports(9, 3, 64, 16, torch.float32)
-    assert not supports(9, 3, 64, 16, torch.bfloat16) and not supports(9, 4, 64, 16, torch.float32)
+    assert supports(9, 3, 64, 16, torch.bfloat16) and not supports(9, 3, 64, 16, torch.float16)
+    assert not supports(9, 4, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="v_cache: dtype"):
         k(q, kc, vc.bfloat16(), bt, sl, 20, 0.1)
     assert not supports(8, 2, 64, 12, torch.float32)

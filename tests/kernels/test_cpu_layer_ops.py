@@ -47,7 +47,8 @@ def test_silu_mul_matches_ref(ops, rows, d):
 
 @pytest.mark.parametrize("rotary_dim", [64, 32])                   # full, partial (pass-through dims)
 @pytest.mark.parametrize("padded", [False, True])
-def test_rotary_write_kv_matches_ref(ops, rotary_dim, padded):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_matches_ref(ops, rotary_dim, padded, cache_dtype):
     """q and k as views of a packed q | k | v projection output, rotated in place; k and v written at their
     slots (slot -1: nothing written, still rotated)."""
     g = torch.Generator().manual_seed(rotary_dim)
@@ -58,14 +59,14 @@ def test_rotary_write_kv_matches_ref(ops, rotary_dim, padded):
     positions = torch.tensor([0, 7, 100, 3, 45])
     angles = torch.randn(128, rotary_dim // 2, generator=g)
     cos, sin = angles.cos(), angles.sin()
-    k_cache = torch.randn(4, block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(4, block_size, kv_heads, head_dim, generator=g)
+    k_cache = torch.randn(4, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(4, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
     slots = torch.tensor([3, 17, -1 if padded else 18, 40, 63])
     q_ref, k_ref, kc_ref, vc_ref = rotary_write_kv_ref(positions, q.clone(), k.clone(), v, cos, sin, rotary_dim,
                                                        k_cache, v_cache, slots)
     ops.rotary_write_kv(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slots, num_threads=2)
     for actual, expected in ((q, q_ref), (k, k_ref), (k_cache, kc_ref), (v_cache, vc_ref)):
-        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)   # bf16: the same rounding
 
 
 def test_checks_arguments(ops):

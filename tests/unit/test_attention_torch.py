@@ -49,7 +49,7 @@ def _cpu_decode_kernel(tmp_path_factory):
 
 def test_cpu_backend_takes_the_decode_kernel_per_policy(tmp_path):
     """``select_backend`` builds the C kernel on CPU where the policy asks; the backend passes it only for
-    caches it supports (a bfloat16 cache keeps SDPA)."""
+    caches it supports (float32 and bfloat16; a float16 cache keeps SDPA)."""
     from engine.attention import select_backend
     from engine.kernel_policy import KernelPolicy
     on = select_backend(torch.device("cpu"), KernelPolicy(), cpu_kernel_dir=tmp_path)
@@ -68,8 +68,12 @@ def test_cpu_backend_takes_the_decode_kernel_per_policy(tmp_path):
     out = on.attend(b.q, b.k_cache, b.v_cache, meta, 0.125)
     assert calls == [torch.Size([2, 6, 32])]
     assert_close(out, paged_attention_ref(*b.args(), 0.125), torch.float32)
-    bf = on.attend(b.q, b.k_cache.bfloat16(), b.v_cache.bfloat16(), meta, 0.125)
-    assert len(calls) == 1 and bf.shape == out.shape
+    bf = on.attend(b.q, b.k_cache.bfloat16(), b.v_cache.bfloat16(), meta, 0.125)      # the kernel reads bf16
+    assert len(calls) == 2
+    assert_close(bf, paged_attention_ref(b.q, b.k_cache.bfloat16().float(), b.v_cache.bfloat16().float(),
+                                         *b.args()[3:], 0.125), torch.float32)
+    half = on.attend(b.q, b.k_cache.half(), b.v_cache.half(), meta, 0.125)            # not float16: SDPA
+    assert len(calls) == 2 and half.shape == out.shape
 
 
 @pytest.mark.parametrize("consecutive", [True, False])
@@ -173,8 +177,8 @@ def test_long_chunks_attend_in_bf16_only_where_asked(num_kv_heads):
 
 
 def test_backend_attends_in_bf16_only_for_models_whose_weights_multiply_in_bf16(tiny_llama_dir):
-    """The runner asks for bf16 prefill attention exactly when the weights keep AMX bf16-product copies: never
-    for float weights (exact against transformers)."""
+    """The runner asks for bf16 prefill attention (and a bf16 KV cache) exactly when the weights keep AMX
+    bf16-product copies: never for float weights (exact against transformers)."""
     from engine.attention import BF16_PREFILL_MIN_TOKENS, AttentionBackend
     from engine.layers.quantized import cpu_has_amx
     from engine.llm import LLM
@@ -184,3 +188,15 @@ def test_backend_attends_in_bf16_only_for_models_whose_weights_multiply_in_bf16(
         llm = LLM(str(tiny_llama_dir), quantization=quantization, max_model_len=64)
         layers = llm.llm_engine.core.runner.model.attention_layers()
         assert all(layer.backend.bf16_min_tokens == expected for layer in layers)
+        # The KV cache follows (--kv-cache-dtype auto): bfloat16 exactly where the weights multiply in bfloat16.
+        assert all(layer.k_cache.dtype == (torch.float32 if expected is None else torch.bfloat16) for layer in layers)
+    if cpu_has_amx():
+        llm = LLM(str(tiny_llama_dir), quantization="int4", max_model_len=64, kv_cache_dtype="float32")
+        assert llm.llm_engine.core.runner.model.attention_layers()[0].k_cache.dtype == torch.float32
+
+
+def test_kv_cache_dtype_is_checked():
+    from engine.config import CacheConfig
+    assert CacheConfig(cache_dtype="bfloat16").cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': use one of auto, float32, bfloat16, float16"):
+        CacheConfig(cache_dtype="fp8")

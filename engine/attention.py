@@ -145,8 +145,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     directly (plain causal SDPA, no gather), when they are given. A chunk of at least ``bf16_min_tokens``
     queries (None: never) attends with bfloat16 q, k and v (the CPU flash kernel's AMX path; float32
     softmax, sums and output), as a model whose weights multiply in bfloat16 asks (``AttentionBackend``).
-    With ``decode_kernel`` (CPU, a float32 cache), the decode rows attend through it, reading the blocks in
-    place, instead of through a gathered copy and SDPA.
+    With ``decode_kernel`` (CPU, a float32 or bfloat16 cache), the decode rows attend through it, reading the
+    blocks in place, instead of through a gathered copy and SDPA.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -358,7 +358,7 @@ class AttentionBackend:
             raise ValueError(f"attention backend {name!r}: use 'torch' or 'triton'.")
         self.name = name
         self.cpu_decode = cpu_decode if name == "torch" else None
-        """Torch backend: the CPU decode attention kernel for float32 caches it supports (None: SDPA)."""
+        """Torch backend: the CPU decode attention kernel, for the caches it supports (None: SDPA)."""
         self.bf16_min_tokens = BF16_PREFILL_MIN_TOKENS if bf16_prefill and name == "torch" else None
         """Query tokens from which a prefill chunk attends in bfloat16 (None: never)."""
         self.policy = policy or KernelPolicy()

@@ -36,7 +36,7 @@ class ForwardContext:
     """Encoder-decoder models: the step's requests over their cross blocks, every position visible to
     every query token (``AttentionBackend.attend_cross``); None for decoder-only models."""
     cpu_ops: Optional["CpuLayerOps"] = None
-    """On CPU, the C layer ops (add + RMSNorm, SiLU-and-mul) the runner loaded per
+    """On CPU, the C layer ops (add + RMSNorm, SiLU-and-mul, rotary + KV write) the runner loaded per
     ``KernelPolicy.cpu_layer_ops``; None: torch's."""
 
 
@@ -53,7 +53,8 @@ def forward_context(meta: Optional["AttentionMetadata"], policy: Optional[Kernel
                     cross_meta: Optional["AttentionMetadata"] = None,
                     cpu_ops: Optional["CpuLayerOps"] = None) -> Iterator[ForwardContext]:
     """Make ``meta``, ``policy`` (None: ``default_policy()``), ``cross_meta`` (encoder-decoder
-    models) and ``cpu_ops`` visible to every layer for one forward pass. Refuses nesting; on exit an update still pending is an error (its consumer never ran)."""
+    models) and ``cpu_ops`` visible to every layer for one forward pass. Refuses nesting; on exit an
+    update still pending is an error (its consumer never ran)."""
     local = _LOCAL
     if local.current is not None:
         raise RuntimeError("forward_context is already active; forward passes do not nest.")

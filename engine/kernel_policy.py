@@ -73,12 +73,12 @@ class KernelPolicy:
     lora_expand: Overrides = ()
     """``kernels.lora_expand.LoRAExpandConfig`` field overrides."""
     cpu_decode_attention: bool = True
-    """On CPU, decode rows over a float32 KV cache attend through ``kernels.cpu_decode_attention``'s C
-    kernel (built at start-up with the system C compiler; without one, or off, the torch path gathers the
+    """On CPU, decode rows over a float32 or bfloat16 KV cache attend through ``kernels.cpu_decode_attention``'s
+    C kernel (built at start-up with the system C compiler; without one, or off, the torch path gathers the
     rows' blocks and runs SDPA)."""
     cpu_layer_ops: bool = True
-    """On CPU, the residual add + RMSNorm and SiLU-and-mul run as ``kernels.cpu_layer_ops``'s C ops (one pass
-    per row; built like the decode kernel), else as torch ops."""
+    """On CPU, the residual add + RMSNorm, SiLU-and-mul and rotary + KV write run as ``kernels.cpu_layer_ops``'s
+    C ops (one pass per row; built like the decode kernel), else as torch ops."""
     cpu_decode_chunk_tokens: int = 128
     """Keys per work item of that kernel: a longer context is cut into chunks of this many keys (whole blocks)
     so that one request spreads over all threads. 16-65536."""

@@ -196,7 +196,9 @@ class ModelRunner:
         self.policy = KernelPolicy.for_device(device)
         """The engine's fast-path choices (``engine.kernel_policy``), built once; layers read it through
         the forward context, the attention backend and the LoRA layers get it at construction."""
-        self.cpu_ops = (CpuLayerOps.load(envs.cache_dir() / "cpu_kernels")
+        self.cpu_kernel_dir = envs.cache_dir() / "cpu_kernels"
+        """Where the CPU C kernels are built once per host (``kernels.cpu_native``)."""
+        self.cpu_ops = (CpuLayerOps.load(self.cpu_kernel_dir)
                         if device.type == "cpu" and self.policy.cpu_layer_ops else None)
         """On CPU, the C layer ops the layers take through the forward context (None: torch's)."""
         self.bf16_weights = any(w.bf16_products_copy is not None for w in packed_weights(model))
@@ -249,13 +251,14 @@ class ModelRunner:
             return torch.bfloat16 if self.device.type == "cpu" and self.bf16_weights else self.dtype
         dtype = _DTYPES[name]
         if self.device.type == "cuda" and dtype != self.dtype:
-            raise ValueError(f"kv_cache_dtype={name}: on CUDA the KV cache takes the model's dtype ({self.dtype}); "
-                             f"use auto.")
+            raise ValueError(f"kv_cache_dtype={name}: on CUDA the KV cache takes the model's dtype "
+                             f"({self.dtype}); use auto.")
         return dtype
 
     def kv_bytes_per_block(self) -> int:
         layers = self.model.attention_layers()
-        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers) * torch.finfo(self.kv_cache_dtype).bits // 8
+        elem_bytes = torch.finfo(self.kv_cache_dtype).bits // 8
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers) * elem_bytes
         return per_token * self.block_size
 
     def determine_num_blocks(self, max_needed_blocks: int) -> int:
@@ -298,7 +301,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # Weights that multiply in bfloat16 (AMX copies) let long prefill chunks attend in bfloat16 too.
         backend = select_backend(self.device, self.policy, self.bf16_weights,
-                                 cpu_kernel_dir=envs.cache_dir() / "cpu_kernels")
+                                 cpu_kernel_dir=self.cpu_kernel_dir)
         for attn in self.model.attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.

@@ -18,10 +18,9 @@ from typing import Optional
 import torch
 
 from kernels import cpu_native
+from kernels.cpu_native import CACHE_DTYPES
 from kernels.utils import cdiv, check_int, check_tensor
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
-"""KV cache dtypes the kernel reads (its math is float32 either way)."""
 MAX_HEADS = 256
 """Query heads the kernel supports (its per-head running sums live on the stack)."""
 MAX_BLOCK_SIZE = 256

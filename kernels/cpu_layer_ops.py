@@ -19,10 +19,9 @@ from typing import Optional
 import torch
 
 from kernels import cpu_native
+from kernels.cpu_native import CACHE_DTYPES
 from kernels.utils import check_tensor
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
-"""KV cache dtypes ``rotary_write_kv`` stores into (bfloat16 rounded to nearest even)."""
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 

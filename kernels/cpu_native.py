@@ -22,9 +22,13 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 logger = logging.getLogger("chorus.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+"""KV cache dtypes the C kernels read and write (their math is float32 either way)."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 _loaded: dict[tuple[str, str], Optional[ctypes.CDLL]] = {}
 

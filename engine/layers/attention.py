@@ -10,6 +10,7 @@ import torch.nn as nn
 from engine.attention import AttentionBackend
 from engine.forward_context import current_cpu_ops, get_forward_context
 from engine.layers.adapter import take_update
+from kernels.cpu_native import CACHE_DTYPES
 
 
 class PagedAttention(nn.Module):
@@ -72,7 +73,7 @@ class PagedAttention(nn.Module):
         non-float32 tensors, a float16 cache): the caller rotates and writes in torch."""
         ops = current_cpu_ops() if rotary is not None else None
         if (ops is None or positions.dim() != 1 or q.dtype != torch.float32
-                or self.k_cache.dtype not in (torch.float32, torch.bfloat16)
+                or self.k_cache.dtype not in CACHE_DTYPES
                 or any(t.stride(-1) != 1 or t.stride(-2) != self.head_dim for t in (q, k, v))):
             return False
         ops.rotary_write_kv(positions, q, k, v, rotary.cos, rotary.sin, rotary.rotary_dim, self.k_cache,

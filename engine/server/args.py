@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from engine import envs
+from engine.config import KV_CACHE_DTYPES
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 """Above OpenAI's 25 MB audio upload limit, so a full-size upload reaches /v1/audio/* (which refuses
@@ -181,7 +182,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="Fraction of GPU memory the engine may use on CUDA (default: 0.9).")
     eng.add_argument("--kv-cache-space", type=float, default=4.0,
                      help="GiB of host memory for the KV cache on CPU (default: 4).")
-    eng.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    eng.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                      help="KV cache element type (default: auto: the model's dtype; on CPU bfloat16 where the "
                           "quantized weights multiply in bfloat16 on AMX). On CUDA: auto or the model's dtype.")
     eng.add_argument("--num-gpu-blocks-override", type=int, default=None,

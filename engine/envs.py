@@ -11,6 +11,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CHORUS_CACHE", Path.home() / ".cache" / "chorus")).expanduser()
 
 
+def cpu_kernel_dir() -> Path:
+    """Where the CPU C kernels are built once per host (``kernels.cpu_native``): CHORUS_CACHE/cpu_kernels."""
+    return cache_dir() / "cpu_kernels"
+
+
 def api_key() -> str | None:
     """CHORUS_API_KEY: the key /v1/* routes require (same as --api-key)."""
     return os.environ.get("CHORUS_API_KEY") or None

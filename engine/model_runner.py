@@ -196,7 +196,7 @@ class ModelRunner:
         self.policy = KernelPolicy.for_device(device)
         """The engine's fast-path choices (``engine.kernel_policy``), built once; layers read it through
         the forward context, the attention backend and the LoRA layers get it at construction."""
-        self.cpu_kernel_dir = envs.cache_dir() / "cpu_kernels"
+        self.cpu_kernel_dir = envs.cpu_kernel_dir()
         """Where the CPU C kernels are built once per host (``kernels.cpu_native``)."""
         self.cpu_ops = (CpuLayerOps.load(self.cpu_kernel_dir)
                         if device.type == "cpu" and self.policy.cpu_layer_ops else None)

@@ -100,6 +100,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]).mul_(x[..., d:])      # in place: one [.., d] pass less
 
 
+def int4_gemm_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, low: torch.Tensor,
+                  group_size: int = 32) -> torch.Tensor:
+    """Twin of ``kernels.cpu_int4_gemm``: x [M, K] float32, q [N, K] (0..15), scales and low [N, K / group_size]
+    float32 -> [M, N] float32 = bf16(x) @ bf16(q * scale + low).T with float32 sums."""
+    n, k = q.shape
+    w = q.float().view(n, k // group_size, group_size) * scales[..., None] + low[..., None]
+    w = w.view(n, k).to(torch.bfloat16).float()
+    return x.to(torch.bfloat16).float() @ w.T
+
+
 def lora_rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping,
                              buf, lora_b_slices, token_lora_slots):
     """Twin of ``kernels.lora_rotary_write_kv.lora_rotary_write_kv`` (buf: each token's own h, no

@@ -14,8 +14,10 @@ A projection runs as ``x @ W.T`` in one of these ways, by the number of rows of 
 ``packed_max_tokens`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
 bfloat16 activations and outputs, the quantized weight read once: bandwidth-bound decode steps); above, the
 weight's float copies when it keeps them (``keep_float_copies``, no per-call conversion of the weight). On
-CPUs with AMX: below ``BF16_PRODUCTS_MIN_TOKENS`` rows (decode batches) a bfloat16 copy in oneDNN's packed
-layout (``Bf16Weight``, the packed kernels' rounding), from there (prompts) a float32 copy whose GEMM
+CPUs with AMX: below ``BF16_PRODUCTS_MIN_TOKENS`` rows (decode batches) an int4 weight runs
+``kernels.cpu_int4_gemm`` on its int4 values (``Int4AmxTiles``: dequantized to bfloat16 tile by tile, float32
+outputs) and an int8 weight a bfloat16 copy in oneDNN's packed layout (``Bf16Weight``, bfloat16 outputs), from
+there (prompts) a float32 copy whose GEMM
 multiplies in bfloat16 and accumulates and returns float32 (``Bf16ProductsWeight``; speeds: RESULTS.md
 "CPU", twenty-third session). Elsewhere the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
 ``FP16_COPY_MAX_TOKENS`` rows), else the weight dequantized to ``x``'s dtype for one ``F.linear``
@@ -26,10 +28,13 @@ copy everywhere: its logits are float32 at every batch (``QuantizedEmbedding.log
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kernels.cpu_int4_gemm import CpuInt4Gemm
 
 PACKED_MAX_TOKENS = 32
 """Rows up to which the packed kernels run: where they beat float32 on the 2-core CPU, measured in
@@ -77,32 +82,45 @@ class _PackedWeight:
     bf16_copy: Optional["Bf16Weight"] = None
     """CPUs with AMX (``keep_float_copies(amx=True)``): the weight as oneDNN-packed bfloat16, run above
     ``packed_max_tokens`` rows and below ``BF16_PRODUCTS_MIN_TOKENS`` (decode batches)."""
+    amx_tiles: Optional["Int4AmxTiles"] = None
+    """CPUs with AMX, int4 weights of a shape ``kernels.cpu_int4_gemm`` takes: its records, run where
+    ``bf16_copy`` would (which is then not kept)."""
     bf16_products_copy: Optional["Bf16ProductsWeight"] = None
     """CPUs with AMX: the weight as float32 for bf16-product GEMMs, run from ``BF16_PRODUCTS_MIN_TOKENS`` rows."""
 
     @property
     def packed_max_tokens(self) -> int:
         """Rows up to which the packed kernel runs."""
-        copies = self.fp16_copy is not None or self.bf16_copy is not None
+        copies = self.fp16_copy is not None or self.bf16_copy is not None or self.amx_tiles is not None
         return FP16_COPY_MIN_TOKENS - 1 if copies else PACKED_MAX_TOKENS
 
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def keep_float_copies(self, amx: bool = False) -> None:
+    def keep_float_copies(self, amx: bool = False, int4_gemm: Optional["CpuInt4Gemm"] = None) -> None:
         """Also keep the dequantized weight for steps of ``FP16_COPY_MIN_TOKENS`` rows or more: as fbgemm
-        float16 (2 bytes per weight); with ``amx``, as packed bfloat16 below ``BF16_PRODUCTS_MIN_TOKENS`` rows
-        and float32 for bf16-product GEMMs from there (6 bytes per weight)."""
+        float16 (2 bytes per weight); with ``amx``, float32 for bf16-product GEMMs from
+        ``BF16_PRODUCTS_MIN_TOKENS`` rows and below that ``int4_gemm``'s records where it takes the weight
+        (0.75 bytes per weight), else packed bfloat16 (2)."""
         w = self.dequantize(torch.float32)
         if amx:
-            self.bf16_copy = Bf16Weight(w)
+            if self._takes(int4_gemm):
+                self.amx_tiles = Int4AmxTiles(int4_gemm, self)
+            else:
+                self.bf16_copy = Bf16Weight(w)
             self.bf16_products_copy = Bf16ProductsWeight(w)
         else:
             self.fp16_copy = Fp16Weight(w)
 
-    def nbytes_float_copies(self, amx: bool = False) -> int:
+    def _takes(self, int4_gemm: Optional["CpuInt4Gemm"]) -> bool:
+        """Whether ``int4_gemm`` runs this weight (int4 weights of its shapes only)."""
+        return False
+
+    def nbytes_float_copies(self, amx: bool = False, int4_gemm: Optional["CpuInt4Gemm"] = None) -> int:
         """Bytes ``keep_float_copies`` adds."""
-        return (6 if amx else 2) * self.q.numel()
+        if not amx:
+            return 2 * self.q.numel()
+        return int((4 + (0.75 if self._takes(int4_gemm) else 2)) * self.q.numel())
 
 
 class Int8Weight(_PackedWeight):
@@ -154,6 +172,25 @@ class Int4Weight(_PackedWeight):
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size,
                                                  self.scale_zeros)
+
+    def _takes(self, int4_gemm: Optional["CpuInt4Gemm"]) -> bool:
+        from kernels.cpu_int4_gemm import supports
+        return int4_gemm is not None and supports(*self.q.shape, self.group_size)
+
+
+class Int4AmxTiles:
+    """An int4 weight as ``kernels.cpu_int4_gemm``'s records: ``x @ W.T`` with W dequantized to bfloat16 tile
+    by tile on AMX, bfloat16 activations, float32 sums and outputs (the bf16 copy's arithmetic without its
+    output rounding, reading 0.75 bytes per weight instead of 2)."""
+
+    def __init__(self, gemm: "CpuInt4Gemm", weight: Int4Weight) -> None:
+        self.gemm = gemm
+        self.out_features = weight.q.shape[0]
+        self.records = gemm.pack(weight.q, weight.scales.float(), weight.low.float())     # flat uint8
+
+    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out] float32."""
+        return self.gemm(x.float(), self.records, self.out_features)
 
 
 class Fp16Weight:
@@ -263,8 +300,10 @@ def _cpu_kernel(weight: QuantizedWeight, rows: int):
     limit = weight.packed_max_tokens
     if limit is None or rows <= limit:
         return weight
-    if weight.bf16_copy is not None:
-        return weight.bf16_copy if rows < BF16_PRODUCTS_MIN_TOKENS else weight.bf16_products_copy
+    if weight.bf16_products_copy is not None:
+        if rows >= BF16_PRODUCTS_MIN_TOKENS:
+            return weight.bf16_products_copy
+        return weight.amx_tiles if weight.amx_tiles is not None else weight.bf16_copy
     return weight.fp16_copy if rows <= FP16_COPY_MAX_TOKENS else None
 
 

@@ -260,7 +260,8 @@ def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_
         amx = cpu_has_amx()
     heads = {id(m.weight_q) for m in model.modules() if isinstance(m, QuantizedEmbedding)}
     plan = [(w, amx and id(w) not in heads) for w in weights]
-    nbytes = sum(w.nbytes_float_copies(w_amx) for w, w_amx in plan)
+    int4_gemm = _int4_amx_gemm() if amx else None
+    nbytes = sum(w.nbytes_float_copies(w_amx, int4_gemm) for w, w_amx in plan)
     if physical_bytes is None:
         physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if wanted is None and not float_copies_fit(nbytes, physical_bytes):
@@ -269,9 +270,20 @@ def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_
         return
     # fbgemm's packing releases the GIL: one Python thread per torch thread packs them in parallel.
     with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        list(pool.map(lambda item: item[0].keep_float_copies(item[1]), plan))
+        list(pool.map(lambda item: item[0].keep_float_copies(item[1], int4_gemm), plan))
     logger.info("Quantized weights: float copies for steps of several rows (%s; %.2f GiB; --no-cpu-float-copy "
-                "drops them).", "AMX: bf16 and float32" if amx else "fp16", nbytes / (1 << 30))
+                "drops them).", ("AMX: int4 tiles, bf16 and float32" if int4_gemm else "AMX: bf16 and float32")
+                if amx else "fp16", nbytes / (1 << 30))
+
+
+def _int4_amx_gemm():
+    """``kernels.cpu_int4_gemm`` built and loaded for this host (KernelPolicy ``cpu_int4_amx``), or None."""
+    from engine import envs
+    from engine.kernel_policy import KernelPolicy
+    if not KernelPolicy.for_device(torch.device("cpu")).cpu_int4_amx:
+        return None
+    from kernels.cpu_int4_gemm import CpuInt4Gemm
+    return CpuInt4Gemm.load(envs.cpu_kernel_dir())
 
 
 @torch.no_grad()

@@ -145,17 +145,18 @@ def test_float_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir):
     for wanted, kept in ((False, False), (None, True), (True, True)):
         llm = LLM(str(tiny_llama_dir), quantization="int4", cpu_float_copy=wanted, max_model_len=64)
         weights = packed_weights(llm.llm_engine.core.runner.model)
-        assert weights and all((w.fp16_copy is not None or w.bf16_copy is not None) == kept for w in weights)
+        assert weights and all((w.packed_max_tokens < PACKED_MAX_TOKENS) == kept for w in weights)
     model = llm.llm_engine.core.runner.model
     for w in weights:
-        w.fp16_copy = w.bf16_copy = w.bf16_products_copy = None
+        w.fp16_copy = w.bf16_copy = w.bf16_products_copy = w.amx_tiles = None
     _keep_float_copies(model, None, physical_bytes=1)    # a machine too small for them: none kept
-    assert all(w.fp16_copy is None and w.bf16_copy is None and w.bf16_products_copy is None for w in weights)
+    assert all(w.packed_max_tokens == PACKED_MAX_TOKENS for w in weights)
     _keep_float_copies(model, True, amx=True)            # the projections get AMX's, the head's logits stay fp16
     head = model.quantized_head.weight_q
-    assert head.fp16_copy is not None and head.bf16_copy is None and head.bf16_products_copy is None
-    assert all(w.fp16_copy is None and w.bf16_copy is not None and w.bf16_products_copy is not None
-               for w in weights if w is not head)
+    assert head.fp16_copy is not None and head.bf16_copy is head.amx_tiles is head.bf16_products_copy is None
+    # decode batches: the int4 tiles where this CPU grants AMX (kernels.cpu_int4_gemm), else a bf16 copy
+    assert all(w.fp16_copy is None and (w.bf16_copy is None) != (w.amx_tiles is None)
+               and w.bf16_products_copy is not None for w in weights if w is not head)
 
 
 def test_fp16_embedding_looks_up_float16_rows():

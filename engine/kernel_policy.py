@@ -79,9 +79,9 @@ class KernelPolicy:
     cpu_layer_ops: bool = True
     """On CPU, the residual add + RMSNorm, SiLU-and-mul and rotary + KV write run as ``kernels.cpu_layer_ops``'s
     C ops (one pass per row; built like the decode kernel), else as torch ops."""
-    cpu_int4_amx: bool = True
-    """On CPUs with AMX, int4 weights run decode batches above the packed kernel's rows through
-    ``kernels.cpu_int4_gemm`` (built like the decode kernel), else through a packed bfloat16 copy."""
+    cpu_amx_gemm: bool = True
+    """On CPUs with AMX, int4 and int8 weights run decode batches above the packed kernels' rows through
+    ``kernels.cpu_amx_gemm`` (built like the decode kernel), else through a packed bfloat16 copy."""
     cpu_decode_chunk_tokens: int = 128
     """Keys per work item of that kernel: a longer context is cut into chunks of this many keys (whole blocks)
     so that one request spreads over all threads. 16-65536."""

@@ -102,12 +102,18 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def int4_gemm_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, low: torch.Tensor,
                   group_size: int = 32) -> torch.Tensor:
-    """Twin of ``kernels.cpu_int4_gemm``: x [M, K] float32, q [N, K] (0..15), scales and low [N, K / group_size]
+    """Twin of ``kernels.cpu_amx_gemm``'s int4: x [M, K] float32, q [N, K] (0..15), scales and low [N, K / group_size]
     float32 -> [M, N] float32 = bf16(x) @ bf16(q * scale + low).T with float32 sums."""
     n, k = q.shape
     w = q.float().view(n, k // group_size, group_size) * scales[..., None] + low[..., None]
     w = w.view(n, k).to(torch.bfloat16).float()
     return x.to(torch.bfloat16).float() @ w.T
+
+
+def int8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Twin of ``kernels.cpu_amx_gemm``'s int8: x [M, K] float32, q [N, K] int8, scales [N] float32 -> [M, N]
+    float32 = (bf16(x) @ q.T) * scales, float32 sums."""
+    return (x.to(torch.bfloat16).float() @ q.float().T) * scales
 
 
 def lora_rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping,

@@ -14,9 +14,9 @@ A projection runs as ``x @ W.T`` in one of these ways, by the number of rows of 
 ``packed_max_tokens`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
 bfloat16 activations and outputs, the quantized weight read once: bandwidth-bound decode steps); above, the
 weight's float copies when it keeps them (``keep_float_copies``, no per-call conversion of the weight). On
-CPUs with AMX: below ``BF16_PRODUCTS_MIN_TOKENS`` rows (decode batches) an int4 weight runs
-``kernels.cpu_int4_gemm`` on its int4 values (``Int4AmxTiles``: dequantized to bfloat16 tile by tile, float32
-outputs) and an int8 weight a bfloat16 copy in oneDNN's packed layout (``Bf16Weight``, bfloat16 outputs), from
+CPUs with AMX: below ``BF16_PRODUCTS_MIN_TOKENS`` rows (decode batches) ``kernels.cpu_amx_gemm`` on the
+int4 / int8 values (``AmxTiles``: dequantized to bfloat16 tile by tile, float32 outputs; a bfloat16 copy in
+oneDNN's packed layout, ``Bf16Weight``, where the kernel cannot be built or the shape is not its), from
 there (prompts) a float32 copy whose GEMM
 multiplies in bfloat16 and accumulates and returns float32 (``Bf16ProductsWeight``; speeds: RESULTS.md
 "CPU", twenty-third session). Elsewhere the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kernels.cpu_int4_gemm import CpuInt4Gemm
+    from kernels.cpu_amx_gemm import CpuAmxGemm
 
 PACKED_MAX_TOKENS = 32
 """Rows up to which the packed kernels run: where they beat float32 on the 2-core CPU, measured in
@@ -82,9 +82,9 @@ class _PackedWeight:
     bf16_copy: Optional["Bf16Weight"] = None
     """CPUs with AMX (``keep_float_copies(amx=True)``): the weight as oneDNN-packed bfloat16, run above
     ``packed_max_tokens`` rows and below ``BF16_PRODUCTS_MIN_TOKENS`` (decode batches)."""
-    amx_tiles: Optional["Int4AmxTiles"] = None
-    """CPUs with AMX, int4 weights of a shape ``kernels.cpu_int4_gemm`` takes: its records, run where
-    ``bf16_copy`` would (which is then not kept)."""
+    amx_tiles: Optional["AmxTiles"] = None
+    """CPUs with AMX, weights of a shape ``kernels.cpu_amx_gemm`` takes: its records, run where ``bf16_copy``
+    would (which is then not kept)."""
     bf16_products_copy: Optional["Bf16ProductsWeight"] = None
     """CPUs with AMX: the weight as float32 for bf16-product GEMMs, run from ``BF16_PRODUCTS_MIN_TOKENS`` rows."""
 
@@ -97,30 +97,32 @@ class _PackedWeight:
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def keep_float_copies(self, amx: bool = False, int4_gemm: Optional["CpuInt4Gemm"] = None) -> None:
+    def keep_float_copies(self, amx: bool = False, amx_gemm: Optional["CpuAmxGemm"] = None) -> None:
         """Also keep the dequantized weight for steps of ``FP16_COPY_MIN_TOKENS`` rows or more: as fbgemm
         float16 (2 bytes per weight); with ``amx``, float32 for bf16-product GEMMs from
-        ``BF16_PRODUCTS_MIN_TOKENS`` rows and below that ``int4_gemm``'s records where it takes the weight
-        (0.75 bytes per weight), else packed bfloat16 (2)."""
+        ``BF16_PRODUCTS_MIN_TOKENS`` rows and below that ``amx_gemm``'s records where it takes the weight
+        (0.75 bytes per int4 weight, 1 per int8), else packed bfloat16 (2)."""
         w = self.dequantize(torch.float32)
         if amx:
-            if self._takes(int4_gemm):
-                self.amx_tiles = Int4AmxTiles(int4_gemm, self)
+            if self.fits_amx_gemm(amx_gemm):
+                self.amx_tiles = AmxTiles(amx_gemm, self)
             else:
                 self.bf16_copy = Bf16Weight(w)
             self.bf16_products_copy = Bf16ProductsWeight(w)
         else:
             self.fp16_copy = Fp16Weight(w)
 
-    def _takes(self, int4_gemm: Optional["CpuInt4Gemm"]) -> bool:
-        """Whether ``int4_gemm`` runs this weight (int4 weights of its shapes only)."""
-        return False
+    def fits_amx_gemm(self, amx_gemm: Optional["CpuAmxGemm"]) -> bool:
+        """Whether ``amx_gemm`` (None: not loaded) runs this weight (its shapes only)."""
+        from kernels.cpu_amx_gemm import supports
+        return amx_gemm is not None and supports(*self.q.shape)
 
-    def nbytes_float_copies(self, amx: bool = False, int4_gemm: Optional["CpuInt4Gemm"] = None) -> int:
+    def nbytes_float_copies(self, amx: bool = False, amx_gemm: Optional["CpuAmxGemm"] = None) -> int:
         """Bytes ``keep_float_copies`` adds."""
         if not amx:
             return 2 * self.q.numel()
-        return int((4 + (0.75 if self._takes(int4_gemm) else 2)) * self.q.numel())
+        tiles = (0.75 if isinstance(self, Int4Weight) else 1.0) if self.fits_amx_gemm(amx_gemm) else 2.0
+        return int((4 + tiles) * self.q.numel())
 
 
 class Int8Weight(_PackedWeight):
@@ -173,24 +175,31 @@ class Int4Weight(_PackedWeight):
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size,
                                                  self.scale_zeros)
 
-    def _takes(self, int4_gemm: Optional["CpuInt4Gemm"]) -> bool:
-        from kernels.cpu_int4_gemm import supports
-        return int4_gemm is not None and supports(*self.q.shape, self.group_size)
+    def fits_amx_gemm(self, amx_gemm: Optional["CpuAmxGemm"]) -> bool:
+        from kernels.cpu_amx_gemm import GROUP_SIZE
+        return super().fits_amx_gemm(amx_gemm) and self.group_size == GROUP_SIZE
 
 
-class Int4AmxTiles:
-    """An int4 weight as ``kernels.cpu_int4_gemm``'s records: ``x @ W.T`` with W dequantized to bfloat16 tile
-    by tile on AMX, bfloat16 activations, float32 sums and outputs (the bf16 copy's arithmetic without its
-    output rounding, reading 0.75 bytes per weight instead of 2)."""
+class AmxTiles:
+    """An int4 or int8 weight as ``kernels.cpu_amx_gemm``'s records: ``x @ W.T`` with W's tiles dequantized to
+    bfloat16 in registers on AMX, bfloat16 activations, float32 sums and outputs (the bf16 copy's arithmetic
+    without its output rounding, reading 0.75 bytes per int4 weight, 1 per int8, instead of 2)."""
 
-    def __init__(self, gemm: "CpuInt4Gemm", weight: Int4Weight) -> None:
+    def __init__(self, gemm: "CpuAmxGemm", weight: "Int4Weight | Int8Weight") -> None:
         self.gemm = gemm
         self.out_features = weight.q.shape[0]
-        self.records = gemm.pack(weight.q, weight.scales.float(), weight.low.float())     # flat uint8
+        if isinstance(weight, Int4Weight):
+            self.records = gemm.pack_int4(weight.q, weight.scales.float(), weight.low.float())    # flat uint8
+            self.scales = None
+        else:
+            self.records = gemm.pack_int8(weight.q)
+            self.scales = weight.scales.float().contiguous()                                     # [out]
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] float32."""
-        return self.gemm(x.float(), self.records, self.out_features)
+        if self.scales is None:
+            return self.gemm.int4(x.float(), self.records, self.out_features)
+        return self.gemm.int8(x.float(), self.records, self.scales)
 
 
 class Fp16Weight:
@@ -325,12 +334,18 @@ class QuantizedEmbedding(torch.nn.Module):
         return self.weight_q.dequantize(self.dtype, rows=ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden] -> [R, vocab]: on CPU the fp16 copy's float32 logits at every row count when
-        it keeps one (the packed kernels return bfloat16, whose 1/16 steps at logits of 8-16 tie greedy
-        choices and coarsen logprobs; its cost: RESULTS.md "CPU", twenty-third session)."""
-        copy = getattr(self.weight_q, "fp16_copy", None)
-        if copy is not None and hidden.device.type == "cpu" and hidden.shape[0] <= FP16_COPY_MAX_TOKENS:
-            return copy.packed_mm(hidden).to(hidden.dtype)
+        """hidden [R, hidden] -> [R, vocab], float32 on CPU at every row count (the packed kernels return
+        bfloat16, whose 1/16 steps at logits of 8-16 tie greedy choices and coarsen logprobs; RESULTS.md "CPU",
+        twenty-third session): from ``FP16_COPY_MIN_TOKENS`` rows the AMX tiles when the weight keeps them
+        (bfloat16 activations, as the projections' at those rows; twenty-sixth session), else the fp16 copy
+        when it keeps one."""
+        if hidden.device.type == "cpu":
+            tiles = getattr(self.weight_q, "amx_tiles", None)
+            if tiles is not None and hidden.shape[0] >= FP16_COPY_MIN_TOKENS:
+                return tiles.packed_mm(hidden).to(hidden.dtype)
+            copy = getattr(self.weight_q, "fp16_copy", None)
+            if copy is not None and hidden.shape[0] <= FP16_COPY_MAX_TOKENS:
+                return copy.packed_mm(hidden).to(hidden.dtype)
         return quantized_linear(hidden, self.weight_q)
 
 

@@ -247,12 +247,14 @@ def _quantize(model: torch.nn.Module, plan, flag: str, device: torch.device) -> 
 def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_bytes: Optional[int] = None,
                        amx: Optional[bool] = None) -> None:
     """The float copies of the int8 / int4 weights (``ModelConfig.cpu_float_copy``): where ``amx`` (default:
-    the CPU has AMX) bf16 and float32 ones for each projection, else fp16 ones; the LM head's is always fp16
-    (float32 logits). ``physical_bytes``: the machine's memory (default: read from the OS)."""
+    the CPU has AMX) ``kernels.cpu_amx_gemm``'s tiles (or bf16 copies where it does not load) and float32
+    copies for each projection, else fp16 ones; the LM head always keeps an fp16 one (float32 logits), and with
+    AMX its tiles for batched logits. ``physical_bytes``: the machine's memory (default: read from the OS)."""
     import concurrent.futures
     import os
 
-    from engine.layers.quantized import QuantizedEmbedding, cpu_has_amx, float_copies_fit, packed_weights
+    from engine.layers.quantized import (AmxTiles, QuantizedEmbedding, cpu_has_amx, float_copies_fit,
+                                         packed_weights)
     weights = packed_weights(model)
     if not weights or wanted is False:
         return
@@ -260,8 +262,10 @@ def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_
         amx = cpu_has_amx()
     heads = {id(m.weight_q) for m in model.modules() if isinstance(m, QuantizedEmbedding)}
     plan = [(w, amx and id(w) not in heads) for w in weights]
-    int4_gemm = _int4_amx_gemm() if amx else None
-    nbytes = sum(w.nbytes_float_copies(w_amx, int4_gemm) for w, w_amx in plan)
+    amx_gemm = _amx_gemm() if amx else None
+    head_tiles = [w for w in weights if id(w) in heads and w.fits_amx_gemm(amx_gemm)]
+    nbytes = (sum(w.nbytes_float_copies(w_amx, amx_gemm) for w, w_amx in plan)
+              + sum(w.q.numel() for w in head_tiles))
     if physical_bytes is None:
         physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if wanted is None and not float_copies_fit(nbytes, physical_bytes):
@@ -270,20 +274,22 @@ def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_
         return
     # fbgemm's packing releases the GIL: one Python thread per torch thread packs them in parallel.
     with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        list(pool.map(lambda item: item[0].keep_float_copies(item[1], int4_gemm), plan))
+        list(pool.map(lambda item: item[0].keep_float_copies(item[1], amx_gemm), plan))
+    for w in head_tiles:          # batched logits from the AMX tiles, one row's from the fp16 copy (float32 both)
+        w.amx_tiles = AmxTiles(amx_gemm, w)
     logger.info("Quantized weights: float copies for steps of several rows (%s; %.2f GiB; --no-cpu-float-copy "
-                "drops them).", ("AMX: int4 tiles, bf16 and float32" if int4_gemm else "AMX: bf16 and float32")
+                "drops them).", ("AMX: int4/int8 tiles and float32" if amx_gemm else "AMX: bf16 and float32")
                 if amx else "fp16", nbytes / (1 << 30))
 
 
-def _int4_amx_gemm():
-    """``kernels.cpu_int4_gemm`` built and loaded for this host (KernelPolicy ``cpu_int4_amx``), or None."""
+def _amx_gemm():
+    """``kernels.cpu_amx_gemm`` built and loaded for this host (KernelPolicy ``cpu_amx_gemm``), or None."""
     from engine import envs
     from engine.kernel_policy import KernelPolicy
-    if not KernelPolicy.for_device(torch.device("cpu")).cpu_int4_amx:
+    if not KernelPolicy.for_device(torch.device("cpu")).cpu_amx_gemm:
         return None
-    from kernels.cpu_int4_gemm import CpuInt4Gemm
-    return CpuInt4Gemm.load(envs.cpu_kernel_dir())
+    from kernels.cpu_amx_gemm import CpuAmxGemm
+    return CpuAmxGemm.load(envs.cpu_kernel_dir())
 
 
 @torch.no_grad()

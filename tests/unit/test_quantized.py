@@ -140,7 +140,7 @@ def test_quantized_head_logits_are_float32_at_every_batch():
 
 
 def test_float_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir):
-    from engine.models.builder import _keep_float_copies
+    from engine.models.builder import _amx_gemm, _keep_float_copies
     assert float_copies_fit(1 << 30, 4 << 30) and not float_copies_fit((1 << 30) + 1, 4 << 30)
     for wanted, kept in ((False, False), (None, True), (True, True)):
         llm = LLM(str(tiny_llama_dir), quantization="int4", cpu_float_copy=wanted, max_model_len=64)
@@ -151,10 +151,11 @@ def test_float_copies_follow_the_setting_and_the_memory_rule(tiny_llama_dir):
         w.fp16_copy = w.bf16_copy = w.bf16_products_copy = w.amx_tiles = None
     _keep_float_copies(model, None, physical_bytes=1)    # a machine too small for them: none kept
     assert all(w.packed_max_tokens == PACKED_MAX_TOKENS for w in weights)
-    _keep_float_copies(model, True, amx=True)            # the projections get AMX's, the head's logits stay fp16
+    _keep_float_copies(model, True, amx=True)            # the projections get AMX's, the head's logits stay float32
     head = model.quantized_head.weight_q
-    assert head.fp16_copy is not None and head.bf16_copy is head.amx_tiles is head.bf16_products_copy is None
-    # decode batches: the int4 tiles where this CPU grants AMX (kernels.cpu_int4_gemm), else a bf16 copy
+    assert head.fp16_copy is not None and head.bf16_copy is head.bf16_products_copy is None
+    assert (head.amx_tiles is None) == (_amx_gemm() is None or not head.fits_amx_gemm(_amx_gemm()))
+    # decode batches: the AMX tiles where this CPU grants AMX (kernels.cpu_amx_gemm), else a bf16 copy
     assert all(w.fp16_copy is None and (w.bf16_copy is None) != (w.amx_tiles is None)
                and w.bf16_products_copy is not None for w in weights if w is not head)
 

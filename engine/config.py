@@ -51,7 +51,8 @@ class ModelConfig:
     cpu_float_copy: Optional[bool] = None
     """With int8 / int4 weights on CPU: also keep each quantized weight as float copies for steps of more rows
     than the packed kernels serve well (decode batches, prefill): fbgemm float16 (2 bytes per weight), or on
-    CPUs with AMX packed bfloat16 and float32 for bf16-product GEMMs (6 bytes; ``engine.layers.quantized``).
+    CPUs with AMX ``kernels.cpu_amx_gemm``'s tiles (0.75 bytes per int4 weight, 1 per int8; packed bfloat16,
+    2, where it does not build) and float32 for bf16-product GEMMs (4; ``engine.layers.quantized``).
     None (auto): kept when the copies take at most a quarter of the machine's memory."""
 
     def __post_init__(self) -> None:

@@ -219,9 +219,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      action=argparse.BooleanOptionalAction, default=None,
                      help="With int8/int4 weights on CPU (a GGUF's default): also keep each one as float16 for "
                           "steps of 5 to 2,048 rows (concurrent decodes, prompt chunks), 2 bytes per weight; on "
-                          "CPUs with AMX as packed bfloat16 for 5 to 19 rows and float32 for bf16-product GEMMs "
-                          "from 20 rows instead, 6 bytes per weight. The LM head's logits stay float32. Default: "
-                          "on when the copies take at most a quarter of the machine's memory.")
+                          "CPUs with AMX as AMX tiles for 5 to 19 rows (0.75-1 byte per weight; packed bfloat16 "
+                          "where the kernel does not build) and float32 for bf16-product GEMMs from 20 rows "
+                          "instead. The LM head's logits stay float32. Default: on when the copies take at most "
+                          "a quarter of the machine's memory.")
     eng.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4", "fp16"],
                      help="Weights in memory (CPU, Llama-family models). Default: a GGUF file's quantized "
                           "tensors stay quantized (4-bit types as int4, 5- to 8-bit as int8), other "

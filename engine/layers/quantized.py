@@ -49,10 +49,10 @@ FP16_COPY_MAX_TOKENS = 2048
 """Rows up to which the fp16 copy runs; larger steps (long prompts) dequantize for float32's GEMM, faster there
 (RESULTS.md "CPU")."""
 BF16_PRODUCTS_MIN_TOKENS = 20
-"""CPUs with AMX: rows from which a weight's bf16-products copy (float32 out) runs instead of its int4 tiles or
-bf16 copy: prompts keep float32 outputs, while decode batches take the faster tiles (int4 weights; float32
-out) or bf16 GEMM (int8 weights; bfloat16 out, the packed kernels' rounding below ``FP16_COPY_MIN_TOKENS``
-rows). RESULTS.md "CPU", twenty-third and twenty-sixth sessions."""
+"""CPUs with AMX: rows from which a weight's bf16-products copy (float32 out) runs instead of its AMX tiles or
+bf16 copy: prompts keep float32 outputs, while decode batches take the faster tiles (float32 out) or, where
+``kernels.cpu_amx_gemm`` does not build, the bf16 GEMM (bfloat16 out, the packed kernels' rounding below
+``FP16_COPY_MIN_TOKENS`` rows). RESULTS.md "CPU", twenty-third and twenty-sixth sessions."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2

@@ -121,8 +121,12 @@ class _PackedWeight:
         """Bytes ``keep_float_copies`` adds."""
         if not amx:
             return 2 * self.q.numel()
-        tiles = (0.75 if isinstance(self, Int4Weight) else 1.0) if self.fits_amx_gemm(amx_gemm) else 2.0
-        return int((4 + tiles) * self.q.numel())
+        decode_copy = self.nbytes_amx_tiles() if self.fits_amx_gemm(amx_gemm) else 2 * self.q.numel()
+        return 4 * self.q.numel() + decode_copy
+
+    def nbytes_amx_tiles(self) -> int:
+        """Bytes of this weight's ``AmxTiles`` (0.75 per int4 weight with its scales, 1 per int8)."""
+        return self.q.numel() * 3 // 4 if isinstance(self, Int4Weight) else self.q.numel()
 
 
 class Int8Weight(_PackedWeight):

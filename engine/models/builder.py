@@ -265,7 +265,7 @@ def _keep_float_copies(model: torch.nn.Module, wanted: Optional[bool], physical_
     amx_gemm = _amx_gemm() if amx else None
     head_tiles = [w for w in weights if id(w) in heads and w.fits_amx_gemm(amx_gemm)]
     nbytes = (sum(w.nbytes_float_copies(w_amx, amx_gemm) for w, w_amx in plan)
-              + sum(w.q.numel() for w in head_tiles))
+              + sum(w.nbytes_amx_tiles() for w in head_tiles))
     if physical_bytes is None:
         physical_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if wanted is None and not float_copies_fit(nbytes, physical_bytes):

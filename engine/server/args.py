@@ -131,6 +131,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "responses. Default: the model path (or SmolLM2's name).")
     net.add_argument("--chat-template", default=None,
                      help="Jinja chat template (file path or the template text) overriding the tokenizer's.")
+    net.add_argument("--trust-request-chat-template", action="store_true",
+                     help="Let requests carry their own 'chat_template' (template text only, never a path; "
+                          "rendered in jinja2's sandbox with time and size bounds). Off by default: a "
+                          "request's chat_template is refused with a 400.")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="Log level of uvicorn (default: info).")
@@ -298,6 +302,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     lora.add_argument("--allow-runtime-lora-updating", action="store_true",
                       help="Mount /v1/load_lora_adapter and /v1/unload_lora_adapter "
                            "(also $CHORUS_ALLOW_RUNTIME_LORA_UPDATING=1).")
+    lora.add_argument("--allowed-lora-path", nargs="+", default=None, metavar="DIR",
+                      help="Directories /v1/load_lora_adapter may load adapters from (the lora_path is "
+                           "resolved, symlinks and '..' followed, and must lie under one of them). Default: "
+                           "any directory the server can read; set it whenever runtime loading is on.")
     return p
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from engine.chat_template import check_template_syntax
 from engine.loader.resolve import ResolvedModel
 
 # Characters a Jinja template has and a file path practically never does.
@@ -21,7 +22,8 @@ def load_tokenizer(resolved: ResolvedModel, chat_template: Optional[str] = None,
 
     Args:
         resolved: the model from ``resolve_model``.
-        chat_template: a template file path or the template text; replaces the tokenizer's own.
+        chat_template: a template file path or the template text (the operator's ``--chat-template``;
+            never a request's); replaces the tokenizer's own. Checked to compile here.
         trust_remote_code: passed to ``AutoTokenizer.from_pretrained``.
 
     Returns:
@@ -53,9 +55,22 @@ def load_tokenizer(resolved: ResolvedModel, chat_template: Optional[str] = None,
 def read_chat_template(chat_template: str) -> str:
     """Return the template text of ``chat_template``: the contents of a file path, or the text itself.
 
+    Only for the operator's template (``--chat-template``, ``LLM(chat_template=...)``): a request's
+    ``chat_template`` is always template text and never reaches here.
+
     Raises:
-        ValueError: it looks like a file path (no braces, one line) but no such file exists.
+        ValueError: it looks like a file path (no braces, one line) but no such file exists, or the
+            template does not compile (``engine.chat_template.check_template_syntax``).
     """
+    text = _template_text(chat_template)
+    try:
+        check_template_syntax(text)
+    except ValueError as e:
+        raise ValueError(f"chat_template (--chat-template): {e} Fix the template.") from e
+    return text
+
+
+def _template_text(chat_template: str) -> str:
     path = Path(chat_template).expanduser()
     try:
         if path.is_file():

@@ -13,11 +13,14 @@ with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one 
 
 from __future__ import annotations
 
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.async_llm import RequestStream
 from engine.chat_utils import ParsedChat, parse_chat_messages
@@ -27,11 +30,15 @@ from engine.server.protocol import (SSE_DONE, ChatCompletionRequest, ChatComplet
                                     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                     ChatMessage, ChatResponseMessage, DeltaMessage, StreamChunkHead,
                                     UsageInfo, now_s, random_id, sse_event, stream_chunk)
-from engine.server.serving_base import (ServingBase, merge_streams, run_unless_disconnected,
-                                        serialize_prompt_logprobs, to_sampling_params)
+from engine.server.serving_base import (OwnedStreamingResponse, ServingBase, merge_streams,
+                                        run_unless_disconnected, serialize_prompt_logprobs, to_sampling_params)
 from multimodal.media import MediaError
 
 ASSISTANT = "assistant"
+RENDER_THREADS = 4
+"""Worker threads that render chat templates (and tokenize the result): a burst of slow templates, each
+stopped at its time bound, occupies these and never the event loop or the default executor."""
+_render_executor = ThreadPoolExecutor(max_workers=RENDER_THREADS, thread_name_prefix="chorus-chat-template")
 
 
 @dataclass
@@ -75,29 +82,69 @@ def parse_messages(engine_client: Any, messages: list[ChatMessage]) -> ParsedCha
         raise BadRequestError(str(e), param="messages") from e
 
 
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "add_generation_prompt",
+                                       "continue_final_message"})
+"""What ``chat_template_kwargs`` may not carry: the request's own fields (a ``chat_template`` there would
+bypass --trust-request-chat-template)."""
+
+
+def check_request_chat_template(chat_template: Optional[str], trust_request_chat_template: bool) -> None:
+    """A request's ``chat_template`` (template text, never a path) is accepted only when the server runs
+    with ``--trust-request-chat-template``; empty or None means the server's template."""
+    if chat_template and not trust_request_chat_template:
+        raise BadRequestError("This server does not accept a chat_template in requests; leave it out to use "
+                              "the model's template (the server operator can allow request templates with "
+                              "--trust-request-chat-template).", param="chat_template")
+
+
 def render_chat(engine_client: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
                 continue_final_message: bool, add_special_tokens: bool, chat_template: Optional[str],
-                chat_template_kwargs: Optional[dict[str, Any]]) -> ChatPrompt:
-    """Apply the chat template and tokenize. Template errors -> 400."""
+                chat_template_kwargs: Optional[dict[str, Any]],
+                trust_request_chat_template: bool = False) -> ChatPrompt:
+    """Apply the chat template (jinja2's sandbox, bounded in time and size: ``engine/chat_template.py``)
+    and tokenize. Blocking CPU work: the handlers run it in a worker thread (``render_chat_off_loop``).
+    Template errors -> 400 (param ``chat_template`` for the request's template, ``messages`` for the
+    server's)."""
     if add_generation_prompt and continue_final_message:
         raise BadRequestError("Cannot set both continue_final_message and add_generation_prompt to true.",
                               param="continue_final_message")
+    check_request_chat_template(chat_template, trust_request_chat_template)
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {}))
+    if reserved:
+        raise BadRequestError(f"chat_template_kwargs cannot set {reserved[0]!r}: it is a field of the "
+                              "request (or set by the server).", param="chat_template_kwargs")
     parsed = parse_messages(engine_client, messages)
     try:
         text = engine_client.apply_chat_template(
-            parsed.messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            parsed.messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template or None,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-    except (ValueError, TypeError, KeyError) as e:
-        raise BadRequestError(f"Could not apply the chat template: {e}", param="messages") from e
-    except Exception as e:  # jinja2 TemplateError and friends
-        if type(e).__module__.startswith("jinja2"):
-            raise BadRequestError(f"Could not apply the chat template: {e}", param="messages") from e
-        raise
+    except (ValueError, TypeError, KeyError) as e:   # ChatTemplateError names the field
+        raise BadRequestError(f"Could not apply the chat template: {e}",
+                              param=getattr(e, "param", "messages")) from e
     token_ids = engine_client.tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return ChatPrompt(text=text, token_ids=list(token_ids), images=parsed.images)
 
 
+async def render_chat_off_loop(engine_client: Any, req: Any, trust_request_chat_template: bool) -> ChatPrompt:
+    """``render_chat`` of a chat request's fields (``ChatCompletionRequest``, ``TokenizeChatRequest``) in a
+    worker thread (``RENDER_THREADS``): a slow template or a long conversation never stalls the event loop
+    (other streams, /health). The render stops itself at its time bound."""
+    check_request_chat_template(req.chat_template, trust_request_chat_template)
+    render = functools.partial(
+        render_chat, engine_client, req.messages, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
+        chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
+        trust_request_chat_template=trust_request_chat_template)
+    return await asyncio.get_running_loop().run_in_executor(_render_executor, render)
+
+
 class OpenAIServingChat(ServingBase):
+
+    def __init__(self, engine_client: Any, models: Any, trust_request_chat_template: bool = False) -> None:
+        super().__init__(engine_client, models)
+        self.trust_request_chat_template = trust_request_chat_template
+        """--trust-request-chat-template: a request's own ``chat_template`` (text) is rendered, not
+        refused."""
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         lora = self.models.resolve_model_name(req.model)
@@ -110,25 +157,24 @@ class OpenAIServingChat(ServingBase):
         if req.top_logprobs and not req.logprobs:
             raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.",
                                   param="top_logprobs")
-        prompt = render_chat(self.engine_client, req.messages,
-                             add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message,
-                             add_special_tokens=req.add_special_tokens, chat_template=req.chat_template,
-                             chat_template_kwargs=req.chat_template_kwargs)
+        prompt = await render_chat_off_loop(self.engine_client, req, self.trust_request_chat_template)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = to_sampling_params(req, max_tokens=max_tokens, logprobs=num_top,
                                     defaults=self.engine_client.default_sampling_params)
         request_id = req.request_id or raw_request.headers.get("X-Request-Id") or random_id("chatcmpl")
-        try:
-            streams = await self.submit_all([prompt.engine_prompt()], params, request_id, lora, req.priority)
+        try:   # a client that leaves while its images are processed cancels them (nothing reaches the engine)
+            streams = await run_unless_disconnected(
+                raw_request, self.submit_all([prompt.engine_prompt()], params, request_id, lora, req.priority))
         except MediaError as e:   # loading / decoding an image failed: say so, and where it came from
             raise BadRequestError(f"An image could not be loaded: {e}", param="messages") from e
+        if streams is None:
+            return Response(status_code=499)
         created = now_s()
         echo = self._echo_text(req)
         if req.stream:
-            return StreamingResponse(self._stream(req, streams[0], request_id, created, model_name, echo),
-                                     media_type="text/event-stream")
+            return OwnedStreamingResponse(self._stream(req, streams[0], request_id, created, model_name, echo),
+                                          streams, media_type="text/event-stream")
         body = await run_unless_disconnected(
             raw_request, self._collect(req, streams[0], request_id, created, model_name, echo))
         if body is None:

@@ -2,11 +2,61 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+import math
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 _SAMPLING_EPS = 1e-5
+
+MAX_STOP_STRINGS = 256
+"""Stop strings a request may carry (OpenAI allows 4): each one is matched against every sample's text
+after every token."""
+MAX_STOP_STRING_CHARS = 1024
+"""Characters of one stop string: streaming holds back as many characters minus one."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Stop token ids a request may carry."""
+
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                 "min_p")
+"""The float knobs: each must be a finite number."""
+_REPR_ITEMS = 4
+"""Items of a list field ``repr`` shows before a count of the rest."""
+_REPR_CHARS = 64
+"""Characters of a string ``repr`` shows before a count of the rest."""
+
+
+def stop_bound_error(stop: Any, stop_token_ids: Any) -> Optional[tuple[str, str]]:
+    """``(field, message)`` when ``stop`` (a string or a list) or ``stop_token_ids`` is past the bounds
+    (``MAX_STOP_STRINGS``, ``MAX_STOP_STRING_CHARS``, ``MAX_STOP_TOKEN_IDS``); None within them. Items of
+    other types are left to the type checks."""
+    strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, (list, tuple)) else []
+    if len(strings) > MAX_STOP_STRINGS:
+        return "stop", (f"stop has {len(strings)} strings; at most {MAX_STOP_STRINGS} are allowed.")
+    for s in strings:
+        if isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS:
+            return "stop", (f"stop has a string of {len(s)} characters; each may have at most "
+                            f"{MAX_STOP_STRING_CHARS}.")
+    if isinstance(stop_token_ids, (list, tuple)) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return "stop_token_ids", (f"stop_token_ids has {len(stop_token_ids)} ids; at most "
+                                  f"{MAX_STOP_TOKEN_IDS} are allowed.")
+    return None
+
+
+def short_repr(value: Any) -> str:
+    """``repr`` of a field value, bounded: lists show their first ``_REPR_ITEMS`` items and the count of
+    the rest, strings their first ``_REPR_CHARS`` characters and the count of the rest."""
+    if isinstance(value, str):
+        if len(value) <= _REPR_CHARS:
+            return repr(value)
+        return f"{value[:_REPR_CHARS]!r}...<{len(value)} chars>"
+    if isinstance(value, (list, tuple, set)):
+        shown = ", ".join(short_repr(v) for v in itertools.islice(value, _REPR_ITEMS))
+        if len(value) > _REPR_ITEMS:
+            return f"[{shown}, ...<{len(value)} items>]"
+        return f"[{shown}]"
+    return repr(value)[:_REPR_CHARS * 2]
 
 
 class RequestOutputKind(Enum):
@@ -22,7 +72,8 @@ class RequestOutputKind(Enum):
 class SamplingParams:
     """How to pick tokens and when to stop. Field names and defaults follow vLLM.
 
-    Invalid values raise ``ValueError`` naming the field (``verify()`` runs at construction).
+    Invalid values raise ``ValueError`` naming the field (``verify()`` runs at construction). ``repr`` is
+    bounded (long lists and strings are summarized), so a request log line stays short.
     """
 
     n: int = 1
@@ -94,6 +145,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -122,12 +177,19 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}.")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63):
             bad("seed", f"must be a 64-bit integer (-2**63 .. 2**63-1), got {self.seed!r}.")
+        bound = stop_bound_error(self.stop, self.stop_token_ids)
+        if bound is not None:
+            raise ValueError(bound[1])
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must contain only non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must contain only non-negative integers.")
         if self.logits_processors:
             bad("logits_processors", "are not supported by Chorus.")
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={short_repr(getattr(self, f.name))}" for f in fields(self) if f.repr)
+        return f"SamplingParams({shown})"
 
     @property
     def greedy(self) -> bool:

@@ -2,9 +2,9 @@
 checks, the port bound before the model loads, one-line start-up errors).
 
 Routes (vLLM's): GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
-POST /detokenize, GET /health, GET /version, GET /metrics; POST /v1/audio/transcriptions and
-/v1/audio/translations (multipart uploads, answered by a Whisper engine); POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter when runtime adapter updating is allowed.
+POST /detokenize, GET /health, GET and POST /ping (as /health), GET /version, GET /metrics; POST
+/v1/audio/transcriptions and /v1/audio/translations (multipart uploads, answered by a Whisper engine);
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter when runtime adapter updating is allowed.
 
 One app serves one engine, or two: a chat model's and, with ``--transcription-model``, a Whisper model's
 (``build_app(engine_client, args, transcription_client)``). The ``model`` field routes by served names:
@@ -40,11 +40,13 @@ from engine.server import args as serve_args
 from engine.server import metrics
 from engine.server.errors import (BadRequestError, OpenAIError, ServiceUnavailableError, error_body,
                                   install_error_handlers)
-from engine.server.guards import APIKeyMiddleware, ClientGuardMiddleware, head_deadline_protocol
+from engine.server.guards import (APIKeyMiddleware, ClientGuardMiddleware, RequestIdHeaderMiddleware,
+                                  head_deadline_protocol)
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest)
 from engine.server.serving_chat import OpenAIServingChat
 from engine.server.serving_completion import OpenAIServingCompletion
+from engine.server.lora_paths import resolve_allowed_roots
 from engine.server.serving_models import OpenAIServingModels, parse_lora_modules
 from engine.server.serving_tokenize import OpenAIServingTokenization
 from engine.server.serving_transcription import OpenAIServingTranscription
@@ -56,9 +58,14 @@ CHORUS_VERSION = "0.1.0"
 
 
 class LoadLoRAAdapterRequest(BaseModel):
+    """Body of POST /v1/load_lora_adapter (vLLM's)."""
+
     lora_name: str
+    """The name requests pass as ``model``."""
     lora_path: str
+    """The adapter's PEFT directory on the server; with --allowed-lora-path, under one of its directories."""
     base_model_name: Optional[str] = None
+    """Shown as the adapter's ``parent`` in /v1/models (default: the served model)."""
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -126,8 +133,9 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
     elif engine_client.processor.transcriber is not None:
         transcription = OpenAIServingTranscription(engine_client, models)
     st = ServingState(engine_client, models, OpenAIServingCompletion(engine_client, models),
-                      OpenAIServingChat(engine_client, models),
-                      OpenAIServingTokenization(engine_client, models), registry, transcription, engines)
+                      OpenAIServingChat(engine_client, models, args.trust_request_chat_template),
+                      OpenAIServingTokenization(engine_client, models, args.trust_request_chat_template),
+                      registry, transcription, engines)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -146,10 +154,15 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
     _add_generation_routes(app, st)
     _add_audio_routes(app, st)
     if serve_args.runtime_lora_updating(args):
-        _add_lora_routes(app, st)
-    # The middleware added last runs first: body size and slow clients, then API key, then CORS.
-    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=True,
-                       allow_methods=["*"], allow_headers=["*"])
+        _add_lora_routes(app, st, getattr(args, "allowed_lora_path", None))
+    # The middleware added last runs first: body size and slow clients, then API key, then the
+    # X-Request-Id header, then CORS. Credentials only ever go to an explicit list of origins.
+    serve_args.check_cors_args(args)
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                       allow_credentials=getattr(args, "allow_credentials", False),
+                       allow_methods=getattr(args, "allowed_methods", ["*"]),
+                       allow_headers=getattr(args, "allowed_headers", ["*"]))
+    app.add_middleware(RequestIdHeaderMiddleware)
     key = serve_args.api_key(args)
     if key:
         app.add_middleware(APIKeyMiddleware, api_key=key)
@@ -219,6 +232,12 @@ def _add_utility_routes(app: FastAPI, st: ServingState) -> None:
                                                "ServiceUnavailableError", 503), status_code=503)
         return Response(status_code=200)
 
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) health check: answers as /health."""
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": CHORUS_VERSION}
@@ -236,7 +255,7 @@ def _add_utility_routes(app: FastAPI, st: ServingState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Union[TokenizeChatRequest, TokenizeCompletionRequest]) -> JSONResponse:
-        return JSONResponse(st.tokenization.tokenize(request).model_dump(mode="json"))
+        return JSONResponse((await st.tokenization.tokenize(request)).model_dump(mode="json"))
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
@@ -293,12 +312,16 @@ def _add_audio_routes(app: FastAPI, st: ServingState) -> None:
         return await serving().create_transcription("translate", raw_request)
 
 
-def _add_lora_routes(app: FastAPI, st: ServingState) -> None:
-    """vLLM's runtime adapter routes (mounted only with --allow-runtime-lora-updating)."""
+def _add_lora_routes(app: FastAPI, st: ServingState, allowed_lora_path: Optional[list[str]] = None) -> None:
+    """vLLM's runtime adapter routes (mounted only with --allow-runtime-lora-updating). A client's
+    ``lora_path`` must lie under one of the ``allowed_lora_path`` directories (--allowed-lora-path)
+    when they are given; any readable directory otherwise (vLLM's behaviour)."""
+    roots = resolve_allowed_roots(allowed_lora_path) if allowed_lora_path is not None else None
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
-        await st.models.load_lora_adapter(request.lora_name, request.lora_path, request.base_model_name)
+        await st.models.load_runtime_lora_adapter(request.lora_name, request.lora_path, request.base_model_name,
+                                                  allowed_roots=roots)
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -125,7 +125,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="Port to listen on (default: 8000; 0: any free port, logged at start-up). "
                           "It is bound before the model loads: a port in use stops start-up at once.")
     net.add_argument("--api-key", default=None,
-                     help="Require 'Authorization: Bearer KEY' on /v1/* routes (also $CHORUS_API_KEY).")
+                     help="Require 'Authorization: Bearer KEY' on every route (unknown paths, /tokenize, "
+                          "/detokenize and /docs included) but /health, /metrics, /version and /ping "
+                          "(also $CHORUS_API_KEY).")
     net.add_argument("--served-model-name", nargs="+", default=None,
                      help="Name(s) the model answers to in the 'model' field; the first is reported in "
                           "responses. Default: the model path (or SmolLM2's name).")
@@ -146,12 +148,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "an audio upload).")
     net.add_argument("--shutdown-timeout", type=float, default=5.0,
                      help="Seconds in-flight requests get to finish after SIGTERM/SIGINT (default: 5).")
-    net.add_argument("--allowed-origins", nargs="*", default=["*"], help="CORS allowed origins (default: *).")
+    net.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
+                     help="Origins (scheme://host[:port]) whose web pages may call this server from a "
+                          "browser (CORS); '*': any page (default: *), without cookies or HTTP auth unless "
+                          "--allow-credentials is given with an explicit list.")
+    net.add_argument("--allow-credentials", action="store_true",
+                     help="CORS: let pages of the --allowed-origins send cookies and HTTP auth (default: "
+                          "off). Needs an explicit --allowed-origins list: never with '*'.")
+    net.add_argument("--allowed-methods", nargs="*", default=["*"], metavar="METHOD",
+                     help="CORS: HTTP methods cross-origin pages may use (default: *).")
+    net.add_argument("--allowed-headers", nargs="*", default=["*"], metavar="HEADER",
+                     help="CORS: request headers cross-origin pages may send (default: *).")
     net.add_argument("--max-queued-requests", type=_non_negative_int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                      metavar="N",
-                     help="Requests that may wait beyond the --max-num-seqs that run at once; more get a 503 "
+                     help="Sequences that may wait beyond the --max-num-seqs that run at once; more get a 503 "
                           "with Retry-After (the OpenAI SDK retries it) instead of queueing without bound. "
-                          f"An n > 1 request counts once (default: {DEFAULT_MAX_QUEUED_REQUESTS}).")
+                          "A request counts from its arrival, before its prompt is tokenized or its media "
+                          "fetched, as prompts x n sequences (a completion with 4 prompts and n=2 is 8); one "
+                          "that could never fit (more than --max-num-seqs + N) is a 400 "
+                          f"(default: {DEFAULT_MAX_QUEUED_REQUESTS}).")
     net.add_argument("--request-timeout", type=_positive_seconds, default=None, metavar="S",
                      help="Abort a request S seconds after it arrived, queueing included (its KV blocks are "
                           "freed): a 504 error, or on a stream an in-band error event then [DONE]. "
@@ -259,7 +274,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     mm = p.add_argument_group("Images (vision models: LLaVA, Qwen2-VL, Qwen2.5-VL)")
     mm.add_argument("--limit-mm-per-prompt", type=_limit_mm_per_prompt, default=None, metavar="JSON",
                     help='Most images in one request, as JSON \'{"image": 2}\' (or image=2); more is a '
-                         "400. 0 refuses images. Default: 999.")
+                         "400. 0 refuses images. Default: 16 images.")
     mm.add_argument("--allowed-local-media-path", type=_media_dir, default=None, metavar="DIR",
                     help="Let image_url parts name file:// URLs of files under DIR (symlinks and '..' "
                          "resolved first; anything outside is a 400). Default: file:// URLs are refused. "
@@ -272,6 +287,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="Let image URLs reach loopback, private, link-local and other non-public "
                          "addresses (refused by default: a client could otherwise make the server fetch "
                          "from its own network). Only for trusted clients.")
+    mm.add_argument("--max-image-pixels-per-request", type=_positive_human_int, default=None, metavar="N",
+                    help="Decoded pixels (width x height, summed over its images) one request may have, read "
+                         "from the images' headers before any is decoded; more is a 400. Default: 64M "
+                         "(about 190 MB of RGB).")
+    mm.add_argument("--max-image-pixels-in-flight", type=_positive_human_int, default=None, metavar="N",
+                    help="Decoded pixels all requests being preprocessed may have at once; a request that "
+                         "does not fit gets a 503 with Retry-After, nothing of it decoded. Default: 256M "
+                         "(4 requests at --max-image-pixels-per-request).")
+    mm.add_argument("--max-media-bytes-in-flight", type=_positive_human_int, default=None, metavar="BYTES",
+                    help="Encoded media bytes (downloads, data URLs) all requests being preprocessed may hold "
+                         "at once; beyond it a 503 with Retry-After. Default: 512M.")
     mm.add_argument("--max-num-encoder-input-tokens", type=_positive_human_int, default=None,
                     help="Image embeddings the vision encoder computes per engine step (its compute "
                          "budget). Default: max(max-num-batched-tokens, the largest image's "
@@ -371,6 +397,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["max_logprobs"] = max(args.max_logprobs, NO_SPEECH_TOP_LOGPROBS)
     for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "limit_mm_per_prompt",
                  "allowed_local_media_path", "allowed_media_domains", "max_num_encoder_input_tokens",
+                 "max_image_pixels_per_request", "max_image_pixels_in_flight", "max_media_bytes_in_flight",
                  "encoder_cache_size", "cpu_float_copy"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
@@ -392,6 +419,27 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag and the fix for flags that cannot work, found before any model loads."""
     check_task_args(args)
     check_lora_modules(args)
+    check_allowed_lora_path(args)
+    check_cors_args(args)
+
+
+def check_cors_args(args: argparse.Namespace) -> None:
+    """ValueError for --allow-credentials with a wildcard origin: browsers would send a page of any site
+    the user's cookies and HTTP auth."""
+    origins = getattr(args, "allowed_origins", None) or []
+    if getattr(args, "allow_credentials", False) and "*" in origins:
+        raise ValueError("--allow-credentials cannot be combined with --allowed-origins '*' (the default): "
+                         "list the origins that may send credentials (--allowed-origins "
+                         "https://app.example.com ...), or drop --allow-credentials.")
+
+
+def check_allowed_lora_path(args: argparse.Namespace) -> None:
+    """ValueError naming --allowed-lora-path for a directory of it that does not exist."""
+    from engine.server.lora_paths import resolve_allowed_roots
+
+    dirs = getattr(args, "allowed_lora_path", None)
+    if dirs is not None:
+        resolve_allowed_roots(dirs)
 
 
 def check_lora_modules(args: argparse.Namespace) -> None:

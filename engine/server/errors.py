@@ -2,7 +2,8 @@
 
 Route code raises ``OpenAIError`` (or a subclass); ``install_error_handlers`` maps it, pydantic
 validation errors (400, not FastAPI's 422), ``ValueError`` from the engine (400),
-``EngineDeadError`` (503), ``EngineStepError`` (500) and unknown routes (404) to that body.
+``EngineDeadError`` (503), ``EngineStepError`` (500), ``RecursionError`` (400: a request nested too deeply
+for some code that walks it) and unknown routes (404) to that body.
 A body that is not JSON is a 400 that says where it stops parsing (line and column) or, when it was sent
 with another Content-Type, that the content type is the problem (400 as vLLM and OpenAI answer, not
 415). An overloaded engine is a 503 with a Retry-After header, a request past ``--request-timeout`` a 504.
@@ -115,6 +116,9 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return NotFoundError(str(exc), param="lora_path")
     if isinstance(exc, (ValueError, TypeError)):
         return BadRequestError(str(exc), param=_guess_param(str(exc)))
+    if isinstance(exc, RecursionError):
+        return BadRequestError("The request is nested too deeply to be processed; send lists and objects "
+                               "(and templates) with fewer levels.")
     logger.exception("Internal error while serving a request.", exc_info=exc)
     return OpenAIError(f"Internal server error: {exc!r}", status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
                        err_type="InternalServerError")
@@ -131,13 +135,15 @@ _KNOWN_PARAMS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", 
 
 
 def format_validation_error(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    """pydantic errors -> one readable message and the first offending field."""
+    """pydantic errors -> one readable message and the first offending field (``ctx.param`` of an error
+    raised before the fields are validated, else the error's first location)."""
     parts, param = [], None
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         field = ".".join(loc)
-        if param is None and loc:
-            param = loc[0]
+        named = (err.get("ctx") or {}).get("param")
+        if param is None and (loc or isinstance(named, str)):
+            param = named if isinstance(named, str) else loc[0]
         msg = err.get("msg", "invalid value")
         parts.append(f"{field}: {msg}" if field else msg)
     return "; ".join(parts) or "Invalid request body.", param
@@ -208,11 +214,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _classified(_: Request, exc: Exception) -> JSONResponse:
         return error_response(to_openai_error(exc))
 
-    for exc_type in (EngineOverloadedError, RequestTimeoutError):   # 503 + Retry-After, 504
+    for exc_type in (EngineOverloadedError, RequestTimeoutError, RecursionError):   # 503, 504, 400
         app.add_exception_handler(exc_type, _classified)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, RecursionError):   # FastAPI's json.loads of a body nested too deep
+            return error_response(to_openai_error(exc.__cause__))
         phrase = HTTPStatus(exc.status_code).phrase.replace(" ", "") + "Error"
         return JSONResponse(error_body(str(exc.detail), phrase, exc.status_code),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))

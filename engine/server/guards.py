@@ -1,5 +1,6 @@
-"""What a client may cost the server before and while a route runs: the API key, the body's size and
-arrival time, a response the client does not read, and the request head's arrival time.
+"""What a client may cost the server before and while a route runs: the API key (every route but
+``OPEN_ROUTES``), the X-Request-Id header's characters, the body's size and arrival time, a response the
+client does not read, and the request head's arrival time.
 
 The ASGI guards are pure ASGI (streaming responses pass through untouched); the head deadline lives in
 uvicorn's HTTP protocol, since no ASGI code runs before a request's head is complete.
@@ -18,8 +19,9 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_llm import RequestStream, owned_requests
-from engine.server.errors import (OpenAIError, PayloadTooLargeError, RequestTimeoutHTTPError,
-                                  UnauthorizedError, error_body)
+from engine.server.errors import (BadRequestError, OpenAIError, PayloadTooLargeError,
+                                  RequestTimeoutHTTPError, UnauthorizedError, error_body)
+from engine.server.protocol import request_id_error
 
 logger = logging.getLogger("chorus.server")
 
@@ -62,21 +64,51 @@ async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never rea
     return _DISCONNECT
 
 
+OPEN_ROUTES = ("/health", "/metrics", "/version", "/ping")
+"""The paths that answer without the API key (health checks and monitoring): every other path, unknown
+ones included, is a 401 without ``Authorization: Bearer <key>`` when a key is set. Unlike vLLM's
+``--api-key`` (which guards /v1/* only), /tokenize, /detokenize, /docs, /redoc and /openapi.json need
+the key too: they render templates and reveal the model's and the server's surface."""
+
+
 class APIKeyMiddleware:
-    """401 on /v1/* without ``Authorization: Bearer <key>``; other routes (/health, /metrics, /version,
-    /tokenize, /detokenize) stay open, as vLLM's ``--api-key``. The key is compared in constant time."""
+    """401 without ``Authorization: Bearer <key>`` on every path but ``OPEN_ROUTES`` (exact paths), any
+    method but OPTIONS (CORS preflight); an unknown path is a 401 too, so routes are not revealed. The key
+    is compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = b"Bearer " + api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope.get("method") != "OPTIONS"
-                and scope.get("path", "").startswith("/v1")):
+        if scope["type"] in ("http", "websocket") and scope.get("path", "") not in OPEN_ROUTES \
+                and scope.get("method") != "OPTIONS":
             auth = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(auth, self.expected):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
                 await send_error(send, UnauthorizedError("Unauthorized: missing or invalid API key."))
                 return
+        await self.app(scope, receive, send)
+
+
+class RequestIdHeaderMiddleware:
+    """400 (``param: request_id``) for an ``X-Request-Id`` header that is not a valid request id
+    (``protocol.REQUEST_ID_PATTERN``: it names the engine request and goes into log lines); the open routes
+    (``OPEN_ROUTES``) ignore the header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "") not in OPEN_ROUTES:
+            for name, value in scope.get("headers") or []:
+                if name == b"x-request-id":
+                    why = request_id_error(value.decode("latin-1"))
+                    if why is not None:
+                        await send_error(send, BadRequestError(f"X-Request-Id {why}", param="request_id"))
+                        return
         await self.app(scope, receive, send)
 
 

@@ -3,16 +3,33 @@
 Requests allow unknown fields (ignored, as vLLM does) so newer clients keep working. Responses
 are dumped by the serving code; stream chunks go through ``sse_chunk`` so their shape matches
 OpenAI's byte for byte (compact JSON, ``usage`` only when asked for, empty ``delta`` at the end).
+
+Before any field is validated, a request body is walked once, without recursion: every string must be
+encodable, every number finite (JSON's NaN and Infinity literals are refused), and lists and objects
+nest at most ``MAX_JSON_DEPTH`` deep; a failure is a 400 whose ``param`` is the top-level field.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from engine.sampling_params import stop_bound_error
+
+MAX_JSON_DEPTH = 64
+"""Levels of lists and objects a request body may nest (the body itself is the first): deeper bodies
+would exhaust the recursion of the code that walks them (templates, tokenizers, pydantic)."""
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+"""What a client-chosen request id (the ``request_id`` field, the ``X-Request-Id`` header) may be: 1 to
+128 characters that cannot break a log line or collide with the engine's internal child ids (``#``)."""
+REQUEST_ID_RULE = "1 to 128 characters of A-Z, a-z, 0-9, '.', '_', ':' and '-'"
 
 
 def random_id(prefix: str) -> str:
@@ -23,18 +40,56 @@ def now_s() -> int:
     return int(time.time())
 
 
-def _check_encodable(value: Any) -> None:
-    """ValueError (a 400) for a string JSON may carry but UTF-8 cannot (a lone surrogate, "\\ud800"):
-    tokenizers would raise a TypeError later."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"strings must be valid Unicode: {value[e.start:e.end]!r} at position {e.start} "
-                             "is a lone surrogate.") from None
-    elif isinstance(value, (dict, list, tuple)):
-        for item in (value.items() if isinstance(value, dict) else value):   # a dict's keys too
-            _check_encodable(item)
+def request_id_error(value: str) -> Optional[str]:
+    """Why ``value`` cannot be a client-chosen request id (``REQUEST_ID_PATTERN``); None when it can."""
+    if REQUEST_ID_PATTERN.fullmatch(value):
+        return None
+    return f"must be {REQUEST_ID_RULE} (got {len(value)} characters)."
+
+
+_SCALARS = (bool, int, type(None))
+"""JSON values that need no check."""
+
+
+def field_error(param: Optional[str], message: str) -> PydanticCustomError:
+    """A validation error raised before the fields are validated, naming the offending top-level field:
+    errors.py reports ``ctx.param`` as the OpenAI error's ``param``."""
+    return PydanticCustomError("invalid_body", "{detail}", {"detail": message, "param": param})
+
+
+def _value_error(field: Optional[str], message: str) -> PydanticCustomError:
+    return field_error(field, f"{field}: {message}" if field else message)
+
+
+def check_body_values(data: Any) -> None:
+    """``PydanticCustomError`` (a 400) naming the top-level field for a string UTF-8 cannot carry (a lone
+    surrogate, "\\ud800": tokenizers would raise a TypeError later), a non-finite number, or lists and
+    objects nested deeper than ``MAX_JSON_DEPTH``. Iterative: any depth is walked without recursion."""
+    stack: list[tuple[Any, int, Optional[str]]] = [(data, 1, None)]
+    while stack:
+        value, depth, field = stack.pop()
+        if isinstance(value, _SCALARS):
+            continue
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise _value_error(field, f"strings must be valid Unicode: {value[e.start:e.end]!r} at "
+                                         f"position {e.start} is a lone surrogate.") from None
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise _value_error(field, f"numbers must be finite, got {value} (NaN and Infinity are not "
+                                         "accepted).")
+        elif isinstance(value, (dict, list, tuple)):
+            if depth > MAX_JSON_DEPTH:
+                raise _value_error(field, f"lists and objects may nest at most {MAX_JSON_DEPTH} levels deep.")
+            if isinstance(value, dict):
+                for key, item in value.items():   # a dict's keys too
+                    name = key if field is None and isinstance(key, str) else field
+                    stack.append((key, depth + 1, name))
+                    stack.append((item, depth + 1, name))
+            else:
+                stack.extend((item, depth + 1, field) for item in value if not isinstance(item, _SCALARS))
 
 
 class OpenAIBaseModel(BaseModel):
@@ -42,13 +97,21 @@ class OpenAIBaseModel(BaseModel):
 
 
 class OpenAIRequest(OpenAIBaseModel):
-    """A request body: every string in it, nested ones included, must be encodable (else a 400)."""
+    """A request body: checked by ``check_body_values`` (and the class's ``check_bounds``) before its
+    fields are validated; float fields refuse NaN and Infinity."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _encodable_strings(cls, data: Any) -> Any:
-        _check_encodable(data)
+    def _check_body(cls, data: Any) -> Any:
+        cls.check_bounds(data)
+        check_body_values(data)
         return data
+
+    @classmethod
+    def check_bounds(cls, data: Any) -> None:
+        """Size bounds checked first, on the raw body (before it is walked): none here."""
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -91,6 +154,23 @@ class SamplingFields(OpenAIRequest):
     """vLLM extension: the id to use for this request (default: a random one)."""
     return_tokens_as_token_ids: Optional[bool] = None
     """vLLM extension: logprob tokens spelled ``token_id:{id}``."""
+
+    @classmethod
+    def check_bounds(cls, data: Any) -> None:
+        """``stop`` and ``stop_token_ids`` within ``engine.sampling_params``' bounds (checked before a long
+        list is walked or validated)."""
+        if isinstance(data, dict):
+            bound = stop_bound_error(data.get("stop"), data.get("stop_token_ids"))
+            if bound is not None:
+                raise field_error(*bound)
+
+    @field_validator("request_id")
+    @classmethod
+    def _check_request_id(cls, value: Optional[str]) -> Optional[str]:
+        why = None if value is None else request_id_error(value)
+        if why is not None:
+            raise ValueError(why)
+        return value
 
 
 class CompletionRequest(SamplingFields):

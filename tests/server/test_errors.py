@@ -40,15 +40,16 @@ def post(server, path, body, headers=AUTH, **kw):
     return httpx.post(server.url + path, json=body, headers=headers, timeout=30, **kw)
 
 
-def test_api_key_guards_v1_only(server):
+def test_api_key_guards_every_route_but_the_open_ones(server):
     assert_error(httpx.get(server.url + "/v1/models"), 401)
     assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "A"}, headers={}), 401)
     assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
-    # Routes outside /v1 stay open, as in vLLM.
+    # Only the health and monitoring routes stay open (tests/security/test_routes.py walks them all).
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
-    assert httpx.post(server.url + "/tokenize", json={"prompt": "A"}).status_code == 200
+    assert_error(httpx.post(server.url + "/tokenize", json={"prompt": "A"}), 401)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "A"}, headers=AUTH).status_code == 200
     client = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
@@ -113,7 +114,8 @@ def test_unknown_model_404(server):
     client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="A")
-    assert_error(httpx.get(server.url + "/no/such/route"), 404)
+    assert_error(httpx.get(server.url + "/no/such/route", headers=AUTH), 404)
+    assert_error(httpx.get(server.url + "/no/such/route"), 401)   # without the key no route is revealed
 
 
 def test_body_too_large_413(server):

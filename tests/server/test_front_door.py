@@ -111,7 +111,7 @@ def test_empty_and_wrong_shape_bodies(server):
 # API key
 # ------------------------------------------------------------------------------------------
 def test_api_key_policy_and_constant_time_compare(server, monkeypatch):
-    """vLLM's policy: /v1/* needs the key; /health, /metrics, /version, /tokenize stay open."""
+    """Every route needs the key but /health, /metrics, /version and /ping (vLLM guards /v1/* only)."""
     compared = []
     real = guards.hmac.compare_digest
     monkeypatch.setattr(guards.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
@@ -124,9 +124,10 @@ def test_api_key_policy_and_constant_time_compare(server, monkeypatch):
         assert_error(httpx.post(server.url + "/v1/chat/completions", json={}, headers=headers), 401)
     assert len(compared) >= 12   # every check went through hmac.compare_digest
     assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/metrics", "/version", "/ping"):
         assert httpx.get(server.url + path).status_code == 200, path
-    assert httpx.post(server.url + "/tokenize", json={"prompt": "A"}).status_code == 200
+    assert_error(httpx.post(server.url + "/tokenize", json={"prompt": "A"}), 401)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "A"}, headers=AUTH).status_code == 200
 
 
 # ------------------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ class EngineArgs:
     allowed_local_media_path: Optional[str] = None
     allowed_media_domains: Optional[list[str]] = None
     allow_private_media_urls: bool = False
+    max_image_pixels_per_request: Optional[int] = None
+    """None: ``MultiModalConfig``'s default (as the two below)."""
+    max_image_pixels_in_flight: Optional[int] = None
+    max_media_bytes_in_flight: Optional[int] = None
     max_num_encoder_input_tokens: Optional[int] = None
     encoder_cache_size: Optional[int] = None
     tensor_parallel_size: int = 1
@@ -111,11 +115,16 @@ class EngineArgs:
             mm_config=MultiModalConfig(limit_mm_per_prompt=dict(self.limit_mm_per_prompt or {}),
                                        allowed_local_media_path=self.allowed_local_media_path,
                                        allowed_media_domains=self.allowed_media_domains,
-                                       allow_private_media_urls=self.allow_private_media_urls),
+                                       allow_private_media_urls=self.allow_private_media_urls,
+                                       **{name: getattr(self, name) for name in MEDIA_BUDGET_FIELDS
+                                          if getattr(self, name) is not None}),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=self.device, enforce_eager=self.enforce_eager,
             max_cudagraph_capture_size=self.max_cudagraph_capture_size)
 
+
+MEDIA_BUDGET_FIELDS = ("max_image_pixels_per_request", "max_image_pixels_in_flight", "max_media_bytes_in_flight")
+"""``MultiModalConfig`` fields an engine argument sets only when given (None keeps the config's default)."""
 
 USAGE_CONTEXTS = ("llm", "server")
 

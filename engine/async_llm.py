@@ -5,8 +5,9 @@ transport's business (``engine/core_transport.py``) and nothing below depends on
 
     event loop (this object)                                  engine core (its loop)
     ------------------------                                  ----------------------
-    add_request: processor (validate, tokenize, n)  -- AddRequest ------------->  scheduler
-        (prompts with multi_modal_data: in the media thread pool)
+    add_request: admit (ids, prompts x n sequences)
+        processor in the worker pool (validate,
+        tokenize, fetch and decode media, n)        -- AddRequest ------------->  scheduler
         ValueError -> the caller (400), nothing sent
     stream.abort() / disconnect                     -- AbortRequests ---------->  frees blocks
     _on_step (one call_soon_threadsafe per step)   <-- EngineCoreOutputs (ids) --  step()
@@ -14,13 +15,18 @@ transport's business (``engine/core_transport.py``) and nothing below depends on
         RequestOutput -> that request's collector (DELTA outputs merge while its consumer lags)
     call_engine("add_lora", ...)                    -- CallMethod / CallResult -
 
-Prompts with images are processed (downloads, decoding, resizing, hashing) by a thread pool of
-``MultiModalConfig.mm_processor_workers`` threads, so a burst of images never stalls the event loop
-(streams, other requests); text prompts are processed inline as before, with no hop.
+Every prompt is processed (tokenizing; for media: downloads, decoding, resizing, hashing) by a thread pool
+of ``MultiModalConfig.mm_processor_workers`` threads, so neither a burst of images nor a huge prompt
+stalls the event loop (streams, other requests, /health).
 
-``RequestLimits`` (the server's ``--max-queued-requests`` and ``--request-timeout``) bound how many
-requests may be in flight (beyond that ``EngineOverloadedError``, before anything is tokenized) and how
-long one may live (a timer per request aborts it in the engine: ``RequestTimeoutError``).
+A request is admitted before anything of it is processed: its id is checked against every request and
+sequence in flight (an ``n > 1`` request's sequences have ids ``{request_id}#{i}``, which no client id
+can equal), and its sequences are counted against ``RequestLimits`` (the server's ``--max-queued-requests``)
+from then until its stream closes, preprocessing included: beyond the bound ``EngineOverloadedError``
+(503 + Retry-After), a request that could never fit a ``ValueError`` (400). A request whose task is
+cancelled while it is preprocessed (its client left) is never sent to the core; it stays counted until
+its worker finishes. ``RequestLimits.request_timeout_s`` bounds how long a request may live (a timer per
+request aborts it in the engine: ``RequestTimeoutError``).
 ``owned_requests()`` collects the streams opened in a context, so the server can abort an HTTP
 exchange's requests when its client stops reading.
 
@@ -47,9 +53,11 @@ from engine.core_messages import (CALLABLE_METHODS, AbortRequests, AddRequest, C
 from engine.core_transport import EngineTransport, ProcessTransport, ThreadTransport
 from engine.engine_core import freeze_gc_heap
 from engine.errors import EngineDeadError
+from engine.processor import sequence_ids
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, SchedulerStats
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from multimodal.budget import MediaBusyError
 
 if TYPE_CHECKING:
     from lora.request import LoRARequest
@@ -73,9 +81,11 @@ class RequestLimits:
     ``--request-timeout``). The defaults limit nothing (offline use and tests)."""
 
     max_queued_requests: Optional[int] = None
-    """Requests in flight beyond the engine's ``max_num_seqs`` (those cannot all be running: they wait)
-    that may be added; one more is refused with ``EngineOverloadedError`` before it is tokenized. An ``n > 1``
-    request or a transcription window counts once. None: no limit."""
+    """Sequences in flight beyond the engine's ``max_num_seqs`` (those cannot all be running: they wait).
+    A request counts ``n`` sequences (a completion with several prompts: prompts x n, reserved at once by
+    ``reserve_sequences``) from its arrival, before it is tokenized or its media fetched, until its stream
+    closes; one that does not fit now is refused with ``EngineOverloadedError``, one that could never fit
+    (more than ``max_num_seqs + max_queued_requests``) with ``ValueError``. None: no limit."""
     request_timeout_s: Optional[float] = None
     """Seconds from a request's arrival after which it is aborted (``RequestTimeoutError``). None: never."""
 
@@ -112,6 +122,43 @@ class StatLogger(Protocol):
 
 
 @dataclass
+class _Admission:
+    """A request counted against ``RequestLimits`` and holding its id, from its arrival (before it is
+    processed) until its stream closes, or until its worker finishes after it was cancelled."""
+
+    request_id: str
+    """The request's id (no other request or sequence in flight may take it meanwhile)."""
+    sequence_ids: list[str]
+    """The engine ids its sequences will have (``processor.sequence_ids``)."""
+    num_seqs: int
+    """Sequences it counts against ``RequestLimits.max_queued_requests``."""
+    released: bool = False
+    """Its sequences and ids were given back."""
+
+
+class SequenceReservation:
+    """Sequences reserved at once for the requests of one HTTP exchange (``AsyncLLM.reserve_sequences``);
+    each ``add_request`` given it takes its ``n`` from here. ``release()`` gives back what was not taken."""
+
+    def __init__(self, owner: "AsyncLLM", num_seqs: int) -> None:
+        self._owner = owner
+        self.num_left = num_seqs
+        """Sequences reserved and not yet taken by a request."""
+
+    def take(self, num_seqs: int) -> None:
+        """Move ``num_seqs`` of the reservation to one request (beyond what is left: admitted anew)."""
+        from_here = min(num_seqs, self.num_left)
+        if num_seqs > from_here:
+            self._owner._admit_sequences(num_seqs - from_here, param="n")
+        self.num_left -= from_here
+
+    def release(self) -> None:
+        """Give back what no request took (idempotent)."""
+        self._owner._num_seqs_in_flight -= self.num_left
+        self.num_left = 0
+
+
+@dataclass
 class _RequestState:
     """Event-loop side bookkeeping of one in-flight request."""
 
@@ -135,6 +182,8 @@ class _RequestState:
     """The stream delivered the finished output."""
     timeout_handle: Optional[asyncio.TimerHandle] = None
     """Fires ``RequestLimits.request_timeout_s`` after arrival (None: no timeout); cancelled on release."""
+    admission: Optional[_Admission] = None
+    """Its count against ``RequestLimits`` and its ids; given back on release."""
 
     @property
     def num_generation_tokens(self) -> int:
@@ -233,6 +282,12 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.output_processor = OutputProcessor(self.tokenizer)
         self._states: dict[str, _RequestState] = {}
+        self._admissions: dict[str, _Admission] = {}
+        """Every request admitted and not yet released, by id: being processed, or with a state."""
+        self._sequence_owners: dict[str, str] = {}
+        """Engine sequence id -> the id of the admitted request it belongs to."""
+        self._num_seqs_in_flight = 0
+        """Sequences admitted (requests' and ``SequenceReservation``s') and not yet given back."""
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._request_counter = itertools.count()
@@ -240,10 +295,10 @@ class AsyncLLM:
         self._dead_error: Optional[EngineDeadError] = None
         self._dead_lock = threading.Lock()
         self._stats = SchedulerStats()
-        self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._worker_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        """Processes prompts (tokenizing, media) off the event loop; made on first use."""
         self.limits = RequestLimits()
         """Queue bound and request timeout; the server sets them from its flags."""
-        """Processes prompts with ``multi_modal_data`` off the event loop; made on first use."""
         freeze_gc_heap()   # the tokenizer, processor and imports stay out of GC passes
         transport.start(self._on_message)
 
@@ -293,8 +348,14 @@ class AsyncLLM:
 
     @property
     def num_tracked_requests(self) -> int:
-        """Requests this client still tracks (added, stream not yet closed): 0 when idle."""
-        return len(self._states)
+        """Requests this client still tracks (admitted: being processed, or added and their stream not yet
+        closed): 0 when idle."""
+        return len(self._admissions)
+
+    @property
+    def num_sequences_in_flight(self) -> int:
+        """Sequences counted against ``RequestLimits`` now: 0 when idle."""
+        return self._num_seqs_in_flight
 
     def next_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._request_counter)}"
@@ -303,33 +364,59 @@ class AsyncLLM:
     # Event-loop API
     # ------------------------------------------------------------------------------------
     async def add_request(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                          lora_request: Optional["LoRARequest"] = None,
-                          priority: int = 0) -> "RequestStream":
-        """Validate, tokenize and submit one request.
+                          lora_request: Optional["LoRARequest"] = None, priority: int = 0,
+                          reservation: Optional[SequenceReservation] = None) -> "RequestStream":
+        """Admit, validate, tokenize and submit one request (processed in the worker pool).
+
+        ``reservation``: take the request's ``n`` sequences from it (``reserve_sequences``) instead of
+        admitting them here.
 
         Raises:
-            ValueError: a bad prompt or bad params (nothing reaches the engine).
+            ValueError: a bad prompt or bad params, an id in use, more sequences than could ever fit
+                (nothing reaches the engine).
+            EngineOverloadedError: its sequences, or its media (``MediaBusyError``), do not fit now.
             EngineDeadError: the engine loop is dead.
 
         The caller must iterate the returned stream to its end or call ``stream.abort()``. A
         request the engine core itself refuses ends its stream with that error.
         """
         loop = self._bind_loop()
-        self._check_can_add(request_id)
+        if self._dead_error is not None:
+            raise self._dead_error
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params: expected a SamplingParams.")
+        n = sampling_params.n
+        self.processor.check_n(n)
+        admission = self._admit(request_id, n, reservation)
         arrival_s, arrival_time = time.monotonic(), time.time()
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-            # Downloads, decoding and preprocessing take milliseconds to seconds: not on the loop.
-            text, children = await loop.run_in_executor(
-                self._media_executor(), self.processor.process, request_id, prompt, sampling_params,
-                lora_request, priority, arrival_time)
-            self._check_can_add(request_id)   # the engine died, or the id got taken, meanwhile
-        else:
-            text, children = self.processor.process(request_id, prompt, sampling_params, lora_request,
-                                                    priority, arrival_time)
+        cancelled = threading.Event()
+        try:
+            job = self._worker_executor().submit(self.processor.process, request_id, prompt, sampling_params,
+                                                 lora_request, priority, arrival_time, cancelled=cancelled)
+        except BaseException:   # the pool was shut down with the engine
+            self._release_admission(admission)
+            raise
+        try:
+            text, children = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            # The caller left (client disconnect): nothing is sent; the worker, if it already runs, skips
+            # the media it has not read or decoded yet and only then gives the request's count and ids back.
+            cancelled.set()
+            job.add_done_callback(lambda _: self._post(self._release_admission, admission))
+            raise
+        except MediaBusyError as e:
+            self._release_admission(admission)
+            raise EngineOverloadedError(str(e)) from e
+        except BaseException:
+            self._release_admission(admission)
+            raise
+        if self._dead_error is not None:   # the engine died meanwhile
+            self._release_admission(admission)
+            raise self._dead_error
         params = children[0].sampling_params
         collector = _OutputCollector(delta=params.output_kind == RequestOutputKind.DELTA)
         state = _RequestState(request_id, params, collector, arrival_s=arrival_s,
-                              num_prompt_tokens=len(children[0].prompt_token_ids))
+                              num_prompt_tokens=len(children[0].prompt_token_ids), admission=admission)
         self._states[request_id] = state
         timeout_s = self.limits.request_timeout_s
         if timeout_s is not None:
@@ -346,25 +433,77 @@ class AsyncLLM:
             sink.append(stream)
         return stream
 
-    def _check_can_add(self, request_id: str) -> None:
+    def reserve_sequences(self, num_seqs: int, param: str = "n") -> SequenceReservation:
+        """Count ``num_seqs`` sequences against ``RequestLimits`` at once, for several ``add_request`` calls
+        (one HTTP request's prompts x n) that then take their share (``reservation=``); the caller
+        ``release()``-s the reservation when they are added.
+
+        Raises:
+            ValueError: ``num_seqs`` could never fit (400, naming ``param``).
+            EngineOverloadedError: they do not fit now (503).
+            EngineDeadError: the engine loop is dead.
+        """
         if self._dead_error is not None:
             raise self._dead_error
-        if request_id in self._states:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
+        self._admit_sequences(num_seqs, param)
+        return SequenceReservation(self, num_seqs)
+
+    def _admit_sequences(self, num_seqs: int, param: str) -> None:
         max_queued = self.limits.max_queued_requests
         if max_queued is not None:
             max_running = self.engine_config.scheduler_config.max_num_seqs
-            if len(self._states) >= max_running + max_queued:
+            bound = max_running + max_queued
+            if num_seqs > bound:
+                what = "prompts x n" if param == "prompt" else "n"
+                raise ValueError(
+                    f"{param}: the request has {num_seqs} sequences ({what}), more than this server ever holds "
+                    f"at once ({max_running} running, --max-num-seqs, + {max_queued} waiting, "
+                    "--max-queued-requests); send fewer prompts or a smaller n.")
+            if self._num_seqs_in_flight + num_seqs > bound:
                 raise EngineOverloadedError(
-                    f"The server is overloaded: {len(self._states)} requests are in flight ({max_running} "
-                    f"run at once, {max_queued} may wait: --max-queued-requests); retry later.")
+                    f"The server is overloaded: {self._num_seqs_in_flight} sequences are in flight ({max_running} "
+                    f"run at once, {max_queued} may wait: --max-queued-requests) and this request has "
+                    f"{num_seqs}; retry later.")
+        self._num_seqs_in_flight += num_seqs
 
-    def _media_executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._media_pool is None:
+    def _admit(self, request_id: str, n: int, reservation: Optional[SequenceReservation]) -> _Admission:
+        """Check the request's id and its sequences' ids against every request in flight, count its ``n``
+        sequences (taken from ``reservation`` when given), and record it; nothing is written on a refusal."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}.")
+        seq_ids = sequence_ids(request_id, n)
+        taken = [i for i in [request_id, *seq_ids] if i in self._admissions or i in self._sequence_owners
+                 or i in self.output_processor.children]
+        if taken:
+            raise ValueError(f"request_id: {request_id!r} is already in use.")
+        if reservation is not None:
+            reservation.take(n)
+        else:
+            self._admit_sequences(n, param="n")
+        admission = _Admission(request_id, seq_ids, n)
+        self._admissions[request_id] = admission
+        for seq_id in seq_ids:
+            self._sequence_owners[seq_id] = request_id
+        return admission
+
+    def _release_admission(self, admission: _Admission) -> None:
+        """Give a request's sequences and ids back (idempotent)."""
+        if admission.released:
+            return
+        admission.released = True
+        self._num_seqs_in_flight -= admission.num_seqs
+        if self._admissions.get(admission.request_id) is admission:
+            del self._admissions[admission.request_id]
+        for seq_id in admission.sequence_ids:
+            if self._sequence_owners.get(seq_id) == admission.request_id:
+                del self._sequence_owners[seq_id]
+
+    def _worker_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._worker_pool is None:
             workers = self.engine_config.mm_config.mm_processor_workers
-            self._media_pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
-                                                                     thread_name_prefix="chorus-media")
-        return self._media_pool
+            self._worker_pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                                                      thread_name_prefix="chorus-processor")
+        return self._worker_pool
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        lora_request: Optional["LoRARequest"] = None,
@@ -422,8 +561,8 @@ class AsyncLLM:
         """Stop the engine loop; in-flight streams end with ``EngineDeadError``."""
         self._transport.shutdown(timeout_s)
         self._mark_dead(EngineDeadError("The engine was shut down."))
-        if self._media_pool is not None:   # queued media jobs are dropped; running ones end on their own
-            self._media_pool.shutdown(wait=False, cancel_futures=True)
+        if self._worker_pool is not None:   # queued jobs are dropped; running ones end on their own
+            self._worker_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------
     # Messages from the core (transport thread -> event loop)
@@ -549,6 +688,8 @@ class AsyncLLM:
                 if self.log_requests:
                     logger.info("Aborted request %s.", state.request_id)
                 self._transport.send(AbortRequests(child_ids))
+        if state.admission is not None:
+            self._release_admission(state.admission)
 
     def _on_request_timeout(self, state: _RequestState, timeout_s: float) -> None:
         """Event loop, ``timeout_s`` after the request arrived: abort it in the engine (its blocks are freed)
@@ -638,5 +779,7 @@ def _short(prompt: Any, limit: int = 80) -> str:
         num_images = len(images) if isinstance(images, (list, tuple)) else int(images is not None)
         head = prompt.get("prompt", prompt.get("prompt_token_ids"))
         return f"{_short(head, limit)} + {num_images} image(s)"
+    if isinstance(prompt, (str, list, tuple)) and len(prompt) > limit:
+        prompt = prompt[:limit + 1]   # never the repr of a whole huge prompt
     text = repr(prompt)
     return text if len(text) <= limit else text[:limit] + "...'"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENCODER_CACHE_BUDGETS = 4
@@ -244,7 +244,8 @@ class MultiModalConfig:
     """Media in prompts: how many, from where, how big (images for vision models, audio for Whisper)."""
 
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
-    """Modality -> most items in one prompt; a modality left out allows 999 (vLLM's default)."""
+    """Modality -> most items in one prompt; a modality left out allows ``DEFAULT_LIMIT_PER_PROMPT`` of
+    it (16 images, 999 audios)."""
     allowed_local_media_path: Optional[str] = None
     """Directory whose files ``file://`` image URLs may name (None: file URLs are refused)."""
     allowed_media_domains: Optional[list[str]] = None
@@ -263,11 +264,25 @@ class MultiModalConfig:
     max_audio_duration_s: float = 3600.0
     """Longest decoded audio, seconds; counted while decoding (a small compressed file cannot expand
     into hours of samples)."""
+    max_image_pixels_per_request: int = 64_000_000
+    """Decoded pixels (width x height, summed over its images) one request may have, checked from the
+    headers before any image is decoded; beyond it the request is refused (400). 64M pixels is about
+    190 MB of RGB."""
+    max_image_pixels_in_flight: int = 256_000_000
+    """Decoded pixels all requests being preprocessed may have at once (4 requests at the per-request
+    limit); a request that does not fit now is refused with a retry (503), nothing of it decoded."""
+    max_media_bytes_in_flight: int = 512 << 20
+    """Encoded media bytes (downloads, data URLs, uploads) all requests being preprocessed may hold at
+    once; beyond it a request is refused with a retry (503), or with a 400 if it alone needs more."""
     mm_processor_workers: int = field(default_factory=lambda: min(16, os.cpu_count() or 1))
-    """Threads that load and preprocess media off the engine loop (default: the CPUs, at most 16)."""
+    """Threads that validate, tokenize and load the media of requests off the event loop (default: the
+    CPUs, at most 16)."""
+
+    DEFAULT_LIMIT_PER_PROMPT: ClassVar[dict[str, int]] = {"image": 16, "audio": 999}
+    """Items of a modality per prompt when ``limit_mm_per_prompt`` leaves it out."""
 
     def limit(self, modality: str) -> int:
-        return self.limit_mm_per_prompt.get(modality, 999)
+        return self.limit_mm_per_prompt.get(modality, self.DEFAULT_LIMIT_PER_PROMPT.get(modality, 16))
 
     def __post_init__(self) -> None:
         for modality, n in self.limit_mm_per_prompt.items():
@@ -276,9 +291,15 @@ class MultiModalConfig:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}]={n!r} must be an integer >= 0.")
         for name in ("media_fetch_timeout_s", "max_image_bytes", "max_image_pixels", "max_audio_bytes",
-                     "max_audio_duration_s", "mm_processor_workers"):
+                     "max_audio_duration_s", "mm_processor_workers", "max_image_pixels_per_request",
+                     "max_image_pixels_in_flight", "max_media_bytes_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0.")
+        if self.max_image_pixels_in_flight < self.max_image_pixels_per_request:
+            raise ValueError(
+                f"max_image_pixels_in_flight={self.max_image_pixels_in_flight} is below "
+                f"max_image_pixels_per_request={self.max_image_pixels_per_request}: a request at the limit "
+                "could never run; raise --max-image-pixels-in-flight or lower --max-image-pixels-per-request.")
 
 
 @dataclass

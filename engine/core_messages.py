@@ -38,7 +38,7 @@ class AddRequest:
     request_id: str
     """The user's request id (parent of the sequences); named in a rejection."""
     children: list[EngineRequest]
-    """One sequence per sample (``n`` of them; ids ``{index}_{request_id}`` when n > 1)."""
+    """One sequence per sample (``n`` of them; ids ``{request_id}#{index}`` when n > 1)."""
 
 
 @dataclass

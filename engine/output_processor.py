@@ -21,7 +21,8 @@ from engine.sampling_params import RequestOutputKind
 
 @dataclass
 class ParentRequest:
-    """The user's request; fans out into ``n`` children (``{index}_{request_id}``)."""
+    """The user's request; fans out into ``n`` children (ids ``{request_id}#{index}``:
+    ``processor.child_request_id``)."""
 
     request_id: str
     prompt: Optional[str]
@@ -74,9 +75,10 @@ class OutputProcessor:
     def add_request(self, parent_id: str, children: list[EngineRequest], prompt: Optional[str]) -> None:
         first = children[0]
         p = first.sampling_params
+        lora = first.lora_request   # kept without the adapter's weights (those went to the engine)
         parent = ParentRequest(
             request_id=parent_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
-            output_kind=p.output_kind, lora_request=first.lora_request, num_children=len(children),
+            output_kind=p.output_kind, lora_request=lora and lora.without_adapter(), num_children=len(children),
             metrics=RequestMetrics(arrival_time=first.arrival_time),
             wants_prompt_logprobs=p.prompt_logprobs is not None)
         if parent.wants_prompt_logprobs:

@@ -9,20 +9,29 @@ through the prefix cache) and adapter checks.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from engine.chat_template import (ChatTemplateError, TemplateLimits, render_chat_template,
+                                  select_template)
 from engine.config import ModelConfig, MultiModalConfig
 from engine.request import EngineRequest, MultiModalFeature, PlaceholderRange
 from engine.sampling_params import SamplingParams
 from multimodal.audio import AudioError, AudioLimits, load_audio
-from multimodal.media import MediaError, MediaLimits, load_image
+from multimodal.budget import MediaBudget, MediaReservation
+from multimodal.media import MediaError, MediaLimits, checked_image, finish_decode, open_image, read_image_source
 from multimodal.processing import ImagePromptProcessor
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class Processor:
+    adapter_uploads = None
+    """``lora.adapter_uploads.AdapterUploads`` when LoRA is enabled (``use_adapter_uploads``): reads the
+    adapters requests name, once per adapter, and records which the engine was sent."""
+
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, vocab_size: int,
                  eos_token_ids: set[int], lora_enabled: bool, max_n: int = 256,
                  mm_processor: Optional[ImagePromptProcessor] = None,
@@ -35,13 +44,22 @@ class Processor:
         self.lora_enabled = lora_enabled
         self.max_n = max_n
         """Largest ``n``: one request may not fan out into more samples than can run at once."""
-        self.chat_template = _read_template(model_config.chat_template)
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+        """The operator's chat template text (the tokenizer's own, or ``--chat-template``'s, read once by
+        ``engine.loader.tokenizer.load_tokenizer``); a dict of named templates for some tokenizers."""
+        self.template_limits = TemplateLimits.for_max_model_len(max_model_len)
+        """Time and size bounds of every chat template render (``engine.chat_template``)."""
         self.reject_overlong_max_tokens = False
         """True (the HTTP server, as vLLM's): prompt + max_tokens beyond max_model_len is a 400.
         False (offline): max_tokens is capped at the room left and the output ends with 'length'."""
         self.mm_processor = mm_processor
         """Images -> placeholder tokens + encoder inputs; None for a text-only model."""
         self.mm_config = mm_config or MultiModalConfig()
+        self.media_budget = MediaBudget(self.mm_config.max_image_pixels_in_flight,
+                                        self.mm_config.max_media_bytes_in_flight)
+        """Pixels and media bytes of the requests whose media are being loaded, server-wide."""
+        self._max_token_chars: Optional[int] = None
+        """The longest token's length in characters (``max_token_chars``), found on first use."""
         self.transcriber = transcriber
         """Whisper models: plans and assembles transcriptions (``engine.transcription``); None otherwise."""
         self.allow_local_media_paths = True
@@ -68,7 +86,10 @@ class Processor:
         """Return (prompt text or None, prompt token ids)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (list, tuple)) and len(ids) >= self.max_model_len:
+                    raise ValueError(self._too_long_message(f"{len(ids)} tokens long"))
+                return prompt.get("prompt"), self._check_ids(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -76,10 +97,46 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: the prompt cannot be empty.")
+            self._refuse_certainly_too_long(prompt)
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)):
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(self._too_long_message(f"{len(prompt)} tokens long"))
             return None, self._check_ids(prompt)
         raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token of the vocabulary (as the tokenizer spells it: a byte-level
+        token's characters are its bytes, so no token covers more characters of a text than this)."""
+        if self._max_token_chars is None:
+            try:
+                vocab = self.tokenizer.get_vocab()
+                self._max_token_chars = max((len(t) for t in vocab), default=1) or 1
+            except (AttributeError, NotImplementedError, TypeError):
+                self._max_token_chars = 1 << 30   # unknown: texts are always tokenized whole
+        return self._max_token_chars
+
+    def _refuse_certainly_too_long(self, text: str) -> None:
+        """ValueError for a text beyond ``max_model_len`` tokens, found without tokenizing all of it: a
+        text longer than (max_model_len + 1) x ``max_token_chars`` characters is checked by tokenizing only
+        that much of its head (cut at a space), which has no more tokens than the whole text."""
+        max_chars = (self.max_model_len + 1) * self.max_token_chars
+        if len(text) <= max_chars:
+            return
+        head = text[:max_chars]
+        cut = head.rfind(" ", max_chars // 2)
+        if cut > 0:
+            head = head[:cut]
+        num_head_tokens = len(self.tokenizer.encode(head, add_special_tokens=False))
+        if num_head_tokens >= self.max_model_len:
+            raise ValueError(self._too_long_message(
+                f"{len(text)} characters long (its first {len(head)} characters alone are {num_head_tokens} "
+                "tokens)"))
+
+    def _too_long_message(self, length: str) -> str:
+        return (f"prompt: the prompt is {length}, but this model's maximum context length (max_model_len) is "
+                f"{self.max_model_len} tokens, which leaves no room for output.")
 
     def _check_ids(self, ids) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
@@ -96,17 +153,33 @@ class Processor:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None, continue_final_message: bool = False,
                             **kwargs) -> str:
+        """Render ``messages`` through ``chat_template`` (template TEXT, never a file path) or, when it is
+        None or empty, the operator's template; in jinja2's sandbox within ``template_limits``.
+
+        Raises:
+            ChatTemplateError (a ValueError, ``param`` naming the field to blame): no template, the
+                template does not compile, raised, or crossed a bound.
+        """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: at least one message is required.")
-        template = _read_template(chat_template) or self.chat_template
-        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("chat_template: the model's tokenizer has no chat template; pass --chat-template.")
+        from_request = bool(chat_template)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ChatTemplateError("chat_template: expected the template text (a string).",
+                                    param="chat_template")
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, chat_template=template, **kwargs)
-        except Exception as e:  # jinja errors on malformed messages are user errors
-            raise ValueError(f"messages: the chat template could not render them: {e}") from e
+            template = (chat_template if from_request
+                        else select_template(self.chat_template, kwargs.get("tools")))
+        except ValueError as e:
+            raise ChatTemplateError(f"chat_template: {e}", param="messages") from e
+        if template is None:
+            raise ChatTemplateError("chat_template: the model's tokenizer has no chat template; pass "
+                                    "--chat-template.", param="messages")
+        return render_chat_template(
+            template, messages, limits=self.template_limits,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            special_tokens=getattr(self.tokenizer, "special_tokens_map", None), from_request=from_request,
+            **kwargs)
 
     def encode_chat(self, text: str) -> list[int]:
         # The template already holds the special tokens: don't add BOS again.
@@ -115,19 +188,30 @@ class Processor:
     # ------------------------------------------------------------------ requests
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, lora_request=None,
                 priority: int = 0, arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
-                ) -> tuple[Optional[str], list[EngineRequest]]:
-        """Validate and tokenize; return (prompt text, one EngineRequest per sample of n)."""
+                cancelled: Optional[threading.Event] = None) -> tuple[Optional[str], list[EngineRequest]]:
+        """Validate and tokenize; return (prompt text, one EngineRequest per sample of n).
+
+        ``cancelled``: set by the caller when nobody waits for the result any more (its client left); the
+        media not yet read or decoded are skipped then (``ProcessingCancelled``).
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: expected a SamplingParams.")
+        self.check_n(params.n)
         text, ids = self.tokenize_prompt(prompt)
         features: list[MultiModalFeature] = []
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-            ids, features = self.process_media(ids, prompt["multi_modal_data"])
+            ids, features = self.process_media(ids, prompt["multi_modal_data"], cancelled)
         self.check_required_media(features)
         return text, self.make_requests(request_id, text, ids, params, lora_request, priority, arrival_time,
                                         cache_salt, features)
 
-    def process_media(self, ids: list[int], mm_data: Any) -> tuple[list[int], list[MultiModalFeature]]:
+    def check_n(self, n: int) -> None:
+        """ValueError unless one prompt's ``n`` samples can run at once (at most ``max_n``)."""
+        if n > self.max_n:
+            raise ValueError(f"n: at most {self.max_n} samples per request (max_num_seqs), got {n}.")
+
+    def process_media(self, ids: list[int], mm_data: Any, cancelled: Optional[threading.Event] = None,
+                      ) -> tuple[list[int], list[MultiModalFeature]]:
         """Load, check and preprocess the prompt's media; expand its placeholders.
 
         ``mm_data``: ``{"image": one image or a list}`` (vision models) or ``{"audio": one audio or a
@@ -135,6 +219,11 @@ class Processor:
         ``allowed_local_media_path``) or, offline, a file path; an audio is ``(array, sample_rate)``,
         encoded bytes, a binary file object or, offline, a file path.
         Slow (downloads, decoding, resizing, features): the server runs it off the event loop.
+
+        Images are read and their headers opened first; nothing is decoded unless their pixels fit the
+        request's bound (``MultiModalConfig.max_image_pixels_per_request``: ``MediaError``) and the
+        server's media budget (``media_budget``: ``MediaBusyError``, retry later), which holds them until
+        they are preprocessed.
         """
         if not isinstance(mm_data, dict):
             raise ValueError("multi_modal_data: expected a dict like {'image': image_or_list} or "
@@ -158,26 +247,69 @@ class Processor:
         if len(items) > limit:
             raise ValueError(f"multi_modal_data: at most {limit} {takes}(s) per prompt, got {len(items)} "
                              "(raise --limit-mm-per-prompt).")
-        loaded = []
-        for k, item in enumerate(items):
-            try:
-                loaded.append(self._load(takes, item))
-            except (MediaError, AudioError) as e:
-                if len(items) == 1:
-                    raise
-                raise type(e)(f"{takes} {k + 1} of {len(items)}: {e}") from e
-        ids, processed = self.mm_processor.process(ids, loaded)
+        reservation = self.media_budget.reservation()
+        try:
+            opened = [self._numbered(takes, k, len(items), self._open, takes, item, reservation, cancelled)
+                      for k, item in enumerate(items)]
+            reservation.add(num_pixels=self._count_pixels(opened))
+            loaded = [self._numbered(takes, k, len(items), self._load, takes, item, cancelled)
+                      for k, item in enumerate(opened)]
+            _stop_if(cancelled)
+            ids, processed = self.mm_processor.process(ids, loaded)
+        finally:
+            reservation.release()
         features = [MultiModalFeature(
             modality=it.modality, identifier=it.identifier,
             placeholder=None if it.offset is None else PlaceholderRange(it.offset, it.length), data=it.data,
             num_cross_embeds=it.length if it.offset is None else 0) for it in processed]
         return ids, features
 
-    def _load(self, modality: str, item: Any):
+    @staticmethod
+    def _numbered(modality: str, k: int, num_items: int, fn, *args):
+        """``fn(*args)`` for item ``k``; its media error names the item when there are several."""
+        try:
+            return fn(*args)
+        except (MediaError, AudioError) as e:
+            if num_items == 1:
+                raise
+            raise type(e)(f"{modality} {k + 1} of {num_items}: {e}") from e
+
+    def _open(self, modality: str, item: Any, reservation: MediaReservation,
+              cancelled: Optional[threading.Event] = None) -> Any:
+        """An item read but not decoded: an image's encoded bytes opened at their header (its size known),
+        a PIL image as given, an audio as given (its encoded bytes reserved)."""
+        _stop_if(cancelled)
         if modality == "image":
-            return load_image(item, self.media_limits, allow_local_paths=self.allow_local_media_paths)
+            source = read_image_source(item, self.media_limits, allow_local_paths=self.allow_local_media_paths)
+            if isinstance(source, bytes):
+                reservation.add(num_bytes=len(source))
+                return _OpenedImage(open_image(source, self.media_limits))
+            return source
         if isinstance(item, (str, os.PathLike)) and not self.allow_local_media_paths:
             raise AudioError("audio: file paths are not accepted here; send the audio's bytes.")
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            reservation.add(num_bytes=len(item))
+        return item
+
+    def _count_pixels(self, opened: list[Any]) -> int:
+        """Pixels the opened images decode into, within ``max_image_pixels_per_request`` (else MediaError)."""
+        sizes = [item.image.size for item in opened if isinstance(item, _OpenedImage)]
+        num_pixels = sum(w * h for w, h in sizes)
+        limit = self.mm_config.max_image_pixels_per_request
+        if num_pixels > limit:
+            raise MediaError(
+                f"the request's {len(sizes)} image(s) have {num_pixels} pixels in all "
+                f"({', '.join(f'{w}x{h}' for w, h in sizes[:4])}{', ...' if len(sizes) > 4 else ''}), above the "
+                f"limit of {limit} per request (--max-image-pixels-per-request); send fewer or smaller images")
+        return num_pixels
+
+    def _load(self, modality: str, item: Any, cancelled: Optional[threading.Event] = None):
+        """An ``_open``-ed item decoded."""
+        _stop_if(cancelled)
+        if modality == "image":
+            if isinstance(item, _OpenedImage):
+                return finish_decode(item.image)
+            return checked_image(item, self.media_limits)
         return load_audio(item, self.audio_limits)
 
     def _no_modality_message(self, modality: str) -> str:
@@ -202,8 +334,7 @@ class Processor:
             raise ValueError(
                 f"prompt: the prompt is {len(ids)} tokens long, but this model's maximum context length "
                 f"(max_model_len) is {self.max_model_len} tokens, which leaves no room for output.")
-        if params.n > self.max_n:
-            raise ValueError(f"n: at most {self.max_n} samples per request (max_num_seqs), got {params.n}.")
+        self.check_n(params.n)
         max_logprobs = self.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
@@ -223,6 +354,7 @@ class Processor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time
         eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        lora_request = self.attach_adapter(lora_request)
         children = []
         for i in range(params.n):
             p = params
@@ -232,25 +364,61 @@ class Processor:
                 p.n = 1
                 if params.seed is not None:
                     p.seed = params.seed + i
-                rid = f"{i}_{request_id}"
+                rid = child_request_id(request_id, i)
             children.append(EngineRequest(
                 request_id=rid, prompt=text, prompt_token_ids=list(ids), sampling_params=p,
                 eos_token_ids=eos, arrival_time=arrival, priority=priority, lora_request=lora_request,
                 cache_salt=cache_salt, max_tokens=max_tokens, mm_features=list(mm_features or [])))
         return children
 
+    def use_adapter_uploads(self, uploads) -> None:
+        """Read the adapters requests name here, in the engine's client, before a request reaches the
+        engine (``uploads``: ``LoRAManager.client_uploads()``): the engine's step loop never reads a
+        disk for a request."""
+        self.adapter_uploads = uploads
+
+    def attach_adapter(self, lora_request):
+        """What a request naming ``lora_request`` sends to the engine: it carrying the adapter, read
+        from disk now, the first time this client names that adapter; else it without weights
+        (``AdapterUploads.attach``). LoRA errors (4xx) for an adapter that cannot be read."""
+        if lora_request is None or self.adapter_uploads is None:
+            return lora_request
+        return self.adapter_uploads.attach(lora_request)
+
+
+CHILD_ID_SEPARATOR = "#"
+"""Between a request's id and a sample's index in the ids of an ``n > 1`` request's sequences; outside the
+characters a client's request id may have (``[A-Za-z0-9._:-]``), so no client id equals a sequence's."""
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """The engine id of sample ``index`` of an ``n > 1`` request."""
+    return f"{request_id}{CHILD_ID_SEPARATOR}{index}"
+
+
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The engine ids of a request's ``n`` sequences (its own id when ``n == 1``)."""
+    return [request_id] if n == 1 else [child_request_id(request_id, i) for i in range(n)]
+
+
+class ProcessingCancelled(Exception):
+    """The caller of ``Processor.process`` set its ``cancelled`` event: the rest of the work was skipped."""
+
+
+def _stop_if(cancelled: Optional[threading.Event]) -> None:
+    if cancelled is not None and cancelled.is_set():
+        raise ProcessingCancelled("the request was cancelled while its media were processed")
+
+
+@dataclass
+class _OpenedImage:
+    """An image whose header is read and size checked; its pixels are not decoded yet."""
+
+    image: Any
+    """The lazily opened PIL image (``multimodal.media.open_image``)."""
+
 
 def _is_audio_pair(value: Any) -> bool:
     """``(array, sample_rate)``: one decoded audio, not a list of two items."""
     return (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (int, float))
             and not isinstance(value[1], bool) and hasattr(value[0], "shape"))
-
-
-def _read_template(template: Optional[str]) -> Optional[str]:
-    """A chat template given as a file path or as the template text."""
-    if template is None:
-        return None
-    if "{" not in template and os.path.exists(template):
-        with open(template, encoding="utf-8") as f:
-            return f.read()
-    return template

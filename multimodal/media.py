@@ -8,13 +8,18 @@ in a worker). Downloads, data URLs and files are read up to ``max_image_bytes`` 
 URLs are confined to ``allowed_local_media_path`` after resolving symlinks and ``..``. Every refusal is
 a ``MediaError`` whose message can go back to the user as it is.
 
+``load_image`` does it all at once; a caller that budgets decoding first reads the encoded bytes
+(``read_image_source``), opens each header (``open_image``: format and size, nothing decoded), then
+decodes (``finish_decode``).
+
 http(s) downloads cannot reach the server's own network (SSRF): before every connection (the first
 and each redirect hop) the host is resolved once with ``getaddrinfo`` and every address it resolves to
 must be public (not loopback, private, link-local, multicast, reserved, unspecified or shared, IPv4 or
 IPv6, an IPv4 address mapped or embedded in IPv6 included; decimal and octal host forms resolve to
 what they mean); the socket then connects to the checked address, so DNS rebinding cannot swap it.
 ``MediaLimits.allowed_media_domains`` restricts the hosts (trusting their addresses, private ones
-too), ``allow_private_media_urls`` lifts the address check (tests, a trusted local network).
+too), ``allow_private_media_urls`` lifts the address check (tests, a trusted local network). A refused
+address is named in the server's log only, never in the error the client gets.
 Downloads connect directly: proxies from the environment are not used.
 
 EXIF orientation is applied to decoded files (a phone photo comes out upright, as transformers'
@@ -29,6 +34,7 @@ import http.client
 import importlib
 import io
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -59,6 +65,8 @@ DATA_URL = re.compile(r"^data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*
 WHITESPACE = re.compile(r"\s+")
 SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 URL_SAFE_TO_STANDARD = str.maketrans("-_", "+/")
+
+logger = logging.getLogger("chorus.media")
 
 ImageSource = Union[Image.Image, bytes, bytearray, memoryview, str, os.PathLike]
 
@@ -96,30 +104,40 @@ def load_image(source: ImageSource, limits: MediaLimits = MediaLimits(),
     """A fully decoded PIL image from ``source``: a PIL image, encoded bytes, a ``data:image/...;base64,``
     URL, an ``http(s)://`` URL, a ``file://`` URL (under ``limits.allowed_local_media_path``) or, with
     ``allow_local_paths`` (the offline API), a filesystem path. Raises ``MediaError``."""
+    data = read_image_source(source, limits, allow_local_paths)
+    if isinstance(data, Image.Image):
+        return checked_image(data, limits)
+    return finish_decode(open_image(data, limits))
+
+
+def read_image_source(source: ImageSource, limits: MediaLimits = MediaLimits(),
+                      allow_local_paths: bool = False) -> Union[bytes, Image.Image]:
+    """The encoded bytes ``source`` names (fetched, read or unpacked from a data URL, at most
+    ``max_image_bytes``), or the PIL image it is. Nothing is decoded. Raises ``MediaError``."""
     if isinstance(source, Image.Image):
-        return checked_image(source, limits)
+        return source
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if len(data) > limits.max_image_bytes:
             raise MediaError(f"the image is {len(data)} bytes, above the limit of {limits.max_image_bytes}")
-        return decode_image(data, limits)
+        return data
     if isinstance(source, os.PathLike):
         if not allow_local_paths:
             raise MediaError("local file paths are not accepted here; send the image as a data URL or an "
                              "http(s) URL")
-        return decode_image(read_local_file(Path(source), str(source), limits), limits)
+        return read_local_file(Path(source), str(source), limits)
     if not isinstance(source, str):
         raise MediaError(f"an image must be a URL, a data URL, bytes or a PIL image, not {type(source).__name__}")
     match = SCHEME.match(source[:64])
     scheme = match[1].lower() if match else ""
     if scheme == "data":
-        return decode_image(decode_data_url(source, limits), limits)
+        return decode_data_url(source, limits)
     if scheme in ("http", "https"):
-        return decode_image(fetch_url(source, limits), limits)
+        return fetch_url(source, limits)
     if scheme == "file":
-        return decode_image(read_local_file(file_url_path(source, limits), source, limits), limits)
+        return read_local_file(file_url_path(source, limits), source, limits)
     if allow_local_paths and (not scheme or len(scheme) == 1):   # a plain path (or a Windows drive letter)
-        return decode_image(read_local_file(Path(source), source, limits), limits)
+        return read_local_file(Path(source), source, limits)
     shown = source if len(source) <= 80 else source[:77] + "..."
     raise MediaError(f"unsupported image URL {shown!r}: use an http(s):// URL or a data:image/...;base64, URL"
                      + (" (or a file:// URL under the allowed media directory)"
@@ -149,6 +167,12 @@ def check_size(width_px: int, height_px: int, limits: MediaLimits) -> None:
 
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
     """Decode encoded image bytes in full, refusing unknown formats and oversized or broken images."""
+    return finish_decode(open_image(data, limits))
+
+
+def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
+    """An image opened from its header only (format and size known and checked, pixels not decoded):
+    ``image.width * image.height`` is what decoding it will cost. ``finish_decode`` decodes it."""
     if not data:
         raise MediaError("the image is empty (0 bytes)")
     try:
@@ -163,7 +187,16 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
         raise MediaError(f"the data is not an image in a supported format ({', '.join(ALLOWED_FORMATS)})") from e
     except (OSError, SyntaxError, ValueError) as e:
         raise MediaError(f"the image could not be read, it is truncated or corrupt ({e})") from e
-    image = checked_image(image, limits)
+    check_size(image.width, image.height, limits)
+    return image
+
+
+def finish_decode(image: Image.Image) -> Image.Image:
+    """Decode an ``open_image`` image in full and apply its EXIF orientation."""
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise MediaError(f"the image could not be decoded, it is truncated or corrupt ({e})") from e
     try:
         ImageOps.exif_transpose(image, in_place=True)
     except (OSError, SyntaxError, ValueError) as e:
@@ -237,8 +270,10 @@ def check_address(address: str) -> None:
     embedded = _embedded_ipv4(ip) if ip.version == 6 else None
     kind = _disallowed_kind(embedded or ip)                  # an embedded IPv4 address is where it goes
     if kind:
-        raise MediaError(f"the image URL's host resolves to {address}, a {kind} address; media URLs must "
-                         "point to public addresses")
+        # The address and its kind go to the operator's log only: the client learns nothing of the
+        # server's network (which internal address a name resolves to).
+        logger.info("Refused a media URL: its host resolves to %s, a %s address.", address, kind)
+        raise MediaError("the image URL's host is not allowed: media URLs must point to public addresses")
 
 
 class _AddressGuard:

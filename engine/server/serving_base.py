@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from engine.async_llm import AsyncLLM, RequestStream
 from engine.outputs import Logprob, RequestOutput
@@ -82,14 +83,32 @@ class ServingBase:
 
     async def submit_all(self, prompts: list[Any], params: SamplingParams, base_request_id: str,
                          lora_request: Any, priority: int) -> list[RequestStream]:
-        """Add one engine request per prompt; if any is rejected, abort the others and raise."""
+        """Add one engine request per prompt, all or none.
+
+        The prompts x n sequences are admitted at once before any prompt is processed (``ValueError``, a
+        400 naming ``n`` or ``prompt``, when they could never fit; ``EngineOverloadedError``, a 503, when
+        they do not fit now). If any request is rejected, or this call is cancelled (its client left), the
+        others are aborted, those still being processed included.
+        """
+        client = self.engine_client
+        client.processor.check_n(params.n)
+        reservation = client.reserve_sequences(len(prompts) * params.n,
+                                               param="prompt" if len(prompts) > 1 else "n")
         ids = ([base_request_id] if len(prompts) == 1
                else [f"{base_request_id}-{i}" for i in range(len(prompts))])
         # All adds are queued before the first await, so the engine takes them in one go.
-        results = await asyncio.gather(
-            *[self.engine_client.add_request(prompt, params.clone() if i else params, rid,
-                                             lora_request=lora_request, priority=priority)
-              for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True))], return_exceptions=True)
+        tasks = [asyncio.ensure_future(client.add_request(prompt, params.clone() if i else params, rid,
+                                                          lora_request=lora_request, priority=priority,
+                                                          reservation=reservation))
+                 for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True))]
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            for task in tasks:   # a request added meanwhile is aborted once its task is done
+                task.add_done_callback(_abort_added)
+            raise
+        finally:
+            reservation.release()
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for r in results:
@@ -167,6 +186,30 @@ def _clamp(x: float) -> float:
 
 def _utf8(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
+
+
+def _abort_added(task: "asyncio.Future[RequestStream]") -> None:
+    """Done-callback of an ``add_request`` task whose caller left: abort the stream it opened, if any."""
+    if not task.cancelled() and task.exception() is None:
+        task.result().abort()
+
+
+class OwnedStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that aborts its requests' streams when the response ends, however it ends:
+    also when the client is gone before the body generator's first chunk (the generator never starts
+    then, and its own ``finally`` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.streams = streams
+        """Aborted when the response ends (a no-op for a stream that already ended)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self.streams:
+                stream.abort()
 
 
 # ----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.async_llm import RequestStream
 from engine.outputs import Logprob, RequestOutput
@@ -14,8 +14,8 @@ from engine.server.errors import BadRequestError, to_openai_error, error_body
 from engine.server.protocol import (SSE_DONE, CompletionRequest, CompletionResponse,
                                     CompletionResponseChoice, CompletionResponseStreamChoice, StreamChunkHead,
                                     UsageInfo, now_s, random_id, sse_event, stream_chunk)
-from engine.server.serving_base import (ServingBase, merge_streams, run_unless_disconnected,
-                                        serialize_prompt_logprobs, to_sampling_params)
+from engine.server.serving_base import (OwnedStreamingResponse, ServingBase, merge_streams,
+                                        run_unless_disconnected, serialize_prompt_logprobs, to_sampling_params)
 
 
 @dataclass
@@ -54,11 +54,15 @@ class OpenAIServingCompletion(ServingBase):
                                     prompt_logprobs=num_top if req.echo and num_top is not None else None,
                                     defaults=self.engine_client.default_sampling_params)
         request_id = req.request_id or raw_request.headers.get("X-Request-Id") or random_id("cmpl")
-        streams = await self.submit_all(prompts, params, request_id, lora, req.priority)
+        # A client that leaves while its prompts are processed cancels them (nothing reaches the engine).
+        streams = await run_unless_disconnected(
+            raw_request, self.submit_all(prompts, params, request_id, lora, req.priority))
+        if streams is None:
+            return Response(status_code=499)
         created = now_s()
         if req.stream:
-            return StreamingResponse(
-                self._stream(req, streams, request_id, created, model_name, len(prompts)),
+            return OwnedStreamingResponse(
+                self._stream(req, streams, request_id, created, model_name, len(prompts)), streams,
                 media_type="text/event-stream")
         body = await run_unless_disconnected(
             raw_request, self._collect(req, streams, request_id, created, model_name, len(prompts)))

@@ -60,7 +60,7 @@ def test_outputs_message_round_trips_through_pickle_as_columns():
 def test_one_loop_runs_commands_steps_and_replies(core):
     channel = ScriptedChannel([
         _add(core, "r1", 6), _add(core, "r2", 4, n=2), _add(core, "r1", 3),   # the last one: a duplicate id
-        CallMethod(1, "list_loras"), CallMethod(2, "step"), AbortRequests(["0_r2"]),
+        CallMethod(1, "list_loras"), CallMethod(2, "step"), AbortRequests(["r2#0"]),
     ])
     core.run(channel)
     replies = {m.call_id: m for m in channel.messages if isinstance(m, CallResult)}
@@ -78,8 +78,8 @@ def test_one_loop_runs_commands_steps_and_replies(core):
             if o.finish_reason:
                 finish[o.req_id] = o.finish_reason
     assert len(tokens["r1"]) == 6 and finish["r1"] == "length"
-    assert len(tokens["1_r2"]) == 4 and finish["1_r2"] == "length"
-    assert "0_r2" not in finish                                 # aborted: the client already knows
+    assert len(tokens["r2#1"]) == 4 and finish["r2#1"] == "length"
+    assert "r2#0" not in finish                                 # aborted: the client already knows
     assert not core.has_unfinished_requests() and core.get_stats().kv_cache_usage == 0.0
 
 

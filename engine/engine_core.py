@@ -67,6 +67,10 @@ MAX_CONSECUTIVE_STEP_FAULTS = 3
 is not confined to the requests it hit (a broken device, a bug in every step), and a restart is
 what clears it."""
 
+ADAPTER_READ_POLL_S = 0.05
+"""Longest wait of a step that scheduled nothing for the loader thread's read of an adapter (the loop
+takes new commands between waits)."""
+
 _CUDA_ERROR_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert",
                        "illegal memory access", "unspecified launch failure")
 """Substrings of the messages of errors after which the CUDA context cannot be used any more."""
@@ -162,6 +166,9 @@ class EngineCore:
                               lora_enabled=cfg.lora_config is not None,
                               max_n=cfg.scheduler_config.max_num_seqs, mm_processor=loaded.mm_processor,
                               mm_config=cfg.mm_config, transcriber=loaded.transcriber)
+        if lora_manager is not None:
+            processor.use_adapter_uploads(lora_manager.client_uploads())
+            scheduler.lora_ready = lora_manager.host_ready
         facts = EngineFacts(model_name=loaded.model_name, max_model_len=loaded.max_model_len,
                             engine_config=cfg, tokenizer=loaded.tokenizer, processor=processor,
                             default_sampling_params=loaded.default_sampling,
@@ -173,15 +180,26 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, command: AddRequest) -> None:
         """Queue a user request's sequences (all or none). Raises ValueError / LoRA errors, or
-        EngineDeadError after a fatal step fault."""
+        EngineDeadError after a fatal step fault.
+
+        An adapter the request names is registered from the weights it carries (read by the client:
+        ``LoRARequest.adapter``); the sequences keep the request without them. A request refused after
+        that leaves nothing behind: an adapter registered for it alone is removed again."""
         if self._dead_error is not None:
             raise self._dead_error
         children = command.children
+        for child in children:
+            if child.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id: {command.request_id!r} is already in use.")
         lora_request = children[0].lora_request
+        registered_now = False
         if lora_request is not None and self.lora_manager is not None:
-            self.lora_manager.register(lora_request)
-            if self.executor is not None:
-                self.executor.add_adapter(lora_request)
+            # A request that carries no weights for an adapter the engine lacks (the client's record of
+            # sent adapters was out of date): the loader reads it; the request waits meanwhile.
+            registered_now = self.lora_manager.register(lora_request, read_later=True)
+            lora_request = lora_request.without_adapter()
+            for child in children:
+                child.lora_request = lora_request   # the scheduler's requests do not keep the weights alive
             if self.lora_manager.adapts_encoder(lora_request.lora_name):
                 # The encoder output depends on the adapter: its own encoder-cache entries.
                 for child in children:
@@ -195,7 +213,11 @@ class EngineCore:
                 added.append(child.request_id)
         except Exception:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            if registered_now:
+                self.lora_manager.remove(lora_request.lora_name)
             raise
+        if lora_request is not None and self.executor is not None:
+            self.executor.add_adapter(lora_request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish sequences (child ids) now; unknown or finished ones are ignored."""
@@ -221,9 +243,9 @@ class EngineCore:
         launched = self._in_flight
         so: Optional[SchedulerOutput] = None
         try:
+            self._take_adapter_reads()
             so = self.scheduler.schedule()
-            if so.lora_loads:
-                self._check_adapter_loads(so)
+            self._check_adapter_loads(so)
             outputs = self._run(so)
         except Exception as e:  # noqa: BLE001 - recovered, or turned into EngineDeadError
             self._recover_from_fault(e, [s for s in (launched[0] if launched else None, so) if s is not None])
@@ -255,11 +277,39 @@ class EngineCore:
         return failed
 
     # ------------------------------------------------------------------ faults
+    def _take_adapter_reads(self) -> None:
+        """Put the adapters the loader thread read (``LoRAManager.take_reads``) in host memory, so their
+        waiting requests can be scheduled; a read that failed ends the waiting requests that needed
+        it with its LoRA error (4xx)."""
+        if self.lora_manager is None:
+            return
+        errors = self.lora_manager.take_reads()
+        if not errors:
+            return
+        slots = self.scheduler.lora_slots
+        failed = {}
+        for req_id, request in self.scheduler.requests.items():
+            lora_name = request.lora_request.lora_name if request.lora_request else None
+            if (lora_name in errors and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                    and (slots is None or slots.slot_of(lora_name) is None)):
+                failed[req_id] = errors[lora_name]
+        for lora_name, e in errors.items():
+            logger.warning("LoRA adapter %r could not be read; its waiting requests fail: %s", lora_name, e)
+        self.scheduler.fail_requests(failed)
+        self._failed.update(failed)
+
     def _check_adapter_loads(self, so: SchedulerOutput) -> None:
-        """Read the step's adapters into host memory before the step runs. An adapter whose files went
-        missing or bad since it was registered (the host LRU had dropped it) fails the step's requests
-        naming it with its LoRA error (4xx) and loses its slot; the rest of the step runs as planned
-        (the failed requests' rows compute without their adapter and are discarded)."""
+        """Check the step's adapters are in host memory before the step runs (the scheduler gives a
+        request a slot only once its adapter is: ``Scheduler.lora_ready``). An adapter that is not
+        fails the step's requests naming it with its LoRA error (4xx) and loses its slot; the rest of
+        the step runs as planned (the failed requests' rows compute without their adapter and are
+        discarded). A step that scheduled nothing while the loader reads waits for a read briefly
+        instead of spinning."""
+        if not so.lora_loads:
+            if (so.total_num_scheduled_tokens == 0 and self._in_flight is None and self.lora_manager is not None
+                    and self.lora_manager.adapter_reads_pending()):
+                self.lora_manager.loader.wait(ADAPTER_READ_POLL_S)
+            return
         errors: dict[str, BaseException] = {}
         for load in so.lora_loads:
             try:
@@ -328,7 +378,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ adapters, stats
     def add_lora(self, lora_request) -> bool:
-        """Load an adapter now (validate, read into host memory) so requests can name it.
+        """Load an adapter now so requests can name it: from the weights ``lora_request.adapter``
+        carries (the clients read them on their own thread), else read here.
 
         Loading a name that is being unloaded keeps it. Raises ``LoRAAdapterNotFoundError``
         (missing path or files) or another ``ValueError`` (an adapter that cannot be served).
@@ -337,7 +388,7 @@ class EngineCore:
             raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora=True.")
         self.lora_manager.register(lora_request, keep_if_removing=True)
         if self.executor is not None:
-            self.executor.add_adapter(lora_request)
+            self.executor.add_adapter(lora_request.without_adapter())
         return True
 
     def remove_lora(self, lora_name: str) -> bool:
@@ -406,6 +457,21 @@ class EngineCore:
         if self.executor is not None:
             self.executor.close(graceful=self._dead_error is None)
 
+    def close(self) -> None:
+        """Release everything the core holds: ``shutdown``, then drop the model, its KV cache, the
+        adapters and the scheduler, collect what referred to them (the start-up heap is frozen out of
+        the collector's reach, ``freeze_gc_heap``: unfrozen for this pass) and hand the device's cached
+        memory back (CUDA). Idempotent; every later ``step`` / ``add_request`` raises EngineDeadError."""
+        self.shutdown()
+        if self.runner is None:
+            return
+        self._dead_error = self._dead_error or EngineDeadError("The engine was closed.")
+        self._in_flight = None
+        self._failed = {}
+        self._injected_fault = None
+        self.runner = self.scheduler = self.lora_manager = self.executor = None
+        release_engine_memory()
+
     def _watch_workers(self, channel: CoreChannel) -> None:
         """Tensor parallelism: a worker that dies while the loop waits for commands makes the engine
         dead at once (``EngineDead`` to the client: /health fails, ``chorus serve`` exits)."""
@@ -458,6 +524,16 @@ class EngineCore:
             reply = self.handle(command, rejected)
             if reply is not None:
                 channel.put(reply)
+
+
+def release_engine_memory() -> None:
+    """Collect a released engine's objects (reference cycles included: the heap frozen at start-up is
+    unfrozen for the pass, and what is still alive frozen again) and return cached CUDA memory."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _fatal_reason(error: BaseException, num_consecutive_faults: int, executor=None) -> Optional[str]:

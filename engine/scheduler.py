@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine.encoder_cache_manager import EncoderCacheManager
@@ -21,6 +21,7 @@ from engine.request import Request, RequestStatus
 from engine.request_queue import create_request_queue
 from lora import NO_LORA
 from lora.slot_manager import LoRASlotManager
+from lora.request import LoRARequest
 
 
 LORA_RESERVE_AFTER_STEPS = 0
@@ -89,6 +90,10 @@ class Scheduler:
         # req_id -> step at which a waiting LoRA request first found no slot.
         self._lora_blocked_since: dict[str, int] = {}
         self.lora_reserve_after_steps = LORA_RESERVE_AFTER_STEPS
+        self.lora_ready: Optional[Callable[[LoRARequest], bool]] = None
+        """Whether an adapter's weights are in host memory, so a step may load it into a slot (the
+        engine's ``LoRAManager.host_ready``, which has a missing one read off the step loop); a waiting
+        request whose adapter needs a slot and is not ready waits. None: always ready."""
         self.encoder_compute_budget, encoder_cache_size = scheduler_config.encoder_budgets(max_embeds_per_mm_item)
         self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
 
@@ -412,6 +417,8 @@ class Scheduler:
         slot = self.lora_slots.slot_of(request.lora_request.lora_name)
         if slot is not None:
             return reservation is None or is_holder or slot != reservation.drain_slot
+        if self.lora_ready is not None and not self.lora_ready(request.lora_request):
+            return False   # its adapter is being read from disk: the others go on
         if (reservation is None or is_holder) and self.lora_slots.can_acquire(request.lora_request):
             return True
         self._lora_blocked_since.setdefault(request.request_id, self.num_steps)

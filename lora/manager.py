@@ -2,15 +2,17 @@
 
 Life of an adapter:
 
-1. ``register`` (when a request names it, or ``LLMEngine.add_lora``): read and check the PEFT
-   directory once, keep the tensors in the host store (LRU over ``max_cpu_loras``).
-2. ``load_slots`` (before a step, as the scheduler's ``lora_loads`` say): copy the adapter from
-   the host store (reloading it from disk if the LRU dropped it) into its slot of every adapted
-   layer; projections it does not target are zeroed.
-3. ``set_batch`` (once per step): group the step's tokens by slot; every layer reads it. Calls
+1. ``register`` (when a request names it, or ``add_lora``): keep the tensors the engine's client
+   read (``lora.adapter_uploads``: off the step loop) in the host store (LRU over ``max_cpu_loras``).
+2. ``host_ready`` / ``take_reads``: a waiting request gets a slot only once its adapter is in the
+   host store; one the LRU dropped is read again by the loader thread (``lora.adapter_loader``)
+   while the other requests run.
+3. ``load_slots`` (before a step, as the scheduler's ``lora_loads`` say): copy the adapter from
+   the host store into its slot of every adapted layer; projections it does not target are zeroed.
+4. ``set_batch`` (once per step): group the step's tokens by slot; every layer reads it. Calls
    outside the step's token batch (an encoder-decoder model's encoder and cross-attention K/V
    projection, on encoder rows) run under ``rows_batch`` with one slot per row.
-4. ``remove``: forget the adapter, drop its host copy and zero its slot. The engine calls it
+5. ``remove``: forget the adapter, drop its host copy and zero its slot. The engine calls it
    only once the scheduler says no request uses the adapter any more.
 
 Decision and storage live apart: the scheduler decides which adapter sits in which slot; this
@@ -31,11 +33,14 @@ import torch.nn.functional as F
 
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds
+from lora.adapter_loader import AdapterLoader
+from lora.adapter_reader import AdapterReader
 from lora.adapter_store import AdapterStore
+from lora.adapter_uploads import AdapterUploads
 from lora.batch import LoRABatchState, LoRAMetaBuffers
 from lora.errors import InvalidLoRAAdapterError, LoRAAdapterError, LoRAAdapterNotFoundError
 from lora.layers import LinearLoRASlots, LoRAPending
-from lora.peft_adapter import LoRAAdapter, LoRATargets, load_peft_adapter
+from lora.peft_adapter import LoRAAdapter, LoRATargets
 from lora.peft_adapter import max_rank_in as _max_rank_in
 from lora.request import LoRARequest
 
@@ -126,6 +131,12 @@ class LoRAManager:
             # is sized from the driver's free memory (``ModelRunner.determine_num_blocks``).
             torch.cuda.empty_cache()
         self.store = AdapterStore(lora_config.max_cpu_loras, pin_memory=self.device.type == "cuda")
+        self.reader = AdapterReader(self.targets, self.max_lora_rank, self.lora_dtype)
+        """Reads adapters for this model; the engine's client gets it to read adapters off the step loop."""
+        self.loader = AdapterLoader(self.reader)
+        """The engine's own reads (``host_ready``, ``register(read_later=True)``), off the step loop."""
+        self._unverified: set[str] = set()
+        """Registered from a request that carried no weights: not read yet (its requests wait)."""
         self._registered: dict[str, LoRARequest] = {}
         """Adapters users may run, by name (validated once; weights may be evicted from the store)."""
         self._removing: set[str] = set()
@@ -144,13 +155,23 @@ class LoRAManager:
                     self.store.capacity, self.backend)
 
     # ------------------------------------------------------------------ registry
-    def register(self, lora_request: LoRARequest, keep_if_removing: bool = False) -> None:
-        """Make an adapter known: validate it and load it into the host store (once per name).
+    def register(self, lora_request: LoRARequest, keep_if_removing: bool = False, read_later: bool = False) -> bool:
+        """Make an adapter known: put its weights in the host store (once per name).
+
+        The weights are those ``lora_request.adapter`` carries (read by the engine's client); one that
+        carries none is read here (tensor-parallel workers, direct callers), or with ``read_later`` by
+        the loader thread (its requests wait for it: ``host_ready``; a failed read ends them,
+        ``take_reads``).
 
         Args:
             lora_request: the adapter.
             keep_if_removing: an explicit load (``add_lora``): an adapter being unloaded is kept
                 instead of refused.
+            read_later: an adapter that carries no weights is read by ``loader``, not now.
+
+        Returns:
+            Whether this call registered it (False: it was registered already; a second copy of its
+            weights is dropped).
 
         Raises:
             LoRAAdapterNotFoundError: the path or its files are missing, or the adapter is being unloaded.
@@ -168,16 +189,75 @@ class LoRAManager:
                     f"LoRA adapter {name!r} is already loaded from {known.lora_path!r}; unload it (and let "
                     f"its requests finish) before loading {lora_request.lora_path!r} under the same name.")
             self._removing.discard(name)
-            return
-        adapter = self._read(lora_request)
-        self.store.put(adapter)
-        self._registered[name] = lora_request
-        self._adapts_encoder[name] = adapter.adapts_encoder
+            if lora_request.adapter is not None and name not in self.store:
+                self.put_registered(known, lora_request.adapter)   # a fresh copy: no read needed
+            return False
+        if lora_request.adapter is None and read_later:
+            self._registered[name] = lora_request
+            self._unverified.add(name)
+            self.loader.request(lora_request)
+            logger.info("LoRA adapter %r registered from %s; reading it", name, lora_request.lora_path)
+            return True
+        adapter = lora_request.adapter if lora_request.adapter is not None else self._read(lora_request)
+        self.put_registered(lora_request, adapter)
         logger.info("LoRA adapter %r registered from %s", name, lora_request.lora_path)
+        return True
+
+    def put_registered(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Hold ``adapter`` in the host store and register it under ``lora_request`` (kept without weights)."""
+        self.store.put(adapter)
+        self._registered[lora_request.lora_name] = lora_request.without_adapter()
+        self._adapts_encoder[lora_request.lora_name] = adapter.adapts_encoder
+        self._unverified.discard(lora_request.lora_name)
+
+    def host_ready(self, lora_request: LoRARequest) -> bool:
+        """Whether the adapter's weights are in the host store, so a step may load it into a slot;
+        when not, the loader is asked to read them (the scheduler asks before it gives a request a
+        slot: ``Scheduler.lora_ready``)."""
+        name = lora_request.lora_name
+        if self.store.get(name) is not None:
+            return True
+        self.loader.request(self._registered.get(name, lora_request))
+        return False
+
+    def take_reads(self) -> dict[str, LoRAAdapterError]:
+        """Put the adapters the loader read since the last call in the host store; returns adapter
+        name -> error for the reads that failed (their waiting requests fail with it). An adapter
+        registered without weights (``read_later``) whose read failed is unregistered again. A read of
+        an adapter unloaded meanwhile is dropped."""
+        errors: dict[str, LoRAAdapterError] = {}
+        for read in self.loader.take_done():
+            name = read.lora_request.lora_name
+            known = self._registered.get(name)
+            if known is None or known.lora_path != read.lora_request.lora_path:
+                continue
+            if isinstance(read.result, LoRAAdapterError):
+                if name in self._unverified:
+                    errors[name] = read.result
+                    self.remove(name)
+                else:
+                    errors[name] = self._reread_error(known, read.result)
+                continue
+            self.put_registered(known, read.result)
+        return errors
+
+    def adapter_reads_pending(self) -> bool:
+        """The loader has reads queued, running or not taken yet."""
+        return self.loader.busy
+
+    def _reread_error(self, lora_request: LoRARequest, e: LoRAAdapterError) -> LoRAAdapterError:
+        name = lora_request.lora_name
+        return type(e)(f"LoRA adapter {name!r} left host memory (max_cpu_loras={self.store.capacity}) "
+                       f"and could not be read again from {lora_request.lora_path!r}: {e} Restore its files, "
+                       "or unload it and load it again (/v1/unload_lora_adapter, /v1/load_lora_adapter).")
 
     def _read(self, lora_request: LoRARequest) -> LoRAAdapter:
-        return load_peft_adapter(lora_request.lora_name, lora_request.lora_path, self.targets,
-                                 self.max_lora_rank, self.lora_dtype)
+        return self.reader.read(lora_request)
+
+    def client_uploads(self) -> AdapterUploads:
+        """A new client-side record of sent adapters that reads them with ``reader`` (for the engine's
+        ``Processor``: requests carry an adapter's weights, read off the step loop, the first time)."""
+        return AdapterUploads(self.reader)
 
     def list_loras(self) -> list[LoRARequest]:
         """Registered adapters users may run (not those being unloaded), in registration order."""
@@ -193,8 +273,9 @@ class LoRAManager:
 
     def adapts_encoder(self, lora_name: str) -> bool:
         """Whether the registered adapter updates a projection of the model's encoder, so that a
-        request running it needs its own encoder output (False for an unknown name)."""
-        return self._adapts_encoder.get(lora_name, False)
+        request running it needs its own encoder output (False for an unknown name; True for one not
+        read yet: its own encoder output is right either way)."""
+        return self._adapts_encoder.get(lora_name, lora_name in self._unverified)
 
     def slot_of(self, lora_name: str) -> Optional[int]:
         """The slot holding the adapter's weights, or None."""
@@ -233,6 +314,7 @@ class LoRAManager:
         self._registered.pop(lora_name, None)
         self._adapts_encoder.pop(lora_name, None)
         self._removing.discard(lora_name)
+        self._unverified.discard(lora_name)
         if held:
             logger.info("LoRA adapter %r removed", lora_name)
         return held
@@ -262,7 +344,9 @@ class LoRAManager:
 
         The engine calls this for each of a step's slot loads before the step runs, so an adapter
         whose files went missing or bad since it was registered fails its own requests (4xx), not
-        the step.
+        the step. The engine's scheduler gives a request a slot only once its adapter is in the host
+        store (``host_ready``), so the engine itself never reads here; a tensor-parallel worker,
+        whose store evicts on its own, may.
 
         Raises:
             LoRAAdapterNotFoundError: its directory or files are gone.
@@ -276,9 +360,7 @@ class LoRAManager:
         try:
             adapter = self._read(req)
         except LoRAAdapterError as e:
-            raise type(e)(f"LoRA adapter {name!r} left host memory (max_cpu_loras={self.store.capacity}) "
-                          f"and could not be read again from {req.lora_path!r}: {e} Restore its files, or "
-                          "unload it and load it again (/v1/unload_lora_adapter, /v1/load_lora_adapter).") from e
+            raise self._reread_error(req, e) from e
         self.store.put(adapter)
         self._registered.setdefault(name, req)
         return adapter

@@ -12,10 +12,12 @@ import itertools
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from engine.server.errors import BadRequestError, NotFoundError
 from engine.server.protocol import ModelCard, ModelList
+from engine.server.lora_paths import path_under_roots
+from lora.errors import LoRAAdapterError
 from lora.request import LoRARequest
 
 logger = logging.getLogger("chorus.server")
@@ -104,25 +106,78 @@ class OpenAIServingModels:
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str,
                                 base_model_name: Optional[str] = None) -> LoRARequest:
+        """Load an operator's adapter (``--lora-modules``): any path; errors say what is wrong with it."""
+        self._check_new_name(lora_name, lora_path)
+        async with self._lora_lock:
+            self._check_new_name(lora_name, lora_path)
+            return await self._load(self._new_lora_request(lora_name, lora_path, base_model_name))
+
+    async def load_runtime_lora_adapter(self, lora_name: str, lora_path: str,
+                                        base_model_name: Optional[str] = None,
+                                        allowed_roots: Optional[Sequence[str]] = None) -> LoRARequest:
+        """Load a client's adapter (``/v1/load_lora_adapter``). ``lora_path`` is resolved (symlinks and
+        ``..`` followed) and, with ``allowed_roots`` (``--allowed-lora-path``, resolved), must lie under
+        one of them. Every failure to load it is one 400 (``param: lora_path``) that says nothing of
+        the server's files (whether the path exists, what it holds); the server log has the reason."""
+        self._check_new_name(lora_name, lora_path)
+        async with self._lora_lock:
+            self._check_new_name(lora_name, lora_path)
+            if allowed_roots is not None:
+                resolved = path_under_roots(lora_path, allowed_roots)
+                if resolved is None:
+                    logger.warning("LoRA adapter %r: lora_path %r is not under --allowed-lora-path; refused.",
+                                   lora_name, lora_path)
+                    raise self._not_loadable(lora_name, allowed_roots)
+                lora_path = resolved
+            lora = self._new_lora_request(lora_name, lora_path, base_model_name)
+            try:
+                return await self._load(lora)
+            except (LoRAAdapterError, OSError) as e:
+                logger.warning("LoRA adapter %r could not be loaded from %r: %s", lora_name, lora_path, e)
+                raise self._not_loadable(lora_name, allowed_roots) from None
+
+    def _check_new_name(self, lora_name: str, lora_path: str) -> None:
         if not lora_name or not lora_path:
             raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
-        async with self._lora_lock:
-            if lora_name in self.lora_requests or lora_name in self.served_model_names:
-                raise BadRequestError(f"The lora adapter '{lora_name}' has already been loaded.",
-                                      param="lora_name")
-            lora = LoRARequest(lora_name=lora_name, lora_int_id=next(self._lora_id_counter),
-                               lora_path=lora_path, base_model_name=base_model_name or self.model_name)
-            if self.engine_client.has_engine_method("add_lora"):
-                await self.engine_client.call_engine("add_lora", lora)
-            self.lora_requests[lora_name] = lora
-            logger.info("Loaded LoRA adapter %s from %s.", lora_name, lora_path)
-            return lora
+        if lora_name in self.lora_requests or lora_name in self.served_model_names:
+            raise BadRequestError(f"The lora adapter '{lora_name}' has already been loaded.", param="lora_name")
+
+    def _new_lora_request(self, lora_name: str, lora_path: str, base_model_name: Optional[str]) -> LoRARequest:
+        return LoRARequest(lora_name=lora_name, lora_int_id=next(self._lora_id_counter), lora_path=lora_path,
+                           base_model_name=base_model_name or self.model_name)
+
+    @staticmethod
+    def _not_loadable(lora_name: str, allowed_roots: Optional[Sequence[str]]) -> BadRequestError:
+        where = ("a PEFT adapter directory under one of the server's --allowed-lora-path directories"
+                 if allowed_roots is not None else "a PEFT adapter directory the server can load")
+        return BadRequestError(f"The LoRA adapter {lora_name!r} could not be loaded from lora_path: it must "
+                               f"name {where}. The server log says why.", param="lora_path")
+
+    def _adapter_uploads(self):
+        """The client's ``lora.adapter_uploads.AdapterUploads`` (None: LoRA disabled)."""
+        return getattr(getattr(self.engine_client, "processor", None), "adapter_uploads", None)
+
+    async def _load(self, lora: LoRARequest) -> LoRARequest:
+        """Read the adapter on a worker thread (disk, checks: never on the event loop nor in the
+        engine's step loop), hand it to the engine, then let requests name it."""
+        uploads = self._adapter_uploads()
+        if self.engine_client.has_engine_method("add_lora"):
+            loaded = await asyncio.to_thread(uploads.read, lora) if uploads is not None else lora
+            await self.engine_client.call_engine("add_lora", loaded)
+            if uploads is not None:
+                uploads.mark_sent(lora)
+        self.lora_requests[lora.lora_name] = lora
+        logger.info("Loaded LoRA adapter %r from %r.", lora.lora_name, lora.lora_path)
+        return lora
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         async with self._lora_lock:
             lora = self.lora_requests.get(lora_name)
             if lora is None:
                 raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.", param="lora_name")
+            uploads = self._adapter_uploads()
+            if uploads is not None:
+                uploads.forget(lora_name)
             if self.engine_client.has_engine_method("remove_lora"):
                 await self.engine_client.call_engine("remove_lora", lora_name)
             del self.lora_requests[lora_name]

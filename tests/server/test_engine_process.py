@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from engine.core_transport import ProcessTransport, ThreadTransport
+from lora import LoRAAdapterNotFoundError, LoRARequest
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter
 from tests.server.conftest import start_server, wait_until
 
@@ -89,7 +90,9 @@ def test_lora_load_and_unload_by_method_name(servers, adapter):
     assert _complete(proc.url, PROMPTS[0], model="sql")["choices"][0]["text"] == \
         _complete(thread.url, PROMPTS[0], model="sql")["choices"][0]["text"]
     r = httpx.post(proc.url + "/v1/load_lora_adapter", json={"lora_name": "ghost", "lora_path": "/no/such/dir"})
-    assert r.status_code == 404          # the child's LoRAAdapterNotFoundError crossed the pipe intact
+    assert r.status_code == 400 and "could not be loaded from lora_path" in r.json()["error"]["message"]
+    with pytest.raises(LoRAAdapterNotFoundError):   # the child's own error crosses the pipe intact
+        proc.call_engine("add_lora", LoRARequest("ghost", 99, "/no/such/dir"))
     for srv in (proc, thread):
         assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
     r = httpx.post(proc.url + "/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 2})

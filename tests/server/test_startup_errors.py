@@ -164,7 +164,7 @@ def test_serving_is_logged_after_the_adapters_load_and_heads_have_a_deadline(tin
             proc.kill()
     output = proc.stdout.read()
     serving = output.index(f"Serving {tiny_llama_dir} on http://127.0.0.1:{port}")
-    assert output.index("Loaded LoRA adapter good") < serving
+    assert output.index("Loaded LoRA adapter 'good'") < serving
 
 
 def _read_until_closed(sock: socket.socket) -> bytes:

@@ -1,0 +1,105 @@
+"""``AdapterLoader``: the engine's disk reads of adapters, on a thread beside the step loop.
+
+The engine reads an adapter itself in two cases: its host store (an LRU over ``max_cpu_loras``)
+dropped a registered adapter that a waiting request needs in a slot again, or a request names an
+adapter the engine was never sent (the client's record of sent adapters was out of date). Either
+way the step loop only asks for the read (``request``) and goes on stepping the other requests;
+the scheduler leaves the waiting requests unscheduled until the loop takes the result
+(``take_done``) and puts the adapter in the store.
+
+The thread exists only while reads are queued: it starts with the first one and ends when the
+queue is empty, so an idle or closed engine holds no loader thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from lora.adapter_reader import AdapterReader
+from lora.errors import LoRAAdapterError
+from lora.peft_adapter import LoRAAdapter
+from lora.request import LoRARequest
+
+logger = logging.getLogger("chorus.lora")
+
+
+@dataclass
+class AdapterRead:
+    """One finished read."""
+
+    lora_request: LoRARequest
+    """The adapter asked for (name and path)."""
+    result: Union[LoRAAdapter, LoRAAdapterError]
+    """Its weights, or why they could not be read."""
+
+
+class AdapterLoader:
+    """Reads adapters on a thread of its own; the engine's loop asks and collects (thread-safe).
+
+    Args:
+        reader: reads an adapter for the engine's base model.
+    """
+
+    def __init__(self, reader: AdapterReader) -> None:
+        self.reader = reader
+        self._queued: dict[str, LoRARequest] = {}
+        """Adapter name -> the read asked for and not finished (queued or running)."""
+        self._done: list[AdapterRead] = []
+        """Finished reads the loop has not taken yet."""
+        self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)
+        """Notified after each read."""
+        self._thread: Optional[threading.Thread] = None
+        """The reading thread while reads are queued."""
+
+    def request(self, lora_request: LoRARequest) -> None:
+        """Read this adapter (once while a read of that name is queued or not yet taken)."""
+        name = lora_request.lora_name
+        with self._lock:
+            if name in self._queued or any(d.lora_request.lora_name == name for d in self._done):
+                return
+            self._queued[name] = lora_request.without_adapter()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="chorus-adapter-loader", daemon=True)
+                self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """Reads are queued, running, or finished and not taken."""
+        with self._lock:
+            return bool(self._queued or self._done)
+
+    def take_done(self) -> list[AdapterRead]:
+        """The reads finished since the last call."""
+        with self._lock:
+            done, self._done = self._done, []
+            return done
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a read finishes (or one is there to take), at most ``timeout_s``."""
+        with self._lock:
+            if not self._done and self._queued:
+                self._finished.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queued:
+                    self._thread = None
+                    return
+                name = next(iter(self._queued))
+                lora_request = self._queued[name]
+            try:
+                result: Union[LoRAAdapter, LoRAAdapterError] = self.reader.read(lora_request)
+            except LoRAAdapterError as e:
+                result = e
+            except Exception as e:  # noqa: BLE001 - an unreadable adapter fails its requests, not the engine
+                logger.exception("Reading LoRA adapter %r failed.", name)
+                result = LoRAAdapterError(f"LoRA adapter {name!r} could not be read ({type(e).__name__}).")
+            with self._lock:
+                self._queued.pop(name, None)
+                self._done.append(AdapterRead(lora_request, result))
+                self._finished.notify_all()

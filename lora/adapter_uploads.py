@@ -1,0 +1,68 @@
+"""``AdapterUploads``: the engine client's side of adapter registration.
+
+A request (or ``add_lora``) that names an adapter the engine has not been sent yet carries the
+adapter's weights (``LoRARequest.adapter``), read here on the client's thread; later requests naming
+it carry its name only. The record of what was sent is per client and only saves reads: where it is
+out of date (a request that carried the weights never reached the engine, or the engine dropped the
+adapter again), the engine reads the adapter itself, off its step loop (``lora.adapter_loader``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from lora.adapter_reader import AdapterReader
+from lora.request import LoRARequest
+
+
+class AdapterUploads:
+    """Which adapters this client sent to the engine, by name; thread-safe (requests are processed on
+    worker threads).
+
+    Args:
+        reader: reads an adapter for the engine's base model.
+    """
+
+    def __init__(self, reader: AdapterReader) -> None:
+        self.reader = reader
+        self._sent: dict[str, str] = {}
+        """Adapter name -> the lora_path its weights were sent from."""
+        self._lock = threading.Lock()
+        """Guards ``_sent`` (reads run outside it: two first requests may both read; the engine keeps one)."""
+
+    def read(self, lora_request: LoRARequest) -> LoRARequest:
+        """``lora_request`` carrying its adapter, read from disk now (LoRA errors as ``AdapterReader.read``)."""
+        return lora_request.with_adapter(self.reader.read(lora_request))
+
+    def attach(self, lora_request: Optional[LoRARequest]) -> Optional[LoRARequest]:
+        """What a request naming ``lora_request`` sends: it with its adapter when the engine was not
+        sent that adapter (name and path) yet, recorded as sent; else it without weights."""
+        if lora_request is None:
+            return None
+        lora_request = lora_request.without_adapter()
+        if self.was_sent(lora_request):
+            return lora_request
+        loaded = self.read(lora_request)
+        self.mark_sent(loaded)
+        return loaded
+
+    def was_sent(self, lora_request: LoRARequest) -> bool:
+        with self._lock:
+            return self._sent.get(lora_request.lora_name) == lora_request.lora_path
+
+    def mark_sent(self, lora_request: LoRARequest) -> None:
+        with self._lock:
+            self._sent[lora_request.lora_name] = lora_request.lora_path
+
+    def forget(self, lora_name: str) -> None:
+        """The engine no longer holds the adapter (unloaded, or its registration rolled back)."""
+        with self._lock:
+            self._sent.pop(lora_name, None)
+
+    def __getstate__(self) -> dict:
+        # A copy (the engine-process client's) starts with nothing sent and a lock of its own.
+        return {"reader": self.reader}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["reader"])

@@ -50,6 +50,10 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
         outputs = llm.generate([args.prompt], params, use_tqdm=False)
+    llm.close()
+    if outputs[0].error is not None:
+        print(f"chorus generate: error: {outputs[0].error}", file=sys.stderr)
+        return 1
     print(outputs[0].outputs[0].text)
     return 0
 

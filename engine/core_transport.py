@@ -112,8 +112,11 @@ class ThreadTransport:
         finally:
             self._built.set()
         on_message = self._start.get()
-        if on_message is not None:
-            self.core.run(_ThreadChannel(self._commands, on_message))
+        try:
+            if on_message is not None:
+                self.core.run(_ThreadChannel(self._commands, on_message))
+        finally:   # the loop is over (shut down, or dead): the model and its caches go with it
+            self.core.close()
 
     def start(self, on_message: OnMessage) -> None:
         self._started = True
@@ -126,11 +129,13 @@ class ThreadTransport:
         return self._started and self._thread.is_alive()
 
     def shutdown(self, timeout_s: float) -> None:
+        """Stop the loop and join the engine thread, which closes the core (``EngineCore.close``)."""
         if not self._started:
             self._start.put(None)                   # a built core that never ran: let the thread end
         elif self._thread.is_alive():
             self._commands.put(Shutdown())
-        self._thread.join(timeout_s)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
 
 # ----------------------------------------------------------------------------------------
@@ -225,12 +230,17 @@ class ProcessTransport:
 
     def send(self, command: EngineCommand) -> None:
         if not self._dead.is_set():
-            self._commands.put(command)
+            try:
+                self._commands.put(command)
+            except ValueError:                      # closed by ``shutdown`` meanwhile
+                pass
 
     def is_alive(self) -> bool:
         return not self._dead.is_set() and self.proc.is_alive()
 
     def shutdown(self, timeout_s: float) -> None:
+        """Stop the engine process (a ``Shutdown``, then SIGTERM after ``timeout_s``), then join the
+        receiver thread and the command queue's feeder thread. Idempotent."""
         if self.proc.is_alive():
             try:
                 self._commands.put(Shutdown())
@@ -241,6 +251,10 @@ class ProcessTransport:
                 self.proc.terminate()
                 self.proc.join(5)
         self._dead.set()
+        if self._receiver is not None and self._receiver is not threading.current_thread():
+            self._receiver.join()                   # it sees ``_dead`` within a poll
+        self._commands.close()                      # the child is gone: nothing left to flush to it
+        self._commands.join_thread()
 
     def _receive(self, on_message: OnMessage) -> None:
         """Receiver thread: blocks on the message queue (the GIL is free meanwhile)."""

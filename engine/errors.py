@@ -18,4 +18,5 @@ class EngineStartupError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step raised (in the model runner, the scheduler update, ...): the requests it ran end with
-    this error (HTTP 500). The message says whether the engine recovered or is stopping."""
+    this error (HTTP 500; offline, the ``error`` of their final ``RequestOutput``). The message says
+    whether the engine recovered or is stopping."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
+import weakref
 from typing import Optional, Sequence, Union
 
 from engine.arg_utils import EngineArgs
@@ -13,6 +15,8 @@ from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger("chorus.llm")
+
 
 class LLM:
     """Generate from many prompts at once with continuous batching.
@@ -20,11 +24,27 @@ class LLM:
     Args: ``model`` (HF dir, GGUF file, or None for the default SmolLM2-135M-Instruct) and any
     ``EngineArgs`` keyword (``dtype``, ``max_model_len``, ``block_size``, ``enable_prefix_caching``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``seed``, ``enable_lora``, ``max_loras``, ...).
+
+    Lifecycle: ``close()`` (or leaving ``with LLM(...) as llm:``) releases the engine: tensor-parallel
+    workers joined and their process group destroyed (so another engine may form one), the model,
+    KV cache and adapters freed, cached GPU memory returned. An LLM that is garbage (``del llm``, then
+    ``gc.collect()`` or simply the last reference gone) is closed the same way.
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs) -> None:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
         self._counter = itertools.count()
+        weakref.finalize(self, self.llm_engine.close).atexit = False   # holds the engine, not this LLM
+
+    def close(self) -> None:
+        """Release the engine (``LLMEngine.close``); idempotent. Later calls raise EngineDeadError."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -38,11 +58,18 @@ class LLM:
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
                  use_tqdm: bool = True, lora_request=None, priority: Optional[list[int]] = None,
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order.
+        """Run every prompt to completion; one output per prompt comes back, in input order.
 
         A prompt is a string, a list of token ids, or a dict with ``prompt`` or ``prompt_token_ids``.
         ``sampling_params`` and ``lora_request`` may be one value or a list aligned with the prompts.
         Bad input raises ValueError before any request is queued.
+
+        A request that the engine fails on the way (a step that raised and was recovered from, an
+        adapter whose files went missing) does not take the batch down: its output comes back with
+        ``error`` set (``RequestOutput.error``) and finish_reason 'error', every other output intact,
+        and a warning is logged; check ``error`` where a failure matters. Only a fatal fault raises
+        (EngineDeadError: the engine is unusable), and so does a KeyboardInterrupt (the batch's
+        requests are aborted first, so the LLM stays usable).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
@@ -56,14 +83,10 @@ class LLM:
         # Validate everything first so one bad prompt leaves the engine untouched.
         rids = [str(next(self._counter)) for _ in prompts]
         processed = self._process_all(rids, prompts, params, loras, prios)
-        staged = []
-        for rid, lora, (text, children) in zip(rids, loras, processed):
-            if lora is not None and engine.lora_manager is not None:
-                engine.lora_manager.register(lora)  # a bad adapter fails here, before anything is queued
-            staged.append((rid, text, children))
-        for rid, text, children in staged:
+        # A bad adapter failed in processing (its files are read there), before anything is queued.
+        for rid, (text, children) in zip(rids, processed):
             engine.add_processed(rid, text, children)
-        return self._run(n, use_tqdm, [rid for rid, _, _ in staged])
+        return self._run(n, use_tqdm, rids)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
              lora_request=None, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
@@ -75,6 +98,10 @@ class LLM:
         file path), ``{"type": "image_pil", "image_pil": PIL.Image}`` or ``{"type": "image", "image":
         PIL image | path | URL | bytes}``; each image becomes the model's placeholder in the
         template and goes to the engine as ``multi_modal_data`` (``engine/chat_utils.py``).
+
+        ``chat_template``: template TEXT (as vLLM's ``LLM.chat``; never a file path) replacing the
+        model's for this call; rendered in jinja2's sandbox within the engine's ``TemplateLimits``
+        (``engine/chat_template.py``), like every template.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
@@ -103,7 +130,7 @@ class LLM:
         object or ``(array, sample_rate)``; or a list of those. Long audio is cut into 30 s windows at quiet
         points, all windows of all recordings run as parallel requests. ``language`` None: English on
         English-only models, detected from the first window on multilingual ones. ValueError (AudioError)
-        for bad audio or options.
+        for bad audio or options; a window the engine failed raises its ``RequestOutput.error``.
         """
         from engine.transcription import TranscriptionOptions
         from multimodal.audio import load_audio
@@ -125,11 +152,13 @@ class LLM:
             detect = [transcriber.detection_request(d) for d in decoded]
             outs = self.generate([r[0] for r in detect], [r[1] for r in detect], use_tqdm=False,
                                  lora_request=lora_request)
+            _raise_first_error(outs)
             languages = [transcriber.language_of(o) for o in outs]
         plans = [transcriber.windows(d, options, lang) for d, lang in zip(decoded, languages)]
         requests = [transcriber.window_request(w, options) for windows in plans for w in windows]
         outs = self.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=use_tqdm,
                              lora_request=lora_request)
+        _raise_first_error(outs)   # a recording with a missing window has no transcription
         results, start = [], 0
         for d, windows, lang in zip(decoded, plans, languages):
             results.append(transcriber.assemble(d, windows, outs[start:start + len(windows)], options, lang))
@@ -183,4 +212,15 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        failed = [done[rid] for rid in order if rid in done and done[rid].error is not None]
+        if failed:
+            logger.warning("%d of %d request(s) failed (their outputs carry the error); the first: %s",
+                           len(failed), n, failed[0].error)
         return [done[rid] for rid in order if rid in done]
+
+
+def _raise_first_error(outputs: list[RequestOutput]) -> None:
+    """Raise the error of the first output the engine failed, if any."""
+    for out in outputs:
+        if out.error is not None:
+            raise out.error

@@ -9,6 +9,7 @@ found by the output processor aborts its sequence in the core, as in ``AsyncLLM`
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable, Optional
 
 from engine.arg_utils import EngineArgs
@@ -41,6 +42,23 @@ class LLMEngine:
         self.model_name = facts.model_name
         self.processor = facts.processor
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._release = weakref.finalize(self, EngineCore.close, self.core)
+        """Closes the core once: on ``close()``, or when this engine is garbage (not at interpreter exit:
+        the tensor-parallel workers are joined by their own exit hook)."""
+        self._release.atexit = False
+
+    def close(self) -> None:
+        """Release the engine: abort its unfinished requests, stop and join the tensor-parallel workers
+        and destroy their process group, drop the model, KV cache and adapters and return cached GPU
+        memory (``EngineCore.close``). Idempotent; afterwards requests raise EngineDeadError."""
+        if self._release.alive and self.output_processor.parents:
+            self.abort_request(list(self.output_processor.parents))
+        self._release()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (or the engine was collected)."""
+        return not self._release.alive
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
@@ -65,7 +83,14 @@ class LLMEngine:
         """Validate and queue one request. Raises ValueError (naming the field) on bad input."""
         text, children = self.processor.process(request_id, prompt, params, lora_request, priority,
                                                 arrival_time, cache_salt)
-        self.add_processed(request_id, text, children)
+        try:
+            self.add_processed(request_id, text, children)
+        except Exception:
+            uploads = self.processor.adapter_uploads
+            if lora_request is not None and uploads is not None and lora_request.lora_name not in {
+                    r.lora_name for r in self.core.list_loras()}:
+                uploads.forget(lora_request.lora_name)   # refused: the engine kept no copy
+            raise
 
     def add_processed(self, request_id: str, text: Optional[str], children: list[EngineRequest]) -> None:
         """Queue a request the processor already validated (``text``: its prompt text, if any)."""
@@ -81,6 +106,8 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        if self.closed:
+            return False
         return self.core.has_unfinished_requests() or self.output_processor.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
@@ -90,10 +117,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one core step; return the request outputs that became ready.
 
+        A request the step failed is returned like any other, as its final output with ``error`` set
+        (``RequestOutput.error``: an ``EngineStepError`` when the step raised and the core recovered, a
+        LoRA error when an adapter could not be read again from disk) and finish_reason 'error'; the
+        other requests' outputs of the step, final ones included, come back beside it, and the engine
+        stays usable.
+
         Raises:
-            EngineStepError: the step raised and the core recovered (the requests it ran are gone,
-                the engine stays usable); a LoRA error: an adapter could not be read again from disk
-                (its requests are gone). The other requests stay queued.
             EngineDeadError: a fatal step fault (README, "Failure behaviour").
         """
         outputs, stopped = self.output_processor.process(self.core.step())
@@ -101,17 +131,40 @@ class LLMEngine:
             self.core.abort_requests(stopped)
         failed = self.core.take_failed()
         if failed:
-            parents = {self.output_processor.children[cid].parent.request_id
-                       for cid in failed if cid in self.output_processor.children}
-            self.abort_request(parents)   # their other sequences too
-            raise next(iter(failed.values()))
+            outputs += self._fail_requests(failed)
+        return outputs
+
+    def _fail_requests(self, failed: dict[str, BaseException]) -> list[RequestOutput]:
+        """End the requests of the sequences the core failed (sequence id -> error): their final
+        outputs, carrying the first error of each; their other sequences (``n`` > 1) are aborted."""
+        errors: dict[str, BaseException] = {}
+        for child_id, error in failed.items():
+            child = self.output_processor.children.get(child_id)
+            if child is None:
+                continue   # its request already ended
+            if child.finish_reason is None:
+                child.finish_reason = "error"
+            errors.setdefault(child.parent.request_id, error)
+        outputs = self.abort_request(list(errors))
+        for out in outputs:
+            out.error = errors[out.request_id]
         return outputs
 
     # ------------------------------------------------------------------ adapters, stats, chat
     def add_lora(self, lora_request) -> bool:
-        return self.core.add_lora(lora_request)
+        """Load an adapter now: read from disk on this thread, then handed to the core. Raises the LoRA
+        errors of ``LoRAManager.register``."""
+        uploads = self.processor.adapter_uploads
+        if uploads is None:
+            return self.core.add_lora(lora_request)   # LoRA disabled: the core says so
+        loaded = uploads.read(lora_request)
+        added = self.core.add_lora(loaded)
+        uploads.mark_sent(loaded)
+        return added
 
     def remove_lora(self, lora_name: str) -> bool:
+        if self.processor.adapter_uploads is not None:
+            self.processor.adapter_uploads.forget(lora_name)
         return self.core.remove_lora(lora_name)
 
     def list_loras(self) -> list:

@@ -233,3 +233,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     lora_request: Optional["LoRARequest"] = None
+    error: Optional[BaseException] = None
+    """Why the engine ended this request early, None for every request it ran to the end: the
+    ``EngineStepError`` of a step that failed (HTTP 500) or the LoRA error of an adapter that could not
+    be read again (4xx). Set on the request's final output only; its sequences that the error ended
+    have finish_reason 'error' (vLLM's), those it cut short beside them (``n`` > 1) 'abort'."""

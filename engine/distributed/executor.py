@@ -36,7 +36,7 @@ import engine.envs as envs
 from engine.arg_utils import EngineArgs
 from engine.config import ParallelConfig
 from engine.distributed.group import TensorParallelGroup, destroy_tensor_parallel
-from engine.distributed.group import free_port, init_tensor_parallel
+from engine.distributed.group import free_port, init_tensor_parallel, require_no_process_group
 from engine.distributed.messages import AddAdapter, AdapterCommand, RemoveAdapter, WorkerReport, WorkerStep
 from engine.distributed.worker import WorkerSpec, worker_main
 from engine.errors import EngineDeadError, EngineStartupError
@@ -112,6 +112,10 @@ class TensorParallelExecutor:
         """Spawn ranks 1..N-1 and form the group (env:// rendezvous on MASTER_ADDR / MASTER_PORT, taken
         from the environment when set, as under torchrun, else localhost and a free port)."""
         size = parallel_config.tensor_parallel_size
+        try:
+            require_no_process_group()   # before any worker starts
+        except RuntimeError as e:
+            raise EngineStartupError(str(e)) from None
         if device.type == "cuda":
             parallel_config.check_devices("cuda", torch.cuda.device_count())
             device = torch.device("cuda", 0)
@@ -271,8 +275,11 @@ class TensorParallelExecutor:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(SHUTDOWN_JOIN_S)
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join()   # it sees ``_closed`` within a poll
         destroy_tensor_parallel(self.group)
         torch.set_num_threads(self._prev_num_threads)
         close_queue = getattr(self._reports, "close", None)   # a multiprocessing queue: free its semaphores
         if close_queue is not None:
             close_queue()
+            self._reports.join_thread()   # its feeder thread, if a put started one

@@ -97,6 +97,7 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, timeout_s: 
 
     if size == 1:
         return TensorParallelGroup.single()
+    require_no_process_group()
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -114,6 +115,17 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, timeout_s: 
                 os.environ[k] = v
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     return TensorParallelGroup(rank=rank, size=size, device_group=dist.group.WORLD, cpu_group=cpu_group)
+
+
+def require_no_process_group() -> None:
+    """RuntimeError when this process already has torch.distributed's default group (one per process:
+    an engine's group must be destroyed, ``destroy_tensor_parallel``, before the next one forms)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("torch.distributed's default process group already exists in this process: "
+                           "another tensor-parallel engine is still open (close it first: LLM.close(), or "
+                           "`with LLM(...) as llm:`), or the program formed a group of its own.")
 
 
 def destroy_tensor_parallel(group: TensorParallelGroup) -> None:

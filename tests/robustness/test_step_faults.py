@@ -1,12 +1,14 @@
 """A step that raises: its requests fail with a 500-class ``EngineStepError`` and the engine recovers
 (their KV blocks, encoder entries and adapter slots freed, nothing left in the prefix cache), or, for a
 CUDA error or ``MAX_CONSECUTIVE_STEP_FAULTS`` in a row, the engine stops (EngineDeadError, /health 503,
-``chorus serve`` exits non-zero). Offline (``LLM``), through ``AsyncLLM`` and over HTTP."""
+``chorus serve`` exits non-zero). Offline (``LLM``: the failed requests' outputs carry the error, finish
+reason 'error'), through ``AsyncLLM`` and over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 
 import httpx
@@ -23,6 +25,15 @@ CUDA_FAULT = "CUDA error: an illegal memory access was encountered"
 
 def _params(max_tokens: int = 8) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+
+
+def _assert_failed(outputs, match: str) -> None:
+    """Every output ended with an ``EngineStepError`` whose message matches ``match``."""
+    assert outputs
+    for out in outputs:
+        assert out.finished and isinstance(out.error, EngineStepError), out
+        assert re.search(match, str(out.error)), str(out.error)
+        assert all(c.finish_reason == "error" for c in out.outputs)
 
 
 def _assert_idle(core) -> None:
@@ -51,8 +62,8 @@ def test_offline_fault_fails_the_step_and_the_engine_recovers_without_a_poisoned
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(runner, "_forward", failing_forward)
-    with pytest.raises(EngineStepError, match="internal engine error occurred.*boom in the forward.*keeps serving"):
-        llm.generate([PROMPT, "Hello there"], _params(), use_tqdm=False)
+    _assert_failed(llm.generate([PROMPT, "Hello there"], _params(), use_tqdm=False),
+                   "internal engine error occurred.*boom in the forward.*keeps serving")
     core = llm.llm_engine.core
     _assert_idle(core)
     # The failed prefill's blocks were hashed when allocated but never written: the same prompt now
@@ -70,8 +81,7 @@ def test_offline_faults_in_a_row_stop_the_engine(tiny_llama_dir):
     core = llm.llm_engine.core
     core.inject_step_faults(RuntimeError("flaky device"), MAX_CONSECUTIVE_STEP_FAULTS)
     for _ in range(MAX_CONSECUTIVE_STEP_FAULTS - 1):
-        with pytest.raises(EngineStepError, match="keeps serving"):
-            llm.generate(["Hi"], _params(), use_tqdm=False)
+        _assert_failed(llm.generate(["Hi"], _params(), use_tqdm=False), "keeps serving")
     with pytest.raises(EngineDeadError, match=f"{MAX_CONSECUTIVE_STEP_FAULTS} steps failed in a row"):
         llm.generate(["Hi"], _params(), use_tqdm=False)
     with pytest.raises(EngineDeadError):
@@ -82,8 +92,7 @@ def test_offline_a_success_resets_the_count_and_a_cuda_error_is_fatal_at_once(ll
     core = llm.llm_engine.core
     for _ in range(MAX_CONSECUTIVE_STEP_FAULTS + 1):   # each fault followed by a good step: never fatal
         core.inject_step_faults(RuntimeError("one-off"), 1)
-        with pytest.raises(EngineStepError):
-            llm.generate(["Hi"], _params(), use_tqdm=False)
+        _assert_failed(llm.generate(["Hi"], _params(), use_tqdm=False), "one-off")
         assert len(llm.generate(["Hi"], _params(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
     core.inject_step_faults(RuntimeError(CUDA_FAULT), 1)
     with pytest.raises(EngineDeadError, match="CUDA error leaves the device unusable"):
@@ -112,8 +121,7 @@ def test_a_fault_while_loading_an_adapter_slot_frees_the_slot_for_a_clean_reload
         raise RuntimeError("copy failed half-way")
 
     monkeypatch.setattr(LoRAManager, "load_slot", half_load)
-    with pytest.raises(EngineStepError, match="copy failed half-way"):
-        llm.generate([PROMPT], _params(), lora_request=adapter, use_tqdm=False)
+    _assert_failed(llm.generate([PROMPT], _params(), lora_request=adapter, use_tqdm=False), "copy failed half-way")
     assert llm.llm_engine.get_stats().num_active_loras == 0
     monkeypatch.setattr(LoRAManager, "load_slot", real_load)
     again = llm.generate([PROMPT], _params(), lora_request=adapter, use_tqdm=False)[0].outputs[0].token_ids
@@ -134,8 +142,7 @@ def test_a_fault_in_the_vision_encoder_leaves_no_encoder_cache_entry_behind(tmp_
     core.scheduler.encoder_cache_manager.evict_unreferenced()     # entry: gone, so the image is encoded
     runner = llm.llm_engine.runner
     monkeypatch.setattr(runner, "_run_encoders", lambda scheduled: (_ for _ in ()).throw(RuntimeError("encoder")))
-    with pytest.raises(EngineStepError, match="encoder"):
-        llm.generate(prompt, _params(), use_tqdm=False)
+    _assert_failed(llm.generate(prompt, _params(), use_tqdm=False), "encoder")
     assert core.get_stats().encoder_cache_usage == 0.0
     monkeypatch.undo()
     assert llm.generate(prompt, _params(), use_tqdm=False)[0].outputs[0].token_ids == ref

@@ -528,11 +528,16 @@ class EngineCore:
 
 def release_engine_memory() -> None:
     """Collect a released engine's objects (reference cycles included: the heap frozen at start-up is
-    unfrozen for the pass, and what is still alive frozen again) and return cached CUDA memory."""
+    unfrozen for the pass, and what is still alive frozen again) and return cached CUDA memory, the
+    cuBLAS workspaces the engine's matmuls allocated included (the next engine allocates its own)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
 
 

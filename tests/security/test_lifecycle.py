@@ -13,6 +13,7 @@ import threading
 import weakref
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import EngineDeadError, EngineStartupError
@@ -150,3 +151,30 @@ def test_async_llm_shutdown_joins_its_threads(tiny_llama_dir, engine_process):
     # Worker pool threads stop once idle (shutdown does not wait for a running media job).
     assert wait_until(lambda: {t.name for t in threading.enumerate()} <= names_before, timeout_s=5), \
         [t.name for t in threading.enumerate()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["close", "with", "del"])
+def test_a_released_cuda_engine_returns_its_gpu_memory(model_dir, variant):
+    """On CUDA (CUDA graphs captured, KV cache sized from the free memory): what the engine allocated
+    and what torch's allocator cached for it go back to the device, whichever way it is released."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    allocated_before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    kwargs = dict(device="cuda", dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3)
+    if variant == "with":
+        with LLM(str(model_dir), **kwargs) as llm:
+            assert len(_generate(llm)) == 4
+            assert torch.cuda.memory_reserved() > reserved_before + (256 << 20)   # weights, KV cache, graphs
+    else:
+        llm = LLM(str(model_dir), **kwargs)
+        assert len(_generate(llm)) == 4
+        assert torch.cuda.memory_reserved() > reserved_before + (256 << 20)
+        if variant == "close":
+            llm.close()
+        else:
+            del llm
+            gc.collect()
+    assert torch.cuda.memory_allocated() <= allocated_before + (1 << 20)
+    assert torch.cuda.memory_reserved() <= reserved_before + (64 << 20)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from engine.loader.ct2_loader import WhisperTokenIds, default_whisper_token_ids, whisper_token_ids
+from engine.loader.ct2 import WhisperTokenIds, default_whisper_token_ids, whisper_token_ids
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from multimodal.audio import AudioError, DecodedAudio

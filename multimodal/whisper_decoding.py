@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from engine.loader.ct2_loader import TIMESTAMP_STEP_S, WhisperTokenIds
+from engine.loader.ct2 import TIMESTAMP_STEP_S, WhisperTokenIds
 
 MAX_PROMPT_TOKENS = 223
 """OpenAI's cap on previous-text prompt tokens: ``n_text_ctx // 2 - 1`` for the 448-token decoder."""

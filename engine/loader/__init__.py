@@ -44,7 +44,7 @@ def load_config(resolved: ResolvedModel, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     if resolved.kind == "ct2":
-        from engine.loader.ct2_loader import ct2_whisper_to_hf, read_ct2_model
+        from engine.loader.ct2 import ct2_whisper_to_hf, read_ct2_model
         return ct2_whisper_to_hf(read_ct2_model(resolved.path), torch.float32)[0]
     return AutoConfig.from_pretrained(str(checkpoint_dir(resolved)), trust_remote_code=trust_remote_code)
 
@@ -62,7 +62,7 @@ def iter_weights(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devi
     from engine.loader.safetensors_loader import iter_checkpoint_tensors
 
     if resolved.kind == "ct2":
-        from engine.loader.ct2_loader import ct2_whisper_to_hf, read_ct2_model
+        from engine.loader.ct2 import ct2_whisper_to_hf, read_ct2_model
         from engine.loader.safetensors_loader import narrow_to
         _, weights = ct2_whisper_to_hf(read_ct2_model(resolved.path), dtype)
         return ((name, narrow_to(tensor, shard_of(name) if shard_of else None).to(device)) for name, tensor in weights)

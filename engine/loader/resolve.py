@@ -124,7 +124,7 @@ def _classify_local(local: Path, model: str) -> tuple[str, Path]:
         raise ValueError(
             f"Model path {model!r} is a file but not a .gguf file. Set `model` to a checkpoint directory "
             f"(with config.json) or a .gguf file.")
-    from engine.loader.ct2_loader import is_ct2_whisper_dir
+    from engine.loader.ct2 import is_ct2_whisper_dir
     if is_ct2_whisper_dir(local):       # faster-whisper: model.bin (its config.json is CTranslate2's)
         return "ct2", local
     if (local / "config.json").is_file():

@@ -16,7 +16,7 @@ def load_tokenizer(resolved: ResolvedModel, chat_template: Optional[str] = None,
                    trust_remote_code: bool = False):
     """Load the tokenizer of ``resolved`` (its ``tokenizer_path`` if set).
 
-    A faster-whisper directory's comes from its tokenizer.json + vocabulary (``ct2_loader.load_ct2_tokenizer``).
+    A faster-whisper directory's comes from its tokenizer.json + vocabulary (``engine.loader.ct2.load_ct2_tokenizer``).
     A GGUF model's tokenizer comes from its converted cache directory (built on first use by
     ``gguf_loader.ensure_converted`` with ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``).
 
@@ -32,7 +32,7 @@ def load_tokenizer(resolved: ResolvedModel, chat_template: Optional[str] = None,
     from transformers import AutoTokenizer
 
     if resolved.tokenizer_path is None and resolved.kind == "ct2":
-        from engine.loader.ct2_loader import load_ct2_tokenizer
+        from engine.loader.ct2 import load_ct2_tokenizer
 
         tokenizer = load_ct2_tokenizer(resolved.path)
         if chat_template is not None:

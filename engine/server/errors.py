@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_llm import EngineOverloadedError, RequestTimeoutError
+from engine.request_limits import EngineOverloadedError, RequestTimeoutError
 from engine.errors import EngineDeadError, EngineStepError
 
 logger = logging.getLogger("chorus.server")

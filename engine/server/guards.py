@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.async_llm import RequestStream, owned_requests
+from engine.request_stream import RequestStream, owned_requests
 from engine.server.errors import (BadRequestError, OpenAIError, PayloadTooLargeError,
                                   RequestTimeoutHTTPError, UnauthorizedError, error_body)
 from engine.server.protocol import request_id_error

@@ -1,9 +1,9 @@
 """Prometheus metrics at /metrics, with vLLM's names under a ``chorus:`` prefix.
 
 Two sources:
-- per-step and per-request events from ``AsyncLLM`` (``PrometheusStatLogger`` implements its
-  ``StatLogger``): token counters, finished requests by reason, TTFT / inter-token / end-to-end
-  latency histograms;
+- per-step and per-request events from ``AsyncLLM`` (``PrometheusStatLogger`` implements
+  ``engine.request_metrics.StatLogger``): token counters, finished requests by reason, TTFT /
+  inter-token / end-to-end latency histograms;
 - the engine's latest ``SchedulerStats`` snapshot, read at scrape time (``EngineStatsCollector``):
   running/waiting requests, KV cache usage, prefix-cache queries/hits, encoder-cache usage and
   queries/hits (images), preemptions, and

@@ -13,8 +13,9 @@ from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from engine.async_llm import AsyncLLM, RequestStream
+from engine.async_llm import AsyncLLM
 from engine.outputs import Logprob, RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.server.errors import BadRequestError
 from engine.server.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,

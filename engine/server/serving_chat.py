@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_llm import RequestStream
+from engine.request_stream import RequestStream
 from engine.chat_utils import ParsedChat, parse_chat_messages
 from engine.outputs import Logprob
 from engine.server.errors import BadRequestError, error_body, to_openai_error

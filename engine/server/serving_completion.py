@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_llm import RequestStream
+from engine.request_stream import RequestStream
 from engine.outputs import Logprob, RequestOutput
 from engine.server.errors import BadRequestError, to_openai_error, error_body
 from engine.server.protocol import (SSE_DONE, CompletionRequest, CompletionResponse,

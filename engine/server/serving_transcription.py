@@ -35,8 +35,9 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.datastructures import UploadFile
 
-from engine.async_llm import AsyncLLM, RequestStream
+from engine.async_llm import AsyncLLM
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.server.errors import BadRequestError, PayloadTooLargeError, error_body, to_openai_error
 from engine.server.protocol import SSE_DONE, TranscriptionRequest, random_id, sse_event

@@ -24,8 +24,8 @@ import soundfile
 import torch
 
 from engine.loader import whisper_packages
-from engine.loader.ct2_loader import (ct2_whisper_generation_config, ct2_whisper_to_hf, load_ct2_tokenizer,
-                                      read_ct2_model, read_whisper_token_ids)
+from engine.loader.ct2 import (ct2_whisper_generation_config, ct2_whisper_to_hf, load_ct2_tokenizer,
+                               read_ct2_model, read_whisper_token_ids)
 from engine.loader.whisper_packages import WhisperModelUnavailable, whisper_model_dir
 
 AUDIO_DIR = Path(__file__).resolve().parents[1] / "data" / "audio"

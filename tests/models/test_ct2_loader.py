@@ -1,4 +1,4 @@
-"""engine.loader.ct2_loader on CTranslate2 Whisper files: tiny ones written here, and the real wheels.
+"""engine.loader.ct2 on CTranslate2 Whisper files: tiny ones written here, and the real wheels.
 
 Reference: transformers' ``WhisperForConditionalGeneration``. A tiny random model is written in
 CTranslate2's format by ``write_ct2`` (this file's small copy of ``model_spec.py::_serialize``:
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from engine.loader import whisper_packages
-from engine.loader.ct2_loader import (
+from engine.loader.ct2 import (
     ct2_model_files, ct2_whisper_generation_config, ct2_whisper_to_hf, default_whisper_token_ids,
     is_ct2_whisper_dir, load_ct2_tokenizer, read_ct2_model, read_whisper_token_ids,
 )

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.loader import whisper_packages
-from engine.loader.ct2_loader import (ct2_whisper_generation_config, default_whisper_token_ids,
-                                      load_ct2_tokenizer, read_whisper_token_ids)
+from engine.loader.ct2 import (ct2_whisper_generation_config, default_whisper_token_ids, load_ct2_tokenizer,
+                               read_whisper_token_ids)
 from engine.loader.whisper_packages import WhisperModelUnavailable, whisper_model_dir
 from multimodal.whisper_decoding import (WhisperLogitsRules, build_decoder_prompt, compression_ratio,
                                          language_detection_prompt, language_from_token, language_name,

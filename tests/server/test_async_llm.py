@@ -8,9 +8,10 @@ import asyncio
 import pytest
 
 from engine import LLM
-from engine.async_llm import AsyncLLM, _OutputCollector
+from engine.async_llm import AsyncLLM
 from engine.errors import EngineDeadError
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.request_stream import OutputCollector
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import TINY_PROMPTS
 
@@ -162,7 +163,7 @@ def _delta(text: str, ids: list[int], finish=None, index: int = 0) -> RequestOut
 
 def test_collector_merges_deltas_while_the_consumer_lags():
     async def go():
-        c = _OutputCollector(delta=True)
+        c = OutputCollector(delta=True)
         c.put(_delta("a", [1]))
         c.put(_delta("b", [2]))
         c.put(_delta("", [3], "length"))

@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from engine.dtypes import TORCH_DTYPES  # noqa: E402
+
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -242,7 +244,7 @@ def hf_rows(args, prompts, adapter_dirs, report) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     t_start = time.perf_counter()
     cfg = AutoConfig.from_pretrained(args.model)
     with torch.device(device):

@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from engine.dtypes import TORCH_DTYPES  # noqa: E402
+
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -156,7 +158,7 @@ def print_steps_by_kind(by_kind: Optional[dict]) -> None:
 
 def load_hf(args):
     from transformers import AutoModelForCausalLM
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = None if args.dtype == "auto" else TORCH_DTYPES[args.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype is None:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32

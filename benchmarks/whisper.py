@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.vision import cuda, device_name, free_memory, pct, print_table, sync  # noqa: E402
+from engine.dtypes import TORCH_DTYPES  # noqa: E402
 
 SAMPLE_RATE_HZ = 16000
 CLIP_S = 30.0
@@ -107,7 +108,7 @@ def turbo_checkpoint(dtype: str) -> Path:
     """A config-only HF directory of the turbo shape (weights: ``load_format="dummy"``)."""
     from transformers import WhisperConfig, WhisperFeatureExtractor
 
-    from engine.loader.ct2_loader import ct2_whisper_generation_config, load_ct2_tokenizer, read_whisper_token_ids
+    from engine.loader.ct2 import ct2_whisper_generation_config, load_ct2_tokenizer, read_whisper_token_ids
     from engine.loader.whisper_packages import whisper_model_dir
 
     out = Path(tempfile.gettempdir()) / f"chorus-whisper-turbo-dummy-{dtype}"
@@ -201,7 +202,7 @@ def run_ours(llm, clips: list[np.ndarray], fixed_len: Optional[int], max_tokens:
 def hf_model(path: Path, random_weights: bool, dtype: torch.dtype, device: str):
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
-    from engine.loader.ct2_loader import ct2_whisper_generation_config, ct2_whisper_to_hf, read_ct2_model
+    from engine.loader.ct2 import ct2_whisper_generation_config, ct2_whisper_to_hf, read_ct2_model
     if random_weights:
         config = WhisperConfig.from_pretrained(path)
         with torch.device(device):
@@ -259,7 +260,7 @@ def bench_rtf(args) -> list[dict]:
     for name in args.model:
         clips = make_clips(args.num_clips, seed=1, speech_dir=args.speech_dir)
         fixed = args.output_len if name == "turbo" else None
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        torch_dtype = TORCH_DTYPES[args.dtype]
         llm, path, random_weights = build_llm(args, name)
         ours = run_ours(llm, clips, fixed, args.max_tokens, args.profile)
         ours.update(model=name)

@@ -18,7 +18,7 @@ from engine.kernel_policy import KernelPolicy
 
 if TYPE_CHECKING:
     from engine.attention import AttentionMetadata
-    from engine.layers.adapter import PendingUpdate
+    from engine.pending_update import PendingUpdate
     from kernels.cpu_layer_ops import CpuLayerOps
 
 

@@ -84,10 +84,6 @@ class SchedulerOutput:
     free_encoder_identifiers: list[str] = field(default_factory=list)
     """Encoder outputs evicted from the cache: the runner drops them before this step runs."""
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
 
 # ----------------------------------------------------------------------------------------
 # Model runner -> scheduler

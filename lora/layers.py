@@ -85,7 +85,7 @@ class SplitPlan:
 @dataclass
 class LoRAPending:
     """An adapter update that ``LinearLoRASlots.begin`` (or ``begin_stacked``) started and a
-    ``finish*`` adds. As an ``engine.layers.adapter.PendingUpdate``, the consumer of ``y`` completes it."""
+    ``finish*`` adds. As an ``engine.pending_update.PendingUpdate``, the consumer of ``y`` completes it."""
 
     x: torch.Tensor
     """[num_tokens, input_size] the layer input; contiguous when ``plan`` is set. Held until

@@ -53,10 +53,6 @@ class LoRARequest:
 
     # vLLM spells these as properties too.
     @property
-    def adapter_id(self) -> int:
-        return self.lora_int_id
-
-    @property
     def name(self) -> str:
         return self.lora_name
 

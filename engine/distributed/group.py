@@ -42,10 +42,6 @@ class TensorParallelGroup:
         """The group of a one-process engine: every collective is a no-op."""
         return cls(rank=0, size=1)
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks; returns the sum: x itself (in place), or, where x is a strided view
         (e.g. an adapter's stacked GEMM output, ``y = out[:, :n]``), a contiguous copy (NCCL's rule)."""

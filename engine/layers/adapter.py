@@ -7,24 +7,22 @@ Models are plain: a model file builds ``Linear`` layers, says what reads each on
 
 Fusing an update into the op after the projection (gate/up into SiLU-and-mul, q/k/v into the
 rotary + KV write, o/down into the residual add + RMSNorm) saves a launch and a round trip of
-the output. The Linear then returns its base output and leaves a ``PendingUpdate`` in the forward
-context (``defer_update``); the consumer op, a layer of this library, takes it by its input
-(``take_update``) and completes it. Only a Linear whose ``feeds`` names such a consumer defers,
-and the consumer is the next op to read that output, so a model never sees an incomplete tensor
-and never passes an update along by hand.
+the output. The Linear then returns its base output and leaves a ``PendingUpdate``
+(``engine.pending_update``) in the forward context (``defer_update``); the consumer op, a layer of
+this library, takes it by its input (``take_update``) and completes it. Only a Linear whose
+``feeds`` names such a consumer defers, and the consumer is the next op to read that output, so a
+model never sees an incomplete tensor and never passes an update along by hand.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 
 from engine.forward_context import current_forward_context, get_forward_context
-
-if TYPE_CHECKING:
-    from engine.layers.linear import Linear
+from engine.pending_update import PendingUpdate
 
 
 class Feeds(enum.Enum):
@@ -41,26 +39,13 @@ class Feeds(enum.Enum):
     also be split-K partials [num_parts, num_tokens, out] that the norm sums."""
 
 
-class PendingUpdate(Protocol):
-    """An adapter update a Linear left to the consumer of its base output ``y``."""
+class AdaptedWeights(Protocol):
+    """What an adapter reads of the layer it is attached to (an ``engine.layers.linear.Linear``)."""
 
-    y: torch.Tensor
-    """[num_tokens, out] the base output the update belongs to (or a view with the GEMM's stride)."""
-
-    def finish(self) -> torch.Tensor:
-        """Add the update into ``y`` in place; returns y."""
-
-    def finish_silu_mul(self) -> torch.Tensor:
-        """silu(gate) * up of ``y`` (gate | up) with the update added inside: [num_tokens, out / 2]."""
-
-    def finish_add_rms_norm(self, weight: torch.Tensor, eps: float, residual: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(y + update + residual), y + update + residual), as ``RMSNorm.forward`` with a residual."""
-
-    def finish_rotary_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                               v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
-                               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """``kernels.kv_write.rotary_write_kv`` on q, k, v (views of ``y``) with the update added first."""
+    weight: torch.Tensor
+    """[out, in] the base projection's weight."""
+    bias: Optional[torch.Tensor]
+    """[out] the base projection's bias, or None."""
 
 
 class LinearAdapter(Protocol):
@@ -72,7 +57,7 @@ class LinearAdapter(Protocol):
     def defers(self, num_tokens: int, feeds: Feeds) -> bool:
         """Whether a step of num_tokens tokens leaves the update to a consumer of kind ``feeds``."""
 
-    def run(self, linear: "Linear", x: torch.Tensor, defer: bool
+    def run(self, linear: AdaptedWeights, x: torch.Tensor, defer: bool
             ) -> tuple[torch.Tensor, Optional[PendingUpdate]]:
         """(y, pending): the base projection of x [num_tokens, in] with the update added, or, with
         ``defer``, possibly still to add (pending; None when y is complete)."""

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from engine.distributed.sharding import Shard
+from engine.dtypes import TORCH_DTYPES
 
 ShardOf = Callable[[str], Optional[Shard]]
 """Checkpoint tensor name -> the range this rank reads (None: the whole tensor)."""
@@ -28,9 +29,6 @@ BIN_SINGLE = "pytorch_model.bin"
 
 # Buffers some old checkpoints saved that every model recomputes; never yielded.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 @dataclass
@@ -95,7 +93,7 @@ def config_dtype(model_dir: Path) -> torch.dtype:
         name = text.get("dtype") or text.get("torch_dtype")
     if isinstance(name, str):
         name = name.removeprefix("torch.")
-    return _DTYPES.get(name, torch.float32) if name else torch.float32
+    return TORCH_DTYPES.get(name, torch.float32) if name else torch.float32
 
 
 def _shards_from_index(model_dir: Path, index_name: str) -> list[Path]:

@@ -99,11 +99,6 @@ class OpenAIServingModels:
     # ------------------------------------------------------------------------------------
     # Adapters (static ones at start-up; runtime load/unload when allowed)
     # ------------------------------------------------------------------------------------
-    async def init_static_loras(self) -> None:
-        """Load every ``--lora-modules`` adapter; a failure aborts start-up (as vLLM)."""
-        for module in self.static_lora_modules:
-            await self.load_lora_adapter(module.name, module.path, module.base_model_name)
-
     async def load_lora_adapter(self, lora_name: str, lora_path: str,
                                 base_model_name: Optional[str] = None) -> LoRARequest:
         """Load an operator's adapter (``--lora-modules``): any path; errors say what is wrong with it."""

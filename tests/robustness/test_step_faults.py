@@ -13,9 +13,10 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
-from engine.engine_core import MAX_CONSECUTIVE_STEP_FAULTS
+from engine.engine_core import MAX_CONSECUTIVE_STEP_FAULTS, _fatal_reason
 from engine.errors import EngineDeadError, EngineStepError
 from tests.server.conftest import start_server, wait_until
 
@@ -99,6 +100,39 @@ def test_offline_a_success_resets_the_count_and_a_cuda_error_is_fatal_at_once(ll
         llm.generate(["Hi"], _params(), use_tqdm=False)
     with pytest.raises(EngineDeadError):
         llm.generate(["Hi"], _params(), use_tqdm=False)
+
+
+ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", None)
+"""torch's type of a CUDA runtime error (torch >= 2.8), None before."""
+UNMARKED = "the accelerator stopped answering"
+"""A message with none of the substrings the engine looks for in untyped errors."""
+
+
+@pytest.mark.skipif(ACCELERATOR_ERROR is None, reason="torch < 2.8 has no torch.AcceleratorError")
+def test_an_accelerator_error_is_fatal_by_its_type_whatever_its_message(tiny_llama_dir):
+    class DeviceLost(ACCELERATOR_ERROR):
+        """A subclass, as a backend may raise."""
+
+    assert _fatal_reason(ACCELERATOR_ERROR(UNMARKED), 1) == "a CUDA error leaves the device unusable"
+    assert _fatal_reason(DeviceLost(UNMARKED), 1) == "a CUDA error leaves the device unusable"
+    llm = LLM(str(tiny_llama_dir), max_model_len=256)
+    llm.llm_engine.core.inject_step_faults(ACCELERATOR_ERROR(UNMARKED), 1)
+    with pytest.raises(EngineDeadError, match="CUDA error leaves the device unusable"):
+        llm.generate(["Hi"], _params(), use_tqdm=False)
+    with pytest.raises(EngineDeadError):
+        llm.generate(["Hi"], _params(), use_tqdm=False)
+
+
+@pytest.mark.parametrize("error, fatal", [
+    (RuntimeError(UNMARKED), False),
+    (RuntimeError(CUDA_FAULT), True),                                     # torch < 2.8
+    (RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`"), True),
+    (RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"), True),
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+])
+def test_an_untyped_error_is_fatal_by_its_message_and_running_out_of_memory_is_not(error, fatal):
+    assert (_fatal_reason(error, 1) is not None) is fatal
+    assert _fatal_reason(error, MAX_CONSECUTIVE_STEP_FAULTS) is not None
 
 
 def test_a_fault_while_loading_an_adapter_slot_frees_the_slot_for_a_clean_reload(tiny_llama_dir, tmp_path, monkeypatch):

@@ -1,7 +1,9 @@
 """The house rules of imports, read from the source with ``ast`` (nothing is imported):
 
-- no two modules of our packages import each other, directly or around a circle (module-level and
-  function-level imports both count: both run; ``if TYPE_CHECKING:`` blocks do not);
+- no two modules of our packages import each other, directly or around a circle. Every import
+  counts: module-level, inside functions (they run when called), under ``if TYPE_CHECKING:`` (a
+  type-only import still ties the two modules into one circle: neither reads without the other),
+  and ``importlib.import_module("a.literal.name")``;
 - ``kernels/`` imports nothing from ``engine/`` or ``lora/`` (a kernel knows nothing of its callers);
 - ``engine/`` reaches ``lora/`` only through its entry modules (the adapter update enters the
   layers through ``engine.layers.adapter``), and ``lora/`` never imports model files.
@@ -32,22 +34,26 @@ def _all_modules() -> dict[str, Path]:
     return {_module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+def _literal_import_module(node: ast.AST) -> str | None:
+    """The module a call ``importlib.import_module("name")`` (or ``import_module("name")``) names
+    with a string literal; None for any other node."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    return node.args[0].value if name == "import_module" else None
 
 
 def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[str]:
-    """Dotted names this module imports at run time (TYPE_CHECKING blocks skipped)."""
+    """Dotted names this module imports anywhere in its source (see the module docstring)."""
     out: list[str] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
+        literal = _literal_import_module(node)
+        if literal is not None:
+            out.append(literal)
+        elif isinstance(node, ast.Import):
             out.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -138,10 +144,17 @@ def test_lora_never_imports_model_files():
     assert {m: d for m, d in bad.items() if d} == {}
 
 
+CIRCLE = [["engine.a", "engine.b"]]
+"""What the walk reports when engine.a imports engine.b (which imports engine.a)."""
+
+
 @pytest.mark.parametrize("source, expected", [
-    ("import engine.b\n", [["engine.a", "engine.b"]]),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engine.b\n", []),
-    ("def f():\n    from engine import b\n", [["engine.a", "engine.b"]]),
+    ("import engine.b\n", CIRCLE),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engine.b\n", CIRCLE),
+    ("def f():\n    from engine import b\n", CIRCLE),
+    ("import importlib\ndef f():\n    return importlib.import_module('engine.b')\n", CIRCLE),
+    ("import importlib\ndef f(name):\n    return importlib.import_module(name)\n", []),
+    ("import engine\n", []),
 ])
 def test_the_walk_finds_a_planted_cycle(source, expected):
     """The checker itself: engine.b imports engine.a; engine.a's source decides whether they circle."""

@@ -19,7 +19,7 @@ transformers' own forward of the same ids on the converted checkpoint (its CPU a
 ``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench``) runs
 llama.cpp on the same GGUF file and threads: prefill of 512 and ``--long-prompt`` tokens, and 64-token
 decode at an empty and at a 512-token context (``-d``). (A CPU that reports AMX to a kernel that does not grant
-it crashes ``GGML_NATIVE`` builds: build with ``-DGGML_NATIVE=OFF`` and the AVX flags instead; RESULTS.md.)
+it crashes ``GGML_NATIVE`` builds: build with ``-DGGML_NATIVE=OFF`` and the AVX flags instead; RESULTS.md "CPU".)
 ``--alternate-rounds N`` (with ``--llama-bench``): N rounds of llama.cpp's batch-1 decode at a
 ``--context-len`` depth and Chorus's (64 steady steps of one request), one after the other, for hosts whose
 speed drifts within minutes: each round's ratio compares the two at the same moment.

@@ -11,8 +11,7 @@ engine runs decode-only steps (a CUDA graph each on CUDA, with async scheduling)
   * step ms: wall time per ``LLMEngine.step()`` in steady decode (what a user sees per token);
   * gpu ms: device time of one step (CUDA events around each step's work);
   * graph ms: the batch's decode graph replayed alone, back to back (to compare with gpu ms,
-    which adds the step's input copies and sampling; on the H200 the replays ran slower than
-    whole steps at batch 128-256, see benchmarks/RESULTS.md);
+    which adds the step's input copies and sampling);
   * busy: GPU-busy fraction of wall time over those steps (sum of step intervals / span);
   * eager ms: the same steps with CUDA graphs off (the runner's eager path);
   * floor ms: (weight bytes + KV bytes read per step) / copy bandwidth, the bandwidth measured

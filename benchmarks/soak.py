@@ -517,7 +517,7 @@ async def run_soak(served: Served, cfg: SoakConfig, images: Optional[list[bytes]
     clips = clips if clips is not None else (make_clips(3) if served.whisper_model else [])
     specs = make_workload(cfg, served, images, clips)
     # NOTE: idle connections expire before the server's 5 s keep-alive (uvicorn's): at httpx's default of
-    # 5 s a request may go out on a connection the server is closing (ReadError, 5 in 10,000 on an H200).
+    # 5 s a request may go out on a connection the server is closing (a ReadError).
     limits = httpx.Limits(max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8,
                           keepalive_expiry=2.0)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s)) as client:

@@ -277,7 +277,7 @@ def collective_times(engine, steps: int, cuda: bool) -> CollectiveTimes:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities):   # NOTE: a first profile starts the tracer: ~0.2 s into its step
+    with profile(activities=activities):   # NOTE: a first profile starts the tracer inside its step
         _run_steps(engine, 1)
     sync()
     t0 = time.perf_counter()

@@ -136,10 +136,9 @@ def batch_defaults(device: str, usage_context: str) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) when the user sets neither, as vLLM picks them.
 
     On a CUDA GPU with >= 70 GiB that is not an A100: 16384 tokens for the offline ``LLM`` class,
-    8192 for the server, and 1024 requests per step (many short decodes share every weight read:
-    on an H200 the offline Llama-3-8B workload of ``benchmarks/throughput.py`` ran clearly faster
-    with 1024 / 16384 than with 256 / 8192). Elsewhere (smaller GPUs, CPU): 8192 tokens, 256
-    requests.
+    8192 for the server, and 1024 requests per step (many short decodes share every weight read;
+    benchmarks/RESULTS.md, "Launch configs and constants inside the kernels"). Elsewhere (smaller
+    GPUs, CPU): 8192 tokens, 256 requests.
     """
     if usage_context not in USAGE_CONTEXTS:
         raise ValueError(f"usage_context={usage_context!r}: use one of {', '.join(USAGE_CONTEXTS)}.")

@@ -81,7 +81,7 @@ class TorchDecodePlan:
 # ----------------------------------------------------------------------------------------
 BF16_PREFILL_MIN_TOKENS = 128
 """Query tokens from which a CPU prefill chunk of a model with bf16-product weights attends in bfloat16: the
-flash kernel's crossover on the 2-core AMX machine, casts included (RESULTS.md "CPU", twenty-third session)."""
+flash kernel's crossover on the 2-core AMX machine, casts included (RESULTS.md "What sets the CPU defaults")."""
 SLICE_WRITE_MIN_TOKENS = 64
 """Rows from which ``write_kv_torch`` checks for consecutive slots (a fresh prefill over consecutive blocks)
 and writes them as one slice."""
@@ -101,7 +101,8 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     n = slot_mapping.numel()
     if n >= SLICE_WRITE_MIN_TOKENS:
-        # A prefill chunk over consecutive blocks: one slice copy, faster than index_copy_ (RESULTS.md "CPU").
+        # A prefill chunk over consecutive blocks: one slice copy, faster than index_copy_
+        # (RESULTS.md "What sets the CPU defaults").
         first = int(slot_mapping[0])
         if torch.equal(slot_mapping, torch.arange(first, first + n, device=slot_mapping.device,
                                                   dtype=slot_mapping.dtype)):
@@ -180,8 +181,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if mask is None:                              # one row: its keys, no mask
             k, v = k[:, :seq_lens[0]], v[:, :seq_lens[0]]
         # A KV head's query heads as the query length: each KV head's keys are read once for its whole
-        # group, no K/V repeat (faster on CPU than enable_gqa; RESULTS.md "CPU"). Decode rows attend to
-        # every cached key, so no causal mask.
+        # group, no K/V repeat (faster on CPU than enable_gqa; RESULTS.md "What sets the CPU defaults").
+        # Decode rows attend to every cached key, so no causal mask.
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim).float()                  # [nd, Hkv, G, d]
         od = F.scaled_dot_product_attention(qd, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
                                             attn_mask=mask, scale=scale)          # [nd, Hkv, G, d]
@@ -427,8 +428,8 @@ class AttentionBackend:
         Why: an eager (prefill or mixed) step picks its launch constants from its shape (prefill
         tiles of 16 or 64 rows, a separate decode launch, ``find_chunk``), and Triton compiles each
         new combination when first launched. Without this warm-up the first burst of requests after
-        start waited several times longer for its first tokens than the same burst right after
-        (measured on an H200 with ``benchmarks/serve.py``).
+        start waited longer for its first tokens than the same burst right after (benchmarks/RESULTS.md,
+        "Launch configs and constants inside the kernels").
         The calls attend 2 or 17 requests of zero queries over block 0 of the cache (read only),
         with the longest query below and at the 64-token prefill tile, with and without decodes,
         and one pure-decode batch large enough for the decode kernel's small tiles. With

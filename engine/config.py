@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENCODER_CACHE_BUDGETS = 4
 """Default encoder cache size in per-step encoder budgets: 20 shared 1344x896 images (1,536 embeddings
-each) stay cached under Qwen2-VL's default budget of 16,384 (benchmarks/RESULTS.md, encoder cache)."""
+each) stay cached under Qwen2-VL's default budget of 16,384 (benchmarks/RESULTS.md, "Vision": encoder
+cache)."""
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -322,8 +323,6 @@ class EngineConfig:
     """Largest step (in tokens) with prefill chunks that runs as a CUDA graph (one graph per token
     bucket up to this size; larger steps run eagerly, 0 turns mixed-step graphs off). Decode-only
     steps have their own graphs per batch size up to max_num_seqs."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form options for experiments; nothing in the engine depends on them."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

@@ -85,7 +85,7 @@ class ThreadTransport:
     NOTE: the build runs in the loop's thread, not the caller's: building runs torch's parallel CPU ops
     (weight packing), and GNU OpenMP keeps one worker pool per thread that ever ran one. A second pool
     (the caller's, idle) makes OpenMP count more threads than CPUs and then it sleeps and wakes its workers
-    around every parallel region (the cost: RESULTS.md "CPU", twenty-fifth session).
+    around every parallel region (the cost: benchmarks/RESULTS.md, "What sets the CPU defaults").
     """
 
     def __init__(self, build: Callable[[], EngineCore]) -> None:

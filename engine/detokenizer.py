@@ -1,8 +1,8 @@
 """Incremental detokenization: text deltas as tokens arrive, for any HF tokenizer.
 
 Fast tokenizers (a Rust ``tokenizers.Tokenizer`` behind them, no clean-up of tokenization spaces)
-use ``tokenizers``' ``DecodeStream``: one Rust call per token (~2 us against ~16 us for two
-``tokenizer.decode`` calls). Others decode a short window (from ``prefix_offset``) twice per token
+use ``tokenizers``' ``DecodeStream``: one Rust call per token instead of two ``tokenizer.decode``
+calls. Others decode a short window (from ``prefix_offset``) twice per token
 and emit the difference. Either way a token's text may depend on its neighbours (SentencePiece's
 leading spaces, byte-level BPE's multi-byte characters), half-formed characters (U+FFFD) are held
 back until complete, and the stream is seeded with the prompt's tail so the first output token

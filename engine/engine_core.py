@@ -71,15 +71,22 @@ ADAPTER_READ_POLL_S = 0.05
 """Longest wait of a step that scheduled nothing for the loader thread's read of an adapter (the loop
 takes new commands between waits)."""
 
+_ACCELERATOR_ERRORS: tuple[type[BaseException], ...] = tuple(
+    cls for cls in (getattr(torch, "AcceleratorError", None),) if cls is not None)
+"""torch's type of a CUDA runtime error (``torch.AcceleratorError``: illegal memory access, device-side
+assert, launch failure), after which the CUDA context cannot be used any more; empty on a torch
+without it (before 2.8)."""
 _CUDA_ERROR_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert",
                        "illegal memory access", "unspecified launch failure")
-"""Substrings of the messages of errors after which the CUDA context cannot be used any more."""
+"""Substrings of the messages of such errors where they come untyped: every CUDA error on a torch
+without ``AcceleratorError``, and on any torch cuBLAS / cuDNN statuses (``RuntimeError`` through
+``TORCH_CHECK``) and errors of Triton's launcher (``Triton Error [CUDA]: ...``)."""
 
 
 def freeze_gc_heap() -> None:
     """Move everything allocated so far (model, tokenizer, imports: long-lived) out of the garbage
-    collector's reach, so its full passes stop rescanning it (as vLLM does): on CPU they were ~60%
-    of the client's per-token output processing. Unfrozen at exit, so finalizers still run."""
+    collector's reach, so its full passes stop rescanning it (as vLLM does): otherwise every pass walks all
+    of it, a cost paid in the client's per-token output processing. Unfrozen at exit, so finalizers still run."""
     gc.collect()
     gc.freeze()
     atexit.unregister(gc.unfreeze)   # registered once, however often this runs
@@ -541,13 +548,23 @@ def release_engine_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _is_device_error(error: BaseException) -> bool:
+    """Whether ``error`` leaves the CUDA context unusable: by its type (``_ACCELERATOR_ERRORS``), else
+    by its message (``_CUDA_ERROR_MARKERS``). Running out of memory (``torch.cuda.OutOfMemoryError``)
+    does not: the step's requests fail and the engine keeps serving."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False
+    if isinstance(error, _ACCELERATOR_ERRORS):
+        return True
+    return any(marker in str(error) for marker in _CUDA_ERROR_MARKERS)
+
+
 def _fatal_reason(error: BaseException, num_consecutive_faults: int, executor=None) -> Optional[str]:
     """Why a step fault stops the engine (None: recover from it)."""
     if executor is not None:
         return executor.dead_reason or ("a step failed with tensor parallelism, after which the ranks "
                                         "cannot be assumed to be in step")
-    if isinstance(error, getattr(torch, "AcceleratorError", ())) or any(
-            marker in str(error) for marker in _CUDA_ERROR_MARKERS):
+    if _is_device_error(error):
         return "a CUDA error leaves the device unusable"
     if num_consecutive_faults >= MAX_CONSECUTIVE_STEP_FAULTS:
         return f"{num_consecutive_faults} steps failed in a row"

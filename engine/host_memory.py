@@ -3,7 +3,7 @@
 A prompt step on CPU allocates tens of MB of activations per layer and frees them. glibc hands
 blocks over its mmap threshold back to the kernel on ``free`` and trims the heap top over its
 trim threshold, so every such step page-faults its activations back in (the counts and their cost:
-RESULTS.md "CPU", twenty-fourth session). Raising both thresholds
+benchmarks/RESULTS.md, "What sets the CPU defaults"). Raising both thresholds
 once keeps the freed memory in the heap, where the next step's allocations reuse it; the resident
 set stays at its peak instead of shrinking between steps.
 

@@ -3,7 +3,8 @@
 Which decode steps take the fused GEMV, which projections split K into the norm after them, which
 decode batches fuse rotary into attention, how LoRA updates overlap and fuse into their consumers:
 every such choice is a field of ``KernelPolicy`` with the default measured on an H200 (the ``cpu_*``
-fields on the 2-core CPU machine; ``benchmarks/RESULTS.md`` has the numbers and the commands). The
+fields on the 2-core CPU machine): the numbers and commands are in ``benchmarks/RESULTS.md``, "What sets
+each ``KernelPolicy`` default" and "What sets the CPU defaults". The
 model runner builds one policy per engine (``KernelPolicy.for_device``) and hands it to the attention
 backend and the LoRA layers at construction and to every layer through the forward context; nothing
 else reads these choices.

@@ -28,6 +28,7 @@ from engine.kernel_policy import KernelPolicy
 from engine.layers.quantized import BF16_MATMUL_MODE_LOCK, packed_weights
 from engine.cuda_graphs import GraphKey
 from engine.config import EngineConfig
+from engine.dtypes import TORCH_DTYPES
 from engine.input_batch import NO_ROW, BlockTableRows, CachedRequestState, StepBuffers, StepInputs
 from engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.request import MultiModalFeature
@@ -38,8 +39,6 @@ from kernels.cpu_layer_ops import CpuLayerOps
 from lora import NO_LORA
 
 logger = logging.getLogger("chorus.runner")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -52,7 +51,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if name != "auto":
-        return _DTYPES[name]
+        return TORCH_DTYPES[name]
     if device.type == "cpu":
         return torch.float32  # bf16 prefill is several times slower on CPUs without AMX
     return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
@@ -246,10 +245,10 @@ class ModelRunner:
     def _kv_cache_dtype(self, name: str) -> torch.dtype:
         """``CacheConfig.cache_dtype`` as a dtype: auto is the model's, or bfloat16 on a CPU whose quantized
         weights multiply in bfloat16 (their activations are rounded to bfloat16 already; the decode step reads
-        half the KV bytes: RESULTS.md "CPU", twenty-fifth session)."""
+        half the KV bytes: RESULTS.md "What sets the CPU defaults")."""
         if name == "auto":
             return torch.bfloat16 if self.device.type == "cpu" and self.bf16_weights else self.dtype
-        dtype = _DTYPES[name]
+        dtype = TORCH_DTYPES[name]
         if self.device.type == "cuda" and dtype != self.dtype:
             raise ValueError(f"kv_cache_dtype={name}: on CUDA the KV cache takes the model's dtype "
                              f"({self.dtype}); use auto.")
@@ -762,7 +761,8 @@ _NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat1
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on CPU from numpy's calloc, whose pages the OS maps as zeros when first touched, so a
-    4 GiB KV cache costs nothing until used (``torch.zeros`` writes every byte; RESULTS.md "CPU")."""
+    4 GiB KV cache costs nothing until used (``torch.zeros`` writes every byte; RESULTS.md "What sets the CPU
+    defaults")."""
     if device.type != "cpu" or dtype not in _NUMPY_OF:
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_OF[dtype])).view(dtype)

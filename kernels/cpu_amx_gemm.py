@@ -10,7 +10,7 @@ Semantics (the C file's header has the record layout), float32 sums and outputs:
 Why: a decode step is bound by reading the weights. oneDNN's bfloat16 GEMM reads two bytes per weight (and the
 fp16 LM head two); these kernels read the quantized bytes (0.75 per int4 weight with its group's scale and low
 value, 1 per int8 weight), dequantize each 16 x 32 tile in registers, multiply it on AMX tiles and return
-float32 (RESULTS.md "CPU", twenty-sixth session).
+float32 (benchmarks/RESULTS.md, "What sets the CPU defaults").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The torch twin is ``kernels.reference.paged_attention_ref`` with one query token
 
 Why: the torch path gathers each decode row's blocks into a padded copy and runs SDPA over it; at 16 rows the
 copy is half of attention's time, and the context is read from memory twice. The kernel reads each block in
-place, once, for all heads (RESULTS.md "CPU" has the timings).
+place, once, for all heads (benchmarks/RESULTS.md, "What sets the CPU defaults").
 """
 
 from __future__ import annotations

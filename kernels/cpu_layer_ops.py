@@ -4,7 +4,7 @@
 (rotary on q and k in place, then k and v into the paged cache, float32 or bfloat16), float32 otherwise. Twins:
 ``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and ``rotary_write_kv_ref``. Why: at decode sizes
 torch's versions are several small kernels each, and their per-call cost is most of their time (RESULTS.md
-"CPU").
+"What sets the CPU defaults").
 
 The per-step tensors are checked on every call; a layer's fixed tensors (norm weights, KV caches, rotary
 tables) once, by address, shape and dtype.

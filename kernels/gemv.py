@@ -73,9 +73,9 @@ def _load_inputs(x_ptr, r_ptr, nw_ptr, rows, row_ok, k0, K, stride_x, stride_r,
 
     NOTE: split from ``_build_input`` so the fused loops can issue the next chunk's loads before
     computing on this one (register prefetch). Without it every K step of every program waits
-    on an L2 round trip for its input rows, which nearly doubled the fused down_proj's time at
-    one row (``benchmarks/sweeps/gemv_sweep.py``); num_stages pipelines the weight loads only,
-    whose tiles feed tl.dot directly.
+    on an L2 round trip for its input rows, which made the fused down_proj far slower at one row
+    (``benchmarks/RESULTS.md``, "Launch configs and constants inside the kernels"); num_stages
+    pipelines the weight loads only, whose tiles feed tl.dot directly.
     """
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
@@ -298,7 +298,8 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     rows, so wider block_n pays above 16384): block_n 32 / block_k 512 up to 16384, block_n 128 /
     block_k 128 above. Against norm / SiLU kernel + cuBLAS the fused launches are on a par or
     ahead at M <= 2 and lose from M = 4-8 on, because the rebuild's cost grows with M: hence
-    ``KernelPolicy.decode_gemv_max_tokens`` (the measurements: ``benchmarks/RESULTS.md``).
+    ``KernelPolicy.decode_gemv_max_tokens`` (``benchmarks/RESULTS.md``, "What sets each ``KernelPolicy``
+    default" and "Launch configs and constants inside the kernels").
     """
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),

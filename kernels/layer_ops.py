@@ -3,8 +3,8 @@
 Each replaces a chain of 3 to 15 small torch kernels per layer call with one launch. A batch-1
 decode step is bound by its weight reads, and unfused these short launches, dozens per layer,
 would add a large share on top of them, so fusing them is what keeps the step near its memory
-floor (``benchmarks/RESULTS.md``). The torch twins are ``kernels.reference.rms_norm_ref`` and
-``silu_and_mul_ref`` (which the engine's CPU path runs) and
+floor (``benchmarks/RESULTS.md``, "Decode step time vs its memory floor"). The torch twins are
+``kernels.reference.rms_norm_ref`` and ``silu_and_mul_ref`` (which the engine's CPU path runs) and
 ``engine.layers.rotary.RotaryEmbedding.forward_torch``; ``tests/kernels/test_kernel_layer_ops.py``
 compares the two.
 

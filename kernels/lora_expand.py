@@ -331,7 +331,8 @@ def lora_expand_config(num_tokens: int, num_segments: int, out_dims: tuple[int, 
     else:
         if block_m <= 16:
             # NOTE: defaults from benchmarks/sweeps/lora_prefill_sweep.py --tokens 64,256 on an
-            # H200. Short segments want short programs: 256 columns each (128 x 2), 512 for slices
+            # H200 (benchmarks/RESULTS.md, "Launch configs and constants inside the kernels").
+            # Short segments want short programs: 256 columns each (128 x 2), 512 for slices
             # wider than 8192 (gate/up of Llama-3-8B), close to the best candidate of every decode
             # case. Decode steps of few tokens per segment take per-token programs of 512 columns,
             # 2 warps: at 64 tokens the best per-token candidate on o / down with 1, 16 and 64

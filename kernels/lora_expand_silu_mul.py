@@ -151,8 +151,9 @@ def lora_expand_silu_mul_config(num_tokens: int, num_segments: int, d: int, devi
     """The default launch config, with ``override`` (e.g. ``KernelPolicy.lora_expand``) applied last.
 
     Decode-sized segments (block_m 16) take the expand's config for the two slices. Longer ones
-    take 32 x 128 tiles, two per program: at a 16384-token prefill step (d = 14336) clearly faster
-    on an H200 than the expand's 64 x 128 x 32 (``benchmarks/sweeps/lora_prefill_sweep.py``).
+    take 32 x 128 tiles, two per program: at a 16384-token prefill step (d = 14336) faster on an H200
+    than the expand's 64 x 128 x 32 (``benchmarks/RESULTS.md``, "Launch configs and constants inside the
+    kernels").
     """
     cfg = lora_expand_config(num_tokens, num_segments, (d, d), device)
     if not is_interpreted(device) and cfg.block_m > 16:

@@ -223,8 +223,8 @@ def lora_shrink_config(num_tokens: int, num_segments: int, num_slices: int, in_d
         # 64,256, 1-64 adapters): one-token segments want block_k 128 and ~8 split programs per SM
         # (split_k 8 on every Llama-3-8B projection), not the 2 per SM that suit long segments.
         # Prefill-length segments (block_m 64; 16384 tokens, 16 adapters) of packed projections
-        # (q/k/v, gate/up) were clearly faster with block_k 64; o and down found no better config
-        # than 128.
+        # (q/k/v, gate/up) were faster with block_k 64; o and down found no better config than 128
+        # (benchmarks/RESULTS.md, "Launch configs and constants inside the kernels").
         block_k = 128 if block_m <= 16 else (256 if block_m <= 32 else (64 if num_slices >= 2 else 128))
         per_sm = 8 if block_m <= 16 else PROGRAMS_PER_SM
         # Fewest splits that give per_sm programs with work per SM, each split >= 2 steps.

@@ -47,7 +47,8 @@ DEFAULT_HEADS_PER_PROG = 1
 """KV heads per program of ``kernels.paged_decode`` for pure-decode batches without split-KV
 (0: this module's kernel). 1 because on an H200 (``benchmarks/sweeps/attention_sweep.py``, batch
 256, 534-token contexts, best tiles each) every grouping of more heads per program was slower,
-and this module's kernel slower still than one head per program."""
+and this module's kernel slower still than one head per program (``benchmarks/RESULTS.md``,
+"Launch configs and constants inside the kernels")."""
 
 
 @triton.jit
@@ -226,7 +227,8 @@ def _choose_config(device: torch.device, group: int, head_dim: int, num_reqs: in
     o = (decode_tiles or {}) if max_query_len == 1 else {}
     if max_query_len == 1 and not interpreted:
         # This module's kernel at decode: 2 stages beat 3 at batch 1 (16 splits) and at batch 256
-        # (benchmarks/sweeps/attention_sweep.py on an H200, Llama-3-8B heads, 534-token contexts).
+        # (benchmarks/sweeps/attention_sweep.py on an H200, Llama-3-8B heads, 534-token contexts;
+        # benchmarks/RESULTS.md, "Launch configs and constants inside the kernels").
         # Pure-decode batches without split-KV take kernels.paged_decode's tiles below.
         num_stages = 2
     programs = num_reqs * num_kv_heads
@@ -453,7 +455,8 @@ def decode_rotary_pays(num_reqs: int, num_kv_heads: int, device: torch.device) -
     launches, so the launch saved shortens the step. Measured on an H200 with the Llama-3-8B shape:
     small batches gain, batches of 32 and 128 neither gain nor lose, and batch 256 loses, because
     there the extra rotary work of every (request, KV head) program costs more than the launch it
-    saves (``benchmarks/RESULTS.md``)."""
+    saves (``benchmarks/RESULTS.md``, "What sets each ``KernelPolicy`` default":
+    ``decode_fuse_rotary``)."""
     return num_reqs * num_kv_heads < num_sms(device)
 
 

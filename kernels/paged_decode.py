@@ -12,7 +12,8 @@ This kernel cuts the chain:
     row from its grid position: no ``query_start_loc`` loads;
   * optionally one program runs ``HEADS_PER_PROG`` KV heads of one request in a single loop over
     (head, tile) pairs, so the chain is paid once per program. Measured on an H200 (batch 256,
-    534-token contexts) more heads per program were slower, so the default is 1
+    534-token contexts) more heads per program were slower (``benchmarks/RESULTS.md``, "Launch configs
+    and constants inside the kernels"), so the default is 1
     (``kernels.paged_attention.DEFAULT_HEADS_PER_PROG``).
 
 Two options for one head per program (``kernels.paged_attention.paged_decode_rotary``, the

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.dtypes import TORCH_DTYPES
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds
 from lora.adapter_loader import AdapterLoader
@@ -46,15 +47,12 @@ from lora.request import LoRARequest
 
 logger = logging.getLogger("chorus.lora")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 GRAPH_FEW_ADAPTERS = 16
 """Decode CUDA graphs of a Triton LoRA engine with more slots than this get a variant for steps whose
 adapters all sit in the first this-many slots (``few_adapters_bound``; the slot manager fills the
 lowest free slot first): fixed-grid launches over fewer slots have fewer programs that find an
-empty segment, so such steps run faster (measured on an H200 with 1 and 16 adapters, Llama-3-8B
-shape, batch 64, rank 16, ``benchmarks/multi_lora.py``)."""
+empty segment, so such steps run faster (``benchmarks/RESULTS.md``, "Launch configs and constants
+inside the kernels")."""
 
 
 STACKED_COVER_MIN_GAIN = 0.03
@@ -102,7 +100,7 @@ class LoRAManager:
         self.max_loras: int = lora_config.max_loras
         self.max_lora_rank: int = lora_config.max_lora_rank
         self.device = torch.device(device)
-        self.lora_dtype = dtype if lora_config.lora_dtype == "auto" else _DTYPES[lora_config.lora_dtype]
+        self.lora_dtype = dtype if lora_config.lora_dtype == "auto" else TORCH_DTYPES[lora_config.lora_dtype]
         self.backend = backend or ("triton" if self.device.type == "cuda" else "torch")
         if self.backend == "triton" and self.lora_dtype != dtype:
             raise ValueError(f"lora_dtype={lora_config.lora_dtype} differs from the model dtype {dtype}; the "
@@ -262,9 +260,6 @@ class LoRAManager:
     def list_loras(self) -> list[LoRARequest]:
         """Registered adapters users may run (not those being unloaded), in registration order."""
         return [r for n, r in self._registered.items() if n not in self._removing]
-
-    def is_registered(self, lora_name: str) -> bool:
-        return lora_name in self._registered and lora_name not in self._removing
 
     def holds(self, lora_name: str) -> bool:
         """Whether any copy of the adapter remains: registry, host store or a slot."""

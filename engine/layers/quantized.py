@@ -8,7 +8,7 @@ float32's bytes, which is what a batch-1 decode step reads), activations stay fl
 - fp16 (``Fp16Weight``): the weight rounded to float16 in fbgemm's packed layout (half float32's bytes,
   outputs within ~1e-3 of float32's), every row count through ``torch.ops.quantized.linear_dynamic_fp16``
   (float32 activations, converted weights, float32 accumulation); which format is fastest at which batch
-  on the 2-core machine: RESULTS.md "CPU".
+  on the 2-core machine: RESULTS.md "What sets the CPU defaults".
 
 A projection runs as ``x @ W.T`` in one of these ways, by the number of rows of ``x``: up to
 ``packed_max_tokens`` rows, torch's packed kernel (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``,
@@ -19,7 +19,7 @@ int4 / int8 values (``AmxTiles``: dequantized to bfloat16 tile by tile, float32 
 oneDNN's packed layout, ``Bf16Weight``, where the kernel cannot be built or the shape is not its), from
 there (prompts) a float32 copy whose GEMM
 multiplies in bfloat16 and accumulates and returns float32 (``Bf16ProductsWeight``; speeds: RESULTS.md
-"CPU", twenty-third session). Elsewhere the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
+"What sets the CPU defaults"). Elsewhere the fp16 copy (fbgemm's float16 GEMM: decode batches and prefill chunks up to
 ``FP16_COPY_MAX_TOKENS`` rows), else the weight dequantized to ``x``'s dtype for one ``F.linear``
 (compute-bound prefill, where the packed kernels are about half float32's speed). The LM head keeps an fp16
 copy everywhere: its logits are float32 at every batch (``QuantizedEmbedding.logits``).
@@ -37,22 +37,22 @@ if TYPE_CHECKING:
     from kernels.cpu_amx_gemm import CpuAmxGemm
 
 PACKED_MAX_TOKENS = 32
-"""Rows up to which the packed kernels run: where they beat float32 on the 2-core CPU, measured in
-RESULTS.md "CPU" (faster at decode sizes, about half float32's speed at prefill sizes)."""
+"""Rows up to which the packed kernels run: where they beat float32 on the 2-core CPU (faster at decode
+sizes, slower at prefill sizes; RESULTS.md "What sets the CPU defaults")."""
 FP16_COPY_MIN_TOKENS = 5
 """Rows from which a weight that keeps an fp16 copy runs it instead of its packed kernel: the 2-core AVX2
-machine's crossover (RESULTS.md "CPU": the packed kernels win at 1-4 decode rows, the fp16 GEMM at 8+)."""
+machine's crossover (RESULTS.md "What sets the CPU defaults")."""
 FLOAT_COPY_MAX_MEMORY_FRACTION = 0.25
 """``cpu_float_copy`` unset: the copies are kept when they take at most this fraction of the machine's memory
 (SmolLM2-135M: 0.27 GB; a 7B model's 14 GB are not kept on a 24 GB machine)."""
 FP16_COPY_MAX_TOKENS = 2048
 """Rows up to which the fp16 copy runs; larger steps (long prompts) dequantize for float32's GEMM, faster there
-(RESULTS.md "CPU")."""
+(RESULTS.md "What sets the CPU defaults")."""
 BF16_PRODUCTS_MIN_TOKENS = 20
 """CPUs with AMX: rows from which a weight's bf16-products copy (float32 out) runs instead of its AMX tiles or
 bf16 copy: prompts keep float32 outputs, while decode batches take the faster tiles (float32 out) or, where
 ``kernels.cpu_amx_gemm`` does not build, the bf16 GEMM (bfloat16 out, the packed kernels' rounding below
-``FP16_COPY_MIN_TOKENS`` rows). RESULTS.md "CPU", twenty-third and twenty-sixth sessions."""
+``FP16_COPY_MIN_TOKENS`` rows). RESULTS.md "What sets the CPU defaults"."""
 INT4_GROUP_SIZE = 32
 """Inputs per int4 scale (GGUF's Q4 block)."""
 INT4_INNER_K_TILES = 2
@@ -339,10 +339,10 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> [R, vocab], float32 on CPU at every row count (the packed kernels return
-        bfloat16, whose 1/16 steps at logits of 8-16 tie greedy choices and coarsen logprobs; RESULTS.md "CPU",
-        twenty-third session): from ``FP16_COPY_MIN_TOKENS`` rows the AMX tiles when the weight keeps them
-        (bfloat16 activations, as the projections' at those rows; twenty-sixth session), else the fp16 copy
-        when it keeps one."""
+        bfloat16, whose 1/16 steps at logits of 8-16 tie greedy choices and coarsen logprobs): from
+        ``FP16_COPY_MIN_TOKENS`` rows the AMX tiles when the weight keeps them (bfloat16 activations, as the
+        projections' at those rows; RESULTS.md "What sets the CPU defaults"), else the fp16 copy when it
+        keeps one."""
         if hidden.device.type == "cpu":
             tiles = getattr(self.weight_q, "amx_tiles", None)
             if tiles is not None and hidden.shape[0] >= FP16_COPY_MIN_TOKENS:

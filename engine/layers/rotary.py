@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """x [T, H, r] -> x * cos + rotate_half(x) * sin, as x * cos + roll(x, r / 2) * sin_signed: three
-        kernels instead of rotate_half's slices, neg and cat (RESULTS.md "CPU")."""
+        kernels instead of rotate_half's slices, neg and cat (RESULTS.md "What sets the CPU defaults")."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -73,7 +73,7 @@ class RotaryEmbedding(nn.Module):
                            pending_update=None) -> None:
         """CUDA: rotate q and k in place and write the rotated k and v into the paged cache, in one
         kernel (``kernels.kv_write.rotary_write_kv``); with ``pending_update`` (the q/k/v projection's
-        adapter update still to add, an ``engine.layers.adapter.PendingUpdate``) the adapter's
+        adapter update still to add, an ``engine.pending_update.PendingUpdate``) the adapter's
         variant of that kernel adds it first."""
         half = self.rotary_dim // 2
         args = (positions, q, k, v, self.cos[:, :half], self.sin[:, :half], self.rotary_dim, k_cache, v_cache,

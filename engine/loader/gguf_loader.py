@@ -1,10 +1,10 @@
 """Turn a Llama-architecture GGUF file into a cached Hugging Face checkpoint directory.
 
-Parsing a GGUF is slow in pure Python (transformers' tokenizer load takes ~5 s, its model load
-~15-22 s), so the first use converts the file once into
+Parsing a GGUF is slow in pure Python (transformers' tokenizer and model loads decode every entry on
+each load), so the first use converts the file once into
 ``cache_dir()/converted/<stem>-<key>/`` holding ``config.json``, the tokenizer files and
 ``model.safetensors`` (float32, dequantized, q/k rows in HF order); every later use reads that
-directory like any HF checkpoint (~1 s).
+directory like any HF checkpoint.
 
 Conversion algorithm:
   1. ``gguf.GGUFReader`` memory-maps the file (tensor bytes are read lazily).

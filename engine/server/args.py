@@ -222,9 +222,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "steps run eagerly; 0: such steps always run eagerly (default: 2048).")
     eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                      help="Run the engine loop in a process of its own, so HTTP, SSE and tokenization "
-                          "never compete with it for the GIL (default: on with CUDA, where it served "
-                          "2.6x the output tokens of the thread at saturation; off on CPU, where a "
-                          "thread is faster).")
+                          "never compete with it for the GIL (default: on with CUDA; off on CPU, where "
+                          "client, server and engine share a few cores and a thread is faster: "
+                          "benchmarks/RESULTS.md, \"What sets the CPU defaults\").")
     eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                      help="Schedule step N+1 while the device runs step N (default: on).")
     eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -555,7 +555,7 @@ def is_whisper_dir(model: Optional[str]) -> bool:
     whose config.json says ``"model_type": "whisper"`` (hub ids and files are not looked into)."""
     if model is None or not os.path.isdir(model):
         return False
-    from engine.loader.ct2_loader import is_ct2_whisper_dir
+    from engine.loader.ct2 import is_ct2_whisper_dir
     if is_ct2_whisper_dir(Path(model)):
         return True
     try:

@@ -24,6 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from lora import LoRARequest
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter
+from tests.security.health import HealthPoller
 from tests.server.conftest import start_server
 
 SLOW_S = 2.0
@@ -229,42 +230,27 @@ def _stream_until(url: str, stop: threading.Event, stamps: list[list[float]]) ->
                         break
 
 
-def _poll_health(url: str, stop: threading.Event, latencies: list[tuple[float, float, int]]) -> None:
-    while not stop.is_set():
-        t = time.monotonic()
-        try:
-            status = httpx.get(url + "/health", timeout=5).status_code
-        except httpx.HTTPError:
-            status = 0
-        latencies.append((t, time.monotonic() - t, status))
-        time.sleep(0.1)
-
-
 def test_slow_runtime_load_does_not_stall_streams_or_health(server, adapter_dirs, monkeypatch):
     monkeypatch.setattr(peft_adapter, "load_peft_adapter", _Reads(delay_s=SLOW_S))
     stop = threading.Event()
     stamps: list[list[float]] = []
-    health: list[tuple[float, float, int]] = []
-    threads = [threading.Thread(target=_stream_until, args=(server.url, stop, stamps), daemon=True),
-               threading.Thread(target=_poll_health, args=(server.url, stop, health), daemon=True)]
-    for t in threads:
-        t.start()
-    assert any(stamps) or _wait(lambda: any(stamps))        # a stream is producing tokens
-    t0 = time.monotonic()
-    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "slow", "lora_path": str(adapter_dirs["a"])},
-                   timeout=30)
-    t1 = time.monotonic()
+    stream = threading.Thread(target=_stream_until, args=(server.url, stop, stamps), daemon=True)
+    stream.start()
+    with HealthPoller(server, interval_s=0.1) as health:
+        assert any(stamps) or _wait(lambda: any(stamps))        # a stream is producing tokens
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "slow", "lora_path": str(adapter_dirs["a"])}, timeout=30)
+        t1 = time.monotonic()
     stop.set()
-    for t in threads:
-        t.join(30)
+    stream.join(30)
     assert r.status_code == 200, r.text
     assert t1 - t0 >= SLOW_S * 0.9
     during = [s for times in stamps for s in times if t0 + 0.1 < s < t1 - 0.1]
     assert len(during) >= 10, len(during)                   # tokens kept coming while the disk was slow
     gaps = [b - a for times in stamps for a, b in zip(times, times[1:]) if t0 - 0.5 < b < t1 + 0.5]
     assert gaps and max(gaps) < SLOW_S / 2, max(gaps)
-    polls = [(lat, status) for t, lat, status in health if t0 < t < t1]
-    assert len(polls) >= 3 and all(status == 200 and lat < 1.0 for lat, status in polls), polls
+    health.assert_answered_within(1.0, min_polls=3, since=t0, until=t1)
     out = httpx.post(server.url + "/v1/completions", json={"model": "slow", "prompt": PROMPT, "max_tokens": 3,
                                                            "ignore_eos": True}, timeout=30)
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3

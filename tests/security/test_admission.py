@@ -20,8 +20,6 @@ import struct
 import threading
 import time
 import zlib
-from contextlib import contextmanager
-from typing import Iterator
 
 import httpx
 import psutil
@@ -30,48 +28,17 @@ from PIL import ImageFile
 
 import engine.processor as processor_module
 from engine.server.errors import RETRY_AFTER_S
+from tests.security.health import HealthPoller
 from tests.server.conftest import start_server, wait_until
 from tests.server.test_concurrency import _idle_and_free
 from tests.server.test_errors import assert_error
 from tests.server.test_front_door import long_llama_dir  # noqa: F401 - the 8k-context model
 from tests.vision.conftest import build_tiny_llava, make_image
 
-HEALTH_BOUND_S = 1.0
-"""/health must answer within this while a hostile request is served."""
-
 
 # ----------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------
-@contextmanager
-def health_probe(server, interval_s: float = 0.05) -> Iterator[list[float]]:
-    """Poll /health from a thread while the block runs; yields the latencies (seconds) of the calls,
-    each a 200. The block's caller asserts on ``max(latencies)``."""
-    latencies: list[float] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(timeout=30) as client:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                r = client.get(server.url + "/health")
-                latencies.append(time.monotonic() - t0)
-                if r.status_code != 200:
-                    failures.append(r.text)
-                stop.wait(interval_s)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    try:
-        yield latencies
-    finally:
-        stop.set()
-        thread.join(30)
-    assert not failures, failures
-    assert latencies, "/health was never polled"
-
-
 def solid_png(width_px: int, height_px: int) -> bytes:
     """A black RGB PNG of this size, written row by row (never held decoded: 7000x7000 is 147 MB raw)."""
     def chunk(kind: bytes, data: bytes) -> bytes:
@@ -134,24 +101,24 @@ def big_png() -> bytes:
 def test_forty_huge_images_are_a_400_before_any_is_decoded(llava, big_png, decodes):
     assert len(big_png) < 300_000   # a small body that decodes into 147 MB per image
     rss_before = psutil.Process().memory_info().rss
-    with health_probe(llava) as latencies:
+    with HealthPoller(llava) as health:
         r = httpx.post(llava.url + "/v1/chat/completions", json=chat_body([data_url(big_png)] * 40), timeout=60)
     err = assert_error(r, 400)
     assert err["param"] in ("messages", "multi_modal_data"), err
     assert "at most 16 image" in err["message"] and "--limit-mm-per-prompt" in err["message"], err
     assert decodes == []
-    assert max(latencies) < HEALTH_BOUND_S
+    health.assert_answered_within()
     assert psutil.Process().memory_info().rss - rss_before < 100 << 20
 
 
 def test_images_beyond_the_request_pixel_budget_are_a_400_before_any_is_decoded(llava, big_png, decodes):
     rss_before = psutil.Process().memory_info().rss
-    with health_probe(llava) as latencies:
+    with HealthPoller(llava) as health:
         r = httpx.post(llava.url + "/v1/chat/completions", json=chat_body([data_url(big_png)] * 2), timeout=60)
     err = assert_error(r, 400, "messages")
     assert "--max-image-pixels-per-request" in err["message"] and "98000000" in err["message"], err
     assert decodes == []
-    assert max(latencies) < HEALTH_BOUND_S
+    health.assert_answered_within()
     assert psutil.Process().memory_info().rss - rss_before < 100 << 20
     assert llava.engine_client.processor.media_budget.num_pixels == 0
     assert llava.engine_client.processor.media_budget.num_bytes == 0
@@ -192,7 +159,7 @@ def test_a_burst_beyond_the_queue_bound_gets_503s_and_nothing_is_decoded_for_the
     8th requests of a burst are refused at arrival, their images never fetched or decoded."""
     _slow(monkeypatch, "read_image_source", 2.0)
     bodies = [chat_body([data_url(small_png(i))]) for i in range(8)]
-    with health_probe(llava) as latencies:
+    with HealthPoller(llava) as health:
         responses = _post_all(llava, bodies)
     codes = sorted(r.status_code for r in responses)
     assert codes == [200] * 4 + [503] * 4, [r.text for r in responses]
@@ -201,7 +168,7 @@ def test_a_burst_beyond_the_queue_bound_gets_503s_and_nothing_is_decoded_for_the
             err = assert_error(r, 503)
             assert r.headers["retry-after"] == str(RETRY_AFTER_S) and "--max-queued-requests" in err["message"]
     assert len(decodes) == 4   # one image per admitted request, none for the refused
-    assert max(latencies) < HEALTH_BOUND_S
+    health.assert_answered_within()
     assert wait_until(lambda: llava.engine_client.num_tracked_requests == 0 and _idle_and_free(llava))
     assert llava.engine_client.num_sequences_in_flight == 0
 
@@ -272,7 +239,7 @@ def processed(text_server, monkeypatch) -> list[str]:
 
 def test_prompts_times_n_beyond_what_could_ever_fit_is_a_400_before_tokenizing(text_server, processed):
     url = text_server.url + "/v1/completions"
-    with health_probe(text_server) as latencies:
+    with HealthPoller(text_server) as health:
         r = httpx.post(url, json={"model": MODEL, "prompt": ["a"] * 1000, "n": 2, "max_tokens": 1}, timeout=30)
         err = assert_error(r, 400, "prompt")
         assert "2000 sequences" in err["message"] and "--max-queued-requests" in err["message"], err
@@ -282,7 +249,7 @@ def test_prompts_times_n_beyond_what_could_ever_fit_is_a_400_before_tokenizing(t
         assert_error(httpx.post(url, json={"model": MODEL, "prompt": ["a"] * 5, "max_tokens": 1}, timeout=30),
                      400, "prompt")
     assert processed == []
-    assert max(latencies) < HEALTH_BOUND_S
+    health.assert_answered_within()
     r = httpx.post(url, json={"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 1}, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
     assert wait_until(lambda: text_server.engine_client.num_sequences_in_flight == 0)
@@ -320,7 +287,7 @@ def test_the_queue_bound_counts_sequences(text_server, processed):
 def test_a_30_mb_prompt_is_a_400_without_stalling_the_server(text_server):
     prompt = "lorem ipsum " * (30_000_000 // 12)
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
-    with health_probe(text_server) as latencies:
+    with HealthPoller(text_server) as health:
         t0 = time.monotonic()
         r = httpx.post(text_server.url + "/v1/completions", content=body, timeout=60,
                        headers={"Content-Type": "application/json"})
@@ -328,7 +295,7 @@ def test_a_30_mb_prompt_is_a_400_without_stalling_the_server(text_server):
     err = assert_error(r, 400, "prompt")
     assert "maximum context length" in err["message"] and "characters long" in err["message"], err
     assert took_s < 10.0
-    assert max(latencies) < HEALTH_BOUND_S
+    health.assert_answered_within()
     assert wait_until(lambda: text_server.engine_client.num_tracked_requests == 0)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 import time
 import typing
 
@@ -24,13 +23,12 @@ from engine.server.args import check_serve_args, make_serve_namespace
 from engine.server.errors import install_error_handlers, to_openai_error
 from engine.server.protocol import (MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest,
                                     TranscriptionRequest)
+from tests.security.health import HealthPoller
 from tests.server.conftest import start_server
 from tests.server.test_errors import assert_error
 
 MODEL = "tiny-fields"
 EVIL_ORIGIN = "https://evil.example"
-HEALTH_DEADLINE_S = 1.0
-"""/health must answer within this while a hostile request runs."""
 MESSAGES = [{"role": "user", "content": "A"}]
 
 
@@ -55,42 +53,6 @@ def post(server, path: str, body, headers: dict | None = None) -> httpx.Response
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(server.url + path, content=content, timeout=60,
                       headers={"Content-Type": "application/json", **(headers or {})})
-
-
-class HealthPoller:
-    """Polls /health from a thread while the block runs; ``worst_s``: its slowest answer."""
-
-    def __init__(self, server) -> None:
-        self.url = server.url + "/health"
-        self.latencies_s: list[float] = []
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10) as client:
-            while not self._stop.is_set():
-                start = time.monotonic()
-                try:
-                    status = client.get(self.url).status_code
-                    if status != 200:
-                        self.failures.append(f"status {status}")
-                except httpx.HTTPError as e:
-                    self.failures.append(repr(e))
-                self.latencies_s.append(time.monotonic() - start)
-                time.sleep(0.05)
-
-    def __enter__(self) -> "HealthPoller":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        time.sleep(0.1)   # one more poll after the request
-        self._stop.set()
-        self._thread.join(15)
-        assert not self.failures, self.failures
-        assert self.latencies_s, "/health was never polled"
-        assert max(self.latencies_s) < HEALTH_DEADLINE_S, max(self.latencies_s)
 
 
 # ------------------------------------------------------------------------------------------
@@ -121,10 +83,11 @@ def test_stop_at_the_caps_is_served(server):
 ])
 def test_huge_stop_lists_with_n_256_are_refused_while_health_answers(server, fields, param):
     body = json.dumps(completion(n=256, **fields))
-    with HealthPoller(server):
+    with HealthPoller(server) as health:
         start = time.monotonic()
         err = assert_error(post(server, "/v1/completions", body), 400, param)
         took_s = time.monotonic() - start
+    health.assert_answered_within()
     assert "at most" in err["message"] and len(err["message"]) < 200, err
     assert took_s < 10, took_s
 
@@ -217,16 +180,18 @@ def nested(depth: int) -> str:
                   '"chat_template_kwargs": {"deep": %s}}', "chat_template_kwargs"),
 ])
 def test_deep_json_is_a_400_naming_the_field(server, path, template, param):
-    with HealthPoller(server):
+    with HealthPoller(server) as health:
         for depth in (MAX_JSON_DEPTH, 490):
             err = assert_error(post(server, path, template % (MODEL, nested(depth))), 400, param)
             assert f"at most {MAX_JSON_DEPTH}" in err["message"], err
+    health.assert_answered_within()
 
 
 def test_json_too_deep_to_parse_is_a_400(server):
-    with HealthPoller(server):
+    with HealthPoller(server) as health:
         r = post(server, "/v1/chat/completions", '{"model": "x", "messages": %s}' % nested(100_000))
         err = assert_error(r, 400)
+    health.assert_answered_within()
     assert "nested too deeply" in err["message"], err
 
 

@@ -41,6 +41,9 @@ class HealthPoller:
 
     def __exit__(self, *exc) -> None:
         time.sleep(self.interval_s * 2)   # one more poll after the request
+        deadline = time.monotonic() + 10
+        while not self.polls and time.monotonic() < deadline:   # a quick block on a busy machine
+            time.sleep(0.01)
         self._stop.set()
         self._thread.join(15)
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional, Union
 
+from engine.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 
 MAX_STOP_STRINGS = 256
@@ -116,6 +118,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logits_processors: Optional[list] = None
     """Unsupported; present so vLLM code that passes None works."""
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    """Constrain the output to a JSON schema, regex, choice, grammar or structural tag (a dict is read
+    with ``StructuredOutputsParams.from_dict``)."""
     # Derived: the longest stop string minus one, the text held back while streaming.
     _output_text_buffer_length: int = field(default=0, repr=False)
     # Derived: eos ids added by the engine (generation_config), set at request admission.
@@ -129,6 +134,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         if self.temperature is not None and self.temperature < _SAMPLING_EPS and self.temperature >= 0:
@@ -186,6 +193,10 @@ class SamplingParams:
             bad("stop_token_ids", "must contain only non-negative integers.")
         if self.logits_processors:
             bad("logits_processors", "are not supported by Chorus.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            bad("structured_outputs", f"must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}.")
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={short_repr(getattr(self, f.name))}" for f in fields(self) if f.repr)

@@ -1,5 +1,5 @@
 """Before / after: two JSON results of the same benchmark side by side (latency.py, throughput.py,
-multi_lora.py or serve.py), with the new / old ratio of each figure.
+multi_lora.py, serve.py, vision.py's llava or whisper.py's rtf), with the new / old ratio of each figure.
 
     python benchmarks/compare.py OLD.json NEW.json
 
@@ -30,11 +30,15 @@ def _decode_ms(row: dict) -> Optional[float]:
 def kind_of(report: dict) -> str:
     if "output_throughput" in report:
         return "serve"
+    if "llava" in report:
+        return "vision"
     rows = report.get("rows") or [{}]
     if "step_ms" in rows[0]:
         return "latency"
     if "num_adapters" in rows[0]:
         return "multi_lora"
+    if "rtf" in rows[0]:
+        return "whisper"
     return "throughput"
 
 
@@ -48,6 +52,11 @@ def keyed_rows(report: dict, kind: str) -> dict[str, dict]:
     if kind == "multi_lora":
         return {f"batch {r['batch']}, {r['system'].removeprefix('chorus ')}": r
                 for r in report["rows"] if r["system"].startswith("chorus")}
+    if kind == "vision":
+        return {f"llava, {r['requests']} requests": r for r in report["llava"]["rows"]
+                if r["system"].startswith("chorus")}
+    if kind == "whisper":
+        return {f"{r['model']}, {r['clips']} clips": r for r in report["rows"] if r["system"] == "chorus"}
     return {r["system"]: r for r in report["rows"] if r["system"].startswith("chorus")}
 
 
@@ -57,6 +66,8 @@ FIGURES: dict[str, list[Figure]] = {
     "throughput": [("out tok/s", _get("output_tok_s")), ("seconds", _get("seconds"))],
     "multi_lora": [("out tok/s", _get("output_tok_s")), ("x base", _get("x_base")),
                    ("decode ms", _decode_ms)],
+    "vision": [("out tok/s", _get("output_tok_s")), ("req/s", _get("req_s"))],
+    "whisper": [("x real time", _get("rtf")), ("out tok/s", _get("out_tok_s"))],
     "serve": [("out tok/s", _get("output_throughput")), ("TTFT p50 ms", lambda r: r["ttft_ms"].get("p50")),
               ("TPOT p50 ms", lambda r: r["tpot_ms"].get("p50"))],
 }

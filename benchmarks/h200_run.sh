@@ -33,8 +33,9 @@
 #               (not timed yet; one model per device call: TP_MODELS=llama3-70b, then TP_MODELS=llama3-8b)
 #
 # Before / after in one run: BASELINE_DIR=DIR (an older tree, e.g. a `git archive` of the old
-# commit) makes latency, throughput and multi-lora also run DIR's own scripts right after ours,
-# then print both side by side (benchmarks/compare.py); JSON as baseline_*.json.
+# commit) makes latency, throughput, multi-lora, vision and whisper's rtf also run DIR's own scripts
+# right after ours, then print both side by side (benchmarks/compare.py); JSON as baseline_*.json.
+# VISION_BENCH (default all; llava for the comparison), VISION_REQUESTS and WHISPER_CLIPS shrink those.
 #
 # Settings: OUT (default benchmarks/out); HF=0/1 runs transformers in latency and throughput
 # (default 1, 0 with BASELINE_DIR); HF_PEFT=1 adds transformers + PEFT to multi-lora;
@@ -140,7 +141,8 @@ for phase in "$@"; do
     serve)
       serve_phase ;;
     vision)
-      python3 benchmarks/vision.py all $(skip_hf) --out "$OUT/vision.json" 2>&1 | quiet ;;
+      bench vision vision.py ${VISION_BENCH:-all} $(skip_hf) \
+        $([ -n "${VISION_REQUESTS:-}" ] && echo --num-requests "$VISION_REQUESTS") ;;
     whisper-weights)
       dir="$CHORUS_CACHE/whisper/tiny.en"; mkdir -p "$dir"
       [ -d .wdata/p1/tiny.en ] && cp -r .wdata/p1/tiny.en/. "$dir/"
@@ -148,9 +150,9 @@ for phase in "$@"; do
       ls -la "$dir" ;;
     whisper)
       python3 -m pytest -q -p no:cacheprovider -n 0 tests/models/test_whisper_gpu.py 2>&1 | tail -5
-      python3 benchmarks/whisper.py rtf --model ${WHISPER_MODELS:-tiny.en turbo} --turbo-dir .wdata/turbo \
-        $([ -d .wdata/speech ] && echo --speech-dir .wdata/speech) \
-        --hf-clips $([ "$HF" = 1 ] && echo "${HF_CLIPS:-256}" || echo 0) --out "$OUT/whisper.json" 2>&1 | quiet ;;
+      bench whisper whisper.py rtf --model ${WHISPER_MODELS:-tiny.en turbo} --turbo-dir "$PWD/.wdata/turbo" \
+        $([ -d .wdata/speech ] && echo --speech-dir "$PWD/.wdata/speech") --num-clips "${WHISPER_CLIPS:-1000}" \
+        --hf-clips $([ "$HF" = 1 ] && echo "${HF_CLIPS:-256}" || echo 0) ;;
     whisper-latency)
       python3 -c "from benchmarks.throughput import llama3_8b_dummy; llama3_8b_dummy()"
       python3 benchmarks/whisper.py latency --model ${WHISPER_MODELS:-tiny.en} --turbo-dir .wdata/turbo \

@@ -38,3 +38,17 @@ def test_multi_lora_and_throughput_kinds():
     assert cmp.kind_of(tp) == "throughput"
     with pytest.raises(SystemExit):
         cmp.compare(ml, tp)
+
+
+def test_vision_and_whisper_kinds():
+    cmp = _load_compare()
+    old = {"llava": {"rows": [{"system": "chorus", "requests": 1000, "output_tok_s": 4000.0, "req_s": 31.0},
+                              {"system": "transformers generate (bs 32)", "requests": 64, "output_tok_s": 700.0}]}}
+    new = {"llava": {"rows": [{"system": "chorus", "requests": 1000, "output_tok_s": 4100.0, "req_s": 32.0}]}}
+    assert cmp.kind_of(new) == "vision"
+    lines = cmp.compare(old, new)
+    assert len(lines) == 3 and lines[2].startswith("llava, 1000 requests") and "1.025" in lines[2]
+    wh = {"rows": [{"system": "chorus", "model": "turbo", "clips": 1000, "rtf": 3800.0, "out_tok_s": 12000.0},
+                   {"system": "transformers b64", "model": "turbo", "clips": 256, "rtf": 600.0}]}
+    assert cmp.kind_of(wh) == "whisper"
+    assert list(cmp.keyed_rows(wh, "whisper")) == ["turbo, 1000 clips"]

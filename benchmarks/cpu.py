@@ -69,7 +69,7 @@ def run_mode(mode: str, args_dict: dict, queue) -> None:
     llm = LLM(**kw)
     start_s = time.perf_counter() - t0
     engine = llm.llm_engine
-    vocab = engine.runner.hf_config.get_text_config().vocab_size
+    vocab = engine.runner.model.shape.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args_dict["decode_tokens"], ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
@@ -122,7 +122,7 @@ def step_rows(batches: list[int], args_dict: dict, queue) -> None:
         setattr(model, name, wrapper)
     timed("forward")
     timed("compute_logits")
-    vocab = engine.runner.hf_config.get_text_config().vocab_size
+    vocab = engine.runner.model.shape.vocab_size
     rng = np.random.default_rng(2)
     rows = []
     max_num_seqs = engine.engine_config.scheduler_config.max_num_seqs
@@ -167,7 +167,7 @@ def long_prompt_rows(num_tokens: int, chunk: int) -> list[dict]:
         if budget:
             kw["max_num_batched_tokens"] = budget
         llm = LLM(**kw)
-        vocab = llm.llm_engine.runner.hf_config.get_text_config().vocab_size
+        vocab = llm.llm_engine.runner.model.shape.vocab_size
         prompt = prompt or [int(t) for t in rng.integers(100, vocab - 100, num_tokens)]
         llm.generate({"prompt_token_ids": prompt[:64]}, SamplingParams(max_tokens=1), use_tqdm=False)
         t0 = time.perf_counter()
@@ -205,7 +205,7 @@ def alternate_rows(rounds: int, args_dict: dict, queue) -> None:
     llm = LLM(args_dict.get("model"), max_model_len=ctx_len + count + 16, enable_prefix_caching=False)
     engine = llm.llm_engine
     gguf = str(resolve_model(args_dict.get("model")).path)       # the default model's .gguf file
-    vocab = engine.runner.hf_config.get_text_config().vocab_size
+    vocab = engine.runner.model.shape.vocab_size
     rng = np.random.default_rng(3)
     rows = []
     for i in range(rounds):

@@ -105,7 +105,7 @@ def _graph_replay_ms(runner, batch: int, reps: int) -> float:
 
 def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) -> list[dict]:
     from engine import LLM, SamplingParams
-    from engine.model_runner import StepTimer
+    from benchmarks.step_timer import StepTimer
 
     max_b = max(batch_sizes)
     llm = LLM(model_dir, load_format=args.load_format, dtype=args.dtype,
@@ -114,7 +114,7 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
               gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
     engine = llm.llm_engine
     runner = engine.runner
-    hf_cfg = engine.runner.hf_config
+    hf_cfg = engine.runner.model.config
     elem = torch.finfo(engine.runner.dtype).bits // 8
     weight_bytes = sum(p.numel() for p in runner.model.parameters()) * elem
     embed_bytes = runner.model.model.embed_tokens.weight.numel() * elem
@@ -133,10 +133,10 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
                 break
         _run_steps(engine, 4)                                   # warm decode
         if cuda:
-            runner.step_timer = StepTimer()
+            runner.step_observer = StepTimer()
         step_s = _run_steps(engine, args.steps)
-        timing = runner.step_timer.summary() if cuda else {}
-        runner.step_timer = None
+        timing = runner.step_observer.summary() if cuda else {}
+        runner.step_observer = None
         graph_ms = _graph_replay_ms(runner, b, args.steps) if cuda else float("nan")
         graphs, runner.graphs = runner.graphs, None             # same steps, eager
         _run_steps(engine, 2)

@@ -138,8 +138,8 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
     timer = retries0 = None
     if torch.cuda.is_available():
         from benchmarks.throughput import alloc_retries
-        from engine.model_runner import StepTimer
-        timer = engine.runner.step_timer = StepTimer()
+        from benchmarks.step_timer import StepTimer
+        timer = engine.runner.step_observer = StepTimer()
         retries0 = alloc_retries()
     _sync()
     t0 = time.perf_counter()
@@ -150,7 +150,7 @@ def run_chorus(llm, args, prompts, lora_requests: list, label: str) -> dict:
     by_kind, retries = None, None
     if timer is not None:
         by_kind = timer.summary()["by_kind"]
-        engine.runner.step_timer = None
+        engine.runner.step_observer = None
         retries = alloc_retries() - retries0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == len(prompts) * args.output_len, n_out

@@ -100,7 +100,7 @@ def _adapters(engine, args) -> list:
     from benchmarks.multi_lora import write_random_adapter
     from lora import LoRARequest
 
-    cfg = engine.runner.hf_config
+    cfg = engine.runner.model.config
     shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                  num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
                  num_key_value_heads=cfg.num_key_value_heads)
@@ -140,7 +140,7 @@ def main() -> None:
               gpu_memory_utilization=0.9, seed=0, **lora_kw)
     engine = llm.llm_engine
     loras = _adapters(engine, args) if args.lora_adapters else []
-    vocab = engine.runner.hf_config.vocab_size
+    vocab = engine.runner.model.shape.vocab_size
     report = []
     for b in batch_sizes:
         params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 64, ignore_eos=True)

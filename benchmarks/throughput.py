@@ -117,9 +117,9 @@ def timed_generate(llm, prompts: list[list[int]], outs: list[int], warmup_prompt
                  lora_request=lora_requests[:warmup_prompts] if lora_requests else None)
     timer = None
     if torch.cuda.is_available():
-        from engine.model_runner import StepTimer
+        from benchmarks.step_timer import StepTimer
         torch.cuda.synchronize()
-        timer = llm.llm_engine.runner.step_timer = StepTimer()
+        timer = llm.llm_engine.runner.step_observer = StepTimer()
     retries0 = alloc_retries()
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
@@ -128,7 +128,7 @@ def timed_generate(llm, prompts: list[list[int]], outs: list[int], warmup_prompt
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     busy = timer.summary() if timer is not None else {}
-    llm.llm_engine.runner.step_timer = None
+    llm.llm_engine.runner.step_observer = None
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
     stats = llm.llm_engine.get_stats()

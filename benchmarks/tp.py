@@ -224,7 +224,7 @@ def decode_row(engine, case: Case, batch: int, loras: list, copy_bw: Optional[fl
 
     s = case.settings
     runner = engine.runner
-    cfg = runner.hf_config
+    cfg = runner.model.config
     params = SamplingParams(temperature=0.0, ignore_eos=True,
                             max_tokens=WARM_DECODE_STEPS + s["steps"] + s["profile_steps"] + 17)
     ids = [f"tp{batch}-{i}" for i in range(batch)]
@@ -260,7 +260,7 @@ def rank_floor_bytes(runner, tp: int, batch: int, context_len: float) -> dict:
     """``latency.floor_bytes`` for rank 0's shard: its weights (as built) and its KV heads."""
     from engine.distributed.sharding import attention_shard
 
-    cfg = runner.hf_config
+    cfg = runner.model.config
     elem = torch.finfo(runner.dtype).bits // 8
     weight_bytes = sum(p.numel() for p in runner.model.parameters()) * elem
     embed_bytes = runner.model.model.embed_tokens.weight.numel() * elem
@@ -311,7 +311,7 @@ def collective_kind(name: str, on_device: bool) -> Optional[str]:
 
 def _throughput(llm, case: Case, loras: list) -> dict:
     s = case.settings
-    vocab = llm.llm_engine.runner.hf_config.vocab_size
+    vocab = llm.llm_engine.runner.model.shape.vocab_size
     prompts, outs = make_workload(s["num_prompts"], parse_range(s["input_len"]), parse_range(s["output_len"]),
                                   vocab, s["seed"])
     per_request = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None

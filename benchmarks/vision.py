@@ -490,7 +490,8 @@ GENERATE_COLUMNS = [("system", "system", "s"), ("requests", "requests", "d"), ("
                     ("encoder_s", "encoder s", ".2f"), ("gpu_busy_fraction", "GPU busy", ".3f")]
 """The table of ``generate_timed`` rows: "preproc s" is the processor's time inside the run, "gen s" the
 rest, "gen tok/s" output tokens over "gen s", "encoder s" the vision encoder's device time. "GPU busy" is
-the runner's ``StepTimer``: encoder calls run before a step's timed interval, so they count as idle."""
+the ``StepTimer`` step observer's (``benchmarks/step_timer.py``): encoder calls run before a step's timed
+interval, so they count as idle."""
 
 
 def generate_timed(llm, prompts: list[dict], max_tokens: int) -> dict:
@@ -498,8 +499,8 @@ def generate_timed(llm, prompts: list[dict], max_tokens: int) -> dict:
     engine = llm.llm_engine
     timer = None
     if cuda():
-        from engine.model_runner import StepTimer
-        timer = engine.runner.step_timer = StepTimer()
+        from benchmarks.step_timer import StepTimer
+        timer = engine.runner.step_observer = StepTimer()
     stats0, encoded0, retries0 = engine.get_stats(), engine.runner.num_encoded_items, alloc_retries()
     with CallTimer(span=True).install(engine.processor, "process") as pre, encoder_timer(llm) as enc:
         sync()
@@ -507,7 +508,7 @@ def generate_timed(llm, prompts: list[dict], max_tokens: int) -> dict:
         res = llm.generate(prompts, sampling(max_tokens), use_tqdm=False)
         sync()
         seconds = time.perf_counter() - t0
-    engine.runner.step_timer = None
+    engine.runner.step_observer = None
     busy = timer.summary() if timer is not None else {}
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == len(prompts) * max_tokens, (n_out, len(prompts), max_tokens)

@@ -156,7 +156,7 @@ def build_llm(args, name: str):
     print(f"{name}: engine ready in {time.perf_counter() - t0:.1f} s (max_num_seqs "
           f"{llm.llm_engine.engine_config.scheduler_config.max_num_seqs}, encoder budget "
           f"{sched.encoder_compute_budget} / cache {sched.encoder_cache_manager.cache_size} embeddings, "
-          f"{llm.llm_engine.core.runner.num_blocks} KV blocks)", flush=True)
+          f"{llm.llm_engine.core.runner.kv_cache.num_blocks} KV blocks)", flush=True)
     return llm, path, random_weights
 
 

@@ -49,8 +49,9 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.forward_context import forward_context
+from engine.input_batch import CachedRequestState, StepBuffers
 from engine.kernel_policy import KernelPolicy
-from engine.input_batch import StepBuffers
+from engine.models.interfaces import ModelForCausalLM
 
 logger = logging.getLogger("chorus.cuda_graphs")
 
@@ -113,7 +114,7 @@ class StepGraphs:
     """Captures and replays the step graphs of one model over one set of step buffers.
 
     Args:
-        model: has ``forward(input_ids, positions)`` and ``compute_logits(hidden)``.
+        model: the model (its forward, logits and, for media steps, token embeddings).
         buffers: the runner's step buffers (the graphs' static inputs).
         max_model_len: the attention bound the kernels are captured with.
         batch_sizes: decode buckets to capture.
@@ -124,7 +125,7 @@ class StepGraphs:
         policy: the engine's kernel policy, entered with each capture's forward context.
     """
 
-    def __init__(self, model: torch.nn.Module, buffers: StepBuffers, max_model_len: int,
+    def __init__(self, model: ModelForCausalLM, buffers: StepBuffers, max_model_len: int,
                  batch_sizes: list[int], token_sizes: list[int], max_num_reqs: int,
                  lora_manager=None, policy: Optional[KernelPolicy] = None) -> None:
         self.model = model
@@ -142,6 +143,23 @@ class StepGraphs:
         """Replays of mixed-step graphs."""
 
     # ------------------------------------------------------------------ lookup
+    def key_for_step(self, states: list[CachedRequestState], counts: list[int],
+                     has_media: bool) -> Optional[GraphKey]:
+        """The graph that runs a step of ``states`` with ``counts`` tokens each (None: run it eagerly). A step
+        with media placeholder tokens takes a mixed graph (those read the encoder rows), if the buffers hold
+        media inputs (``StepBuffers.enable_media``)."""
+        if has_media and self.buffers.mm_mask is None:
+            return None
+        decode_only = max(counts) == 1 and not has_media
+        if decode_only and any(s.sampling_params.prompt_logprobs is not None
+                               and s.num_computed_tokens < s.num_prompt_tokens for s in states):
+            return None   # decode graphs end in logits of the sampled rows only
+        num_adapters, slot_bound = 0, 0
+        if self.lora_manager is not None:
+            used = {s.lora_slot for s in states if s.lora_slot >= 0}
+            num_adapters, slot_bound = len(used), max(used, default=-1) + 1     # distinct adapters, slots
+        return self.key_for(len(states), sum(counts), decode_only, num_adapters, slot_bound)
+
     def key_for(self, num_reqs: int, num_tokens: int, decode_only: bool, num_adapters: int,
                 slot_bound: Optional[int] = None) -> Optional[GraphKey]:
         """The graph for a step (None: run eagerly).

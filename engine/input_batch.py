@@ -178,7 +178,7 @@ class StepBuffers:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
-        self.uses_mrope = False
+        self.with_mrope = False
         """Lay out M-RoPE positions (set by the runner for M-RoPE models)."""
         pin = device.type == "cuda"
 
@@ -288,7 +288,7 @@ class StepBuffers:
         req_of_token = np.repeat(np.arange(num_reqs), counts)                                # [T]
         pos = computed[req_of_token] + np.arange(num_tokens) - qsl[req_of_token]            # [T]
         a["positions"][:num_tokens] = pos
-        mrope = self._mrope_positions(states, counts, qsl, computed, a["positions"]) if self.uses_mrope else None
+        mrope = self._mrope_positions(states, counts, qsl, computed, a["positions"]) if self.with_mrope else None
         a["positions"][num_tokens:padded_tokens] = 0
         a["slot_mapping"][:num_tokens] = (table.rows[rows[req_of_token], pos // block_size].astype(np.int64)
                                           * block_size + pos % block_size)

@@ -139,9 +139,6 @@ class LoRAManager:
         """Adapters users may run, by name (validated once; weights may be evicted from the store)."""
         self._removing: set[str] = set()
         """Adapters being unloaded: new requests are refused; freed once their requests finish."""
-        self._adapts_encoder: dict[str, bool] = {}
-        """Registered adapter name -> it updates some encoder projection (``LoRAAdapter.adapts_encoder``);
-        kept apart from the host store, whose LRU may drop the weights."""
         self._in_rows_batch = False
         """``rows_batch`` is active (it refuses nesting)."""
         self._slot_names: list[Optional[str]] = [None] * self.max_loras
@@ -205,7 +202,6 @@ class LoRAManager:
         """Hold ``adapter`` in the host store and register it under ``lora_request`` (kept without weights)."""
         self.store.put(adapter)
         self._registered[lora_request.lora_name] = lora_request.without_adapter()
-        self._adapts_encoder[lora_request.lora_name] = adapter.adapts_encoder
         self._unverified.discard(lora_request.lora_name)
 
     def host_ready(self, lora_request: LoRARequest) -> bool:
@@ -266,12 +262,6 @@ class LoRAManager:
         return (lora_name in self._registered or lora_name in self.store
                 or lora_name in self._slot_names)
 
-    def adapts_encoder(self, lora_name: str) -> bool:
-        """Whether the registered adapter updates a projection of the model's encoder, so that a
-        request running it needs its own encoder output (False for an unknown name; True for one not
-        read yet: its own encoder output is right either way)."""
-        return self._adapts_encoder.get(lora_name, lora_name in self._unverified)
-
     def slot_of(self, lora_name: str) -> Optional[int]:
         """The slot holding the adapter's weights, or None."""
         return self._slot_names.index(lora_name) if lora_name in self._slot_names else None
@@ -307,7 +297,6 @@ class LoRAManager:
                 self._slot_names[slot] = None
         self.store.remove(lora_name)
         self._registered.pop(lora_name, None)
-        self._adapts_encoder.pop(lora_name, None)
         self._removing.discard(lora_name)
         self._unverified.discard(lora_name)
         if held:
@@ -337,11 +326,12 @@ class LoRAManager:
     def host_copy(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The adapter from the host store, read again from disk if the LRU dropped it.
 
-        The engine calls this for each of a step's slot loads before the step runs, so an adapter
-        whose files went missing or bad since it was registered fails its own requests (4xx), not
-        the step. The engine's scheduler gives a request a slot only once its adapter is in the host
-        store (``host_ready``), so the engine itself never reads here; a tensor-parallel worker,
-        whose store evicts on its own, may.
+        ``load_slot`` calls it for each of a step's slot loads. The engine's scheduler loads only
+        adapters in the host store (``host_ready``), and nothing enters or leaves the store between
+        ``schedule()`` and the step's slot loads, so on the engine's rank this never reads (an adapter
+        the LRU dropped is read by the loader while its requests wait, and a failed read fails them
+        alone, 4xx: ``take_reads``); a tensor-parallel worker, whose store evicts on its own, may read
+        here, and a failure then fails the step.
 
         Raises:
             LoRAAdapterNotFoundError: its directory or files are gone.
@@ -383,9 +373,9 @@ class LoRAManager:
         the slots cycling over that many adapters (the slot buffers are zero: nothing changes),
         with the consumer fusions eager steps take (gate/up: SiLU-and-mul; o/down: add + RMSNorm,
         per-row at decode sizes, also over the stacked GEMM's output, segment tiles at long prefill
-        steps; q/k/v: rotary + KV write, through ``qkv_consumer(pending, qkv)``, which the model
-        runner builds from the model's rotary tables and KV cache; without it that fusion compiles
-        on the first decode step that takes it).
+        steps; q/k/v: rotary + KV write, through ``qkv_consumer(pending, qkv)``, the model's
+        ``lora_qkv_warmup_consumer()`` (its rotary tables and KV cache); without it that fusion
+        compiles on the first decode step that takes it).
         """
         if self.backend != "triton" or not self.layers or max_tokens < min_tokens:
             return 0

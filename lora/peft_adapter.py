@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -32,7 +33,7 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 SUFFIX_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """PEFT module suffixes of a model mapped by suffix (``LoRATargets.from_model`` without the model's own
-``lora_target_slices``): q/k/v and gate/up land in packed slices, o/down in their own Linear."""
+``LoRALayout.exact_slices``): q/k/v and gate/up land in packed slices, o/down in their own Linear."""
 SUPPORTED_TARGET_MODULES = SUFFIX_TARGET_MODULES + ("out_proj", "fc1", "fc2")
 """PEFT module suffixes some model offers (``out_proj``, ``fc1``, ``fc2``: Whisper's, through its own
 mapping). A given model takes only its own (``LoRATargets.suffixes``)."""
@@ -62,7 +63,7 @@ class TargetSlice:
     output_size: int
     """Rows of B (this slice's output features)."""
     in_encoder: bool = False
-    """The Linear runs in the model's encoder (under its ``lora_encoder_prefix``): an update here
+    """The Linear runs in the model's encoder (under its ``LoRALayout.encoder_prefix``): an update here
     changes the encoder output, so that output depends on the adapter."""
     output_range: Optional[tuple[int, int]] = None
     """Tensor parallelism, column-parallel Linear: the (start, stop) rows of B this rank keeps (S-LoRA:
@@ -100,19 +101,16 @@ class LoRATargets:
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "LoRATargets":
-        """The model's own exact mapping when it has one (``lora_target_slices()``: PEFT module name ->
-        (our Linear, output slice), for models whose one suffix lands in different packed Linears, like
-        Whisper's q_proj in self_attn.qkv_proj vs encoder_attn.q_proj); else PEFT names mapped onto the
-        model's ``Linear`` modules by suffix through ``packed_modules_mapping``, where a model whose
-        checkpoints name modules differently (``checkpoint_prefixes``: (theirs, ours) pairs, e.g.
-        LLaVA's ``model.language_model.`` for our ``language_model.model.``) also takes their names."""
-        exact = getattr(model, "lora_target_slices", None)
-        if exact is not None:
-            return cls._from_exact(model, exact(), getattr(model, "lora_encoder_prefix", None))
+        """The model's declared layout (``lora_layout()``, ``engine.layers.lora_layout.LoRALayout``): its
+        exact mapping when it has one, else PEFT names mapped onto the model's ``Linear`` modules by suffix
+        through its packed modules, where a model whose checkpoints name modules differently also takes
+        their names."""
+        layout = model.lora_layout()
+        if layout.exact_slices is not None:
+            return cls._from_exact(model, layout.exact_slices, layout.encoder_prefix)
         from engine.layers.linear import Linear
 
-        packed = getattr(model, "packed_modules_mapping", {})
-        prefixes = getattr(model, "checkpoint_prefixes", ())
+        packed, prefixes = layout.packed_modules, layout.checkpoint_prefixes
         slices: dict[str, TargetSlice] = {}
         for name, module in model.named_modules():
             if not isinstance(module, Linear):
@@ -134,10 +132,10 @@ class LoRATargets:
         return cls(slices)
 
     @classmethod
-    def _from_exact(cls, model: nn.Module, mapping: dict[str, tuple[str, int]],
+    def _from_exact(cls, model: nn.Module, mapping: Mapping[str, tuple[str, int]],
                     encoder_prefix: Optional[str]) -> "LoRATargets":
-        """Targets from a model's ``lora_target_slices()``; its Linears under ``encoder_prefix`` are
-        the encoder's. ValueError for a mapping that does not fit the model (a model bug)."""
+        """Targets from a model's exact layout (``LoRALayout.exact_slices``); its Linears under
+        ``encoder_prefix`` are the encoder's. ValueError for a mapping that does not fit the model (a model bug)."""
         from engine.layers.linear import Linear
 
         slices: dict[str, TargetSlice] = {}
@@ -146,7 +144,7 @@ class LoRATargets:
             suffix = peft_module.rpartition(".")[2]
             if (not isinstance(module, Linear) or not 0 <= idx < len(module.output_sizes)
                     or suffix not in SUPPORTED_TARGET_MODULES):
-                raise ValueError(f"{type(model).__name__}.lora_target_slices maps {peft_module!r} to slice {idx} "
+                raise ValueError(f"{type(model).__name__}.lora_layout() maps {peft_module!r} to slice {idx} "
                                  f"of {module_name!r}, which is not an output slice of a Linear (or the suffix "
                                  f"is not in {list(SUPPORTED_TARGET_MODULES)}).")
             in_encoder = encoder_prefix is not None and module_name.startswith(encoder_prefix)

@@ -17,8 +17,10 @@ import torch
 from engine.arg_utils import EngineArgs
 from engine.config import EngineConfig
 from engine.distributed.group import TensorParallelGroup
-from engine.model_runner import ModelRunner, max_blocks_needed
+from engine.kernel_policy import KernelPolicy
 from engine.models.builder import LoadedModel, build_model
+from engine.runner.kv_cache import max_blocks_needed
+from engine.runner.runner import ModelRunner
 
 logger = logging.getLogger("chorus.distributed")
 
@@ -63,18 +65,19 @@ def build_rank(engine_args: EngineArgs, device: torch.device, tp: TensorParallel
     probe = engine_args.create_engine_config()
     loaded = build_model(probe.model_config, device, tp, probe.parallel_config)
     cfg = resolve_engine_config(engine_args, loaded.max_model_len)
-    runner = ModelRunner(cfg, loaded.model, loaded.hf_config, device, loaded.dtype)
+    policy = KernelPolicy.for_device(device)
     lora_manager = None
     if cfg.lora_config is not None:
         from lora.manager import LoRAManager
-        lora_manager = LoRAManager(cfg.lora_config, loaded.model, device, loaded.dtype, policy=runner.policy)
-        runner.lora_manager = lora_manager
+        lora_manager = LoRAManager(cfg.lora_config, loaded.model, device, loaded.dtype, policy=policy)
     max_embeds_per_item = loaded.mm_processor.max_embeds_per_item() if loaded.mm_processor else 0
+    encoder_compute_budget = encoder_cache_size = 0
     if max_embeds_per_item:   # a media model: the encoder cache's outputs take memory beside the KV cache
-        runner.encoder_compute_budget, runner.encoder_cache_size = cfg.scheduler_config.encoder_budgets(
-            max_embeds_per_item)
+        encoder_compute_budget, encoder_cache_size = cfg.scheduler_config.encoder_budgets(max_embeds_per_item)
+    runner = ModelRunner(cfg, loaded.model, device, loaded.dtype, loaded.max_model_len, policy, lora_manager,
+                         encoder_compute_budget, encoder_cache_size)
     # Encoder-decoder models: each request also holds cross-attention K/V of its encoder output.
-    cross_tokens = max_embeds_per_item if runner.is_encoder_decoder else 0
+    cross_tokens = max_embeds_per_item if loaded.model.capabilities.encoder_decoder else 0
     num_blocks = runner.determine_num_blocks(max_blocks_needed(
         cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size, cross_tokens))
     if on_built is not None:

@@ -61,7 +61,7 @@ QUANTIZATIONS = ("int8", "int4", "fp16")
 BF16_MATMUL_MODE_LOCK = threading.Lock()
 """oneDNN's float32 matmul mode is process-wide: ``Bf16ProductsWeight`` holds this lock while the mode is
 "bf16", and a CPU runner whose model has no such weights holds it around each of its steps
-(``engine.model_runner``), so a float model served in another engine of the same process (e.g. the Whisper
+(``engine.runner.runner``), so a float model served in another engine of the same process (e.g. the Whisper
 model of ``--transcription-model``) never computes under that mode."""
 
 

@@ -111,7 +111,7 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
                 parallel_config: Optional[ParallelConfig] = None) -> LoadedModel:
     """Build and load the model; with ``tp`` of size > 1, this rank's shard of it (read as such)."""
     from engine.loader import checkpoint_dtype, iter_weights, load_config, load_tokenizer, resolve_model
-    from engine.model_runner import resolve_dtype
+    from engine.device import resolve_dtype
 
     tp = tp or TensorParallelGroup.single()
     resolved = resolve_model(model_config.model, model_config.tokenizer)
@@ -151,15 +151,11 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
     else:
         name = model_config.model
     mm_processor = None
-    if hasattr(model, "make_prompt_processor"):
+    if model_cls.capabilities.multimodal:
         from engine.loader import checkpoint_dir
-        from multimodal.image_processor import load_image_processor
-        if getattr(model, "is_encoder_decoder", False):   # Whisper: its audio features' settings
-            mm_processor = model.make_prompt_processor(checkpoint_dir(resolved))
-        else:
-            mm_processor = model.make_prompt_processor(load_image_processor(checkpoint_dir(resolved)))
+        mm_processor = model.make_prompt_processor(checkpoint_dir(resolved))
     transcriber = None
-    if getattr(model, "is_encoder_decoder", False):
+    if model_cls.capabilities.encoder_decoder:
         transcriber = _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len, mm_processor)
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, dtype=dtype,
                        max_model_len=max_model_len, model_name=model_config.served_model_name or name,
@@ -180,7 +176,7 @@ def check_tensor_parallel(model_config: ModelConfig, parallel_config: ParallelCo
 def _check_tensor_parallel(model_cls, hf_config, model_config: ModelConfig, parallel_config: ParallelConfig) -> None:
     """ValueError, saying what to change, for a model or setting that cannot run sharded."""
     n = parallel_config.tensor_parallel_size
-    if not getattr(model_cls, "supports_tensor_parallel", False):
+    if not model_cls.capabilities.tensor_parallel:
         raise ValueError(f"{model_cls.__name__} cannot run with --tensor-parallel-size {n} yet; use "
                          "--tensor-parallel-size 1.")
     if model_config.quantization in ("int8", "int4", "fp16"):
@@ -218,7 +214,8 @@ def _quantization_plan(model: torch.nn.Module, quantization: Optional[str], reso
     ``quantization`` is unset and the model runs on CPU, or None (float weights)."""
     if quantization in ("int8", "int4", "fp16"):
         return quantization
-    if quantization == "none" or resolved.kind != "gguf" or device.type != "cpu" or not hasattr(model, "quantize"):
+    if (quantization == "none" or resolved.kind != "gguf" or device.type != "cpu"
+            or not model.capabilities.weight_quantization):
         return None
     from engine.layers.quantized import kind_for_gguf_type
     from engine.loader import checkpoint_dir
@@ -237,7 +234,7 @@ def _quantize(model: torch.nn.Module, plan, flag: str, device: torch.device) -> 
     if device.type != "cpu":
         raise ValueError(f"--quantization {flag} runs on CPU (torch's weight-only kernels); on CUDA serve "
                          "the bfloat16 weights (leave --quantization unset).")
-    if not hasattr(model, "quantize"):
+    if not model.capabilities.weight_quantization:
         raise ValueError(f"--quantization {flag} supports Llama-family text models, not {type(model).__name__}; "
                          "leave --quantization unset.")
     model.quantize(plan)

@@ -18,10 +18,13 @@ from engine.layers.adapter import Feeds
 from engine.layers.attention import PagedAttention
 from engine.layers.fused import norm_linear, silu_mul_linear
 from engine.layers.linear import Linear
+from engine.layers.lora_layout import LoRALayout
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import (VocabParallelEmbedding, column_parallel_linear, copy_rows, linear_shard_of,
                                     parallel_logits, row_parallel_linear)
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
+from engine.pending_update import PendingUpdate
 
 
 def _num_kv_heads(config) -> int:
@@ -71,6 +74,24 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
+
+    def rotary_qkv_consumer(self) -> QKVConsumer:
+        """The rotary + KV write of a decode step on a [T, q + 2 kv] q/k/v projection output with its
+        pending adapter update added first (split, heads, ``rotary_emb.apply_and_write_kv``), at
+        position 0 with every cache write skipped (slot -1): ``LoRAManager.warm_up_kernels`` compiles it."""
+        paged = self.attn
+
+        def consume(pending: PendingUpdate, qkv: torch.Tensor) -> None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            num_tokens = qkv.shape[0]
+            positions = torch.zeros(num_tokens, dtype=torch.int64, device=qkv.device)          # [T]
+            slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=qkv.device)  # [T]: none
+            self.rotary_emb.apply_and_write_kv(
+                positions, q.reshape(-1, paged.num_heads, paged.head_dim),
+                k.reshape(-1, paged.num_kv_heads, paged.head_dim),
+                v.reshape(-1, paged.num_kv_heads, paged.head_dim),
+                paged.k_cache, paged.v_cache, slot_mapping, pending)
+        return consume
 
 
 class LlamaMLP(nn.Module):
@@ -148,12 +169,13 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias_default = False
     rotary_cls: type[RotaryEmbedding] = RotaryEmbedding
-    supports_tensor_parallel = True
-    """``tensor_parallel_size`` > 1 shards this model (``tp`` below)."""
+    capabilities = ModelCapabilities(tensor_parallel=True, weight_quantization=True)
+    logits_rules: Optional[LogitsRules] = None
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
         self.config = config
+        self.shape = ModelShape(config.hidden_size, config.intermediate_size, config.vocab_size)
         self.tp = tp or TensorParallelGroup.single()
         """This rank's group: at size > 1 every projection, the embedding and the head hold this rank's shard."""
         qkv_bias = bool(getattr(config, "attention_bias", self.qkv_bias_default)) or self.qkv_bias_default
@@ -175,6 +197,10 @@ class LlamaForCausalLM(nn.Module):
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> token embeddings [T, hidden]."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> logits [R, vocab] in the model's dtype (as transformers computes
@@ -243,6 +269,17 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def lora_layout(self) -> LoRALayout:
+        return LoRALayout(self.packed_modules_mapping)
+
+    def lora_qkv_warmup_consumer(self) -> Optional[QKVConsumer]:
+        """The first layer's ``LlamaAttention.rotary_qkv_consumer`` where its rotary + KV write is fused
+        (KV cache bound, Triton attention backend on CUDA); else None."""
+        attn = self.model.layers[0].self_attn
+        if attn.attn.k_cache is None or not attn.attn.fuses_rotary_write(attn.attn.k_cache):
+            return None
+        return attn.rotary_qkv_consumer()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named checkpoint tensors into our (packed) parameters; every parameter must be set."""

@@ -11,6 +11,7 @@ both transformers layouts load: 4.x (``language_model.model.*``, ``vision_tower.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -22,7 +23,7 @@ from encoders.vit import ACTIVATIONS
 from engine.distributed.group import TensorParallelGroup
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, image_token_id
-from multimodal.image_processor import ImageProcessor, ProcessedImage
+from multimodal.image_processor import ProcessedImage, load_image_processor
 from multimodal.processing import LlavaPromptProcessor
 
 _LANGUAGE_MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -100,9 +101,11 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         """Embeddings (placeholder tokens) per image."""
 
     # ------------------------------------------------------------------ multimodal
-    def make_prompt_processor(self, image_processor: ImageProcessor) -> LlavaPromptProcessor:
-        """The prompt side of this model: one image -> ``num_image_embeds`` placeholder tokens."""
-        return LlavaPromptProcessor(image_processor, self.image_token_id, self.num_image_embeds)
+    def make_prompt_processor(self, checkpoint_dir: Path) -> LlavaPromptProcessor:
+        """The prompt side of this model (the checkpoint's image processor): one image ->
+        ``num_image_embeds`` placeholder tokens."""
+        return LlavaPromptProcessor(load_image_processor(checkpoint_dir), self.image_token_id,
+                                    self.num_image_embeds)
 
     def embed_multimodal(self, modality: str, items: list[ProcessedImage]) -> list[torch.Tensor]:
         """The images' embeddings in the LM's space: one [num_image_embeds, hidden] per item."""

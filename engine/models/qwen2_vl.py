@@ -12,6 +12,7 @@ the request's delta. Weights load from both transformers layouts: 5.x (``model.l
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -21,9 +22,11 @@ from encoders.qwen2_5_vl import Qwen2_5_VLVisionTransformer
 from encoders.qwen2_vl import Qwen2VLVisionTransformer
 from engine.distributed.group import TensorParallelGroup
 from engine.layers.rotary import MRotaryEmbedding
+from engine.models.interfaces import ModelCapabilities
 from engine.models.llama import Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, image_token_id
-from multimodal.image_processor import ImageProcessor, ProcessedImage, Qwen2VLImageProcessor
+from engine.request import MultiModalFeature
+from multimodal.image_processor import ProcessedImage, Qwen2VLImageProcessor, load_image_processor
 from multimodal.processing import Qwen2VLPromptProcessor
 
 CHECKPOINT_PREFIXES: tuple[tuple[str, str], ...] = (
@@ -81,7 +84,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
     checkpoint_prefixes = CHECKPOINT_PREFIXES
     weight_parts = ("visual", "language_model")
-    uses_mrope = True
+    capabilities = ModelCapabilities(multimodal=True, mrope=True, tensor_parallel=True)
     vision_cls: type[torch.nn.Module] = Qwen2VLVisionTransformer
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
@@ -94,8 +97,10 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.merge_size = config.vision_config.spatial_merge_size
 
     # ------------------------------------------------------------------ multimodal
-    def make_prompt_processor(self, image_processor: ImageProcessor) -> Qwen2VLPromptProcessor:
-        """The prompt side of this model: an image's size decides its placeholder tokens."""
+    def make_prompt_processor(self, checkpoint_dir: Path) -> Qwen2VLPromptProcessor:
+        """The prompt side of this model (the checkpoint's image processor): an image's size decides its
+        placeholder tokens."""
+        image_processor = load_image_processor(checkpoint_dir)
         if not isinstance(image_processor, Qwen2VLImageProcessor):
             raise ValueError(f"Qwen2-VL needs a Qwen2VLImageProcessor (preprocessor_config.json), got "
                              f"{type(image_processor).__name__}.")
@@ -115,7 +120,8 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         sizes = [t * h * w // self.merge_size ** 2 for t, h, w in grid.tolist()]
         return list(embeds.split(sizes))
 
-    def mrope_positions(self, num_prompt_tokens: int, features) -> tuple[np.ndarray, int]:
+    def mrope_positions(self, num_prompt_tokens: int,
+                        features: list[MultiModalFeature]) -> tuple[np.ndarray, int]:
         """[3, P] prompt positions and the delta after it, for a request's image features."""
         placeholders = [(f.placeholder.offset, f.placeholder.length, tuple(f.data.grid_thw)) for f in features]
         return mrope_positions(num_prompt_tokens, placeholders, self.merge_size)

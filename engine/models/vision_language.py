@@ -15,6 +15,9 @@ import torch
 import torch.nn as nn
 
 from engine.distributed.sharding import Shard
+from engine.layers.attention import PagedAttention
+from engine.layers.lora_layout import LoRALayout
+from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
 
 
 def map_checkpoint_name(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
@@ -58,7 +61,8 @@ class VisionLanguageModel(nn.Module):
     tower and projector are replicated on every rank, which encodes the step's images itself (a tower
     is small next to the language model, and replication costs no collective per encoder layer)."""
 
-    supports_tensor_parallel = True
+    capabilities = ModelCapabilities(multimodal=True, tensor_parallel=True)
+    logits_rules: Optional[LogitsRules] = None
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
     """(their prefix, ours) pairs, most specific first; also used to match PEFT module names."""
     weight_parts: tuple[str, ...] = ()
@@ -76,16 +80,22 @@ class VisionLanguageModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
+    def lora_layout(self) -> LoRALayout:
+        return LoRALayout(self.language_model.packed_modules_mapping, self.checkpoint_prefixes)
+
     @property
-    def packed_modules_mapping(self) -> dict:
-        return self.language_model.packed_modules_mapping
+    def shape(self) -> ModelShape:
+        return self.language_model.shape
 
     @property
     def rotary_dim(self) -> int:
         return self.language_model.rotary_dim
 
-    def attention_layers(self):
+    def attention_layers(self) -> list[PagedAttention]:
         return self.language_model.attention_layers()
+
+    def lora_qkv_warmup_consumer(self) -> Optional[QKVConsumer]:
+        return self.language_model.lora_qkv_warmup_consumer()
 
     def checkpoint_shard(self, name: str) -> Optional[Shard]:
         """This rank's range of checkpoint tensor ``name``: the language model's shard, the whole of a

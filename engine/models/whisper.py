@@ -26,6 +26,7 @@ runner sets for those calls.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
@@ -37,8 +38,10 @@ from engine.distributed.group import TensorParallelGroup
 from engine.distributed.sharding import Shard
 from engine.forward_context import get_forward_context
 from engine.layers.attention import PagedAttention
+from engine.layers.lora_layout import LoRALayout
 from engine.layers.parallel import (VocabParallelEmbedding, column_parallel_linear, copy_rows, linear_shard_of,
                                     parallel_logits, row_parallel_linear)
+from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
 
 _ENCODER_PREFIX = "model.encoder."
 
@@ -164,24 +167,24 @@ class WhisperForConditionalGeneration(nn.Module):
     features)`` runs the encoder; ``write_cross_kv`` fills the cross-attention K/V of new requests.
     """
 
-    is_encoder_decoder = True
+    capabilities = ModelCapabilities(multimodal=True, encoder_decoder=True, tensor_parallel=True)
+    """The decoder is sharded at ``tensor_parallel_size`` > 1 (the encoder is replicated)."""
+    rotary_dim: Optional[int] = None
+    """Positions are learned embeddings: no rotary."""
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
     """Self-attention projections -> (our packed Linear, its row block); the cross-attention's are in
     ``cross_packed_modules_mapping``."""
     cross_packed_modules_mapping = {"q_proj": ("q_proj", 0), "k_proj": ("kv_proj", 0), "v_proj": ("kv_proj", 1)}
-    lora_encoder_prefix = _ENCODER_PREFIX
-    """Our modules under it run in the encoder: an adapter updating any of them changes the encoder output."""
-    supports_tensor_parallel = True
-    """``tensor_parallel_size`` > 1 shards the decoder (the encoder is replicated)."""
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
         self.config = config
+        self.shape = ModelShape(config.d_model, config.decoder_ffn_dim, config.vocab_size)
         self.tp = tp or TensorParallelGroup.single()
         self.model = _WhisperModel(config, self.tp)
         self.num_source_positions = config.max_source_positions
         """Encoder output rows per audio item (1500: a 30 s window)."""
-        self.logits_rules = None
+        self.logits_rules: Optional[LogitsRules] = None
         """Set by ``configure_decoding`` once the tokenizer's special ids are known."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.proj_out = None
@@ -224,6 +227,10 @@ class WhisperForConditionalGeneration(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.decoder.layers]
 
+    def lora_qkv_warmup_consumer(self) -> Optional[QKVConsumer]:
+        """None: no rotary + KV write consumes the self-attention's q/k/v projection."""
+        return None
+
     def embed_multimodal(self, modality: str, items: list) -> list[torch.Tensor]:
         """Encode audio items (``multimodal.audio_processing.AudioInput``: log-mel computed here, batched,
         on the model's device) -> one [num_source_positions, d_model] encoder output per item."""
@@ -248,13 +255,19 @@ class WhisperForConditionalGeneration(nn.Module):
         self.logits_rules = WhisperLogitsRules(token_ids, suppress_tokens, begin_suppress_tokens,
                                                max_initial_timestamp_index)
 
-    def make_prompt_processor(self, checkpoint_dir):
+    def make_prompt_processor(self, checkpoint_dir: Path):
         """Audio -> log-mel features and content hashes (``multimodal.audio_processing``)."""
         from multimodal.audio_processing import AudioPromptProcessor
 
         return AudioPromptProcessor.for_whisper(self.config, checkpoint_dir)
 
-    def lora_target_slices(self) -> dict[str, tuple[str, int]]:
+    def lora_layout(self) -> LoRALayout:
+        """Exact: one suffix lands in different Linears (self- vs cross-attention q_proj); our modules under
+        the encoder prefix run in the encoder, so an adapter updating any of them changes its output."""
+        return LoRALayout(self.packed_modules_mapping, exact_slices=self._lora_slices(),
+                          encoder_prefix=_ENCODER_PREFIX)
+
+    def _lora_slices(self) -> dict[str, tuple[str, int]]:
         """PEFT module name of every projection an adapter may update (transformers' names, e.g.
         ``model.decoder.layers.0.encoder_attn.k_proj``) -> (our Linear, its output slice)."""
         slices = {}

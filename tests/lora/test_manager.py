@@ -357,19 +357,17 @@ def test_tune_stacked_cover(tiny_llama_dir):
 
 
 def test_rotary_qkv_consumer_adds_the_update(tiny_llama_dir):
-    """``engine.model_runner.rotary_qkv_consumer`` (the warm-up's q/k/v consumer): the attention's
+    """``LlamaAttention.rotary_qkv_consumer`` (the warm-up's q/k/v consumer): the attention's
     rotary + KV write with the pending q/k/v update, at position 0 (no rotation) and with no cache
     write: q, k, v become the projection plus the update, the cache stays empty."""
     import numpy as np
-
-    from engine.model_runner import rotary_qkv_consumer
 
     if torch.cuda.is_available():
         pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET (set on CPU-only machines)")
     model = _model(tiny_llama_dir)
     mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8), model, torch.device("cpu"), torch.float32,
                       backend="triton")
-    attn = next(m for m in model.modules() if hasattr(m, "rotary_emb") and hasattr(m, "q_size"))
+    attn = model.model.layers[0].self_attn
     layer = attn.qkv_proj.adapter
     paged = attn.attn
     paged.k_cache = torch.zeros(2, 16, paged.num_kv_heads, paged.head_dim)
@@ -383,7 +381,7 @@ def test_rotary_qkv_consumer_adds_the_update(tiny_llama_dir):
     want = qkv.clone()
     layer.finish(layer.begin(x), want)
     assert not torch.allclose(want, qkv)
-    rotary_qkv_consumer(attn)(layer.begin(x), qkv)
+    attn.rotary_qkv_consumer()(layer.begin(x), qkv)
     torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
     assert not paged.k_cache.any() and not paged.v_cache.any()
     mgr.state.batch = None

@@ -103,9 +103,9 @@ def test_targets_map_transformers_names(setup):
         load_peft_adapter("bad", str(bad), targets, RANK, torch.float32)
 
 
-def test_manager_rows_batch_and_encoder_adapters(setup):
+def test_manager_rows_batch(setup):
     """``rows_batch``: one slot per encoder row for the call, no batch after it (nor when every row runs the
-    base model), no nesting; the manager knows which adapters touch the encoder."""
+    base model), no nesting."""
     from engine.config import LoRAConfig
     from engine.models.whisper import WhisperForConditionalGeneration
     from lora.manager import LoRAManager
@@ -116,7 +116,6 @@ def test_manager_rows_batch_and_encoder_adapters(setup):
     both, dec = LoRARequest("both", 1, str(setup["both"])), LoRARequest("dec", 2, str(setup["dec"]))
     manager.register(both)
     manager.register(dec)
-    assert manager.adapts_encoder("both") and not manager.adapts_encoder("dec") and not manager.adapts_encoder("x")
     manager.load_slot(1, both)
     with manager.rows_batch(np.full(3000, -1, dtype=np.int32)):
         assert manager.state.batch is None
@@ -128,8 +127,29 @@ def test_manager_rows_batch_and_encoder_adapters(setup):
             with manager.rows_batch(None):
                 pass
     assert manager.state.batch is None
-    manager.remove("both")
-    assert not manager.adapts_encoder("both")
+
+
+def test_processor_decides_the_encoder_cache_key(setup):
+    """The key of the audio is final when ``Processor.process`` returns: the content hash for the base
+    model and the decoder-only adapter, the hash and the adapter's name for the encoder adapter (read by
+    the client), the first time and again from the client's record."""
+    audio = (0.1 * np.random.default_rng(1).standard_normal(16000 * 2)).astype(np.float32)
+    llm = LLM(model=str(setup["base"]), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=RANK)
+    processor = llm.llm_engine.processor
+    prompt = {"prompt_token_ids": _prompt(setup["base"]), "multi_modal_data": {"audio": (audio, 16000)}}
+    both, dec = LoRARequest("both", 1, str(setup["both"])), LoRARequest("dec", 2, str(setup["dec"]))
+
+    def key(request_id: str, lora_request):
+        _, children = processor.process(request_id, prompt, SamplingParams(max_tokens=1), lora_request)
+        feature, = children[0].mm_features
+        return feature.identifier, feature.encoder_lora_name
+
+    content_hash, _ = key("base", None)
+    assert key("dec", dec) == (content_hash, None)
+    assert key("both", both) == (f"{content_hash}+lora:both", "both")
+    assert key("both-again", both) == (f"{content_hash}+lora:both", "both")
+    assert key("dec-again", dec) == (content_hash, None)
 
 
 def test_mixed_batch_matches_peft(setup):

@@ -143,7 +143,7 @@ def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, ti
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import engine.model_runner as model_runner
+    import engine.runner.runner as runner_module
     import kernels.paged_attention as pa
     from engine.attention import AttentionBackend
     from engine.layers.attention import PagedAttention
@@ -159,7 +159,7 @@ def test_triton_attention_with_fused_decode_rotary_matches_transformers(arch, ti
     def triton_backend(device, policy=None, bf16_prefill=False, cpu_kernel_dir=None):
         backends.append(AttentionBackend("triton", policy))
         return backends[-1]
-    monkeypatch.setattr(model_runner, "select_backend", triton_backend)
+    monkeypatch.setattr(runner_module, "select_backend", triton_backend)
     monkeypatch.setattr(PagedAttention, "fuses_rotary_write",
                         lambda self, x: self.backend is not None and self.backend.name == "triton")
     spy = Mock(wraps=pa.paged_decode_rotary)

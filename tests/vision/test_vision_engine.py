@@ -127,8 +127,8 @@ def test_graph_path_with_images_matches_eager(family, llava_dir, tiny_qwen2_vl_d
 
     llm = LLM(str(model_dir), **kw)
     runner = llm.llm_engine.runner
-    runner.buffers.enable_media(40, runner.hf_config.get_text_config().hidden_size, runner.dtype,
-                                runner.uses_mrope)
+    runner.buffers.enable_media(40, runner.model.shape.hidden_size, runner.dtype,
+                                runner.model.capabilities.mrope)
     graphs = EagerReplayGraphs.install(llm, token_sizes=[16, 24, 40])
     outs = llm.generate(prompts, params(), use_tqdm=False)
     for i, (o, r) in enumerate(zip(outs, ref)):

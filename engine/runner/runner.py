@@ -1,0 +1,312 @@
+"""``ModelRunner``: owns every tensor (weights, KV cache, adapter slots, step buffers) and executes steps.
+
+``execute_async(SchedulerOutput) -> PendingOutput``: apply the step's diff to the per-request
+state, build flat inputs once into the persistent step buffers (non-blocking copies), run the
+decoder (a CUDA graph for decode-only steps on CUDA, eagerly otherwise) and compute logits only
+where a token is sampled, sample, and start one non-blocking device->host copy of the sampled
+ids. Nothing waits for the device: ``PendingOutput.get()`` is the step's one host sync, so the
+engine can schedule and launch step N+1 before reading step N's tokens (async scheduling; step
+N's ids reach step N+1's inputs on the device). ``execute(so)`` is the synchronous form.
+
+The model is reached only through ``engine.models.interfaces``: its declared capabilities decide, once
+here, which parts exist (media encoding, M-RoPE positions, cross-attention inputs, logits rules).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from engine import envs
+from engine.attention import select_backend
+from engine.config import EngineConfig
+from engine.cuda_graphs import GraphKey, StepGraphs, graph_batch_sizes, graph_token_sizes
+from engine.forward_context import forward_context
+from engine.input_batch import CachedRequestState, StepBuffers, StepInputs
+from engine.kernel_policy import KernelPolicy
+from engine.layers.quantized import BF16_MATMUL_MODE_LOCK, packed_weights
+from engine.models.interfaces import ModelForCausalLM
+from engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from engine.runner.cross_attention import CrossAttentionInputs
+from engine.runner.grammar_mask import GrammarSource, to_device
+from engine.runner.kv_cache import KVCache, activation_reserve_bytes, kv_cache_dtype
+from engine.runner.media import MediaEncoder
+from engine.runner.pending import PendingOutput
+from engine.runner.row_calls import RowCalls
+from engine.runner.sampling import StepSampler, sampling_is_simple
+from engine.runner.state import RequestStates
+from engine.runner.step_observer import StepObserver
+from engine.runner.warm_up import (capture_cuda_graphs, tune_lora_stacked_gemms, warm_up_attention,
+                                   warm_up_lora_kernels)
+from kernels.cpu_layer_ops import CpuLayerOps
+
+logger = logging.getLogger("chorus.runner")
+
+
+class ModelRunner:
+    """Executes ``SchedulerOutput``s on one model (one rank's shard).
+
+    Args:
+        config: the engine's resolved configs.
+        model: the loaded model (``engine.models.interfaces.ModelForCausalLM`` and what it declares).
+        device, dtype: where and in what dtype it runs.
+        max_model_len: the resolved context length.
+        policy: the engine's kernel policy (``engine.kernel_policy``), shared with the LoRA manager.
+        lora_manager: the engine's ``lora.manager.LoRAManager`` when LoRA is enabled, else None.
+        encoder_compute_budget: embeddings the scheduler lets one step encode (media models; 0: none). With
+            LoRA on an encoder-decoder model, the rows one encoder or cross-attention K/V call runs at most.
+        encoder_cache_size: embeddings the scheduler's encoder cache may keep (sizes the memory reserve).
+    """
+
+    def __init__(self, config: EngineConfig, model: ModelForCausalLM, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int, policy: KernelPolicy, lora_manager=None,
+                 encoder_compute_budget: int = 0, encoder_cache_size: int = 0) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.policy = policy
+        """The engine's fast-path choices, built once; layers read it through the forward context, the
+        attention backend and the LoRA layers get it at construction."""
+        self.lora_manager = lora_manager
+        self.encoder_cache_size = encoder_cache_size
+        self.block_size = config.cache_config.block_size
+        sc = config.scheduler_config
+        capabilities = model.capabilities
+        self.cpu_kernel_dir = envs.cpu_kernel_dir()
+        """Where the CPU C kernels are built once per host (``kernels.cpu_native``)."""
+        self.cpu_ops = (CpuLayerOps.load(self.cpu_kernel_dir)
+                        if device.type == "cpu" and policy.cpu_layer_ops else None)
+        """On CPU, the C layer ops the layers take through the forward context (None: torch's)."""
+        self.bf16_weights = any(w.bf16_products_copy is not None for w in packed_weights(model))
+        """The model's quantized weights keep bf16-product copies (CPUs with AMX,
+        ``engine.layers.quantized``): long prefill chunks attend in bfloat16 too, and steps run without
+        ``BF16_MATMUL_MODE_LOCK``."""
+        cache_dtype = kv_cache_dtype(config.cache_config.cache_dtype, dtype, device, self.bf16_weights)
+        self.kv_cache = KVCache(model.attention_layers(), self.block_size, cache_dtype, device)
+        self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
+        """Capture step graphs when the KV cache is allocated (off: ``enforce_eager``; encoder-decoder
+        models)."""
+        if capabilities.encoder_decoder and self.use_cuda_graphs:
+            logger.info("Encoder-decoder model: CUDA graphs are off (the steps run eagerly).")
+            self.use_cuda_graphs = False
+        self._graph_sizes = graph_batch_sizes(sc.max_num_seqs, sc.max_num_batched_tokens)
+        """Decode graph batch sizes (captured with ``use_cuda_graphs``)."""
+        self._graph_token_sizes = graph_token_sizes(sc.max_num_batched_tokens,
+                                                    config.max_cudagraph_capture_size)
+        """Mixed graph token counts (captured with ``use_cuda_graphs``)."""
+        max_step_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
+        self.lora_rows_per_call = 0
+        """Rows one adapted model call may run (the LoRA step buffers' size; 0: LoRA off)."""
+        if lora_manager is not None:
+            # Encoder-decoder models also run adapters on encoder rows outside the step's tokens.
+            self.lora_rows_per_call = max(max_step_tokens,
+                                          encoder_compute_budget if capabilities.encoder_decoder else 0)
+        self.states = RequestStates(
+            sc.max_num_seqs, math.ceil(max_model_len / self.block_size),
+            math.ceil(model.num_source_positions / self.block_size) if capabilities.encoder_decoder else 0,
+            device, model.logits_rules, model if capabilities.mrope else None)
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        """Media item content hash -> its encoder output [num_embeds, hidden] (the scheduler's
+        ``EncoderCacheManager`` decides what stays; evictions arrive in ``free_encoder_identifiers``)."""
+        self.num_encoded_items = 0
+        """Media items the encoder has run on since start (an item served from the cache is not counted)."""
+        row_calls = RowCalls(lora_manager, policy, self.cpu_ops)
+        self.media = (MediaEncoder(model, self.encoder_cache, row_calls, device,
+                                   lora_manager is not None and lora_manager.targets.adapts_encoder)
+                      if capabilities.multimodal else None)
+        """Runs the media encoders (multimodal models; else None)."""
+        self.cross_attention = (CrossAttentionInputs(model, self.encoder_cache, self.states.cross_block_rows,
+                                                     self.block_size, device, row_calls,
+                                                     self.lora_rows_per_call or None)
+                                if capabilities.encoder_decoder else None)
+        """Writes and describes the cross-attention K/V (encoder-decoder models; else None)."""
+        self.logits_rules = model.logits_rules
+        """The model's per-row logits rules (Whisper's), applied before sampling; None for most models."""
+        self.sampling = StepSampler(model, model.shape.vocab_size, device, config.model_config.logprobs_mode,
+                                    self.logits_rules)
+        self.buffers: Optional[StepBuffers] = None
+        """The step buffers (``allocate_kv_cache``)."""
+        self.graphs: Optional[StepGraphs] = None
+        """The captured step graphs (None: every step runs eagerly)."""
+        self.step_observer: Optional[StepObserver] = None
+        """Sees each step's device work (a profiler, ``benchmarks/step_timer.py``); None: nothing watches."""
+
+    # ------------------------------------------------------------------ start-up
+    def determine_num_blocks(self, max_needed_blocks: int) -> int:
+        """KV blocks this rank's memory holds, at most ``max_needed_blocks``."""
+        reserve = 0
+        if self.device.type == "cuda":
+            sc = self.config.scheduler_config
+            graph_tokens = (min(sc.max_num_batched_tokens, self.config.max_cudagraph_capture_size)
+                            if self.use_cuda_graphs else 0)
+            reserve = activation_reserve_bytes(self.model.shape, sc, self.dtype, graph_tokens,
+                                               self.encoder_cache_size)
+        return self.kv_cache.blocks_that_fit(self.config.cache_config, max_needed_blocks, reserve)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The KV cache of ``num_blocks`` blocks in every attention layer; then the step buffers, the kernels'
+        warm-up and the CUDA graphs (CUDA, unless ``enforce_eager``)."""
+        # Weights that multiply in bfloat16 (AMX copies) let long prefill chunks attend in bfloat16 too.
+        backend = select_backend(self.device, self.policy, self.bf16_weights,
+                                 cpu_kernel_dir=self.cpu_kernel_dir)
+        self.kv_cache.allocate(num_blocks, backend)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            warm_up_attention(backend, self.model)
+        self._init_step_buffers()
+        sc = self.config.scheduler_config
+        if cuda and self.lora_manager is not None:
+            first_eager = max(self._graph_token_sizes, default=0) + 1 if self.use_cuda_graphs else 1
+            warm_up_lora_kernels(self.lora_manager, self.model, first_eager, sc.max_num_batched_tokens)
+        if self.use_cuda_graphs:
+            if self.lora_manager is not None and self.policy.lora_stacked_tune:
+                tune_lora_stacked_gemms(self.lora_manager, self._graph_sizes)
+            self.graphs = capture_cuda_graphs(self.model, self.buffers, self.max_model_len, self._graph_sizes,
+                                              self._graph_token_sizes, sc.max_num_seqs, self.lora_manager,
+                                              self.policy)
+
+    def _init_step_buffers(self) -> None:
+        sc = self.config.scheduler_config
+        max_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
+        max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
+        self.buffers = StepBuffers(max_tokens, sc.max_num_seqs, max_blocks_per_req, self.device)
+        mrope = self.model.capabilities.mrope
+        self.buffers.with_mrope = mrope
+        if self.media is not None and self.use_cuda_graphs and self._graph_token_sizes:
+            self.buffers.enable_media(max(self._graph_token_sizes), self.model.shape.hidden_size, self.dtype,
+                                      mrope)
+        if self.lora_manager is not None:
+            self.lora_manager.allocate_step_buffers(self.lora_rows_per_call)
+
+    # ------------------------------------------------------------------ step
+    def execute(self, so: SchedulerOutput, grammar: Optional[GrammarSource] = None) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled ids."""
+        return self.execute_async(so, grammar).get()
+
+    def execute_async(self, so: SchedulerOutput, grammar: Optional[GrammarSource] = None) -> PendingOutput:
+        """Launch one step; the returned handle's ``get()`` waits for its sampled ids. ``grammar``: the
+        bitmask of the step's constrained rows, asked for once the forward is launched (a step with
+        ``structured_output_req_ids``; ``engine.runner.grammar_mask``). On CPU, a model without
+        bf16-product weights runs its step under ``BF16_MATMUL_MODE_LOCK``: its float32 matmuls never see
+        another engine's bf16 mode (``engine.layers.quantized``)."""
+        if self.device.type != "cpu" or self.bf16_weights:
+            return self._execute_async(so, grammar)
+        with BF16_MATMUL_MODE_LOCK:
+            return self._execute_async(so, grammar)
+
+    @torch.inference_mode()
+    def _execute_async(self, so: SchedulerOutput, grammar: Optional[GrammarSource]) -> PendingOutput:
+        if self.buffers is None:
+            raise RuntimeError("allocate_kv_cache() must run before the first step.")
+        self.states.absorb_sampled(keep_last=True)   # at most one step in flight besides this one
+        self.states.apply(so)
+        if self.lora_manager is not None and so.lora_loads:
+            self.lora_manager.load_slots(so.lora_loads)
+        if self.media is not None:
+            self.media.free(so.free_encoder_identifiers)
+            if so.scheduled_encoder_inputs:
+                self.num_encoded_items += self.media.encode(so.scheduled_encoder_inputs, self.states.requests)
+        if so.total_num_scheduled_tokens == 0:
+            return PendingOutput.done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        requests = self.states.requests
+        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        states = [requests[r] for r in order]
+        counts = [so.num_scheduled_tokens[r] for r in order]
+        if (not all(sampling_is_simple(s.sampling_params) for s in states)
+                or any(s.rules_need_history for s in states)):
+            self.states.absorb_sampled()   # penalties, min_tokens, history-reading logits rules: every token
+        num_generated = None   # the logits rules' view: output tokens before this step's sample
+        if self.logits_rules is not None:
+            num_generated = {s.req_id: s.num_computed_tokens + n - s.num_prompt_tokens
+                             for s, n in zip(states, counts)}
+        mm_rows = self.media.gather(states, counts) if self.media is not None else None
+        graph_key = (self.graphs.key_for_step(states, counts, mm_rows is not None)
+                     if self.graphs is not None else None)
+        if self.step_observer is not None:
+            self._observe_begin(graph_key, counts)
+        inputs = self._prepare(states, counts, graph_key)
+        if self.cross_attention is not None:
+            self.cross_attention.write_kv(states)
+            inputs.cross_attn_metadata = self.cross_attention.metadata(states, counts)
+        if graph_key is not None and graph_key.mixed and self.buffers.mm_mask is not None:
+            self.buffers.write_media(graph_key.num_tokens, mm_rows, inputs.mrope_positions)
+        if self.lora_manager is not None:
+            # LoRA graphs: the fixed-grid launches captured for every adapter mix read the refilled buffers.
+            few = graph_key.few_adapters if graph_key is not None else 0
+            self.lora_manager.set_batch(inputs.token_lora_slots,
+                                        fixed_grid=graph_key is not None and graph_key.lora,
+                                        max_active=few or None)
+        logits, prompt_logprobs = self._forward(inputs, graph_key, mm_rows)
+        if logits is None:
+            sampled_states = []
+            pending = PendingOutput(inputs.req_ids, [], None, None, prompt_logprobs=prompt_logprobs)
+        else:
+            sampled_states = [requests[r] for r in inputs.sample_req_ids]
+            token_bitmask = None
+            if grammar is not None:   # the host fills it while the device runs the forward
+                filled = grammar(inputs.sample_req_ids)
+                token_bitmask = to_device(filled, self.device) if filled is not None else None
+            pending = self.sampling.sample(inputs, logits, sampled_states, prompt_logprobs, num_generated,
+                                           token_bitmask)
+        for s, n in zip(states, counts):
+            s.num_computed_tokens += n
+        if self.step_observer is not None:
+            self.step_observer.end()
+        self.states.track(pending, sampled_states)
+        return pending
+
+    def _observe_begin(self, graph_key: Optional[GraphKey], counts: list[int]) -> None:
+        kind = "eager" if graph_key is None else ("mixed graph" if graph_key.mixed else "decode graph")
+        run = graph_key.num_tokens if graph_key is not None else sum(counts)
+        self.step_observer.begin(kind, sum(counts), run)
+
+    def _prepare(self, states: list[CachedRequestState], counts: list[int],
+                 graph_key: Optional[GraphKey]) -> StepInputs:
+        """The step's flat inputs in the step buffers, padded to the graph that runs it."""
+        if graph_key is None:
+            reqs_padded = tokens_padded = None
+        elif graph_key.mixed:
+            reqs_padded, tokens_padded = self.graphs.max_num_reqs, graph_key.num_tokens
+        else:
+            reqs_padded, tokens_padded = graph_key.size, None
+        last = self.sampling.last_sampled
+        prev_ids, prev_rows = last if last is not None else (None, None)
+        return self.buffers.prepare(states, counts, self.states.block_table, self.block_size,
+                                    with_lora=self.lora_manager is not None,
+                                    num_reqs_padded=reqs_padded, num_tokens_padded=tokens_padded,
+                                    prev_sampled_rows=prev_rows, prev_sampled=prev_ids)
+
+    def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey],
+                 mm_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 ) -> tuple[Optional[torch.Tensor], dict[str, LogprobsLists]]:
+        """Logits [num_sampled, vocab] (model dtype) of the sampling rows (None if none), prompt logprobs.
+
+        ``mm_rows``: (token indices [M], embeddings [M, hidden]) of the step's media placeholder tokens,
+        written over the token embeddings (eager steps; graph steps read them from the step buffers)."""
+        if graph_key is not None and not graph_key.mixed:
+            all_logits = self.graphs.replay(graph_key)                   # [batch_size, vocab]
+            if inputs.all_rows_sample:
+                return all_logits[:len(inputs.req_ids)], {}
+            return all_logits[inputs.logits_indices], {}
+        if graph_key is not None:
+            hidden = self.graphs.replay(graph_key)                       # [T_padded, hidden]
+        else:
+            inputs_embeds = None
+            if mm_rows is not None:
+                inputs_embeds = self.model.embed_input_ids(inputs.input_ids)       # [T, hidden]
+                inputs_embeds[mm_rows[0]] = mm_rows[1].to(inputs_embeds.dtype)
+            positions = inputs.positions
+            if inputs.mrope_positions is not None:
+                positions = torch.from_numpy(inputs.mrope_positions).to(self.device,
+                                                                        non_blocking=True)   # [3, T]
+            with forward_context(inputs.attn_metadata, self.policy, inputs.cross_attn_metadata, self.cpu_ops):
+                hidden = self.model(inputs.input_ids, positions, inputs_embeds)    # [T, hidden]
+        prompt_logprobs = self.sampling.prompt_logprobs(inputs, hidden, self.states.requests)
+        if not inputs.sample_req_ids:
+            return None, prompt_logprobs
+        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logprobs  # [R, vocab]

@@ -1,6 +1,7 @@
 """OpenAI chat messages with content parts -> (messages for the chat template, images in order).
 
-Shared by the server (``/v1/chat/completions``, ``/tokenize``) and the offline ``LLM.chat``.
+The first step of ``engine.chat_render.ChatRenderer``, which the server (``/v1/chat/completions``,
+``/tokenize``) and the offline ``LLM.chat`` share.
 
 A message's ``content`` is a string, None (rendered as ``""``) or a list of parts:
 
@@ -18,8 +19,8 @@ template renders as its image placeholder (``<image>`` for LLaVA, ``<|vision_sta
 joined with ``'\\n'``, vLLM's "string" content format), so text-only templates keep working.
 
 Nothing is fetched or decoded here (the processor does that, off the event loop in the server);
-every malformed part is a ``ValueError`` (HTTP 400) naming it, and image parts sent to a text-only
-model are refused before anything is fetched.
+every malformed part is a ``ChatMessageError`` (a ValueError; HTTP 400) naming it, and image parts
+sent to a text-only model are refused before anything is fetched.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ TEMPLATE_IMAGE_PART = {"type": "image"}
 """What an image part becomes in the template's message (the template renders the placeholder)."""
 
 
+class ChatMessageError(ValueError):
+    """A malformed message or content part, or an image part for a text-only model (the message names it)."""
+
+
 @dataclass
 class ParsedChat:
     """A conversation ready for the chat template and the engine."""
@@ -58,21 +63,21 @@ def parse_chat_messages(messages: Sequence[Mapping[str, Any]], *, takes_images: 
 
     Args:
         messages: dicts with ``role`` and ``content`` (other keys are kept for the template).
-        takes_images: the model is a vision model; False: any image part is a ValueError.
+        takes_images: the model is a vision model; False: any image part is a ChatMessageError.
         offline: accept the offline part types (``image_pil``, ``image``) and non-URL sources.
 
     Raises:
-        ValueError: a malformed message or part (named as ``messages[i].content[j]``), an unknown
+        ChatMessageError: a malformed message or part (named as ``messages[i].content[j]``), an unknown
             part type, or an image part for a text-only model.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages: expected a list of message dicts, got {type(messages).__name__}.")
+        raise ChatMessageError(f"messages: expected a list of message dicts, got {type(messages).__name__}.")
     out: list[dict[str, Any]] = []
     images: list[Any] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got "
-                             f"{type(message).__name__}.")
+            raise ChatMessageError(f"messages[{i}]: expected a dict with 'role' and 'content', got "
+                                   f"{type(message).__name__}.")
         d = dict(message)
         content = d.get("content")
         if content is None:
@@ -80,8 +85,8 @@ def parse_chat_messages(messages: Sequence[Mapping[str, Any]], *, takes_images: 
         elif isinstance(content, list):
             d["content"] = _parse_parts(content, f"messages[{i}].content", images, takes_images, offline)
         elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: expected a string or a list of content parts, got "
-                             f"{type(content).__name__}.")
+            raise ChatMessageError(f"messages[{i}].content: expected a string or a list of content parts, "
+                                   f"got {type(content).__name__}.")
         out.append(d)
     return ParsedChat(out, images)
 
@@ -98,7 +103,7 @@ def _parse_parts(parts: list, where: str, images: list[Any], takes_images: bool,
             template_parts.append({"type": "text", "text": part["text"]})
             continue
         if not takes_images:
-            raise ValueError(f"{name}: {TEXT_ONLY_MODEL}.")
+            raise ChatMessageError(f"{name}: {TEXT_ONLY_MODEL}.")
         has_image = True
         images.append(source)
         template_parts.append(dict(TEMPLATE_IMAGE_PART))
@@ -108,37 +113,38 @@ def _parse_parts(parts: list, where: str, images: list[Any], takes_images: bool,
 
 
 def _image_source(part: Any, name: str, offline: bool) -> Any:
-    """The image source of an image part; None for a (checked) text part. ValueError otherwise."""
+    """The image source of an image part; None for a (checked) text part. ChatMessageError otherwise."""
     allowed = OFFLINE_PART_TYPES if offline else SERVER_PART_TYPES
     if not isinstance(part, Mapping):
-        raise ValueError(f"{name}: a content part must be a dict like {{'type': 'text', 'text': ...}}, got "
-                         f"{type(part).__name__}.")
+        raise ChatMessageError(f"{name}: a content part must be a dict like {{'type': 'text', 'text': ...}}, "
+                               f"got {type(part).__name__}.")
     kind = part.get("type")
     if not isinstance(kind, str):
-        raise ValueError(f"{name}: a content part needs a 'type' ({', '.join(allowed)}).")
+        raise ChatMessageError(f"{name}: a content part needs a 'type' ({', '.join(allowed)}).")
     if kind == "text":
         if not isinstance(part.get("text"), str):
-            raise ValueError(f"{name}: a text part needs 'text', a string.")
+            raise ChatMessageError(f"{name}: a text part needs 'text', a string.")
         return None
     if kind not in allowed:
         if kind in OFFLINE_PART_TYPES:
-            raise ValueError(f"{name}: content part type {kind!r} is only accepted by the offline LLM.chat; "
-                             "send {'type': 'image_url', 'image_url': {'url': ...}} with an http(s) or "
-                             "data:image/...;base64, URL.")
-        raise ValueError(f"{name}: unsupported content part type {kind!r}; use one of {', '.join(allowed)}.")
+            raise ChatMessageError(f"{name}: content part type {kind!r} is only accepted by the offline "
+                                   "LLM.chat; send {'type': 'image_url', 'image_url': {'url': ...}} with an "
+                                   "http(s) or data:image/...;base64, URL.")
+        raise ChatMessageError(f"{name}: unsupported content part type {kind!r}; use one of "
+                               f"{', '.join(allowed)}.")
     if kind == "image_url":
         value = part.get("image_url")
         url = value.get("url") if isinstance(value, Mapping) else value
         if not isinstance(url, str) or not url.strip():
-            raise ValueError(f"{name}: an image_url part needs 'image_url': {{'url': <http(s) or "
-                             "data:image/...;base64, URL>}, a non-empty string.")
+            raise ChatMessageError(f"{name}: an image_url part needs 'image_url': {{'url': <http(s) or "
+                                   "data:image/...;base64, URL>}, a non-empty string.")
         return url
     value = part.get(kind)   # image_pil / image (offline)
     if kind == "image_pil" and not isinstance(value, Image.Image):
-        raise ValueError(f"{name}: an image_pil part needs 'image_pil', a PIL image, got "
-                         f"{type(value).__name__}.")
+        raise ChatMessageError(f"{name}: an image_pil part needs 'image_pil', a PIL image, got "
+                               f"{type(value).__name__}.")
     empty = isinstance(value, (str, bytes, bytearray)) and not value
     if empty or not isinstance(value, (Image.Image, str, bytes, bytearray, os.PathLike)):
-        raise ValueError(f"{name}: an image part needs 'image': a PIL image, a file path, a URL or bytes, "
-                         f"got {type(value).__name__}.")
+        raise ChatMessageError(f"{name}: an image part needs 'image': a PIL image, a file path, a URL or "
+                               f"bytes, got {type(value).__name__}.")
     return value

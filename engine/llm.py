@@ -9,7 +9,6 @@ import weakref
 from typing import Optional, Sequence, Union
 
 from engine.arg_utils import EngineArgs
-from engine.chat_utils import parse_chat_messages
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
@@ -97,24 +96,21 @@ class LLM:
         ``{"type": "image_url", "image_url": {"url": ...}}`` (http(s), data: or file:// URL, or a
         file path), ``{"type": "image_pil", "image_pil": PIL.Image}`` or ``{"type": "image", "image":
         PIL image | path | URL | bytes}``; each image becomes the model's placeholder in the
-        template and goes to the engine as ``multi_modal_data`` (``engine/chat_utils.py``).
+        template and goes to the engine as ``multi_modal_data``.
 
         ``chat_template``: template TEXT (as vLLM's ``LLM.chat``; never a file path) replacing the
         model's for this call; rendered in jinja2's sandbox within the engine's ``TemplateLimits``
         (``engine/chat_template.py``), like every template.
+
+        Rendered and tokenized by the server's renderer (``engine/chat_render.py``), so a conversation
+        gives the same token ids here and over HTTP.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        engine = self.llm_engine
-        takes_images = engine.processor.mm_processor is not None
-        prompts = []
-        for conv in convs:
-            parsed = parse_chat_messages(conv, takes_images=takes_images, offline=True)
-            text = engine.apply_chat_template(parsed.messages, add_generation_prompt, chat_template,
-                                              continue_final_message)
-            prompt = {"prompt": text, "prompt_token_ids": engine.processor.encode_chat(text)}
-            if parsed.images:
-                prompt["multi_modal_data"] = {"image": parsed.images}
-            prompts.append(prompt)
+        renderer = self.llm_engine.processor.chat_renderer
+        prompts = [renderer.render(conv, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, chat_template=chat_template,
+                                   offline=True).engine_prompt()
+                   for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------------ helpers

@@ -64,8 +64,9 @@ class MultiModalFeature:
     modality: str
     """'image' or 'audio'."""
     identifier: str
-    """Content hash; the encoder-cache key and the prefix-cache extra key. With ``encoder_lora_name``
-    set it also carries the adapter's name (``with_encoder_adapter``)."""
+    """The encoder-cache key and the prefix-cache extra key, final when the processor returns: the content
+    hash, with the adapter's name when the request's adapter updates the encoder (``with_encoder_adapter``,
+    decided by ``Processor.encoder_keyed``)."""
     placeholder: Optional[PlaceholderRange]
     """Where its embeddings sit in the prompt; None for a cross-attention input."""
     data: Any = None
@@ -80,8 +81,6 @@ class MultiModalFeature:
         """This item encoded under adapter ``lora_name``: a copy whose encoder-cache key carries the name,
         so the same media under two such adapters is encoded twice and never shares the base output.
         NOTE: the key holds the name only, as the prefix cache's adapter key does."""
-        if self.encoder_lora_name == lora_name:
-            return self
         assert self.encoder_lora_name is None, "an item is encoded under one adapter"
         return replace(self, identifier=f"{self.identifier}+lora:{lora_name}", encoder_lora_name=lora_name)
 

@@ -5,6 +5,9 @@ adapter's weights (``LoRARequest.adapter``), read here on the client's thread; l
 it carry its name only. The record of what was sent is per client and only saves reads: where it is
 out of date (a request that carried the weights never reached the engine, or the engine dropped the
 adapter again), the engine reads the adapter itself, off its step loop (``lora.adapter_loader``).
+
+What a read tells of an adapter is kept too: whether it updates the model's encoder, which decides the
+encoder-cache key of a request's media (``adapts_encoder``) where the request is processed.
 """
 
 from __future__ import annotations
@@ -28,12 +31,19 @@ class AdapterUploads:
         self.reader = reader
         self._sent: dict[str, str] = {}
         """Adapter name -> the lora_path its weights were sent from."""
+        self._adapts_encoder: dict[str, tuple[str, bool]] = {}
+        """Adapter name -> (the lora_path this client read it from, whether it updates an encoder
+        projection: ``LoRAAdapter.adapts_encoder``)."""
         self._lock = threading.Lock()
-        """Guards ``_sent`` (reads run outside it: two first requests may both read; the engine keeps one)."""
+        """Guards ``_sent`` and ``_adapts_encoder`` (reads run outside it: two first requests may both read;
+        the engine keeps one)."""
 
     def read(self, lora_request: LoRARequest) -> LoRARequest:
         """``lora_request`` carrying its adapter, read from disk now (LoRA errors as ``AdapterReader.read``)."""
-        return lora_request.with_adapter(self.reader.read(lora_request))
+        adapter = self.reader.read(lora_request)
+        with self._lock:
+            self._adapts_encoder[lora_request.lora_name] = (lora_request.lora_path, adapter.adapts_encoder)
+        return lora_request.with_adapter(adapter)
 
     def attach(self, lora_request: Optional[LoRARequest]) -> Optional[LoRARequest]:
         """What a request naming ``lora_request`` sends: it with its adapter when the engine was not
@@ -47,6 +57,15 @@ class AdapterUploads:
         self.mark_sent(loaded)
         return loaded
 
+    def adapts_encoder(self, lora_request: LoRARequest) -> bool:
+        """Whether the adapter (name and path) updates a projection of the model's encoder, so that the
+        encoder output of a request running it is its own: as this client read it. True for one it never
+        read (its record was marked sent without a read): the engine reads that one, and an own encoder
+        output is right either way."""
+        with self._lock:
+            known = self._adapts_encoder.get(lora_request.lora_name)
+        return known is None or known[0] != lora_request.lora_path or known[1]
+
     def was_sent(self, lora_request: LoRARequest) -> bool:
         with self._lock:
             return self._sent.get(lora_request.lora_name) == lora_request.lora_path
@@ -59,6 +78,7 @@ class AdapterUploads:
         """The engine no longer holds the adapter (unloaded, or its registration rolled back)."""
         with self._lock:
             self._sent.pop(lora_name, None)
+            self._adapts_encoder.pop(lora_name, None)
 
     def __getstate__(self) -> dict:
         # A copy (the engine-process client's) starts with nothing sent and a lock of its own.

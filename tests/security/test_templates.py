@@ -170,7 +170,7 @@ def test_trusted_template_errors_are_400_naming_chat_template(trusted):
 def test_processor_never_opens_a_path(locked, marker_file):
     """The engine's own entry (LLM.chat, the front end's processor): template text only."""
     processor = locked.engine_client.processor
-    assert processor.apply_chat_template(MESSAGES, chat_template=str(marker_file)) == str(marker_file)
+    assert processor.chat_renderer.render(MESSAGES, chat_template=str(marker_file)).text == str(marker_file)
 
 
 # ------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_untrusted_hostile_template_is_refused_before_rendering(locked):
 def test_servers_template_over_the_size_bound_blames_messages(locked):
     """The operator's template within the same bounds: a conversation whose render exceeds the size
     bound (max(1 MiB, 32 chars x max_model_len)) is a 400 naming ``messages``, before tokenizing it."""
-    limit = locked.engine_client.processor.template_limits.max_output_chars
+    limit = locked.engine_client.processor.chat_renderer.template_limits.max_output_chars
     r = tokenize_chat(locked, None, messages=[{"role": "user", "content": "a" * (limit + 10)}])
     err = assert_error(r, 400, "messages")
     assert "size bound" in err["message"] and str(limit) in err["message"]

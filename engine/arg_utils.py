@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from engine.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, MultiModalConfig,
-                           ParallelConfig, SchedulerConfig)
+                           ParallelConfig, SchedulerConfig, StructuredOutputsConfig)
 
 
 @dataclass
@@ -68,6 +68,8 @@ class EngineArgs:
     encoder_cache_size: Optional[int] = None
     tensor_parallel_size: int = 1
     """Ranks the model is split over (``ParallelConfig.tensor_parallel_size``)."""
+    structured_outputs_backend: str = "auto"
+    """``StructuredOutputsConfig.backend``: auto, xgrammar or guidance."""
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -119,6 +121,7 @@ class EngineArgs:
                                        **{name: getattr(self, name) for name in MEDIA_BUDGET_FIELDS
                                           if getattr(self, name) is not None}),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
             device=self.device, enforce_eager=self.enforce_eager,
             max_cudagraph_capture_size=self.max_cudagraph_capture_size)
 

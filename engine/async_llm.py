@@ -13,7 +13,7 @@ transport's business (``engine/core_transport.py``) and nothing below depends on
     _on_step (one call_soon_threadsafe per step)   <-- EngineCoreOutputs (ids) --  step()
         output processor: detokenize, stop strings  -- AbortRequests (stopped) ->
         RequestOutput -> that request's collector (DELTA outputs merge while its consumer lags)
-    call_engine("add_lora", ...)                    -- CallMethod / CallResult -
+    call_engine(AddLoRA(...))                       -- CallEngine / CallResult -
 
 Every prompt is processed (tokenizing; for media: downloads, decoding, resizing, hashing) by a thread pool
 of ``MultiModalConfig.mm_processor_workers`` threads, so neither a burst of images nor a huge prompt
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 from engine.admission import Admission, AdmissionControl, SequenceReservation
-from engine.core_messages import (CALLABLE_METHODS, AbortRequests, AddRequest, CallMethod, CallResult,
-                                  CoreMessage, EngineCoreOutputs, EngineDead, InjectFault)
+from engine.core_messages import (AbortRequests, AddRequest, CallEngine, CallResult, CoreMessage, EngineCall,
+                                  EngineCoreOutputs, EngineDead, InjectFault, refuse_non_call)
 from engine.core_transport import EngineTransport, ProcessTransport, ThreadTransport
 from engine.engine_core import freeze_gc_heap
 from engine.errors import EngineDeadError
@@ -132,12 +132,6 @@ class AsyncLLM:
     # ------------------------------------------------------------------------------------
     # Engine facts and health (safe from any thread)
     # ------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: Optional[str] = None, continue_final_message: bool = False,
-                            **kwargs) -> str:
-        return self.processor.apply_chat_template(messages, add_generation_prompt, chat_template,
-                                                  continue_final_message, **kwargs)
-
     @property
     def errored(self) -> bool:
         return self._dead_error is not None
@@ -295,26 +289,21 @@ class AsyncLLM:
             if state is not None:
                 state.collector.put(out)
 
-    async def call_engine(self, method: str, *args: Any) -> Any:
-        """``EngineCore.<method>(*args)`` between steps (``add_lora``, ``remove_lora``,
-        ``list_loras``, ``reset_prefix_cache``, ``get_stats``: ``CALLABLE_METHODS``)."""
-        if method not in CALLABLE_METHODS:
-            raise AttributeError(f"engine method {method!r} cannot be called by name; use one of "
-                                 f"{CALLABLE_METHODS}.")
+    async def call_engine(self, call: EngineCall) -> Any:
+        """Run ``call`` in the core between steps (``AddLoRA``, ``RemoveLoRA``, ``ListLoRAs``,
+        ``ResetPrefixCache``, ``GetStats``: ``EngineCall``) and return its answer. Raises TypeError,
+        sending nothing, for anything else."""
+        refuse_non_call(call)
         loop = self._bind_loop()
         if self._dead_error is not None:
             raise self._dead_error
         call_id = next(self._call_ids)
         future = self._calls[call_id] = loop.create_future()
-        self._transport.send(CallMethod(call_id, method, args))
+        self._transport.send(CallEngine(call_id, call))
         try:
             return await future
         finally:
             self._calls.pop(call_id, None)
-
-    def has_engine_method(self, method: str) -> bool:
-        """Whether ``call_engine(method)`` is available."""
-        return method in CALLABLE_METHODS
 
     def inject_fault(self, exc: Optional[BaseException] = None, num_steps: int = 0) -> None:
         """Test hook: make the engine loop raise ``exc`` before its next step (it dies), or with

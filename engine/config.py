@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from engine.models.config_facts import sharded_sizes
+
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENCODER_CACHE_BUDGETS = 4
 """Default encoder cache size in per-step encoder budgets: 20 shared 1344x896 images (1,536 embeddings
@@ -41,7 +43,8 @@ class ModelConfig:
     max_logprobs: int = 20
     """Largest ``logprobs``/``prompt_logprobs`` a request may ask for."""
     logprobs_mode: str = "raw_logprobs"
-    """raw_logprobs (model log-softmax, as vLLM) or processed_logprobs (after penalties/temperature)."""
+    """raw_logprobs (model log-softmax, as vLLM; a constrained request's grammar is not applied to them) or
+    processed_logprobs (after the grammar mask, penalties and temperature)."""
     quantization: Optional[str] = None
     """Weight format in memory. None (auto): a GGUF file's quantized tensors stay quantized on CPU (4-bit
     types as int4, 5- to 8-bit types as int8; ``engine.layers.quantized``), everything else is dequantized to
@@ -217,8 +220,8 @@ class ParallelConfig:
         n = self.tensor_parallel_size
         if n == 1:
             return
-        heads = getattr(text_config, "decoder_attention_heads", None) or text_config.num_attention_heads
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        sizes = sharded_sizes(text_config)
+        heads, kv_heads = sizes.num_heads, sizes.num_kv_heads
         fix = f"use a --tensor-parallel-size that divides {heads} (one of {_divisors(heads)})"
         if heads % n:
             raise ValueError(f"num_attention_heads={heads} is not divisible by --tensor-parallel-size {n}: {fix}.")
@@ -226,8 +229,7 @@ class ParallelConfig:
             raise ValueError(f"num_key_value_heads={kv_heads} and --tensor-parallel-size {n}: one must divide the "
                              f"other (KV heads are split, or replicated when fewer than the ranks); {fix} and "
                              f"{kv_heads} (one of {_divisors(kv_heads)}) or is a multiple of {kv_heads}.")
-        mlp = "decoder_ffn_dim" if getattr(text_config, "decoder_ffn_dim", None) else "intermediate_size"
-        inter = getattr(text_config, mlp, None)
+        mlp, inter = sizes.mlp_name, sizes.mlp_size
         if inter is not None and inter % n:
             raise ValueError(f"{mlp}={inter} is not divisible by --tensor-parallel-size {n}; use one of "
                              f"{[d for d in _divisors(inter) if heads % d == 0]}.")
@@ -303,6 +305,24 @@ class MultiModalConfig:
                 "could never run; raise --max-image-pixels-in-flight or lower --max-image-pixels-per-request.")
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+"""``StructuredOutputsConfig.backend`` values (``--structured-outputs-backend``)."""
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Constrained decoding (``response_format``, ``structured_outputs``): ``engine.structured_output``."""
+
+    backend: str = "auto"
+    """The grammar library: xgrammar, guidance (llguidance), or auto (xgrammar, and llguidance for what
+    xgrammar does not enforce or compile: ``engine.structured_output.selection``)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend={self.backend!r}: use one of "
+                             f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}.")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, resolved once at start-up."""
@@ -315,6 +335,8 @@ class EngineConfig:
     mm_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor parallelism (1 process by default)."""
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    """Constrained decoding's backend."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     enforce_eager: bool = False

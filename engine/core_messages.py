@@ -1,11 +1,13 @@
 """The messages between an engine core and its client (``AsyncLLM``, ``LLMEngine``).
 
-Client -> core (``EngineCommand``): ``AddRequest``, ``AbortRequests``, ``CallMethod``, ``InjectFault``,
+Client -> core (``EngineCommand``): ``AddRequest``, ``AbortRequests``, ``CallEngine``, ``InjectFault``,
 ``Shutdown``. Core -> client (``CoreMessage``): one ``EngineCoreOutputs`` per step (every request's
-new token ids of that step, plus the scheduler's stats), ``CallResult`` for each ``CallMethod``,
-``EngineDead`` once. The same objects travel through an in-process queue (engine thread) or,
-pickled, through a pipe (engine process); ``EngineCoreOutputs`` pickles as columns, so a step's
-message costs a few lists, not one object per request.
+new token ids of that step, plus the scheduler's stats), ``CallResult`` for each ``CallEngine``,
+``EngineDead`` once. A ``CallEngine`` carries one ``EngineCall``: a dataclass per thing a client may
+ask of the core between steps (``AddLoRA``, ``RemoveLoRA``, ``ListLoRAs``, ``ResetPrefixCache``,
+``GetStats``), which the core tells apart by type. The same objects travel through an in-process
+queue (engine thread) or, pickled, through a pipe (engine process); ``EngineCoreOutputs`` pickles as
+columns, so a step's message costs a few lists, not one object per request.
 
 The core never sees text it has to produce: detokenization, stop strings and ``RequestOutput``s
 are the client's (``engine/output_processor.py``), as in vLLM V1.
@@ -14,7 +16,7 @@ are the client's (``engine/output_processor.py``), as in vLLM V1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, get_args
 
 from engine.outputs import EngineCoreOutput, SchedulerStats
 from engine.request import EngineRequest
@@ -22,10 +24,7 @@ from engine.request import EngineRequest
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.processor import Processor
-
-CALLABLE_METHODS = ("add_lora", "remove_lora", "list_loras", "reset_prefix_cache", "get_stats")
-"""Engine-core methods a client may call by name (``CallMethod``); arguments and results are
-pickled in the engine-process mode."""
+    from lora.request import LoRARequest
 
 
 # ----------------------------------------------------------------------------------------
@@ -49,16 +48,58 @@ class AbortRequests:
     """Sequence (child) ids; unknown or finished ones are ignored."""
 
 
+@dataclass(frozen=True)
+class AddLoRA:
+    """Load an adapter so that requests can name it (``EngineCore.add_lora``); answers True."""
+
+    lora_request: "LoRARequest"
+    """The adapter, with the weights the client read (``LoRARequest.adapter``), else read by the core."""
+
+
+@dataclass(frozen=True)
+class RemoveLoRA:
+    """Unload an adapter once its requests finished (``EngineCore.remove_lora``); answers whether it
+    was loaded."""
+
+    lora_name: str
+    """The adapter's name."""
+
+
+@dataclass(frozen=True)
+class ListLoRAs:
+    """The ``LoRARequest`` of every loaded adapter (``EngineCore.list_loras``)."""
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every cached prefix (``EngineCore.reset_prefix_cache``); answers False, having done
+    nothing, while blocks are in use."""
+
+
+@dataclass(frozen=True)
+class GetStats:
+    """The scheduler's ``SchedulerStats`` now (``EngineCore.get_stats``)."""
+
+
+EngineCall = Union[AddLoRA, RemoveLoRA, ListLoRAs, ResetPrefixCache, GetStats]
+"""What a client may ask of the core between steps (``CallEngine``)."""
+
+
+def refuse_non_call(call: object) -> None:
+    """Raise TypeError, naming the engine calls, unless ``call`` is an ``EngineCall``."""
+    if not isinstance(call, get_args(EngineCall)):
+        names = ", ".join(c.__name__ for c in get_args(EngineCall))
+        raise TypeError(f"{call!r} is not an engine call; send one of {names}.")
+
+
 @dataclass
-class CallMethod:
-    """Call ``EngineCore.<method>(*args)`` between steps; answered by a ``CallResult``."""
+class CallEngine:
+    """Run one ``EngineCall`` between steps; answered by a ``CallResult``."""
 
     call_id: int
     """Chosen by the client; echoed in the ``CallResult``."""
-    method: str
-    """One of ``CALLABLE_METHODS``."""
-    args: tuple = ()
-    """Positional arguments (pickled in the engine-process mode)."""
+    call: EngineCall
+    """What to run (pickled, its weights included, in the engine-process mode)."""
 
 
 @dataclass
@@ -81,7 +122,7 @@ class Shutdown:
     """Leave the loop after the commands queued before this one."""
 
 
-EngineCommand = Union[AddRequest, AbortRequests, CallMethod, InjectFault, Shutdown]
+EngineCommand = Union[AddRequest, AbortRequests, CallEngine, InjectFault, Shutdown]
 
 
 # ----------------------------------------------------------------------------------------
@@ -126,12 +167,12 @@ def _rebuild_outputs(req_ids: list[str], new_token_ids: list[list[int]], extras:
 
 @dataclass
 class CallResult:
-    """The answer to one ``CallMethod``."""
+    """The answer to one ``CallEngine``."""
 
     call_id: int
-    """The ``CallMethod``'s id."""
+    """The ``CallEngine``'s id."""
     value: Any = None
-    """What the method returned (None when it raised)."""
+    """What the call returned (None when it raised)."""
     error: Optional[BaseException] = None
     """What it raised (ValueError and the LoRA errors keep their 4xx meaning)."""
 

@@ -8,7 +8,7 @@ process of its own (``engine/core_transport.py``), identical in both: only the `
 differs. The offline ``LLMEngine`` calls ``step()`` directly, without a loop or a thread.
 
     run(channel):  repeat
-        drain commands (block while idle): AddRequest / AbortRequests / CallMethod / InjectFault / Shutdown
+        drain commands (block while idle): AddRequest / AbortRequests / CallEngine / InjectFault / Shutdown
         if work: step(); channel.put(EngineCoreOutputs(outputs of the step, stats, failed sequences))
         an exception escaping here: channel.put(EngineDead(...)), and the loop ends
 
@@ -24,6 +24,15 @@ With async scheduling (the default) each ``step()`` schedules and launches step 
 reads step N's sampled ids, so scheduling and the update of one step overlap the device's work
 on the next.
 
+Constrained decoding (``engine.structured_output``): the core builds one ``GrammarCompilePool`` (the
+tokenizer, the logits width, ``--structured-outputs-backend``), shared by the processor (which validates a
+request's constraint before it is queued: a 400 with the compiler's reason) and the scheduler's
+``StructuredOutputManager``. A step that samples constrained requests needs their matchers to have taken
+every earlier token, so the runner asks for its bitmask once its forward is launched (``_grammar_source``):
+that settles step N (its sampled ids, ``update_from_output``) before the bitmask of N+1 is filled on the
+host, while the device runs N+1's forward. Such a step therefore gives up the overlap of step N's update
+with N+1's sampling; steps without constrained requests keep the deferred order.
+
 Tensor parallelism (``tensor_parallel_size`` > 1): this core is rank 0. ``from_engine_args`` starts
 the other ranks (``engine.distributed.executor``), every rank builds its shard the same way
 (``engine.distributed.rank.build_rank``), and ``_run`` broadcasts each step's ``SchedulerOutput`` (with
@@ -38,27 +47,32 @@ import atexit
 import gc
 import logging
 import threading
-from typing import Iterable, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
 
 import engine.envs as envs
 from engine.arg_utils import EngineArgs
 from engine.config import EngineConfig
-from engine.core_messages import (CALLABLE_METHODS, AbortRequests, AddRequest, CallMethod, CallResult,
-                                  CoreMessage, EngineCommand, EngineCoreOutputs, EngineDead, EngineFacts,
-                                  InjectFault, Shutdown)
+from engine.core_messages import (AbortRequests, AddLoRA, AddRequest, CallEngine, CallResult, CoreMessage,
+                                  EngineCall, EngineCommand, EngineCoreOutputs, EngineDead, EngineFacts,
+                                  GetStats, InjectFault, ListLoRAs, RemoveLoRA, ResetPrefixCache, Shutdown,
+                                  refuse_non_call)
 from engine.errors import EngineDeadError, EngineStepError
 from engine.host_memory import keep_freed_host_memory
 from engine.distributed.group import TensorParallelGroup
+from engine.device import resolve_device
 from engine.distributed.rank import build_rank
-from engine.model_runner import ModelRunner, PendingOutput, resolve_device
 from engine.models.builder import check_tensor_parallel
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from engine.processor import Processor
 from engine.request import Request, RequestStatus
+from engine.runner.pending import PendingOutput
+from engine.runner.runner import ModelRunner
+from engine.runner.grammar_mask import GrammarSource
 from engine.scheduler import Scheduler
-from lora.errors import LoRAAdapterError
+from engine.structured_output.compiler import GrammarCompilePool
+from engine.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
 logger = logging.getLogger("chorus.engine_core")
 
@@ -70,6 +84,9 @@ what clears it."""
 ADAPTER_READ_POLL_S = 0.05
 """Longest wait of a step that scheduled nothing for the loader thread's read of an adapter (the loop
 takes new commands between waits)."""
+
+GRAMMAR_COMPILE_POLL_S = 0.05
+"""Longest wait of a step that scheduled nothing for a grammar being compiled (as ``ADAPTER_READ_POLL_S``)."""
 
 _ACCELERATOR_ERRORS: tuple[type[BaseException], ...] = tuple(
     cls for cls in (getattr(torch, "AcceleratorError", None),) if cls is not None)
@@ -166,16 +183,22 @@ class EngineCore:
             raise
         cfg, loaded, runner, lora_manager = parts.config, parts.loaded, parts.runner, parts.lora_manager
         num_blocks, max_embeds_per_item = parts.num_blocks, parts.max_embeds_per_item
+        grammar_pool = GrammarCompilePool.for_tokenizer(
+            loaded.tokenizer, runner.sampling.vocab_size, cfg.structured_outputs_config.backend,
+            sorted(loaded.eos_token_ids))
         scheduler = Scheduler(cfg.scheduler_config, cfg.cache_config, loaded.max_model_len, num_blocks,
-                              cfg.lora_config, max_embeds_per_mm_item=max_embeds_per_item)
+                              cfg.lora_config, lora_manager.host_ready if lora_manager is not None else None,
+                              max_embeds_per_mm_item=max_embeds_per_item,
+                              structured_output=StructuredOutputManager(grammar_pool,
+                                                                        cfg.scheduler_config.max_num_seqs))
         processor = Processor(loaded.tokenizer, cfg.model_config, loaded.max_model_len,
                               loaded.hf_config.get_text_config().vocab_size, loaded.eos_token_ids,
                               lora_enabled=cfg.lora_config is not None,
                               max_n=cfg.scheduler_config.max_num_seqs, mm_processor=loaded.mm_processor,
-                              mm_config=cfg.mm_config, transcriber=loaded.transcriber)
+                              mm_config=cfg.mm_config, transcriber=loaded.transcriber,
+                              grammar_pool=grammar_pool)
         if lora_manager is not None:
             processor.use_adapter_uploads(lora_manager.client_uploads())
-            scheduler.lora_ready = lora_manager.host_ready
         facts = EngineFacts(model_name=loaded.model_name, max_model_len=loaded.max_model_len,
                             engine_config=cfg, tokenizer=loaded.tokenizer, processor=processor,
                             default_sampling_params=loaded.default_sampling,
@@ -207,10 +230,6 @@ class EngineCore:
             lora_request = lora_request.without_adapter()
             for child in children:
                 child.lora_request = lora_request   # the scheduler's requests do not keep the weights alive
-            if self.lora_manager.adapts_encoder(lora_request.lora_name):
-                # The encoder output depends on the adapter: its own encoder-cache entries.
-                for child in children:
-                    child.mm_features = [f.with_encoder_adapter(lora_request.lora_name) for f in child.mm_features]
         added = []
         try:
             for child in children:
@@ -242,6 +261,12 @@ class EngineCore:
         sync) and process them while the device runs N+1. A request that step N finished drops
         the token N+1 computed for it (``update_from_output`` no longer knows it).
 
+        Adapters: the reads the loader finished enter host memory first (``_take_adapter_reads``; a read
+        that failed ends the requests waiting for it with its LoRA error, 4xx, and the step runs the
+        others). ``schedule()`` loads into slots only adapters in host memory (``Scheduler``'s
+        ``lora_ready``), and nothing enters or leaves the host store between it and the runner's slot
+        loads, so the step runs as scheduled, on every rank; its ``SchedulerOutput`` is frozen.
+
         A step that raises is recovered (``_recover_from_fault``): the sequences it ran end in
         ``take_failed()`` and this returns []. Raises ``EngineDeadError`` when the fault is fatal.
         """
@@ -252,7 +277,8 @@ class EngineCore:
         try:
             self._take_adapter_reads()
             so = self.scheduler.schedule()
-            self._check_adapter_loads(so)
+            self._wait_for_adapter_reads(so)
+            self._wait_for_grammars(so)
             outputs = self._run(so)
         except Exception as e:  # noqa: BLE001 - recovered, or turned into EngineDeadError
             self._recover_from_fault(e, [s for s in (launched[0] if launched else None, so) if s is not None])
@@ -261,26 +287,57 @@ class EngineCore:
         return outputs
 
     def _run(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        settled: list[EngineCoreOutput] = []
+        grammar = self._grammar_source(so, settled)
         if self.executor is not None:
             self.executor.send_step(so)   # the workers run the same step alongside the runner below
         if not self.async_scheduling:
-            result = self.runner.execute(so)
+            result = self.runner.execute(so, grammar)
             self._raise_injected_fault()
             return self._update(so, result)
-        pending = self.runner.execute_async(so)
+        pending = self.runner.execute_async(so, grammar)
         self._raise_injected_fault()
         prev, self._in_flight = self._in_flight, None
-        outputs = self._update(*prev) if prev is not None else []
+        outputs = settled + (self._update(*prev) if prev is not None else [])
         if so.total_num_scheduled_tokens > 0:
             self._in_flight = (so, pending)
         else:
             outputs += self._update(so, pending)
         return outputs
 
+    def _grammar_source(self, so: SchedulerOutput,
+                        settled: list[EngineCoreOutput]) -> Optional[GrammarSource]:
+        """What the runner asks for the bitmask of ``so``'s constrained rows once its forward is launched
+        (None when ``so`` samples no constrained request): settle the step in flight first (its outputs go
+        to ``settled``), so every matcher has taken its request's earlier tokens, then fill the bitmask on
+        the host; the tensor-parallel workers get the same bitmask."""
+        if not so.structured_output_req_ids:
+            return None
+
+        def fill(sample_req_ids: list[str]) -> Optional[GrammarBitmask]:
+            prev, self._in_flight = self._in_flight, None
+            if prev is not None:
+                settled.extend(self._update(*prev))
+            bitmask = self.scheduler.grammar_bitmask(sample_req_ids)
+            if self.executor is not None:
+                self.executor.send_grammar_bitmask(bitmask)
+            return bitmask
+        return fill
+
+    def _wait_for_grammars(self, so: SchedulerOutput) -> None:
+        """A step that scheduled nothing while grammars compile waits for one briefly instead of spinning
+        (the requests that need them wait; the others were scheduled)."""
+        manager = self.scheduler.structured_output
+        if so.total_num_scheduled_tokens == 0 and self._in_flight is None and manager is not None:
+            manager.wait_for_compilation(GRAMMAR_COMPILE_POLL_S)
+
     def take_failed(self) -> dict[str, BaseException]:
         """Sequences ended with an error since the last call: sequence id -> ``EngineStepError``
-        (500) or a LoRA error (4xx). The client reports the error instead of an output."""
+        (500), a LoRA error (4xx) or a ``StructuredOutputError`` (400: a grammar that did not compile or
+        rejected a token). The client reports the error instead of an output."""
         failed, self._failed = self._failed, {}
+        if self.scheduler is not None:
+            failed.update(self.scheduler.take_failed())
         return failed
 
     # ------------------------------------------------------------------ faults
@@ -305,37 +362,12 @@ class EngineCore:
         self.scheduler.fail_requests(failed)
         self._failed.update(failed)
 
-    def _check_adapter_loads(self, so: SchedulerOutput) -> None:
-        """Check the step's adapters are in host memory before the step runs (the scheduler gives a
-        request a slot only once its adapter is: ``Scheduler.lora_ready``). An adapter that is not
-        fails the step's requests naming it with its LoRA error (4xx) and loses its slot; the rest of
-        the step runs as planned (the failed requests' rows compute without their adapter and are
-        discarded). A step that scheduled nothing while the loader reads waits for a read briefly
-        instead of spinning."""
-        if not so.lora_loads:
-            if (so.total_num_scheduled_tokens == 0 and self._in_flight is None and self.lora_manager is not None
-                    and self.lora_manager.adapter_reads_pending()):
-                self.lora_manager.loader.wait(ADAPTER_READ_POLL_S)
-            return
-        errors: dict[str, BaseException] = {}
-        for load in so.lora_loads:
-            try:
-                self.lora_manager.host_copy(load.lora_request)
-            except LoRAAdapterError as e:
-                errors[load.lora_request.lora_name] = e
-        if not errors:
-            return
-        so.lora_loads = [load for load in so.lora_loads if load.lora_request.lora_name not in errors]
-        failed = {}
-        for req_id in so.num_scheduled_tokens:
-            request = self.scheduler.requests.get(req_id)
-            lora_name = request.lora_request.lora_name if request and request.lora_request else None
-            if lora_name in errors:
-                failed[req_id] = errors[lora_name]
-        for lora_name, e in errors.items():
-            logger.warning("LoRA adapter %r could not be loaded; its requests fail: %s", lora_name, e)
-        self.scheduler.fail_requests(failed, stale_loras=errors)
-        self._failed.update(failed)
+    def _wait_for_adapter_reads(self, so: SchedulerOutput) -> None:
+        """A step that scheduled nothing while the loader reads adapters waits for a read briefly instead
+        of spinning (the requests that need the adapters wait for it: ``Scheduler``'s ``lora_ready``)."""
+        if (so.total_num_scheduled_tokens == 0 and self._in_flight is None and self.lora_manager is not None
+                and self.lora_manager.adapter_reads_pending()):
+            self.lora_manager.loader.wait(ADAPTER_READ_POLL_S)
 
     def _recover_from_fault(self, error: Exception, steps: list[SchedulerOutput]) -> None:
         """Fail the sequences of ``steps`` (the step that raised, and the launched one it was
@@ -431,6 +463,23 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def call(self, call: EngineCall) -> Any:
+        """Run one client call (``CallEngine``), told apart by its type. Raises TypeError for anything
+        that is not an ``EngineCall``."""
+        match call:
+            case AddLoRA(lora_request=lora_request):
+                return self.add_lora(lora_request)
+            case RemoveLoRA(lora_name=lora_name):
+                return self.remove_lora(lora_name)
+            case ListLoRAs():
+                return self.list_loras()
+            case ResetPrefixCache():
+                return self.reset_prefix_cache()
+            case GetStats():
+                return self.get_stats()
+        refuse_non_call(call)
+        raise AssertionError(f"EngineCore.call has no case for {type(call).__name__}.")
+
     # ------------------------------------------------------------------ the loop
     def handle(self, command: EngineCommand, rejected: dict[str, BaseException]) -> Optional[CoreMessage]:
         """Apply one command. Returns the reply to send (a ``CallResult``), if any; a refused
@@ -442,12 +491,9 @@ class EngineCore:
                 rejected[command.request_id] = e
         elif isinstance(command, AbortRequests):
             self.abort_requests(command.request_ids)
-        elif isinstance(command, CallMethod):
+        elif isinstance(command, CallEngine):
             try:
-                if command.method not in CALLABLE_METHODS:
-                    raise AttributeError(f"engine method {command.method!r} cannot be called by name; "
-                                         f"use one of {CALLABLE_METHODS}.")
-                return CallResult(command.call_id, getattr(self, command.method)(*command.args))
+                return CallResult(command.call_id, self.call(command.call))
             except Exception as e:  # noqa: BLE001 - returned to the caller
                 return CallResult(command.call_id, error=e)
         elif isinstance(command, InjectFault):

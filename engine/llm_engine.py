@@ -150,7 +150,7 @@ class LLMEngine:
             out.error = errors[out.request_id]
         return outputs
 
-    # ------------------------------------------------------------------ adapters, stats, chat
+    # ------------------------------------------------------------------ adapters, stats
     def add_lora(self, lora_request) -> bool:
         """Load an adapter now: read from disk on this thread, then handed to the core. Raises the LoRA
         errors of ``LoRAManager.register``."""
@@ -175,9 +175,3 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: Optional[str] = None, continue_final_message: bool = False,
-                            **kwargs) -> str:
-        return self.processor.apply_chat_template(messages, add_generation_prompt, chat_template,
-                                                  continue_final_message, **kwargs)

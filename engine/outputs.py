@@ -2,11 +2,17 @@
 
 Scheduler -> runner: ``SchedulerOutput``. Runner -> scheduler: ``ModelRunnerOutput``.
 Scheduler -> output processor: ``EngineCoreOutput``. Output processor -> user: ``RequestOutput``.
+
+A ``SchedulerOutput`` is final once ``schedule()`` returns it: the step message and everything in it
+are frozen (tuples, frozensets and read-only mappings), so every rank of a tensor-parallel engine runs
+exactly what the scheduler decided.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Optional
 
 from engine.request import MultiModalFeature
@@ -19,70 +25,97 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------
 # Scheduler -> model runner
 # ----------------------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class NewRequestData:
     """A request the runner has no row for: sent in full once (also after preemption)."""
 
     req_id: str
-    all_token_ids: list[int]
+    """The sequence's id."""
+    all_token_ids: tuple[int, ...]
     """Prompt + outputs so far (outputs non-empty when resuming after preemption)."""
     num_prompt_tokens: int
+    """Prompt tokens at the start of ``all_token_ids``."""
     sampling_params: SamplingParams
-    block_ids: list[int]
+    """The sequence's resolved sampling parameters."""
+    block_ids: tuple[int, ...]
     """Every KV block of the request, in order."""
-    cross_block_ids: list[int]
+    cross_block_ids: tuple[int, ...]
     """Blocks for the cross-attention K/V of its encoder input, in position order (encoder-decoder
     models; empty otherwise). Allocated at admission, written by the runner before token 0."""
     num_computed_tokens: int
     """Tokens whose KV is already in ``block_ids`` (prefix-cache hits)."""
     lora_slot: int = -1
     """GPU slot of the request's adapter (NO_LORA = -1)."""
-    mm_features: list[MultiModalFeature] = field(default_factory=list)
-    eos_token_ids: set[int] = field(default_factory=set)
+    mm_features: tuple[MultiModalFeature, ...] = ()
+    """The request's media items, in prompt order."""
+    eos_token_ids: frozenset[int] = frozenset()
     """Ids the sampler masks while fewer than min_tokens outputs exist (empty with ignore_eos)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CachedRequestData:
     """Deltas for requests the runner already holds, one entry per scheduled request."""
 
-    req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    req_ids: tuple[str, ...] = ()
+    """The scheduled requests the runner already holds, in the scheduler's order."""
+    new_block_ids: tuple[tuple[int, ...], ...] = ()
     """Blocks appended this step (often empty)."""
-    num_computed_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: tuple[int, ...] = ()
     """Computed tokens before this step's tokens."""
-    lora_slots: list[int] = field(default_factory=list)
+    lora_slots: tuple[int, ...] = ()
     """Current slot of each request's adapter (slots can move between steps)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoRASlotLoad:
-    """Copy an adapter into a GPU slot before running the step."""
+    """Copy an adapter into a GPU slot before running the step (the scheduler grants it only for an
+    adapter whose weights are in host memory: ``Scheduler``'s ``lora_ready``)."""
 
     lora_slot: int
+    """The slot, 0..max_loras-1."""
     lora_request: "LoRARequest"
+    """The adapter (name and path; no weights)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerOutput:
-    """One step, decided: what to compute, where KV goes, which adapters sit where."""
+    """One step, decided: what to compute, where KV goes, which adapters sit where. Frozen, and its
+    mappings are read-only views (``MappingProxyType``, no copies)."""
 
-    scheduled_new_reqs: list[NewRequestData]
+    scheduled_new_reqs: tuple[NewRequestData, ...]
+    """Requests sent in full this step (admitted, or resumed after preemption)."""
     scheduled_cached_reqs: CachedRequestData
-    num_scheduled_tokens: dict[str, int]
+    """Deltas of the scheduled requests the runner already holds."""
+    num_scheduled_tokens: Mapping[str, int]
     """req_id -> tokens computed this step."""
     total_num_scheduled_tokens: int
-    finished_req_ids: set[str] = field(default_factory=set)
+    """Sum of ``num_scheduled_tokens``."""
+    finished_req_ids: frozenset[str] = frozenset()
     """Requests that ended since the last step: the runner drops their state."""
-    preempted_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: frozenset[str] = frozenset()
     """Requests preempted this step: the runner drops their row, keeps their generator."""
-    lora_loads: list[LoRASlotLoad] = field(default_factory=list)
+    lora_loads: tuple[LoRASlotLoad, ...] = ()
     """Adapters to copy into slots before this step."""
-    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_encoder_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """req_id -> indices into its mm_features whose encoder runs this step (before the step's forward;
     a request preempted this step keeps its entry: other requests may read the output)."""
-    free_encoder_identifiers: list[str] = field(default_factory=list)
+    free_encoder_identifiers: tuple[str, ...] = ()
     """Encoder outputs evicted from the cache: the runner drops them before this step runs."""
+    structured_output_req_ids: frozenset[str] = frozenset()
+    """Constrained requests that sample a token this step: the runner masks their logits rows with the
+    grammar bitmask it asks for once the forward is launched (``engine.runner.grammar_mask``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_scheduled_tokens", MappingProxyType(self.num_scheduled_tokens))
+        object.__setattr__(self, "scheduled_encoder_inputs", MappingProxyType(self.scheduled_encoder_inputs))
+
+    def __reduce__(self) -> tuple:
+        # A read-only mapping does not pickle (a tensor-parallel engine broadcasts each step): its dict does.
+        return (SchedulerOutput, (self.scheduled_new_reqs, self.scheduled_cached_reqs,
+                                  dict(self.num_scheduled_tokens), self.total_num_scheduled_tokens,
+                                  self.finished_req_ids, self.preempted_req_ids, self.lora_loads,
+                                  dict(self.scheduled_encoder_inputs), self.free_encoder_identifiers,
+                                  self.structured_output_req_ids))
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,30 +1,47 @@
 """User input -> validated ``EngineRequest``s. Every user error is a ``ValueError`` raised here.
 
 Handles prompt forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``, either with
-``"multi_modal_data": {"image": ...}``), chat templates, media (loaded, checked, preprocessed and
-placed: ``multimodal/``), length checks, the n > 1 fan-out (children share the prompt's KV blocks
-through the prefix cache) and adapter checks.
+``"multi_modal_data": {"image": ...}``), media (loaded, checked, preprocessed and placed: ``multimodal/``),
+length checks, the n > 1 fan-out (children share the prompt's KV blocks through the prefix cache) and
+adapter checks. It holds the model's ``ChatRenderer`` (``engine/chat_render.py``): a chat reaches
+``process`` rendered and tokenized, as ``prompt_token_ids``.
+
+The encoder-cache key of every media item is final when ``process`` returns: the content hash, and the
+adapter's name too when the request's adapter updates an encoder projection (``encoder_keyed``).
+
+A constrained request (``SamplingParams.structured_outputs``) has its grammar compiled here, in the
+caller's worker thread, by the engine's ``GrammarCompilePool`` (the engine then finds it in the pool's
+cache): a schema, regex or grammar that does not compile is a ``StructuredOutputError`` (a 400 naming
+``structured_outputs`` or ``response_format``, with the compiler's reason) before anything is queued.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from engine.chat_template import (ChatTemplateError, TemplateLimits, render_chat_template,
-                                  select_template)
+from engine.chat_render import ChatRenderer
+from engine.chat_template import TemplateLimits
 from engine.config import ModelConfig, MultiModalConfig
 from engine.request import EngineRequest, MultiModalFeature, PlaceholderRange
 from engine.sampling_params import SamplingParams
+from engine.structured_output.compiler import GrammarCompilePool
+from engine.structured_output.errors import StructuredOutputError
 from multimodal.audio import AudioError, AudioLimits, load_audio
 from multimodal.budget import MediaBudget, MediaReservation
 from multimodal.media import MediaError, MediaLimits, checked_image, finish_decode, open_image, read_image_source
 from multimodal.processing import ImagePromptProcessor
 
 PromptType = Union[str, list[int], dict[str, Any]]
+
+GRAMMAR_VALIDATE_WAIT_S = 10.0
+"""Longest a request's processing waits for its grammar to compile. A slower grammar goes on to the engine
+still compiling: the request waits there without holding back the others, and a compile error ends it
+there (the same 400)."""
 
 
 class Processor:
@@ -35,7 +52,8 @@ class Processor:
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, vocab_size: int,
                  eos_token_ids: set[int], lora_enabled: bool, max_n: int = 256,
                  mm_processor: Optional[ImagePromptProcessor] = None,
-                 mm_config: Optional[MultiModalConfig] = None, transcriber=None) -> None:
+                 mm_config: Optional[MultiModalConfig] = None, transcriber=None, *,
+                 grammar_pool: GrammarCompilePool) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -44,11 +62,9 @@ class Processor:
         self.lora_enabled = lora_enabled
         self.max_n = max_n
         """Largest ``n``: one request may not fan out into more samples than can run at once."""
-        self.chat_template = getattr(tokenizer, "chat_template", None)
-        """The operator's chat template text (the tokenizer's own, or ``--chat-template``'s, read once by
-        ``engine.loader.tokenizer.load_tokenizer``); a dict of named templates for some tokenizers."""
-        self.template_limits = TemplateLimits.for_max_model_len(max_model_len)
-        """Time and size bounds of every chat template render (``engine.chat_template``)."""
+        self.chat_renderer = ChatRenderer(tokenizer, TemplateLimits.for_max_model_len(max_model_len),
+                                          takes_images=mm_processor is not None)
+        """Chat messages -> the template's text and its token ids (the server's and ``LLM.chat``'s)."""
         self.reject_overlong_max_tokens = False
         """True (the HTTP server, as vLLM's): prompt + max_tokens beyond max_model_len is a 400.
         False (offline): max_tokens is capped at the room left and the output ends with 'length'."""
@@ -62,6 +78,9 @@ class Processor:
         """The longest token's length in characters (``max_token_chars``), found on first use."""
         self.transcriber = transcriber
         """Whisper models: plans and assembles transcriptions (``engine.transcription``); None otherwise."""
+        self.grammar_pool = grammar_pool
+        """Compiles (and caches) the grammars of constrained requests: the engine's pool in the same process,
+        a copy of it in the engine-process mode's API process."""
         self.allow_local_media_paths = True
         """Offline: images may be given as plain file paths. The server sets False (only URLs, and
         ``file://`` only under ``allowed_local_media_path``)."""
@@ -150,41 +169,6 @@ class Processor:
             out.append(t)
         return out
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: Optional[str] = None, continue_final_message: bool = False,
-                            **kwargs) -> str:
-        """Render ``messages`` through ``chat_template`` (template TEXT, never a file path) or, when it is
-        None or empty, the operator's template; in jinja2's sandbox within ``template_limits``.
-
-        Raises:
-            ChatTemplateError (a ValueError, ``param`` naming the field to blame): no template, the
-                template does not compile, raised, or crossed a bound.
-        """
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages: at least one message is required.")
-        from_request = bool(chat_template)
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise ChatTemplateError("chat_template: expected the template text (a string).",
-                                    param="chat_template")
-        try:
-            template = (chat_template if from_request
-                        else select_template(self.chat_template, kwargs.get("tools")))
-        except ValueError as e:
-            raise ChatTemplateError(f"chat_template: {e}", param="messages") from e
-        if template is None:
-            raise ChatTemplateError("chat_template: the model's tokenizer has no chat template; pass "
-                                    "--chat-template.", param="messages")
-        return render_chat_template(
-            template, messages, limits=self.template_limits,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            special_tokens=getattr(self.tokenizer, "special_tokens_map", None), from_request=from_request,
-            **kwargs)
-
-    def encode_chat(self, text: str) -> list[int]:
-        # The template already holds the special tokens: don't add BOS again.
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     # ------------------------------------------------------------------ requests
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, lora_request=None,
                 priority: int = 0, arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
@@ -197,6 +181,7 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: expected a SamplingParams.")
         self.check_n(params.n)
+        self.check_structured_outputs(params)   # before any media is read
         text, ids = self.tokenize_prompt(prompt)
         features: list[MultiModalFeature] = []
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
@@ -355,6 +340,7 @@ class Processor:
         arrival = time.time() if arrival_time is None else arrival_time
         eos = set() if params.ignore_eos else set(self.eos_token_ids)
         lora_request = self.attach_adapter(lora_request)
+        mm_features = self.encoder_keyed(list(mm_features or []), lora_request)
         children = []
         for i in range(params.n):
             p = params
@@ -368,8 +354,22 @@ class Processor:
             children.append(EngineRequest(
                 request_id=rid, prompt=text, prompt_token_ids=list(ids), sampling_params=p,
                 eos_token_ids=eos, arrival_time=arrival, priority=priority, lora_request=lora_request,
-                cache_salt=cache_salt, max_tokens=max_tokens, mm_features=list(mm_features or [])))
+                cache_salt=cache_salt, max_tokens=max_tokens, mm_features=list(mm_features)))
         return children
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's constraint (or find it compiled), waiting up to ``GRAMMAR_VALIDATE_WAIT_S``.
+        Raises ``StructuredOutputError`` (its message starting with the field it blames) when it does not
+        compile."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        try:
+            self.grammar_pool.validate(constraint, param=constraint.param, timeout_s=GRAMMAR_VALIDATE_WAIT_S)
+        except StructuredOutputError as e:
+            raise e.named() from None
+        except concurrent.futures.TimeoutError:
+            pass   # still compiling: the engine waits for it
 
     def use_adapter_uploads(self, uploads) -> None:
         """Read the adapters requests name here, in the engine's client, before a request reaches the
@@ -384,6 +384,17 @@ class Processor:
         if lora_request is None or self.adapter_uploads is None:
             return lora_request
         return self.adapter_uploads.attach(lora_request)
+
+    def encoder_keyed(self, features: list[MultiModalFeature], lora_request) -> list[MultiModalFeature]:
+        """``features`` under their final encoder-cache keys: keyed under the adapter's name when the
+        request's adapter updates a projection of the model's encoder (its encoder output is its own:
+        ``AdapterUploads.adapts_encoder``), else by content alone (the base encoder's output, shared by
+        the requests of every other adapter)."""
+        if not features or lora_request is None or self.adapter_uploads is None:
+            return features
+        if not self.adapter_uploads.adapts_encoder(lora_request):
+            return features
+        return [f.with_encoder_adapter(lora_request.lora_name) for f in features]
 
 
 CHILD_ID_SEPARATOR = "#"

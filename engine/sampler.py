@@ -1,8 +1,11 @@
 """Logits -> token ids (+ logprobs), one host sync per call. Follows vLLM V1's sampler.
 
 Algorithm, per step (rows = requests sampling now):
-  1. raw logprobs = log_softmax(logits), kept when some row wants logprobs in a raw mode;
-  2. min_tokens: a row's eos and stop ids -> -inf while it has fewer than min_tokens outputs;
+  1. raw logprobs = log_softmax(logits), kept when some row wants logprobs in a raw mode: the model's own
+     distribution, before any of the steps below (a constrained row's grammar included);
+  2. grammar: a constrained row's tokens its grammar forbids -> -inf (``TokenBitmask``); then min_tokens:
+     a row's eos and stop ids -> -inf while it has fewer than min_tokens outputs, except in a constrained
+     row whose grammar allows nothing else (it may end);
   3. penalties: repetition (HF, over prompt + outputs), then frequency, then presence (outputs);
   4. greedy rows (temperature 0 or top_k 1): argmax of the penalized logits;
   5. random rows: temperature, top-k, top-p, min-p, then an exponential race
@@ -22,12 +25,24 @@ import torch
 
 from engine.outputs import LogprobsLists
 from engine.sampling_metadata import SamplingMetadata
+from engine.structured_output.bitmask import apply_token_bitmask
 
 _MIN_EXPONENTIAL = 1e-20
 """Floor for the race's Exp(1) draws: a 0 would turn prob 0 / q into NaN, which argmax picks."""
 
 _PROMPT_LOGPROBS_CHUNK_ROWS = 1024
 """Rows of prompt logits turned into log_softmax at a time (bounds the extra [rows, vocab] buffer)."""
+
+
+@dataclass(frozen=True)
+class TokenBitmask:
+    """The tokens the grammars of a step's constrained rows allow, on the logits' device."""
+
+    bitmask: torch.Tensor
+    """[num_rows, words] int32: bit ``t % 32`` of word ``t // 32`` of row ``r`` set: token ``t`` allowed in
+    logits row ``r`` (rows not in ``rows`` are ignored)."""
+    rows: torch.Tensor | list[int]
+    """The constrained logits rows: [K] int64 on the device (a list on the host)."""
 
 
 @dataclass
@@ -51,6 +66,21 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     """Set the (row, token) pairs still under min_tokens to -inf, in place."""
     if meta.min_tokens_row_ids is not None:
         logits[meta.min_tokens_row_ids, meta.min_tokens_token_ids] = float("-inf")
+    return logits
+
+
+def apply_grammar_and_min_tokens(logits: torch.Tensor, meta: SamplingMetadata,
+                                 token_bitmask: TokenBitmask) -> torch.Tensor:
+    """The grammar's mask, then min_tokens, in place: a row that min_tokens would leave without any allowed
+    token (its grammar allows only its stop tokens) keeps them instead. No host sync."""
+    apply_token_bitmask(logits, token_bitmask.bitmask, token_bitmask.rows)
+    if meta.min_tokens_row_ids is None:
+        return logits
+    rows, ids = meta.min_tokens_row_ids, meta.min_tokens_token_ids   # [M] each
+    kept = logits[rows, ids]  # [M]
+    logits[rows, ids] = float("-inf")
+    dead = torch.isneginf(logits).all(dim=-1)  # [R]
+    logits[rows, ids] = torch.where(dead[rows], kept, torch.full_like(kept, float("-inf")))
     return logits
 
 
@@ -193,16 +223,18 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor
 class Sampler:
     """Stateless: all per-request state comes in ``SamplingMetadata`` (generators included)."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, to_host: bool = True) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, to_host: bool = True,
+                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
         """Sample one token per row. ``logits`` [R, vocab] (float32 or the model's dtype; upcast here
         unless the argmax alone decides, which is exact in any dtype) is not modified.
 
         With ``to_host=False`` nothing waits for the device unless some row wants logprobs: the
         ids stay on the device (``sampled_token_id_list`` None) for an async copy by the caller.
+        ``token_bitmask``: the grammars of the constrained rows (None: no row is constrained).
         """
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, (logits.shape, meta.num_rows)
         if (meta.all_greedy and meta.no_penalties and meta.max_num_logprobs is None
-                and meta.min_tokens_row_ids is None):
+                and meta.min_tokens_row_ids is None and token_bitmask is None):
             sampled = logits.argmax(dim=-1)  # [R] fast path: nothing else to do
             return SamplerOutput(sampled, sampled.tolist() if to_host else None, None)
 
@@ -210,7 +242,11 @@ class Sampler:
         raw_mode = meta.logprobs_mode.startswith("raw")
         raw = logits.float() if want_logprobs and raw_mode else None
 
-        logits = apply_min_tokens(logits.to(torch.float32, copy=True), meta)  # [R, V], owned
+        logits = logits.to(torch.float32, copy=True)  # [R, V], owned
+        if token_bitmask is not None:
+            logits = apply_grammar_and_min_tokens(logits, meta, token_bitmask)
+        else:
+            logits = apply_min_tokens(logits, meta)
         logits = apply_penalties(logits, meta)
         greedy_ids = None if meta.all_random else logits.argmax(dim=-1)  # [R]
         processed = logits

@@ -3,6 +3,13 @@
 Pure Python over ints and ids. It decides which tokens each request computes, which KV blocks
 hold them and which LoRA slot each adapter sits in; the runner only does what the resulting
 ``SchedulerOutput`` says.
+
+Constrained requests (``SamplingParams.structured_outputs``) are tracked by the engine's
+``StructuredOutputManager`` (``engine.structured_output.manager``): admitted once their grammar is
+compiled (others are scheduled meanwhile), their sampled tokens fed to their matcher in
+``update_from_output`` (a grammar that ends finishes the request with ``stop``), their matcher freed with
+them. A grammar that fails to compile or a token it rejects ends the request with a
+``StructuredOutputError`` (``take_failed``).
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine.encoder_cache_manager import EncoderCacheManager
@@ -19,9 +26,14 @@ from engine.outputs import (CachedRequestData, EngineCoreOutput, LoRASlotLoad, M
                             NewRequestData, SchedulerOutput, SchedulerStats)
 from engine.request import Request, RequestStatus
 from engine.request_queue import create_request_queue
+from engine.structured_output.errors import StructuredOutputError
+from engine.structured_output.manager import AcceptStatus
 from lora import NO_LORA
 from lora.slot_manager import LoRASlotManager
 from lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import GrammarBitmask, ReasoningTracker, StructuredOutputManager
 
 
 LORA_RESERVE_AFTER_STEPS = 0
@@ -47,7 +59,7 @@ class _StepPlan:
     lora_loads: list[LoRASlotLoad] = field(default_factory=list)
     encoder_budget: int = 0
     """Encoder embeddings still available this step."""
-    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    encoder_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """req_id -> indices of its media items encoded this step."""
 
 
@@ -71,13 +83,22 @@ class Scheduler:
         max_model_len: prompt + output tokens per request at most.
         num_kv_blocks: KV blocks in the cache, including the reserved null block 0.
         lora_config: adapter slots; None when adapters are disabled.
+        lora_ready: whether an adapter's weights are in host memory, so that a step may load it into a
+            slot (the engine's ``LoRAManager.host_ready``, which has a missing one read off the step
+            loop); a waiting request whose adapter needs a slot and is not ready waits, and a step's
+            ``lora_loads`` name only ready adapters. None: every adapter is ready.
         max_embeds_per_mm_item: encoder embeddings of the largest media item the model can produce
             (0: a text-only model); sizes the encoder budget and cache (``SchedulerConfig.encoder_budgets``).
+        structured_output: the engine's ``StructuredOutputManager``; None: a request with
+            ``structured_outputs`` is refused.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_kv_blocks: int,
-                 lora_config: Optional[LoRAConfig] = None, max_embeds_per_mm_item: int = 0) -> None:
+                 lora_config: Optional[LoRAConfig] = None,
+                 lora_ready: Optional[Callable[[LoRARequest], bool]] = None,
+                 max_embeds_per_mm_item: int = 0,
+                 structured_output: Optional["StructuredOutputManager"] = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -90,10 +111,7 @@ class Scheduler:
         # req_id -> step at which a waiting LoRA request first found no slot.
         self._lora_blocked_since: dict[str, int] = {}
         self.lora_reserve_after_steps = LORA_RESERVE_AFTER_STEPS
-        self.lora_ready: Optional[Callable[[LoRARequest], bool]] = None
-        """Whether an adapter's weights are in host memory, so a step may load it into a slot (the
-        engine's ``LoRAManager.host_ready``, which has a missing one read off the step loop); a waiting
-        request whose adapter needs a slot and is not ready waits. None: always ready."""
+        self.lora_ready = lora_ready
         self.encoder_compute_budget, encoder_cache_size = scheduler_config.encoder_budgets(max_embeds_per_mm_item)
         self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
 
@@ -104,6 +122,12 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(): the runner drops their rows.
         self.finished_req_ids: set[str] = set()
+        self.structured_output = structured_output
+        self.new_reasoning_tracker: Optional[Callable[[Request], Optional["ReasoningTracker"]]] = None
+        """Set by the engine when it has a reasoning parser: the tracker of a constrained request's reply
+        (None: it does not reason), so that its grammar constrains only what follows the reasoning."""
+        self._failed: dict[str, BaseException] = {}
+        """Requests ended with a ``StructuredOutputError`` since the last ``take_failed()``."""
 
         # Counters for get_stats().
         self.num_preemptions = 0
@@ -146,6 +170,12 @@ class Scheduler:
                 f"request {rid!r} needs up to {max_total_tokens} tokens{cross} (prompt {prompt_len} + "
                 f"max_tokens {request.max_tokens}, within max_model_len {self.max_model_len}); raise kv_cache_space / gpu_memory_utilization / "
                 "num_gpu_blocks_override or lower max_tokens / max_model_len.")
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output is None:
+                raise ValueError(f"{constraint.param}: this engine has no constrained decoding.")
+            tracker = self.new_reasoning_tracker(request) if self.new_reasoning_tracker is not None else None
+            self.structured_output.add_request(rid, constraint, reasoning=tracker)
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.add_request(request)
@@ -171,6 +201,8 @@ class Scheduler:
             that does not fit.
         (3) Emit new requests in full, known ones as deltas, then advance
             ``num_computed_tokens`` right away so the next step continues the chunk.
+        A constrained request waits (skipped, holding nothing) while its grammar compiles; one whose
+        grammar failed ends with the compiler's error (``take_failed``).
         Async scheduling: a request whose step reaches the end of its tokens gets an output
         placeholder (``num_output_placeholders``), counted as a known token, so the next
         ``schedule()`` may run before this step's ``update_from_output()`` and schedule the
@@ -183,7 +215,7 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
-        output = self._build_output(plan)
+        output = self._build_output(plan, self._constrained_sampling(plan))
         for req_id, n in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
@@ -196,6 +228,19 @@ class Scheduler:
         self.max_reqs_per_step = max(self.max_reqs_per_step, len(plan.num_scheduled_tokens))
         self.last_num_scheduled_tokens = output.total_num_scheduled_tokens
         return output
+
+    def _constrained_sampling(self, plan: _StepPlan) -> frozenset[str]:
+        """The constrained requests of the step whose tokens reach the end of their sequence: they sample
+        (``num_computed_tokens`` is not advanced yet)."""
+        if self.structured_output is None or not self.structured_output.num_requests():
+            return frozenset()
+        out = []
+        for req_id, n in plan.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if (self.structured_output.is_constrained(req_id) and request.num_computed_tokens + n
+                    >= request.num_tokens + request.num_output_placeholders):
+                out.append(req_id)
+        return frozenset(out)
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
         n = request.num_tokens + request.num_output_placeholders - num_computed
@@ -286,6 +331,11 @@ class Scheduler:
                 # Preempted while its last token was in flight: resume once the token is back.
                 skipped.append(self.waiting.pop_request())
                 continue
+            if self.structured_output is not None and not self._grammar_ready(request):
+                self.waiting.pop_request()
+                if not request.is_finished():
+                    skipped.append(request)   # still compiling: the requests behind it go on
+                continue
             if request.lora_request is not None and not self._lora_admissible(request):
                 skipped.append(self.waiting.pop_request())
                 if first_slotless is None and self._needs_new_slot(request):
@@ -316,6 +366,25 @@ class Scheduler:
         self.waiting.prepend_requests(skipped)
         if first_slotless is not None:
             self._maybe_reserve_lora_slot(first_slotless)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a waiting request's grammar allows scheduling it: unconstrained, or compiled. A grammar
+        that failed to compile ends the request (popped from the queue by the caller) with its error."""
+        manager = self.structured_output
+        rid = request.request_id
+        if manager.is_ready(rid):
+            return True
+        error = manager.error(rid)
+        if error is not None:
+            param = request.sampling_params.structured_outputs.param
+            self._fail_with(request, error.with_param(param).named(), held_slot=False)
+        return False
+
+    def _fail_with(self, request: Request, error: StructuredOutputError, held_slot: bool) -> None:
+        """End ``request`` with ``error`` (reported by ``take_failed``, not as an output) and free it."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self._failed[request.request_id] = error
+        self._free_request(request, held_slot)
 
     def _admit(self, plan: _StepPlan, request: Request, num_computed: int, num_new_tokens: int) -> None:
         if request.lora_request is not None:
@@ -380,7 +449,7 @@ class Scheduler:
         for i in encoder_inputs:
             self.encoder_cache_manager.allocate(request, i)
             plan.encoder_budget -= request.mm_features[i].num_embeds
-        plan.encoder_inputs[request.request_id] = encoder_inputs
+        plan.encoder_inputs[request.request_id] = tuple(encoder_inputs)
 
     def _release_consumed_encoder_inputs(self, request: Request) -> None:
         """Drop the request's reference to each item whose last placeholder in the request is computed."""
@@ -482,37 +551,42 @@ class Scheduler:
     # ----------------------------------------------------------------------------------
     # Output
     # ----------------------------------------------------------------------------------
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
-        new_reqs = [
+    def _build_output(self, plan: _StepPlan, structured_output_req_ids: frozenset[str]) -> SchedulerOutput:
+        """The step's frozen message. NOTE: ``plan``'s dicts become its read-only mappings without a copy
+        (the plan is dropped after this step)."""
+        kv = self.kv_cache_manager
+        new_reqs = tuple([
             NewRequestData(
                 req_id=r.request_id,
-                all_token_ids=list(r.all_token_ids),
+                all_token_ids=tuple(r.all_token_ids),
                 num_prompt_tokens=r.num_prompt_tokens,
                 sampling_params=r.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-                cross_block_ids=self.kv_cache_manager.get_cross_block_ids(r.request_id),
+                block_ids=tuple(kv.get_block_ids(r.request_id)),
+                cross_block_ids=tuple(kv.get_cross_block_ids(r.request_id)),
                 num_computed_tokens=r.num_computed_tokens,
                 lora_slot=self._lora_slot(r),
-                mm_features=r.mm_features,
-                eos_token_ids=r.eos_token_ids,
+                mm_features=tuple(r.mm_features),
+                eos_token_ids=frozenset(r.eos_token_ids),
             ) for r in plan.new_reqs
-        ]
-        cached = CachedRequestData()
-        for r in plan.running_reqs:
-            cached.req_ids.append(r.request_id)
-            cached.new_block_ids.append(plan.new_block_ids[r.request_id])
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-            cached.lora_slots.append(self._lora_slot(r))
+        ])
+        running = plan.running_reqs
+        cached = CachedRequestData(
+            req_ids=tuple([r.request_id for r in running]),
+            new_block_ids=tuple([tuple(plan.new_block_ids[r.request_id]) for r in running]),
+            num_computed_tokens=tuple([r.num_computed_tokens for r in running]),
+            lora_slots=tuple([self._lora_slot(r) for r in running]),
+        )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
-            finished_req_ids=set(self.finished_req_ids),
-            preempted_req_ids={r.request_id for r in plan.preempted},
-            lora_loads=plan.lora_loads,
+            finished_req_ids=frozenset(self.finished_req_ids),
+            preempted_req_ids=frozenset([r.request_id for r in plan.preempted]),
+            lora_loads=tuple(plan.lora_loads),
             scheduled_encoder_inputs=plan.encoder_inputs,
-            free_encoder_identifiers=self.encoder_cache_manager.take_freed(),
+            free_encoder_identifiers=tuple(self.encoder_cache_manager.take_freed()),
+            structured_output_req_ids=structured_output_req_ids,
         )
 
     # ----------------------------------------------------------------------------------
@@ -520,7 +594,9 @@ class Scheduler:
     # ----------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, check stops, free finished requests, emit outputs."""
+        """Append sampled tokens, check stops (a constrained request's grammar too), free finished requests,
+        emit outputs. A constrained request whose grammar rejects its token ends without an output
+        (``take_failed``)."""
         row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
         now = time.time()
@@ -535,6 +611,8 @@ class Scheduler:
                 request.num_output_placeholders = max(0, request.num_output_placeholders - len(sampled))
             was_running = request.status == RequestStatus.RUNNING
             new_token_ids = self._append_and_check_stop(request, sampled)
+            if new_token_ids and self.structured_output is not None:
+                self._accept_grammar_tokens(request, new_token_ids)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if new_token_ids and request.first_token_time is None:
                 request.first_token_time = now
@@ -545,6 +623,8 @@ class Scheduler:
                     # Async scheduling: preempted after this step was launched, finished by its token.
                     self.waiting.remove_requests([request])
                 self._free_request(request, held_slot=was_running)
+            if request.status == RequestStatus.FINISHED_ERROR:
+                continue   # its grammar rejected the token: reported by take_failed()
             if new_token_ids or prompt_logprobs is not None or finished:
                 outputs.append(EngineCoreOutput(
                     req_id=req_id,
@@ -558,6 +638,23 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def _accept_grammar_tokens(self, request: Request, token_ids: list[int]) -> None:
+        """Feed a constrained request's matcher its new tokens: a grammar that ended finishes the request
+        (``stop``, even under ``min_tokens`` or with ``ignore_eos``: nothing else may follow); a token it
+        rejects ends the request with an error."""
+        rid = request.request_id
+        if not self.structured_output.is_constrained(rid):
+            return
+        status = self.structured_output.accept_tokens(rid, token_ids)
+        if status is AcceptStatus.REJECTED:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._failed[rid] = StructuredOutputError(
+                f"the model sampled token {token_ids[-1]}, which the grammar does not allow there; the "
+                "request was ended.", param=request.sampling_params.structured_outputs.param).named()
+        elif status is AcceptStatus.TERMINATED and not request.is_finished():
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None
 
     def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
         new_token_ids: list[int] = []
@@ -642,8 +739,24 @@ class Scheduler:
             self.lora_slots.release(request.lora_request)
         request.finished_time = time.time()
         self._lora_blocked_since.pop(request.request_id, None)
+        if self.structured_output is not None:
+            self.structured_output.free(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+
+    def take_failed(self) -> dict[str, BaseException]:
+        """Requests ended with an error since the last call, request id -> ``StructuredOutputError`` (a
+        grammar that did not compile, or rejected a sampled token): the client reports it (a 400)."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def grammar_bitmask(self, sample_req_ids: Sequence[str]) -> Optional["GrammarBitmask"]:
+        """The host bitmask of a step's sampling rows (``sample_req_ids``: the step's requests that sample,
+        in logits-row order), filled from the constrained requests' matchers; None when none is
+        constrained. Their tokens of every earlier step must have been through ``update_from_output``."""
+        if self.structured_output is None:
+            return None
+        return self.structured_output.fill_bitmask([(rid, row) for row, rid in enumerate(sample_req_ids)])
 
     # ----------------------------------------------------------------------------------
     # Queries

@@ -9,6 +9,7 @@ group with them, send each step to them, and watch that they live.
     wait_ready()
     each step: send_step(so)  --broadcast-->    run_worker_loop: execute(so)
                runner.execute(so)  <== all-reduce / all-gather in every layer ==>
+               (constrained rows: send_grammar_bitmask  --broadcast-->  after the forward, before sampling)
     close(): WorkerStep(shutdown=True), join
 
 Failure: a worker that raises reports it and exits; a killed one just exits. The watchdog thread
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -41,6 +43,9 @@ from engine.distributed.messages import AddAdapter, AdapterCommand, RemoveAdapte
 from engine.distributed.worker import WorkerSpec, worker_main
 from engine.errors import EngineDeadError, EngineStartupError
 from engine.outputs import SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import GrammarBitmask
 
 logger = logging.getLogger("chorus.distributed")
 
@@ -234,6 +239,14 @@ class TensorParallelExecutor:
         step = WorkerStep(self._pending, so)
         self._pending = []
         self.group.broadcast_object(step)
+
+    def send_grammar_bitmask(self, bitmask: Optional["GrammarBitmask"]) -> None:
+        """Broadcast the grammar bitmask of the step being run (rank 0's runner asked for it once its
+        forward was launched; each worker's runner asks at the same point: ``run_worker_loop``). Sent as a
+        copy of its rows (it is a view of the manager's whole buffer)."""
+        if bitmask is not None:
+            bitmask = dataclasses.replace(bitmask, bitmask=bitmask.bitmask.clone())
+        self.group.broadcast_object(bitmask)
 
     @property
     def dead_reason(self) -> Optional[str]:

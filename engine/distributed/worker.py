@@ -7,6 +7,7 @@ rank 0 broadcasts on it, until told to stop.
         repeat: step = broadcast from rank 0
                 apply its adapter commands; if step.shutdown: stop
                 runner.execute(step.scheduler_output)   # same sampling as rank 0; the output is dropped
+                    (constrained rows: rank 0's grammar bitmask is broadcast between forward and sampling)
 
 Any exception ends the process with exit code 1 after its report (start-up) or log line (steps),
 which closes its sockets: rank 0's pending collective fails at once (gloo) or at the group's timeout
@@ -54,7 +55,7 @@ def worker_main(spec: WorkerSpec, reports: Any) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{spec.rank} %(name)s: %(message)s")
     from engine.distributed.group import destroy_tensor_parallel, init_tensor_parallel
     from engine.distributed.rank import build_rank
-    from engine.model_runner import resolve_device
+    from engine.device import resolve_device
 
     stage = "joining the process group"
     try:
@@ -100,5 +101,12 @@ def run_worker_loop(group, runner, lora_manager) -> None:
                 lora_manager.remove(command.lora_name)
         if step.shutdown:
             return
-        if step.scheduler_output is not None:
-            runner.execute(step.scheduler_output)
+        so = step.scheduler_output
+        if so is not None:
+            runner.execute(so, _rank0_grammar_bitmask(group) if so.structured_output_req_ids else None)
+
+
+def _rank0_grammar_bitmask(group):
+    """A worker's ``GrammarSource``: the bitmask rank 0 broadcasts when its runner asks for it (each
+    rank's runner asks at the same point of the step)."""
+    return lambda _sample_req_ids: group.broadcast_object()

@@ -68,6 +68,7 @@ def to_sampling_params(req: SamplingFields, *, max_tokens: Optional[int], logpro
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=req.structured_outputs_params(),
     )
 
 

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from engine.core_messages import AddLoRA, RemoveLoRA
 from engine.server.errors import BadRequestError, NotFoundError
 from engine.server.protocol import ModelCard, ModelList
 from engine.server.lora_paths import path_under_roots
@@ -156,11 +157,10 @@ class OpenAIServingModels:
         """Read the adapter on a worker thread (disk, checks: never on the event loop nor in the
         engine's step loop), hand it to the engine, then let requests name it."""
         uploads = self._adapter_uploads()
-        if self.engine_client.has_engine_method("add_lora"):
-            loaded = await asyncio.to_thread(uploads.read, lora) if uploads is not None else lora
-            await self.engine_client.call_engine("add_lora", loaded)
-            if uploads is not None:
-                uploads.mark_sent(lora)
+        loaded = await asyncio.to_thread(uploads.read, lora) if uploads is not None else lora
+        await self.engine_client.call_engine(AddLoRA(loaded))
+        if uploads is not None:
+            uploads.mark_sent(lora)
         self.lora_requests[lora.lora_name] = lora
         logger.info("Loaded LoRA adapter %r from %r.", lora.lora_name, lora.lora_path)
         return lora
@@ -173,6 +173,5 @@ class OpenAIServingModels:
             uploads = self._adapter_uploads()
             if uploads is not None:
                 uploads.forget(lora_name)
-            if self.engine_client.has_engine_method("remove_lora"):
-                await self.engine_client.call_engine("remove_lora", lora_name)
+            await self.engine_client.call_engine(RemoveLoRA(lora_name))
             del self.lora_requests[lora_name]

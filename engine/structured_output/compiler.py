@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,8 +23,10 @@ from typing import Any, Optional, Sequence, Union
 from engine.structured_output.backend import CompiledGrammar, StructuredOutputBackend
 from engine.structured_output.errors import PARAM_STRUCTURED_OUTPUTS, StructuredOutputError
 from engine.structured_output.params import StructuredOutputsParams
-from engine.structured_output.selection import make_backend
+from engine.structured_output.selection import UnavailableBackend, make_backend
 from engine.structured_output.spec import GrammarSpec
+
+logger = logging.getLogger("chorus.structured_output")
 
 DEFAULT_MAX_WORKERS = 2
 """Compile threads: compilations are rare next to decode steps, and each may use a few threads of its
@@ -72,6 +75,8 @@ class GrammarCompilePool:
         """``submit`` calls answered from the cache (finished or in flight)."""
         self.cache_misses = 0
         """``submit`` calls that started a compilation."""
+        self._rebuild_args: Optional[tuple] = None
+        """``for_tokenizer``'s arguments, when it built the pool (what it pickles as)."""
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int, backend: str = "auto",
@@ -79,9 +84,26 @@ class GrammarCompilePool:
                       max_workers: int = DEFAULT_MAX_WORKERS,
                       max_cached: int = DEFAULT_MAX_CACHED) -> "GrammarCompilePool":
         """A pool for ``tokenizer`` with the backend named ``backend`` (``auto``, ``xgrammar``,
-        ``guidance``). Raises ``StructuredOutputError`` when a named backend cannot read the tokenizer."""
-        return cls(make_backend(backend, tokenizer, vocab_size, stop_token_ids),
-                   tokenizer_fingerprint(tokenizer, vocab_size, stop_token_ids), max_workers, max_cached)
+        ``guidance``). A named backend that cannot read the tokenizer is logged, and every spec then fails
+        with its reason (``selection.UnavailableBackend``). The pool pickles as these arguments (the
+        engine process sends its request processor, which validates with a pool, to the API process)."""
+        try:
+            built = make_backend(backend, tokenizer, vocab_size, stop_token_ids)
+        except StructuredOutputError as e:
+            logger.warning("Constrained decoding is unavailable (--structured-outputs-backend %s): %s",
+                           backend, e)
+            built = UnavailableBackend(backend, vocab_size, e)
+        fingerprint = tokenizer_fingerprint(tokenizer, vocab_size, stop_token_ids)
+        pool = cls(built, fingerprint, max_workers, max_cached)
+        pool._rebuild_args = (tokenizer, vocab_size, backend, list(stop_token_ids or []), max_workers,
+                              max_cached)
+        return pool
+
+    def __reduce__(self) -> tuple:
+        """A pool built by ``for_tokenizer`` pickles as its arguments (a fresh pool, empty cache)."""
+        if self._rebuild_args is None:
+            raise TypeError("only a GrammarCompilePool built by for_tokenizer can be pickled")
+        return (GrammarCompilePool.for_tokenizer, self._rebuild_args)
 
     def cache_key(self, spec: GrammarSpec) -> str:
         """The cache key of ``spec``: a hash of the backend, the spec and the tokenizer."""

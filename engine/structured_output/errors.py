@@ -31,3 +31,11 @@ class StructuredOutputError(ValueError):
     def with_param(self, param: str) -> "StructuredOutputError":
         """The same error blaming ``param`` (a ``response_format`` read into ``structured_outputs``)."""
         return StructuredOutputError(str(self), param=param, backend=self.backend)
+
+    def named(self) -> "StructuredOutputError":
+        """The same error with its message starting with ``param`` (``"response_format: ..."``): the API
+        layer reads the field a ``ValueError`` blames from the head of its message."""
+        text = str(self)
+        if text.startswith((f"{self.param}:", f"{self.param} ")):
+            return self
+        return StructuredOutputError(f"{self.param}: {text}", param=self.param, backend=self.backend)

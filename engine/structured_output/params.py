@@ -7,7 +7,7 @@ Light on purpose: ``engine.sampling_params`` imports it, so it needs neither tor
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
 from engine.structured_output.errors import (PARAM_RESPONSE_FORMAT, PARAM_STRUCTURED_OUTPUTS,
@@ -58,6 +58,9 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     """JSON schema kind: objects get no properties beyond those the schema lists, wherever the schema
     does not say (xgrammar always behaves so; the guidance backend follows JSON Schema otherwise)."""
+    _param: str = field(default=PARAM_STRUCTURED_OUTPUTS, compare=False)
+    """The request field the constraint came from, which its errors blame (``structured_outputs`` or
+    ``response_format``); set by ``from_dict`` / ``from_response_format``."""
 
     def __post_init__(self) -> None:
         chosen = self.kinds_set()
@@ -102,6 +105,11 @@ class StructuredOutputsParams:
                                      else getattr(self, k) is not None)]
 
     @property
+    def param(self) -> str:
+        """The request field this constraint's errors blame."""
+        return self._param
+
+    @property
     def kind(self) -> str:
         """The one kind set: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` or
         ``structural_tag``."""
@@ -113,13 +121,13 @@ class StructuredOutputsParams:
         """Build from a request body's ``structured_outputs`` object; unknown fields are an error."""
         if not isinstance(value, Mapping):
             raise _bad(f"{param} must be an object, got {type(value).__name__}.", param)
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if not f.name.startswith("_")}
         unknown = sorted(k for k in value if k not in known)
         if unknown:
             raise _bad(f"{param} has unsupported field(s) {', '.join(unknown)}; known: "
                        f"{', '.join(sorted(known))}.", param)
         try:
-            return cls(**value)
+            return cls(**value, _param=param)
         except StructuredOutputError as e:
             raise e.with_param(param) from None
 
@@ -140,7 +148,7 @@ class StructuredOutputsParams:
             return None
         try:
             if kind == "json_object":
-                return cls(json_object=True)
+                return cls(json_object=True, _param=PARAM_RESPONSE_FORMAT)
             if kind == "json_schema":
                 spec = response_format.get("json_schema")
                 if not isinstance(spec, Mapping):
@@ -149,9 +157,9 @@ class StructuredOutputsParams:
                 schema = spec.get("schema", spec.get("schema_"))
                 if schema is None:
                     raise _bad("response_format.json_schema.schema is required.", PARAM_RESPONSE_FORMAT)
-                return cls(json=schema)
+                return cls(json=schema, _param=PARAM_RESPONSE_FORMAT)
             if kind == "structural_tag":
-                return cls(structural_tag=dict(response_format))
+                return cls(structural_tag=dict(response_format), _param=PARAM_RESPONSE_FORMAT)
         except StructuredOutputError as e:
             raise e.with_param(PARAM_RESPONSE_FORMAT) from None
         raise _bad(f"response_format.type must be one of text, json_object, json_schema, structural_tag; "

@@ -76,6 +76,23 @@ class AutoBackend:
                 raise xgrammar_error from None
 
 
+class UnavailableBackend:
+    """A named backend that could not read the model's tokenizer: every compile fails with that reason (a
+    400 for each constrained request), and the engine serves its unconstrained requests."""
+
+    def __init__(self, name: str, vocab_size: int, error: StructuredOutputError) -> None:
+        self.name = name
+        self.vocab_size = int(vocab_size)
+        self._error = error
+        """Why the backend could not be built."""
+
+    def unsupported_reason(self, spec: GrammarSpec) -> Optional[str]:
+        return str(self._error)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        raise StructuredOutputError(str(self._error), backend=self._error.backend)
+
+
 def make_backend(name: str, tokenizer: Any, vocab_size: int,
                  stop_token_ids: Optional[Sequence[int]] = None) -> StructuredOutputBackend:
     """The backend ``name`` (``auto``, ``xgrammar`` or ``guidance``) for ``tokenizer``; the named ones

@@ -10,15 +10,19 @@ the step run on, and nothing leaks (its slot is free, KV blocks freed). A pickle
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import os
 import pickle
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
+from engine.core_messages import GetStats
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from lora import LoRARequest
@@ -134,6 +138,48 @@ def test_offline_damaged_adapter_fails_its_request_and_the_step_goes_on(engine, 
         engine.remove_lora(lora.lora_name)
 
 
+def test_offline_failed_host_copy_fails_its_requests_and_leaves_every_step_message_as_scheduled(
+        engine, adapter_src, monkeypatch):
+    """The host copy of an adapter the LRU dropped cannot be made (its read raises): only its request
+    fails, with the 4xx, the base request beside it runs, and every ``SchedulerOutput`` the scheduler
+    returned is frozen and unchanged once its step ran (none loads the failed adapter: the scheduler
+    loads only adapters in host memory)."""
+    ref = _base_reference(engine)
+    lora_a = LoRARequest("a-host", 3, str(adapter_src["a"]))
+    lora_b = LoRARequest("b-host", 4, str(adapter_src["b"]))
+    engine.add_lora(lora_a)
+    engine.add_lora(lora_b)                       # max_cpu_loras=1: a's host copy is dropped
+    loader, schedule = engine.lora_manager.loader, engine.scheduler.schedule
+    read = loader.reader.read
+
+    def failing_read(lora_request: LoRARequest):
+        if lora_request.lora_name == lora_a.lora_name:
+            raise LoRAAdapterNotFoundError("the host copy cannot be made")
+        return read(lora_request)
+
+    scheduled = []
+
+    def recording_schedule():
+        so = schedule()
+        scheduled.append((so, copy.deepcopy(so)))
+        return so
+
+    monkeypatch.setattr(loader, "reader", SimpleNamespace(read=failing_read))
+    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+    engine.add_request("lora", PROMPT, _params(), lora_request=lora_a)
+    engine.add_request("base", PROMPT, _params())
+    done, errors = _run(engine)
+    assert len(errors) == 1 and type(errors[0]) is LoRAAdapterNotFoundError and "'a-host'" in str(errors[0])
+    assert list(done) == ["base"] and done["base"].outputs[0].token_ids == ref
+    assert scheduled and all(so == snapshot for so, snapshot in scheduled)
+    assert all(load.lora_request != lora_a for so, _ in scheduled for load in so.lora_loads)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        scheduled[0][0].lora_loads = ()
+    monkeypatch.undo()
+    for lora in (lora_a, lora_b):
+        engine.remove_lora(lora.lora_name)
+
+
 @pytest.mark.parametrize("torch_zip", [False, True], ids=["raw-pickle", "torch-save"])
 def test_offline_pickle_in_adapter_bin_is_refused_not_run(engine, adapter_src, tmp_path, torch_zip):
     evil = _evil_adapter(adapter_src["a"], tmp_path / "evil", torch_zip)
@@ -202,7 +248,7 @@ def test_http_damaged_adapter_gives_4xx_and_the_base_request_beside_it_succeeds(
     err = bad.json()["error"]
     assert err["code"] == status and repr(name) in err["message"] and "could not be read again" in err["message"]
     assert base.status_code == 200 and base.json()["usage"]["completion_tokens"] == 6
-    stats = server.call_engine("get_stats")
+    stats = server.call_engine(GetStats())
     # Its request waited for the read without a slot, and no slot is held for it.
     assert stats.kv_cache_usage == 0.0 and stats.num_lora_slots_in_use == 0
     ok = asyncio.run(_together(server.url, ["b"]))[0]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core_messages import GetStats
 from engine.engine_core import MAX_CONSECUTIVE_STEP_FAULTS, _fatal_reason
 from engine.errors import EngineDeadError, EngineStepError
 from tests.server.conftest import start_server, wait_until
@@ -175,7 +176,8 @@ def test_a_fault_in_the_vision_encoder_leaves_no_encoder_cache_entry_behind(tmp_
     assert llm.llm_engine.reset_prefix_cache()                     # the reference's KV and encoder
     core.scheduler.encoder_cache_manager.evict_unreferenced()     # entry: gone, so the image is encoded
     runner = llm.llm_engine.runner
-    monkeypatch.setattr(runner, "_run_encoders", lambda scheduled: (_ for _ in ()).throw(RuntimeError("encoder")))
+    monkeypatch.setattr(runner.media, "encode",
+                        lambda scheduled, requests: (_ for _ in ()).throw(RuntimeError("encoder")))
     _assert_failed(llm.generate(prompt, _params(), use_tqdm=False), "encoder")
     assert core.get_stats().encoder_cache_usage == 0.0
     monkeypatch.undo()
@@ -209,7 +211,7 @@ def test_async_fault_fails_running_requests_then_serves_new_ones(tiny_llama_dir)
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
         while llm.get_stats().num_running_reqs or llm.get_stats().kv_cache_usage:
             await asyncio.sleep(0.01)
-        return await llm.call_engine("get_stats")
+        return await llm.call_engine(GetStats())
 
     try:
         stats = asyncio.run(go())

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import torch
 
+from engine.core_messages import ListLoRAs
 from engine.server.args import check_serve_args, make_serve_namespace
 from tests.lora.utils import build_peft_adapter
 from tests.server.conftest import free_port, start_server
@@ -102,7 +103,7 @@ REFUSED = {
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused_lora_paths_are_one_400_that_reveals_nothing(server, dirs, case):
     _refused(_load(server.url, "probe", REFUSED[case](dirs)))
-    assert "probe" not in {lr.lora_name for lr in server.call_engine("list_loras")}
+    assert "probe" not in {lr.lora_name for lr in server.call_engine(ListLoRAs())}
     assert "probe" not in {m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
 
 
@@ -117,7 +118,7 @@ def test_an_adapter_under_the_root_loads_and_serves(server, dirs):
     # Through a path with '..' that stays inside the root: resolved, then allowed.
     r = _load(server.url, "good", str(dirs["root"] / "bad" / ".." / "good"))
     assert r.status_code == 200, r.text
-    assert "good" in {lr.lora_name for lr in server.call_engine("list_loras")}
+    assert "good" in {lr.lora_name for lr in server.call_engine(ListLoRAs())}
     out = httpx.post(server.url + "/v1/completions", json={"model": "good", "prompt": "Hello", "max_tokens": 3,
                                                            "ignore_eos": True}, timeout=30)
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3

@@ -39,9 +39,10 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def call_engine(self, method: str, *args: Any) -> Any:
-        """``engine_client.call_engine`` from a test thread, on the server's event loop."""
-        future = asyncio.run_coroutine_threadsafe(self.engine_client.call_engine(method, *args),
+    def call_engine(self, call: Any) -> Any:
+        """``engine_client.call_engine(call)`` (an ``EngineCall``) from a test thread, on the server's
+        event loop."""
+        future = asyncio.run_coroutine_threadsafe(self.engine_client.call_engine(call),
                                                   self.engine_client._loop)
         return future.result(30)
 

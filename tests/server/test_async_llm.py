@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM
 from engine.async_llm import AsyncLLM
+from engine.core_messages import GetStats
 from engine.errors import EngineDeadError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request_stream import OutputCollector
@@ -115,7 +116,7 @@ def test_engine_fault_fails_inflight_requests_calls_and_new_requests(llm):
         with pytest.raises(EngineDeadError):
             await llm.add_request("hi", params(), "r2")
         with pytest.raises(EngineDeadError):
-            await llm.call_engine("get_stats")
+            await llm.call_engine(GetStats())
 
     run(go())
     assert llm.errored
@@ -123,14 +124,16 @@ def test_engine_fault_fails_inflight_requests_calls_and_new_requests(llm):
         llm.check_health()
 
 
-def test_concurrent_requests_share_steps_and_calls_by_name(llm):
+def test_concurrent_requests_share_steps_and_typed_calls(llm):
     async def go():
         results = await asyncio.gather(*[collect(llm, TINY_PROMPTS[i % 8], params(8), f"c{i}")
                                          for i in range(16)])
         assert all(sum(len(o.outputs[0].token_ids) for o in r) == 8 for r in results)
-        with pytest.raises(AttributeError):
-            await llm.call_engine("step")
-        return await llm.call_engine("get_stats")
+        for not_a_call in ("get_stats", "step", GetStats):   # names and classes are refused, nothing sent
+            with pytest.raises(TypeError, match="not an engine call; send one of AddLoRA, RemoveLoRA"):
+                await llm.call_engine(not_a_call)
+        assert not llm._calls
+        return await llm.call_engine(GetStats())
 
     stats = run(go())
     assert stats.max_reqs_per_step > 1 and llm.get_stats().max_reqs_per_step > 1

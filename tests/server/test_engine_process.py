@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from engine.core_messages import AddLoRA
 from engine.core_transport import ProcessTransport, ThreadTransport
 from lora import LoRAAdapterNotFoundError, LoRARequest
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter
@@ -92,7 +93,7 @@ def test_lora_load_and_unload_by_method_name(servers, adapter):
     r = httpx.post(proc.url + "/v1/load_lora_adapter", json={"lora_name": "ghost", "lora_path": "/no/such/dir"})
     assert r.status_code == 400 and "could not be loaded from lora_path" in r.json()["error"]["message"]
     with pytest.raises(LoRAAdapterNotFoundError):   # the child's own error crosses the pipe intact
-        proc.call_engine("add_lora", LoRARequest("ghost", 99, "/no/such/dir"))
+        proc.call_engine(AddLoRA(LoRARequest("ghost", 99, "/no/such/dir")))
     for srv in (proc, thread):
         assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
     r = httpx.post(proc.url + "/v1/completions", json={"model": "sql", "prompt": "x", "max_tokens": 2})

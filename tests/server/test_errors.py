@@ -89,7 +89,7 @@ def test_completion_400(server, body, param):
     ({"model": MODEL, "messages": [{"role": "user", "content": "A"}], "max_completion_tokens": -1},
      "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "A"}],
-      "response_format": {"type": "json_object"}}, "response_format"),
+      "response_format": {"type": "xml"}}, "response_format"),
     ({"model": MODEL,
       "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages"),

@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 
+from engine.core_messages import ListLoRAs
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter, edit_adapter_config, peft_greedy, peft_reference_model
 from tests.server.conftest import start_server, wait_until
 
@@ -92,13 +93,13 @@ def test_runtime_load_then_unload_really_frees(server, client, adapters):
     _, late_text = _complete(client, "late")
     _, base_text = _complete(client, "tiny-llama")
     assert late_text != base_text
-    assert "late" in {lr.lora_name for lr in server.call_engine("list_loras")}
+    assert "late" in {lr.lora_name for lr in server.call_engine(ListLoRAs())}
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
         _complete(client, "late")
     # The engine holds no copy any more (host store and slots), once nothing runs on it.
-    assert wait_until(lambda: "late" not in {lr.lora_name for lr in server.call_engine("list_loras")})
+    assert wait_until(lambda: "late" not in {lr.lora_name for lr in server.call_engine(ListLoRAs())})
     assert "late" not in {m.id for m in client.models.list().data}
 
 

@@ -65,13 +65,15 @@ def mm_feature(identifier: str, offset: int, length: int) -> MultiModalFeature:
 def make_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: int = 16, policy: str = "fcfs",
                    long_prefill_token_threshold: int = 0, block_size: int = 4, num_blocks: int = 64,
                    enable_prefix_caching: bool = True, max_model_len: int = 256,
-                   max_loras: Optional[int] = None) -> Scheduler:
+                   max_loras: Optional[int] = None,
+                   lora_ready: Optional[Callable[[LoRARequest], bool]] = None) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         policy=policy, long_prefill_token_threshold=long_prefill_token_threshold),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         max_model_len=max_model_len, num_kv_blocks=num_blocks,
-        lora_config=LoRAConfig(max_loras=max_loras) if max_loras is not None else None)
+        lora_config=LoRAConfig(max_loras=max_loras) if max_loras is not None else None,
+        lora_ready=lora_ready)
 
 
 def default_token(req_id: str, output_index: int) -> int:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import pickle
-from typing import Optional
+from typing import Optional, get_args
 
 import pytest
 
 from engine.arg_utils import EngineArgs
-from engine.core_messages import (AbortRequests, AddRequest, CallMethod, CallResult, EngineCommand,
-                                  EngineCoreOutputs, EngineDead, InjectFault, Shutdown)
+from engine.core_messages import (AbortRequests, AddLoRA, AddRequest, CallEngine, CallResult, EngineCall,
+                                  EngineCommand, EngineCoreOutputs, EngineDead, GetStats, InjectFault,
+                                  ListLoRAs, RemoveLoRA, ResetPrefixCache, Shutdown)
 from engine.engine_core import EngineCore
 from engine.outputs import EngineCoreOutput, LogprobsLists, SchedulerStats
 from engine.sampling_params import SamplingParams
+from lora.request import LoRARequest
 
 
 class ScriptedChannel:
@@ -60,12 +62,12 @@ def test_outputs_message_round_trips_through_pickle_as_columns():
 def test_one_loop_runs_commands_steps_and_replies(core):
     channel = ScriptedChannel([
         _add(core, "r1", 6), _add(core, "r2", 4, n=2), _add(core, "r1", 3),   # the last one: a duplicate id
-        CallMethod(1, "list_loras"), CallMethod(2, "step"), AbortRequests(["r2#0"]),
+        CallEngine(1, ListLoRAs()), CallEngine(2, "step"), AbortRequests(["r2#0"]),
     ])
     core.run(channel)
     replies = {m.call_id: m for m in channel.messages if isinstance(m, CallResult)}
     assert replies[1].value == [] and replies[1].error is None
-    assert isinstance(replies[2].error, AttributeError)      # only CALLABLE_METHODS by name
+    assert isinstance(replies[2].error, TypeError)           # only EngineCalls, told apart by type
     steps = [m for m in channel.messages if isinstance(m, EngineCoreOutputs)]
     assert all(m.stats is not None for m in steps)
     rejected = {rid: e for m in steps for rid, e in m.rejected.items()}
@@ -88,3 +90,23 @@ def test_an_escaping_error_ends_the_loop_with_engine_dead(core):
     core.run(channel)
     assert isinstance(channel.messages[-1], EngineDead) and "boom" in channel.messages[-1].message
     core.abort_requests(["f"])   # leave the module's core clean
+
+
+def test_every_engine_call_is_a_typed_command_and_anything_else_is_refused(core):
+    """Each ``EngineCall`` has its case in ``EngineCore.call`` (a call without one would raise
+    AssertionError) and travels pickled (engine process); names, classes and other commands are refused."""
+    calls = {AddLoRA: AddLoRA(LoRARequest("a", 1, "/no/such/dir")), RemoveLoRA: RemoveLoRA("a"),
+             ListLoRAs: ListLoRAs(), ResetPrefixCache: ResetPrefixCache(), GetStats: GetStats()}
+    assert set(calls) == set(get_args(EngineCall))
+    answers = {}
+    for kind, call in calls.items():
+        assert pickle.loads(pickle.dumps(CallEngine(7, call))).call == call
+        reply = core.handle(CallEngine(7, call), {})
+        assert isinstance(reply, CallResult) and reply.call_id == 7
+        answers[kind] = reply
+    assert isinstance(answers[AddLoRA].error, ValueError)    # a core without LoRA says so
+    assert answers[RemoveLoRA].value is False and answers[ListLoRAs].value == []
+    assert answers[ResetPrefixCache].value is True and answers[GetStats].value == core.get_stats()
+    for not_a_call in ("get_stats", GetStats, Shutdown(), AbortRequests([])):
+        reply = core.handle(CallEngine(8, not_a_call), {})
+        assert isinstance(reply.error, TypeError) and "not an engine call" in str(reply.error)

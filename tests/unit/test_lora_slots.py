@@ -80,6 +80,33 @@ def test_pick_drain_slot_fewest_running_then_lru():
 # --------------------------------------------------------------------------------------
 # Scheduler with adapters
 # --------------------------------------------------------------------------------------
+def test_adapters_not_in_host_memory_wait_and_every_load_is_of_a_ready_one():
+    """The scheduler asks ``lora_ready`` (given at construction) before it hands out a slot: a request
+    whose adapter is not in host memory waits (its read is under way) while the others run, and gets
+    its slot, with the step's load, once the adapter is ready."""
+    ready = {"A"}
+    asked = []
+
+    def lora_ready(lora_request) -> bool:
+        asked.append(lora_request.lora_name)
+        return lora_request.lora_name in ready
+
+    sched = make_scheduler(max_loras=2, lora_ready=lora_ready)
+    runner = FakeRunner(sched)
+    for rid, adapter in (("b1", B), ("a1", A), ("base", None)):
+        sched.add_request(make_request(rid, lora_request=adapter, max_tokens=3))
+    so = runner.step().scheduler_output
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["a1", "base"] and asked == ["B", "A"]
+    assert [ld.lora_request.lora_name for ld in so.lora_loads] == ["A"]
+    assert sched.requests["b1"].status == RequestStatus.WAITING and sched.lora_slots.slot_of("B") is None
+    ready.add("B")
+    so = runner.step().scheduler_output
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["b1"]
+    assert [(ld.lora_slot, ld.lora_request.lora_name) for ld in so.lora_loads] == [(1, "B")]
+    runner.run()
+    assert_no_leaks(sched)
+
+
 def test_loads_only_when_not_resident_and_slots_in_step_message():
     sched = make_scheduler(max_loras=2)
     runner = FakeRunner(sched)
@@ -90,11 +117,11 @@ def test_loads_only_when_not_resident_and_slots_in_step_message():
     assert [(ld.lora_slot, ld.lora_request.lora_name) for ld in so.lora_loads] == [(0, "A")]
     assert [r.lora_slot for r in so.scheduled_new_reqs] == [0, 0, NO_LORA]
     so = runner.step().scheduler_output
-    assert so.lora_loads == [] and so.scheduled_cached_reqs.lora_slots == [0, 0, NO_LORA]
+    assert so.lora_loads == () and so.scheduled_cached_reqs.lora_slots == (0, 0, NO_LORA)
     runner.run()
     # a later request of the resident (idle) adapter reuses the slot without a load
     sched.add_request(make_request("a3", lora_request=A))
-    assert runner.step().scheduler_output.lora_loads == []
+    assert runner.step().scheduler_output.lora_loads == ()
     runner.run()
     assert runner.num_loads == 1 and sched.get_stats().num_active_loras == 1
     assert_no_leaks(sched)

@@ -6,6 +6,8 @@ token budget, max_num_seqs, block tables == KV manager, ref counts == holders, c
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import random
 import zlib
 
@@ -13,7 +15,7 @@ import pytest
 
 from engine.outputs import LogprobsLists, ModelRunnerOutput
 from engine.request import RequestStatus
-from tests.unit.fakes import (EOS, FakeRunner, assert_no_leaks, make_request, make_scheduler,
+from tests.unit.fakes import (EOS, FakeRunner, assert_no_leaks, lora, make_request, make_scheduler,
                               prompt_tokens)
 
 
@@ -46,7 +48,7 @@ def test_chunked_prefill_of_long_prompt_mixed_with_decodes():
             assert new_ids(so) == ["long"] and so.scheduled_new_reqs[0].num_computed_tokens == 0
         else:
             cached = so.scheduled_cached_reqs
-            assert cached.req_ids == ["s0", "s1", "s2", "long"]
+            assert cached.req_ids == ("s0", "s1", "s2", "long")
             assert cached.num_computed_tokens[3] == before
         got_long_token = any(o.req_id == "long" and o.new_token_ids for o in result.outputs)
         assert got_long_token == (step >= 3)  # sampled only once the prompt is done
@@ -139,7 +141,7 @@ def test_fcfs_preempts_last_admitted_and_resumes_with_outputs():
     assert so.finished_req_ids == {"A", "B"}
     assert new_ids(so) == ["C", "D"]
     resumed = so.scheduled_new_reqs[0]
-    assert resumed.all_token_ids == c.prompt_token_ids + [1000] and resumed.num_prompt_tokens == 6
+    assert list(resumed.all_token_ids) == c.prompt_token_ids + [1000] and resumed.num_prompt_tokens == 6
     assert resumed.num_computed_tokens == 4  # its first block survived in the prefix cache
     assert scheduled(so) == {"C": 3, "D": 2}
     runner.run()
@@ -402,3 +404,38 @@ def test_stats_snapshot():
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_steps) == (2, 1, 1)
     assert stats.num_scheduled_tokens == 10 and stats.max_reqs_per_step == 2
     assert 0 < stats.kv_cache_usage < 1 and stats.num_active_loras == 0
+
+
+# --------------------------------------------------------------------------------------
+# The step message
+# --------------------------------------------------------------------------------------
+def test_step_message_is_frozen_once_scheduled_and_pickles():
+    """Nothing can edit a ``SchedulerOutput`` after ``schedule()``: its fields, the nested messages'
+    fields, its sequences (tuples, frozensets) and its mappings (read-only views) all refuse; pickled
+    (a tensor-parallel broadcast) it comes back equal and still read-only."""
+    sched = make_scheduler(max_loras=1)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", prompt_len=6, max_tokens=4, lora_request=lora("A")))
+    sched.add_request(make_request("b", prompt_len=6, max_tokens=4))
+    runner.step()
+    sched.add_request(make_request("c", prompt_len=6, max_tokens=4))
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    so = sched.schedule()
+    new, cached = so.scheduled_new_reqs[0], so.scheduled_cached_reqs
+    assert new.req_id == "c" and cached.req_ids == ("a",) and so.finished_req_ids == {"b"}
+    for message in (so, new, cached, runner.history[0].lora_loads[0]):
+        for f in dataclasses.fields(message):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(message, f.name, getattr(message, f.name))
+    with pytest.raises(TypeError):
+        so.num_scheduled_tokens["a"] = 99
+    with pytest.raises(TypeError):
+        so.scheduled_encoder_inputs["a"] = (0,)
+    assert isinstance(so.finished_req_ids, frozenset) and isinstance(new.eos_token_ids, frozenset)
+    for seq in (so.scheduled_new_reqs, so.lora_loads, so.free_encoder_identifiers, new.all_token_ids,
+                new.block_ids, new.mm_features, cached.new_block_ids[0], cached.lora_slots):
+        assert isinstance(seq, tuple)
+    back = pickle.loads(pickle.dumps(so))
+    assert back == so and dict(back.num_scheduled_tokens) == {"a": 1, "c": 6}
+    with pytest.raises(TypeError):
+        back.num_scheduled_tokens["a"] = 99

@@ -77,9 +77,9 @@ def test_chunk_stops_before_an_item_over_the_step_budget():
     sched.add_request(mm_request("b", [("hb", 3, 8)], prompt_len=12, prefix=1))
     so = run_step(sched)
     assert so.num_scheduled_tokens == {"a": 12, "b": 3}
-    assert so.scheduled_encoder_inputs == {"a": [0]}
+    assert so.scheduled_encoder_inputs == {"a": (0,)}
     so = run_step(sched)
-    assert so.scheduled_encoder_inputs == {"b": [0]} and so.num_scheduled_tokens["b"] == 9
+    assert so.scheduled_encoder_inputs == {"b": (0,)} and so.num_scheduled_tokens["b"] == 9
 
 
 def test_same_image_in_many_requests_is_encoded_once_and_twice_in_one_prompt_keeps_its_reference():
@@ -87,7 +87,7 @@ def test_same_image_in_many_requests_is_encoded_once_and_twice_in_one_prompt_kee
     sched.add_request(mm_request("a", [("h", 1, 4), ("h", 8, 4)], prompt_len=14))
     sched.add_request(mm_request("b", [("h", 2, 4)], prompt_len=8, prefix=1))
     so = sched.schedule()
-    assert so.scheduled_encoder_inputs == {"a": [0]}          # once, for both requests and both occurrences
+    assert so.scheduled_encoder_inputs == {"a": (0,)}          # once, for both requests and both occurrences
     ecm = sched.encoder_cache_manager
     assert ecm.num_hits == 1 and ecm.num_queries == 2
     # Both prompts fit this step: every occurrence is consumed, the entry stays cached unreferenced.
@@ -98,7 +98,7 @@ def test_reference_held_until_the_last_occurrence_is_computed():
     sched = make_sched(budget_tokens=6, max_item=4)
     sched.add_request(mm_request("a", [("h", 1, 4), ("h", 8, 4)], prompt_len=14))
     so = run_step(sched)      # tokens 0-5: first occurrence computed
-    assert so.scheduled_encoder_inputs == {"a": [0]} and referenced(sched) == {"h": {"a"}}
+    assert so.scheduled_encoder_inputs == {"a": (0,)} and referenced(sched) == {"h": {"a"}}
     so = run_step(sched)      # tokens 6-11: the second occurrence reads the same entry
     assert so.scheduled_encoder_inputs == {} and referenced(sched) == {}
     assert "h" in sched.encoder_cache_manager.cached          # unreferenced, still cached
@@ -109,14 +109,14 @@ def test_unreferenced_entries_stay_cached_and_are_evicted_lru_only_when_needed()
     for i, h in enumerate(["h1", "h2"]):
         sched.add_request(mm_request(f"r{i}", [(h, 1, 4)], prompt_len=6, max_tokens=1, prefix=i))
     so = run_step(sched)
-    assert so.free_encoder_identifiers == [] and set(sched.encoder_cache_manager.cached) == {"h1", "h2"}
+    assert so.free_encoder_identifiers == () and set(sched.encoder_cache_manager.cached) == {"h1", "h2"}
     sched.add_request(mm_request("again", [("h1", 1, 4)], prompt_len=6, max_tokens=1, prefix=5))
     so = run_step(sched)
-    assert so.scheduled_encoder_inputs == {} and so.free_encoder_identifiers == []   # a hit
+    assert so.scheduled_encoder_inputs == {} and so.free_encoder_identifiers == ()   # a hit
     sched.add_request(mm_request("new", [("h3", 1, 4)], prompt_len=6, max_tokens=1, prefix=6))
     so = run_step(sched)
-    assert so.scheduled_encoder_inputs == {"new": [0]}
-    assert so.free_encoder_identifiers == ["h2"]              # least recently released, unreferenced
+    assert so.scheduled_encoder_inputs == {"new": (0,)}
+    assert so.free_encoder_identifiers == ("h2",)              # least recently released, unreferenced
 
 
 def test_no_space_in_a_full_cache_of_referenced_entries_waits_and_others_go_on():
@@ -147,7 +147,7 @@ def test_prefix_hit_into_an_evicted_image_schedules_zero_tokens_and_others_go_on
     sched.add_request(make_request("text", prompt_len=3, max_tokens=1))
     so = sched.schedule()
     assert "same" not in so.num_scheduled_tokens              # its hit (12 tokens) reaches into the image
-    assert so.num_scheduled_tokens["text"] == 3 and so.scheduled_encoder_inputs == {"other": [0]}
+    assert so.num_scheduled_tokens["text"] == 3 and so.scheduled_encoder_inputs == {"other": (0,)}
     assert sched.requests["same"].status == RequestStatus.WAITING
 
 

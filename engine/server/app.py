@@ -1,10 +1,12 @@
 """The FastAPI app: routes, error handlers, the guards of ``guards.py``, and ``run_server`` (start-up
 checks, the port bound before the model loads, one-line start-up errors).
 
-Routes (vLLM's): GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
-POST /detokenize, GET /health, GET and POST /ping (as /health), GET /version, GET /metrics; POST
+Routes (vLLM's): GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/messages
+(Anthropic's Messages API over the chat route: ``engine/server/anthropic``), POST /tokenize, POST
+/detokenize, GET /health, GET and POST /ping (as /health), GET /version, GET /metrics; POST
 /v1/audio/transcriptions and /v1/audio/translations (multipart uploads, answered by a Whisper engine);
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter when runtime adapter updating is allowed.
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter when runtime adapter updating is allowed. Errors
+are OpenAI's shape, on /v1/messages Anthropic's.
 
 One app serves one engine, or two: a chat model's and, with ``--transcription-model``, a Whisper model's
 (``build_app(engine_client, args, transcription_client)``). The ``model`` field routes by served names:
@@ -20,12 +22,13 @@ import argparse
 import asyncio
 import builtins
 import errno
+import json
 import logging
 import re
 import socket
 import sys
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Union
 
 import uvicorn
@@ -36,13 +39,16 @@ from pydantic import BaseModel
 
 from engine.async_llm import AsyncLLM
 from engine.errors import EngineStartupError
+from engine.reasoning.registry import get_reasoning_parser
 from engine.request_limits import RequestLimits
 from engine.server import args as serve_args
 from engine.server import metrics
+from engine.server.anthropic.errors import from_openai_error
+from engine.server.anthropic.serving import AnthropicMessages
 from engine.server.errors import (BadRequestError, OpenAIError, ServiceUnavailableError, error_body,
                                   install_error_handlers)
-from engine.server.guards import (APIKeyMiddleware, ClientGuardMiddleware, RequestIdHeaderMiddleware,
-                                  head_deadline_protocol)
+from engine.server.guards import (ANTHROPIC_ROUTES, APIKeyMiddleware, ClientGuardMiddleware,
+                                  RequestIdHeaderMiddleware, head_deadline_protocol)
 from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeChatRequest, TokenizeCompletionRequest)
 from engine.server.serving_chat import OpenAIServingChat
@@ -51,6 +57,7 @@ from engine.server.lora_paths import resolve_allowed_roots
 from engine.server.serving_models import OpenAIServingModels, parse_lora_modules
 from engine.server.serving_tokenize import OpenAIServingTokenization
 from engine.server.serving_transcription import OpenAIServingTranscription
+from engine.tool_calls.registry import get_tool_parser
 from lora import errors as lora_errors
 
 logger = logging.getLogger("chorus.server")
@@ -78,19 +85,24 @@ class UnloadLoRAAdapterRequest(BaseModel):
 # ----------------------------------------------------------------------------------------
 @dataclass
 class ServingState:
-    """Everything the routes use; also on ``app.state.serving`` for tests and extensions."""
+    """Everything the routes use, built once (``serving_state``) before the app; also on
+    ``app.state.serving`` for tests and extensions."""
 
     engine_client: AsyncLLM
     """The served MODEL's engine (chat and completions; a Whisper one when MODEL is Whisper)."""
     models: OpenAIServingModels
+    """MODEL's served names and adapters (/v1/models, adapter loading)."""
     completion: OpenAIServingCompletion
+    """/v1/completions."""
     chat: OpenAIServingChat
+    """/v1/chat/completions."""
     tokenization: OpenAIServingTokenization
+    """/tokenize and /detokenize."""
     registry: Any
     """The app's prometheus CollectorRegistry."""
-    transcription: Optional[OpenAIServingTranscription] = None
+    transcription: Optional[OpenAIServingTranscription]
     """/v1/audio/*: MODEL's engine when it is Whisper, else the --transcription-model one; None: neither."""
-    engine_clients: list[AsyncLLM] = field(default_factory=list)
+    engine_clients: list[AsyncLLM]
     """Every engine served (MODEL's, then the Whisper one when it is a second engine): health, shutdown."""
     static_adapters_loaded: bool = False
     """The --lora-modules adapters are in the engine (``load_static_adapters`` ran)."""
@@ -106,7 +118,49 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
     """Build the app around a running ``AsyncLLM`` (and the ``--transcription-model`` Whisper one, if
     any); the app shuts the engines down on exit."""
     args = args or serve_args.make_serve_namespace()
+    st = serving_state(engine_client, args, transcription_client)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await load_static_adapters(st)   # run_server loads them before it serves; others (tests) here
+        try:
+            yield
+        finally:
+            for client in st.engine_clients:
+                client.shutdown()
+
+    app = FastAPI(title="Chorus", version=CHORUS_VERSION, lifespan=lifespan)
+    app.state.serving = st
+    install_error_handlers(app)
+    _anthropic_error_shape(app, ANTHROPIC_ROUTES)
+    _add_utility_routes(app, st)
+    _add_generation_routes(app, st)
+    _add_audio_routes(app, st)
+    if serve_args.runtime_lora_updating(args):
+        _add_lora_routes(app, st, getattr(args, "allowed_lora_path", None))
+    # The middleware added last runs first: body size and slow clients, then API key, then the
+    # X-Request-Id header, then CORS. Credentials only ever go to an explicit list of origins.
+    serve_args.check_cors_args(args)
+    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                       allow_credentials=getattr(args, "allow_credentials", False),
+                       allow_methods=getattr(args, "allowed_methods", ["*"]),
+                       allow_headers=getattr(args, "allowed_headers", ["*"]))
+    app.add_middleware(RequestIdHeaderMiddleware)
+    key = serve_args.api_key(args)
+    if key:
+        app.add_middleware(APIKeyMiddleware, api_key=key)
+    app.add_middleware(ClientGuardMiddleware, max_body_bytes=args.max_request_body_bytes,
+                       timeout_s=args.slow_client_timeout)
+    return app
+
+
+def serving_state(engine_client: AsyncLLM, args: argparse.Namespace,
+                  transcription_client: Optional[AsyncLLM] = None) -> ServingState:
+    """The engines set up for serving (the server's request checks, limits and metrics) and the
+    route handlers around them, in one ``ServingState``. ValueError when the engines do not fit the
+    flags (``check_engines``)."""
     check_engines(args, engine_client, transcription_client)
+    serve_args.check_tool_args(args)
     engines = [engine_client] + ([transcription_client] if transcription_client is not None else [])
     for client in engines:
         client.processor.reject_overlong_max_tokens = True   # vLLM's server behaviour
@@ -133,43 +187,16 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
         transcription = OpenAIServingTranscription(transcription_client, whisper_models, chat_models=models)
     elif engine_client.processor.transcriber is not None:
         transcription = OpenAIServingTranscription(engine_client, models)
-    st = ServingState(engine_client, models, OpenAIServingCompletion(engine_client, models),
-                      OpenAIServingChat(engine_client, models, args.trust_request_chat_template),
-                      OpenAIServingTokenization(engine_client, models, args.trust_request_chat_template),
-                      registry, transcription, engines)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await load_static_adapters(st)   # run_server loads them before it serves; others (tests) here
-        try:
-            yield
-        finally:
-            for client in engines:
-                client.shutdown()
-
-    app = FastAPI(title="Chorus", version=CHORUS_VERSION, lifespan=lifespan)
-    app.state.serving = st
-    app.state.engine_client = engine_client
-    install_error_handlers(app)
-    _add_utility_routes(app, st)
-    _add_generation_routes(app, st)
-    _add_audio_routes(app, st)
-    if serve_args.runtime_lora_updating(args):
-        _add_lora_routes(app, st, getattr(args, "allowed_lora_path", None))
-    # The middleware added last runs first: body size and slow clients, then API key, then the
-    # X-Request-Id header, then CORS. Credentials only ever go to an explicit list of origins.
-    serve_args.check_cors_args(args)
-    app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
-                       allow_credentials=getattr(args, "allow_credentials", False),
-                       allow_methods=getattr(args, "allowed_methods", ["*"]),
-                       allow_headers=getattr(args, "allowed_headers", ["*"]))
-    app.add_middleware(RequestIdHeaderMiddleware)
-    key = serve_args.api_key(args)
-    if key:
-        app.add_middleware(APIKeyMiddleware, api_key=key)
-    app.add_middleware(ClientGuardMiddleware, max_body_bytes=args.max_request_body_bytes,
-                       timeout_s=args.slow_client_timeout)
-    return app
+    tool_parser_name = getattr(args, "tool_call_parser", None)
+    reasoning_parser_name = getattr(args, "reasoning_parser", None)
+    chat = OpenAIServingChat(
+        engine_client, models, args.trust_request_chat_template,
+        tool_parser=get_tool_parser(tool_parser_name) if tool_parser_name else None,
+        enable_auto_tools=bool(getattr(args, "enable_auto_tool_choice", False)),
+        reasoning_parser=get_reasoning_parser(reasoning_parser_name) if reasoning_parser_name else None)
+    return ServingState(engine_client, models, OpenAIServingCompletion(engine_client, models), chat,
+                        OpenAIServingTokenization(engine_client, models, args.trust_request_chat_template),
+                        registry, transcription, engines)
 
 
 async def load_static_adapters(st: ServingState) -> None:
@@ -290,6 +317,43 @@ def _add_generation_routes(app: FastAPI, st: ServingState) -> None:
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         check_generates(request.model)
         return await st.chat.create_chat_completion(request, raw_request)
+
+    async def chat_backend(body: dict[str, Any], raw_request: Request) -> Response:
+        request = ChatCompletionRequest.model_validate(body)
+        check_generates(request.model)
+        return await st.chat.create_chat_completion(request, raw_request)
+
+    messages = AnthropicMessages(chat_backend)
+
+    @app.post("/v1/messages")
+    async def create_message(raw_request: Request) -> Response:
+        """Anthropic's Messages API: the request is translated to a chat completion (the same model and
+        adapter selection) and its reply, stream or error back to Anthropic's shapes."""
+        return await messages.create_message(raw_request)
+
+
+def _anthropic_error_shape(app: FastAPI, paths: Iterable[str]) -> None:
+    """The app's error handlers answer in Anthropic's shape on ``paths`` (a 405, a 404 of the route, ...;
+    the /v1/messages handler shapes its own errors)."""
+    anthropic_paths = frozenset(paths)
+
+    def wrap(handler: Callable[[Request, Exception], Awaitable[Response]]
+             ) -> Callable[[Request, Exception], Awaitable[Response]]:
+        async def shaped(request: Request, exc: Exception) -> Response:
+            response = await handler(request, exc)
+            if request.url.path not in anthropic_paths or response.status_code < 400:
+                return response
+            try:
+                body = json.loads(bytes(response.body))
+            except ValueError:
+                body = None
+            retry_after = response.headers.get("retry-after")
+            return from_openai_error(body, response.status_code,
+                                     {"Retry-After": retry_after} if retry_after else None)
+        return shaped
+
+    for key, handler in list(app.exception_handlers.items()):
+        app.exception_handlers[key] = wrap(handler)
 
 
 def _add_audio_routes(app: FastAPI, st: ServingState) -> None:

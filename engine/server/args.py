@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from engine import envs
-from engine.config import KV_CACHE_DTYPES
+from engine.config import KV_CACHE_DTYPES, STRUCTURED_OUTPUTS_BACKENDS
+from engine.reasoning.registry import REASONING_PARSERS
+from engine.tool_calls.registry import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 """Above OpenAI's 25 MB audio upload limit, so a full-size upload reaches /v1/audio/* (which refuses
@@ -232,6 +234,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "attention heads, MLP columns and the vocabulary are sharded, the scheduler stays in "
                           "one place (default: 1). Every model family; vision towers and the Whisper encoder "
                           "are replicated on every rank. Not with --transcription-model's engine.")
+    eng.add_argument("--structured-outputs-backend", default="auto",
+                     choices=list(STRUCTURED_OUTPUTS_BACKENDS),
+                     help="Grammar library of constrained decoding (response_format, structured_outputs): "
+                          "xgrammar, guidance (llguidance), or auto: xgrammar, and llguidance for the schemas, "
+                          "regexes and grammars xgrammar does not enforce or compile (default: auto).")
     eng.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                      help="auto: read the checkpoint; dummy: random weights (benchmarks, tests).")
     eng.add_argument("--cpu-float-copy", "--cpu-fp16-copy", dest="cpu_float_copy",
@@ -332,6 +339,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="Directories /v1/load_lora_adapter may load adapters from (the lora_path is "
                            "resolved, symlinks and '..' followed, and must lie under one of them). Default: "
                            "any directory the server can read; set it whenever runtime loading is on.")
+
+    tools = p.add_argument_group("Tool calling and reasoning")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='Let tool_choice "auto" (the default when a request has tools) read calls from '
+                            'the reply\'s text; needs --tool-call-parser. Without it "auto" is a 400; '
+                            '"required" and a named function need no flag (their reply is constrained by the '
+                            "tools' JSON schemas).")
+    tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="How calls are written in the reply: hermes (<tool_call>{...}</tool_call>: "
+                            "Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.x JSON calls), mistral "
+                            "([TOOL_CALLS][...]).")
+    tools.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="Split the reply's <think>...</think> part into reasoning_content: qwen3 (Qwen3, "
+                            "QwQ), deepseek_r1 (DeepSeek-R1 and its distills).")
     return p
 
 
@@ -390,7 +411,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks_override=args.num_gpu_blocks_override, served_model_name=served_name,
         chat_template=args.chat_template, enable_lora=args.enable_lora, quantization=args.quantization,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"))
     if whisper_task:
         # Every 30 s window asks for the top logprobs at its first step (Whisper's no_speech_prob).
         from engine.transcription import NO_SPEECH_TOP_LOGPROBS
@@ -421,6 +443,14 @@ def check_serve_args(args: argparse.Namespace) -> None:
     check_lora_modules(args)
     check_allowed_lora_path(args)
     check_cors_args(args)
+    check_tool_args(args)
+
+
+def check_tool_args(args: argparse.Namespace) -> None:
+    """ValueError for --enable-auto-tool-choice without --tool-call-parser (vLLM's rule)."""
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (hermes, llama3_json or "
+                         "mistral: the format the model writes its calls in).")
 
 
 def check_cors_args(args: argparse.Namespace) -> None:
@@ -569,7 +599,7 @@ def use_engine_process(args: argparse.Namespace) -> bool:
     """``--engine-process``, or when not given: on when the engine runs on CUDA."""
     if args.engine_process is not None:
         return args.engine_process
-    from engine.model_runner import resolve_device
+    from engine.device import resolve_device
     try:
         return resolve_device(args.device).type == "cuda"
     except ValueError:

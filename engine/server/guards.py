@@ -1,6 +1,7 @@
 """What a client may cost the server before and while a route runs: the API key (every route but
 ``OPEN_ROUTES``), the X-Request-Id header's characters, the body's size and arrival time, a response the
-client does not read, and the request head's arrival time.
+client does not read, and the request head's arrival time. Refusals on ``ANTHROPIC_ROUTES`` take
+Anthropic's error shape, all others OpenAI's.
 
 The ASGI guards are pure ASGI (streaming responses pass through untouched); the head deadline lives in
 uvicorn's HTTP protocol, since no ASGI code runs before a request's head is complete.
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.request_stream import RequestStream, owned_requests
+from engine.server.anthropic.errors import anthropic_error_response
 from engine.server.errors import (BadRequestError, OpenAIError, PayloadTooLargeError,
                                   RequestTimeoutHTTPError, UnauthorizedError, error_body)
 from engine.server.protocol import request_id_error
@@ -52,11 +54,21 @@ else:  # pragma: no cover - Python 3.10
             handle.cancel()
 
 
-async def send_error(send: Send, err: OpenAIError, close: bool = False) -> None:
-    """Answer with ``err``'s OpenAI body; ``close``: and ask for the connection to be closed (the request
-    body was not read to its end)."""
-    resp = JSONResponse(error_body(err.message, err.err_type, err.status_code, err.param),
-                        status_code=int(err.status_code), headers={"connection": "close"} if close else None)
+ANTHROPIC_ROUTES = ("/v1/messages",)
+"""The paths of Anthropic's API: their errors are ``{"type": "error", "error": {"type", "message"}}``."""
+
+
+async def send_error(send: Send, err: OpenAIError, close: bool = False, path: str = "") -> None:
+    """Answer with ``err``'s body (Anthropic's shape on ``ANTHROPIC_ROUTES``, else OpenAI's); ``close``: and
+    ask for the connection to be closed (the request body was not read to its end)."""
+    headers = {"connection": "close"} if close else None
+    if path in ANTHROPIC_ROUTES:
+        named = err.param and not err.message.startswith(err.param)
+        message = f"{err.param}: {err.message}" if named else err.message
+        resp = anthropic_error_response(int(err.status_code), message, headers)
+    else:
+        resp = JSONResponse(error_body(err.message, err.err_type, err.status_code, err.param),
+                            status_code=int(err.status_code), headers=headers)
     await resp({"type": "http"}, _no_receive, send)
 
 
@@ -66,29 +78,40 @@ async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never rea
 
 OPEN_ROUTES = ("/health", "/metrics", "/version", "/ping")
 """The paths that answer without the API key (health checks and monitoring): every other path, unknown
-ones included, is a 401 without ``Authorization: Bearer <key>`` when a key is set. Unlike vLLM's
-``--api-key`` (which guards /v1/* only), /tokenize, /detokenize, /docs, /redoc and /openapi.json need
-the key too: they render templates and reveal the model's and the server's surface."""
+ones included, is a 401 without the key (``Authorization: Bearer <key>``, or ``x-api-key: <key>`` as
+Anthropic's SDK sends it) when a key is set. Unlike vLLM's ``--api-key`` (which guards /v1/* only),
+/tokenize, /detokenize, /docs, /redoc and /openapi.json need the key too: they render templates and
+reveal the model's and the server's surface."""
 
 
 class APIKeyMiddleware:
-    """401 without ``Authorization: Bearer <key>`` on every path but ``OPEN_ROUTES`` (exact paths), any
-    method but OPTIONS (CORS preflight); an unknown path is a 401 too, so routes are not revealed. The key
-    is compared in constant time."""
+    """401 without the key (``Authorization: Bearer <key>`` or ``x-api-key: <key>``) on every path but
+    ``OPEN_ROUTES`` (exact paths), any method but OPTIONS (CORS preflight); an unknown path is a 401 too, so
+    routes are not revealed. The key is compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = b"Bearer " + api_key.encode()
+        """The ``Authorization`` header that opens the routes."""
+        self.expected_x_api_key = api_key.encode()
+        """The ``x-api-key`` header that opens them (Anthropic's SDK)."""
+
+    def authorized(self, scope: Scope) -> bool:
+        """The request carries the key in either header."""
+        headers = dict(scope.get("headers") or [])
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        x_api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_x_api_key)
+        return bearer or x_api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and scope.get("path", "") not in OPEN_ROUTES \
                 and scope.get("method") != "OPTIONS":
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
+            if not self.authorized(scope):
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
-                await send_error(send, UnauthorizedError("Unauthorized: missing or invalid API key."))
+                await send_error(send, UnauthorizedError("Unauthorized: missing or invalid API key."),
+                                 path=scope.get("path", ""))
                 return
         await self.app(scope, receive, send)
 
@@ -107,7 +130,8 @@ class RequestIdHeaderMiddleware:
                 if name == b"x-request-id":
                     why = request_id_error(value.decode("latin-1"))
                     if why is not None:
-                        await send_error(send, BadRequestError(f"X-Request-Id {why}", param="request_id"))
+                        await send_error(send, BadRequestError(f"X-Request-Id {why}", param="request_id"),
+                                         path=scope.get("path", ""))
                         return
         await self.app(scope, receive, send)
 
@@ -136,7 +160,7 @@ class ClientGuardMiddleware:
             return
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            await send_error(send, self.too_large(scope), close=True)
+            await send_error(send, self.too_large(scope), close=True, path=scope.get("path", ""))
             return
         exchange = _GuardedExchange(self, scope, receive, send)
         with owned_requests() as exchange.streams:
@@ -221,7 +245,7 @@ class _GuardedExchange:
         self.response_started = True
         try:
             async with _deadline(asyncio.get_running_loop().time() + self.guard.timeout_s):
-                await send_error(self._send, err, close=True)
+                await send_error(self._send, err, close=True, path=self.scope.get("path", ""))
         except TimeoutError:
             pass   # the client reads nothing either; uvicorn closes the connection when the app returns
 

@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import stop_bound_error
+from engine.structured_output.errors import PARAM_RESPONSE_FORMAT, StructuredOutputError
+from engine.structured_output.params import StructuredOutputsParams
 
 MAX_JSON_DEPTH = 64
 """Levels of lists and objects a request body may nest (the body itself is the first): deeper bodies
@@ -154,6 +156,27 @@ class SamplingFields(OpenAIRequest):
     """vLLM extension: the id to use for this request (default: a random one)."""
     return_tokens_as_token_ids: Optional[bool] = None
     """vLLM extension: logprob tokens spelled ``token_id:{id}``."""
+    response_format: Optional[dict[str, Any]] = None
+    """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    "strict"}}`` (and vLLM's ``structural_tag``): the reply follows it (constrained decoding)."""
+    structured_outputs: Optional[dict[str, Any]] = None
+    """vLLM extension: ``{"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag": ...}``
+    (``engine.structured_output.params.StructuredOutputsParams``); not with ``response_format``."""
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """``structured_outputs`` or ``response_format`` as the engine's constraint (None: neither).
+        ``StructuredOutputError`` (a 400 naming the field) for a malformed one; whether it compiles is the
+        engine's processor's call."""
+        try:
+            from_format = StructuredOutputsParams.from_response_format(self.response_format)
+            if self.structured_outputs is None:
+                return from_format
+            if from_format is not None:
+                raise StructuredOutputError("response_format cannot be combined with structured_outputs; "
+                                            "send one constraint.", param=PARAM_RESPONSE_FORMAT)
+            return StructuredOutputsParams.from_dict(self.structured_outputs)
+        except StructuredOutputError as e:
+            raise e.named() from None
 
     @classmethod
     def check_bounds(cls, data: Any) -> None:
@@ -189,6 +212,11 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    """An assistant turn's calls (``{"id", "type": "function", "function": {"name", "arguments"}}``); the
+    chat template gets each call's ``arguments`` as an object."""
+    tool_call_id: Optional[str] = None
+    """A ``role: tool`` message: the id of the call it answers."""
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -202,8 +230,14 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = None
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
+    """Function tools (``{"type": "function", "function": {"name", "description", "parameters"}}``): given
+    to the chat template; the reply's calls come back as ``tool_calls``."""
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    """``none``, ``auto`` (the default with tools; needs --enable-auto-tool-choice), ``required`` or a
+    named function ``{"type": "function", "function": {"name": ...}}``; the last two constrain the reply
+    by the tools' JSON schemas."""
     parallel_tool_calls: Optional[bool] = None
+    """None or true: a reply may make several calls; false: at most one."""
     # vLLM extras
     echo: bool = False
     """Prepend the last message's content to the reply (when it has the reply's role)."""
@@ -224,6 +258,8 @@ class TokenizeCompletionRequest(OpenAIRequest):
 class TokenizeChatRequest(OpenAIRequest):
     model: Optional[str] = None
     messages: list[ChatMessage]
+    tools: Optional[list[dict[str, Any]]] = None
+    """Function tools, given to the chat template (as in a chat request)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -338,7 +374,10 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    """The reply's reasoning (``<think>`` part) with ``--reasoning-parser``; None otherwise."""
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    """The reply's calls, OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -363,6 +402,11 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    """The next piece of the reasoning (``--reasoning-parser``)."""
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    """Tool-call deltas: ``{"index", "id", "type", "function": {"name", "arguments"}}`` in a call's first
+    delta, then ``{"index", "function": {"arguments"}}`` pieces."""
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -370,6 +414,9 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     delta: DeltaMessage
     logprobs: Optional[ChatCompletionLogProbs] = None
     finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    """vLLM extension, on the finishing chunk only: the stop token id or stop string that ended the
+    sample (left out of the chunk when None)."""
 
 
 class ModelPermission(OpenAIBaseModel):
@@ -471,4 +518,6 @@ def _dump_choice(choice: BaseModel) -> dict[str, Any]:
         out["delta"] = choice.delta.model_dump(mode="json", exclude_none=True)
         if choice.logprobs is None:
             out["logprobs"] = None
+        if choice.stop_reason is None:
+            del out["stop_reason"]
     return out

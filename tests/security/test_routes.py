@@ -1,6 +1,8 @@
 """Who may call what: with an API key set, every route of the app (every optional one mounted) answers
 401 without the key, with a wrong one and with a key that is not a Bearer token, for each of its methods;
-only ``guards.OPEN_ROUTES`` (/health, /metrics, /version, /ping) answer without it. Unknown paths are a
+only ``guards.OPEN_ROUTES`` (/health, /metrics, /version, /ping) answer without it. Anthropic's SDK sends
+the key as ``x-api-key``, which opens every route too; /v1/messages answers its 401 in Anthropic's shape.
+Unknown paths are a
 401 too (routes are not revealed), /docs, /redoc and /openapi.json need the key, CORS preflights pass.
 A route added to the app without a decision fails ``test_every_route_needs_the_key_but_the_open_ones``
 (it answers without the key) or ``test_open_routes_are_exactly_the_documented_ones``."""
@@ -25,6 +27,8 @@ EVIL_ORIGIN = "https://evil.example"
 DOCUMENTED_OPEN_ROUTES = ("/health", "/metrics", "/version", "/ping")
 BAD_AUTH = [None, "Bearer wrong", KEY, f"Basic {KEY}", f"Bearer {KEY}x", "Bearer"]
 """Authorization headers that are not the key: none, a wrong key, the key without ``Bearer``, ..."""
+BAD_X_API_KEYS = ["wrong", f"Bearer {KEY}", f"{KEY}x", KEY[:-1], ""]
+"""x-api-key headers (Anthropic's SDK) that are not the key."""
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +52,23 @@ def route_table(app) -> list[tuple[str, str]]:
     return out
 
 
-def call(server, method: str, path: str, auth: str | None) -> httpx.Response:
+def call(server, method: str, path: str, auth: str | None, x_api_key: str | None = None) -> httpx.Response:
     headers = {"Authorization": auth} if auth is not None else {}
+    if x_api_key is not None:
+        headers["x-api-key"] = x_api_key
     kwargs = {"json": {}} if method in ("POST", "PUT", "PATCH") else {}
     return httpx.request(method, server.url + path, headers=headers, timeout=30, **kwargs)
+
+
+def assert_unauthorized(r: httpx.Response, path: str) -> None:
+    """A 401 in the route's error shape: Anthropic's on ``guards.ANTHROPIC_ROUTES``, else OpenAI's."""
+    if path in guards.ANTHROPIC_ROUTES:
+        assert r.status_code == 401, r.text
+        assert r.json() == {"type": "error", "error": {
+            "type": "authentication_error", "message": "Unauthorized: missing or invalid API key."}}
+    else:
+        err = assert_error(r, 401, None)
+        assert err["type"] == "AuthenticationError", (path, err)
 
 
 def test_open_routes_are_exactly_the_documented_ones(server):
@@ -68,7 +85,7 @@ def test_the_route_table_holds_every_optional_route(server):
                      ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
                      ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                      ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"),
-                     ("GET", "/ping"), ("POST", "/ping")]:
+                     ("GET", "/ping"), ("POST", "/ping"), ("POST", "/v1/messages")]:
         assert expected in table, expected
 
 
@@ -80,14 +97,16 @@ def test_every_route_needs_the_key_but_the_open_ones(server):
             r = call(server, method, path, None)
             assert r.status_code == 200, (method, path, r.status_code, r.text)
             continue
-        for auth in BAD_AUTH:
-            r = call(server, method, path, auth)
+        bad = [(auth, None) for auth in BAD_AUTH] + [(None, x_api_key) for x_api_key in BAD_X_API_KEYS]
+        for auth, x_api_key in bad:
+            r = call(server, method, path, auth, x_api_key)
             if method == "HEAD":
-                assert r.status_code == 401, (method, path, auth)
+                assert r.status_code == 401, (method, path, auth, x_api_key)
             else:
-                err = assert_error(r, 401, None)
-                assert err["type"] == "AuthenticationError", (method, path, auth)
+                assert_unauthorized(r, path)
         r = call(server, method, path, AUTH["Authorization"])   # the key opens it (a 4xx of the route)
+        assert r.status_code != 401, (method, path, r.text)
+        r = call(server, method, path, None, KEY)   # so does x-api-key: <key>
         assert r.status_code != 401, (method, path, r.text)
 
 

@@ -24,7 +24,12 @@
 #   soak        benchmarks/soak.py: SOAK_REQUESTS (default 10000) mixed requests through chorus serve on the
 #               tests' tiny random LLaVA (float32) + 16 adapters + a tiny Whisper, 256 clients, 10%
 #               disconnecting, 20% of the answers compared with the same request alone; JSON $OUT/soak.json
-#   fetch-wheels  run HERE, not on the GPU machine: the server's packages the GPU image lacks, into .whl/
+#   structured  benchmarks/structured_outputs.py: batch 64, 256 requests each with a JSON schema of the mixed
+#               set (tests/structured_output/schemas.py) vs the same requests unconstrained, offline and through
+#               chorus serve (64 clients), 2 alternating rounds; schema compile p50/p99 cold and cached; JSON
+#               $OUT/structured_outputs.json; needs the carried .whl folder (fetch-wheels)   (not timed yet)
+#   fetch-wheels  run HERE, not on the GPU machine: the server's and constrained decoding's packages the GPU
+#               image lacks, into .whl/
 #   tp          needs nvidia-h200-x2: benchmarks/tp.py, tensor parallelism (issue #25) per TP_MODELS (default
 #               "llama3-70b llama3-8b"): the 70B shape at TP=2, the 8B at TP=1 and 2 with 0 and 16 adapters;
 #               decode batch 1/128 vs the bytes floor, the 1000-request throughput workload, the all-reduce
@@ -49,7 +54,8 @@ BASELINE_DIR=${BASELINE_DIR:+$(cd "$BASELINE_DIR" && pwd)}
 HF=${HF:-$([ -n "$BASELINE_DIR" ] && echo 0 || echo 1)}
 SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5
   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2
-  python-multipart==0.0.34 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 soxr==1.1.0"
+  python-multipart==0.0.34 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 soxr==1.1.0
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1"
 MODEL=${TMPDIR:-/tmp}/chorus-llama3-8b-dummy   # what --llama3-8b-dummy writes (a config and a tokenizer)
 PORT=${PORT:-8123}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -115,7 +121,8 @@ for phase in "$@"; do
   case $phase in
     fetch-wheels)
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 \
         -d .whl $SERVER_WHEELS && ls .whl ;;
     soak)
       python3 benchmarks/soak.py --num-requests "${SOAK_REQUESTS:-10000}" --concurrency 256 --compare-frac 0.2 \
@@ -140,6 +147,10 @@ for phase in "$@"; do
       done ;;
     serve)
       serve_phase ;;
+    structured)
+      python3 benchmarks/structured_outputs.py --llama3-8b-dummy --batch-size 64 --num-prompts 256 \
+        --output-len 256 --serve-clients 64 --rounds 2 --serve-log "$OUT/structured_server.log" \
+        --out "$OUT/structured_outputs.json" 2>&1 | quiet ;;
     vision)
       bench vision vision.py ${VISION_BENCH:-all} $(skip_hf) \
         $([ -n "${VISION_REQUESTS:-}" ] && echo --num-requests "$VISION_REQUESTS") ;;

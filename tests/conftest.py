@@ -126,7 +126,10 @@ ends): no fixture there is wider than a function, beyond this file's session-sco
 which each worker builds once."""
 DEFAULT_MODEL_TESTS = ("tests/models/test_smollm2.py::", "tests/lora/test_smollm2_lora.py::",
                        "tests/server/test_cli.py::test_readme_serve_command_default_smollm2",
-                       "tests/server/test_tool_calling_smollm2.py::")
+                       "tests/server/test_tool_calling_smollm2.py::",
+                       "tests/structured_output/test_smollm2_engine.py::",
+                       "tests/structured_output/test_smollm2_schemas.py::",
+                       "tests/structured_output/test_server_response_format.py::")
 """The tests of the real SmolLM2 default model (shared CHORUS_CACHE): one work unit, so a clean
 cache converts the GGUF once, on one worker, not on both at the same time."""
 

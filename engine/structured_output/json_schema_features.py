@@ -28,7 +28,8 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 def xgrammar_unenforced(schema: Any) -> list[str]:
     """What in ``schema`` xgrammar would not enforce, each as ``'keyword' at /json/pointer``: the
     ``UNENFORCED_KEYWORDS``, an ``allOf`` of more than one schema (xgrammar does not enforce the
-    conjunction), and a ``$ref`` to another document. Property names and ``enum`` / ``const`` values
+    conjunction), a string length bound beside a ``pattern`` or ``format`` (xgrammar keeps the pattern and
+    drops the bound), and a ``$ref`` to another document. Property names and ``enum`` / ``const`` values
     are data, never keywords."""
     found: list[str] = []
     _walk(schema, "", found)
@@ -44,6 +45,11 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         found.append(f"'allOf' of {len(all_of)} schemas at {path or '/'}")
+    shaped = [k for k in ("pattern", "format") if k in schema]
+    if shaped:
+        for bound in ("minLength", "maxLength"):
+            if bound in schema:
+                found.append(f"'{bound}' with '{shaped[0]}' at {path or '/'}")
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         found.append(f"'$ref' to another document ({ref}) at {path or '/'}")

@@ -58,6 +58,9 @@ def test_auto_prefers_xgrammar(auto, params, good, bad):
     ({"json": {"allOf": [{"type": "integer"}, {"minimum": 5}]}}, "7", "3", "'allOf' of 2 schemas"),
     ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [
         {"required": ["a"]}, {"properties": {"a": {"maximum": 9}}}]}}, '{"a": 3}', "{}", "'allOf' of 2"),
+    # xgrammar keeps a pattern or format and drops the string's length bounds beside it.
+    ({"json": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}}, '"abc"', '"abcdefgh"',
+     "'maxLength' with 'pattern'"),
 ])
 def test_auto_falls_back_to_guidance(auto, params, good, bad, why):
     xgrammar = make_backend("xgrammar", smol_tokenizer(), SMOL_VOCAB_SIZE)

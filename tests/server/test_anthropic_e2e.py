@@ -104,7 +104,8 @@ def test_named_tool_round_trip(client):
         messages=ASK + [{"role": "assistant", "content": msg.content},
                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                       "content": "21 degrees"}]}])
-    assert [b.type for b in follow_up.content] == ["text"]
+    # The random model's next turn is text (no block when it is only whitespace), never a tool call.
+    assert {b.type for b in follow_up.content} <= {"text"} and follow_up.usage.output_tokens > 0
     assert follow_up.stop_reason in ("max_tokens", "end_turn")
 
 

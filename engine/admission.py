@@ -62,10 +62,10 @@ class AdmissionControl:
             waiting beyond it.
     """
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, limits: Optional[RequestLimits] = None) -> None:
         self._max_num_seqs = max_num_seqs
-        self.limits = RequestLimits()
-        """Queue bound and request timeout; the server sets them from its flags."""
+        self.limits = limits or RequestLimits()
+        """Queue bound and request timeout (the server's from its flags; default: no bound)."""
         self._admissions: dict[str, Admission] = {}
         """Every request admitted and not yet released, by id: being processed, or with a state."""
         self._sequence_owners: dict[str, str] = {}

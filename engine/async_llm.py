@@ -86,10 +86,11 @@ class AsyncLLM:
             ``ProcessTransport``); owned by this object from now on.
         log_requests: log each request's id, prompt head and params at INFO.
         stat_loggers: receivers of per-step token counts and timings (see ``StatLogger``).
+        limits: the queue bound and request timeout (the server's flags; default: no bound).
     """
 
     def __init__(self, transport: EngineTransport, log_requests: bool = True,
-                 stat_loggers: Optional[list[StatLogger]] = None) -> None:
+                 stat_loggers: Optional[list[StatLogger]] = None, limits: Optional[RequestLimits] = None) -> None:
         self._transport = transport
         facts = transport.facts
         self.tokenizer = facts.tokenizer
@@ -104,7 +105,7 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.output_processor = OutputProcessor(self.tokenizer)
         self._states: dict[str, _RequestState] = {}
-        self._admission = AdmissionControl(self.engine_config.scheduler_config.max_num_seqs)
+        self._admission = AdmissionControl(self.engine_config.scheduler_config.max_num_seqs, limits)
         """The ids and sequence counts of the requests admitted and not yet released."""
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -119,15 +120,16 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, log_requests: bool = True, engine_process: bool = False,
-                         **engine_kwargs: Any) -> "AsyncLLM":
+                         limits: Optional[RequestLimits] = None, **engine_kwargs: Any) -> "AsyncLLM":
         """Build the engine core: in a process of its own with ``engine_process``, else in the thread of
         this process that then runs its loop (``ThreadTransport``)."""
         if engine_process:
-            return cls(ProcessTransport(engine_kwargs), log_requests=log_requests)
+            return cls(ProcessTransport(engine_kwargs), log_requests=log_requests, limits=limits)
         from engine.arg_utils import EngineArgs
         from engine.engine_core import EngineCore
         args = EngineArgs.from_kwargs(**engine_kwargs)         # bad arguments fail here, in the caller
-        return cls(ThreadTransport(lambda: EngineCore.from_engine_args(args)), log_requests=log_requests)
+        return cls(ThreadTransport(lambda: EngineCore.from_engine_args(args)), log_requests=log_requests,
+                   limits=limits)
 
     # ------------------------------------------------------------------------------------
     # Engine facts and health (safe from any thread)
@@ -164,12 +166,8 @@ class AsyncLLM:
 
     @property
     def limits(self) -> RequestLimits:
-        """Queue bound and request timeout; the server sets them from its flags."""
+        """Queue bound and request timeout (the server's from its flags)."""
         return self._admission.limits
-
-    @limits.setter
-    def limits(self, limits: RequestLimits) -> None:
-        self._admission.limits = limits
 
     # ------------------------------------------------------------------------------------
     # Event-loop API

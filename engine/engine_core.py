@@ -196,9 +196,9 @@ class EngineCore:
                               lora_enabled=cfg.lora_config is not None,
                               max_n=cfg.scheduler_config.max_num_seqs, mm_processor=loaded.mm_processor,
                               mm_config=cfg.mm_config, transcriber=loaded.transcriber,
-                              grammar_pool=grammar_pool)
-        if lora_manager is not None:
-            processor.use_adapter_uploads(lora_manager.client_uploads())
+                              grammar_pool=grammar_pool,
+                              adapter_uploads=lora_manager.client_uploads() if lora_manager is not None else None,
+                              serving=engine_args.usage_context == "server")
         facts = EngineFacts(model_name=loaded.model_name, max_model_len=loaded.max_model_len,
                             engine_config=cfg, tokenizer=loaded.tokenizer, processor=processor,
                             default_sampling_params=loaded.default_sampling,

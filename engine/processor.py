@@ -45,15 +45,15 @@ there (the same 400)."""
 
 
 class Processor:
-    adapter_uploads = None
-    """``lora.adapter_uploads.AdapterUploads`` when LoRA is enabled (``use_adapter_uploads``): reads the
-    adapters requests name, once per adapter, and records which the engine was sent."""
-
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, vocab_size: int,
                  eos_token_ids: set[int], lora_enabled: bool, max_n: int = 256,
                  mm_processor: Optional[ImagePromptProcessor] = None,
                  mm_config: Optional[MultiModalConfig] = None, transcriber=None, *,
-                 grammar_pool: GrammarCompilePool) -> None:
+                 grammar_pool: GrammarCompilePool, adapter_uploads=None, serving: bool = False) -> None:
+        self.adapter_uploads = adapter_uploads
+        """``lora.adapter_uploads.AdapterUploads`` when LoRA is enabled (``LoRAManager.client_uploads()``):
+        reads the adapters requests name here, in the engine's client, once per adapter, and records which
+        the engine was sent (the engine's step loop never reads a disk for a request)."""
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -65,8 +65,8 @@ class Processor:
         self.chat_renderer = ChatRenderer(tokenizer, TemplateLimits.for_max_model_len(max_model_len),
                                           takes_images=mm_processor is not None)
         """Chat messages -> the template's text and its token ids (the server's and ``LLM.chat``'s)."""
-        self.reject_overlong_max_tokens = False
-        """True (the HTTP server, as vLLM's): prompt + max_tokens beyond max_model_len is a 400.
+        self.reject_overlong_max_tokens = serving
+        """True (``serving``: the HTTP server, as vLLM's): prompt + max_tokens beyond max_model_len is a 400.
         False (offline): max_tokens is capped at the room left and the output ends with 'length'."""
         self.mm_processor = mm_processor
         """Images -> placeholder tokens + encoder inputs; None for a text-only model."""
@@ -81,8 +81,8 @@ class Processor:
         self.grammar_pool = grammar_pool
         """Compiles (and caches) the grammars of constrained requests: the engine's pool in the same process,
         a copy of it in the engine-process mode's API process."""
-        self.allow_local_media_paths = True
-        """Offline: images may be given as plain file paths. The server sets False (only URLs, and
+        self.allow_local_media_paths = not serving
+        """Offline: images may be given as plain file paths. Not when ``serving`` (only URLs, and
         ``file://`` only under ``allowed_local_media_path``)."""
 
     @property
@@ -370,12 +370,6 @@ class Processor:
             raise e.named() from None
         except concurrent.futures.TimeoutError:
             pass   # still compiling: the engine waits for it
-
-    def use_adapter_uploads(self, uploads) -> None:
-        """Read the adapters requests name here, in the engine's client, before a request reaches the
-        engine (``uploads``: ``LoRAManager.client_uploads()``): the engine's step loop never reads a
-        disk for a request."""
-        self.adapter_uploads = uploads
 
     def attach_adapter(self, lora_request):
         """What a request naming ``lora_request`` sends to the engine: it carrying the adapter, read

@@ -40,7 +40,6 @@ from pydantic import BaseModel
 from engine.async_llm import AsyncLLM
 from engine.errors import EngineStartupError
 from engine.reasoning.registry import get_reasoning_parser
-from engine.request_limits import RequestLimits
 from engine.server import args as serve_args
 from engine.server import metrics
 from engine.server.anthropic.errors import from_openai_error
@@ -156,17 +155,12 @@ def build_app(engine_client: AsyncLLM, args: Optional[argparse.Namespace] = None
 
 def serving_state(engine_client: AsyncLLM, args: argparse.Namespace,
                   transcription_client: Optional[AsyncLLM] = None) -> ServingState:
-    """The engines set up for serving (the server's request checks, limits and metrics) and the
-    route handlers around them, in one ``ServingState``. ValueError when the engines do not fit the
-    flags (``check_engines``)."""
+    """The route handlers around the engines (built with the server's request checks and limits:
+    ``usage_context="server"``, ``request_limits``) and their metrics, in one ``ServingState``. ValueError
+    when the engines do not fit the flags (``check_engines``)."""
     check_engines(args, engine_client, transcription_client)
     serve_args.check_tool_args(args)
     engines = [engine_client] + ([transcription_client] if transcription_client is not None else [])
-    for client in engines:
-        client.processor.reject_overlong_max_tokens = True   # vLLM's server behaviour
-        client.processor.allow_local_media_paths = False     # media: URLs and uploads only
-        client.limits = RequestLimits(max_queued_requests=args.max_queued_requests,
-                                      request_timeout_s=args.request_timeout)
     served_names = args.served_model_name or [engine_client.model_name]
     model_path = serve_args.resolve_model(args) or engine_client.model_name
     models = OpenAIServingModels(engine_client, served_names, model_path,
@@ -524,7 +518,8 @@ def _load_engines(args: argparse.Namespace, engines: list[AsyncLLM]) -> FastAPI:
     def load(kwargs: dict[str, Any], engine_process: bool) -> AsyncLLM:
         logger.info("Loading model %s ...", kwargs["model"] or "(default SmolLM2)")
         engines.append(AsyncLLM.from_engine_args(log_requests=not args.disable_log_requests,
-                                                 engine_process=engine_process, **kwargs))
+                                                 engine_process=engine_process,
+                                                 limits=serve_args.request_limits(args), **kwargs))
         return engines[-1]
 
     # NOTE: the Whisper engine loads first: on CUDA MODEL's KV cache then takes what is left of

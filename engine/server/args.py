@@ -12,6 +12,7 @@ from typing import Any, Optional
 from engine import envs
 from engine.config import KV_CACHE_DTYPES, STRUCTURED_OUTPUTS_BACKENDS
 from engine.reasoning.registry import REASONING_PARSERS
+from engine.request_limits import RequestLimits
 from engine.tool_calls.registry import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
@@ -536,6 +537,11 @@ def check_task_args(args: argparse.Namespace) -> None:
             and not getattr(args, "transcription_model", None)):
         raise ValueError("--transcription-served-model-name names the --transcription-model; with no "
                          "--transcription-model use --served-model-name.")
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """``--max-queued-requests`` and ``--request-timeout`` as every engine client's ``RequestLimits``."""
+    return RequestLimits(max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout)
 
 
 def transcription_engine_kwargs(args: argparse.Namespace) -> Optional[dict[str, Any]]:

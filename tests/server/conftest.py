@@ -77,13 +77,14 @@ def start_server(model: str, engine_kwargs: dict | None = None, **serve_override
     from engine.async_llm import AsyncLLM
     from engine.server.app import build_app
     from engine.server.args import engine_kwargs as to_engine_kwargs
-    from engine.server.args import make_serve_namespace
+    from engine.server.args import make_serve_namespace, request_limits
 
     args = make_serve_namespace(model_tag=model, disable_log_requests=True, **serve_overrides)
     kwargs = to_engine_kwargs(args)
     kwargs.update(engine_kwargs or {})
     engine_client = AsyncLLM.from_engine_args(log_requests=False,
-                                              engine_process=getattr(args, "engine_process", False), **kwargs)
+                                              engine_process=getattr(args, "engine_process", False),
+                                              limits=request_limits(args), **kwargs)
     app = build_app(engine_client, args)
     # NOTE: uvicorn serves a socket bound here (a free port, chosen by the OS) instead of binding a
     # port number itself: no other process (another xdist worker) can take the port in between.

@@ -5,7 +5,6 @@ against a grammar that can only end, raw logprobs without the mask) and the mana
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from engine.structured_output.compiler import GrammarCompilePool
 from engine.structured_output.errors import StructuredOutputError
 from engine.structured_output.manager import AcceptStatus, StructuredOutputManager
 from engine.structured_output.params import StructuredOutputsParams
-from tests.structured_output.utils import tiny_tokenizer
+from tests.structured_output.utils import HeldPool, eos, ids, tiny_tokenizer
 from tests.unit.fakes import make_scheduler
 
 VOCAB_SIZE = 400
@@ -34,35 +33,6 @@ def pool():
     pool = GrammarCompilePool.for_tokenizer(tiny_tokenizer(), VOCAB_SIZE, "auto", [eos()])
     yield pool
     pool.shutdown()
-
-
-def eos() -> int:
-    return tiny_tokenizer().eos_token_id
-
-
-def ids(text: str) -> list[int]:
-    return tiny_tokenizer().encode(text, add_special_tokens=False)
-
-
-class HeldPool:
-    """Compiles with ``real`` when the test says so (``release``)."""
-
-    def __init__(self, real: GrammarCompilePool) -> None:
-        self.real = real
-        self.vocab_size = real.vocab_size
-        self.held: list[tuple[Future, StructuredOutputsParams]] = []
-
-    def submit(self, params):
-        future: Future = Future()
-        self.held.append((future, params))
-        return future
-
-    def release(self) -> None:
-        for future, params in self.held:
-            try:
-                future.set_result(self.real.validate(params))
-            except StructuredOutputError as e:
-                future.set_exception(e)
 
 
 def request(req_id: str, structured_outputs=None, prompt_len: int = 8, max_tokens: int = 8,

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import Future
 
 import pytest
 import torch
 
 from engine.structured_output.bitmask import apply_token_bitmask, unpack_bitmask
 from engine.structured_output.compiler import GrammarCompilePool
-from engine.structured_output.errors import StructuredOutputError
 from engine.structured_output.manager import AcceptStatus, GrammarStatus, StructuredOutputManager
 from engine.structured_output.params import StructuredOutputsParams
-from tests.structured_output.utils import tiny_tokenizer
+from tests.structured_output.utils import HeldPool, eos, ids, tiny_tokenizer
 
 VOCAB_SIZE = 400
 """Logits width of the tiny model: past its tokenizer's 384 ids (padding never allowed)."""
@@ -29,36 +27,6 @@ def pool(request):
     pool.shutdown()
 
 
-def eos() -> int:
-    return tiny_tokenizer().eos_token_id
-
-
-def ids(text: str) -> list[int]:
-    return tiny_tokenizer().encode(text, add_special_tokens=False)
-
-
-class HeldPool:
-    """A pool whose compilations finish when the test says so."""
-
-    vocab_size = VOCAB_SIZE
-
-    def __init__(self, real: GrammarCompilePool) -> None:
-        self.real = real
-        self.futures: list[Future] = []
-
-    def submit(self, params):
-        future: Future = Future()
-        self.futures.append((future, params))
-        return future
-
-    def finish_all(self) -> None:
-        for future, params in self.futures:
-            try:
-                future.set_result(self.real.validate(params))
-            except StructuredOutputError as e:
-                future.set_exception(e)
-
-
 def test_requests_wait_for_their_grammar(pool):
     held = HeldPool(pool)
     manager = StructuredOutputManager(held, max_num_seqs=4)
@@ -68,7 +36,7 @@ def test_requests_wait_for_their_grammar(pool):
     assert manager.is_ready("free") and not manager.is_constrained("free")
     with pytest.raises(ValueError, match="already has a grammar"):
         manager.add_request("r1", StructuredOutputsParams(regex="a"))
-    held.finish_all()
+    held.release()
     assert manager.poll("r1") is GrammarStatus.READY and manager.is_ready("r1")
     assert manager.poll("bad") is GrammarStatus.FAILED and not manager.is_ready("bad")
     assert "not closed" in str(manager.error("bad")) or "unclosed" in str(manager.error("bad"))

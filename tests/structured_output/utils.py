@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future
 from typing import Sequence
 
 import torch
 
 from engine.structured_output.backend import GrammarMatcher
 from engine.structured_output.bitmask import allocate_bitmask, apply_token_bitmask_torch
+from engine.structured_output.errors import StructuredOutputError
 
 SMOL_VOCAB_SIZE = 49152
 """SmolLM2's logits width (its tokenizer's size)."""
@@ -78,3 +80,32 @@ def decode(tokenizer, token_ids: Sequence[int], stop_ids: Sequence[int]) -> str:
     if ids and ids[-1] in stop_ids:
         ids = ids[:-1]
     return tokenizer.decode(ids)
+
+
+def eos() -> int:
+    return tiny_tokenizer().eos_token_id
+
+
+def ids(text: str) -> list[int]:
+    return tiny_tokenizer().encode(text, add_special_tokens=False)
+
+
+class HeldPool:
+    """A compile pool whose compilations finish (with ``real``) when the test says so (``release``)."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.vocab_size = real.vocab_size
+        self.held: list[tuple[Future, object]] = []
+
+    def submit(self, params) -> Future:
+        future: Future = Future()
+        self.held.append((future, params))
+        return future
+
+    def release(self) -> None:
+        for future, params in self.held:
+            try:
+                future.set_result(self.real.validate(params))
+            except StructuredOutputError as e:
+                future.set_exception(e)

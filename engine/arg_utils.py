@@ -70,6 +70,9 @@ class EngineArgs:
     """Ranks the model is split over (``ParallelConfig.tensor_parallel_size``)."""
     structured_outputs_backend: str = "auto"
     """``StructuredOutputsConfig.backend``: auto, xgrammar or guidance."""
+    reasoning_parser: Optional[str] = None
+    """``StructuredOutputsConfig.reasoning_parser``: qwen3 or deepseek_r1 (constraints start after the
+    reasoning)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -121,7 +124,8 @@ class EngineArgs:
                                        **{name: getattr(self, name) for name in MEDIA_BUDGET_FIELDS
                                           if getattr(self, name) is not None}),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend),
+            structured_outputs_config=StructuredOutputsConfig(backend=self.structured_outputs_backend,
+                                                              reasoning_parser=self.reasoning_parser),
             device=self.device, enforce_eager=self.enforce_eager,
             max_cudagraph_capture_size=self.max_cudagraph_capture_size)
 

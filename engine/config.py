@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from engine.models.config_facts import sharded_sizes
+from engine.reasoning.registry import REASONING_PARSERS
 
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENCODER_CACHE_BUDGETS = 4
@@ -316,11 +317,17 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     """The grammar library: xgrammar, guidance (llguidance), or auto (xgrammar, and llguidance for what
     xgrammar does not enforce or compile: ``engine.structured_output.selection``)."""
+    reasoning_parser: Optional[str] = None
+    """``--reasoning-parser``: a constrained reply may reason first (its think part unconstrained, the
+    constraint applying after the closing tag). None: the constraint applies from the first token."""
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured_outputs_backend={self.backend!r}: use one of "
                              f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}.")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r}: use one of "
+                             f"{', '.join(sorted(REASONING_PARSERS))}.")
 
 
 @dataclass

@@ -66,6 +66,8 @@ from engine.distributed.rank import build_rank
 from engine.models.builder import check_tensor_parallel
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from engine.processor import Processor
+from engine.reasoning.engine_gate import ReasoningGate
+from engine.reasoning.registry import get_reasoning_parser
 from engine.request import Request, RequestStatus
 from engine.runner.pending import PendingOutput
 from engine.runner.runner import ModelRunner
@@ -186,11 +188,16 @@ class EngineCore:
         grammar_pool = GrammarCompilePool.for_tokenizer(
             loaded.tokenizer, runner.sampling.vocab_size, cfg.structured_outputs_config.backend,
             sorted(loaded.eos_token_ids))
+        reasoning_parser = cfg.structured_outputs_config.reasoning_parser
+        gate = (ReasoningGate(get_reasoning_parser(reasoning_parser), loaded.tokenizer)
+                if reasoning_parser is not None else None)
         scheduler = Scheduler(cfg.scheduler_config, cfg.cache_config, loaded.max_model_len, num_blocks,
                               cfg.lora_config, lora_manager.host_ready if lora_manager is not None else None,
                               max_embeds_per_mm_item=max_embeds_per_item,
                               structured_output=StructuredOutputManager(grammar_pool,
-                                                                        cfg.scheduler_config.max_num_seqs))
+                                                                        cfg.scheduler_config.max_num_seqs),
+                              new_reasoning_tracker=(lambda request: gate.tracker(request.prompt_token_ids))
+                              if gate is not None else None)
         processor = Processor(loaded.tokenizer, cfg.model_config, loaded.max_model_len,
                               loaded.hf_config.get_text_config().vocab_size, loaded.eos_token_ids,
                               lora_enabled=cfg.lora_config is not None,

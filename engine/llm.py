@@ -89,7 +89,8 @@ class LLM:
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
              lora_request=None, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: Optional[list[dict]] = None,
+             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several (a list of lists), through the chat template.
 
         Content may be a string or OpenAI content parts: ``{"type": "text", "text": ...}``,
@@ -102,6 +103,11 @@ class LLM:
         model's for this call; rendered in jinja2's sandbox within the engine's ``TemplateLimits``
         (``engine/chat_template.py``), like every template.
 
+        ``tools`` (OpenAI function tools) and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``)
+        reach the template as in a served request; the reply is the model's text (read its calls with a
+        ``engine.tool_calls`` parser, or constrain it with ``SamplingParams(structured_outputs=...)`` and
+        ``engine.tool_calls.tool_choice``'s schemas).
+
         Rendered and tokenized by the server's renderer (``engine/chat_render.py``), so a conversation
         gives the same token ids here and over HTTP.
         """
@@ -109,7 +115,7 @@ class LLM:
         renderer = self.llm_engine.processor.chat_renderer
         prompts = [renderer.render(conv, add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message, chat_template=chat_template,
-                                   offline=True).engine_prompt()
+                                   template_kwargs=chat_template_kwargs, tools=tools, offline=True).engine_prompt()
                    for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 

@@ -98,7 +98,9 @@ class Scheduler:
                  lora_config: Optional[LoRAConfig] = None,
                  lora_ready: Optional[Callable[[LoRARequest], bool]] = None,
                  max_embeds_per_mm_item: int = 0,
-                 structured_output: Optional["StructuredOutputManager"] = None) -> None:
+                 structured_output: Optional["StructuredOutputManager"] = None,
+                 new_reasoning_tracker: Optional[Callable[[Request], Optional["ReasoningTracker"]]] = None
+                 ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -123,9 +125,9 @@ class Scheduler:
         # Finished or aborted since the last schedule(): the runner drops their rows.
         self.finished_req_ids: set[str] = set()
         self.structured_output = structured_output
-        self.new_reasoning_tracker: Optional[Callable[[Request], Optional["ReasoningTracker"]]] = None
-        """Set by the engine when it has a reasoning parser: the tracker of a constrained request's reply
-        (None: it does not reason), so that its grammar constrains only what follows the reasoning."""
+        self.new_reasoning_tracker = new_reasoning_tracker
+        """With a reasoning parser: the tracker of a constrained request's reply (None: it does not
+        reason), so that its grammar constrains only what follows the reasoning."""
         self._failed: dict[str, BaseException] = {}
         """Requests ended with a ``StructuredOutputError`` since the last ``take_failed()``."""
 

@@ -66,11 +66,13 @@ TINY_PROMPTS = [
 ]
 
 
-def build_tokenizer():
+def build_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
+    """The tiny BPE tokenizer (ChatML template); ``extra_special_tokens`` are added as single tokens
+    (``("<think>", "</think>")`` for a reasoning model)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", *extra_special_tokens]
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
@@ -79,16 +81,18 @@ def build_tokenizer():
         vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", additional_special_tokens=["<image>"])
+                                  pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<image>", *extra_special_tokens])
     tok.chat_template = CHATML
     return tok
 
 
-def build_tiny_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_tiny_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0,
+                          extra_special_tokens: tuple[str, ...] = (), **overrides) -> Path:
     """Save a tiny random ``arch`` model + tokenizer to ``out_dir`` (HF layout)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(extra_special_tokens)
     kwargs = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
                   max_position_embeddings=512, eos_token_id=tok.eos_token_id,
@@ -105,6 +109,13 @@ def build_tiny_checkpoint(out_dir: Path, arch: str = "llama", seed: int = 0, **o
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_thinking_dir(tmp_path_factory) -> Path:
+    """A tiny llama whose tokenizer has ``<think>`` and ``</think>`` as single tokens (reasoning parsers)."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-thinking"), "llama",
+                                 extra_special_tokens=("<think>", "</think>"))
 
 
 @pytest.fixture(scope="session")

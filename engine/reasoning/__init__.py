@@ -7,7 +7,8 @@ One concept per module, imported by full path (this package module imports nothi
   and the ``ReasoningParser`` protocol;
 - ``think_tags``: the think-tag state machine (text and token ids) both formats share;
 - ``qwen3`` / ``deepseek_r1``: the ``--reasoning-parser`` formats;
-- ``registry``: ``REASONING_PARSERS`` and ``get_reasoning_parser``.
+- ``registry``: ``REASONING_PARSERS`` and ``get_reasoning_parser``;
+- ``engine_gate``: ``ReasoningGate``, the per-request token trackers the engine gives constrained requests.
 
 Server flag (vLLM's): ``--reasoning-parser qwen3|deepseek_r1``.
 """

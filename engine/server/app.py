@@ -187,7 +187,9 @@ def serving_state(engine_client: AsyncLLM, args: argparse.Namespace,
         engine_client, models, args.trust_request_chat_template,
         tool_parser=get_tool_parser(tool_parser_name) if tool_parser_name else None,
         enable_auto_tools=bool(getattr(args, "enable_auto_tool_choice", False)),
-        reasoning_parser=get_reasoning_parser(reasoning_parser_name) if reasoning_parser_name else None)
+        reasoning_parser=get_reasoning_parser(reasoning_parser_name) if reasoning_parser_name else None,
+        reasoning_before_constraint=engine_client.engine_config.structured_outputs_config.reasoning_parser
+        is not None)
     return ServingState(engine_client, models, OpenAIServingCompletion(engine_client, models), chat,
                         OpenAIServingTokenization(engine_client, models, args.trust_request_chat_template),
                         registry, transcription, engines)

@@ -413,7 +413,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_gpu_blocks_override=args.num_gpu_blocks_override, served_model_name=served_name,
         chat_template=args.chat_template, enable_lora=args.enable_lora, quantization=args.quantization,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"))
+        structured_outputs_backend=getattr(args, "structured_outputs_backend", "auto"),
+        reasoning_parser=getattr(args, "reasoning_parser", None))
     if whisper_task:
         # Every 30 s window asks for the top logprobs at its first step (Whisper's no_speech_prob).
         from engine.transcription import NO_SPEECH_TOP_LOGPROBS

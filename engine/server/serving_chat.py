@@ -85,6 +85,9 @@ class ReplyParsing:
     ``ConstrainedToolParser`` for ``required`` / a named function); None: no calls are read."""
     prompt: str = ""
     """The rendered prompt (where the reply starts: in reasoning or not)."""
+    max_calls: Optional[int] = None
+    """The calls a reply may report (1 under ``parallel_tool_calls: false``, the first one written);
+    None: all."""
 
     @property
     def active(self) -> bool:
@@ -99,7 +102,7 @@ class ReplyParsing:
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
             extracted = self.tools.extract(content or "")
-            content, calls = extracted.content, [c.to_openai() for c in extracted.tool_calls]
+            content, calls = extracted.content, [c.to_openai() for c in extracted.tool_calls[:self.max_calls]]
         if echo:
             content = echo + (content or "")
         return reasoning, content, calls
@@ -107,7 +110,7 @@ class ReplyParsing:
     def stream(self) -> ReplyStream:
         """A fresh incremental reader for one streamed reply."""
         return ReplyStream(self.reasoning.streaming(self.prompt) if self.reasoning is not None else None,
-                           self.tools.streaming() if self.tools is not None else None)
+                           self.tools.streaming() if self.tools is not None else None, self.max_calls)
 
 
 class ReplyStream:
@@ -115,11 +118,13 @@ class ReplyStream:
     ``tool_calls``); their concatenation is ``ReplyParsing.split`` of the whole text."""
 
     def __init__(self, reasoning: Optional[ThinkTagStreamingParser],
-                 tools: Optional[StreamingToolParser]) -> None:
+                 tools: Optional[StreamingToolParser], max_calls: Optional[int] = None) -> None:
         self.reasoning = reasoning
         """The reasoning split of this reply (None: none)."""
         self.tools = tools
         """The tool-call parser of this reply (None: none)."""
+        self.max_calls = max_calls
+        """Deltas of calls at this index or later are dropped (None: none are)."""
 
     @property
     def tools_called(self) -> bool:
@@ -148,6 +153,8 @@ class ReplyStream:
         pieces = self.tools.feed(text) if text else []
         if final:
             pieces += self.tools.finish()
+        if self.max_calls is not None:
+            pieces = [p for p in pieces if p.tool_call is None or p.tool_call.index < self.max_calls]
         out.extend(DeltaMessage(**delta) for delta in to_openai_deltas(pieces))
         return out
 
@@ -258,7 +265,8 @@ class OpenAIServingChat(ServingBase):
             reasoning = reasoning if self.reasoning_before_constraint else None
         elif choice.mode == "auto":
             tools = self.tool_parser
-        return ReplyParsing(reasoning, tools, prompt_text)
+        # NOTE: a constrained `required` reply already holds one call without parallel_tool_calls.
+        return ReplyParsing(reasoning, tools, prompt_text, max_calls=None if choice.parallel_tool_calls else 1)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         lora = self.models.resolve_model_name(req.model)

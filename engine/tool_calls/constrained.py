@@ -7,7 +7,7 @@ as calls; the schemas themselves are built in ``engine.tool_calls.tool_choice``.
 
   (``arguments`` is read as well as ``parameters``);
 - a named function: the reply is that function's arguments object, ``{"city": "Paris"}``; the call is
-  reported before the first character.
+  reported with the first character (a reply with no content, cut off in its reasoning, has no call).
 
 The streamed form reports each call as soon as its name is read and its arguments as they are written,
 like the free-text formats (``engine.tool_calls.parser``).
@@ -75,6 +75,8 @@ class NamedStreamingParser(StreamingToolParser):
 
     def _consume(self, final: bool) -> None:
         if self._index is None:
+            if not self._pending:   # nothing written (a reply cut off in its reasoning): no call
+                return
             self._index = self.start_call(self._function_name)
         self.emit_arguments(self._index, self._pending)
         self._pending = ""

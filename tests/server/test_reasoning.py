@@ -31,8 +31,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    srv = start_server(str(tiny_llama_dir), served_model_name=[MODEL], max_model_len=256,
+def server(tiny_thinking_dir):
+    srv = start_server(str(tiny_thinking_dir), served_model_name=[MODEL], max_model_len=256,
                        chat_template=THINKING_TEMPLATE, reasoning_parser="qwen3",
                        enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield srv
@@ -126,16 +126,22 @@ def test_the_models_own_replies_stream_as_they_answer(client):
     assert streamed == (None, full.message.content, [], "length")
 
 
-def test_a_constrained_reply_is_calls_where_the_prompt_opens_reasoning(client):
-    """A named tool choice under its schema constraint (the real engine), with the prompt left inside
-    ``<think>``: the constrained reply is read as the call, not taken for reasoning."""
+def test_a_constrained_reply_reasons_first_where_the_prompt_opens_reasoning(client):
+    """A named tool choice under its schema constraint (the real engine, --reasoning-parser in the engine
+    too): with the prompt left inside ``<think>`` the reply reasons unconstrained first (the random model
+    never closes it: all of it is reasoning, cut at max_tokens); with the prompt closing the think block
+    the constraint applies from the first token and the reply is the call."""
     pick = {"type": "function", "function": {"name": "pick", "parameters": {
         "type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
         "required": ["color"], "additionalProperties": False}}}
+    kwargs = dict(model=MODEL, messages=ASK, tools=[pick], tool_choice={"type": "function", "function": {
+        "name": "pick"}}, temperature=0, max_tokens=32)
+    thinking = client.chat.completions.create(
+        **kwargs, extra_body={"chat_template_kwargs": {"force_thinking": True}}).choices[0]
+    assert thinking.finish_reason == "length" and reasoning_of(thinking.message)
+    assert not thinking.message.tool_calls and not thinking.message.content
     choice = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[pick],
-        tool_choice={"type": "function", "function": {"name": "pick"}}, temperature=0, max_tokens=32,
-        extra_body={"chat_template_kwargs": {"force_thinking": True}}).choices[0]
+        **kwargs, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
     assert choice.finish_reason == "tool_calls" and reasoning_of(choice.message) is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "pick"

@@ -237,6 +237,20 @@ def test_a_format_whose_tags_are_special_tokens_keeps_them_in_the_text(server, c
     assert choice.finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("piece_sizes", [(1,), (1000,)])
+def test_auto_without_parallel_calls_keeps_the_first_call(server, client, piece_sizes):
+    """``parallel_tool_calls: false`` with ``auto``: the reply's first call only, whole and streamed."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=64, parallel_tool_calls=False)
+    with ScriptedReplies(server, [AUTO_REPLY], piece_sizes=piece_sizes):
+        full = client.chat.completions.create(**kwargs).choices[0]
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert full.finish_reason == "tool_calls" and full.message.content == "Let me check.\n"
+    assert assert_valid_calls(full.message, set(SCHEMAS)) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    streamed = reassemble(chunks)
+    assert without_ids(streamed) == without_ids(as_answer(full)) and len(streamed["calls"]) == 1
+    assert {d.index for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []} == {0}
+
+
 def test_auto_reply_without_calls_is_content(server, client):
     with ScriptedReplies(server, ["It is sunny in Paris."]):
         choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,

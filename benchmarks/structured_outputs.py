@@ -347,11 +347,11 @@ def run_served(args: argparse.Namespace, model_args: list[str], schemas: list[An
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    chorus = str(Path(sys.executable).parent / "chorus")
-    cmd = [chorus, "serve", *model_args, "--port", str(port), "--host", "127.0.0.1",
+    # `python -m engine.cli` (what `chorus` runs): also where the package is not installed (the GPU image).
+    cmd = [sys.executable, "-m", "engine.cli", "serve", *model_args, "--port", str(port), "--host", "127.0.0.1",
            "--disable-log-requests", *args.serve_args.split()]
     log = open(args.serve_log, "w") if args.serve_log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
     url = f"http://127.0.0.1:{port}"
     cases = requests_of(schemas, args.num_prompts)
 

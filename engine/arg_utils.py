@@ -95,8 +95,8 @@ class EngineArgs:
         if self.enable_lora and quantization in ("int8", "int4", "fp16"):
             raise ValueError(f"--quantization {quantization} with LoRA adapters is not supported yet; serve "
                              "adapters on the float weights (leave --quantization unset).")
-        if self.enable_lora:
-            quantization = "none"   # adapters run on the float weights (a GGUF file is dequantized)
+        if self.enable_lora and quantization is None:
+            quantization = "auto-float-gguf"   # adapters run on a GGUF file's float weights (dequantized)
         if self.enable_lora:
             lora = LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank or 16,
                               max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype)

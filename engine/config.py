@@ -47,12 +47,15 @@ class ModelConfig:
     """raw_logprobs (model log-softmax, as vLLM; a constrained request's grammar is not applied to them) or
     processed_logprobs (after the grammar mask, penalties and temperature)."""
     quantization: Optional[str] = None
-    """Weight format in memory. None (auto): a GGUF file's quantized tensors stay quantized on CPU (4-bit
-    types as int4, 5- to 8-bit types as int8; ``engine.layers.quantized``), everything else is dequantized to
-    ``dtype``. "none": always dequantized (exact against transformers on the same file). "int8" / "int4":
-    weight-only quantization of any Llama-family checkpoint on CPU; "fp16": float16 weights through fbgemm
-    (x86 CPUs), within ~1e-3 of float32. Quantized weights give faster batch-1
-    decode (RESULTS.md "CPU") and outputs close to, not equal to, the float weights'."""
+    """Weight format in memory. None (auto): a quantized checkpoint (``quantization_config``: FP8, GPTQ, AWQ,
+    compressed-tensors; ``engine.quantization``) stays quantized, and a GGUF file's quantized tensors stay
+    quantized on CPU (4-bit types as int4, 5- to 8-bit types as int8; ``engine.layers.quantized``);
+    everything else is dequantized to ``dtype``. "auto-float-gguf": the same, except a GGUF file is
+    dequantized (set with LoRA). "none": always dequantized (exact against transformers on the dequantized
+    weights). "int8" / "int4": weight-only quantization of any Llama-family checkpoint on CPU; "fp16":
+    float16 weights through fbgemm (x86 CPUs), within ~1e-3 of float32; "fp8": FP8 weights with
+    per-channel scales quantized at load (``engine.layers.fp8``). Quantized weights give faster decode
+    (RESULTS.md) and outputs close to, not equal to, the float weights'."""
     cpu_float_copy: Optional[bool] = None
     """With int8 / int4 weights on CPU: also keep each quantized weight as float copies for steps of more rows
     than the packed kernels serve well (decode batches, prefill): fbgemm float16 (2 bytes per weight), or on
@@ -69,14 +72,18 @@ class ModelConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be at least 2.")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be >= 0.")
-        if self.quantization not in (None, "none", "int8", "int4", "fp16"):
+        if self.quantization not in QUANTIZATION_FLAGS:
             raise ValueError(f"quantization={self.quantization!r}: use 'int8', 'int4' or 'fp16' (weights, CPU), "
-                             "'none' (float weights) or leave it unset (a GGUF file's own quantization on CPU).")
+                             "'fp8' (weights quantized at load, per channel), 'none' (float weights: a quantized "
+                             "checkpoint dequantized) or leave it unset (a checkpoint's own quantization; a GGUF "
+                             "file's on CPU).")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
                 f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'.")
 
 
+QUANTIZATION_FLAGS = (None, "none", "auto-float-gguf", "int8", "int4", "fp16", "fp8")
+"""``ModelConfig.quantization`` values (``--quantization`` takes those but auto-float-gguf)."""
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 """``CacheConfig.cache_dtype`` values (``--kv-cache-dtype``)."""
 

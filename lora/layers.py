@@ -390,10 +390,13 @@ class LinearLoRASlots(nn.Module):
         slot's shrink too (decode-sized steps, ``begin_stacked``), or the plain one with the shrink
         issued beside it (``begin``); then the expand (``finish``), or, with ``defer`` and a started
         update, y alone and the update still to add for y's consumer."""
-        stacked = self.begin_stacked(x, linear.weight)
+        stacked = self.begin_stacked(x, linear.weight) if linear.weight is not None else None
         if stacked is None:
             pending = self.begin(x)
-            y = F.linear(x, linear.weight, linear.bias)            # [num_tokens, out]
+            if linear.weight is None:                              # a quantized base (FP8, int4, ...)
+                y = linear.weight_q.linear(x, linear.bias)         # [num_tokens, out]
+            else:
+                y = F.linear(x, linear.weight, linear.bias)        # [num_tokens, out]
         else:
             y, pending = stacked
         if not defer or pending.plan is None:                      # nothing issued early: the plain path

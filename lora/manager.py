@@ -121,8 +121,9 @@ class LoRAManager:
                                     self.max_lora_rank, self.lora_dtype, self.device, self.state,
                                     self.backend, self.policy)
             linear.adapter = slots
-            if slots.stacked_max_tokens > 0:
+            if slots.stacked_max_tokens > 0 and linear.weight is not None:
                 slots.stack_onto(linear)            # decode steps: the shrink inside the base GEMM
+            # NOTE: a quantized base (weight_q) runs its own GEMM; the shrink runs beside it.
             self.layers[name] = slots
         if self.device.type == "cuda" and any(layer.stacked_weight is not None for layer in self.layers.values()):
             # The base weights stack_onto replaced stay in torch's cache otherwise, and the KV cache

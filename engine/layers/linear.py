@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from engine.forward_context import current_policy
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds, LinearAdapter, defer_update
+from engine.quantization.slices import Fp8Slice, Int4Slice, QuantizedSlice
 
 
 class Linear(nn.Module):
@@ -46,8 +47,12 @@ class Linear(nn.Module):
         self.adapter: Optional[LinearAdapter] = None
         """The per-token update attached to this layer (``lora.layers.LinearLoRASlots``), or None."""
         self.weight_q = None
-        """The weight kept quantized (``quantize``: ``engine.layers.quantized.Int8Weight`` /
-        ``Int4Weight``); ``weight`` is then None."""
+        """The weight kept quantized (``quantize``: ``engine.layers.quantized.Int8Weight`` / ``Int4Weight`` /
+        ``Fp16Weight``; a quantized checkpoint's ``engine.layers.w4a16.W4A16Weight`` /
+        ``engine.layers.fp8.Fp8Weight``; ``--quantization fp8``'s ``Fp8Weight``): anything with
+        ``linear(x, bias)``. ``weight`` is then None."""
+        self.quantized_slices: dict[int, QuantizedSlice] = {}
+        """A quantized checkpoint's slices as loaded (slice index -> slice), until ``finish_quantized``."""
 
     def quantize(self, kind: str) -> None:
         """Keep the weight as weight-only ``kind`` ("int8" or "int4", ``engine.layers.quantized``); frees
@@ -63,8 +68,41 @@ class Linear(nn.Module):
             acc += s
         return offs
 
-    def load_slice(self, param_name: str, slice_idx: int, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (``weight`` or ``bias``) into slice ``slice_idx``."""
+    def finish_quantized(self, dtype: torch.dtype) -> None:
+        """Build ``weight_q`` from the loaded quantized slices (every slice must be there) and free the float
+        weight; no-op for a float projection."""
+        if not self.quantized_slices:
+            return
+        missing = sorted(set(range(len(self.output_sizes))) - set(self.quantized_slices))
+        if missing:
+            raise ValueError(f"quantized projection lacks slice(s) {missing} of {len(self.output_sizes)}")
+        slices = [self.quantized_slices[i] for i in range(len(self.output_sizes))]
+        if all(isinstance(s, Int4Slice) for s in slices):
+            from engine.layers.w4a16 import W4A16Weight
+            self.weight_q = W4A16Weight.from_slices(slices, dtype)
+        elif all(isinstance(s, Fp8Slice) for s in slices):
+            from engine.layers.fp8 import Fp8Weight
+            self.weight_q = Fp8Weight.from_slices(slices, dtype)
+        else:
+            raise ValueError("a projection mixes quantization formats across its slices")
+        self.quantized_slices = {}
+        self.weight = None
+
+    def quantize_fp8(self) -> None:
+        """``--quantization fp8``: keep the weight as FP8 with per-channel scales; frees the float one."""
+        from engine.layers.fp8 import Fp8Weight
+        self.weight_q = Fp8Weight.from_float(self.weight, self.weight.dtype)
+        self.weight = None
+
+    def load_slice(self, param_name: str, slice_idx: int, tensor: "torch.Tensor | QuantizedSlice") -> None:
+        """Copy one checkpoint tensor (``weight`` or ``bias``) into slice ``slice_idx``; a quantized
+        checkpoint's weight slice (``engine.quantization.slices``) is kept for ``finish_quantized``."""
+        if isinstance(tensor, (Int4Slice, Fp8Slice)):
+            if param_name != "weight" or tuple(tensor.shape) != (self.output_sizes[slice_idx], self.input_size):
+                raise ValueError(f"quantized {param_name} of shape {tuple(tensor.shape)} does not fit slice "
+                                 f"{slice_idx} ({self.output_sizes[slice_idx]} x {self.input_size})")
+            self.quantized_slices[slice_idx] = tensor
+            return
         param = getattr(self, param_name)
         if param is None:
             raise ValueError(f"checkpoint has a {param_name} for a projection built without one")
@@ -93,8 +131,7 @@ class Linear(nn.Module):
         few tokens (``uses_decode_gemv``), split-K partials for a layer feeding the add + RMSNorm
         (``split_k_parts``), else ``F.linear``."""
         if self.weight_q is not None:
-            from engine.layers.quantized import quantized_linear
-            return quantized_linear(x, self.weight_q, self.bias)
+            return self.weight_q.linear(x, self.bias)
         policy = current_policy()
         if self.uses_decode_gemv(x, policy):
             from kernels.gemv import gemv
@@ -108,7 +145,8 @@ class Linear(nn.Module):
     def uses_decode_gemv(self, x: torch.Tensor, policy: KernelPolicy) -> bool:
         """Whether this layer of x runs as ``kernels.gemv`` (CUDA, at most
         ``policy.decode_gemv_max_tokens`` rows, row-contiguous, no adapter update in the step)."""
-        return (x.is_cuda and 0 < x.shape[0] <= policy.decode_gemv_max_tokens and x.dtype == self.weight.dtype
+        return (x.is_cuda and self.weight is not None and 0 < x.shape[0] <= policy.decode_gemv_max_tokens
+                and x.dtype == self.weight.dtype
                 and x.dim() == 2 and x.stride(-1) == 1 and (self.adapter is None or self.adapter.adds_nothing()))
 
     def split_k_parts(self, x: torch.Tensor, policy: KernelPolicy) -> int:
@@ -116,7 +154,8 @@ class Linear(nn.Module):
         (float32's range, so an unrounded half cannot overflow where the sum does not), without bias
         or adapter update; then by shape (``KernelPolicy.split_k_parts``). The caller guarantees a
         consumer that sums partials (``Feeds.ADD_RMS_NORM``)."""
-        if not (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and self.weight.dtype == x.dtype
+        if not (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16 and self.weight is not None
+                and self.weight.dtype == x.dtype
                 and x.is_contiguous() and self.bias is None
                 and (self.adapter is None or self.adapter.adds_nothing())):
             return 1

@@ -88,6 +88,10 @@ class _PackedWeight:
     bf16_products_copy: Optional["Bf16ProductsWeight"] = None
     """CPUs with AMX: the weight as float32 for bf16-product GEMMs, run from ``BF16_PRODUCTS_MIN_TOKENS`` rows."""
 
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] = x @ W.T + bias (``quantized_linear``)."""
+        return quantized_linear(x, self, bias)
+
     @property
     def packed_max_tokens(self) -> int:
         """Rows up to which the packed kernel runs."""
@@ -168,6 +172,23 @@ class Int4Weight(_PackedWeight):
         self.scale_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(
             torch.bfloat16)                                                         # [groups, out, 2]
 
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, zeros_q: torch.Tensor) -> "Int4Weight":
+        """An int4 weight already quantized (a checkpoint's): q uint8 [out, in] 0..15 and per group of
+        ``INT4_GROUP_SIZE`` inputs ``scales`` and ``zeros_q`` (the zero point in q units) float32 [out, in /
+        INT4_GROUP_SIZE]; W = (q - zeros_q) * scales, exactly (the packed kernel's scale and zero in
+        bfloat16)."""
+        self = cls.__new__(cls)
+        self.group_size = INT4_GROUP_SIZE
+        self.scales = scales.float().contiguous()                                     # [out, groups]
+        self.low = -zeros_q.float() * self.scales                                     # value of q = 0
+        self.zeros = self.low + 8.0 * self.scales                                     # value of q = 8
+        self.q = q.to(torch.uint8).contiguous()                                       # [out, in]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32), INT4_INNER_K_TILES)
+        self.scale_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous().to(
+            torch.bfloat16)                                                           # [groups, out, 2]
+        return self
+
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, s, low = (self.q, self.scales, self.low) if rows is None else (self.q[rows], self.scales[rows],
                                                                           self.low[rows])
@@ -216,6 +237,10 @@ class Fp16Weight:
         if "fbgemm" not in torch.backends.quantized.supported_engines:
             raise ValueError("--quantization fp16 needs torch's fbgemm kernels (x86 CPUs); use int8 or int4 here.")
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] = x @ W.T + bias (``quantized_linear``)."""
+        return quantized_linear(x, self, bias)
 
     def dequantize(self, dtype: torch.dtype, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Unpacks the whole weight (tests' reference; the engine never calls it: ``packed_mm`` serves every

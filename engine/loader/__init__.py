@@ -50,14 +50,14 @@ def load_config(resolved: ResolvedModel, trust_remote_code: bool = False):
 
 
 def iter_weights(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 shard_of=None) -> Iterator[tuple[str, torch.Tensor]]:
+                 shard_of=None, keep_dtype=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_parameter_name, tensor)`` for every weight, floating tensors cast to ``dtype``.
 
     ``lm_head.weight`` is never yielded when the config ties it to the embeddings. Safetensors
     tensors are read straight onto ``device`` (and cast there). ``shard_of`` (tensor parallelism:
     name -> ``engine.distributed.sharding.Shard`` or None) cuts each tensor to this rank's range as it
     is read (GGUF: from its converted directory, the same way; a CTranslate2 Whisper file is converted whole
-    in memory, then cut).
+    in memory, then cut). ``keep_dtype(name, tensor)`` true: that tensor keeps its stored dtype.
     """
     from engine.loader.safetensors_loader import iter_checkpoint_tensors
 
@@ -68,7 +68,8 @@ def iter_weights(resolved: ResolvedModel, dtype: torch.dtype, device: torch.devi
         return ((name, narrow_to(tensor, shard_of(name) if shard_of else None).to(device)) for name, tensor in weights)
     model_dir = checkpoint_dir(resolved)
     tied = bool(getattr(load_config(resolved), "tie_word_embeddings", False))
-    return iter_checkpoint_tensors(model_dir, dtype, skip_lm_head=tied, device=device, shard_of=shard_of)
+    return iter_checkpoint_tensors(model_dir, dtype, skip_lm_head=tied, device=device, shard_of=shard_of,
+                                   keep_dtype=keep_dtype)
 
 
 def checkpoint_dtype(resolved: ResolvedModel) -> torch.dtype:

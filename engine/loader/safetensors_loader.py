@@ -60,7 +60,8 @@ def find_weight_files(model_dir: Path) -> WeightFiles:
 
 
 def iter_checkpoint_tensors(model_dir: Path, dtype: torch.dtype, skip_lm_head: bool,
-                            device: torch.device | str = "cpu", shard_of: Optional[ShardOf] = None
+                            device: torch.device | str = "cpu", shard_of: Optional[ShardOf] = None,
+                            keep_dtype: Optional[Callable[[str, torch.Tensor], bool]] = None
                             ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint, floating tensors cast to ``dtype``.
 
@@ -72,13 +73,16 @@ def iter_checkpoint_tensors(model_dir: Path, dtype: torch.dtype, skip_lm_head: b
             GPU, then cast there); pickled ``.bin`` checkpoints are always read on the CPU.
         shard_of: tensor parallelism: the range of each tensor this rank keeps; safetensors files
             read only that range (``get_slice``), so no rank holds the whole model.
+        keep_dtype: tensors it accepts keep their stored dtype (a quantized checkpoint's weights and
+            scales: ``engine.quantization.slices.QuantizedTensorStream.belongs``).
     """
     files = find_weight_files(model_dir)
     for path in files.paths:
         for name, tensor in _iter_file(path, files.format, str(device), shard_of):
             if name.endswith(_SKIPPED_SUFFIXES) or (skip_lm_head and name == "lm_head.weight"):
                 continue
-            if tensor.is_floating_point() and tensor.dtype != dtype:
+            if (tensor.is_floating_point() and tensor.dtype != dtype
+                    and (keep_dtype is None or not keep_dtype(name, tensor))):
                 tensor = tensor.to(dtype)
             yield name, tensor
 

@@ -12,6 +12,8 @@ import torch
 from engine.config import ModelConfig, ParallelConfig
 from engine.distributed.group import TensorParallelGroup
 from engine.models.registry import get_model_class
+from engine.quantization.scheme import FP8, CheckpointQuantization, read_checkpoint_quantization
+from engine.quantization.slices import QuantizedTensorStream
 
 logger = logging.getLogger("chorus.models")
 
@@ -122,13 +124,24 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
     tokenizer = load_tokenizer(resolved, model_config.chat_template)
     max_model_len = resolve_max_model_len(hf_config, model_config.max_model_len)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(resolved), device)
+    scheme = read_checkpoint_quantization(hf_config) if resolved.kind == "hf" else None
+    _check_checkpoint_quantization(scheme, model_cls, model_config, tp, device)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, max_position=max_model_len, **({"tp": tp} if tp.size > 1 else {}))
     if model_config.load_format == "dummy":
         _init_dummy(model, hf_config, model_config.seed)
     else:
         shard_of = model.checkpoint_shard if tp.size > 1 else None
-        model.load_weights(iter_weights(resolved, dtype, device, shard_of=shard_of))
+        stream = QuantizedTensorStream(scheme) if scheme is not None else None
+        weights = iter_weights(resolved, dtype, device, shard_of=shard_of,
+                               keep_dtype=stream.belongs if stream is not None else None)
+        model.load_weights(stream(weights) if stream is not None else weights)
+        if stream is not None:
+            _finish_quantized(model, dtype, dequantize=model_config.quantization == "none")
+            logger.info("%s: %s weights (%s checkpoint)%s.", resolved.path.name, scheme.kind, scheme.format,
+                        ", dequantized (--quantization none)" if model_config.quantization == "none" else "")
+    if model_config.quantization == "fp8":
+        _quantize_fp8(model)
     if tp.size > 1:
         from engine.layers.parallel import RowParallelLinear
         for module in model.modules():
@@ -209,12 +222,65 @@ def _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len: int
     return Transcriber(tokenizer, ids, max_model_len, mm_processor.sample_rate_hz, mm_processor.window_s)
 
 
+def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], model_cls, model_config: ModelConfig,
+                                   tp: TensorParallelGroup, device: torch.device) -> None:
+    """ValueError, saying what to change, for quantization settings that cannot serve this checkpoint."""
+    flag = model_config.quantization
+    if flag == "fp8" and not model_cls.capabilities.weight_quantization:
+        raise ValueError(f"--quantization fp8 supports Llama-family text models, not {model_cls.__name__}; "
+                         "leave --quantization unset.")
+    if flag == "fp8" and tp.size > 1:
+        raise ValueError("--quantization fp8 with --tensor-parallel-size > 1 is not supported; use "
+                         "--tensor-parallel-size 1.")
+    if scheme is None:
+        return
+    if flag not in (None, "none", "auto-float-gguf"):
+        raise ValueError(f"--quantization {flag}: the checkpoint is already quantized ({scheme.format}, "
+                         f"{scheme.kind}); leave --quantization unset (or none for its dequantized weights).")
+    if not model_cls.capabilities.weight_quantization:
+        raise ValueError(f"{model_cls.__name__} cannot load a quantized ({scheme.format}) checkpoint; serve a "
+                         "float checkpoint of it.")
+    if tp.size > 1:
+        raise ValueError(f"a quantized ({scheme.format}) checkpoint with --tensor-parallel-size {tp.size} is "
+                         "not supported; use --tensor-parallel-size 1.")
+    if scheme.kind == FP8 and device.type == "cuda" and flag != "none" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"quantization_config (FP8 weights) needs a GPU with FP8 (compute capability 8.9+: Ada, "
+                         f"Hopper); {name} has {torch.cuda.get_device_capability(device)}. Use --quantization none "
+                         "to serve its dequantized weights.")
+
+
+@torch.no_grad()
+def _finish_quantized(model: torch.nn.Module, dtype: torch.dtype, dequantize: bool) -> None:
+    """Every projection of a quantized checkpoint: its quantized weight (``Linear.finish_quantized``), or with
+    ``dequantize`` its float weight."""
+    from engine.layers.linear import Linear
+    for module in model.modules():
+        if not isinstance(module, Linear) or not module.quantized_slices:
+            continue
+        if dequantize:
+            for idx, piece in sorted(module.quantized_slices.items()):
+                module.load_slice("weight", idx, piece.dequantize().to(dtype))
+            module.quantized_slices = {}
+        else:
+            module.finish_quantized(dtype)
+
+
+@torch.no_grad()
+def _quantize_fp8(model: torch.nn.Module) -> None:
+    """``--quantization fp8``: every projection (not the embedding or the LM head) as FP8 per channel."""
+    from engine.layers.linear import Linear
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None:
+            module.quantize_fp8()
+
+
 def _quantization_plan(model: torch.nn.Module, quantization: Optional[str], resolved, device: torch.device):
     """What ``_quantize`` applies: "int8" / "int4", a GGUF file's own (checkpoint tensor name -> kind) when
     ``quantization`` is unset and the model runs on CPU, or None (float weights)."""
     if quantization in ("int8", "int4", "fp16"):
         return quantization
-    if (quantization == "none" or resolved.kind != "gguf" or device.type != "cpu"
+    if (quantization in ("none", "auto-float-gguf", "fp8") or resolved.kind != "gguf" or device.type != "cpu"
             or not model.capabilities.weight_quantization):
         return None
     from engine.layers.quantized import kind_for_gguf_type

@@ -301,6 +301,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            if not isinstance(tensor, torch.Tensor):   # a quantized checkpoint's projection (slices.py)
+                self.get_submodule(name.rpartition(".")[0]).load_slice("weight", 0, tensor)
+                loaded.add(name)
+                continue
             param = params[name]
             if self.tp.size > 1 and name in ("model.embed_tokens.weight", "lm_head.weight"):
                 copy_rows(param, tensor, name)   # this rank's vocabulary rows, padded

@@ -250,15 +250,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "where the kernel does not build) and float32 for bf16-product GEMMs from 20 rows "
                           "instead. The LM head's logits stay float32. Default: on when the copies take at most "
                           "a quarter of the machine's memory.")
-    eng.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4", "fp16"],
-                     help="Weights in memory (CPU, Llama-family models). Default: a GGUF file's quantized "
-                          "tensors stay quantized (4-bit types as int4, 5- to 8-bit as int8), other "
-                          "checkpoints and LoRA serving use float weights. none: always float (exact against "
-                          "transformers). int8 (per-row scales) / int4 (groups of 32, as GGUF's Q4_1): "
-                          "quantize any checkpoint. Quantized: faster batch-1 decode, outputs close to but "
-                          "not equal to the float weights'. fp16: float16 weights in fbgemm's layout "
-                          "(x86), outputs within ~1e-3 of float32's, the fastest for many concurrent "
-                          "requests on a small model.")
+    eng.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4", "fp16", "fp8"],
+                     help="Weights in memory (Llama-family models). Default: the checkpoint's own: FP8, GPTQ, "
+                          "AWQ and compressed-tensors checkpoints stay quantized (CUDA kernels; on CPU 4-bit "
+                          "runs the int4 path, FP8 its dequantized weights), and a GGUF file's quantized tensors "
+                          "stay quantized on CPU (4-bit types as int4, 5- to 8-bit as int8; dequantized with "
+                          "LoRA). none: always float (a quantized checkpoint dequantized: exact against "
+                          "transformers on those weights). fp8: FP8 weights with per-channel scales, quantized "
+                          "at load (CUDA: W8A8 GEMMs, FP8 decode GEMVs). CPU only: int8 (per-row scales) / int4 "
+                          "(groups of 32, as GGUF's Q4_1) quantize any checkpoint, faster batch-1 decode; fp16: "
+                          "float16 weights in fbgemm's layout (x86), outputs within ~1e-3 of float32's.")
 
     speech = p.add_argument_group("Transcription (Whisper: /v1/audio/transcriptions, /v1/audio/translations)")
     speech.add_argument("--task", default="auto", choices=TASKS,

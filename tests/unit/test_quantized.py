@@ -200,7 +200,7 @@ def test_quantization_refuses_what_it_does_not_support(tiny_llama_dir):
     with pytest.raises(ValueError, match="with LoRA adapters is not supported"):
         LLM(model=str(tiny_llama_dir), device="cpu", quantization="int8", enable_lora=True)
     with pytest.raises(ValueError, match="use 'int8', 'int4' or 'fp16'"):
-        LLM(model=str(tiny_llama_dir), device="cpu", quantization="fp8")
+        LLM(model=str(tiny_llama_dir), device="cpu", quantization="fp4")
 
 
 @pytest.mark.parametrize("gguf_type, kind", [("F32", None), ("F16", None), ("BF16", None), ("Q4_0", "int4"),

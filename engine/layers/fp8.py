@@ -1,0 +1,91 @@
+"""FP8 (e4m3) weights: ``Fp8Weight``, from compressed-tensors / HF ``fp8`` checkpoints
+(``engine.quantization.slices.Fp8Slice``) or quantized at load (``--quantization fp8``: per output channel,
+amax / 448, as llmcompressor's FP8_DYNAMIC).
+
+- CUDA: ``kernels.fp8_linear``: decode steps of up to ``FP8_GEMV_MAX_TOKENS`` rows read the FP8 weight once
+  with 16-bit activations (``fp8_gemv``); larger steps quantize the activations (per token, per token and
+  128 inputs for block weights, or the checkpoint's static scale) and run the W8A8 GEMM (``fp8_linear``);
+- CPU: the dequantized weight (float copy) through ``F.linear``: the checkpoint's values, for correctness
+  anywhere, not for speed.
+
+A packed projection's slices stack along the outputs: per-channel scales stack; block scales need every
+slice's rows to be a multiple of the block; static activation scales take the largest of the slices'.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from engine.quantization.slices import Fp8Slice
+
+FP8_GEMV_MAX_TOKENS = 16
+"""Rows up to which CUDA runs the weight-only FP8 GEMV (decode steps)."""
+FP8_MAX = 448.0
+"""Largest e4m3 magnitude."""
+
+
+class Fp8Weight:
+    """A [out, in] FP8 weight with per-channel or per-block scales (module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]],
+                 input_scale: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+        self.weight = weight
+        """float8_e4m3fn [out, in]."""
+        self.scale = scale.float().contiguous()
+        """float32 [out] or [ceil(out / bo), ceil(in / bi)]."""
+        self.block = block
+        """(bo, bi) per scale; None: per channel."""
+        self.input_scale = input_scale
+        """Static activation scale (float32 scalar); None: dynamic."""
+        self.cuda = weight.is_cuda
+        self.float_weight: Optional[torch.Tensor] = None
+        """CPU: the dequantized weight [out, in] in the model's dtype."""
+        if not self.cuda:
+            self.float_weight = Fp8Slice(weight, self.scale, block).dequantize().to(dtype)
+            self.weight = None
+
+    @classmethod
+    def from_slices(cls, slices: list[Fp8Slice], dtype: torch.dtype) -> "Fp8Weight":
+        first = slices[0]
+        block = first.block
+        if any(s.block != block for s in slices):
+            raise ValueError("packed FP8 slices mix per-channel and per-block scales.")
+        if block is not None and any(s.shape[0] % block[0] for s in slices[:-1]):
+            raise ValueError(f"packed FP8 slices of {[s.shape[0] for s in slices]} rows do not align with "
+                             f"{block[0]}-row scale blocks.")
+        weight = torch.cat([s.weight for s in slices])
+        scale = torch.cat([s.scale for s in slices])
+        input_scale = None
+        if first.input_scale is not None:
+            input_scale = torch.stack([s.input_scale for s in slices]).max()
+        return cls(weight, scale, block, input_scale, dtype)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, dtype: torch.dtype) -> "Fp8Weight":
+        """``--quantization fp8``: per-output-channel scales amax / 448, dynamic per-token activations."""
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)                     # [out]
+        q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return cls(q, scale, None, None, dtype)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype."""
+        if not self.cuda:
+            return F.linear(x, self.float_weight.to(x.dtype), bias)
+        from kernels.fp8_linear import fp8_gemv, fp8_linear
+        if x.shape[0] <= FP8_GEMV_MAX_TOKENS:
+            return fp8_gemv(x, self.weight, self.scale, block_size=self.block, bias=bias)
+        if self.input_scale is not None:
+            return fp8_linear(x, self.weight, self.scale, activation_scheme="static", input_scale=self.input_scale,
+                              block_size=self.block, bias=bias)
+        scheme = "per-token-group" if self.block is not None else "dynamic"
+        return fp8_linear(x, self.weight, self.scale, activation_scheme=scheme, block_size=self.block, bias=bias)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [out, in]."""
+        if self.float_weight is not None:
+            return self.float_weight.to(dtype)
+        return Fp8Slice(self.weight, self.scale, self.block).dequantize().to(dtype)

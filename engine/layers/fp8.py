@@ -38,9 +38,12 @@ class Fp8Weight:
         """float32 [out] or [ceil(out / bo), ceil(in / bi)]."""
         self.block = block
         """(bo, bi) per scale; None: per channel."""
-        self.input_scale = input_scale
-        """Static activation scale (float32 scalar); None: dynamic."""
+        self.input_scale = input_scale.float().reshape(1) if input_scale is not None else None
+        """Static activation scale (float32 [1]); None: dynamic."""
         self.cuda = weight.is_cuda
+        if self.cuda:
+            from kernels.fp8_linear import scaled_mm_works
+            scaled_mm_works(weight.device)   # probed now, before CUDA graph capture
         self.float_weight: Optional[torch.Tensor] = None
         """CPU: the dequantized weight [out, in] in the model's dtype."""
         if not self.cuda:
@@ -75,13 +78,13 @@ class Fp8Weight:
         """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype."""
         if not self.cuda:
             return F.linear(x, self.float_weight.to(x.dtype), bias)
-        from kernels.fp8_linear import fp8_gemv, fp8_linear
+        from kernels.fp8_linear import PER_TOKEN, PER_TOKEN_GROUP, STATIC, fp8_gemv, fp8_linear
         if x.shape[0] <= FP8_GEMV_MAX_TOKENS:
             return fp8_gemv(x, self.weight, self.scale, block_size=self.block, bias=bias)
         if self.input_scale is not None:
-            return fp8_linear(x, self.weight, self.scale, activation_scheme="static", input_scale=self.input_scale,
+            return fp8_linear(x, self.weight, self.scale, activation_scheme=STATIC, input_scale=self.input_scale,
                               block_size=self.block, bias=bias)
-        scheme = "per-token-group" if self.block is not None else "dynamic"
+        scheme = PER_TOKEN_GROUP if self.block is not None else PER_TOKEN
         return fp8_linear(x, self.weight, self.scale, activation_scheme=scheme, block_size=self.block, bias=bias)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,449 @@
+"""W4A16 matmul: out = x @ dequant(qweight) (+ bias) with int4 weights dequantized in registers.
+
+For GPTQ, AWQ and compressed-tensors pack-quantized checkpoints: the weight stays packed in
+memory (half a byte per weight plus a scale and a zero point per group), so a decode step
+reads a quarter of the bf16 weight bytes. As in Marlin, the int4 values are unpacked in
+registers next to the tensor-core product; nothing dequantized is ever written to memory.
+
+Layout (the loader converts every checkpoint format to this; K = inputs, N = outputs):
+
+- ``qweight``: int32 [K // 8, N], packed along K: nibble i (bits 4i..4i+3) of qweight[r, n]
+  is q[8r + i, n], a value in 0..15 (GPTQ's packing order).
+- ``scales``: [K // G, N] in x's dtype (bfloat16 / float16) or float32.
+- ``zeros``: [K // G, N], scales' dtype: the zero point in q units (symmetric GPTQ: all 8;
+  asymmetric GPTQ / AWQ: any value in 0..15; float, so a fractional zero point works too).
+- ``group_size`` G: a power of two >= 16 that divides K, or G == K (one group per column,
+  "per-channel"). Act-order (g_idx) checkpoints are permuted along K once at load, so the
+  groups here are contiguous.
+
+Semantics: W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] and
+out[M, N] = x[M, K] @ W (+ bias[N]), float32 accumulation, one rounding to x's dtype at the end.
+
+Kernel: one K step loads the packed [BLOCK_K // 8, BLOCK_N] int32 tile, repeats each row 8
+times and shifts row k by (k % 8) * 4, then subtracts the zero point in float32 and rounds
+(q - z) to x's dtype for tl.dot: exact for integer zero points (GPTQ, AWQ, compressed-tensors),
+so tl.dot sees the exact weights up to their scale. The scale, constant over a group of G
+inputs of a column, is then applied in one of two ways (``W4A16Config.scale_in_weight``): to
+the float32 product of each group (sum_k x (q - z) s = s sum_k x (q - z): no weight is rounded;
+the decode tiles), or to the weight tile before tl.dot, which rounds W to x's dtype as Marlin
+does but keeps one accumulator (the big GEMM tiles: at 128x128 with 8 warps, sm_90 needs 128
+registers a thread with one accumulator and 222 with two). Per-channel weights (G == K)
+accumulate x @ (q - z) over all of K and scale once at the end. Grid: (M tiles x N tiles,
+walked GROUP_M rows of tiles at a time for L2 reuse) x split_k slices of K; with split_k > 1
+each slice writes float32 partials and a second launch sums them (+ bias) and rounds once.
+
+Launch configs: ``w4a16_config(M, N, K, device, override)``: a decode tiling for M <= 16 (one
+[16, BLOCK_N] tl.dot tile over M, so every weight byte is read once; BLOCK_N small enough that
+the N tiles fill the SMs, split-K only where they cannot), GEMM tilings above.
+
+The torch twin is ``w4a16_matmul_ref`` (dequantize to float32, matmul, round once), with the
+layout helpers ``pack_int4_along_k``, ``unpack_int4_along_k`` and ``dequantize_w4``;
+``tests/kernels/test_kernel_w4a16.py`` compares kernel and twin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import triton
+import triton.language as tl
+
+from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2, num_sms
+
+PACK_FACTOR = 8
+"""int4 values per int32 of ``qweight`` (packed along K)."""
+
+MAX_SUB_K = 128
+"""Most inputs one unrolled sub-tile of a K step unpacks (its [sub_k, block_n] tile lives in registers)."""
+
+MAX_SUB_TILES = 4
+"""Most sub-tiles one K step unrolls: block_k is clipped to MAX_SUB_TILES * sub_k, which keeps the loop
+body, and its compile time, small."""
+
+DEFAULT_NUM_SMS = 132
+"""SMs assumed by ``w4a16_config`` when no CUDA device is given (an H100 / H200)."""
+
+W4A16Override = tuple[tuple[str, int], ...]
+"""(field, value) pairs of ``W4A16Config`` applied over the default config."""
+
+
+# ----------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _load_q_tile(qw_ptr, k0, offs_n, n_ok, K, N, SUB_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 [SUB_K, BLOCK_N] tile of q (values 0..15) for K rows k0 + [0, SUB_K), 0 where masked.
+
+    Loads the packed [SUB_K // 8, BLOCK_N] int32 tile once, repeats each packed row 8 times and
+    shifts row k by (k % 8) * 4: row 8r + i of the result is nibble i of packed row r.
+    """
+    offs_r = k0 // 8 + tl.arange(0, SUB_K // 8)
+    packed = tl.load(qw_ptr + offs_r[:, None] * N + offs_n[None, :],
+                     mask=(offs_r < K // 8)[:, None] & n_ok[None, :], other=0)          # [SUB_K // 8, BN]
+    rows = tl.reshape(tl.broadcast_to(packed[:, None, :], [SUB_K // 8, 8, BLOCK_N]), [SUB_K, BLOCK_N])
+    shifts = (tl.arange(0, SUB_K) % 8) * 4                                                # [SUB_K]
+    return (rows >> shifts[:, None]) & 0xF
+
+
+@triton.jit
+def _load_group_rows(s_ptr, z_ptr, k0, K, N, offs_n, n_ok, sub_ids, SUB_K: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr):
+    """float32 (scales, zeros) [SUB_TILES, BLOCK_N] rows of the groups of the K step at k0: row j
+    is the group of sub-tile j (inputs k0 + j * SUB_K ...). A sub-tile past K (its x and q are
+    all 0) reads the last group's row: a valid address."""
+    rows = tl.minimum(k0 + sub_ids * SUB_K, K - 1) // GROUP_SIZE                           # [SUB_TILES]
+    offs = rows[:, None] * N + offs_n[None, :]                                             # [SUB_TILES, BN]
+    s = tl.load(s_ptr + offs, mask=n_ok[None, :], other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs, mask=n_ok[None, :], other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
+                  M, N, K, stride_xm, k_tiles_per_split,
+                  GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                  SCALE_IN_WEIGHT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Semantics (G = GROUP_SIZE, or K when GROUP_SIZE == 0; dtype = out's dtype = x's dtype):
+
+        for m in range(M), n in range(N):
+            acc = sum(x[m, k] * (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+                      for k in this program's K slice)                                    # float32
+            if SPLIT_OUT: ws[split, m, n] = acc                   (summed by the reduce launch)
+            else:         out[m, n] = dtype(acc + (bias[n] if HAS_BIAS else 0))
+
+    q[k, n] is nibble k % 8 of qweight[k // 8, n]. Program (pid, split) covers the [BLOCK_M,
+    BLOCK_N] tile that the GROUP_M-grouped order gives pid, over K tiles [split *
+    k_tiles_per_split, (split + 1) * k_tiles_per_split) of BLOCK_K (clipped to K). Each K tile
+    is BLOCK_K // SUB_K sub-tiles inside one group each (SUB_K divides G when GROUP_SIZE > 0).
+    Per sub-tile, DOT_DTYPE(q - zeros) (exact for integer zero points) goes to tl.dot with x,
+    and the scale is applied:
+
+        GROUP_SIZE == 0:  acc += x @ (q - z); acc *= s once after the loop
+        SCALE_IN_WEIGHT:  acc += x @ DOT_DTYPE((q - z) * s)     (one accumulator; W rounded)
+        else:             acc += (x @ (q - z)) * s              (float32, per sub-tile)
+
+    x rows at stride stride_xm (last dim stride 1); qweight, scales, zeros, out, ws contiguous.
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm                            # [BM, 1]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+
+    k_begin = split * k_tiles_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + k_tiles_per_split * BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sub_ids = tl.arange(0, BLOCK_K // SUB_K)
+    if GROUP_SIZE == 0:
+        s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)                  # [BN]
+        z = tl.load(z_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)                  # [BN]
+    else:
+        s_next, z_next = _load_group_rows(s_ptr, z_ptr, k_begin, K, N, offs_n, n_ok, sub_ids, SUB_K,
+                                          GROUP_SIZE)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if GROUP_SIZE != 0:
+            # NOTE: the next step's scale / zero rows are loaded a step ahead (register prefetch): the
+            # pipeliner stages only the x and q tiles, and these rows come from HBM with the weights.
+            s_cur, z_cur = s_next, z_next                                                 # [SUB_TILES, BN]
+            s_next, z_next = _load_group_rows(s_ptr, z_ptr, k0 + BLOCK_K, K, N, offs_n, n_ok, sub_ids, SUB_K,
+                                              GROUP_SIZE)
+        for j in tl.static_range(BLOCK_K // SUB_K):
+            ks = k0 + j * SUB_K
+            offs_k = ks + tl.arange(0, SUB_K)
+            xa = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            q = _load_q_tile(qw_ptr, ks, offs_n, n_ok, K, N, SUB_K, BLOCK_N)               # [SUB_K, BN]
+            if GROUP_SIZE != 0:
+                s = tl.sum(tl.where(sub_ids[:, None] == j, s_cur, 0.0), axis=0)            # [BN]
+                z = tl.sum(tl.where(sub_ids[:, None] == j, z_cur, 0.0), axis=0)            # [BN]
+            w = q.to(tl.float32) - z[None, :]                                              # [SUB_K, BN]
+            if GROUP_SIZE == 0:
+                acc = tl.dot(xa.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+            elif SCALE_IN_WEIGHT:
+                w = (w * s[None, :]).to(DOT_DTYPE)
+                acc = tl.dot(xa.to(DOT_DTYPE), w, acc, input_precision=DOT_PRECISION)
+            else:
+                prod = tl.dot(xa.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BM, BN]
+                acc += prod * s[None, :]
+    if GROUP_SIZE == 0:
+        acc = acc * s[None, :]
+
+    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]                         # [BM, BN]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_OUT:
+        tl.store(ws_ptr + split.to(tl.int64) * M * N + out_offs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(ws_ptr, b_ptr, out_ptr, num_elements, N, num_splits,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Semantics: for i in range(M * N): out.flat[i] = dtype(sum(ws[s].flat[i] for s in
+    range(num_splits)) + (bias[i % N] if HAS_BIAS else 0)); ws float32 [num_splits, M, N]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_elements
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(num_splits):
+        acc += tl.load(ws_ptr + s * num_elements + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------
+# Launch configs
+# ----------------------------------------------------------------------------------------
+def _check_pow2(name: str, value: object, min_value: int, max_value: int) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or not min_value <= value <= max_value
+            or value & (value - 1)):
+        raise ValueError(f"W4A16Config.{name}: {value!r} must be a power of two in "
+                         f"[{min_value}, {max_value}].")
+
+
+@dataclass(frozen=True)
+class W4A16Config:
+    """Launch parameters of the W4A16 matmul."""
+
+    block_m: int = 16
+    """Token rows per program (tl.dot needs >= 16). Power of two in [16, 256]."""
+    block_n: int = 32
+    """Output columns per program. Power of two in [16, 256]."""
+    block_k: int = 256
+    """Inputs per K step. Power of two in [16, 4096]. Each step is unrolled into sub-tiles of
+    sub_k = min(block_k, G, MAX_SUB_K) inputs (inside one group each; per-channel: min(block_k,
+    MAX_SUB_K)), and block_k is clipped to MAX_SUB_TILES * sub_k."""
+    split_k: int = 1
+    """Slices of K computed by separate programs (float32 partials summed by a second launch).
+    Power of two in [1, 64]; fewer when K has fewer block_k steps."""
+    group_m: int = 8
+    """Rows of M tiles walked together (tiles of one weight column block reuse it from L2).
+    Int in [1, 64]."""
+    num_warps: int = 4
+    """Warps per program (power of two in [1, 16])."""
+    num_stages: int = 3
+    """Software-pipelining depth of the K loop (>= 1)."""
+    scale_in_weight: int = 0
+    """Grouped weights only. 1: the scale multiplies the weight tile before tl.dot (W rounded to
+    x's dtype, as Marlin; one accumulator, for the big GEMM tiles); 0: the product of each group
+    is scaled in float32 (a second [block_m, block_n] accumulator). Per-channel weights always
+    scale once at the end."""
+
+    def __post_init__(self) -> None:
+        if self.scale_in_weight not in (0, 1) or isinstance(self.scale_in_weight, float):
+            raise ValueError(f"W4A16Config.scale_in_weight: {self.scale_in_weight!r} must be 0 or 1.")
+        _check_pow2("block_m", self.block_m, 16, 256)
+        _check_pow2("block_n", self.block_n, 16, 256)
+        _check_pow2("block_k", self.block_k, 16, 4096)
+        _check_pow2("split_k", self.split_k, 1, 64)
+        _check_pow2("num_warps", self.num_warps, 1, 16)
+        for name, low, high in (("group_m", 1, 64), ("num_stages", 1, 8)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"W4A16Config.{name}: {value!r} must be an int in [{low}, {high}].")
+
+
+def w4a16_config(M: int, N: int, K: int, device: Optional[torch.device] = None,
+                 override: W4A16Override = ()) -> W4A16Config:
+    """The default config for x [M, K] @ W [K, N], with ``override`` applied last.
+
+    Args:
+        M, N, K: token rows, output columns, inputs per row.
+        device: where it runs; a CPU device means the interpreter (small, quick tiles). None: a
+            CUDA device with ``DEFAULT_NUM_SMS`` SMs.
+        override: ``W4A16Config`` (field, value) pairs; ValueError for an unknown field or a
+            value the config rejects.
+
+    Tilings: M <= 16 is the decode GEMV: one 16-row tile over M, so every weight byte is read
+    once; block_n 16 up to N = 8192 and 32 above, so the N tiles cover the SMs about twice
+    (Llama-3-8B: 256 to 896 programs); block_k 512 (four 128-input sub-tiles; 4 G for G < 128)
+    and 4 stages keep weight bytes in flight; split_k only where the N tiles still do not fill
+    the SMs (narrow N), in powers of two up to 8 while every slice keeps >= 4 K steps; the
+    group scale is applied to the float32 product (exact). M > 16: GEMM tiles (block_m up to
+    64, then 64x128, then 128x128 with 8 warps above 256 rows) with the scale folded into the
+    weight tile (scale_in_weight=1: one accumulator, fewer registers).
+    NOTE: first choices, checked to compile for sm_90 without spills but not yet timed;
+    ``benchmarks/sweeps/w4a16_sweep.py`` times them against the alternatives on the GPU.
+    """
+    if device is not None and is_interpreted(device):
+        cfg = W4A16Config(block_m=16, block_n=min(32, max(16, next_power_of_2(N))),
+                          block_k=min(64, max(16, next_power_of_2(K))), num_stages=1)
+    elif M <= 16:
+        sms = num_sms(device) if device is not None else DEFAULT_NUM_SMS
+        block_n, block_k = (16 if N <= 8192 else 32), 512
+        n_tiles, k_tiles = cdiv(N, block_n), cdiv(K, block_k)
+        split_k = 1
+        while n_tiles * split_k < sms and split_k < 8 and k_tiles >= 4 * split_k:
+            split_k *= 2
+        cfg = W4A16Config(block_m=16, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
+                          num_stages=4)
+    elif M <= 64:
+        cfg = W4A16Config(block_m=min(64, next_power_of_2(M)), block_n=64, block_k=128, num_warps=4,
+                          num_stages=4, scale_in_weight=1)
+    elif M <= 256:
+        cfg = W4A16Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, scale_in_weight=1)
+    else:
+        cfg = W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, scale_in_weight=1)
+    if not override:
+        return cfg
+    fields = dict(override)
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(W4A16Config)})
+    if unknown:
+        raise ValueError(f"W4A16 config override: unknown field(s) {unknown}; use "
+                         f"{', '.join(f.name for f in dataclasses.fields(W4A16Config))}.")
+    return dataclasses.replace(cfg, **fields)
+
+
+# ----------------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------------
+def _check_group_size(group_size: object, K: int) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"group_size: expected a host int, got {type(group_size).__name__}.")
+    if group_size != K and (group_size < 16 or group_size & (group_size - 1) or K % group_size):
+        raise ValueError(f"group_size: {group_size} must be K ({K}, per-channel) or a power of two >= 16 "
+                         f"that divides K.")
+    return group_size
+
+
+def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, bias: Optional[torch.Tensor], config: Optional[W4A16Config]) -> int:
+    """Check every argument against the layout in the module docstring; returns N."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    K = x.shape[1]
+    if K < PACK_FACTOR or K % PACK_FACTOR:
+        raise ValueError(f"x: K = {K} inputs must be a positive multiple of {PACK_FACTOR} "
+                         f"(int4 packed 8 per int32).")
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,), device=x.device, contiguous=True)
+    check_tensor("qweight", qweight, shape=(K // PACK_FACTOR, None))
+    N = qweight.shape[1]
+    if N < 1:
+        raise ValueError(f"qweight: shape {tuple(qweight.shape)} must have N >= 1 columns.")
+    G = _check_group_size(group_size, K)
+    check_tensor("scales", scales, dtypes=(x.dtype, torch.float32), shape=(K // G, N), device=x.device,
+                 contiguous=True)
+    check_tensor("zeros", zeros, dtypes=(scales.dtype,), shape=(K // G, N), device=x.device, contiguous=True)
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(x.dtype,), shape=(N,), device=x.device, contiguous=True)
+    if config is not None and not isinstance(config, W4A16Config):
+        raise ValueError(f"config: expected a W4A16Config, got {type(config).__name__}.")
+    return N
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: Optional[torch.Tensor] = None,
+                 config: Optional[W4A16Config] = None, *, override: W4A16Override = ()) -> torch.Tensor:
+    """out = x @ W (+ bias), W the int4 weight of the module docstring's layout, float32 accumulation.
+
+    Args:
+        x: [M, K] float16 / bfloat16 / float32, last dim contiguous (row stride free); K a
+            multiple of 8.
+        qweight: int32 [K // 8, N], contiguous: nibble i of qweight[r, n] is q[8r + i, n].
+        scales: [K // G, N] in x's dtype or float32, contiguous.
+        zeros: [K // G, N] in scales' dtype, contiguous (zero points in q units).
+        group_size: G, K (per-channel) or a power of two >= 16 that divides K.
+        bias: optional [N] in x's dtype, contiguous; added in float32 before the final rounding.
+        config: launch config; None: ``w4a16_config(M, N, K, x.device, override)``.
+        override: ``W4A16Config`` field overrides of the default config (ignored with ``config``).
+
+    Returns:
+        out: a new contiguous [M, N] tensor in x's dtype.
+    """
+    N = _check_inputs(x, qweight, scales, zeros, group_size, bias, config)
+    M, K = x.shape
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)                              # [M, N]
+    if M == 0:
+        return out
+    if config is None:
+        config = w4a16_config(M, N, K, x.device, override)
+    per_channel = group_size == K
+    # Sub-tiles of one group each (any size for one group over K); sub_k divides block_k.
+    sub_k = min(config.block_k, MAX_SUB_K if per_channel else min(group_size, MAX_SUB_K))
+    block_k = min(config.block_k, MAX_SUB_TILES * sub_k)
+    k_tiles = cdiv(K, block_k)
+    k_tiles_per_split = cdiv(k_tiles, config.split_k)
+    num_splits = cdiv(k_tiles, k_tiles_per_split)
+    ws = (torch.empty(num_splits, M, N, dtype=torch.float32, device=x.device)             # [splits, M, N]
+          if num_splits > 1 else out)
+    upcast = is_interpreted(x.device) or x.dtype == torch.float32
+    grid = (cdiv(M, config.block_m) * cdiv(N, config.block_n), num_splits)
+    _w4a16_kernel[grid](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, ws,
+        M, N, K, x.stride(0), k_tiles_per_split,
+        GROUP_SIZE=0 if per_channel else group_size, HAS_BIAS=bias is not None, SPLIT_OUT=num_splits > 1,
+        SCALE_IN_WEIGHT=bool(config.scale_in_weight),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SUB_K=sub_k, GROUP_M=config.group_m,
+        DOT_DTYPE=tl.float32 if upcast else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16),
+        DOT_PRECISION="ieee" if upcast else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if num_splits > 1:
+        block = 1024
+        _split_k_reduce_kernel[(cdiv(M * N, block),)](
+            ws, bias if bias is not None else ws, out, M * N, N, num_splits,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Layout helpers and the torch twin (the test oracle)
+# ----------------------------------------------------------------------------------------
+def pack_int4_along_k(q: torch.Tensor) -> torch.Tensor:
+    """int32 [K // 8, N] qweight from int4 values q [K, N] (any integer dtype, values 0..15, K a
+    multiple of 8): nibble i of row r is q[8r + i]."""
+    check_tensor("q", q, ndim=2)
+    if q.dtype.is_floating_point or q.dtype == torch.bool:
+        raise ValueError(f"q: expected an integer dtype, got {q.dtype}.")
+    K, N = q.shape
+    if K % PACK_FACTOR:
+        raise ValueError(f"q: K = {K} rows must be a multiple of {PACK_FACTOR}.")
+    q64 = q.to(torch.int64)
+    if q64.numel() and (q64.min() < 0 or q64.max() > 15):
+        raise ValueError("q: values must be in 0..15.")
+    shifts = 4 * torch.arange(PACK_FACTOR, device=q.device, dtype=torch.int64)         # [8]
+    nibbles = q64.reshape(K // PACK_FACTOR, PACK_FACTOR, N)                          # [K // 8, 8, N]
+    packed = (nibbles << shifts[None, :, None]).sum(dim=1)                             # [K // 8, N]
+    packed = torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed)                   # as a signed int32
+    return packed.to(torch.int32)
+
+
+def unpack_int4_along_k(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [K, N] values 0..15 from qweight int32 [K // 8, N] (the inverse of ``pack_int4_along_k``)."""
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
+    rows, N = qweight.shape
+    shifts = 4 * torch.arange(PACK_FACTOR, device=qweight.device, dtype=torch.int32)    # [8]
+    return ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(rows * PACK_FACTOR, N)
+
+
+def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int) -> torch.Tensor:
+    """float32 W [K, N] = (q - zeros[k // G]) * scales[k // G] (the module docstring's layout)."""
+    q = unpack_int4_along_k(qweight).to(torch.float32)                                  # [K, N]
+    s = scales.to(torch.float32).repeat_interleave(group_size, dim=0)                   # [K, N]
+    z = zeros.to(torch.float32).repeat_interleave(group_size, dim=0)                    # [K, N]
+    return (q - z) * s
+
+
+def w4a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Twin of ``w4a16_matmul``: ``dequantize_w4``, a float32 matmul (+ bias), one rounding to x's dtype."""
+    out = x.float() @ dequantize_w4(qweight, scales, zeros, group_size)                  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,257 @@
+"""W4A16 matmul (int4 weights packed along K, 16-bit activations): the Triton kernel against its torch
+twin (``kernels.w4a16.w4a16_matmul_ref``), the packing helpers, the launch-config picker and the
+wrapper's checks. CPU tensors run through the interpreter with small explicit tiles (N and K tails,
+several groups per K step, split-K); the CUDA tests run Llama-3-8B sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels.w4a16 import (MAX_SUB_TILES, W4A16Config, dequantize_w4, pack_int4_along_k, unpack_int4_along_k,
+                           w4a16_config, w4a16_matmul, w4a16_matmul_ref)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _tol(dtype):
+    # One rounding of the float32 result: the interpreter truncates fp32 -> bf16 where torch rounds
+    # to nearest, so bf16 may land one ulp apart.
+    return dict(float32=(1e-5, 1e-5), float16=(2e-3, 2e-3), bfloat16=(2e-2, 2e-2))[str(dtype).split(".")[1]]
+
+
+@dataclasses.dataclass
+class Case:
+    """Inputs of one call."""
+
+    x: torch.Tensor            # [M, K]
+    qweight: torch.Tensor      # int32 [K // 8, N]
+    scales: torch.Tensor       # [K // G, N]
+    zeros: torch.Tensor        # [K // G, N]
+    group_size: int
+    bias: torch.Tensor | None  # [N]
+
+    def args(self):
+        return (self.x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+
+
+def _case(m: int, n: int, k: int, group_size: int, dtype, *, bias: bool, zeros: str = "sym",
+          scales_dtype=None, strided: bool = False, seed: int = 0) -> Case:
+    """Random int4 weights; zeros "sym" (all 8), "asym" (integers 0..15) or "frac" (floats in [0, 15])."""
+    g = torch.Generator().manual_seed(seed + 1000 * m + 7 * n + k + group_size)
+    num_groups = k // group_size
+    q = torch.randint(0, 16, (k, n), generator=g)                                          # [K, N]
+    # scales ~ 1 / (4.6 sqrt(K)) keep the outputs O(1) (q - z has std ~4.6).
+    scales = (0.5 + torch.rand(num_groups, n, generator=g)) / (4.6 * k ** 0.5)              # [K // G, N]
+    if zeros == "sym":
+        z = torch.full((num_groups, n), 8.0)
+    elif zeros == "asym":
+        z = torch.randint(0, 16, (num_groups, n), generator=g).float()
+    else:
+        z = 15 * torch.rand(num_groups, n, generator=g)
+    sdt = scales_dtype or dtype
+    x = torch.randn(m, k + (24 if strided else 0), generator=g).to(dtype)
+    x = x[:, 8:8 + k] if strided else x
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    return Case(x.to(DEVICE), pack_int4_along_k(q).to(DEVICE), scales.to(sdt).to(DEVICE),
+                z.to(sdt).to(DEVICE), group_size, b)
+
+
+def _check(case: Case, config, dtype, tol=None):
+    before = [t.clone() for t in case.args() if isinstance(t, torch.Tensor)]
+    out = w4a16_matmul(*case.args(), config=config)
+    ref = w4a16_matmul_ref(*case.args())
+    rtol, atol = tol or _tol(dtype)
+    assert out.dtype == dtype and out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+    for t, t0 in zip([t for t in case.args() if isinstance(t, torch.Tensor)], before):   # inputs untouched
+        assert torch.equal(t, t0)
+
+
+# (N, K, G, bias, zeros): N tails of 16/32-wide tiles, several groups, per-channel (G = K) with a K tail.
+SHAPES = [(40, 256, 32, True, "asym"), (48, 256, 128, False, "sym"), (24, 200, 200, True, "asym")]
+
+
+@pytest.mark.parametrize("n,k,group_size,bias,zeros", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_twin(dtype, m, n, k, group_size, bias, zeros):
+    """One K step per group (block_k 32 / 64), 16 x 32 tiles: tails in M (33 = 2 x 16 + 1), N and K."""
+    config = W4A16Config(block_m=16, block_n=32 if n == 40 else 16, block_k=min(64, group_size), num_stages=1)
+    _check(_case(m, n, k, group_size, dtype, bias=bias, zeros=zeros), config, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_in_weight", [0, 1])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_several_groups_per_step(group_size, scale_in_weight, dtype):
+    """block_k 128 over groups of 32 / 64: 4 / 2 sub-tiles per K step, each with its group's scale;
+    K = 320 leaves a last step whose trailing sub-tiles lie past K."""
+    config = W4A16Config(block_m=16, block_n=16, block_k=128, scale_in_weight=scale_in_weight, num_stages=1)
+    _check(_case(5, 24, 320, group_size, dtype, bias=True, zeros="asym"), config, dtype)
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("group_size", [64, 512])
+def test_split_k(split_k, group_size):
+    """K = 512 in 8 steps of 64 over 2 / 4 slices, grouped and per-channel, bias in the reduce."""
+    config = W4A16Config(block_m=16, block_n=16, block_k=64, split_k=split_k, num_stages=1)
+    _check(_case(3, 40, 512, group_size, torch.float16, bias=True, zeros="asym"), config, torch.float16)
+
+
+def test_split_k_more_slices_than_steps():
+    """split_k 8 over 3 K steps: 3 slices, none empty."""
+    config = W4A16Config(block_m=16, block_n=16, block_k=64, split_k=8, num_stages=1)
+    _check(_case(2, 16, 192, 64, torch.float32, bias=False, zeros="sym"), config, torch.float32)
+
+
+def test_gemm_tiles_and_grouped_order():
+    """M = 70 over 32-row tiles (3 M tiles), 3 N tiles walked 2 M-tile rows at a time."""
+    config = W4A16Config(block_m=32, block_n=16, block_k=32, group_m=2, scale_in_weight=1, num_stages=1)
+    _check(_case(70, 48, 64, 32, torch.float32, bias=True, zeros="asym"), config, torch.float32)
+
+
+@pytest.mark.parametrize("zeros", ["frac", "asym"])
+def test_float32_scales_and_fractional_zeros(zeros):
+    """float32 scales / zeros with bfloat16 x; a fractional zero point (rounded into bf16's q - z on GPU)."""
+    case = _case(4, 24, 128, 32, torch.bfloat16, bias=True, zeros=zeros, scales_dtype=torch.float32)
+    _check(case, W4A16Config(block_m=16, block_n=16, block_k=32, num_stages=1), torch.bfloat16)
+
+
+def test_strided_rows_and_default_config():
+    """config=None (the interpreter's default tiles) on x rows with a row stride > K."""
+    _check(_case(6, 40, 136, 136, torch.float32, bias=True, zeros="asym", strided=True), None, torch.float32)
+
+
+def test_zero_rows():
+    case = _case(0, 24, 64, 32, torch.float32, bias=True)
+    assert w4a16_matmul(*case.args()).shape == (0, 24)
+
+
+# ----------------------------------------------------------------------------------------
+# Layout helpers
+# ----------------------------------------------------------------------------------------
+def test_pack_order_and_round_trip():
+    q = torch.arange(8).repeat(2, 1).t().contiguous()                          # [8, 2]: column = 0..7
+    q[:, 1] = 15                                                               # all ones: -1 as int32
+    packed = pack_int4_along_k(q)
+    assert packed.dtype == torch.int32 and packed.shape == (1, 2)
+    assert packed[0, 0].item() == 0x76543210 and packed[0, 1].item() == -1
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.uint8, torch.int32, torch.int64):
+        q = torch.randint(0, 16, (64, 7), generator=g).to(dtype)
+        assert torch.equal(unpack_int4_along_k(pack_int4_along_k(q)), q.to(torch.int32))
+    q = torch.randint(0, 16, (5, 16), generator=g)
+    assert torch.equal(unpack_int4_along_k(pack_int4_along_k(q.t())), q.t().to(torch.int32))   # strided q
+
+
+def test_dequantize_w4():
+    case = _case(1, 8, 64, 32, torch.float32, bias=False, zeros="asym")
+    q = unpack_int4_along_k(case.qweight).float()                                       # [K, N]
+    k = torch.arange(64)
+    want = (q - case.zeros[k // 32]) * case.scales[k // 32]
+    torch.testing.assert_close(dequantize_w4(case.qweight, case.scales, case.zeros, 32), want, rtol=0, atol=0)
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4_along_k(torch.zeros(12, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="0..15"):
+        pack_int4_along_k(torch.full((8, 4), 16))
+    with pytest.raises(ValueError, match="0..15"):
+        pack_int4_along_k(torch.full((8, 4), -1))
+    with pytest.raises(ValueError, match="integer dtype"):
+        pack_int4_along_k(torch.zeros(8, 4))
+
+
+# ----------------------------------------------------------------------------------------
+# Launch configs
+# ----------------------------------------------------------------------------------------
+def test_default_configs():
+    """Decode (M <= 16): one 16-row tile, N tiles covering the SMs (split-K only for narrow N); GEMM
+    tiles above with the scale folded into the weight tile."""
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:          # Llama-3-8B
+        cfg = w4a16_config(1, n, k)
+        assert cfg.block_m == 16 and cfg.split_k == 1 and cfg.scale_in_weight == 0
+        assert n // cfg.block_n >= 132
+    narrow = w4a16_config(4, 1024, 4096)                                             # 64 N tiles
+    assert narrow.split_k == 4 and 1024 // narrow.block_n * narrow.split_k >= 132
+    assert w4a16_config(4, 1024, 512).split_k == 1                                   # 1 K step of 512
+    assert w4a16_config(33, 4096, 4096).block_m == 64 and w4a16_config(20, 4096, 4096).block_m == 32
+    big = w4a16_config(2048, 4096, 4096)
+    assert (big.block_m, big.block_n, big.scale_in_weight) == (128, 128, 1)
+    assert w4a16_config(1, 4096, 4096, device=torch.device("cpu")).num_stages == 1   # interpreter tiles
+
+
+def test_config_override_and_checks():
+    cfg = w4a16_config(1, 4096, 4096, override=(("block_n", 64), ("split_k", 2)))
+    assert (cfg.block_n, cfg.split_k) == (64, 2)
+    with pytest.raises(ValueError, match="unknown field.*tile_n"):
+        w4a16_config(1, 4096, 4096, override=(("tile_n", 32),))
+    for field, value in [("block_m", 8), ("block_n", 24), ("block_k", 8), ("split_k", 3), ("num_warps", 3),
+                         ("num_stages", 0), ("group_m", 0), ("scale_in_weight", 2), ("block_n", True)]:
+        with pytest.raises(ValueError, match=field):
+            W4A16Config(**{field: value})
+
+
+def test_block_k_clipped_to_sub_tiles():
+    """block_k 4096 over groups of 16 runs as MAX_SUB_TILES sub-tiles of 16 per step, same result."""
+    assert MAX_SUB_TILES * 16 < 4096
+    config = W4A16Config(block_m=16, block_n=16, block_k=4096, num_stages=1)
+    _check(_case(2, 16, 96, 16, torch.float32, bias=False, zeros="asym"), config, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# Wrapper checks
+# ----------------------------------------------------------------------------------------
+def test_checks_reject_bad_inputs():
+    c = _case(2, 24, 64, 32, torch.float32, bias=True)
+    x, qw, s, z, g, b = c.args()
+    with pytest.raises(ValueError, match="x: expected 2 dims"):
+        w4a16_matmul(x[None], qw, s, z, g)
+    with pytest.raises(ValueError, match="x: dtype"):
+        w4a16_matmul(x.to(torch.int32), qw, s, z, g)
+    with pytest.raises(ValueError, match="x: last dim must have stride 1"):
+        w4a16_matmul(torch.randn(64, 2, device=DEVICE).t(), qw, s, z, g)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        w4a16_matmul(torch.randn(2, 60, device=DEVICE), qw, s, z, g)
+    with pytest.raises(ValueError, match="qweight: dtype"):
+        w4a16_matmul(x, qw.to(torch.int64), s, z, g)
+    with pytest.raises(ValueError, match="qweight: expected shape"):
+        w4a16_matmul(x, torch.cat([qw, qw]), s, z, g)                                 # 16 rows, K // 8 = 8
+    with pytest.raises(ValueError, match="qweight: must be contiguous"):
+        w4a16_matmul(x, torch.zeros(24, 8, dtype=torch.int32, device=DEVICE).t(), s, z, g)
+    for bad in (48, 8, 128, True, 32.0):                                             # not pow2 / < 16 / > K
+        with pytest.raises(ValueError, match="group_size"):
+            w4a16_matmul(x, qw, s, z, bad)
+    with pytest.raises(ValueError, match="scales: expected shape"):
+        w4a16_matmul(x, qw, s[:1], z, g)
+    with pytest.raises(ValueError, match="scales: dtype"):
+        w4a16_matmul(x, qw, s.half(), z.half(), g)                                  # neither x's nor float32
+    with pytest.raises(ValueError, match="zeros: dtype"):
+        w4a16_matmul(x.half(), qw, s, z.half(), g)                     # scales float32, zeros fp16
+    with pytest.raises(ValueError, match="zeros: expected shape"):
+        w4a16_matmul(x, qw, s, z.t().contiguous(), g)
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        w4a16_matmul(x, qw, s, z, g, b[:-1])
+    with pytest.raises(ValueError, match="bias: dtype"):
+        w4a16_matmul(x, qw, s, z, g, b.half())
+    with pytest.raises(ValueError, match="config"):
+        w4a16_matmul(x, qw, s, z, g, config=dict(block_n=16))
+
+
+# ----------------------------------------------------------------------------------------
+# CUDA: Llama-3-8B sizes
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("group_size", [128, 0])                                    # 0: per-channel
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 300])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1024, 4096)])
+def test_gpu_real_sizes(n, k, m, group_size):
+    g = group_size or k
+    # Default configs; bf16's W rounding (scale_in_weight at M > 16) stays well inside 2e-2.
+    _check(_case(m, n, k, g, torch.bfloat16, bias=(n == 6144), zeros="asym"), None, torch.bfloat16)

@@ -1,7 +1,8 @@
 """Quantized checkpoints end to end on one device: tiny random Llama checkpoints in compressed-tensors FP8
 (per channel, dynamic), HF block fp8 (128x128), GPTQ (group 32, asymmetric, act order) and ``--quantization
-fp8``, each served next to the same model with the format's dequantized weights as float weights; greedy
-tokens must agree or part by vLLM's top-5 rule. Prints a table, writes JSON.
+fp8``, each served next to the same model with the format's dequantized weights as float weights, and on CUDA
+``--kv-cache-dtype fp8`` (alone and with FP8 weights) next to the bf16 model; greedy tokens must agree or part
+by vLLM's top-5 rule. Prints a table, writes JSON.
 
     python benchmarks/quantized_check.py --out /tmp/quantized_check.json
 """
@@ -140,6 +141,13 @@ def main() -> None:
             PROMPTS, params, use_tqdm=False)
         b = LLM(model=str(base), dtype="bfloat16", max_model_len=256).generate(PROMPTS, params, use_tqdm=False)
         rows["online-fp8-vs-bf16"] = compare(a, b)
+        if torch.cuda.is_available():   # the FP8 KV cache is a CUDA feature
+            a = LLM(model=str(base), dtype="bfloat16", max_model_len=256, kv_cache_dtype="fp8").generate(
+                PROMPTS, params, use_tqdm=False)
+            rows["fp8-kv-cache-vs-bf16"] = compare(a, b)
+            both = LLM(model=str(base), dtype="bfloat16", max_model_len=256, kv_cache_dtype="fp8",
+                          quantization="fp8").generate(PROMPTS, params, use_tqdm=False)
+            rows["fp8-weights-and-kv-vs-bf16"] = compare(both, b)
     print(f"{'format':24} {'prompts':>7} {'same':>5} {'top5':>5} {'ok':>4} {'max |dlogprob|':>15}")
     for name, r in rows.items():
         print(f"{name:24} {r['prompts']:>7} {r['identical']:>5} {r['parted_within_top5']:>5} {str(r['ok']):>4} "

@@ -5,7 +5,9 @@ it; each ``PagedAttention`` layer reads it, writes this step's K/V into its cach
 then attends over the request's cached prefix + the new tokens (causal within the chunk).
 
 Backends: ``torch`` (the reference; used on CPU and as the test oracle) and ``triton``
-(``kernels/paged_attention.py``; used on CUDA). Both compute the same function.
+(``kernels/paged_attention.py``; used on CUDA). Both compute the same function. An FP8 KV cache
+(``--kv-cache-dtype fp8``) is the Triton backend's alone: its kernels quantize K/V on write and
+dequantize them in registers with each layer's ``k_scale`` / ``v_scale``, passed by the layer.
 """
 
 from __future__ import annotations
@@ -366,29 +368,36 @@ class AttentionBackend:
         self.decode_tiles = self.policy.attn_decode_tiles
         """Decode attention tile overrides (``KernelPolicy.attn_decode``)."""
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, slots_padded: Optional[bool] = None) -> None:
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, slots_padded: Optional[bool] = None, *,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Store k, v ([T, Hkv, D]) at ``slot_mapping``; ``k_scale`` / ``v_scale``: an FP8 cache's scales
+        (Triton backend; the cache stores k / k_scale, v / v_scale)."""
         if self.name == "triton":
             from kernels.kv_write import write_kv
-            write_kv(k, v, k_cache, v_cache, slot_mapping)
+            write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         else:
             write_kv_torch(k, v, k_cache, v_cache, slot_mapping, slots_padded)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_new=None,
-               v_new=None) -> torch.Tensor:
+               v_new=None, *, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """Causal attention of q ([T, H, D]) over the cached context (``paged_attention_torch``'s
+        semantics) -> [T, H, D]; ``k_scale`` / ``v_scale`` as ``write_kv``'s."""
         if self.name == "triton":
             from kernels.paged_attention import paged_attention
             return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
                                    has_decodes=meta.captured or meta.num_decode_reqs > 0,
-                                   decode_tiles=self.decode_tiles)
+                                   decode_tiles=self.decode_tiles, k_scale=k_scale, v_scale=v_scale)
         decode_kernel = self.cpu_decode if self.cpu_decode is not None and cpu_decode_supports(
             q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], k_cache.dtype) else None
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new, self.bf16_min_tokens,
                                      decode_kernel)
 
-    def attend_cross(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend_cross(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
         """Cross-attention (``cross_attention_torch``'s semantics): q [T, H, D] -> [T, H, D]; ``meta``
-        describes requests over their cross blocks (``max_query_len`` its longest query)."""
+        describes requests over their cross blocks (``max_query_len`` its longest query); ``k_scale`` /
+        ``v_scale`` as ``write_kv``'s."""
         if self.name == "triton":
             from kernels.paged_attention import paged_attention
             if meta.max_query_len > 1:
@@ -396,16 +405,18 @@ class AttentionBackend:
                     meta.per_token = per_token_metadata(meta, q.shape[0])
                 meta = meta.per_token
             return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                   1, meta.max_seq_len, scale, has_decodes=True, decode_tiles=self.decode_tiles)
+                                   1, meta.max_seq_len, scale, has_decodes=True, decode_tiles=self.decode_tiles,
+                                   k_scale=k_scale, v_scale=v_scale)
         return cross_attention_torch(q, k_cache, v_cache, meta, scale)
 
     def attend_decode_rotary(self, q, k, v, positions, rotary, k_cache, v_cache, meta: AttentionMetadata,
-                             scale: float) -> Optional[torch.Tensor]:
+                             scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0) -> Optional[torch.Tensor]:
         """Rotary + KV write + attention of a pure-decode step as one kernel
         (``kernels.paged_attention.paged_decode_rotary``; q, k, v before rotary, q not written
         back) -> out [T, H, D]; None where this step does not take it (torch backend, a step
         with more than one query token per request, or a batch the policy does not fuse,
-        ``KernelPolicy.fuses_decode_rotary``): then the caller rotates, writes and attends as usual."""
+        ``KernelPolicy.fuses_decode_rotary``): then the caller rotates, writes and attends as usual.
+        ``k_scale`` / ``v_scale`` as ``write_kv``'s."""
         if (meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]
                 or not self._fuses_decode_rotary(q.shape[0], k_cache.shape[2], q.device)):
             return None
@@ -414,14 +425,14 @@ class AttentionBackend:
         return paged_decode_rotary(q, k, v, positions, rotary.cos[:, :half], rotary.sin[:, :half],
                                    rotary.rotary_dim, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
                                    meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
-                                   decode_tiles=self.decode_tiles)
+                                   decode_tiles=self.decode_tiles, k_scale=k_scale, v_scale=v_scale)
 
     def _fuses_decode_rotary(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode batch of ``num_reqs`` takes ``attend_decode_rotary``'s kernel."""
         return self.name == "triton" and self.policy.fuses_decode_rotary(num_reqs, num_kv_heads, device)
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                rotary_dim: Optional[int] = None) -> int:
+                rotary_dim: Optional[int] = None, q_dtype: Optional[torch.dtype] = None) -> int:
         """Compile the attention kernel's eager-step variants now, at start-up, instead of in the
         first steps that need them; returns the number of attention calls made (0: torch backend).
 
@@ -434,13 +445,16 @@ class AttentionBackend:
         with the longest query below and at the 64-token prefill tile, with and without decodes,
         and one pure-decode batch large enough for the decode kernel's small tiles. With
         ``rotary_dim`` (the model's) the pure-decode batches that take the fused rotary kernel
-        (``attend_decode_rotary``) also run it, writing nowhere (slots -1).
+        (``attend_decode_rotary``) also run it, writing nowhere (slots -1). ``q_dtype``: the model's
+        activations (None: the cache's dtype, which an FP8 cache cannot be: then it is required).
         """
         if self.name != "triton":
             return 0
         from kernels.paged_attention import min_reqs_for_small_decode_tiles, paged_attention, paged_decode_rotary
 
-        dev, dtype = k_cache.device, k_cache.dtype
+        dev, dtype = k_cache.device, q_dtype or k_cache.dtype
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            raise ValueError(f"warm_up: q_dtype is required with a {k_cache.dtype} KV cache (the model's dtype).")
         block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
         big_decode = max(18, min_reqs_for_small_decode_tiles(dev, k_cache.shape[2]))
         calls = 0

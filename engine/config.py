@@ -84,7 +84,9 @@ class ModelConfig:
 
 QUANTIZATION_FLAGS = (None, "none", "auto-float-gguf", "int8", "int4", "fp16", "fp8")
 """``ModelConfig.quantization`` values (``--quantization`` takes those but auto-float-gguf)."""
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+"""``CacheConfig.cache_dtype`` values of the FP8 (e4m3) cache: vLLM's ``fp8`` and its spelled-out form."""
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16") + FP8_KV_CACHE_DTYPES
 """``CacheConfig.cache_dtype`` values (``--kv-cache-dtype``)."""
 
 
@@ -105,7 +107,9 @@ class CacheConfig:
     cache_dtype: str = "auto"
     """KV cache element type: auto (the model's dtype; on CPU bfloat16 where the weights multiply in
     bfloat16, i.e. the AMX copies of quantized weights: the decode step then reads half the bytes), float32,
-    bfloat16 or float16. On CUDA only auto or the model's dtype."""
+    bfloat16 or float16. On CUDA only auto, the model's dtype, or fp8 / fp8_e4m3: e4m3 with per-layer
+    k_scale / v_scale from the checkpoint (1.0 where it has none), twice the tokens of a bfloat16 cache in the
+    same memory (compute capability 8.9+; not on CPU)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -31,5 +31,6 @@ class PendingUpdate(Protocol):
     def finish_rotary_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
                                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               slot_mapping: torch.Tensor) -> None:
-        """``kernels.kv_write.rotary_write_kv`` on q, k, v (views of ``y``) with the update added first."""
+                               slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """``kernels.kv_write.rotary_write_kv`` on q, k, v (views of ``y``) with the update added first
+        (``k_scale`` / ``v_scale``: an FP8 cache's scales)."""

@@ -2,32 +2,61 @@
 update, and the split-KV bookkeeping (a program's segment of the tiles, its partials). Shared by
 ``kernels.paged_attention`` (mixed batches) and ``kernels.paged_decode`` (pure decode); both
 inline these (Triton jit functions), so each kernel compiles as if written out.
+
+FP8 caches (``kernels.kv_write.FP8_KV_DTYPE``) hold K / k_scale and V / v_scale. The tiles are read
+as stored (each e4m3 value is exact in float16, bfloat16 and float32) and the scales are applied
+where they cost one multiply per row instead of one per element: k_scale inside the score scale
+(``score_scale_log2``: q . (K_stored * k_scale) * scale = q . K_stored * (scale * k_scale)) and v_scale
+on the accumulated output (``scale_values``), which is linear in V.
 """
 
 from __future__ import annotations
 
+import torch
+
 import triton
 import triton.language as tl
+
+from kernels.kv_write import FP8_KV_DTYPE
+
+
+LOG2E = 1.4426950408889634
+
+
+def score_scale_log2(scale: float, k_scale: float, cache_dtype: torch.dtype) -> float:
+    """The kernels' ``qk_scale_log2``: the softmax scale in log2 units, times an FP8 cache's k_scale."""
+    qk = float(scale) * LOG2E
+    return qk * k_scale if cache_dtype == FP8_KV_DTYPE else qk
 
 
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
                  stride_c_blk, stride_c_slot, stride_c_head,
-                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Keys ``kpos`` [TILE_N] of KV head ``kv_head`` through the request's block-table row ``bt_row``:
     K[p] = k_cache[bt_row[p // BLOCK_SIZE], p % BLOCK_SIZE, kv_head] (V likewise) for p with
     ``k_ok``, 0 elsewhere and on dims past ``dim_ok``. Returns K^T [HEAD_PAD, TILE_N] and
-    V [TILE_N, HEAD_PAD], in float32 when ``UPCAST``."""
+    V [TILE_N, HEAD_PAD] in ``DOT_DTYPE`` (the dot's operand type: the query's, float32 when
+    upcast); an FP8 cache's values as stored, unscaled."""
     blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
     kv_off = blk * stride_c_blk + (kpos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
     k_t = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
                   mask=k_ok[None, :] & dim_ok[:, None], other=0.0)       # [HEAD_PAD, TILE_N]
     v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
                 mask=k_ok[:, None] & dim_ok[None, :], other=0.0)         # [TILE_N, HEAD_PAD]
-    if UPCAST:
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:   # via float32 (exact), as vLLM's Triton attention
         k_t = k_t.to(tl.float32)
         v = v.to(tl.float32)
-    return k_t, v
+    return k_t.to(DOT_DTYPE), v.to(DOT_DTYPE)
+
+
+@triton.jit
+def scale_values(acc, v_scale, v_cache_ptr):
+    """acc (a sum of weights times V rows as stored) times the V cache's scale where it is FP8 (it
+    stores V / v_scale); acc itself for float caches."""
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        acc = acc * v_scale
+    return acc
 
 
 @triton.jit

@@ -5,9 +5,15 @@
 
 ``rotary_write_kv``: the rotary embedding of q and k fused with that write (the model's path on
 CUDA: one launch per layer instead of two). Twin: ``kernels.reference.rotary_write_kv_ref``.
+
+An FP8 cache (``FP8_KV_DTYPE``, e4m3) holds K / k_scale and V / v_scale with per-tensor scales
+(``cache_value``: the quantize on write that every kernel writing K/V uses; readers multiply the
+stored values by the scales, ``kernels.attention_tile``). Twin of the quantize: ``fp8_quantize_ref``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -17,9 +23,58 @@ import triton.language as tl
 from kernels.layer_ops import _rotary_cos_sin, _rotate_heads_, check_rotary_args
 from kernels.utils import FLOAT_DTYPES, check_tensor, next_power_of_2
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+"""The FP8 KV cache element type (e4m3: 4 exponent bits, 3 mantissa bits, no infinities; Triton's
+``tl.float8e4nv``)."""
+FP8_E4M3_MAX = 448.0
+"""Largest finite e4m3 value: quantized K/V saturate at +-448."""
+KV_CACHE_DTYPES = FLOAT_DTYPES + (FP8_KV_DTYPE,)
+"""Cache element types the KV kernels take (FP8 with per-tensor scales, the float ones without)."""
+
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+def _round_to_e4m3(y):
+    """y (float32, |y| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32, so
+    the cast that follows is exact: the same value on the GPU (whose cast rounds alike) and under
+    TRITON_INTERPRET=1 (whose float-to-fp8 cast truncates carries). Adding then subtracting
+    1.5 * 2^(e + 20), e = max(exponent(y), -6), rounds |y| to a multiple of 2^(e - 3): three
+    mantissa bits, and the subnormal step 2^-9 below 2^-6."""
+    bits = y.to(tl.int32, bitcast=True)
+    exp_biased = tl.maximum((bits >> 23) & 0xFF, 127 - 6)
+    magic = (((exp_biased + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (tl.abs(y) + magic) - magic
+    return tl.where(bits < 0, -r, r)                        # the sign bit, -0.0 included
+
+
+@triton.jit
+def cache_value(x, scale, cache_ptr):
+    """x (float32) as the cache at ``cache_ptr`` stores it: cast to its element type, or for an FP8
+    cache e4m3(clamp(x / scale, -448, 448)) (round to nearest even, IEEE division)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        return _round_to_e4m3(y).to(tl.float8e4nv)
+    else:
+        return x.to(cache_ptr.dtype.element_ty)
+
+
+def fp8_quantize_ref(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Twin of ``cache_value`` for an FP8 cache: x / scale in float32, saturated, rounded to e4m3."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+
+
+def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The caches' dequantization scales as floats: positive and finite, and 1.0 unless the cache is FP8
+    (float caches hold K and V as they are)."""
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
+            raise ValueError(f"{name}: expected a positive finite host float, got {s!r}.")
+        if cache_dtype != FP8_KV_DTYPE and s != 1.0:
+            raise ValueError(f"{name}={s}: scales apply to an FP8 KV cache only, this one is {cache_dtype}.")
+    return float(k_scale), float(v_scale)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale, v_scale,
                      stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                      stride_c_blk, stride_c_slot, stride_c_head,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -31,6 +86,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
           if slot < 0: continue                     # padding token
           k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = k[t]   # all heads, cast to the cache dtype
           v_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = v[t]
+
+    An FP8 cache stores e4m3(clamp(k[t] / k_scale, -448, 448)) and v's likewise (``cache_value``).
     """
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
@@ -46,14 +103,14 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     # NOTE: via fp32 (exact for every supported dtype); the interpreter mishandles raw bf16 values.
     k = k.to(tl.float32)
     v = v.to(tl.float32)
-    tl.store(k_cache_ptr + c_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + c_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + c_off, cache_value(k, k_scale, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + c_off, cache_value(v, v_scale, v_cache_ptr), mask=mask)
 
 
 def _check_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int,
                       num_kv_heads: int, head_dim: int, device: torch.device) -> None:
     """The cache and slot checks shared by ``write_kv`` and ``rotary_write_kv``."""
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device, contiguous=True)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_CACHE_DTYPES, device=device, contiguous=True)
     check_tensor("k_cache", k_cache, shape=(None, None, num_kv_heads, head_dim))
     check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=device,
                  contiguous=True)
@@ -62,25 +119,29 @@ def _check_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write K/V rows into the paged cache in place.
 
     Args:
         k, v: [num_tokens, num_kv_heads, head_dim], float16/bfloat16/float32, last dim contiguous
             (token and head strides are free, so views of a fused qkv output work).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, one dtype.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, one dtype
+            (float, or ``FP8_KV_DTYPE``).
         slot_mapping: [num_tokens] int64; slot = block_id * block_size + offset, < 0 to skip.
+        k_scale, v_scale: an FP8 cache's per-tensor scales (it stores k / k_scale, v / v_scale,
+            saturated); 1.0 for float caches.
     """
     check_tensor("k", k, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, num_kv_heads, head_dim = k.shape
     dev = k.device
     check_tensor("v", v, dtypes=FLOAT_DTYPES, shape=tuple(k.shape), device=dev, last_dim_contiguous=True)
     _check_cache_args(k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, dev)
+    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     if num_tokens == 0:
         return
     block_size = k_cache.shape[1]
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -94,7 +155,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ----------------------------------------------------------------------------------------
 @triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                            cos_ptr, sin_ptr, positions_ptr,
+                            cos_ptr, sin_ptr, positions_ptr, k_scale, v_scale,
                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                             stride_v_tok, stride_v_head, stride_c_blk, stride_c_slot, stride_c_head, stride_cs,
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -110,7 +171,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
           k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = k[t]     # rotated
           v_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = v[t]
 
-    The rotation is ``layer_ops._rotate_heads_``, the same as the unfused rotary kernel's.
+    The rotation is ``layer_ops._rotate_heads_``, the same as the unfused rotary kernel's. An FP8
+    cache stores the rotated k (in k's dtype) and v quantized by ``cache_value``.
     """
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
@@ -121,19 +183,19 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_
     if slot >= 0:
         c_row = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
         offc = c_row + hk[:, None] * stride_c_head + d[None, :]
-        tl.store(k_cache_ptr + offc, r1.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mk)
-        tl.store(k_cache_ptr + offc + HALF, r2.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(k_cache_ptr + offc, cache_value(r1.to(tl.float32), k_scale, k_cache_ptr), mask=mk)
+        tl.store(k_cache_ptr + offc + HALF, cache_value(r2.to(tl.float32), k_scale, k_cache_ptr), mask=mk)
         if TAIL_PAD > 0:   # dims past the rotary part (partial rotary) are copied as they are
             tail = 2 * HALF + tl.arange(0, TAIL_PAD)
             mt = (hk[:, None] < NUM_KV_HEADS) & (tail[None, :] < HEAD_DIM)
             kt = tl.load(k_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head + tail[None, :], mask=mt)
             tl.store(k_cache_ptr + c_row + hk[:, None] * stride_c_head + tail[None, :],
-                     kt.to(tl.float32).to(k_cache_ptr.dtype.element_ty), mask=mt)
+                     cache_value(kt.to(tl.float32), k_scale, k_cache_ptr), mask=mt)
         dims = tl.arange(0, DIM_PAD)
         mv = (hk[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
         v = tl.load(v_ptr + tok * stride_v_tok + hk[:, None] * stride_v_head + dims[None, :], mask=mv)
         tl.store(v_cache_ptr + c_row + hk[:, None] * stride_c_head + dims[None, :],
-                 v.to(tl.float32).to(v_cache_ptr.dtype.element_ty), mask=mv)
+                 cache_value(v.to(tl.float32), v_scale, v_cache_ptr), mask=mv)
 
 
 def check_rotary_write_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -150,7 +212,8 @@ def check_rotary_write_args(positions: torch.Tensor, q: torch.Tensor, k: torch.T
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """Rotate q and k in place (neox layout, first ``rotary_dim`` dims) and write the rotated k
     and v into the paged cache: ``layer_ops.rotary_embedding_`` then ``write_kv``, in one launch.
 
@@ -160,17 +223,20 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             dtype, last dims contiguous (views of a packed qkv output work).
         cos, sin: [max_position, >= rotary_dim / 2] float32 tables with one row stride.
         rotary_dim: even, <= head_dim.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, one dtype.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, one dtype
+            (float, or ``FP8_KV_DTYPE``).
         slot_mapping: [num_tokens] int64; < 0 skips the token's cache write (its q/k still rotate).
+        k_scale, v_scale: an FP8 cache's per-tensor scales (``write_kv``); 1.0 for float caches.
     """
     half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
+    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
         return
     tail = head_dim - 2 * half
     _rotary_write_kv_kernel[(num_tokens,)](
-        q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions,
+        q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,

@@ -13,7 +13,8 @@ and the [head_dim, rank] rows of B its head needs). Base-model and padding token
 read no B and get the plain rotary + write.
 
 Numerics, as the unfused pair (expand, then rotary_write_kv): x = dtype(x + delta) with delta
-the expand's (h rounded through ``h_round_dtype``), then the rotation in float32 on that rounded x.
+the expand's (h rounded through ``h_round_dtype``), then the rotation in float32 on that rounded x;
+an FP8 cache stores the result quantized by ``kv_write.cache_value``.
 
 The torch twin is ``kernels.reference.lora_rotary_write_kv_ref``.
 """
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import check_rotary_write_args
+from kernels.kv_write import cache_value, check_kv_scales, check_rotary_write_args
 from kernels.lora_expand import _token_delta, _token_h, check_shrink_output, h_round_dtype
 from kernels.utils import check_tensor, next_power_of_2
 
@@ -45,10 +46,11 @@ def _updated(x_row, cols, ok, b_ptr, slot, col0, n_out, rank, h, r_ok, BLOCK_R: 
 
 
 @triton.jit
-def _rotate_head(x_row, cache_row, write, b_ptr, slot, col0, n_out, rank, h, r_ok, c, s, d, d_ok,
+def _rotate_head(x_row, cache_row, cache_scale, write, b_ptr, slot, col0, n_out, rank, h, r_ok, c, s, d, d_ok,
                  HALF: tl.constexpr, HEAD_DIM: tl.constexpr, TAIL_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     """One head: add the update, rotate the first 2 * HALF dims in place, and (where ``write``, an
-    int32 0/1 vector over the HALF_PAD dims) store the result into the cache row too."""
+    int32 0/1 vector over the HALF_PAD dims) store the result into the cache row too (``cache_value``
+    with ``cache_scale``)."""
     x1 = _updated(x_row, d, d_ok, b_ptr, slot, col0, n_out, rank, h, r_ok, BLOCK_R)
     x2 = _updated(x_row, HALF + d, d_ok, b_ptr, slot, col0, n_out, rank, h, r_ok, BLOCK_R)
     r1 = (x1 * c - x2 * s).to(x_row.dtype.element_ty)
@@ -56,22 +58,22 @@ def _rotate_head(x_row, cache_row, write, b_ptr, slot, col0, n_out, rank, h, r_o
     tl.store(x_row + d, r1, mask=d_ok)
     tl.store(x_row + HALF + d, r2, mask=d_ok)
     w_ok = d_ok & (write > 0)
-    tl.store(cache_row + d, r1.to(tl.float32).to(cache_row.dtype.element_ty), mask=w_ok)
-    tl.store(cache_row + HALF + d, r2.to(tl.float32).to(cache_row.dtype.element_ty), mask=w_ok)
+    tl.store(cache_row + d, cache_value(r1.to(tl.float32), cache_scale, cache_row), mask=w_ok)
+    tl.store(cache_row + HALF + d, cache_value(r2.to(tl.float32), cache_scale, cache_row), mask=w_ok)
     if TAIL_PAD > 0:   # dims past the rotary part (partial rotary): updated, not rotated
         tail = 2 * HALF + tl.arange(0, TAIL_PAD)
         t_ok = tail < HEAD_DIM
         xt = _updated(x_row, tail, t_ok, b_ptr, slot, col0, n_out, rank, h, r_ok, BLOCK_R)
         tl.store(x_row + tail, xt.to(x_row.dtype.element_ty), mask=t_ok)
         wt_ok = t_ok & (tl.zeros([TAIL_PAD], tl.int32) + tl.max(write, axis=0) > 0)
-        tl.store(cache_row + tail, xt.to(x_row.dtype.element_ty).to(tl.float32).to(cache_row.dtype.element_ty),
-                 mask=wt_ok)
+        xt = xt.to(x_row.dtype.element_ty).to(tl.float32)
+        tl.store(cache_row + tail, cache_value(xt, cache_scale, cache_row), mask=wt_ok)
 
 
 @triton.jit
 def _lora_rotary_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, positions_ptr,
-    buf_ptr, bq_ptr, bk_ptr, bv_ptr, token_lora_slots_ptr, rank,
+    k_scale, v_scale, buf_ptr, bq_ptr, bk_ptr, bv_ptr, token_lora_slots_ptr, rank,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_c_blk, stride_c_slot, stride_c_head, stride_cs,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot,
@@ -85,7 +87,7 @@ def _lora_rotary_write_kv_kernel(
           if slot(t) >= 0:                                   # the expand, into q | k | v
             q[t] += rnd(h_q(t)) @ B_q[slot(t)].T ; k[t] += ... ; v[t] += ...     (stored in the dtype)
         then ``kv_write.rotary_write_kv`` on q, k, v (rotation in place, cache write where
-        slot_mapping[t] >= 0)
+        slot_mapping[t] >= 0; an FP8 cache quantized with k_scale / v_scale)
 
     Program (t, j): token t, q head j for j < NUM_Q_HEADS, else kv head j - NUM_Q_HEADS (k and v).
     """
@@ -104,7 +106,7 @@ def _lora_rotary_write_kv_kernel(
                            stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
         row = q_ptr + t * stride_q_tok + j * stride_q_head
         never = tl.zeros([HALF_PAD], tl.int32)
-        _rotate_head(row, row, never, bq_ptr, lslot, j * HEAD_DIM, NUM_Q_HEADS * HEAD_DIM, rank, h, r_ok,
+        _rotate_head(row, row, 1.0, never, bq_ptr, lslot, j * HEAD_DIM, NUM_Q_HEADS * HEAD_DIM, rank, h, r_ok,
                      c, s, d, d_ok, HALF, HEAD_DIM, TAIL_PAD, BLOCK_R)
     else:
         kh = j - NUM_Q_HEADS
@@ -114,8 +116,9 @@ def _lora_rotary_write_kv_kernel(
         write = tl.zeros([HALF_PAD], tl.int32) + (kv_slot >= 0).to(tl.int32)
         h_k, r_ok = _token_h(buf_ptr, t, zero + 1, lslot, rank, stride_buf_slice, stride_buf_split,
                              stride_buf_tok, stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
-        _rotate_head(k_ptr + t * stride_k_tok + kh * stride_k_head, k_cache_ptr + c_row, write, bk_ptr, lslot,
-                     kh * HEAD_DIM, n_kv, rank, h_k, r_ok, c, s, d, d_ok, HALF, HEAD_DIM, TAIL_PAD, BLOCK_R)
+        _rotate_head(k_ptr + t * stride_k_tok + kh * stride_k_head, k_cache_ptr + c_row, k_scale, write,
+                     bk_ptr, lslot, kh * HEAD_DIM, n_kv, rank, h_k, r_ok, c, s, d, d_ok, HALF, HEAD_DIM,
+                     TAIL_PAD, BLOCK_R)
         h_v, _ = _token_h(buf_ptr, t, zero + 2, lslot, rank, stride_buf_slice, stride_buf_split,
                           stride_buf_tok, stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
         dims = tl.arange(0, DIM_PAD)
@@ -124,14 +127,15 @@ def _lora_rotary_write_kv_kernel(
         xv = _updated(v_row, dims, dv_ok, bv_ptr, lslot, kh * HEAD_DIM, n_kv, rank, h_v, r_ok, BLOCK_R)
         tl.store(v_row + dims, xv.to(v_row.dtype.element_ty), mask=dv_ok)
         wv_ok = dv_ok & (tl.zeros([DIM_PAD], tl.int32) + (kv_slot >= 0).to(tl.int32) > 0)
-        tl.store(v_cache_ptr + c_row + dims, xv.to(v_cache_ptr.dtype.element_ty), mask=wv_ok)
+        tl.store(v_cache_ptr + c_row + dims, cache_value(xv, v_scale, v_cache_ptr), mask=wv_ok)
 
 
 def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, buf: torch.Tensor,
                          lora_b_slices: Sequence[torch.Tensor], token_lora_slots: torch.Tensor,
-                         slot_stride: int = 0, *, num_warps: int = 2) -> None:
+                         slot_stride: int = 0, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                         num_warps: int = 2) -> None:
     """Add each LoRA token's q/k/v update into q, k, v, then ``kv_write.rotary_write_kv``: one launch.
 
     Args:
@@ -142,9 +146,11 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         lora_b_slices: (B_q, B_k, B_v): [max_loras, num_heads * head_dim, rank] and two
             [max_loras, num_kv_heads * head_dim, rank], q's dtype, contiguous.
         token_lora_slots: [num_tokens] int32 slot per token (< 0: base model / padding).
+        k_scale, v_scale: an FP8 cache's per-tensor scales (``kv_write.write_kv``); 1.0 for float caches.
         num_warps: per (token, head) program (benchmarks' sweeps).
     """
     half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
+    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     dev = q.device
     num_kv_heads = k.shape[1]
@@ -161,7 +167,7 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         return
     tail = head_dim - 2 * half
     _lora_rotary_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
-        q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions,
+        q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions, k_scale, v_scale,
         buf, *lora_b_slices, token_lora_slots, rank,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),

@@ -13,7 +13,11 @@ Split-KV (flash-decoding): with ``num_splits > 1`` the KV range of every q-block
 and a second kernel merges them. The wrapper turns it on by itself for pure-decode batches
 too small to fill the GPU; the kernel itself is correct for any batch (tests force it).
 
-The torch twin is ``kernels.reference.paged_attention_ref``.
+FP8 caches (``kernels.kv_write.FP8_KV_DTYPE``) are read as stored and dequantized through the
+scales (``kernels.attention_tile``): the result is attention over k_cache * k_scale and
+v_cache * v_scale.
+
+The torch twin is ``kernels.reference.paged_attention_ref`` (on the dequantized caches for FP8).
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import load_kv_tile, online_softmax_step, segment_tiles, store_partials
+from kernels.attention_tile import (load_kv_tile, online_softmax_step, scale_values, score_scale_log2,
+                                    segment_tiles, store_partials)
+from kernels.kv_write import FP8_KV_DTYPE, check_kv_scales
 from kernels.paged_decode import MAX_DECODE_REQS, DecodeRotary, launch_paged_decode
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted,
                            next_power_of_2, num_sms)
 
-LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 ALL_ROWS, DECODE_ROWS, PREFILL_ROWS = 0, 1, 2
 """Which requests one launch of the kernel serves (see ``_paged_attention_kernel``)."""
@@ -74,7 +79,7 @@ def _find_request(query_start_loc_ptr, pid_qb, num_reqs, BLOCK_Q: tl.constexpr, 
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale_log2, num_reqs, num_heads,
+    qk_scale_log2, v_scale, num_reqs, num_heads,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_blk, stride_c_slot, stride_c_head, stride_bt_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -90,6 +95,9 @@ def _paged_attention_kernel(
             keys p = 0 .. ctx + j, K[p] = k_cache[block_tables[i, p // BLOCK_SIZE], p % BLOCK_SIZE, kvh]
             s[p] = q[t, h] . K[p] * qk_scale_log2
             out[t, h] = sum_p 2^(s[p] - max s) V[p] / sum_p 2^(s[p] - max s)   (fp32, stored in out's dtype)
+
+    An FP8 cache: K[p] and V[p] are the stored values times k_scale and v_scale (k_scale is inside
+    qk_scale_log2, v_scale multiplies the accumulated output: ``kernels.attention_tile``).
 
     With NUM_SPLITS > 1, program (qb, kvh, seg) covers only its segment of the key tiles and
     stores acc = sum_p 2^(s[p] - m) V[p], m = max s, l = sum_p 2^(s[p] - m) into the partials
@@ -154,10 +162,11 @@ def _paged_attention_kernel(
         kpos = tile * TILE_N + tl.arange(0, TILE_N)                 # [TILE_N]
         k_ok = kpos < kv_end
         k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
-                              stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
+                              stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, q.dtype)
         visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         m_i, l_i, acc = online_softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
 
+    acc = scale_values(acc, v_scale, v_cache_ptr)
     tok = (q_start + q_tok).to(tl.int64)
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -282,14 +291,16 @@ def find_chunk(num_reqs: int) -> int:
 
 
 def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                  max_query_len, max_seq_len, scale, out, num_splits) -> None:
+                  max_query_len, max_seq_len, scale, out, num_splits, k_scale, v_scale) -> tuple[float, float]:
+    """Raise ValueError on a bad argument; returns (k_scale, v_scale) as floats."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, num_heads, head_dim = q.shape
     dev = q.device
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype, FP8_KV_DTYPE), device=dev,
+                 last_dim_contiguous=True)
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_tensor("k_cache", k_cache, shape=(None, block_size, num_kv_heads, head_dim))
-    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape), device=dev)
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=dev)
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"v_cache: strides {v_cache.stride()} differ from k_cache's {k_cache.stride()} "
                          f"(the kernel addresses both with k_cache's).")
@@ -322,6 +333,7 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         check_int("num_splits", num_splits, min_value=1)
         if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
             raise ValueError(f"num_splits: {num_splits} must be a power of two <= {MAX_SPLITS}.")
+    return check_kv_scales(k_cache.dtype, k_scale, v_scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -329,15 +341,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_query_len: int, max_seq_len: int, scale: float,
                     out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
                     split_decodes: Optional[bool] = None, has_decodes: bool = True,
-                    decode_tiles: Optional[dict] = None) -> torch.Tensor:
+                    decode_tiles: Optional[dict] = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     Args:
         q: [num_tokens, num_heads, head_dim] float16/bfloat16/float32 (last dim contiguous).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, last dim
-            contiguous, both with the same strides (contiguous, or e.g. the permuted view of a
-            [num_blocks, num_kv_heads, block_size, head_dim] tensor); this step's K/V must
-            already be written.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or both
+            ``FP8_KV_DTYPE``, last dim contiguous, both with the same strides (contiguous, or e.g.
+            the permuted view of a [num_blocks, num_kv_heads, block_size, head_dim] tensor); this
+            step's K/V must already be written.
         query_start_loc: [num_reqs + 1] int32; request i owns q rows [qsl[i], qsl[i + 1]).
         seq_lens: [num_reqs] int32; context after this step (cached prefix + new tokens).
         block_tables: [num_reqs, max_num_blocks] int32 block ids per request.
@@ -356,13 +369,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         decode_tiles: overrides of the decode launches' tiles ({"tile_n", "num_warps",
             "num_stages", "heads_first", "heads_per_prog"}; the engine passes
             its kernel policy's ``attn_decode``).
+        k_scale, v_scale: an FP8 cache's per-tensor scales (K = k_cache * k_scale, V likewise);
+            1.0 for caches of q's dtype.
 
     Returns:
         out, [num_tokens, num_heads, head_dim] in q's dtype. Rows past qsl[num_reqs] (padding
         tokens) hold undefined values.
     """
-    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                  max_query_len, max_seq_len, scale, out, num_splits)
+    scales = _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                           max_query_len, max_seq_len, scale, out, num_splits, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -379,25 +394,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # Pure decode (one token per request, token i = request i): the kernel without the q-block lookup.
         launch_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out, block_m=cfg.block_m,
                             head_pad=cfg.head_pad, tile_n=cfg.tile_n, heads_per_prog=cfg.heads_per_prog,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, kv_scales=scales)
         return out
     if split_decodes is None:
         split_decodes = max_query_len > 1 and num_splits is None and cfg.block_m > max(16, next_power_of_2(group))
+    step = (query_start_loc, seq_lens, block_tables, scale, scales, out)
     if max_query_len <= 1 or not split_decodes:
-        _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, cfg, ALL_ROWS)
+        _launch(q, k_cache, v_cache, *step, cfg, ALL_ROWS)
         return out
     if has_decodes:
         dcfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, 1, max_seq_len, 1, decode_tiles)
-        _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, dcfg, DECODE_ROWS)
+        _launch(q, k_cache, v_cache, *step, dcfg, DECODE_ROWS)
     if cfg.num_splits > 1:
         cfg = _choose_config(q.device, group, head_dim, num_reqs, num_kv_heads, max_query_len, max_seq_len, 1)
-    _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, cfg, PREFILL_ROWS)
+    _launch(q, k_cache, v_cache, *step, cfg, PREFILL_ROWS)
     return out
 
 
-def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, out: torch.Tensor,
-            cfg: _LaunchConfig, rows: int) -> None:
-    """One launch of the attention kernel (+ the split-KV merge) over the requests ``rows`` picks."""
+def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
+            kv_scales: tuple[float, float], out: torch.Tensor, cfg: _LaunchConfig, rows: int) -> None:
+    """One launch of the attention kernel (+ the split-KV merge) over the requests ``rows`` picks;
+    ``kv_scales``: the caches' (k_scale, v_scale)."""
+    k_scale, v_scale = kv_scales
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -415,7 +433,7 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        float(scale) * LOG2E, num_reqs, num_heads,
+        score_scale_log2(scale, k_scale, k_cache.dtype), v_scale, num_reqs, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad,
@@ -465,7 +483,8 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
                         out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
-                        decode_tiles: Optional[dict] = None) -> torch.Tensor:
+                        decode_tiles: Optional[dict] = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """``kv_write.rotary_write_kv`` then ``paged_attention`` for a pure-decode batch (token i is
     request i's only query token), as one launch of ``kernels.paged_decode`` (plus the split-KV
     merge when the batch is too small to fill the GPU): q and k are rotated in registers, the
@@ -474,7 +493,9 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 
     Args: those of ``rotary_write_kv`` (q, k, v before rotary; q is not written back) and of
     ``paged_attention`` with max_query_len 1. ``decode_tiles`` may override tile_n / num_warps /
-    num_stages; this path always runs one KV head per program.
+    num_stages; this path always runs one KV head per program. An FP8 cache (``k_scale``,
+    ``v_scale``) gets the new k and v quantized as ``rotary_write_kv`` writes them, and the newest
+    key and value are attended as stored.
 
     Returns:
         out [num_tokens, num_heads, head_dim] in q's dtype.
@@ -482,8 +503,8 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     from kernels.kv_write import check_rotary_write_args
 
     half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
-    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 1, max_seq_len, scale, out,
-                  num_splits)
+    scales = _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 1, max_seq_len, scale,
+                           out, num_splits, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens != num_reqs or num_reqs > MAX_DECODE_REQS:
@@ -500,7 +521,7 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     launch_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out, block_m=cfg.block_m,
                         head_pad=cfg.head_pad, tile_n=cfg.tile_n, heads_per_prog=1, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages, num_splits=cfg.num_splits, partials=partials,
-                        rotary=DecodeRotary(k, v, slot_mapping, positions, cos, sin, half))
+                        rotary=DecodeRotary(k, v, slot_mapping, positions, cos, sin, half), kv_scales=scales)
     if partials is not None:
         _merge(out, partials, cfg)
     return out

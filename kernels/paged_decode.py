@@ -28,8 +28,10 @@ Grid: (num_kv_heads / HEADS_PER_PROG, num_reqs, num_splits); KV-head groups on a
 request's programs run together and read neighbouring rows of the [block, slot, kv_head, dim]
 cache. Hardware scheduling of programs keeps the balance when contexts differ.
 
+FP8 caches are read as ``kernels.paged_attention`` reads them (``kernels.attention_tile``).
+
 The torch twin is ``kernels.reference.paged_attention_ref`` (the same semantics as the general
-kernel restricted to one query token per request).
+kernel restricted to one query token per request; on the dequantized caches for FP8).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import load_kv_tile, online_softmax_step, segment_tiles, store_partials
+from kernels.attention_tile import (load_kv_tile, online_softmax_step, scale_values, score_scale_log2,
+                                    segment_tiles, store_partials)
+from kernels.kv_write import cache_value
 from kernels.utils import is_interpreted
 
 MAX_DECODE_REQS = 65535
@@ -62,18 +66,19 @@ def _neox_rotate(x_ptr, offs, partner_offs, mask, cos_f, sin_f, sign):
 @triton.jit
 def _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
                  stride_c_blk, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale_log2,
-                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold the cached keys ``kpos`` (those with ``k_ok``; one query token sees all of them) of KV
     head ``kv_head`` into the running softmax state: ``load_kv_tile`` + ``online_softmax_step``."""
     k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
-                          stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, UPCAST)
+                          stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, q.dtype)
     return online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
 
 
 @triton.jit
 def _paged_decode_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, qk_scale_log2, num_heads,
+    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, qk_scale_log2, k_scale, v_scale,
+    num_heads,
     k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_blk, stride_c_slot, stride_c_head, stride_bt_req,
@@ -91,15 +96,17 @@ def _paged_decode_kernel(
         s[p] = q[r, h] . K[p] * qk_scale_log2
         out[r, h] = sum_p 2^(s[p] - max s) V[p] / sum_p 2^(s[p] - max s)   (fp32, stored in out's dtype)
 
-    A request with seq_lens[r] == 0 gets zeros.
+    A request with seq_lens[r] == 0 gets zeros. An FP8 cache: K[p] and V[p] are the stored values
+    times k_scale and v_scale (k_scale is also inside qk_scale_log2; ``kernels.attention_tile``).
 
     ROTARY (HEADS_PER_PROG == 1): the step's rotary + KV write fused in. q, k_new and v_new hold
     the token's projections before rotary; with c = cos[positions[r]], s = sin[positions[r]] (the
     first HALF columns; neox layout, dims past 2 * HALF unrotated) the kernel uses
     q[r, h] = dtype(rot(q[r, h])) and, for the newest key p = seq_lens[r] - 1,
     K[p] = dtype(rot(k_new[r, kvh])), V[p] = v_new[r, kvh] from registers, and stores those two at
-    slot_mapping[r] (skipped when < 0): the same values ``kv_write.rotary_write_kv`` writes, so
-    later steps read them from the cache. q itself is not written back.
+    slot_mapping[r] (skipped when < 0): the same values ``kv_write.rotary_write_kv`` writes (for an
+    FP8 cache quantized by ``kv_write.cache_value``, and attended as stored), so later steps read
+    them from the cache. q itself is not written back.
 
     NUM_SPLITS > 1 (HEADS_PER_PROG == 1; grid axis 2 = segment): program (g, r, seg) covers only
     its segment of the key tiles and stores acc = sum_p 2^(s[p] - m) V[p], m = max s,
@@ -150,28 +157,28 @@ def _paged_decode_kernel(
             k_ok = kpos < cache_end
             m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kvh0, dims, dim_ok,
                                          stride_c_blk, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale_log2,
-                                         BLOCK_SIZE, UPCAST, DOT_PRECISION)
+                                         BLOCK_SIZE, DOT_PRECISION)
         if ROTARY:
             if (seq_len > 0) & (tile_lo <= num_tiles - 1) & (num_tiles - 1 < tile_hi):
                 kn_base = k_new_ptr + tok * stride_kn_tok + kvh0 * stride_kn_head
                 k_new = _neox_rotate(kn_base, dims, partner, dim_ok, cos_f, sin_f, sign)
-                k_new = k_new.to(k_new_ptr.dtype.element_ty).to(tl.float32).to(k_cache_ptr.dtype.element_ty)
+                k_new = cache_value(k_new.to(k_new_ptr.dtype.element_ty).to(tl.float32), k_scale, k_cache_ptr)
                 v_new = tl.load(v_new_ptr + tok * stride_vn_tok + kvh0 * stride_vn_head + dims, mask=dim_ok,
-                                other=0.0).to(tl.float32).to(v_cache_ptr.dtype.element_ty)
+                                other=0.0)
+                v_new = cache_value(v_new.to(tl.float32), v_scale, v_cache_ptr)
                 if slot >= 0:
                     c_off = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot \
                         + kvh0 * stride_c_head + dims
                     tl.store(k_cache_ptr + c_off, k_new, mask=dim_ok)
                     tl.store(v_cache_ptr + c_off, v_new, mask=dim_ok)
-                # The newest key as a 16-column tile whose column 0 alone is visible (tl.dot's minimum).
+                # The newest key as a 16-column tile whose column 0 alone is visible (tl.dot's minimum),
+                # its values as stored (as ``load_kv_tile`` reads them).
                 col = tl.arange(0, 16)
-                k_t = tl.where(col[None, :] == 0, k_new[:, None], 0.0).to(k_cache_ptr.dtype.element_ty)
-                v = tl.where(col[:, None] == 0, v_new[None, :], 0.0).to(v_cache_ptr.dtype.element_ty)
-                if UPCAST:
-                    k_t = k_t.to(tl.float32)
-                    v = v.to(tl.float32)
+                k_t = tl.where(col[None, :] == 0, k_new.to(tl.float32)[:, None], 0.0).to(q.dtype)
+                v = tl.where(col[:, None] == 0, v_new.to(tl.float32)[None, :], 0.0).to(q.dtype)
                 m_i, l_i, acc = online_softmax_step(q, k_t, v, (col == 0)[None, :], m_i, l_i, acc, qk_scale_log2,
                                                     DOT_PRECISION)
+        acc = scale_values(acc, v_scale, v_cache_ptr)
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(o_row + head[:, None] * stride_o_head, o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -191,11 +198,11 @@ def _paged_decode_kernel(
             k_ok = kpos < seq_len
             m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
                                          stride_c_blk, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale_log2,
-                                         BLOCK_SIZE, UPCAST, DOT_PRECISION)
+                                         BLOCK_SIZE, DOT_PRECISION)
             # The head's last tile: store it and start the next head from scratch (branch-free,
             # so the loop stays one software-pipelined loop).
             last = tile == num_tiles - 1
-            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            o = scale_values(acc, v_scale, v_cache_ptr) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             # NOTE: the test is broadcast over rows before the & (a scalar bool & a vector gives
             # ints under TRITON_INTERPRET=1, which tl.store rejects as a mask).
             store_ok = (row_ok & ((rows * 0 + tile) == num_tiles - 1))[:, None] & dim_ok[None, :]
@@ -222,13 +229,14 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, scale: float, out: torch.Tensor, *, block_m: int, head_pad: int,
                         tile_n: int, heads_per_prog: int, num_warps: int, num_stages: int, num_splits: int = 1,
                         partials: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                        rotary: Optional[DecodeRotary] = None) -> None:
+                        rotary: Optional[DecodeRotary] = None,
+                        kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """One launch over a pure-decode batch (q row i is request i's only token). The caller
     (``kernels.paged_attention``) has checked the inputs and picked the tiles; ``heads_per_prog``
     must divide num_kv_heads and num_reqs be <= ``MAX_DECODE_REQS``. ``num_splits > 1`` writes
     ``partials`` (acc [num_reqs, num_heads, num_splits, head_pad], max and sum [num_reqs,
     num_heads, num_splits], float32) for the caller's merge; split-KV and ``rotary`` need
-    ``heads_per_prog == 1``."""
+    ``heads_per_prog == 1``. ``kv_scales``: an FP8 cache's checked (k_scale, v_scale)."""
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -249,7 +257,8 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid = (num_kv_heads // heads_per_prog, num_reqs, num_splits)
     _paged_decode_kernel[grid](
         out, part_acc, part_max, part_sum,
-        q, k_cache, v_cache, seq_lens, block_tables, float(scale) * 1.4426950408889634, num_heads,
+        q, k_cache, v_cache, seq_lens, block_tables, score_scale_log2(scale, kv_scales[0], k_cache.dtype),
+        kv_scales[0], kv_scales[1], num_heads,
         *rot_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

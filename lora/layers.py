@@ -109,8 +109,8 @@ class LoRAPending:
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.owner.finish_add_rms_norm(self, self.y, weight, eps, residual)
 
-    def finish_rotary_write_kv(self, *args: Any) -> None:
-        self.owner.finish_rotary_write_kv(self, *args)
+    def finish_rotary_write_kv(self, *args: Any, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        self.owner.finish_rotary_write_kv(self, *args, k_scale=k_scale, v_scale=v_scale)
 
 
 class LinearLoRASlots(nn.Module):
@@ -426,7 +426,8 @@ class LinearLoRASlots(nn.Module):
     def finish_rotary_write_kv(self, pending: LoRAPending, positions: torch.Tensor, q: torch.Tensor,
                                k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                rotary_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               slot_mapping: torch.Tensor) -> None:
+                               slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> None:
         """``kernels.kv_write.rotary_write_kv`` on views q, k, v of this (q/k/v) layer's base output
         with the pending update added first, in one ``kernels.lora_rotary_write_kv`` launch.
         Arguments as ``rotary_write_kv``'s."""
@@ -436,7 +437,7 @@ class LinearLoRASlots(nn.Module):
             torch.cuda.current_stream().wait_stream(pending.side)
         lora_rotary_write_kv(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping,
                              pending.plan.buf, self.lora_b, self.state.batch.meta.token_lora_slots,
-                             pending.plan.slot_stride)
+                             pending.plan.slot_stride, k_scale=k_scale, v_scale=v_scale)
 
     def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device) -> LoRAExpandConfig:
         """``finish_silu_mul``'s launch config (the policy's ``lora_expand`` overrides apply)."""

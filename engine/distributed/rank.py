@@ -75,7 +75,7 @@ def build_rank(engine_args: EngineArgs, device: torch.device, tp: TensorParallel
     if max_embeds_per_item:   # a media model: the encoder cache's outputs take memory beside the KV cache
         encoder_compute_budget, encoder_cache_size = cfg.scheduler_config.encoder_budgets(max_embeds_per_item)
     runner = ModelRunner(cfg, loaded.model, device, loaded.dtype, loaded.max_model_len, policy, lora_manager,
-                         encoder_compute_budget, encoder_cache_size)
+                         encoder_compute_budget, encoder_cache_size, kv_scales=loaded.kv_scales)
     # Encoder-decoder models: each request also holds cross-attention K/V of its encoder output.
     cross_tokens = max_embeds_per_item if loaded.model.capabilities.encoder_decoder else 0
     num_blocks = runner.determine_num_blocks(max_blocks_needed(

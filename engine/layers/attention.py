@@ -29,6 +29,11 @@ class PagedAttention(nn.Module):
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
         self.backend: Optional[AttentionBackend] = None
+        self.k_scale: float = 1.0
+        """An FP8 cache's K scale (the cache stores k / k_scale); 1.0 for float caches. Set by the runner's
+        ``KVCache.allocate``."""
+        self.v_scale: float = 1.0
+        """An FP8 cache's V scale."""
 
     def fuses_rotary_write(self, x: torch.Tensor) -> bool:
         """Inputs like x take the fused rotary + KV write (CUDA with the Triton backend), which
@@ -54,17 +59,21 @@ class PagedAttention(nn.Module):
         if fused:
             if pending is None:
                 out = self.backend.attend_decode_rotary(q, k, v, positions, rotary, self.k_cache, self.v_cache,
-                                                        meta, self.scale)
+                                                        meta, self.scale, k_scale=self.k_scale,
+                                                        v_scale=self.v_scale)
                 if out is not None:                 # a pure-decode step: rotary + KV write + attention in one kernel
                     return out.reshape(q.shape[0], self.num_heads * self.head_dim)
-            rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, pending)
+            rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, pending,
+                                      k_scale=self.k_scale, v_scale=self.v_scale)
         elif self._cpu_rotary_write(q, k, v, positions, rotary, meta):
             pass                                    # q and k rotated in place, k and v in the cache
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
-            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_padded)
-        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
+            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_padded,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
+        out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v, k_scale=self.k_scale,
+                                  v_scale=self.v_scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _cpu_rotary_write(self, q, k, v, positions, rotary, meta) -> bool:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from engine.config import ModelConfig, ParallelConfig
 from engine.distributed.group import TensorParallelGroup
+from engine.kv_scales import KVScales, attention_scale_name, kv_scales_from_checkpoint
 from engine.models.registry import get_model_class
 from engine.quantization.scheme import FP8, CheckpointQuantization, read_checkpoint_quantization
 from engine.quantization.slices import QuantizedTensorStream
@@ -38,6 +39,8 @@ class LoadedModel:
     mm_processor: Optional[Any] = None
     """Media -> encoder inputs: an ``ImagePromptProcessor`` (vision models, placeholder tokens) or an
     ``AudioPromptProcessor`` (Whisper); None for text-only models."""
+    kv_scales: dict[int, KVScales] = field(default_factory=dict)
+    """The checkpoint's FP8 KV cache scales by decoder layer (``engine.kv_scales``); empty: none."""
 
 
 @contextlib.contextmanager
@@ -128,14 +131,24 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
     _check_checkpoint_quantization(scheme, model_cls, model_config, tp, device)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, max_position=max_model_len, **({"tp": tp} if tp.size > 1 else {}))
+    kv_scales: dict[int, KVScales] = {}
     if model_config.load_format == "dummy":
         _init_dummy(model, hf_config, model_config.seed)
     else:
         shard_of = model.checkpoint_shard if tp.size > 1 else None
         stream = QuantizedTensorStream(scheme) if scheme is not None else None
-        weights = iter_weights(resolved, dtype, device, shard_of=shard_of,
-                               keep_dtype=stream.belongs if stream is not None else None)
+
+        def keep_dtype(name: str, tensor: torch.Tensor) -> bool:
+            return attention_scale_name(name) is not None or (stream is not None and stream.belongs(name, tensor))
+
+        def scale_shard_of(name: str):
+            return None if attention_scale_name(name) is not None else shard_of(name)
+
+        weights = iter_weights(resolved, dtype, device, shard_of=scale_shard_of if shard_of else None,
+                               keep_dtype=keep_dtype)
+        weights = _KVScaleSplitter(weights)
         model.load_weights(stream(weights) if stream is not None else weights)
+        kv_scales = kv_scales_from_checkpoint(weights.scales)
         if stream is not None:
             _finish_quantized(model, dtype, dequantize=model_config.quantization == "none")
             logger.info("%s: %s weights (%s checkpoint)%s.", resolved.path.name, scheme.kind, scheme.format,
@@ -174,7 +187,24 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
                        max_model_len=max_model_len, model_name=model_config.served_model_name or name,
                        eos_token_ids=_eos_ids(hf_config, tokenizer, resolved),
                        default_sampling=default_sampling_from_generation_config(resolved),
-                       mm_processor=mm_processor, transcriber=transcriber)
+                       mm_processor=mm_processor, transcriber=transcriber, kv_scales=kv_scales)
+
+
+class _KVScaleSplitter:
+    """Passes a checkpoint's tensors through, keeping its attention activation scales (``k_scale``,
+    ``v_scale``, ...: ``engine.kv_scales``) aside in ``scales`` instead."""
+
+    def __init__(self, weights) -> None:
+        self._weights = weights
+        self.scales: list[tuple[str, torch.Tensor]] = []
+        """The scale tensors read, by checkpoint name."""
+
+    def __iter__(self):
+        for name, tensor in self._weights:
+            if attention_scale_name(name) is not None:
+                self.scales.append((name, tensor))
+            else:
+                yield name, tensor
 
 
 def check_tensor_parallel(model_config: ModelConfig, parallel_config: ParallelConfig) -> None:

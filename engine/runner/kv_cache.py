@@ -1,39 +1,58 @@
 """The paged KV cache: its element type, bytes per block, how many blocks fit beside the weights and
-activations, and its allocation into every attention layer."""
+activations, and its allocation into every attention layer (with each layer's FP8 scales)."""
 
 from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import FP8_KV_CACHE_DTYPES, CacheConfig, SchedulerConfig
 from engine.dtypes import TORCH_DTYPES
+from engine.kv_scales import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales
 from engine.layers.attention import PagedAttention
 from engine.models.interfaces import ModelShape
 
 logger = logging.getLogger("chorus.runner")
+
+FP8_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability from which Triton converts to and from e4m3 (Ada, Hopper and later)."""
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
                    bf16_weights: bool) -> torch.dtype:
     """``CacheConfig.cache_dtype`` as a dtype: auto is the model's, or bfloat16 on a CPU whose quantized
     weights multiply in bfloat16 (``bf16_weights``: their activations are rounded to bfloat16 already; the
-    decode step reads half the KV bytes: RESULTS.md "What sets the CPU defaults")."""
+    decode step reads half the KV bytes: RESULTS.md "What sets the CPU defaults"). fp8 / fp8_e4m3: e4m3 with
+    per-layer scales (half the bytes of bfloat16), CUDA only: the Triton attention kernels quantize and
+    dequantize it, the CPU paths do not."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cpu" and bf16_weights else model_dtype
+    if name in FP8_KV_CACHE_DTYPES:
+        if device.type != "cuda":
+            raise ValueError(f"kv_cache_dtype={name}: an FP8 KV cache is a CUDA feature (the Triton attention "
+                             f"kernels quantize and dequantize it); on {device.type} use auto, bfloat16 or "
+                             f"float32.")
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise ValueError(f"kv_cache_dtype={name}: an FP8 KV cache needs a GPU of compute capability "
+                             f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or later (Ada, Hopper), this one "
+                             f"is {capability[0]}.{capability[1]}; use auto.")
+        return FP8_KV_DTYPE
     dtype = TORCH_DTYPES[name]
     if device.type == "cuda" and dtype != model_dtype:
         raise ValueError(f"kv_cache_dtype={name}: on CUDA the KV cache takes the model's dtype "
-                         f"({model_dtype}); use auto.")
+                         f"({model_dtype}) or fp8; use auto or fp8.")
     return dtype
 
 
 class KVCache:
-    """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per attention layer.
+    """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per attention layer, and for an
+    FP8 cache each layer's scales.
 
     Args:
         layers: the model's attention layers (``ModelForCausalLM.attention_layers``); each may have its
@@ -41,16 +60,20 @@ class KVCache:
         block_size: tokens per block.
         dtype: the cache's element type (``kv_cache_dtype``).
         device: where it lives.
+        checkpoint_scales: the checkpoint's FP8 KV scales by layer index
+            (``engine.kv_scales.kv_scales_from_checkpoint``); None or {}: none. Used by an FP8 cache only.
     """
 
     def __init__(self, layers: list[PagedAttention], block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, checkpoint_scales: Optional[dict[int, KVScales]] = None) -> None:
         self.layers = layers
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
         self.num_blocks = 0
         """Blocks allocated (0: not yet)."""
+        self.scales = layer_kv_scales(checkpoint_scales or {}, len(layers), dtype)
+        """Each layer's (k_scale, v_scale), bound to it at ``allocate`` (1.0 for float caches)."""
 
     def bytes_per_block(self) -> int:
         elem_bytes = torch.finfo(self.dtype).bits // 8
@@ -79,16 +102,44 @@ class KVCache:
         return num
 
     def allocate(self, num_blocks: int, backend: AttentionBackend) -> None:
-        """Bind zeroed K and V tensors of ``num_blocks`` blocks and ``backend`` to every layer."""
+        """Bind zeroed K and V tensors of ``num_blocks`` blocks, their scales (``k_scale``, ``v_scale``:
+        floats the layer passes to every backend call that reads or writes them) and ``backend`` to every
+        layer."""
+        if self.dtype == FP8_KV_DTYPE and backend.name != "triton":
+            raise ValueError(f"An FP8 KV cache needs the triton attention backend, not {backend.name!r}.")
         self.num_blocks = num_blocks
-        for attn in self.layers:
+        for attn, scales in zip(self.layers, self.scales):
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.
             attn.k_cache = zeros(shape, self.dtype, self.device)
             attn.v_cache = zeros(shape, self.dtype, self.device)
+            attn.k_scale, attn.v_scale = scales
             attn.backend = backend
-        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size,
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s (%.2f GiB)", num_blocks, self.block_size,
+                    num_blocks * self.block_size, str(self.dtype).removeprefix("torch."),
                     num_blocks * self.bytes_per_block() / (1 << 30))
+
+
+def layer_kv_scales(checkpoint_scales: dict[int, KVScales], num_layers: int,
+                    dtype: torch.dtype) -> list[KVScales]:
+    """Each of ``num_layers`` layers' scales: for an FP8 cache the checkpoint's, else 1.0 with one warning
+    that counts the layers without (as vLLM; their K and V saturate beyond +-448); 1.0 for float caches,
+    whose checkpoint scales go unused."""
+    beyond = sorted(n for n in checkpoint_scales if not 0 <= n < num_layers)
+    if beyond:
+        raise ValueError(f"The checkpoint has KV cache scales for layers {beyond[:4]}, the model {num_layers} "
+                         f"attention layers.")
+    if dtype != FP8_KV_DTYPE:
+        if checkpoint_scales:
+            logger.info("The checkpoint's FP8 KV cache scales are unused: the KV cache is %s "
+                        "(--kv-cache-dtype fp8 uses them).", str(dtype).removeprefix("torch."))
+        return [UNIT_KV_SCALES] * num_layers
+    missing = [n for n in range(num_layers) if n not in checkpoint_scales]
+    if missing:
+        which = "any layer" if len(missing) == num_layers else f"{len(missing)} of {num_layers} layers"
+        logger.warning("FP8 KV cache: the checkpoint has no k_scale/v_scale for %s; those use 1.0 (K and V "
+                       "beyond +-448 saturate). A checkpoint calibrated for an FP8 KV cache carries them.", which)
+    return [checkpoint_scales.get(n, UNIT_KV_SCALES) for n in range(num_layers)]
 
 
 def activation_reserve_bytes(shape: ModelShape, sc: SchedulerConfig, dtype: torch.dtype, graph_tokens: int,

@@ -25,6 +25,7 @@ from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphKey, StepGraphs, graph_batch_sizes, graph_token_sizes
 from engine.forward_context import forward_context
+from engine.kv_scales import KVScales
 from engine.input_batch import CachedRequestState, StepBuffers, StepInputs
 from engine.kernel_policy import KernelPolicy
 from engine.layers.quantized import BF16_MATMUL_MODE_LOCK, packed_weights
@@ -63,7 +64,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model: ModelForCausalLM, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, policy: KernelPolicy, lora_manager=None,
-                 encoder_compute_budget: int = 0, encoder_cache_size: int = 0) -> None:
+                 encoder_compute_budget: int = 0, encoder_cache_size: int = 0,
+                 kv_scales: Optional[dict[int, KVScales]] = None) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -87,7 +89,8 @@ class ModelRunner:
         ``engine.layers.quantized``): long prefill chunks attend in bfloat16 too, and steps run without
         ``BF16_MATMUL_MODE_LOCK``."""
         cache_dtype = kv_cache_dtype(config.cache_config.cache_dtype, dtype, device, self.bf16_weights)
-        self.kv_cache = KVCache(model.attention_layers(), self.block_size, cache_dtype, device)
+        self.kv_cache = KVCache(model.attention_layers(), self.block_size, cache_dtype, device,
+                                checkpoint_scales=kv_scales)   # an FP8 cache's per-layer scales
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
         """Capture step graphs when the KV cache is allocated (off: ``enforce_eager``; encoder-decoder
         models)."""
@@ -157,7 +160,7 @@ class ModelRunner:
         self.kv_cache.allocate(num_blocks, backend)
         cuda = self.device.type == "cuda"
         if cuda:
-            warm_up_attention(backend, self.model)
+            warm_up_attention(backend, self.model, self.dtype)
         self._init_step_buffers()
         sc = self.config.scheduler_config
         if cuda and self.lora_manager is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from engine.attention import AttentionBackend
 from engine.cuda_graphs import StepGraphs
 from engine.input_batch import StepBuffers
@@ -15,11 +17,12 @@ from engine.models.interfaces import ModelForCausalLM
 logger = logging.getLogger("chorus.runner")
 
 
-def warm_up_attention(backend: AttentionBackend, model: ModelForCausalLM) -> None:
-    """Compile the attention kernels of eager steps (the KV cache is bound)."""
+def warm_up_attention(backend: AttentionBackend, model: ModelForCausalLM, dtype: torch.dtype) -> None:
+    """Compile the attention kernels of eager steps (the KV cache is bound; ``dtype``: the queries')."""
     attn = model.attention_layers()[0]
     t0 = time.perf_counter()
-    calls = backend.warm_up(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale, model.rotary_dim)
+    calls = backend.warm_up(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale, model.rotary_dim,
+                            q_dtype=dtype)
     logger.info("Attention kernels for eager steps compiled (%d calls) in %.1f s", calls,
                 time.perf_counter() - t0)
 

@@ -206,7 +206,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="GiB of host memory for the KV cache on CPU (default: 4).")
     eng.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                      help="KV cache element type (default: auto: the model's dtype; on CPU bfloat16 where the "
-                          "quantized weights multiply in bfloat16 on AMX). On CUDA: auto or the model's dtype.")
+                          "quantized weights multiply in bfloat16 on AMX). On CUDA: auto, the model's dtype, or "
+                          "fp8 (= fp8_e4m3): e4m3 with the checkpoint's per-layer k_scale/v_scale (1.0 where "
+                          "it has none), twice the tokens in the same memory (compute capability 8.9+).")
     eng.add_argument("--num-gpu-blocks-override", type=int, default=None,
                      help="Exact number of KV blocks (overrides both budgets above; for testing).")
     eng.add_argument("--seed", type=int, default=0, help="Seed for unseeded sampling (default: 0).")

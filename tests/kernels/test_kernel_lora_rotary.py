@@ -16,9 +16,13 @@ SHAPES = [(4, 2, 16, 16), (6, 2, 24, 12), (4, 4, 80, 80), (8, 1, 32, 20)]
 
 
 def run_case(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, pad, slotwise, num_tokens=7, rank=8,
-             max_loras=3, seed=0):
+             max_loras=3, seed=0, cache_dtype=None, kv_scales=(1.0, 1.0)):
+    """One call of the kernel and of its twin -> (q, k, v, k_cache, v_cache) after the kernel, the twin's
+    same five (its caches hold the plain casts: an FP8 cache's quantized values are checked by the caller),
+    slot_mapping, token_lora_slots."""
     k, v, kc, vc, slots = make_step(num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                    dtype=dtype, pad=pad, seed=seed + num_heads + head_dim, num_blocks=64)
+                                    dtype=dtype, cache_dtype=cache_dtype, pad=pad, seed=seed + num_heads + head_dim,
+                                    num_blocks=64)
     g = torch.Generator().manual_seed(seed + 1)
     widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     qkv = torch.randn(num_tokens, sum(widths), generator=g).to(dtype).to(DEVICE)      # packed, strided views
@@ -40,7 +44,7 @@ def run_case(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, pad, slotwise
     else:   # split partials that sum to h
         buf, slot_stride = torch.stack([own[:, 0] * 0.25, own[:, 0] * 0.75], dim=1), 0       # [3, 2, T, R]
     lora_rotary_write_kv(positions, q, kk, vv, cos[:, :half], sin[:, :half], rotary_dim, kc, vc, slots, buf,
-                         lora_b, lslots, slot_stride)
+                         lora_b, lslots, slot_stride, k_scale=kv_scales[0], v_scale=kv_scales[1])
     return (q, kk, vv, kc, vc), want, slots, lslots
 
 

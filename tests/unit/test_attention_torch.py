@@ -198,5 +198,6 @@ def test_backend_attends_in_bf16_only_for_models_whose_weights_multiply_in_bf16(
 def test_kv_cache_dtype_is_checked():
     from engine.config import CacheConfig
     assert CacheConfig(cache_dtype="bfloat16").cache_dtype == "bfloat16"
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': use one of auto, float32, bfloat16, float16"):
-        CacheConfig(cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2': use one of auto, float32, bfloat16, float16, "
+                                         "fp8, fp8_e4m3"):
+        CacheConfig(cache_dtype="fp8_e5m2")

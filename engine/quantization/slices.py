@@ -13,7 +13,8 @@ Canonical forms (what ``engine.layers.w4a16`` / ``engine.layers.fp8`` build thei
 Packing of the formats read (``scheme.FORMATS``):
 
 - GPTQ: ``qweight`` int32 [in / 8, out], input 8r + i in bits 4i..4i+3 of row r; ``qzeros`` int32
-  [groups, out / 8], output 8c + i in bits 4i of column c, stored as zero - 1 (v1) or as is (v2);
+  [groups, out / 8], output 8c + i in bits 4i of column c, stored as is (v2) or as zero - 1 (v1: 0x11111111
+  subtracted from each word, so a zero of 0 borrows from the next nibble; ``gptq_v1_to_v2_zeros``);
   ``scales`` [groups, out]; ``g_idx`` int32 [in] (each input's group);
 - AWQ (GEMM): ``qweight`` int32 [in, out / 8] and ``qzeros`` int32 [groups, out / 8], output
   8c + AWQ_ORDER[i] in bits 4i of column c; ``scales`` [groups, out];
@@ -46,7 +47,7 @@ QUANTIZED_SUFFIXES = {
     "awq": ("qweight", "qzeros", "scales"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
                            "input_scale"),
-    "fp8": ("weight_scale_inv", "weight_scale", "input_scale"),
+    "fp8": ("weight_scale_inv", "weight_scale", "input_scale", "activation_scale"),
 }
 """Tensor names (after the projection's prefix) that belong to a quantized projection, per format (an FP8
 ``weight`` is recognised by its dtype)."""
@@ -132,6 +133,22 @@ def unpack_columns(packed: torch.Tensor, order: Optional[tuple[int, ...]] = None
     return q.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
+GPTQ_V1_ZERO_OFFSETS = 0x11111111
+"""One in every nibble: what a GPTQ v1 checkpoint subtracted from each packed ``qzeros`` word (zero - 1)."""
+
+
+def gptq_v1_to_v2_zeros(qzeros: torch.Tensor) -> torch.Tensor:
+    """GPTQ v1 ``qzeros`` (each 4-bit zero point stored as zero - 1) -> the zero points as they are (v2).
+
+    The v1 writers (GPTQModel's ``convert_gptq_v2_to_v1_format_module``) subtract 0x11111111 from each
+    packed int32 word, so a zero point of 0 borrows from the nibble above it; adding the word back (as
+    GPTQModel's v1 -> v2 load does) undoes that exactly, where adding 1 to each unpacked nibble would read
+    that zero as 16 and its neighbour one too low."""
+    words = (qzeros.to(torch.int64) & 0xFFFFFFFF) + GPTQ_V1_ZERO_OFFSETS
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
 def _scale_per_channel_or_block(scale: torch.Tensor, out_features: int, in_features: int,
                                 block: Optional[tuple[int, int]], name: str
                                 ) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
@@ -165,11 +182,15 @@ def to_slice(prefix: str, tensors: dict[str, torch.Tensor], scheme: CheckpointQu
                                                    scheme.weight_block, f"{prefix}.{scale_name}")
         input_scale = None
         if scheme.activation_scheme == "static":
-            input_scale = need("input_scale").float().reshape(-1).max()
+            input_scale = need("activation_scale" if "activation_scale" in tensors else "input_scale"
+                               ).float().reshape(-1).max()
         return Fp8Slice(weight.contiguous(), scale, block, input_scale)
     if scheme.format == "gptq":
         q = unpack_rows(need("qweight")).t().contiguous()                                # [out, in]
-        zeros = unpack_columns(need("qzeros")).t().float() + (0.0 if scheme.gptq_v2 else 1.0)  # [out, groups]
+        qzeros = need("qzeros")
+        if not scheme.gptq_v2:
+            qzeros = gptq_v1_to_v2_zeros(qzeros)
+        zeros = unpack_columns(qzeros).t().float()                                        # [out, groups]
         scales = need("scales").float().t().contiguous()
         g_idx = tensors.get("g_idx")
         group_of_input = g_idx.long() if scheme.act_order and g_idx is not None else None

@@ -10,7 +10,9 @@ its update, or leaves it to the consumer the layer ``feeds``.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import threading
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -20,6 +22,22 @@ from engine.forward_context import current_policy
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds, LinearAdapter, defer_update
 from engine.quantization.slices import Fp8Slice, Int4Slice, QuantizedSlice
+
+
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Linear layers built inside take a weight on the meta device (no memory): a quantized checkpoint's
+    projections never hold float weights, so loading needs only the quantized model's memory. A float
+    tensor loaded into such a weight (an unquantized projection) gets memory then (``load_slice``,
+    ``materialize``)."""
+    _DEFERRED.active = True
+    try:
+        yield
+    finally:
+        _DEFERRED.active = False
 
 
 class Linear(nn.Module):
@@ -42,7 +60,9 @@ class Linear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
         self.feeds = feeds
-        self.weight = nn.Parameter(torch.empty(self.output_size, input_size), requires_grad=False)  # [out, in]
+        weight = torch.empty(self.output_size, input_size, device="meta" if getattr(_DEFERRED, "active", False)
+                             else None)                                                        # [out, in]
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False) if bias else None
         self.adapter: Optional[LinearAdapter] = None
         """The per-token update attached to this layer (``lora.layers.LinearLoRASlots``), or None."""
@@ -94,6 +114,12 @@ class Linear(nn.Module):
         self.weight_q = Fp8Weight.from_float(self.weight, self.weight.dtype)
         self.weight = None
 
+    def materialize(self, device: torch.device) -> None:
+        """Give a deferred (meta) weight memory on ``device`` (``deferred_weights``); no-op otherwise."""
+        if self.weight is not None and self.weight.is_meta:
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype, device=device),
+                                       requires_grad=False)
+
     def load_slice(self, param_name: str, slice_idx: int, tensor: "torch.Tensor | QuantizedSlice") -> None:
         """Copy one checkpoint tensor (``weight`` or ``bias``) into slice ``slice_idx``; a quantized
         checkpoint's weight slice (``engine.quantization.slices``) is kept for ``finish_quantized``."""
@@ -103,6 +129,8 @@ class Linear(nn.Module):
                                  f"{slice_idx} ({self.output_sizes[slice_idx]} x {self.input_size})")
             self.quantized_slices[slice_idx] = tensor
             return
+        if param_name == "weight":
+            self.materialize(tensor.device)
         param = getattr(self, param_name)
         if param is None:
             raise ValueError(f"checkpoint has a {param_name} for a projection built without one")

@@ -11,6 +11,7 @@ import torch
 
 from engine.config import ModelConfig, ParallelConfig
 from engine.distributed.group import TensorParallelGroup
+from engine.layers.linear import deferred_weights
 from engine.kv_scales import KVScales, attention_scale_name, kv_scales_from_checkpoint
 from engine.models.registry import get_model_class
 from engine.quantization.scheme import FP8, CheckpointQuantization, read_checkpoint_quantization
@@ -129,7 +130,9 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(resolved), device)
     scheme = read_checkpoint_quantization(hf_config) if resolved.kind == "hf" else None
     _check_checkpoint_quantization(scheme, model_cls, model_config, tp, device)
-    with _default_dtype(dtype), torch.device(device):
+    # A quantized checkpoint's projections never hold float weights (unless dequantized: --quantization none).
+    defer = scheme is not None and model_config.quantization != "none" and model_config.load_format != "dummy"
+    with _default_dtype(dtype), torch.device(device), (deferred_weights() if defer else contextlib.nullcontext()):
         model = model_cls(hf_config, max_position=max_model_len, **({"tp": tp} if tp.size > 1 else {}))
     kv_scales: dict[int, KVScales] = {}
     if model_config.load_format == "dummy":
@@ -151,6 +154,9 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
         kv_scales = kv_scales_from_checkpoint(weights.scales)
         if stream is not None:
             _finish_quantized(model, dtype, dequantize=model_config.quantization == "none")
+            unloaded = [n for n, p in model.named_parameters() if p.is_meta]
+            if unloaded:
+                raise ValueError(f"the checkpoint lacks {len(unloaded)} projection weights, e.g. {unloaded[:3]}")
             logger.info("%s: %s weights (%s checkpoint)%s.", resolved.path.name, scheme.kind, scheme.format,
                         ", dequantized (--quantization none)" if model_config.quantization == "none" else "")
     if model_config.quantization == "fp8":

@@ -306,6 +306,10 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
                 continue
             param = params[name]
+            if param.is_meta:   # a deferred Linear weight (engine.layers.linear.deferred_weights)
+                module = self.get_submodule(name.rpartition(".")[0])
+                module.materialize(tensor.device)
+                param = module.weight
             if self.tp.size > 1 and name in ("model.embed_tokens.weight", "lm_head.weight"):
                 copy_rows(param, tensor, name)   # this rank's vocabulary rows, padded
                 loaded.add(name)

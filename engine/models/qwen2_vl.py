@@ -84,7 +84,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
     checkpoint_prefixes = CHECKPOINT_PREFIXES
     weight_parts = ("visual", "language_model")
-    capabilities = ModelCapabilities(multimodal=True, mrope=True, tensor_parallel=True)
+    capabilities = ModelCapabilities(multimodal=True, mrope=True, tensor_parallel=True, weight_quantization=True)
     vision_cls: type[torch.nn.Module] = Qwen2VLVisionTransformer
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:

@@ -61,13 +61,22 @@ class VisionLanguageModel(nn.Module):
     tower and projector are replicated on every rank, which encodes the step's images itself (a tower
     is small next to the language model, and replication costs no collective per encoder layer)."""
 
-    capabilities = ModelCapabilities(multimodal=True, tensor_parallel=True)
+    capabilities = ModelCapabilities(multimodal=True, tensor_parallel=True, weight_quantization=True)
     logits_rules: Optional[LogitsRules] = None
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
     """(their prefix, ours) pairs, most specific first; also used to match PEFT module names."""
     weight_parts: tuple[str, ...] = ()
     """Top-level submodules that take checkpoint tensors (each loads its own and checks completeness)."""
     language_model: nn.Module
+
+    def quantize(self, kind) -> None:
+        """Weight-only quantization of the language model (``SupportsWeightQuantization``; the vision side
+        stays float): ``kind`` "int8" / "int4" / "fp16", or a plan by checkpoint tensor name."""
+        if not isinstance(kind, str):
+            kind = {map_checkpoint_name(name, self.checkpoint_prefixes).partition(".")[2]: k
+                    for name, k in kind.items()
+                    if map_checkpoint_name(name, self.checkpoint_prefixes).startswith("language_model.")}
+        self.language_model.quantize(kind)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> token embeddings [T, hidden]."""

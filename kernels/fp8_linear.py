@@ -1,4 +1,4 @@
-"""FP8 (e4m3) linear layers: W8A8 GEMM with activation quantization, W8A16 decode GEMV, torch twins.
+"""FP8 (e4m3) linear layers: W8A8 GEMM with activation quantization, torch twins.
 
 Checkpoint formats served (the loader brings each to the canonical layouts below):
 
@@ -33,15 +33,11 @@ Kernels (Triton), each with its torch twin at the end of this module:
   once in the epilogue (acc * x_scale[m] * w_scale[n]); K-blocked scales (per-token-group x, block
   w) scale each K step's partial product, so the GEMM's block_k divides every K group.
   ``backend="scaled_mm"`` runs ``torch._scaled_mm`` (rowwise scales) instead, where it applies.
-- ``fp8_gemv``: the decode path (M <= 16), W8A16: activations stay 16-bit, each fp8 weight byte is
-  read once and widened in registers (exact: every e4m3 value is a bfloat16 / float16 value), a
-  tl.dot on a BLOCK_M = 16 row tile as ``kernels.gemv``; per-channel scales in the epilogue, block
-  scales on each K step's partial product.
 
 Numerics: e4m3(v) rounds to the nearest float8_e4m3fn value, ties to even (the values fed to it
 are clamped to +-448, so nothing saturates to NaN). Scales and their reciprocals are computed
 with IEEE division (``tl.math.div_rn``), and x is multiplied by the reciprocal, so the kernel's
-fp8 activations and scales equal the twin's bit for bit on GPU. The GEMMs differ from their twin
+fp8 activations and scales equal the twin's bit for bit on GPU. The GEMM differs from its twin
 only in float32 summation order.
 
 NOTE (interpreter): Triton's CPU interpreter converts float32 -> float8e4nv by truncating the
@@ -49,10 +45,9 @@ mantissa and rounding half up without carrying into the exponent (127.2 -> 64.0)
 interpreter (``SOFT_ROUND``) the quantize kernel first rounds to the e4m3 grid in float32
 (``_round_to_e4m3``), after which the conversion is exact. It also stores -0.0 as +0.0.
 
-Launch configs: ``Fp8QuantConfig`` / ``fp8_quant_config``, ``Fp8GemmConfig`` / ``fp8_gemm_config``,
-``Fp8GemvConfig`` / ``fp8_gemv_config``: frozen dataclasses and their default pickers; every
-wrapper takes an explicit ``config=`` (None: the picker's). ``benchmarks/sweeps/fp8_sweep.py``
-times them against torch._scaled_mm and bf16 F.linear.
+Launch configs: ``Fp8QuantConfig`` / ``fp8_quant_config``, ``Fp8GemmConfig`` / ``fp8_gemm_config``:
+frozen dataclasses and their default pickers; every wrapper takes an explicit ``config=`` (None: the
+picker's). ``benchmarks/sweeps/fp8_sweep.py`` times them against torch._scaled_mm and bf16 F.linear.
 """
 
 from __future__ import annotations
@@ -75,8 +70,6 @@ FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
 MIN_AMAX = 1e-10
 """Floor of a dynamic scale's amax, so an all-zero row gets a finite scale (and x * (1 / scale) = 0)."""
-MAX_GEMV_ROWS = 16
-"""Most token rows ``fp8_gemv`` takes (its tl.dot row tile)."""
 
 PER_TOKEN, STATIC, PER_TOKEN_GROUP = "per_token", "static", "per_token_group"
 ACTIVATION_SCHEMES = (PER_TOKEN, STATIC, PER_TOKEN_GROUP)
@@ -235,59 +228,6 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, num_
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x, num_w_kblocks,
-                     W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Semantics (float32 accumulation; dtype = x's dtype = out's dtype):
-
-        for m in range(M):                                  # M <= BLOCK_M = 16
-            for n in range(N):
-                acc = sum_k float(x[m, k]) * float(w[n, k]) * (w_s[n] if W_BLOCK_K == 0
-                                                              else w_s[n // W_BLOCK_N, k // W_BLOCK_K])
-                out[m, n] = dtype(acc + (bias[n] if HAS_BIAS else 0))
-
-    w: [N, K] fp8 contiguous, read once; x rows at stride stride_x (last dim stride 1); out [M, N]
-    contiguous. Program p covers columns [p * BLOCK_N, (p + 1) * BLOCK_N) of all rows over all of K:
-    the fp8 tile is widened to x's dtype in registers (float32 under the interpreter, UPCAST) and
-    fed to tl.dot with the [BLOCK_M, BLOCK_K] input tile (rows past M are zeros, never stored).
-    Block scales multiply each step's partial (BLOCK_K divides W_BLOCK_K); per-channel scales
-    multiply the accumulator once.
-    """
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x                            # [BM, 1]
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K                                    # [BN, 1]
-    ws_rows = ws_ptr + (offs_n // W_BLOCK_N) * num_w_kblocks                             # [BN]
-
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, BK] fp8
-        a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, BK]
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        else:
-            w = w.to(DTYPE)
-        if W_BLOCK_K > 0:
-            part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
-            acc += part * tl.load(ws_rows + k0 // W_BLOCK_K, mask=n_ok, other=0.0)[None, :]
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if W_BLOCK_K == 0:
-        acc *= tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(DTYPE),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
 # ----------------------------------------------------------------------------------------
 # Launch configs
 # ----------------------------------------------------------------------------------------
@@ -346,27 +286,6 @@ class Fp8GemmConfig:
             raise ValueError(f"Fp8GemmConfig.group_m: {self.group_m!r} must be an int >= 1.")
 
 
-@dataclass(frozen=True)
-class Fp8GemvConfig:
-    """Launch parameters of the W8A16 decode GEMV."""
-
-    block_n: int = 32
-    """Output columns (weight rows) per program; the grid is cdiv(N, block_n). Power of two in [16, 1024]."""
-    block_k: int = 512
-    """K per inner step (weight tile [block_n, block_k]); power of two in [16, 4096] that divides the
-    weight's BK with block scales."""
-    num_warps: int = 4
-    """Warps per program (power of two in [1, 16])."""
-    num_stages: int = 4
-    """Software-pipelining depth of the K loop (>= 1)."""
-
-    def __post_init__(self) -> None:
-        _check_pow2("Fp8GemvConfig", "block_n", self.block_n, 16, 1024)
-        _check_pow2("Fp8GemvConfig", "block_k", self.block_k, 16, 4096)
-        _check_pow2("Fp8GemvConfig", "num_warps", self.num_warps, 1, 16)
-        _check_stages("Fp8GemvConfig", self.num_stages)
-
-
 def _pow2_divisor(k_group: Optional[int], cap: int) -> int:
     """Largest power of two <= cap dividing k_group (cap when k_group is None)."""
     if k_group is None:
@@ -407,26 +326,11 @@ def fp8_gemm_config(M: int, N: int, K: int, device: Optional[torch.device] = Non
     return Fp8GemmConfig(128, 128, block_k, 8, 8, 3)
 
 
-def fp8_gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None,
-                    w_block_k: Optional[int] = None) -> Fp8GemvConfig:
-    """Default config for the W8A16 decode GEMV (``w_block_k``: BK of block weight scales, else None).
-
-    NOTE: starting points (``kernels.gemv``'s tiles with the fp8 weight's halved bytes per step);
-    ``benchmarks/sweeps/fp8_sweep.py`` ranks them on the H200."""
-    if device is not None and is_interpreted(device):
-        return Fp8GemvConfig(min(32, max(16, next_power_of_2(N))), _pow2_divisor(w_block_k, 32), 4, 1)
-    if w_block_k is not None:
-        return Fp8GemvConfig(64, _pow2_divisor(w_block_k, 128), 4, 4)
-    return Fp8GemvConfig(32 if N <= 16384 else 64, 512, 4, 4)
-
-
 # ----------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------
-def _check_rows(name: str, x: object, max_rows: Optional[int] = None) -> tuple[int, int]:
+def _check_rows(name: str, x: object) -> tuple[int, int]:
     check_tensor(name, x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    if max_rows is not None and x.shape[0] > max_rows:
-        raise ValueError(f"{name}: {x.shape[0]} rows; fp8_gemv takes at most {max_rows} (use fp8_linear).")
     if x.shape[1] < 1:
         raise ValueError(f"{name}: shape {tuple(x.shape)} must have K >= 1 columns.")
     return x.shape[0], x.shape[1]
@@ -649,44 +553,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, activ
     return out
 
 
-def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_size: Optional[tuple[int, int]] = None,
-             bias: Optional[torch.Tensor] = None, *, config: Optional[Fp8GemvConfig] = None) -> torch.Tensor:
-    """out = x @ W.T (+ bias) for a decode batch, W8A16: x stays in its dtype, W dequantized in registers.
-
-    Args:
-        x: [M, K], 0 <= M <= 16, float16/bfloat16/float32, last dim contiguous (row stride free).
-        w: [N, K] float8_e4m3fn, contiguous.
-        w_scale: float32 contiguous, [N] per-channel, or [cdiv(N, BN), cdiv(K, BK)] with ``block_size``.
-        block_size: (BN, BK) of block weight scales; None: per-channel.
-        bias: optional [N] float16/bfloat16/float32, added in float32 before the final rounding.
-        config: launch config; None: ``fp8_gemv_config``.
-
-    Returns:
-        out: a new [M, N] tensor in x's dtype.
-    """
-    M, K = _check_rows("x", x, MAX_GEMV_ROWS)
-    block_size = _check_block_size(block_size)
-    N = _check_weight(x, w, w_scale, block_size, bias)
-    if config is not None and not isinstance(config, Fp8GemvConfig):
-        raise ValueError(f"config: expected an Fp8GemvConfig, got {type(config).__name__}.")
-    w_block_k = block_size[1] if block_size is not None else None
-    if config is None:
-        config = fp8_gemv_config(M, N, K, x.device, w_block_k)
-    _check_block_k("Fp8GemvConfig", config.block_k, {"block_size[1]": w_block_k})
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)                                     # [M, N]
-    if M == 0:
-        return out
-    upcast = is_interpreted(x.device)
-    _fp8_gemv_kernel[(cdiv(N, config.block_n),)](
-        x, w, w_scale, bias if bias is not None else w_scale, out, M, N, K, x.stride(0),
-        cdiv(K, w_block_k) if w_block_k else 1,
-        W_BLOCK_N=block_size[0] if block_size else 1, W_BLOCK_K=w_block_k or 0, HAS_BIAS=bias is not None,
-        BLOCK_M=MAX_GEMV_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return out
-
-
 # ----------------------------------------------------------------------------------------
 # Weight quantization and torch twins (the test oracle)
 # ----------------------------------------------------------------------------------------
@@ -755,9 +621,3 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, a
     out = F.linear(xd, dequantize_fp8_weight(w, w_scale, block_size), bias.float() if bias is not None else None)
     return out.to(x.dtype if out_dtype is None else out_dtype)
 
-
-def fp8_gemv_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                 block_size: Optional[tuple[int, int]] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Twin of ``fp8_gemv``: a float32 ``F.linear`` with the dequantized weight, rounded once to x's dtype."""
-    out = F.linear(x.float(), dequantize_fp8_weight(w, w_scale, block_size), bias.float() if bias is not None else None)
-    return out.to(x.dtype)

@@ -13,7 +13,6 @@ HBM, as in a 32-layer step). Timed, each as a whole call (activation quantizatio
 - ``pc_triton`` / ``pc_scaled_mm``: per-channel fp8 weight, per-token fp8 activations (compressed-
   tensors FP8_DYNAMIC, ``--quantization fp8``), Triton GEMM / torch._scaled_mm (rowwise scales).
 - ``blk_triton``: 128x128 block weight scales, per-token-group activations (HF ``fp8``).
-- ``pc_gemv`` / ``blk_gemv`` (M <= 16): the W8A16 decode GEMV, per-channel / block scales.
 - ``quant_tok`` / ``quant_grp``: the activation quantization alone (per token / per 128-wide group).
 
 Triton paths run their default config, then (without --no-grid) a candidate grid; the table shows
@@ -62,20 +61,6 @@ def gemm_candidates(m: int) -> list:
         for stages in (3, 4):
             if (bm + bn) * 128 * stages <= 192 << 10:
                 out.append(Fp8GemmConfig(bm, bn, 128, 8 if m > 16 else 1, warps, stages))
-    return out
-
-
-def gemv_candidates(block_scales: bool) -> list:
-    """Fp8GemvConfig grid (block scales: block_k 128, which divides the 128-wide weight blocks)."""
-    from kernels.fp8_linear import Fp8GemvConfig
-
-    ks = (128,) if block_scales else (512, 1024)
-    out = []
-    for bn in (16, 32, 64, 128):
-        for bk in ks:
-            for warps, stages in ((4, 3), (4, 4), (4, 6), (8, 4)):
-                if bn * bk * stages <= 160 << 10 and 4096 <= bn * bk <= 32 * 1024:
-                    out.append(Fp8GemvConfig(bn, bk, warps, stages))
     return out
 
 
@@ -135,13 +120,6 @@ def sweep_case(name: str, n: int, k: int, m: int, weights: dict, args) -> dict:
     row["paths"]["blk_triton"] = time_path(
         lambda c, i: fp8.fp8_linear(x, wblk[i % len(wblk)], sblk[i % len(sblk)], config=c, **blk),
         ref_blk, gemm_candidates(m) if grid else [], args)
-    if m <= fp8.MAX_GEMV_ROWS:
-        row["paths"]["pc_gemv"] = time_path(
-            lambda c, i: fp8.fp8_gemv(x, wpc[i % len(wpc)], spc[i % len(spc)], config=c),
-            fp8.fp8_gemv_ref(x, wpc[0], spc[0]), gemv_candidates(False) if grid else [], args)
-        row["paths"]["blk_gemv"] = time_path(
-            lambda c, i: fp8.fp8_gemv(x, wblk[i % len(wblk)], sblk[i % len(sblk)], BLOCK, config=c),
-            fp8.fp8_gemv_ref(x, wblk[0], sblk[0], BLOCK), gemv_candidates(True) if grid else [], args)
     for label, scheme in (("quant_tok", fp8.PER_TOKEN), ("quant_grp", fp8.PER_TOKEN_GROUP)):
         row["paths"][label] = dict(default=dict(
             us=time_graph_calls(lambda i: fp8.quantize_activations_fp8(x, scheme), args.calls, args.reps), err=0.0))
@@ -172,10 +150,8 @@ def us(row: dict, path: str, which: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     cols = [("bf16", "default"), ("pc_scaled_mm", "default"), ("pc_triton", "default"), ("pc_triton", "best"),
-            ("blk_triton", "default"), ("blk_triton", "best"), ("pc_gemv", "default"), ("pc_gemv", "best"),
-            ("blk_gemv", "default"), ("blk_gemv", "best"), ("quant_tok", "default"), ("quant_grp", "default")]
-    head = ["bf16", "scl_mm", "pc_tri", "pc_tri*", "blk_tri", "blk_tri*", "pc_gemv", "pc_gemv*", "blk_gemv",
-            "blk_gv*", "q_tok", "q_grp"]
+            ("blk_triton", "default"), ("blk_triton", "best"), ("quant_tok", "default"), ("quant_grp", "default")]
+    head = ["bf16", "scl_mm", "pc_tri", "pc_tri*", "blk_tri", "blk_tri*", "q_tok", "q_grp"]
     print(f"\nus per call (* = best config of the grid)\n{'shape':8s} {'M':>5s} " + " ".join(f"{h:>8s}" for h in head))
     for r in rows:
         print(f"{r['shape']:8s} {r['M']:5d} " + " ".join(us(r, p, w) for p, w in cols))

@@ -2,9 +2,10 @@
 (``engine.quantization.slices.Fp8Slice``) or quantized at load (``--quantization fp8``: per output channel,
 amax / 448, as llmcompressor's FP8_DYNAMIC).
 
-- CUDA: ``kernels.fp8_linear``: decode steps of up to ``FP8_GEMV_MAX_TOKENS`` rows read the FP8 weight once
-  with 16-bit activations (``fp8_gemv``); larger steps quantize the activations (per token, per token and
-  128 inputs for block weights, or the checkpoint's static scale) and run the W8A8 GEMM (``fp8_linear``);
+- CUDA: ``kernels.fp8_linear``'s W8A8 GEMM (``fp8_linear``): the activations quantized per token, per token
+  and 128 inputs for block weights, or by the checkpoint's static scale; steps of up to
+  ``FP8_TRITON_MAX_TOKENS`` rows run the Triton GEMM (on the H200 it beats ``torch._scaled_mm`` there:
+  RESULTS.md "Quantized weights"), larger ones ``fp8_linear``'s pick;
 - CPU: the dequantized weight (float copy) through ``F.linear``: the checkpoint's values, for correctness
   anywhere, not for speed.
 
@@ -21,8 +22,8 @@ import torch.nn.functional as F
 
 from engine.quantization.slices import Fp8Slice
 
-FP8_GEMV_MAX_TOKENS = 16
-"""Rows up to which CUDA runs the weight-only FP8 GEMV (decode steps)."""
+FP8_TRITON_MAX_TOKENS = 16
+"""Rows up to which CUDA runs the Triton W8A8 GEMM whatever the scales (decode steps)."""
 FP8_MAX = 448.0
 """Largest e4m3 magnitude."""
 
@@ -78,14 +79,14 @@ class Fp8Weight:
         """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype."""
         if not self.cuda:
             return F.linear(x, self.float_weight.to(x.dtype), bias)
-        from kernels.fp8_linear import PER_TOKEN, PER_TOKEN_GROUP, STATIC, fp8_gemv, fp8_linear
-        if x.shape[0] <= FP8_GEMV_MAX_TOKENS:
-            return fp8_gemv(x, self.weight, self.scale, block_size=self.block, bias=bias)
+        from kernels.fp8_linear import PER_TOKEN, PER_TOKEN_GROUP, STATIC, fp8_linear
+        backend = "triton" if x.shape[0] <= FP8_TRITON_MAX_TOKENS else "auto"
         if self.input_scale is not None:
             return fp8_linear(x, self.weight, self.scale, activation_scheme=STATIC, input_scale=self.input_scale,
-                              block_size=self.block, bias=bias)
+                              block_size=self.block, bias=bias, backend=backend)
         scheme = PER_TOKEN_GROUP if self.block is not None else PER_TOKEN
-        return fp8_linear(x, self.weight, self.scale, activation_scheme=scheme, block_size=self.block, bias=bias)
+        return fp8_linear(x, self.weight, self.scale, activation_scheme=scheme, block_size=self.block, bias=bias,
+                          backend=backend)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [out, in]."""

@@ -1,6 +1,6 @@
-"""FP8 linear kernels (``kernels.fp8_linear``): activation quantization, the W8A8 GEMM and the W8A16 decode
-GEMV against their torch twins; weight quantization round trip; wrapper checks. CPU tensors run through
-the interpreter with small tiles (N and K tails, ragged weight blocks); the CUDA tests run Llama-3-8B sizes."""
+"""FP8 linear kernels (``kernels.fp8_linear``): activation quantization and the W8A8 GEMM against their torch
+twins; weight quantization round trip; wrapper checks. CPU tensors run through the interpreter with small
+tiles (N and K tails, ragged weight blocks); the CUDA tests run Llama-3-8B sizes."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kernels.fp8_linear import (FP8_DTYPE, FP8_MAX, MIN_AMAX, PER_TOKEN, PER_TOKEN_GROUP, STATIC, Fp8GemmConfig,
-                                Fp8GemvConfig, Fp8QuantConfig, dequantize_fp8_weight, fp8_gemm_config, fp8_gemv,
-                                fp8_gemv_config, fp8_gemv_ref, fp8_linear, fp8_linear_ref, quantize_activations_fp8,
-                                quantize_activations_fp8_ref, quantize_weight_fp8_per_channel, scaled_mm_works)
+                                Fp8QuantConfig, dequantize_fp8_weight, fp8_gemm_config, fp8_linear, fp8_linear_ref,
+                                quantize_activations_fp8, quantize_activations_fp8_ref, quantize_weight_fp8_per_channel,
+                                scaled_mm_works)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU_ONLY = pytest.mark.skipif(DEVICE.type != "cpu", reason="interpreter tile sizes")
@@ -191,35 +191,6 @@ def test_linear_scaled_mm_backend(scheme, bias):
 
 
 # ----------------------------------------------------------------------------------------
-# W8A16 decode GEMV
-# ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("n,k,block_size", [(72, 96, None), (200, 320, (128, 128)), (80, 112, (32, 64))])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gemv_matches_twin(dtype, m, n, k, block_size, bias):
-    g = _gen(m, n, k)
-    x = _x(m, k, dtype, g, strided=m == 5)
-    w, w_scale = _channel_weight(n, k, g) if block_size is None else _block_weight(n, k, block_size, g)
-    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
-    _assert_close(fp8_gemv(x, w, w_scale, block_size, b), fp8_gemv_ref(x, w, w_scale, block_size, b))
-
-
-@CPU_ONLY
-def test_gemv_explicit_config():
-    g = _gen(3, 40, 192)
-    x = _x(3, 192, torch.bfloat16, g)
-    w, w_scale = _channel_weight(40, 192, g)
-    out = fp8_gemv(x, w, w_scale, config=Fp8GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1))
-    _assert_close(out, fp8_gemv_ref(x, w, w_scale))
-
-
-def test_gemv_zero_rows():
-    w, w_scale = _channel_weight(24, 32, _gen(0))
-    assert fp8_gemv(torch.zeros(0, 32, device=DEVICE, dtype=torch.bfloat16), w, w_scale).shape == (0, 24)
-
-
-# ----------------------------------------------------------------------------------------
 # Weight quantization
 # ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -255,16 +226,12 @@ def test_config_pickers():
     assert fp8_gemm_config(1, 6144, 4096, cuda, k_group=128).block_k == 128
     assert fp8_gemm_config(2048, 6144, 4096, cuda).block_m == 128
     assert fp8_gemm_config(4, 4096, 4096, cuda, k_group=64).block_k == 64
-    assert fp8_gemv_config(1, 6144, 4096, cuda, w_block_k=128).block_k == 128
-    assert fp8_gemv_config(1, 28672, 4096, cuda) == Fp8GemvConfig(64, 512, 4, 4)
     with pytest.raises(ValueError, match="block_m"):
         Fp8GemmConfig(block_m=8)
     with pytest.raises(ValueError, match="group_m"):
         Fp8GemmConfig(group_m=0)
-    with pytest.raises(ValueError, match="block_n"):
-        Fp8GemvConfig(block_n=24)
     with pytest.raises(ValueError, match="num_stages"):
-        Fp8GemvConfig(num_stages=0)
+        Fp8GemmConfig(num_stages=0)
     with pytest.raises(ValueError, match="block_k"):
         Fp8QuantConfig(block_k=8)
 
@@ -316,12 +283,8 @@ def test_checks_reject_bad_inputs():
                    config=Fp8GemmConfig(16, 16, 32, 1, 4, 1), **lin)
     with pytest.raises(ValueError, match="config"):
         fp8_linear(x, w, w_scale, config=dict(block_m=16), **lin)
-    with pytest.raises(ValueError, match="at most 16"):
-        fp8_gemv(_x(17, 64, torch.bfloat16, g), w, w_scale)
     with pytest.raises(ValueError, match="w: on"):
-        fp8_gemv(x, torch.empty(32, 64, dtype=FP8_DTYPE, device="meta"), w_scale)
-    with pytest.raises(ValueError, match=r"block_k: 512 must divide block_size\[1\] \(32\)"):
-        fp8_gemv(x, wb, sb, (16, 32), config=Fp8GemvConfig())
+        fp8_linear(x, torch.empty(32, 64, dtype=FP8_DTYPE, device="meta"), w_scale, **lin)
     with pytest.raises(ValueError, match="group_size"):
         quantize_activations_fp8(x, PER_TOKEN_GROUP, group_size=0)
     with pytest.raises(ValueError, match="input_scale: dtype"):
@@ -351,14 +314,3 @@ def test_cuda_linear_llama_sizes(n, k, m, backend):
     q_ref, s_ref = quantize_activations_fp8_ref(x, PER_TOKEN_GROUP)
     assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
 
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 4, 16])
-@pytest.mark.parametrize("n,k", CUDA_SHAPES)
-def test_cuda_gemv_llama_sizes(n, k, m):
-    g = _gen(m, n, k)
-    x = _x(m, k, torch.bfloat16, g)
-    w, w_scale = _channel_weight(n, k, g)
-    _assert_close(fp8_gemv(x, w, w_scale), fp8_gemv_ref(x, w, w_scale))
-    wb, sb = _block_weight(n, k, (128, 128), g)
-    _assert_close(fp8_gemv(x, wb, sb, (128, 128)), fp8_gemv_ref(x, wb, sb, (128, 128)))

@@ -117,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
                  tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias, o_bias, tp)
+        self.self_attn = self.build_attention(config, rotary_emb, qkv_bias, o_bias, tp)
         self.mlp = LlamaMLP(config, mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -131,11 +131,17 @@ class LlamaDecoderLayer(nn.Module):
         gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
         return self.mlp(gate_up), residual
 
+    def build_attention(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                        tp: TensorParallelGroup) -> LlamaAttention:
+        """The layer's self-attention: a subclass's hook (Qwen3's takes q/k norms: ``engine.models.qwen3``)."""
+        return LlamaAttention(config, rotary_emb, qkv_bias, o_bias, tp)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config, max_position: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
                  rotary_cls: type[RotaryEmbedding] = RotaryEmbedding,
-                 tp: Optional[TensorParallelGroup] = None) -> None:
+                 tp: Optional[TensorParallelGroup] = None,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         tp = tp or TensorParallelGroup.single()
         if tp.size == 1:
@@ -145,8 +151,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary_emb = rotary_cls(config, _head_dim(config), max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, mlp_bias, tp)
-            for _ in range(config.num_hidden_layers))
+            layer_cls(config, rotary_emb, qkv_bias, o_bias, mlp_bias, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -169,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias_default = False
     rotary_cls: type[RotaryEmbedding] = RotaryEmbedding
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    """What each decoder layer is (built with ``LlamaDecoderLayer``'s arguments): a subclass's hook."""
     capabilities = ModelCapabilities(tensor_parallel=True, weight_quantization=True)
     logits_rules: Optional[LogitsRules] = None
 
@@ -181,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = bool(getattr(config, "attention_bias", self.qkv_bias_default)) or self.qkv_bias_default
         o_bias = bool(getattr(config, "attention_bias", False)) and not self.qkv_bias_default
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.model = LlamaModel(config, max_position, qkv_bias, o_bias, mlp_bias, self.rotary_cls, self.tp)
+        self.model = LlamaModel(config, max_position, qkv_bias, o_bias, mlp_bias, self.rotary_cls, self.tp,
+                                self.decoder_layer_cls)
         self.quantized_head = None
         """The LM head kept quantized (``quantize``), or None."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -275,8 +283,11 @@ class LlamaForCausalLM(nn.Module):
 
     def lora_qkv_warmup_consumer(self) -> Optional[QKVConsumer]:
         """The first layer's ``LlamaAttention.rotary_qkv_consumer`` where its rotary + KV write is fused
-        (KV cache bound, Triton attention backend on CUDA); else None."""
+        (KV cache bound, Triton attention backend on CUDA) and takes the q/k/v projection's adapter update
+        (``Feeds.ROTARY_KV_WRITE``: not Qwen3's, whose q/k norms come between); else None."""
         attn = self.model.layers[0].self_attn
+        if attn.qkv_proj.feeds is not Feeds.ROTARY_KV_WRITE:
+            return None
         if attn.attn.k_cache is None or not attn.attn.fuses_rotary_write(attn.attn.k_cache):
             return None
         return attn.rotary_qkv_consumer()

@@ -6,17 +6,23 @@ import torch.nn as nn
 
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.whisper import WhisperForConditionalGeneration
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -30,8 +36,10 @@ def get_model_class(config) -> type[nn.Module]:
         # Configs built in code may lack `architectures`; fall back on model_type.
         archs = {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
                  "mistral": ["MistralForCausalLM"], "llava": ["LlavaForConditionalGeneration"],
+                 "qwen3": ["Qwen3ForCausalLM"],
                  "qwen2_vl": ["Qwen2VLForConditionalGeneration"],
                  "qwen2_5_vl": ["Qwen2_5_VLForConditionalGeneration"],
+                 "mixtral": ["MixtralForCausalLM"], "qwen3_moe": ["Qwen3MoeForCausalLM"],
                  "whisper": ["WhisperForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
     for arch in archs:
         if arch in _MODELS:

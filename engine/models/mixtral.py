@@ -1,0 +1,257 @@
+"""Mixtral, and the decoder every mixture-of-experts model here shares (``MoEForCausalLM``).
+
+A MoE decoder layer is a Llama layer whose MLP is a ``engine.layers.moe.SparseMoeBlock`` (router, routed
+experts with stacked weights, optional shared expert), or, in the layers a config keeps dense (Qwen3-MoE's
+``mlp_only_layers`` / ``decoder_sparse_step``), a ``LlamaMLP``. Mixtral: Llama (Mistral) attention, every layer
+sparse, ``num_local_experts`` experts of ``intermediate_size``, the top-k routing weights renormalized.
+
+Checkpoints: HF's per-expert tensors (``model.layers.N.block_sparse_moe.experts.E.w1|w2|w3.weight``, the
+router ``block_sparse_moe.gate.weight``; Qwen-MoE's ``mlp.experts.E.gate_proj|up_proj|down_proj.weight``) and
+transformers 5's stacked ones (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I],
+what ``save_pretrained(save_original_format=False)`` writes) both load into the stacked ``w13`` / ``w2``.
+
+Capabilities: none beyond ``ModelForCausalLM`` (no tensor parallelism, no weight quantization yet). LoRA
+adapters reach the attention projections (and a dense layer's or a shared expert's gate/up/down); an adapter
+on the routed experts is refused by the adapter reader (its expert modules are no ``Linear``: "unknown target
+modules").
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from engine.distributed.group import TensorParallelGroup
+from engine.layers.adapter import Feeds
+from engine.layers.attention import PagedAttention
+from engine.layers.fused import norm_linear
+from engine.layers.lora_layout import LoRALayout
+from engine.layers.moe import FusedMoE, SparseMoeBlock
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
+from engine.models.llama import LlamaAttention, LlamaMLP, _head_dim
+
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+"""A per-expert checkpoint tensor: ``<layer>.mlp.experts.<E>.<proj>.weight``."""
+_EXPERT_PROJECTIONS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0),                 # Mixtral
+                       "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}  # Qwen-MoE
+"""Checkpoint expert projection -> (our stacked parameter, its shard: gate rows 0, up rows 1)."""
+_STACKED_TENSORS = {"gate_up_proj": "w13", "down_proj": "w2"}
+"""transformers 5's stacked expert tensor (``<layer>.mlp.experts.<name>``) -> our parameter."""
+
+
+def check_full_attention(config, max_position: int) -> None:
+    """ValueError for a config with a sliding window smaller than the context: every layer here attends to
+    the whole context, which equals sliding-window attention only while the context fits in the window."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return
+    if window and max_position > window:
+        raise ValueError(f"this checkpoint uses sliding-window attention (window {window}), which Chorus does "
+                         f"not implement; --max-model-len {window} or less serves it exactly (asked for "
+                         f"{max_position}).")
+
+
+class MoEDecoderLayer(nn.Module):
+    """Pre-norm attention + a sparse MoE block or a dense ``LlamaMLP``, residual adds fused into the norms."""
+
+    def __init__(self, config, self_attn: LlamaAttention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [T, hidden] (the embeddings when ``residual`` is None) -> (output, residual), the output
+        for the next add + RMSNorm."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv)
+        if isinstance(self.mlp, LlamaMLP):
+            gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+            return self.mlp(gate_up), residual
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(normed), residual
+
+
+class MoEModel(nn.Module):
+    def __init__(self, config, layers: list[MoEDecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class MoEForCausalLM(nn.Module):
+    """A causal LM of ``MoEDecoderLayer``s over a paged KV cache; subclasses pick each layer's attention and
+    MLP (``build_attention``, ``build_mlp``) and the checkpoint's module renames. Module names follow
+    transformers 5's (``model.layers.N.mlp.gate``, ``model.layers.N.mlp.experts``), with q/k/v and gate/up
+    packed and the experts stacked."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    """(theirs, ours) substrings of checkpoint tensor names (Mixtral's ``.block_sparse_moe.`` is our ``.mlp.``)."""
+    capabilities = ModelCapabilities()
+    logits_rules: Optional[LogitsRules] = None
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        check_full_attention(config, max_position)
+        self.config = config
+        rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position)
+        layers = [MoEDecoderLayer(config, self.build_attention(config, rotary_emb), self.build_mlp(config, i))
+                  for i in range(config.num_hidden_layers)]
+        self.model = MoEModel(config, layers)
+        widths = [m.activation_width() if isinstance(m, SparseMoeBlock) else config.intermediate_size
+                  for m in (layer.mlp for layer in layers)]
+        self.shape = ModelShape(config.hidden_size, max(widths), config.vocab_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)
+
+    # -- what a subclass picks ------------------------------------------------------------
+    def build_attention(self, config, rotary_emb: RotaryEmbedding) -> LlamaAttention:
+        bias = bool(getattr(config, "attention_bias", False))
+        return LlamaAttention(config, rotary_emb, qkv_bias=bias, o_bias=bias, tp=TensorParallelGroup.single())
+
+    def build_mlp(self, config, layer_idx: int) -> nn.Module:
+        raise NotImplementedError
+
+    # -- ModelForCausalLM -----------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, hidden] -> logits [R, vocab] in the model's dtype."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t())
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.model.layers[0].self_attn.rotary_emb.rotary_dim
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def lora_layout(self) -> LoRALayout:
+        """Attention (and dense / shared-expert MLP) projections only: the routed experts hold no ``Linear``."""
+        return LoRALayout(self.packed_modules_mapping)
+
+    def lora_qkv_warmup_consumer(self) -> Optional[QKVConsumer]:
+        """The first layer's rotary + KV write where it is fused and takes the q/k/v adapter update
+        (``Feeds.ROTARY_KV_WRITE``: not Qwen3-MoE's, whose q/k norms come between); else None."""
+        attn = self.model.layers[0].self_attn
+        if attn.qkv_proj.feeds is not Feeds.ROTARY_KV_WRITE:
+            return None
+        if attn.attn.k_cache is None or not attn.attn.fuses_rotary_write(attn.attn.k_cache):
+            return None
+        return attn.rotary_qkv_consumer()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into our parameters: q/k/v and gate/up into their packed slices,
+        per-expert or stacked expert tensors into ``w13`` / ``w2``; every parameter must be set in full."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        pieces: dict[str, set[tuple[int, int]]] = {}     # packed / stacked param -> (expert or 0, slice) loaded
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            for theirs, ours in self.checkpoint_renames:
+                name = name.replace(theirs, ours)
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{type(self).__name__} cannot load quantized checkpoint tensors ({name!r})")
+            m = _EXPERT_TENSOR.match(name)
+            if m is not None and m["proj"] in _EXPERT_PROJECTIONS:
+                param, shard = _EXPERT_PROJECTIONS[m["proj"]]
+                expert = int(m["expert"])
+                self._experts(m["experts"], name).load_expert(param, expert, shard, tensor)
+                pieces.setdefault(f"{m['experts']}.{param}", set()).add((expert, shard))
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            if leaf in _STACKED_TENSORS and prefix.endswith(".experts"):
+                self._experts(prefix, name).load_stacked(_STACKED_TENSORS[leaf], tensor)
+                loaded.add(f"{prefix}.{_STACKED_TENSORS[leaf]}")
+                continue
+            parts = name.split(".")
+            if len(parts) >= 3 and parts[-2] in self.packed_modules_mapping:
+                packed, idx = self.packed_modules_mapping[parts[-2]]
+                module_name = ".".join(parts[:-2] + [packed])
+                try:
+                    module = self.get_submodule(module_name)
+                except AttributeError:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                     f"{type(self).__name__}") from None
+                module.load_slice(parts[-1], idx, tensor)
+                pieces.setdefault(f"{module_name}.{parts[-1]}", set()).add((0, idx))
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        for key, got in pieces.items():
+            owner = self.get_submodule(key.rpartition(".")[0])
+            if isinstance(owner, FusedMoE):
+                shards = range(2) if key.endswith(".w13") else range(1)
+                want = {(e, s) for e in range(owner.num_experts) for s in shards}
+            else:
+                want = {(0, s) for s in range(len(owner.output_sizes))}
+            if got >= want:
+                loaded.add(key)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors (or parts of them), e.g. {missing[:3]}")
+
+    def _experts(self, module_name: str, tensor_name: str) -> FusedMoE:
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            module = None
+        if not isinstance(module, FusedMoE):
+            raise ValueError(f"checkpoint tensor {tensor_name!r} has no place in {type(self).__name__} "
+                             f"({module_name} is not a sparse MoE layer of this config)")
+        return module
+
+
+class MixtralForCausalLM(MoEForCausalLM):
+    """Mixtral: Llama attention; every layer's MLP a sparse block of ``num_local_experts`` SwiGLU experts of
+    ``intermediate_size``, top ``num_experts_per_tok`` with renormalized weights (the softmax over the top-k
+    router logits)."""
+
+    checkpoint_renames = ((".block_sparse_moe.", ".mlp."),)
+
+    def build_mlp(self, config, layer_idx: int) -> nn.Module:
+        return SparseMoeBlock.from_config(config, config.num_local_experts, config.intermediate_size,
+                                          renormalize=True)

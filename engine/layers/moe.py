@@ -14,13 +14,12 @@ The compute is one entry point, ``fused_moe(hidden, w13, w2, topk_weights, topk_
 ``fused_moe_ref``, the pure-torch "sorted by expert" grouped computation: the T * K (token, expert) pairs
 are sorted by expert, each expert with tokens runs one gate|up matmul, SiLU-and-mul and one down matmul on its
 contiguous segment, and the results, scaled by their routing weights, are scatter-added back to their tokens.
-NOTE: on CUDA a fused Triton MoE kernel (vLLM's ``fused_moe``: the same sorted pairs padded to the block size
-per expert, one grouped GEMM launch for gate|up with SiLU-and-mul and one for down, the routing weight applied
-in the second) will replace ``fused_moe_ref`` inside ``fused_moe``, with the same arguments; ``fused_moe_ref``
-stays its twin and the CPU path. The reference reads the per-expert token counts on the host (one sync per
-layer); while a CUDA graph is being captured, where no host read is allowed, ``fused_moe`` runs
-``fused_moe_dense_ref`` (every expert on every row, weighted by a zero where a row did not pick it: exact,
-sync-free, E / K times the work, which the graph token buckets bound).
+On CUDA ``fused_moe`` runs ``kernels.fused_moe`` (the same sorted pairs padded to the block size per expert on
+the device, one grouped GEMM launch for gate|up with SiLU-and-mul and one for down with the routing weight);
+``fused_moe_ref`` is its twin and the CPU path. The reference reads the per-expert token counts on the host
+(one sync per layer). While a CUDA graph is being captured ``fused_moe`` runs ``fused_moe_dense_ref`` (every
+expert on every row, weighted by a zero where a row did not pick it: exact, sync-free, E / K times the work),
+until the kernel's own capture is checked on a GPU.
 """
 
 from __future__ import annotations
@@ -55,10 +54,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' output [T, H] (see ``fused_moe_ref`` for the arguments). The one place the fused
-    CUDA kernel will slot in; until then the reference, or its sync-free form inside CUDA graph capture."""
-    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        return fused_moe_dense_ref(hidden, w13, w2, topk_weights, topk_ids)
+    """The routed experts' output [T, H] (see ``fused_moe_ref`` for the arguments): ``kernels.fused_moe`` on
+    CUDA (the dense form inside CUDA graph capture), the reference elsewhere."""
+    if hidden.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return fused_moe_dense_ref(hidden, w13, w2, topk_weights, topk_ids)
+        from kernels.fused_moe import fused_moe_triton
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
 
 

@@ -1,0 +1,315 @@
+"""Fused MoE experts: two grouped-GEMM launches over the (token, expert) pairs sorted by expert.
+
+The routed experts of an MoE layer (``engine.layers.moe.fused_moe``'s semantics):
+
+    out[t] = sum_k topk_weights[t, k] * (silu(x_t @ gate_e.T) * (x_t @ up_e.T)) @ w2[e].T,   e = topk_ids[t, k]
+
+with ``w13`` [E, 2I, H] (each expert's gate rows, then its up rows) and ``w2`` [E, H, I]. Three steps,
+none of which reads anything on the host (so the whole call can be captured in a CUDA graph; every
+size is a function of the shapes alone):
+
+- ``moe_align(topk_ids, num_experts, block_m)`` (torch ops): the T * K pairs (pair p = t * K + k)
+  sorted by expert, each expert's segment padded to a multiple of ``block_m`` with the sentinel
+  T * K, so every block of ``block_m`` sorted slots belongs to one expert. The padded length is
+  bounded by T * K + E * (block_m - 1), which fixes the buffer sizes; blocks past the real ones
+  are marked expert -1 and their programs exit at once.
+- Stage 1 (``_grouped_gemm_kernel`` with GATHER, SILU_MUL): slot s of block b gathers the row
+  x[pair // K] and multiplies it by the gate and up rows of w13[expert_of_block[b]]; the epilogue
+  applies SiLU-and-mul and writes the [I] product row to intermediate[s] ([P, I]).
+- Stage 2 (the same kernel with SCATTER, MUL_WEIGHT): intermediate[s] @ w2[e].T, scaled by
+  topk_weights[pair], written to row ``pair`` of a [T * K, H] buffer; ``.sum`` over K gives
+  [T, H] (deterministic: no atomics).
+
+Numerics: float32 accumulation in both GEMMs; the intermediate values are rounded to the input
+dtype where ``fused_moe_ref`` rounds them (gate and up, silu(gate), the product; the down output,
+then that times the weight), and the K weighted rows are summed in float32 and rounded once
+(``fused_moe_ref`` adds them in the dtype, token row by token row). The torch twin is
+``engine.layers.moe.fused_moe_ref``; ``tests/kernels/test_kernel_fused_moe.py`` compares the two.
+
+Launch configs: ``fused_moe_config(num_tokens, num_experts, hidden, intermediate, top_k, device)``
+(defaults as vLLM's untuned ``fused_moe`` config); the wrapper takes an explicit ``config=``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import triton
+import triton.language as tl
+
+from kernels.utils import FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted
+
+
+# ----------------------------------------------------------------------------------------
+# Alignment (torch, on the device, no host read)
+# ----------------------------------------------------------------------------------------
+def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """P, the padded length of ``moe_align``'s sorted pairs: num_pairs + num_experts * (block_m - 1)
+    rounded up to block_m (the worst case; the real padded length is ``num_valid`` <= P)."""
+    return cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs sorted by expert, each expert's segment padded to a block_m multiple.
+
+    Args:
+        topk_ids: [T, K] int expert ids, each in [0, num_experts) (not checked: that would read the
+            device on the host). Pair p = t * K + k.
+        num_experts: E.
+        block_m: the segment granularity (the kernel's BLOCK_M), >= 1.
+
+    Returns:
+        (sorted_pair_ids, expert_of_block, num_valid), all on topk_ids' device, int64:
+        sorted_pair_ids [P] (P = ``moe_align_size(T * K, E, block_m)``): expert 0's pairs in
+            ascending order, padded with the sentinel T * K to a multiple of block_m, then expert
+            1's, ...; an expert with no pairs has no slots. Slots past num_valid hold the sentinel.
+        expert_of_block [P / block_m]: the expert of each block of block_m slots, -1 past num_valid.
+        num_valid [1]: the padded length of the real segments (a multiple of block_m).
+
+    No host synchronization: counts by ``scatter_add_`` (``torch.bincount`` reads its max on the
+    host on CUDA), a stable argsort, cumsums, a scatter and a searchsorted.
+    """
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+    check_int("num_experts", num_experts, min_value=1)
+    check_int("block_m", block_m, min_value=1)
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    size = moe_align_size(num_pairs, num_experts, block_m)
+    flat = topk_ids.reshape(-1).to(torch.int64)                                       # [T*K] pair -> expert
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))                              # [E]
+    padded = (counts + (block_m - 1)) // block_m * block_m                           # [E]
+    seg_end = torch.cumsum(padded, 0)                                                # [E] padded segment ends
+    seg_start = seg_end - padded
+    order = torch.argsort(flat, stable=True)                                         # [T*K] sorted rank -> pair
+    sorted_experts = flat[order]
+    rank_start = torch.cumsum(counts, 0) - counts                                    # [E] unpadded starts
+    dest = seg_start[sorted_experts] + torch.arange(num_pairs, device=device) - rank_start[sorted_experts]
+    sorted_pair_ids = torch.full((size,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pair_ids.scatter_(0, dest, order)
+    block_starts = torch.arange(0, size, block_m, device=device)                     # [P / block_m]
+    expert_of_block = torch.searchsorted(seg_end, block_starts, right=True)          # first e with end > start
+    expert_of_block = torch.where(expert_of_block < num_experts, expert_of_block, -1)
+    return sorted_pair_ids, expert_of_block, seg_end[-1:].clone()
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pair_ptr, expert_of_block_ptr, num_valid_ptr, topk_w_ptr,
+                         N, K, num_pairs, stride_a, stride_we, stride_out,
+                         TOP_K: tl.constexpr, GATHER: tl.constexpr, SILU_MUL: tl.constexpr,
+                         SCATTER: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Semantics (dtype = out's dtype; float32 math unless rounded by dtype(.)):
+
+        for b with b * BLOCK_M < num_valid, e = expert_of_block[b]:
+            for slot s in block b with pair = sorted_pair[s] < num_pairs:
+                row = a[pair // TOP_K] if GATHER else a[s]                              # [K]
+                if SILU_MUL:  g, u = dtype(row @ w[e, :N].T), dtype(row @ w[e, N:2N].T)
+                              y = dtype(dtype(silu(g)) * u)                              # [N]
+                else:         y = dtype(row @ w[e].T)                                    # [N]
+                if MUL_WEIGHT: y = dtype(y * topk_w[pair])
+                out[pair if SCATTER else s] = y
+
+    w: [E, N (2N with SILU_MUL), K] with expert stride stride_we, rows contiguous; a / out rows at
+    strides stride_a / stride_out (last dim contiguous); topk_w: [num_pairs] flat routing weights.
+    Slots holding the sentinel (pair >= num_pairs) are neither read nor written.
+
+    Grid: one program per (block of BLOCK_M sorted slots, BLOCK_N output columns), over the
+    worst-case P / BLOCK_M blocks, GROUP_M blocks of slots swizzled together along the columns
+    (L2 reuse of the A rows); programs of blocks past num_valid return at once.
+    """
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N))
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_rows
+    pid_n = (pid % group) // group_rows
+
+    num_valid = tl.load(num_valid_ptr)
+    if pid_m * BLOCK_M >= num_valid:
+        return
+    expert = tl.load(expert_of_block_ptr + pid_m)
+    if expert < 0:
+        return
+
+    offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + offs_s)                                          # [BLOCK_M]
+    row_ok = pair < num_pairs
+    if GATHER:
+        a_rows = pair // TOP_K
+    else:
+        a_rows = offs_s.to(tl.int64)
+    a_rows = tl.where(row_ok, a_rows, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    w_rows = w_base + offs_n.to(tl.int64)[:, None] * K                                # [BLOCK_N, 1]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)                  # [BM, BK]
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)                 # [BN, BK]
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            u = tl.load(w_rows + N * K + offs_k[None, :], mask=w_mask, other=0.0)     # up rows [BN, BK]
+            if UPCAST:
+                u = u.to(tl.float32)
+            acc_up += tl.dot(a, tl.trans(u), input_precision=DOT_PRECISION)
+
+    if SILU_MUL:
+        g = acc.to(DTYPE).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+        y = (act * acc_up.to(DTYPE).to(tl.float32)).to(DTYPE)
+    else:
+        y = acc.to(DTYPE)
+    if MUL_WEIGHT:
+        rw = tl.load(topk_w_ptr + tl.where(row_ok, pair, 0), mask=row_ok, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) * rw[:, None]).to(DTYPE)
+    if SCATTER:
+        out_rows = tl.where(row_ok, pair, 0).to(tl.int64)
+    else:
+        out_rows = offs_s.to(tl.int64)
+    tl.store(out_ptr + out_rows[:, None] * stride_out + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------
+# Launch configs
+# ----------------------------------------------------------------------------------------
+def _check_pow2(name: str, value: object, min_value: int, max_value: int) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or not min_value <= value <= max_value
+            or value & (value - 1)):
+        raise ValueError(f"FusedMoEConfig.{name}: {value!r} must be a power of two in [{min_value}, {max_value}].")
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Launch parameters of the two grouped-GEMM launches (the same tiles for both)."""
+
+    block_m: int = 64
+    """Sorted slots per program, and ``moe_align``'s segment granularity (power of two in [16, 256])."""
+    block_n: int = 64
+    """Output columns per program (power of two in [16, 256])."""
+    block_k: int = 32
+    """Inputs per inner step (power of two in [16, 256])."""
+    group_m: int = 8
+    """Slot blocks swizzled together along the columns (>= 1)."""
+    num_warps: int = 4
+    """Warps per program (power of two in [1, 16])."""
+    num_stages: int = 3
+    """Software-pipelining depth of the K loop (>= 1)."""
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_m", self.block_m, 16, 256)
+        _check_pow2("block_n", self.block_n, 16, 256)
+        _check_pow2("block_k", self.block_k, 16, 256)
+        _check_pow2("num_warps", self.num_warps, 1, 16)
+        for name in ("group_m", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"FusedMoEConfig.{name}: {value!r} must be an int >= 1.")
+
+
+def fused_moe_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
+                     device: Optional[torch.device] = None) -> FusedMoEConfig:
+    """The default config of a fused MoE call.
+
+    Args:
+        num_tokens, num_experts, hidden, intermediate, top_k: T, E, H, I, K.
+        device: where it runs; a CPU device means the interpreter (16-wide tiles: few, cheap
+            programs). None: CUDA.
+
+    NOTE: not tuned here: vLLM's untuned default (``get_default_config``): at most E tokens
+    (decode: about one pair per expert) block 16 x 32 x 64, group 1; else 64 x 64 x 32, group 8.
+    A sweep on the target GPU (per E, H, I and token bucket, as vLLM's tuned JSON configs) should
+    replace it.
+    """
+    if device is not None and is_interpreted(device):
+        return FusedMoEConfig(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1)
+    if num_tokens <= num_experts:
+        return FusedMoEConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=3)
+    return FusedMoEConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+
+
+# ----------------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------------
+def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pair_ids: torch.Tensor,
+            expert_of_block: torch.Tensor, num_valid: torch.Tensor, topk_w: torch.Tensor, N: int, K: int,
+            num_pairs: int, top_k: int, gather: bool, silu_mul: bool, config: FusedMoEConfig) -> None:
+    upcast = is_interpreted(a.device)
+    grid = (expert_of_block.numel() * cdiv(N, config.block_n),)
+    _grouped_gemm_kernel[grid](
+        a, w, out, sorted_pair_ids, expert_of_block, num_valid, topk_w,
+        N, K, num_pairs, a.stride(0), w.stride(0), out.stride(0),
+        TOP_K=top_k, GATHER=gather, SILU_MUL=silu_mul, SCATTER=not gather, MUL_WEIGHT=not gather,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast or a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
+    """The routed experts' output, sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]).
+
+    Args:
+        hidden: [T, H] float16/bfloat16/float32, last dim contiguous (row stride free).
+        w13: [E, 2 * I, H] each expert's gate rows then its up rows; hidden's dtype and device, contiguous.
+        w2: [E, H, I] each expert's down projection; hidden's dtype and device, contiguous.
+        topk_weights: [T, K] routing weights, any float dtype (read as float32).
+        topk_ids: [T, K] int32/int64 expert ids in [0, E) (not checked on the host: no sync).
+        config: launch config; None: ``fused_moe_config(T, E, H, I, K, hidden.device)``.
+
+    Returns:
+        A new [T, H] tensor in hidden's dtype (``engine.layers.moe.fused_moe_ref``'s result).
+
+    No host synchronization and every buffer size is a function of the shapes (CUDA-graph safe).
+    Buffers: the [P, I] intermediate (P <= T * K + E * (block_m - 1)) and the [T * K, H] weighted rows.
+    """
+    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    T, H = hidden.shape
+    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,), device=hidden.device, contiguous=True)
+    E, two_i = w13.shape[0], w13.shape[1]
+    if w13.shape[2] != H or two_i % 2 or two_i == 0 or E == 0:
+        raise ValueError(f"w13: expected shape (E >= 1, 2 * I >= 2, {H}), got {tuple(w13.shape)}.")
+    inter = two_i // 2
+    check_tensor("w2", w2, dtypes=(hidden.dtype,), shape=(E, H, inter), device=hidden.device, contiguous=True)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=hidden.device)
+    top_k = topk_ids.shape[1]
+    if topk_ids.shape[0] != T or not 1 <= top_k <= E:
+        raise ValueError(f"topk_ids: expected shape ({T}, K) with 1 <= K <= {E}, got {tuple(topk_ids.shape)}.")
+    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(T, top_k), device=hidden.device)
+    if config is None:
+        config = fused_moe_config(T, E, H, inter, top_k, hidden.device)
+    elif not isinstance(config, FusedMoEConfig):
+        raise ValueError(f"config: expected a FusedMoEConfig, got {type(config).__name__}.")
+    if T == 0 or H == 0:
+        return torch.zeros_like(hidden, memory_format=torch.contiguous_format)
+    num_pairs = T * top_k
+    sorted_pair_ids, expert_of_block, num_valid = moe_align(topk_ids, E, config.block_m)
+    topk_w = topk_weights.reshape(-1).contiguous()                                    # [T*K]
+    intermediate = torch.empty(sorted_pair_ids.numel(), inter, dtype=hidden.dtype, device=hidden.device)  # [P, I]
+    _launch(hidden, w13, intermediate, sorted_pair_ids, expert_of_block, num_valid, topk_w,
+            inter, H, num_pairs, top_k, True, True, config)
+    weighted = torch.empty(num_pairs, H, dtype=hidden.dtype, device=hidden.device)   # [T*K, H]
+    _launch(intermediate, w2, weighted, sorted_pair_ids, expert_of_block, num_valid, topk_w,
+            H, inter, num_pairs, top_k, False, False, config)
+    return weighted.view(T, top_k, H).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

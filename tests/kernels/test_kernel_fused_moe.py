@@ -1,0 +1,194 @@
+"""Fused MoE (``kernels.fused_moe``): ``moe_align``'s invariants and the two grouped-GEMM launches against
+their torch twin ``engine.layers.moe.fused_moe_ref``. CPU tensors run through the interpreter with tiny
+shapes and 16/32-wide tiles; the CUDA tests run MoE-model sizes and a CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.moe import fused_moe_ref, select_experts
+from kernels.fused_moe import FusedMoEConfig, fused_moe_config, fused_moe_triton, moe_align, moe_align_size
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+EMPTY_EXPERT = 3
+"""No token routes to this expert in ``_case`` (its logit is -inf): a segment of length zero."""
+
+
+def _tol(dtype):
+    # bfloat16: the interpreter truncates float32 -> bfloat16 where torch rounds to nearest, at each of
+    # the intermediate roundings (gate, up, silu, product, down, weighted): a few ulps apart at |y| ~ 1.
+    return dict(float32=(1e-4, 1e-5), bfloat16=(3e-2, 5e-2))[str(dtype).split(".")[1]]
+
+
+def _case(T: int, E: int, K: int, H: int, I: int, dtype, seed: int = 0, strided: bool = False,
+          ids_dtype=torch.int64):
+    """(hidden, w13, w2, topk_weights, topk_ids) with expert ``EMPTY_EXPERT`` never routed to."""
+    g = torch.Generator().manual_seed(seed + 1000 * T + 100 * E + 10 * K)
+    buf = torch.randn(T, H + (16 if strided else 0), generator=g).to(dtype)
+    hidden = (buf[:, 8:8 + H] if strided else buf).to(DEVICE)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype).to(DEVICE)
+    logits = torch.randn(T, E, generator=g)
+    logits[:, EMPTY_EXPERT] = float("-inf")
+    topk_weights, topk_ids = select_experts(logits.to(DEVICE), K, renormalize=(K > 1))
+    return hidden, w13, w2, topk_weights, topk_ids.to(ids_dtype)
+
+
+def _check(args, config=None):
+    hidden = args[0]
+    before = [a.clone() for a in args]
+    out = fused_moe_triton(*args, config=config)
+    ref = fused_moe_ref(*args)
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape and out.is_contiguous()
+    rtol, atol = _tol(hidden.dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+    for a, b in zip(args, before):                         # inputs untouched
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------
+# moe_align
+# ----------------------------------------------------------------------------------------
+def _check_align(topk_ids: torch.Tensor, E: int, block_m: int):
+    sorted_ids, expert_of_block, num_valid = moe_align(topk_ids, E, block_m)
+    T, K = topk_ids.shape
+    n = T * K
+    P = moe_align_size(n, E, block_m)
+    assert sorted_ids.shape == (P,) and expert_of_block.shape == (P // block_m,) and num_valid.shape == (1,)
+    assert P % block_m == 0 and P >= n + E * (block_m - 1)
+    flat = topk_ids.reshape(-1).cpu().long()
+    sorted_ids, expert_of_block, nv = sorted_ids.cpu(), expert_of_block.cpu(), int(num_valid.item())
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert nv == int(padded.sum()) and nv % block_m == 0
+    # every pair exactly once, the rest the sentinel
+    real = sorted_ids[sorted_ids < n]
+    assert torch.equal(real.sort().values, torch.arange(n))
+    assert torch.all((sorted_ids == n) | (sorted_ids < n))
+    assert torch.all(sorted_ids[nv:] == n)
+    # blocks: real ones carry their expert (ascending), the rest -1
+    nb = nv // block_m
+    assert torch.all(expert_of_block[nb:] == -1)
+    assert torch.all(expert_of_block[:nb] >= 0) and torch.all(expert_of_block[:nb].diff() >= 0)
+    for b in range(nb):
+        blk = sorted_ids[b * block_m:(b + 1) * block_m]
+        pairs = blk[blk < n]
+        assert pairs.numel() > 0                                     # no all-padding block among the real ones
+        assert torch.all(flat[pairs] == expert_of_block[b])
+    # each expert: its pairs ascending, ceil(count / block_m) blocks, padding at its segment's end
+    for e in range(E):
+        blocks = (expert_of_block == e).nonzero().flatten()
+        assert blocks.numel() == int(padded[e]) // block_m
+        if blocks.numel():
+            seg = sorted_ids[int(blocks[0]) * block_m:(int(blocks[-1]) + 1) * block_m]
+            c = int(counts[e])
+            assert torch.equal(seg[:c], (flat == e).nonzero().flatten())
+            assert torch.all(seg[c:] == n)
+
+
+@pytest.mark.parametrize("T,E,K,block_m", [(1, 8, 1, 16), (5, 8, 2, 16), (33, 16, 4, 16), (33, 8, 4, 4),
+                                           (7, 4, 4, 1), (0, 8, 2, 16)])
+def test_moe_align_invariants(T, E, K, block_m):
+    g = torch.Generator().manual_seed(T * 31 + E)
+    logits = torch.randn(T, E, generator=g)
+    logits[:, min(EMPTY_EXPERT, E - 1)] = float("-inf")
+    topk_ids = torch.topk(logits, K, dim=-1).indices.to(DEVICE)
+    _check_align(topk_ids, E, block_m)
+    _check_align(topk_ids.int(), E, block_m)
+
+
+def test_moe_align_all_one_expert():
+    _check_align(torch.full((9, 1), 2, dtype=torch.int64, device=DEVICE), 4, 4)      # one expert, the rest empty
+
+
+# ----------------------------------------------------------------------------------------
+# The kernel against fused_moe_ref
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("E", [8, 16])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_matches_ref(T, E, K, dtype):
+    _check(_case(T, E, K, 64, 32, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_tails_swizzle_strided(dtype):
+    """N and K tails in both GEMMs (H = 80, I = 48 with 32-wide tiles), group_m > 1 (swizzled
+    blocks), block_m 32, a strided hidden and int32 ids."""
+    config = FusedMoEConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    _check(_case(21, 8, 2, 80, 48, dtype, strided=True, ids_dtype=torch.int32), config)
+
+
+def test_zero_tokens():
+    hidden, w13, w2, w, ids = _case(0, 8, 2, 64, 32, torch.float32)
+    out = fused_moe_triton(hidden, w13, w2, w, ids)
+    assert out.shape == (0, 64) and out.dtype == torch.float32
+
+
+def test_config_checks():
+    for kwargs, field in [(dict(block_m=8), "block_m"), (dict(block_n=24), "block_n"), (dict(block_k=512), "block_k"),
+                          (dict(num_warps=3), "num_warps"), (dict(group_m=0), "group_m"),
+                          (dict(num_stages=0), "num_stages")]:
+        with pytest.raises(ValueError, match=field):
+            FusedMoEConfig(**kwargs)
+    assert fused_moe_config(1, 8, 64, 32, 2, torch.device("cpu")).block_m == 16
+    assert fused_moe_config(4, 64, 2048, 1408, 4).block_m == 16                    # decode: <= E tokens
+    assert fused_moe_config(512, 64, 2048, 1408, 4) == FusedMoEConfig(64, 64, 32, 8, 4, 3)
+
+
+def test_checks_reject_bad_inputs():
+    hidden, w13, w2, w, ids = _case(3, 8, 2, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="hidden: dtype"):
+        fused_moe_triton(hidden.long(), w13, w2, w, ids)
+    with pytest.raises(ValueError, match="hidden: last dim"):
+        fused_moe_triton(torch.randn(64, 3, device=DEVICE).t(), w13, w2, w, ids)
+    with pytest.raises(ValueError, match="w13: dtype"):
+        fused_moe_triton(hidden, w13.to(torch.bfloat16), w2, w, ids)
+    with pytest.raises(ValueError, match="w13: expected shape"):
+        fused_moe_triton(hidden, w13[:, :, :32].contiguous(), w2, w, ids)
+    with pytest.raises(ValueError, match="w13: expected shape"):
+        fused_moe_triton(hidden, w13[:, :63].contiguous(), w2, w, ids)
+    with pytest.raises(ValueError, match="w13: must be contiguous"):
+        fused_moe_triton(hidden, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, w, ids)
+    with pytest.raises(ValueError, match="w2: expected shape"):
+        fused_moe_triton(hidden, w13, w2[:, :, :16].contiguous(), w, ids)
+    with pytest.raises(ValueError, match="topk_ids: dtype"):
+        fused_moe_triton(hidden, w13, w2, w, ids.float())
+    with pytest.raises(ValueError, match="topk_ids: expected shape"):
+        fused_moe_triton(hidden, w13, w2, w[:2], ids[:2])
+    with pytest.raises(ValueError, match="topk_weights: expected shape"):
+        fused_moe_triton(hidden, w13, w2, w[:, :1], ids)
+    with pytest.raises(ValueError, match="config"):
+        fused_moe_triton(hidden, w13, w2, w, ids, config=dict(block_m=16))
+    with pytest.raises(ValueError, match="block_m"):
+        moe_align(ids, 8, 0)
+
+
+# ----------------------------------------------------------------------------------------
+# CUDA: MoE-model sizes (Qwen1.5-MoE-A2.7B: E 60, K 4, H 2048, I 1408; Mixtral-like E 8, K 2)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 7, 256])
+@pytest.mark.parametrize("E,K,H,I", [(60, 4, 2048, 1408), (8, 2, 1024, 3584)])
+def test_gpu_real_sizes(T, E, K, H, I):
+    _check(_case(T, E, K, H, I, torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graph_capture():
+    """No host read: the call captures in a CUDA graph and replays with new routing."""
+    hidden, w13, w2, w, ids = _case(16, 60, 4, 2048, 1408, torch.bfloat16)
+    fused_moe_triton(hidden, w13, w2, w, ids)                                      # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(hidden, w13, w2, w, ids)
+    _, _, _, w_new, ids_new = _case(16, 60, 4, 2048, 1408, torch.bfloat16, seed=5)
+    w.copy_(w_new)
+    ids.copy_(ids_new)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), fused_moe_ref(hidden, w13, w2, w, ids).float(), rtol=3e-2, atol=5e-2)

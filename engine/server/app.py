@@ -53,6 +53,7 @@ from engine.server.protocol import (ChatCompletionRequest, CompletionRequest, De
 from engine.server.serving_chat import OpenAIServingChat
 from engine.server.serving_completion import OpenAIServingCompletion
 from engine.server.lora_paths import resolve_allowed_roots
+from engine.server.lora_resolver import filesystem_resolvers
 from engine.server.serving_models import OpenAIServingModels, parse_lora_modules
 from engine.server.serving_tokenize import OpenAIServingTokenization
 from engine.server.serving_transcription import OpenAIServingTranscription
@@ -164,7 +165,8 @@ def serving_state(engine_client: AsyncLLM, args: argparse.Namespace,
     served_names = args.served_model_name or [engine_client.model_name]
     model_path = serve_args.resolve_model(args) or engine_client.model_name
     models = OpenAIServingModels(engine_client, served_names, model_path,
-                                 parse_lora_modules(args.lora_modules))
+                                 parse_lora_modules(args.lora_modules),
+                                 lora_resolvers=filesystem_resolvers(getattr(args, "lora_dir", None)))
     registry, stat_logger = metrics.make_registry(engine_client, models.model_name)
     engine_client.stat_loggers.append(stat_logger)
     transcription = None
@@ -271,18 +273,22 @@ def _add_utility_routes(app: FastAPI, st: ServingState) -> None:
         return Response(metrics.render(st.registry), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        cards = st.models.show_available_models()
+    async def list_models(all: bool = False) -> JSONResponse:
+        """``?all=true`` also lists the adapters ``--lora-dir`` would load by name (none is loaded)."""
+        resolvable = await st.models.list_resolvable() if all else ()
+        cards = st.models.show_available_models(resolvable)
         if st.transcription is not None and not st.serves_whisper_only:
             cards.data += st.transcription.models.show_available_models().data
         return JSONResponse(cards.model_dump(mode="json"))
 
     @app.post("/tokenize")
     async def tokenize(request: Union[TokenizeChatRequest, TokenizeCompletionRequest]) -> JSONResponse:
+        await st.models.resolve_lora_by_name(request.model)
         return JSONResponse((await st.tokenization.tokenize(request)).model_dump(mode="json"))
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        await st.models.resolve_lora_by_name(request.model)
         return JSONResponse(st.tokenization.detokenize(request).model_dump(mode="json"))
 
 
@@ -307,16 +313,19 @@ def _add_generation_routes(app: FastAPI, st: ServingState) -> None:
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         check_generates(request.model)
+        await st.models.resolve_lora_by_name(request.model)   # --lora-dir: load DIR/NAME on first use
         return await st.completion.create_completion(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         check_generates(request.model)
+        await st.models.resolve_lora_by_name(request.model)
         return await st.chat.create_chat_completion(request, raw_request)
 
     async def chat_backend(body: dict[str, Any], raw_request: Request) -> Response:
         request = ChatCompletionRequest.model_validate(body)
         check_generates(request.model)
+        await st.models.resolve_lora_by_name(request.model)
         return await st.chat.create_chat_completion(request, raw_request)
 
     messages = AnthropicMessages(chat_backend)

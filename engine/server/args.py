@@ -343,6 +343,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="Directories /v1/load_lora_adapter may load adapters from (the lora_path is "
                            "resolved, symlinks and '..' followed, and must lie under one of them). Default: "
                            "any directory the server can read; set it whenever runtime loading is on.")
+    lora.add_argument("--lora-dir", action="append", default=None, metavar="DIR",
+                      help="Repeatable. A request whose 'model' names no registered adapter loads DIR/NAME "
+                           "(a PEFT directory) on first use, then keeps it as a runtime-loaded one (host "
+                           "LRU); the first DIR holding NAME wins. NAME must be one plain path component "
+                           "whose resolved path (symlinks followed) stays under DIR: anything else is a "
+                           "404, a directory that is not a loadable adapter a 400. GET /v1/models?all=true "
+                           "also lists these names (without loading them). Implies --enable-lora; adapters "
+                           "above --max-lora-rank are refused, so set it to the largest rank in DIR.")
 
     tools = p.add_argument_group("Tool calling and reasoning")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -430,6 +438,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kwargs[name] = getattr(args, name)
     if getattr(args, "allow_private_media_urls", False):
         kwargs["allow_private_media_urls"] = True
+    if getattr(args, "lora_dir", None):
+        kwargs["enable_lora"] = True
     if args.lora_modules:
         # Adapters named at start-up imply --enable-lora, and size the slots: max_lora_rank
         # defaults to the largest rank among them (at least 16), so nobody has to tune it.
@@ -447,6 +457,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     check_task_args(args)
     check_lora_modules(args)
     check_allowed_lora_path(args)
+    check_lora_dir(args)
     check_cors_args(args)
     check_tool_args(args)
 
@@ -475,6 +486,13 @@ def check_allowed_lora_path(args: argparse.Namespace) -> None:
     dirs = getattr(args, "allowed_lora_path", None)
     if dirs is not None:
         resolve_allowed_roots(dirs)
+
+
+def check_lora_dir(args: argparse.Namespace) -> None:
+    """ValueError naming --lora-dir for a directory of it that does not exist."""
+    from engine.server.lora_resolver import filesystem_resolvers
+
+    filesystem_resolvers(getattr(args, "lora_dir", None))
 
 
 def check_lora_modules(args: argparse.Namespace) -> None:

@@ -2,7 +2,9 @@
 
 A request's ``model`` is either one of the served names (the base model) or an adapter name
 (``resolve_model_name`` -> ``LoRARequest``); anything else is a 404, as vLLM:
-``The model `x` does not exist.``
+``The model `x` does not exist.`` With ``--lora-dir`` (``lora_resolvers``) a name no adapter is
+registered under is first offered to the resolvers (``resolve_lora_by_name``, awaited by the routes
+before they resolve the name): the adapter they find is loaded then, as by ``/v1/load_lora_adapter``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine.core_messages import AddLoRA, RemoveLoRA
 from engine.server.errors import BadRequestError, NotFoundError
 from engine.server.protocol import ModelCard, ModelList
 from engine.server.lora_paths import path_under_roots
+from engine.server.lora_resolver import LoRAResolver
 from lora.errors import LoRAAdapterError
 from lora.request import LoRARequest
 
@@ -54,13 +57,16 @@ class OpenAIServingModels:
     """Resolves the ``model`` field and lists models; holds the adapter registry."""
 
     def __init__(self, engine_client: Any, served_model_names: list[str], model_path: str,
-                 lora_modules: Optional[list[LoRAModulePath]] = None) -> None:
+                 lora_modules: Optional[list[LoRAModulePath]] = None,
+                 lora_resolvers: Optional[Sequence[LoRAResolver]] = None) -> None:
         self.engine_client = engine_client
         self.served_model_names = list(served_model_names)
         self.model_path = model_path
         self.static_lora_modules = list(lora_modules or [])
         self.lora_requests: dict[str, LoRARequest] = {}
         """Adapter name -> LoRARequest, for every adapter a request may name."""
+        self.lora_resolvers: list[LoRAResolver] = list(lora_resolvers or [])
+        """``--lora-dir`` (and any other resolver): adapters loaded by name on first use."""
         self._lora_id_counter = itertools.count(1)
         self._lora_lock = asyncio.Lock()
 
@@ -88,14 +94,81 @@ class OpenAIServingModels:
     def response_model_name(self, name: Optional[str], lora: Optional[LoRARequest]) -> str:
         return lora.lora_name if lora is not None else (name if name else self.model_name)
 
-    def show_available_models(self) -> ModelList:
+    def show_available_models(self, resolvable: Sequence[str] = ()) -> ModelList:
+        """The served names and registered adapters, then ``resolvable`` names (``list_resolvable``) that
+        are neither (``/v1/models?all=true``)."""
         max_len = self.engine_client.max_model_len
         cards = [ModelCard(id=name, root=self.model_path, max_model_len=max_len)
                  for name in self.served_model_names]
         for lora in self.lora_requests.values():
             cards.append(ModelCard(id=lora.lora_name, root=lora.lora_path,
                                    parent=lora.base_model_name or self.model_name))
+        listed = {card.id for card in cards}
+        for name in resolvable:
+            if name not in listed:
+                listed.add(name)
+                cards.append(ModelCard(id=name, parent=self.model_name))
         return ModelList(data=cards)
+
+    async def list_resolvable(self) -> list[str]:
+        """Every name the resolvers know (first resolver first), listed off the event loop; nothing is
+        loaded."""
+        if not self.lora_resolvers:
+            return []
+
+        def names() -> list[str]:
+            out: list[str] = []
+            for resolver in self.lora_resolvers:
+                out.extend(resolver.list_names())
+            return out
+
+        return await asyncio.to_thread(names)
+
+    async def resolve_lora_by_name(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """Make ``name`` resolvable by ``resolve_model_name``: a name that is neither served nor
+        registered is looked up in the resolvers (off the event loop) and its adapter loaded, as
+        ``/v1/load_lora_adapter`` would, so it counts against the engine's host LRU like any other.
+
+        Raises:
+            NotFoundError: no resolver knows the name (names that would leave a resolver's directory
+                included), as for any unknown model.
+            BadRequestError: the directory found is not a loadable adapter (no adapter_config.json, bad
+                weights, rank too large); nothing is registered, the server log says why.
+        """
+        if self.is_base_model(name) or not self.lora_resolvers:
+            return None
+        lora = self.lora_requests.get(name)
+        if lora is not None:
+            return lora
+        path = await asyncio.to_thread(self._resolve_path, name)
+        if path is None:
+            raise NotFoundError(f"The model `{name}` does not exist.", param="model")
+        async with self._lora_lock:
+            lora = self.lora_requests.get(name)
+            if lora is not None:   # another request loaded it meanwhile
+                return lora
+            lora = self._new_lora_request(name, path, None)
+            try:
+                return await self._load(lora)
+            except (LoRAAdapterError, OSError) as e:
+                logger.warning("LoRA adapter %r could not be loaded from %r (--lora-dir): %s", name, path, e)
+                uploads = self._adapter_uploads()
+                if uploads is not None:
+                    uploads.forget(name)
+                raise BadRequestError(f"The LoRA adapter `{name}` could not be loaded from the server's "
+                                      "adapter directory: it is not a loadable PEFT adapter. The server log "
+                                      "says why.", param="model") from None
+
+    def _resolve_path(self, name: str) -> Optional[str]:
+        for resolver in self.lora_resolvers:
+            try:
+                path = resolver.resolve(name)
+            except (OSError, ValueError) as e:
+                logger.warning("LoRA resolver %r failed for %r: %s", resolver, name, e)
+                path = None
+            if path is not None:
+                return path
+        return None
 
     # ------------------------------------------------------------------------------------
     # Adapters (static ones at start-up; runtime load/unload when allowed)

@@ -64,7 +64,7 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
     hf_config = hf_config.get_text_config()
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "model_type", "") in ("mistral", "mixtral"):
+    if window and getattr(hf_config, "model_type", "") in ("mistral", "mixtral", "gemma3_text"):
         # We do not apply sliding-window attention: stay inside the window, where it is exact.
         limit = min(limit, window)
     if requested is None:

@@ -36,9 +36,9 @@ NO_PROBING = ("engine/runner/", "engine/cuda_graphs.py", "engine/distributed/ran
 
 def _tiny_configs() -> dict[str, Callable[[], object]]:
     """Architecture -> a tiny transformers config of it."""
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, MistralConfig, MixtralConfig,
-                              Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3MoeConfig,
-                              WhisperConfig)
+    from transformers import (CLIPVisionConfig, Gemma3TextConfig, LlamaConfig, LlavaConfig, MistralConfig,
+                              MixtralConfig, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config,
+                              Qwen3MoeConfig, WhisperConfig)
 
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -50,6 +50,8 @@ def _tiny_configs() -> dict[str, Callable[[], object]]:
         "MistralForCausalLM": lambda: MistralConfig(**text),
         "Qwen2ForCausalLM": lambda: Qwen2Config(**text),
         "Qwen3ForCausalLM": lambda: Qwen3Config(**text, head_dim=16),
+        "Gemma3ForCausalLM": lambda: Gemma3TextConfig(**text, head_dim=16, sliding_window=64,
+                                                      final_logit_softcapping=30.0),
         "MixtralForCausalLM": lambda: MixtralConfig(**text, num_local_experts=4, num_experts_per_tok=2),
         "Qwen3MoeForCausalLM": lambda: Qwen3MoeConfig(**text, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                       moe_intermediate_size=16),

@@ -315,6 +315,20 @@ class SiglipImageProcessor(ResizeCropImageProcessor):
     image_std: tuple = IMAGENET_STANDARD_STD
 
 
+@dataclass(frozen=True)
+class Gemma3ImageProcessor(SiglipImageProcessor):
+    """Gemma 3: SigLIP's processing with a bilinear resize (transformers' ``Gemma3ImageProcessor``
+    defaults); pan-and-scan crops are not supported (refused)."""
+
+    resample: int = 2
+    do_pan_and_scan: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.do_pan_and_scan:
+            raise ValueError("Gemma 3 do_pan_and_scan=True is not supported (one crop per image).")
+
+
 def smart_resize(height_px: int, width_px: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's target (height, width): both multiples of ``factor``, the area within
     [``min_pixels``, ``max_pixels``], the aspect ratio kept as closely as that allows."""
@@ -415,6 +429,7 @@ class Qwen2VLImageProcessor(PixelValueProcessor):
 PROCESSORS: dict[str, type[ImageProcessor]] = {
     "CLIPImageProcessor": CLIPImageProcessor,
     "SiglipImageProcessor": SiglipImageProcessor,
+    "Gemma3ImageProcessor": Gemma3ImageProcessor,
     "Qwen2VLImageProcessor": Qwen2VLImageProcessor,
 }
 """Processor classes by transformers' ``image_processor_type`` (the ``Fast`` / ``Pil`` variants map here)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.mixtral import MixtralForCausalLM
@@ -25,6 +26,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 
@@ -42,7 +44,7 @@ def get_model_class(config) -> type[nn.Module]:
                  "qwen2_vl": ["Qwen2VLForConditionalGeneration"],
                  "qwen2_5_vl": ["Qwen2_5_VLForConditionalGeneration"],
                  "mixtral": ["MixtralForCausalLM"], "qwen3_moe": ["Qwen3MoeForCausalLM"],
-                 "gemma3_text": ["Gemma3ForCausalLM"],
+                 "gemma3_text": ["Gemma3ForCausalLM"], "gemma3": ["Gemma3ForConditionalGeneration"],
                  "whisper": ["WhisperForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
     for arch in archs:
         if arch in _MODELS:

@@ -36,7 +36,7 @@ NO_PROBING = ("engine/runner/", "engine/cuda_graphs.py", "engine/distributed/ran
 
 def _tiny_configs() -> dict[str, Callable[[], object]]:
     """Architecture -> a tiny transformers config of it."""
-    from transformers import (CLIPVisionConfig, Gemma3TextConfig, LlamaConfig, LlavaConfig, MistralConfig,
+    from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3TextConfig, LlamaConfig, LlavaConfig, MistralConfig,
                               MixtralConfig, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config,
                               Qwen3MoeConfig, WhisperConfig)
 
@@ -52,6 +52,11 @@ def _tiny_configs() -> dict[str, Callable[[], object]]:
         "Qwen3ForCausalLM": lambda: Qwen3Config(**text, head_dim=16),
         "Gemma3ForCausalLM": lambda: Gemma3TextConfig(**text, head_dim=16, sliding_window=64,
                                                       final_logit_softcapping=30.0),
+        "Gemma3ForConditionalGeneration": lambda: Gemma3Config(
+            text_config=Gemma3TextConfig(**text, head_dim=16, sliding_window=64).to_dict(),
+            vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=4, image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_index=5, boi_token_index=6, eoi_token_index=7),
         "MixtralForCausalLM": lambda: MixtralConfig(**text, num_local_experts=4, num_experts_per_tok=2),
         "Qwen3MoeForCausalLM": lambda: Qwen3MoeConfig(**text, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                       moe_intermediate_size=16),

@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from lora import LoRARequest
 from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter, peft_greedy, peft_reference_model
-from tests.models.utils import check_logprobs_close, hf_greedy, ours_as_ref
+from tests.models.utils import check_outputs_close, hf_float32, hf_greedy, ours_as_ref
 
 MAX_TOKENS = 16
 WINDOW = 512
@@ -67,23 +67,11 @@ def gemma3_dirs(tmp_path_factory) -> dict[str, Path]:
                              layer_types=[SLIDING, SLIDING, FULL, SLIDING])}
 
 
-def _hf(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _check(outputs, refs, names) -> int:
-    exact = 0
-    for out, ref, name in zip(outputs, refs, names):
-        check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=name)
-        exact += list(out.outputs[0].token_ids) == ref.token_ids
-    return exact
-
 
 @pytest.mark.parametrize("variant", ["tied", "untied"])
 def test_parity_with_transformers(gemma3_dirs, variant):
     d = gemma3_dirs[variant]
-    hf = _hf(d)
+    hf = hf_float32(d)
     assert type(hf).__name__ == "Gemma3ForCausalLM"
     assert hf.config.tie_word_embeddings == (variant == "tied")
     expected_types = ([SLIDING, FULL, SLIDING, FULL] if variant == "tied"
@@ -108,7 +96,7 @@ def test_parity_with_transformers(gemma3_dirs, variant):
     tok = llm.get_tokenizer()
     refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in TINY_PROMPTS]
     outputs = llm.generate(TINY_PROMPTS, _params(), use_tqdm=False)
-    exact = _check(outputs, refs, [f"{variant} prompt {i}" for i in range(len(refs))])
+    exact = check_outputs_close(outputs, refs, [f"{variant} prompt {i}" for i in range(len(refs))])
     assert exact >= len(refs) - 2
     assert len({tuple(r.token_ids) for r in refs}) > 1
 
@@ -116,7 +104,7 @@ def test_parity_with_transformers(gemma3_dirs, variant):
 def test_final_logit_softcapping_applies(gemma3_dirs):
     """The logits are capped at +-final_logit_softcapping, as transformers' are."""
     d = gemma3_dirs["tied"]
-    hf = _hf(d)
+    hf = hf_float32(d)
     ids = torch.tensor([[2, 10, 11, 12, 13]])
     with torch.no_grad():
         ref = hf(ids).logits[0]
@@ -139,11 +127,11 @@ def test_chunked_prefill_and_prefix_caching_on_a_long_prompt(gemma3_dirs):
     ids = [tok.encode(p) for p in prompts]
     assert len(ids[0]) > 3 * 32                       # several prefill chunks
     assert len(ids[1]) + MAX_TOKENS <= WINDOW         # within the window: sliding layers are exact
-    hf = _hf(d)
+    hf = hf_float32(d)
     refs = [hf_greedy(hf, i, MAX_TOKENS) for i in ids]
     first = llm.generate(prompts[:1], _params(), use_tqdm=False)
     second = llm.generate(prompts[1:], _params(), use_tqdm=False)
-    _check(first + second, refs, ["long prompt", "long prompt + tail (cached prefix)"])
+    check_outputs_close(first + second, refs, ["long prompt", "long prompt + tail (cached prefix)"])
     assert second[0].num_cached_tokens >= 16 * (len(ids[0]) // 16 - 1)
     assert llm.llm_engine.get_stats().prefix_cache_hits > 0
 
@@ -153,10 +141,10 @@ def test_batched_mixed_prefill_and_decode(gemma3_dirs):
     d = gemma3_dirs["tied"]
     llm = LLM(str(d), seed=0, max_model_len=WINDOW, max_num_batched_tokens=16, max_num_seqs=8, block_size=16)
     tok = llm.get_tokenizer()
-    hf = _hf(d)
+    hf = hf_float32(d)
     refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in TINY_PROMPTS]
     outputs = llm.generate(TINY_PROMPTS, _params(), use_tqdm=False)
-    exact = _check(outputs, refs, [f"mixed prompt {i}" for i in range(len(refs))])
+    exact = check_outputs_close(outputs, refs, [f"mixed prompt {i}" for i in range(len(refs))])
     assert exact >= len(refs) - 2
 
 
@@ -173,7 +161,7 @@ def test_peft_adapter_on_all_seven_projections(gemma3_dirs, tmp_path):
     lora = LoRARequest("a", 1, str(path))
     outputs = llm.generate(prompts, _params(), lora_request=[lora if a else None for a in adapters],
                            use_tqdm=False)
-    exact = _check(outputs, refs, [f"prompt {i} ({a})" for i, a in enumerate(adapters)])
+    exact = check_outputs_close(outputs, refs, [f"prompt {i} ({a})" for i, a in enumerate(adapters)])
     assert exact >= 3
     assert refs[0].token_ids != peft_greedy(pm, None, tok.encode(prompts[0]), MAX_TOKENS).token_ids
 
@@ -190,7 +178,7 @@ def test_tensor_parallel_2_equals_1(gemma3_dirs):
         finally:
             llm.llm_engine.core.shutdown()
     refs = [ours_as_ref(o.outputs[0]) for o in outs[0]]
-    exact = _check(outs[1], refs, [f"tp2 request {i}" for i in range(4)])
+    exact = check_outputs_close(outs[1], refs, [f"tp2 request {i}" for i in range(4)])
     assert exact >= 3
 
 

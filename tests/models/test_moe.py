@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.layers import moe
 from tests.conftest import CORPUS, build_tiny_checkpoint
-from tests.models.utils import check_logprobs_close, hf_greedy, ours_as_ref
+from tests.models.utils import check_outputs_close, hf_float32, hf_greedy
 
 MAX_TOKENS = 24
 
@@ -45,10 +45,6 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _hf(d):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-
 
 def _params():
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
@@ -56,10 +52,7 @@ def _params():
 
 def _check(outputs, refs, prompts, min_exact):
     assert [o.prompt for o in outputs] == prompts
-    exact = 0
-    for i, (out, ref) in enumerate(zip(outputs, refs)):
-        check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=f"prompt {i}")
-        exact += out.outputs[0].token_ids == ref.token_ids
+    exact = check_outputs_close(outputs, refs, [f"prompt {i}" for i in range(len(refs))])
     assert exact >= min_exact, f"only {exact}/{len(refs)} prompts match transformers exactly"
 
 
@@ -72,7 +65,7 @@ def test_parity_batch(variant, checkpoints, tiny_prompts, monkeypatch):
     from transformers import AutoTokenizer
 
     d = checkpoints(variant)
-    hf, tok = _hf(d), AutoTokenizer.from_pretrained(d)
+    hf, tok = hf_float32(d), AutoTokenizer.from_pretrained(d)
     refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in tiny_prompts]
     used = []    # distinct experts per multi-token call of the routed experts
     fused = moe.fused_moe
@@ -95,7 +88,7 @@ def test_parity_chunked_prefill(variant, checkpoints, tiny_prompts):
     from transformers import AutoTokenizer
 
     d = checkpoints(variant)
-    hf, tok = _hf(d), AutoTokenizer.from_pretrained(d)
+    hf, tok = hf_float32(d), AutoTokenizer.from_pretrained(d)
     prompts = [LONG_PROMPT, tiny_prompts[0], tiny_prompts[3]]
     assert len(tok.encode(LONG_PROMPT)) > 100
     refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in prompts]
@@ -179,7 +172,7 @@ def test_per_expert_and_stacked_checkpoints_load_the_same(variant, checkpoints):
     config = AutoConfig.from_pretrained(d)
     on_disk = load_file(str(d / "model.safetensors"))
     assert any(".experts.0." in n for n in on_disk)                 # per-expert names on disk
-    stacked = _hf(d).state_dict()
+    stacked = hf_float32(d).state_dict()
     assert any(n.endswith(".experts.gate_up_proj") for n in stacked)
     models = []
     for weights in (on_disk, stacked):

@@ -27,7 +27,7 @@ from engine.layers.linear import Linear
 from lora import LoRARequest
 from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter, peft_greedy, peft_reference_model
-from tests.models.utils import check_logprobs_close, hf_greedy, ours_as_ref
+from tests.models.utils import check_outputs_close, hf_float32, hf_greedy, ours_as_ref
 
 MAX_TOKENS = 16
 SHAPE = dict(hidden_size=64, num_attention_heads=4, head_dim=32, num_key_value_heads=2, intermediate_size=128)
@@ -62,23 +62,11 @@ def qwen3_dirs(tmp_path_factory) -> dict[str, Path]:
             "tied": _build(root / "tied", seed=6, tie_word_embeddings=True, attention_bias=True)}
 
 
-def _hf(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _check(outputs, refs, names) -> int:
-    exact = 0
-    for out, ref, name in zip(outputs, refs, names):
-        check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=name)
-        exact += list(out.outputs[0].token_ids) == ref.token_ids
-    return exact
-
 
 @pytest.mark.parametrize("variant", ["untied", "tied"])
 def test_parity_with_transformers(qwen3_dirs, variant):
     d = qwen3_dirs[variant]
-    hf = _hf(d)
+    hf = hf_float32(d)
     assert hf.config.head_dim * hf.config.num_attention_heads != hf.config.hidden_size
     assert hf.config.tie_word_embeddings == (variant == "tied")
     llm = LLM(str(d), seed=0, max_model_len=256)
@@ -96,7 +84,7 @@ def test_parity_with_transformers(qwen3_dirs, variant):
     tok = llm.get_tokenizer()
     refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in TINY_PROMPTS]
     outputs = llm.generate(TINY_PROMPTS, _params(), use_tqdm=False)
-    exact = _check(outputs, refs, [f"{variant} prompt {i}" for i in range(len(refs))])
+    exact = check_outputs_close(outputs, refs, [f"{variant} prompt {i}" for i in range(len(refs))])
     assert exact >= len(refs) - 2
     assert len({tuple(r.token_ids) for r in refs}) > 1
 
@@ -109,11 +97,11 @@ def test_chunked_prefill_and_prefix_caching_on_a_long_prompt(qwen3_dirs):
     prompts = [LONG_PROMPT, LONG_PROMPT + " The quick brown fox"]
     ids = [tok.encode(p) for p in prompts]
     assert len(ids[0]) > 3 * 32                       # several prefill chunks
-    hf = _hf(d)
+    hf = hf_float32(d)
     refs = [hf_greedy(hf, i, MAX_TOKENS) for i in ids]
     first = llm.generate(prompts[:1], _params(), use_tqdm=False)
     second = llm.generate(prompts[1:], _params(), use_tqdm=False)
-    _check(first + second, refs, ["long prompt", "long prompt + tail (cached prefix)"])
+    check_outputs_close(first + second, refs, ["long prompt", "long prompt + tail (cached prefix)"])
     assert second[0].num_cached_tokens >= 16 * (len(ids[0]) // 16 - 1)
     assert llm.llm_engine.get_stats().prefix_cache_hits > 0
 
@@ -130,7 +118,7 @@ def test_peft_adapter_on_all_seven_projections(qwen3_dirs, tmp_path):
     lora = LoRARequest("a", 1, str(path))
     outputs = llm.generate(prompts, _params(), lora_request=[lora if a else None for a in adapters],
                            use_tqdm=False)
-    exact = _check(outputs, refs, [f"prompt {i} ({a})" for i, a in enumerate(adapters)])
+    exact = check_outputs_close(outputs, refs, [f"prompt {i} ({a})" for i, a in enumerate(adapters)])
     assert exact >= 3
     assert refs[0].token_ids != peft_greedy(pm, None, tok.encode(prompts[0]), MAX_TOKENS).token_ids
 
@@ -148,11 +136,11 @@ def test_fp8_every_projection_and_parity_on_its_weights(qwen3_dirs, tmp_path):
         if name.endswith("proj.weight"):
             weights[name] = Fp8Weight.from_float(w, torch.float32).dequantize(torch.float32)
     save_file(weights, rounded / "model.safetensors", metadata={"format": "pt"})
-    hf = _hf(rounded)
+    hf = hf_float32(rounded)
     tok = llm.get_tokenizer()
     prompts = TINY_PROMPTS[:3]
     refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in prompts]
-    _check(llm.generate(prompts, _params(), use_tqdm=False), refs, [f"fp8 prompt {i}" for i in range(3)])
+    check_outputs_close(llm.generate(prompts, _params(), use_tqdm=False), refs, [f"fp8 prompt {i}" for i in range(3)])
 
 
 def test_tensor_parallel_2_equals_1(qwen3_dirs, tmp_path):
@@ -170,7 +158,8 @@ def test_tensor_parallel_2_equals_1(qwen3_dirs, tmp_path):
             outs.append(llm.generate(prompts, _params(8), lora_request=loras, use_tqdm=False))
         finally:
             llm.llm_engine.core.shutdown()
-    exact = _check(outs[1], [ours_as_ref(o.outputs[0]) for o in outs[0]], [f"tp2 request {i}" for i in range(8)])
+    exact = check_outputs_close(outs[1], [ours_as_ref(o.outputs[0]) for o in outs[0]],
+                                [f"tp2 request {i}" for i in range(8)])
     assert exact >= 7
 
 

@@ -41,6 +41,22 @@ def ours_as_ref(completion) -> RefOutput:
     return RefOutput(list(completion.token_ids), lps)
 
 
+def hf_float32(model_dir):
+    """transformers' model of ``model_dir`` in float32, in eval mode (the reference of the parity tests)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def check_outputs_close(outputs, refs: list[RefOutput], names: list[str]) -> int:
+    """``check_logprobs_close`` for each engine ``RequestOutput`` against its reference; returns how many
+    match the reference token for token."""
+    exact = 0
+    for out, ref, name in zip(outputs, refs, names):
+        check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=name)
+        exact += list(out.outputs[0].token_ids) == ref.token_ids
+    return exact
+
+
 def check_logprobs_close(ref: RefOutput, ours: RefOutput, name: str, atol: float = 1e-3) -> int:
     """vLLM's rule: tokens match, or at the first divergence each side's token is in the other's
     top-k; logprobs of the common prefix agree within ``atol``. Returns the matching length."""

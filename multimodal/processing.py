@@ -101,8 +101,9 @@ class Qwen2VLPromptProcessor(ImagePromptProcessor):
 
 
 def expand_placeholders(token_ids: list[int], placeholder_id: int,
-                        lengths: list[int]) -> tuple[list[int], list[int]]:
-    """Expand the prompt's placeholder runs to ``lengths`` (one run per item, in order).
+                        lengths: list[int], what: str = "image") -> tuple[list[int], list[int]]:
+    """Expand the prompt's placeholder runs to ``lengths`` (one run per item, in order); ``what`` names the
+    items in errors ("image", "audio").
 
     Returns:
         (expanded token ids, offset of each item's first placeholder token).
@@ -122,10 +123,10 @@ def expand_placeholders(token_ids: list[int], placeholder_id: int,
             i = j
         else:
             i += 1
-    runs = _split_runs(runs, lengths)
+    runs = _split_runs(runs, lengths, what)
     if len(runs) != len(lengths):
-        raise ValueError(f"prompt: it has {len(runs)} image placeholder(s) but {len(lengths)} image(s) were "
-                         "given; put one image placeholder in the prompt per image (chat messages do this "
+        raise ValueError(f"prompt: it has {len(runs)} {what} placeholder(s) but {len(lengths)} {what}(s) were "
+                         f"given; put one {what} placeholder in the prompt per {what} (chat messages do this "
                          "for you).")
     out: list[int] = []
     offsets: list[int] = []
@@ -139,7 +140,7 @@ def expand_placeholders(token_ids: list[int], placeholder_id: int,
     return out, offsets
 
 
-def _split_runs(runs: list[tuple[int, int]], lengths: list[int]) -> list[tuple[int, int]]:
+def _split_runs(runs: list[tuple[int, int]], lengths: list[int], what: str = "image") -> list[tuple[int, int]]:
     """Runs as items: a run of 1 is one item; a longer run is either pre-expanded items back to back
     (each exactly its item's length) or, failing that, one item per token (``<image><image>``: two
     images next to each other, as a chat template renders two adjacent image parts)."""
@@ -159,8 +160,8 @@ def _split_runs(runs: list[tuple[int, int]], lengths: list[int]) -> list[tuple[i
         if not left:
             continue
         if first + run_len > len(lengths):
-            raise ValueError(f"prompt: a run of {run_len} image placeholder tokens at token {start} does not "
-                             "match the images' sizes; use one placeholder token per image.")
+            raise ValueError(f"prompt: a run of {run_len} {what} placeholder tokens at token {start} does not "
+                             f"match the {what}s' sizes; use one placeholder token per {what}.")
         del out[len(out) - (k - first):]
         out.extend((start + i, 1) for i in range(run_len))
         k = first + run_len

@@ -9,6 +9,7 @@ from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.mixtral import MixtralForCausalLM
+from engine.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -27,6 +28,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
 }
 
 
@@ -45,7 +47,8 @@ def get_model_class(config) -> type[nn.Module]:
                  "qwen2_5_vl": ["Qwen2_5_VLForConditionalGeneration"],
                  "mixtral": ["MixtralForCausalLM"], "qwen3_moe": ["Qwen3MoeForCausalLM"],
                  "gemma3_text": ["Gemma3ForCausalLM"], "gemma3": ["Gemma3ForConditionalGeneration"],
-                 "whisper": ["WhisperForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
+                 "whisper": ["WhisperForConditionalGeneration"],
+                 "qwen2_audio": ["Qwen2AudioForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])
     for arch in archs:
         if arch in _MODELS:
             return _MODELS[arch]

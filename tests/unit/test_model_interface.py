@@ -37,8 +37,8 @@ NO_PROBING = ("engine/runner/", "engine/cuda_graphs.py", "engine/distributed/ran
 def _tiny_configs() -> dict[str, Callable[[], object]]:
     """Architecture -> a tiny transformers config of it."""
     from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3TextConfig, LlamaConfig, LlavaConfig, MistralConfig,
-                              MixtralConfig, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config,
-                              Qwen3MoeConfig, WhisperConfig)
+                              MixtralConfig, Qwen2_5_VLConfig, Qwen2AudioConfig, Qwen2Config, Qwen2VLConfig,
+                              Qwen3Config, Qwen3MoeConfig, WhisperConfig)
 
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -74,6 +74,10 @@ def _tiny_configs() -> dict[str, Callable[[], object]]:
                                                   intermediate_size=64, window_size=56,
                                                   fullatt_block_indexes=[0]),
             image_token_id=5),
+        "Qwen2AudioForConditionalGeneration": lambda: Qwen2AudioConfig(
+            audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=64,
+                              num_mel_bins=128),
+            text_config=dict(text, model_type="qwen2"), audio_token_index=5),
         "WhisperForConditionalGeneration": lambda: WhisperConfig(
             d_model=32, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=64, decoder_layers=1,
             decoder_attention_heads=4, decoder_ffn_dim=64, vocab_size=64, num_mel_bins=80,

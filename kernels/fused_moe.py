@@ -102,25 +102,32 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 # ----------------------------------------------------------------------------------------
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pair_ptr, expert_of_block_ptr, num_valid_ptr, topk_w_ptr,
-                         N, K, num_pairs, stride_a, stride_we, stride_out,
+                         N, K, num_pairs, num_experts, stride_a, stride_we, stride_out,
                          TOP_K: tl.constexpr, GATHER: tl.constexpr, SILU_MUL: tl.constexpr,
-                         SCATTER: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         SCATTER: tl.constexpr, MUL_WEIGHT: tl.constexpr, LORA: tl.constexpr,
+                         ADD_OUT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Semantics (dtype = out's dtype; float32 math unless rounded by dtype(.)):
 
-        for b with b * BLOCK_M < num_valid, e = expert_of_block[b]:
+        for b with b * BLOCK_M < num_valid, g = expert_of_block[b] (its group),
+                e = g - num_experts if LORA (blocks with e < 0 skipped) else g % num_experts:
             for slot s in block b with pair = sorted_pair[s] < num_pairs:
                 row = a[pair // TOP_K] if GATHER else a[s]                              # [K]
                 if SILU_MUL:  g, u = dtype(row @ w[e, :N].T), dtype(row @ w[e, N:2N].T)
                               y = dtype(dtype(silu(g)) * u)                              # [N]
                 else:         y = dtype(row @ w[e].T)                                    # [N]
                 if MUL_WEIGHT: y = dtype(y * topk_w[pair])
+                if ADD_OUT:    y = dtype(out[pair if SCATTER else s] + y)
                 out[pair if SCATTER else s] = y
 
     w: [E, N (2N with SILU_MUL), K] with expert stride stride_we, rows contiguous; a / out rows at
     strides stride_a / stride_out (last dim contiguous); topk_w: [num_pairs] flat routing weights.
-    Slots holding the sentinel (pair >= num_pairs) are neither read nor written.
+    Slots holding the sentinel (pair >= num_pairs) are neither read nor written. Groups are the
+    experts themselves for a plain MoE call; ``kernels.fused_moe_lora`` sorts the pairs by
+    (adapter slot, expert) groups, g = (slot + 1) * num_experts + e for an adapted pair, so the base
+    GEMM reads w[g % num_experts] and the LoRA shrink / expand (LORA) read the (slot, expert) weights
+    w[slot * num_experts + e].
 
     Grid: one program per (block of BLOCK_M sorted slots, BLOCK_N output columns), over the
     worst-case P / BLOCK_M blocks, GROUP_M blocks of slots swizzled together along the columns
@@ -142,6 +149,12 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pair_ptr, expert_of_block
     expert = tl.load(expert_of_block_ptr + pid_m)
     if expert < 0:
         return
+    if LORA:
+        expert = expert - num_experts
+        if expert < 0:
+            return
+    else:
+        expert = expert % num_experts
 
     offs_s = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pair_ptr + offs_s)                                          # [BLOCK_M]
@@ -188,7 +201,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pair_ptr, expert_of_block
         out_rows = tl.where(row_ok, pair, 0).to(tl.int64)
     else:
         out_rows = offs_s.to(tl.int64)
-    tl.store(out_ptr + out_rows[:, None] * stride_out + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+    out_ptrs = out_ptr + out_rows[:, None] * stride_out + offs_n[None, :]
+    out_mask = row_ok[:, None] & n_ok[None, :]
+    if ADD_OUT:
+        y = (tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32) + y.to(tl.float32)).to(DTYPE)
+    tl.store(out_ptrs, y, mask=out_mask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -252,15 +269,21 @@ def fused_moe_config(num_tokens: int, num_experts: int, hidden: int, intermediat
 # ----------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------
-def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pair_ids: torch.Tensor,
-            expert_of_block: torch.Tensor, num_valid: torch.Tensor, topk_w: torch.Tensor, N: int, K: int,
-            num_pairs: int, top_k: int, gather: bool, silu_mul: bool, config: FusedMoEConfig) -> None:
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pair_ids: torch.Tensor,
+                 expert_of_block: torch.Tensor, num_valid: torch.Tensor, topk_w: torch.Tensor, N: int, K: int,
+                 num_pairs: int, top_k: int, gather: bool, silu_mul: bool, config: FusedMoEConfig, *,
+                 num_experts: int, scatter: bool, mul_weight: bool, lora: bool = False,
+                 add_out: bool = False) -> None:
+    """One launch of ``_grouped_gemm_kernel`` (its docstring gives the semantics; arguments unchecked:
+    ``fused_moe_triton`` and ``kernels.fused_moe_lora.fused_moe_lora_triton`` check theirs). w may be a
+    strided view whose rows are contiguous (row stride K), e.g. one slice of stacked LoRA B."""
     upcast = is_interpreted(a.device)
     grid = (expert_of_block.numel() * cdiv(N, config.block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, sorted_pair_ids, expert_of_block, num_valid, topk_w,
-        N, K, num_pairs, a.stride(0), w.stride(0), out.stride(0),
-        TOP_K=top_k, GATHER=gather, SILU_MUL=silu_mul, SCATTER=not gather, MUL_WEIGHT=not gather,
+        N, K, num_pairs, num_experts, a.stride(0), w.stride(0), out.stride(0),
+        TOP_K=top_k, GATHER=gather, SILU_MUL=silu_mul, SCATTER=scatter, MUL_WEIGHT=mul_weight, LORA=lora,
+        ADD_OUT=add_out,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast or a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages)
@@ -307,9 +330,9 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     sorted_pair_ids, expert_of_block, num_valid = moe_align(topk_ids, E, config.block_m)
     topk_w = topk_weights.reshape(-1).contiguous()                                    # [T*K]
     intermediate = torch.empty(sorted_pair_ids.numel(), inter, dtype=hidden.dtype, device=hidden.device)  # [P, I]
-    _launch(hidden, w13, intermediate, sorted_pair_ids, expert_of_block, num_valid, topk_w,
-            inter, H, num_pairs, top_k, True, True, config)
+    grouped_gemm(hidden, w13, intermediate, sorted_pair_ids, expert_of_block, num_valid, topk_w,
+                 inter, H, num_pairs, top_k, True, True, config, num_experts=E, scatter=False, mul_weight=False)
     weighted = torch.empty(num_pairs, H, dtype=hidden.dtype, device=hidden.device)   # [T*K, H]
-    _launch(intermediate, w2, weighted, sorted_pair_ids, expert_of_block, num_valid, topk_w,
-            H, inter, num_pairs, top_k, False, False, config)
+    grouped_gemm(intermediate, w2, weighted, sorted_pair_ids, expert_of_block, num_valid, topk_w,
+                 H, inter, num_pairs, top_k, False, False, config, num_experts=E, scatter=True, mul_weight=True)
     return weighted.view(T, top_k, H).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

@@ -24,7 +24,8 @@ until the kernel's own capture is checked on a GPU.
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -64,6 +65,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
 
 
+def fused_moe_lora(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, lora: "ExpertLoRAWeights") -> torch.Tensor:
+    """The routed experts' output with each token's adapter on its experts (``fused_moe_lora_ref``'s
+    semantics): ``kernels.fused_moe_lora`` on CUDA, the reference elsewhere."""
+    if hidden.is_cuda:
+        from kernels.fused_moe_lora import fused_moe_lora_triton
+        return fused_moe_lora_triton(hidden, w13, w2, topk_weights, topk_ids, lora.token_slots, lora.a13,
+                                     lora.b13, lora.a2, lora.b2)
+    return fused_moe_lora_ref(hidden, w13, w2, topk_weights, topk_ids, lora)
+
+
 def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, k], grouped by
@@ -79,6 +91,76 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     Returns:
         [T, H] in hidden's dtype.
     """
+    return _experts_ref(hidden, w13, w2, topk_weights, topk_ids, None)
+
+
+@dataclass(frozen=True)
+class ExpertLoRAWeights:
+    """One step's LoRA update of a layer's routed experts: every slot's per-expert A/B (the scale folded into
+    B, ranks zero-padded to R, zero where an adapter does not target an expert) and each token's slot."""
+
+    token_slots: torch.Tensor
+    """[T] int32 adapter slot per token of the step, -1 for the base model."""
+    a13: torch.Tensor
+    """[L, E, 2R, H] per (slot, expert): the gate projection's A rows, then the up projection's."""
+    b13: torch.Tensor
+    """[L, E, 2, I, R] per (slot, expert): the gate projection's B, then the up projection's."""
+    a2: torch.Tensor
+    """[L, E, R, I] per (slot, expert): the down projection's A."""
+    b2: torch.Tensor
+    """[L, E, H, R] per (slot, expert): the down projection's B."""
+
+
+class ExpertsAdapter(Protocol):
+    """A per-token update of a ``FusedMoE``'s experts (``lora.expert_layers.ExpertLoRASlots`` implements it),
+    attached as the module's ``adapter``."""
+
+    def step_weights(self) -> Optional[ExpertLoRAWeights]:
+        """This step's update; None when it adds nothing (the plain fused path runs)."""
+
+
+_LORA_CHUNK_ELEMENTS = 1 << 24
+"""``_add_lora_rows`` gathers each row's A / B; it takes rows in chunks of at most this many gathered elements."""
+
+
+def _add_lora_rows(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor,
+                   a: torch.Tensor, bs: list[torch.Tensor]) -> None:
+    """y[rows, slice s] = dtype(y + dtype(dtype(x[rows] @ A[slot, e].T)[s-th R] @ B_s[slot, e].T)), vectorised
+    (batched matmuls over gathered weights, in chunks of rows).
+
+    y: [P, sum out_s]; x: [P, in]; rows, slot, expert: [n] int64; a: [L, E, S * R, in]; bs: S x [L, E, out_s, R].
+    """
+    rank = bs[0].shape[-1]
+    per_row = a.shape[2] * a.shape[3] + sum(b.shape[2] * rank for b in bs)
+    step = max(1, _LORA_CHUNK_ELEMENTS // per_row)
+    for start in range(0, rows.numel(), step):
+        r, sl, ex = rows[start:start + step], slot[start:start + step], expert[start:start + step]
+        h = torch.bmm(a[sl, ex], x[r].unsqueeze(2)).squeeze(2)                         # [n, S * R]
+        h = h.to(y.dtype)
+        deltas = [torch.bmm(b[sl, ex], h[:, s * rank:(s + 1) * rank].unsqueeze(2)).squeeze(2).to(y.dtype)
+                  for s, b in enumerate(bs)]                                                # S x [n, out_s]
+        y[r] = y[r] + torch.cat(deltas, dim=1)
+
+
+def fused_moe_lora_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, lora: ExpertLoRAWeights) -> torch.Tensor:
+    """``fused_moe_ref`` with each token's adapter (slot l = lora.token_slots[t], none when -1) on every
+    expert it runs (pure torch, vectorised over the adapted pairs; the twin of
+    ``kernels.fused_moe_lora.fused_moe_lora_triton``), dtype = hidden's:
+
+        gate|up = dtype(x @ w13[e].T);   gate += dtype(dtype(x @ A_gate[l, e].T) @ B_gate[l, e].T) (up alike)
+        act = dtype(dtype(silu(gate)) * up)
+        y = dtype(act @ w2[e].T);        y += dtype(dtype(act @ A_down[l, e].T) @ B_down[l, e].T)
+        out[t] = sum_k dtype(y * topk_weights[t, k])
+
+    Args: as ``fused_moe_ref``'s, and ``lora`` (its shapes: ``ExpertLoRAWeights``).
+    """
+    return _experts_ref(hidden, w13, w2, topk_weights, topk_ids, lora)
+
+
+def _experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, lora: Optional[ExpertLoRAWeights]) -> torch.Tensor:
+    """``fused_moe_ref`` (lora None) and ``fused_moe_lora_ref``."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(hidden)                                           # [T, H]
     if num_tokens == 0:
@@ -89,19 +171,33 @@ def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     pair_weights = topk_weights.reshape(-1)[order].to(torch.float32)         # [T*K]
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()       # host: tokens per expert
     x = hidden.index_select(0, token_of)                                     # [T*K, H] grouped by expert
-    y = torch.empty_like(x)                                                  # [T*K, H]
     intermediate = w2.shape[2]
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        seg = slice(start, start + n)
-        gate_up = F.linear(x[seg], w13[expert])                             # [n, 2I]
-        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]  # [n, I]
-        y[seg] = F.linear(act, w2[expert])                                   # [n, H]
-        start += n
+    adapted = None
+    if lora is not None:
+        slot_of = lora.token_slots.to(torch.int64).index_select(0, token_of)   # [T*K] each sorted pair's slot
+        rows = (slot_of >= 0).nonzero().flatten()                             # [n] adapted sorted pairs
+        if rows.numel():
+            adapted = (rows, slot_of[rows], flat_ids[order][rows].to(torch.int64))
+    gate_up = _per_expert_linear(x, w13, counts)                             # [T*K, 2I]
+    if adapted is not None:
+        _add_lora_rows(gate_up, x, *adapted, lora.a13, [lora.b13[:, :, 0], lora.b13[:, :, 1]])
+    act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]      # [T*K, I]
+    y = _per_expert_linear(act, w2, counts)                                  # [T*K, H]
+    if adapted is not None:
+        _add_lora_rows(y, act, *adapted, lora.a2, [lora.b2])
     y = (y.to(torch.float32) * pair_weights[:, None]).to(hidden.dtype)
     return out.index_add_(0, token_of, y)
+
+
+def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x [P, in] grouped by expert (counts[e] rows each, in order) -> [P, out]: each segment @ w[e].T."""
+    y = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            y[start:start + n] = F.linear(x[start:start + n], w[expert])
+            start += n
+    return y
 
 
 def fused_moe_dense_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -138,10 +234,15 @@ class FusedMoE(nn.Module):
         self.renormalize = renormalize
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.adapter: Optional[ExpertsAdapter] = None
+        """A per-token update of the experts (LoRA slots), attached by the adapter manager; None: none."""
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H]."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        lora = None if self.adapter is None else self.adapter.step_weights()
+        if lora is not None:
+            return fused_moe_lora(hidden, self.w13, self.w2, topk_weights, topk_ids, lora)
         return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
     def load_expert(self, param_name: str, expert: int, shard: int, tensor: torch.Tensor) -> None:

@@ -1,0 +1,112 @@
+"""Fused MoE with per-token LoRA on the experts (``kernels.fused_moe_lora``) against its torch twin
+``engine.layers.moe.fused_moe_lora_ref``, and the twin against a per-token loop over merged weights
+(W + B @ A per (adapter, expert)). CPU tensors run through the interpreter with tiny shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.moe import ExpertLoRAWeights, fused_moe_lora_ref, fused_moe_ref, select_experts
+from kernels.fused_moe import FusedMoEConfig
+from kernels.fused_moe_lora import fused_moe_lora_triton, moe_lora_groups
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tol(dtype):
+    # bfloat16: the interpreter truncates float32 -> bfloat16 where torch rounds to nearest (see
+    # test_kernel_fused_moe), at a few more roundings here (h, each delta).
+    return dict(float32=(1e-4, 1e-5), bfloat16=(4e-2, 6e-2))[str(dtype).split(".")[1]]
+
+
+def _case(T, E, K, H, I, L, R, dtype, slots, seed=0):
+    """(hidden, w13, w2, topk_weights, topk_ids, ExpertLoRAWeights) with token t on slot slots[t % len]."""
+    g = torch.Generator().manual_seed(seed + 1000 * T + 100 * E + 10 * K + L)
+
+    def rnd(*shape, scale):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+    hidden = rnd(T, H, scale=1.0)
+    w13, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
+    logits = torch.randn(T, E, generator=g)
+    topk_weights, topk_ids = select_experts(logits.to(DEVICE), K, renormalize=True)
+    a13, b13 = rnd(L, E, 2 * R, H, scale=H ** -0.5), rnd(L, E, 2, I, R, scale=R ** -0.5)
+    a2, b2 = rnd(L, E, R, I, scale=I ** -0.5), rnd(L, E, H, R, scale=R ** -0.5)
+    token_slots = torch.tensor([slots[t % len(slots)] for t in range(T)], dtype=torch.int32, device=DEVICE)
+    return hidden, w13, w2, topk_weights, topk_ids, ExpertLoRAWeights(token_slots, a13, b13, a2, b2)
+
+
+def _merged_loop(hidden, w13, w2, topk_weights, topk_ids, lora: ExpertLoRAWeights):
+    """Per token and expert, the merged weights W + B @ A (float32): what PEFT computes."""
+    I, R = w2.shape[2], lora.a2.shape[2]
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    for t in range(hidden.shape[0]):
+        x, slot = hidden[t].float().cpu(), int(lora.token_slots[t])
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            wg, wu, wd = w13[e, :I].float().cpu(), w13[e, I:].float().cpu(), w2[e].float().cpu()
+            if slot >= 0:
+                a13, b13 = lora.a13[slot, e].float().cpu(), lora.b13[slot, e].float().cpu()
+                wg = wg + b13[0] @ a13[:R]
+                wu = wu + b13[1] @ a13[R:]
+                wd = wd + lora.b2[slot, e].float().cpu() @ lora.a2[slot, e].float().cpu()
+            out[t] += float(topk_weights[t, k]) * (wd @ (F.silu(wg @ x) * (wu @ x)))
+    return out
+
+
+@pytest.mark.parametrize("slots", [[-1], [0], [1, -1, 0], [2, 2, -1, 1]], ids=["base", "one", "mixed", "three"])
+def test_ref_equals_merged_weights(slots):
+    args = _case(9, 8, 2, 32, 16, 3, 4, torch.float32, slots)
+    ref = fused_moe_lora_ref(*args)
+    torch.testing.assert_close(ref.cpu(), _merged_loop(*args), rtol=1e-4, atol=1e-5)
+    if slots == [-1]:                                     # no adapter: exactly the plain MoE
+        assert torch.equal(ref, fused_moe_ref(*args[:5]))
+    else:
+        assert not torch.allclose(ref, fused_moe_ref(*args[:5]), atol=1e-3)   # the adapters change the output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T,E,K,L,R,slots", [(1, 8, 2, 1, 4, [0]), (7, 8, 2, 2, 8, [1, -1, 0]),
+                                             (20, 4, 4, 3, 4, [2, -1, -1, 0, 1]), (5, 8, 1, 2, 4, [-1])])
+def test_kernel_matches_ref(T, E, K, L, R, slots, dtype):
+    args = _case(T, E, K, 48, 32, L, R, dtype, slots)
+    lora = args[5]
+    before = [a.clone() for a in (*args[:5], lora.token_slots, lora.a13, lora.b13, lora.a2, lora.b2)]
+    out = fused_moe_lora_triton(*args[:5], lora.token_slots, lora.a13, lora.b13, lora.a2, lora.b2)
+    ref = fused_moe_lora_ref(*args)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+    after = (*args[:5], lora.token_slots, lora.a13, lora.b13, lora.a2, lora.b2)
+    assert all(torch.equal(a, b) for a, b in zip(after, before))        # inputs untouched
+
+
+def test_kernel_tails_and_block_size():
+    """N/K tails (H = 40, I = 24 with 32-wide tiles), rank 2 (a K tail in the expand), block_m 32, int64 slots."""
+    args = _case(11, 8, 2, 40, 24, 2, 2, torch.float32, [0, 1, -1])
+    lora = args[5]
+    config = FusedMoEConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    out = fused_moe_lora_triton(*args[:5], lora.token_slots.long(), lora.a13, lora.b13, lora.a2, lora.b2,
+                                config=config)
+    torch.testing.assert_close(out, fused_moe_lora_ref(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_groups():
+    ids = torch.tensor([[0, 3], [2, 1], [3, 0]])
+    groups = moe_lora_groups(ids, torch.tensor([-1, 0, 2], dtype=torch.int32), 4)
+    assert groups.tolist() == [[0, 3], [6, 5], [15, 12]]
+
+
+def test_checks_reject_bad_inputs():
+    args = _case(3, 8, 2, 32, 16, 2, 4, torch.float32, [0])
+    hidden, w13, w2, w, ids, lora = args
+    good = dict(token_slots=lora.token_slots, a13=lora.a13, b13=lora.b13, a2=lora.a2, b2=lora.b2)
+    for change, match in [(dict(token_slots=lora.token_slots[:2]), "token_slots: expected shape"),
+                          (dict(a13=lora.a13[:, :4].contiguous()), "a13: expected shape"),
+                          (dict(b13=lora.b13[..., :2].contiguous()), "b13: expected shape"),
+                          (dict(a2=lora.a2.double()), "a2: dtype"),
+                          (dict(b2=lora.b2.transpose(0, 1)), "b2: expected shape")]:
+        with pytest.raises(ValueError, match=match):
+            fused_moe_lora_triton(hidden, w13, w2, w, ids, **{**good, **change})

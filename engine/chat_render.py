@@ -1,6 +1,6 @@
 """One chat renderer for the server (``/v1/chat/completions``, ``/tokenize``) and the offline ``LLM.chat``.
 
-OpenAI messages -> template messages and image sources (``engine/chat_utils.py``) -> the chat template's
+OpenAI messages -> template messages and media sources (``engine/chat_utils.py``) -> the chat template's
 text (jinja2's sandbox, within ``TemplateLimits``: ``engine/chat_template.py``) -> its token ids. The text
 is tokenized here and only here: the processor takes the ids as ``prompt_token_ids`` (the text rides along
 for echo and logs) and expands the image placeholders in them.
@@ -29,12 +29,16 @@ class RenderedChat:
     images: list[Any] = field(default_factory=list)
     """The conversation's image sources (URLs; offline also PIL images, paths, bytes) in placeholder order;
     loaded by the processor."""
+    audios: list[Any] = field(default_factory=list)
+    """The conversation's audio sources (URLs, data URLs; offline also (array, rate) pairs, paths, bytes) in
+    placeholder order; loaded by the processor."""
 
     def engine_prompt(self) -> dict[str, Any]:
-        """The processor's prompt dict (with ``multi_modal_data`` when there are images)."""
+        """The processor's prompt dict (with ``multi_modal_data`` when there are images or audios)."""
         prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": list(self.token_ids)}
-        if self.images:
-            prompt["multi_modal_data"] = {"image": list(self.images)}
+        media = {k: list(v) for k, v in (("image", self.images), ("audio", self.audios)) if v}
+        if media:
+            prompt["multi_modal_data"] = media
         return prompt
 
 
@@ -46,9 +50,11 @@ class ChatRenderer:
             tokenizer's own, or ``--chat-template``'s, read once by ``engine.loader.tokenizer``).
         template_limits: time and size bounds of every render.
         takes_images: the model takes media (image parts are accepted; else they are a ValueError).
+        takes_audio: the model takes audio in its prompt (audio parts are accepted; else a ValueError).
     """
 
-    def __init__(self, tokenizer: Any, template_limits: TemplateLimits, takes_images: bool) -> None:
+    def __init__(self, tokenizer: Any, template_limits: TemplateLimits, takes_images: bool,
+                 takes_audio: bool = False) -> None:
         self.tokenizer = tokenizer
         self.chat_template = getattr(tokenizer, "chat_template", None)
         """The operator's chat template text; a dict of named templates for some tokenizers."""
@@ -56,6 +62,8 @@ class ChatRenderer:
         """Time and size bounds of every chat template render (``engine.chat_template``)."""
         self.takes_images = takes_images
         """Image content parts are accepted (the model takes media)."""
+        self.takes_audio = takes_audio
+        """Audio content parts are accepted (an audio-language model)."""
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, add_special_tokens: bool = False,
@@ -83,7 +91,7 @@ class ChatRenderer:
             TypeError: ``template_kwargs`` names one of ``render_chat_template``'s own arguments.
         """
         parsed = parse_chat_messages(tool_call_arguments_as_objects(messages), takes_images=self.takes_images,
-                                     offline=offline)
+                                     offline=offline, takes_audio=self.takes_audio)
         if not parsed.messages:
             raise ChatTemplateError("messages: at least one message is required.", param="messages")
         kwargs = dict(template_kwargs or {})
@@ -97,7 +105,7 @@ class ChatRenderer:
             special_tokens=getattr(self.tokenizer, "special_tokens_map", None),
             from_request=bool(chat_template), **kwargs)
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return RenderedChat(text=text, token_ids=list(token_ids), images=parsed.images)
+        return RenderedChat(text=text, token_ids=list(token_ids), images=parsed.images, audios=parsed.audios)
 
     def _template(self, chat_template: Optional[str], tools: Any) -> str:
         """The template text to render: ``chat_template`` when given, else the operator's."""

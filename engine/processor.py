@@ -33,7 +33,8 @@ from engine.structured_output.compiler import GrammarCompilePool
 from engine.structured_output.errors import StructuredOutputError
 from multimodal.audio import AudioError, AudioLimits, load_audio
 from multimodal.budget import MediaBudget, MediaReservation
-from multimodal.media import MediaError, MediaLimits, checked_image, finish_decode, open_image, read_image_source
+from multimodal.media import (SCHEME, MediaError, MediaLimits, checked_image, finish_decode, open_image,
+                              read_audio_source, read_image_source)
 from multimodal.processing import ImagePromptProcessor
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -63,7 +64,8 @@ class Processor:
         self.max_n = max_n
         """Largest ``n``: one request may not fan out into more samples than can run at once."""
         self.chat_renderer = ChatRenderer(tokenizer, TemplateLimits.for_max_model_len(max_model_len),
-                                          takes_images=mm_processor is not None)
+                                          takes_images=mm_processor is not None,
+                                          takes_audio=takes_audio_prompts(mm_processor))
         """Chat messages -> the template's text and its token ids (the server's and ``LLM.chat``'s)."""
         self.reject_overlong_max_tokens = serving
         """True (``serving``: the HTTP server, as vLLM's): prompt + max_tokens beyond max_model_len is a 400.
@@ -270,8 +272,13 @@ class Processor:
                 reservation.add(num_bytes=len(source))
                 return _OpenedImage(open_image(source, self.media_limits))
             return source
-        if isinstance(item, (str, os.PathLike)) and not self.allow_local_media_paths:
-            raise AudioError("audio: file paths are not accepted here; send the audio's bytes.")
+        if isinstance(item, str) and _has_url_scheme(item):   # data:, http(s)://, file:// (guarded)
+            try:
+                item = read_audio_source(item, self.media_limits, self.mm_config.max_audio_bytes)
+            except MediaError as e:
+                raise AudioError(f"the audio could not be loaded: {e}") from e
+        elif isinstance(item, (str, os.PathLike)) and not self.allow_local_media_paths:
+            raise AudioError("audio: file paths are not accepted here; send the audio's bytes or a URL.")
         if isinstance(item, (bytes, bytearray, memoryview)):
             reservation.add(num_bytes=len(item))
         return item
@@ -300,9 +307,9 @@ class Processor:
     def _no_modality_message(self, modality: str) -> str:
         if self.mm_processor is None:
             return (f"multi_modal_data: this model is text-only and takes no {modality}; serve a vision model "
-                    "(LLaVA, Qwen2-VL) for images or a Whisper model for audio.")
+                    "(LLaVA, Qwen2-VL) for images, or Qwen2-Audio or a Whisper model for audio.")
         return (f"multi_modal_data: this model takes {self.mm_processor.modality}, not {modality}; "
-                f"{'serve a Whisper model to transcribe audio' if modality == 'audio' else 'serve a vision model for images'}.")
+                f"{'serve Qwen2-Audio, or a Whisper model to transcribe audio' if modality == 'audio' else 'serve a vision model for images'}.")
 
     def check_required_media(self, features: list[MultiModalFeature]) -> None:
         """An encoder-decoder model (Whisper) cannot run a prompt without its input."""
@@ -427,3 +434,17 @@ def _is_audio_pair(value: Any) -> bool:
     """``(array, sample_rate)``: one decoded audio, not a list of two items."""
     return (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (int, float))
             and not isinstance(value[1], bool) and hasattr(value[0], "shape"))
+
+
+def takes_audio_prompts(mm_processor: Any) -> bool:
+    """The model takes audio inside its prompt (an audio-language model: chat audio parts are accepted), not
+    only as an encoder-decoder's input (Whisper)."""
+    return (mm_processor is not None and mm_processor.modality == "audio"
+            and not getattr(mm_processor, "requires_item", False))
+
+
+def _has_url_scheme(source: str) -> bool:
+    """``source`` names a URL (``data:``, ``http(s)://``, ``file://``...), not a file path; a one-letter
+    scheme is a Windows drive."""
+    match = SCHEME.match(source[:64])
+    return match is not None and len(match[1]) > 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import http.client
 import importlib
 import io
@@ -204,27 +205,29 @@ def finish_decode(image: Image.Image) -> Image.Image:
     return image
 
 
-def decode_data_url(url: str, limits: MediaLimits) -> bytes:
-    """The payload of a ``data:image/...;base64,`` URL."""
+def decode_data_url(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+    """The payload of a ``data:<kind>/...;base64,`` URL (``kind``: "image", or "audio"), at most
+    ``limits.max_image_bytes``."""
     match = DATA_URL.match(url)
     if match is None:
-        raise MediaError("malformed data URL: expected data:image/<type>;base64,<data>")
+        raise MediaError(f"malformed data URL: expected data:{kind}/<type>;base64,<data>")
     media_type = match["type"].strip().lower()
-    if not media_type.startswith("image/"):
-        raise MediaError(f"a data URL must hold an image (data:image/...), got {media_type or 'no media type'!r}")
+    if not media_type.startswith(f"{kind}/"):
+        raise MediaError(f"a data URL must hold {'an image' if kind == 'image' else kind} (data:{kind}/...), got "
+                         f"{media_type or 'no media type'!r}")
     if "base64" not in (p.strip().lower() for p in match["params"].split(";")):
-        raise MediaError("a data URL image must be base64-encoded (data:image/...;base64,...)")
+        raise MediaError(f"a data URL {kind} must be base64-encoded (data:{kind}/...;base64,...)")
     # Tolerated: percent-encoding, line breaks, the URL-safe alphabet.
     payload = WHITESPACE.sub("", urllib.parse.unquote(match["data"])).translate(URL_SAFE_TO_STANDARD)
     if len(payload) * 3 // 4 > limits.max_image_bytes + 2:
-        raise MediaError(f"the data URL image is about {len(payload) * 3 // 4} bytes, above the limit of "
+        raise MediaError(f"the data URL {kind} is about {len(payload) * 3 // 4} bytes, above the limit of "
                          f"{limits.max_image_bytes}")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise MediaError(f"the data URL is not valid base64 ({e})") from e
     if len(data) > limits.max_image_bytes:
-        raise MediaError(f"the data URL image is {len(data)} bytes, above the limit of {limits.max_image_bytes}")
+        raise MediaError(f"the data URL {kind} is {len(data)} bytes, above the limit of {limits.max_image_bytes}")
     return data
 
 
@@ -349,18 +352,18 @@ def build_media_opener(limits: MediaLimits) -> urllib.request.OpenerDirector:
                                        _GuardedHTTPSHandler(guard), LimitedRedirects(limits.max_redirects))
 
 
-def fetch_url(url: str, limits: MediaLimits) -> bytes:
-    """GET an http(s) URL: status 200, at most ``max_image_bytes``, within ``fetch_timeout_s``, from a
-    public address (or an allowed host) on every hop."""
+def fetch_url(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+    """GET an http(s) URL of an ``kind`` ("image", "audio"): status 200, at most ``max_image_bytes``, within
+    ``fetch_timeout_s``, from a public address (or an allowed host) on every hop."""
     shown = url if len(url) <= 200 else url[:197] + "..."
     opener = build_media_opener(limits)
-    request = urllib.request.Request(url, headers={"User-Agent": "chorus-media/1", "Accept": "image/*"})
+    request = urllib.request.Request(url, headers={"User-Agent": "chorus-media/1", "Accept": f"{kind}/*"})
     deadline = time.monotonic() + limits.fetch_timeout_s
     try:
         with opener.open(request, timeout=limits.fetch_timeout_s) as response:
             length = response.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > limits.max_image_bytes:
-                raise MediaError(f"the image at {shown} is {length} bytes, above the limit of "
+                raise MediaError(f"the {kind} at {shown} is {length} bytes, above the limit of "
                                  f"{limits.max_image_bytes}")
             chunks, size = [], 0
             while size <= limits.max_image_bytes:
@@ -387,7 +390,7 @@ def fetch_url(url: str, limits: MediaLimits) -> bytes:
     except (OSError, ValueError, http.client.HTTPException) as e:   # bad status line, cut body, bad URL
         raise MediaError(f"fetching {shown} failed: {e}") from e
     if size > limits.max_image_bytes:
-        raise MediaError(f"the image at {shown} is larger than the limit of {limits.max_image_bytes} bytes")
+        raise MediaError(f"the {kind} at {shown} is larger than the limit of {limits.max_image_bytes} bytes")
     return b"".join(chunks)
 
 
@@ -407,25 +410,46 @@ def file_url_path(url: str, limits: MediaLimits) -> Path:
     return real
 
 
-def read_local_file(path: Path, shown: str, limits: MediaLimits) -> bytes:
-    """The bytes of a regular local file, at most ``max_image_bytes``; ``shown`` names it in errors."""
+def read_local_file(path: Path, shown: str, limits: MediaLimits, kind: str = "image") -> bytes:
+    """The bytes of a regular local file, at most ``max_image_bytes``; ``shown`` names it in errors, ``kind``
+    ("image", "audio") says what it should be."""
     try:
         info = os.stat(path)
         if stat.S_ISDIR(info.st_mode):
-            raise MediaError(f"{shown} is a directory, not an image file")
+            raise MediaError(f"{shown} is a directory, not {'an' if kind == 'image' else 'a'} {kind} file")
         if not stat.S_ISREG(info.st_mode):   # a FIFO or a device would block or never end
             raise MediaError(f"{shown} is not a regular file")
         if info.st_size > limits.max_image_bytes:
-            raise MediaError(f"the image file {shown} is {info.st_size} bytes, above the limit of "
+            raise MediaError(f"the {kind} file {shown} is {info.st_size} bytes, above the limit of "
                              f"{limits.max_image_bytes}")
         with open(path, "rb") as f:
             data = f.read(limits.max_image_bytes + 1)
     except FileNotFoundError as e:
-        raise MediaError(f"image file not found: {shown}") from e
+        raise MediaError(f"{kind} file not found: {shown}") from e
     except PermissionError as e:
-        raise MediaError(f"image file {shown} cannot be read (permission denied)") from e
+        raise MediaError(f"{kind} file {shown} cannot be read (permission denied)") from e
     except OSError as e:
-        raise MediaError(f"image file {shown} cannot be read ({e.strerror})") from e
+        raise MediaError(f"{kind} file {shown} cannot be read ({e.strerror})") from e
     if len(data) > limits.max_image_bytes:
-        raise MediaError(f"the image file {shown} is larger than the limit of {limits.max_image_bytes} bytes")
+        raise MediaError(f"the {kind} file {shown} is larger than the limit of {limits.max_image_bytes} bytes")
     return data
+
+
+def read_audio_source(url: str, limits: MediaLimits, max_audio_bytes: int) -> bytes:
+    """The encoded bytes of an audio URL, read as an image URL is and under the same guards: a
+    ``data:audio/...;base64,`` URL, an ``http(s)://`` URL (public addresses or allowed hosts only, on every
+    hop) or a ``file://`` URL under ``limits.allowed_local_media_path``; at most ``max_audio_bytes``.
+    Nothing is decoded. Raises ``MediaError``."""
+    limits = dataclasses.replace(limits, max_image_bytes=max_audio_bytes)
+    match = SCHEME.match(url[:64])
+    scheme = match[1].lower() if match else ""
+    if scheme == "data":
+        return decode_data_url(url, limits, kind="audio")
+    if scheme in ("http", "https"):
+        return fetch_url(url, limits, kind="audio")
+    if scheme == "file":
+        return read_local_file(file_url_path(url, limits), url, limits, kind="audio")
+    shown = url if len(url) <= 80 else url[:77] + "..."
+    raise MediaError(f"unsupported audio URL {shown!r}: use an http(s):// URL or a data:audio/...;base64, URL"
+                     + (" (or a file:// URL under the allowed media directory)"
+                        if limits.allowed_local_media_path else ""))

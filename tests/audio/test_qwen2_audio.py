@@ -5,6 +5,7 @@ adapter, chunked prefill with prefix caching, and ``/v1/chat/completions`` with 
 
 from __future__ import annotations
 
+import base64
 import functools
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.audio.whisper_reference import load_wav
+from tests.audio.whisper_reference import AUDIO_DIR, load_wav
 from tests.conftest import build_tokenizer
 from tests.models.utils import RefOutput, check_logprobs_close, ours_as_ref
 from tests.vision.utils import hf_generate_greedy
@@ -157,3 +158,182 @@ def test_two_clips_and_text_in_one_batch(llm, qwen2_audio_dir, clips):
     outs = llm.generate([audio_prompt(p, a) if a else {"prompt": p} for p, a in reqs], params(), use_tqdm=False)
     for (prompt, audios), out in zip(reqs, outs, strict=True):
         check_logprobs_close(hf_greedy(qwen2_audio_dir, prompt, audios), ours_as_ref(out.outputs[0]), prompt)
+
+
+def test_chunked_prefill_and_prefix_caching(qwen2_audio_dir, clips):
+    """A 16-token budget prefills the prompt (its audio run split over steps); the second request shares the
+    audio prefix from the cache; both equal transformers."""
+    llm = LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
+              enable_prefix_caching=True, max_num_batched_tokens=16, block_size=16)
+    prompt = "Some words first " + PROMPTS[0]
+    first = llm.generate(audio_prompt(prompt, clips[:1]), params(), use_tqdm=False)
+    second = llm.generate(audio_prompt(prompt + " again", clips[:1]), params(), use_tqdm=False)
+    for p, out in ((prompt, first), (prompt + " again", second)):
+        check_logprobs_close(hf_greedy(qwen2_audio_dir, p, clips[:1]), ours_as_ref(out[0].outputs[0]), p)
+    audio_offset = len(llm.get_tokenizer().encode(prompt[:prompt.index(AUDIO)], add_special_tokens=False))
+    assert second[0].num_cached_tokens >= audio_offset + 64   # the audio's blocks came from the cache
+    other = llm.generate(audio_prompt(prompt, clips[1:2]), params(), use_tqdm=False)   # another clip
+    assert other[0].num_cached_tokens <= audio_offset          # shares the text before the audio only
+    check_logprobs_close(hf_greedy(qwen2_audio_dir, prompt, clips[1:2]), ours_as_ref(other[0].outputs[0]), "other")
+
+
+def test_audio_text_and_adapter_in_one_batch_equal_each_alone(tmp_path, qwen2_audio_dir, clips):
+    """A PEFT adapter on the language model, with and without audio, beside base audio and text requests in
+    one generate call: each equals transformers (+ PEFT) and the same request run alone."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import Qwen2AudioForConditionalGeneration
+
+    from lora.request import LoRARequest
+
+    base = Qwen2AudioForConditionalGeneration.from_pretrained(qwen2_audio_dir, dtype=torch.float32)
+    torch.manual_seed(3)
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                     target_modules=r".*language_model.*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)")
+    get_peft_model(base, cfg).save_pretrained(tmp_path / "ad")
+    ref_model = PeftModel.from_pretrained(
+        Qwen2AudioForConditionalGeneration.from_pretrained(qwen2_audio_dir, dtype=torch.float32),
+        tmp_path / "ad").eval()
+    llm = LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8,
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    lora = LoRARequest("ad", 1, str(tmp_path / "ad"))
+    reqs = [(PROMPTS[0], clips[:1], lora), (PROMPTS[0], clips[:1], None), (PROMPTS[2], [], lora),
+            (PROMPTS[2], [], None)]
+    prompts = [audio_prompt(p, a) if a else {"prompt": p} for p, a, _ in reqs]
+    together = llm.generate(prompts, params(), lora_request=[lr for _, _, lr in reqs], use_tqdm=False)
+    for (prompt, audios, lr), prompt_in, out in zip(reqs, prompts, together, strict=True):
+        name = f"{prompt} audio={bool(audios)} lora={lr is not None}"
+        ref = hf_greedy(qwen2_audio_dir, prompt, audios, model=ref_model if lr else _hf(str(qwen2_audio_dir))[0])
+        check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name)
+        alone = llm.generate(prompt_in, params(), lora_request=lr, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids, name
+        check_logprobs_close(ours_as_ref(alone.outputs[0]), ours_as_ref(out.outputs[0]), name, atol=1e-4)
+    assert together[0].outputs[0].token_ids != together[1].outputs[0].token_ids   # the adapter matters
+
+
+def wav_base64(name: str) -> str:
+    return base64.b64encode((AUDIO_DIR / name).read_bytes()).decode()
+
+
+def test_llm_chat_with_audio_parts(llm, qwen2_audio_dir, clips):
+    """LLM.chat with an input_audio part and an offline (array, rate) audio part: the processor's chat
+    template, then transformers' greedy continuation with those clips."""
+    messages = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": wav_base64("fox.wav"), "format": "wav"}},
+        {"type": "audio", "audio": (clips[1], 16000)},
+        {"type": "text", "text": "Which one is louder?"}]}]
+    _, processor = _hf(str(qwen2_audio_dir))
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "audio", "audio_url": "a"}, {"type": "audio", "audio_url": "b"},
+        {"type": "text", "text": "Which one is louder?"}]}], add_generation_prompt=True, tokenize=False)
+    assert text.count(AUDIO) == 2
+    out = llm.chat(messages, params(), use_tqdm=False)
+    check_logprobs_close(hf_greedy(qwen2_audio_dir, text, clips[:2]), ours_as_ref(out[0].outputs[0]), "chat")
+
+
+# ------------------------------------------------------------------------------------------------ server
+MODEL = "tiny-qwen2-audio"
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory) -> Path:
+    """--allowed-local-media-path: fox.wav inside, and a symlink inside that points outside (to hello.wav)."""
+    d = tmp_path_factory.mktemp("allowed-media")
+    (d / "fox.wav").write_bytes((AUDIO_DIR / "fox.wav").read_bytes())
+    (d / "escape.wav").symlink_to(AUDIO_DIR / "hello.wav")
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(qwen2_audio_dir, media_dir):
+    from tests.server.conftest import start_server
+    srv = start_server(str(qwen2_audio_dir), served_model_name=[MODEL], dtype="float32", device="cpu",
+                       max_model_len=MAX_MODEL_LEN, max_num_seqs=4, limit_mm_per_prompt={"audio": 2},
+                       allowed_local_media_path=str(media_dir))
+    yield srv
+    srv.stop()
+
+
+def chat(srv, parts: list[dict], model: str = MODEL):
+    import httpx
+    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": parts}]}
+    return httpx.post(srv.base_url + "/chat/completions", json=body, timeout=60)
+
+
+def assert_nothing_held(srv) -> None:
+    from tests.server.conftest import wait_until
+    client = srv.engine_client
+    assert wait_until(lambda: client.num_tracked_requests == 0 and client.num_sequences_in_flight == 0)
+    assert client.processor.media_budget.num_bytes == 0
+
+
+def test_chat_completions_input_audio_and_audio_url(server, qwen2_audio_dir, clips):
+    """input_audio (base64 wav) and audio_url (data URL) parts: the reply is transformers' greedy continuation
+    of the rendered conversation with both clips, and the prompt is as long as transformers' input ids."""
+    url = "data:audio/wav;base64," + wav_base64("hello.wav")
+    parts = [{"type": "input_audio", "input_audio": {"data": wav_base64("fox.wav"), "format": "wav"}},
+             {"type": "audio_url", "audio_url": {"url": url}}, {"type": "text", "text": "Same speaker?"}]
+    _, processor = _hf(str(qwen2_audio_dir))
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "audio", "audio_url": "a"}, {"type": "audio", "audio_url": "b"},
+        {"type": "text", "text": "Same speaker?"}]}], add_generation_prompt=True, tokenize=False)
+    ref = hf_greedy(qwen2_audio_dir, text, clips[:2])
+    r = chat(server, parts)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == processor.tokenizer.decode(ref.token_ids,
+                                                                                      skip_special_tokens=True)
+    assert r.json()["usage"]["prompt_tokens"] == hf_inputs(qwen2_audio_dir, text, clips[:2])["input_ids"].shape[1]
+    assert_nothing_held(server)
+
+
+def test_file_url_guard(server, media_dir):
+    """file:// audio URLs: a file under --allowed-local-media-path is read; a path outside it, a symlink
+    inside that leads outside, and '..' out of it are 400s that read nothing."""
+    inside = chat(server, [{"type": "audio_url", "audio_url": {"url": (media_dir / "fox.wav").as_uri()}},
+                           {"type": "text", "text": "hi"}])
+    assert inside.status_code == 200, inside.text
+    for url in ((AUDIO_DIR / "fox.wav").as_uri(), (media_dir / "escape.wav").as_uri(),
+                f"file://{media_dir}/../{media_dir.name}/../../etc/passwd", "file:///etc/passwd"):
+        r = chat(server, [{"type": "audio_url", "audio_url": {"url": url}}, {"type": "text", "text": "hi"}])
+        assert r.status_code == 400, (url, r.text)
+        assert "outside the allowed media directory" in r.json()["error"]["message"], r.text
+    assert_nothing_held(server)
+
+
+def test_file_urls_refused_without_the_flag():
+    """Where no directory is allowed, a file:// audio URL is refused before any path is touched."""
+    from multimodal.media import MediaError, MediaLimits, read_audio_source
+    with pytest.raises(MediaError, match="file:// URLs are not enabled"):
+        read_audio_source((AUDIO_DIR / "fox.wav").as_uri(), MediaLimits(), 1 << 20)
+
+
+@pytest.mark.parametrize("parts, reason", [
+    ([{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"no audio here" * 50).decode(),
+                                              "format": "wav"}}], "not audio"),
+    ([{"type": "input_audio", "input_audio": {"data": "%%%not base64", "format": "wav"}}], "not valid base64"),
+    ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "needs 'input_audio'"),
+    ([{"type": "audio_url", "audio_url": {"url": " "}}], "an audio_url part needs 'audio_url'"),
+    ([{"type": "audio", "audio": "/etc/passwd"}], "only accepted by the offline LLM.chat"),
+    ([{"type": "audio_url", "audio_url": {"url": "data:image/png;base64,AAAA"}}], "must hold audio"),
+    ([{"type": "audio_url", "audio_url": {"url": "ftp://example.com/a.wav"}}], "unsupported audio URL"),
+    ([{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}] * 3, "at most 2 audio(s)"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "takes audio, not image"),
+])
+def test_bad_audio_is_a_400_with_the_reason(server, parts, reason):
+    r = chat(server, parts + [{"type": "text", "text": "hi"}])
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]["message"], r.text
+    assert_nothing_held(server)
+
+
+def test_audio_to_a_model_without_audio_is_a_400(tiny_llama_dir):
+    from tests.server.conftest import start_server
+    srv = start_server(str(tiny_llama_dir), served_model_name=["tiny-llama"], max_model_len=128)
+    try:
+        r = chat(srv, [{"type": "input_audio", "input_audio": {"data": wav_base64("fox.wav"), "format": "wav"}}],
+                 model="tiny-llama")
+        assert r.status_code == 400, r.text
+        assert "does not take audio" in r.json()["error"]["message"]
+        assert_nothing_held(srv)
+    finally:
+        srv.stop()

@@ -88,7 +88,7 @@ def test_two_images_in_one_message(llava, images):
     ({"type": "image_url", "image_url": {"url": ""}}, "a non-empty string"),
     ({"type": "image_pil", "image_pil": "not a PIL image"}, "an image_pil part needs 'image_pil', a PIL image"),
     ({"type": "image"}, "an image part needs 'image'"),
-    ({"type": "input_audio", "input_audio": {}}, "unsupported content part type 'input_audio'"),
+    ({"type": "input_audio", "input_audio": {}}, "this model does not take audio"),
     ({"type": "text"}, "a text part needs 'text'"),
     ({"text": "no type"}, "a content part needs a 'type'"),
     ("just a string", "a content part must be a dict"),

@@ -284,12 +284,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     mm = p.add_argument_group("Images (vision models: LLaVA, Qwen2-VL, Qwen2.5-VL)")
     mm.add_argument("--limit-mm-per-prompt", type=_limit_mm_per_prompt, default=None, metavar="JSON",
-                    help='Most images in one request, as JSON \'{"image": 2}\' (or image=2); more is a '
-                         "400. 0 refuses images. Default: 16 images.")
+                    help='Most images or audio clips in one request, as JSON \'{"image": 2, "audio": 1}\' '
+                         "(or image=2,audio=1); more is a 400. 0 refuses that modality. Default: 16 images, "
+                         "999 audio clips.")
     mm.add_argument("--allowed-local-media-path", type=_media_dir, default=None, metavar="DIR",
-                    help="Let image_url parts name file:// URLs of files under DIR (symlinks and '..' "
-                         "resolved first; anything outside is a 400). Default: file:// URLs are refused. "
-                         "Only for trusted clients: they can read any image under DIR.")
+                    help="Let image_url and audio_url parts name file:// URLs of files under DIR (symlinks "
+                         "and '..' resolved first; anything outside is a 400). Default: file:// URLs are "
+                         "refused. Only for trusted clients: they can read any image or audio under DIR.")
     mm.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                     help="Only these hosts (exact names, or IP literals) may appear in http(s) image URLs "
                          "and their redirects; their addresses are trusted, private ones too. Default: "

@@ -161,10 +161,10 @@ def test_two_clips_and_text_in_one_batch(llm, qwen2_audio_dir, clips):
 
 
 def test_chunked_prefill_and_prefix_caching(qwen2_audio_dir, clips):
-    """A 16-token budget prefills the prompt (its audio run split over steps); the second request shares the
+    """A 32-token budget prefills the prompt (its audio run split over steps); the second request shares the
     audio prefix from the cache; both equal transformers."""
     llm = LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-              enable_prefix_caching=True, max_num_batched_tokens=16, block_size=16)
+              enable_prefix_caching=True, max_num_batched_tokens=32, block_size=16)
     prompt = "Some words first " + PROMPTS[0]
     first = llm.generate(audio_prompt(prompt, clips[:1]), params(), use_tqdm=False)
     second = llm.generate(audio_prompt(prompt + " again", clips[:1]), params(), use_tqdm=False)
@@ -337,3 +337,17 @@ def test_audio_to_a_model_without_audio_is_a_400(tiny_llama_dir):
         assert_nothing_held(srv)
     finally:
         srv.stop()
+
+
+def test_limit_mm_per_prompt_takes_audio(qwen2_audio_dir, clips):
+    """--limit-mm-per-prompt audio=N (either form) reaches the engine; a prompt over it is refused."""
+    import argparse
+
+    from engine.server.args import add_serve_args, engine_kwargs
+    p = add_serve_args(argparse.ArgumentParser(prog="chorus serve"))
+    for flag in ("audio=1", '{"audio": 1}', "image=0,audio=1"):
+        assert engine_kwargs(p.parse_args(["--limit-mm-per-prompt", flag]))["limit_mm_per_prompt"]["audio"] == 1
+    llm = LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN,
+              limit_mm_per_prompt={"audio": 1})
+    with pytest.raises(ValueError, match=r"at most 1 audio\(s\) per prompt"):
+        llm.generate(audio_prompt(PROMPTS[1], clips[:2]), params(), use_tqdm=False)

@@ -202,9 +202,10 @@ class Processor:
         """Load, check and preprocess the prompt's media; expand its placeholders.
 
         ``mm_data``: ``{"image": one image or a list}`` (vision models) or ``{"audio": one audio or a
-        list}`` (Whisper). An image is a PIL image, bytes, a URL (http(s), data:, file:// under
+        list}`` (Whisper, Qwen2-Audio). An image is a PIL image, bytes, a URL (http(s), data:, file:// under
         ``allowed_local_media_path``) or, offline, a file path; an audio is ``(array, sample_rate)``,
-        encoded bytes, a binary file object or, offline, a file path.
+        encoded bytes, a URL (as an image's, ``data:audio/...``), a binary file object or, offline, a file
+        path.
         Slow (downloads, decoding, resizing, features): the server runs it off the event loop.
 
         Images are read and their headers opened first; nothing is decoded unless their pixels fit the

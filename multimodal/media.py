@@ -22,6 +22,9 @@ too), ``allow_private_media_urls`` lifts the address check (tests, a trusted loc
 address is named in the server's log only, never in the error the client gets.
 Downloads connect directly: proxies from the environment are not used.
 
+Audio URLs (``read_audio_source``: ``data:audio/...``, http(s), file://) are read by the same functions under
+the same guards, bounded by the audio byte limit; ``multimodal.audio`` decodes them.
+
 EXIF orientation is applied to decoded files (a phone photo comes out upright, as transformers'
 ``load_image`` does); PIL images given directly are returned as they are.
 """

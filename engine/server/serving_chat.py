@@ -5,7 +5,8 @@ shared with ``LLM.chat``) in a worker thread; the request's own template, its kw
 that conflict are checked here first. Image content parts (``image_url``: http(s) or data URLs;
 ``file://`` under ``--allowed-local-media-path``) render as the model's image placeholder and travel to
 the engine client as ``multi_modal_data``; it loads and preprocesses them off the event loop. Every bad
-image is a 400 with the reason (``engine/chat_utils.py``, ``multimodal/media.py``).
+image is a 400 with the reason (``engine/chat_utils.py``, ``multimodal/media.py``). Audio parts (``input_audio``,
+``audio_url``) travel the same way to an audio-language model (Qwen2-Audio); bad audio is a 400 too.
 
 Tools and reasoning (vLLM's flags and fields): ``tools`` go to the chat template (assistant
 ``tool_calls[].function.arguments`` as objects, ``role: tool`` messages as they are); ``tool_choice``

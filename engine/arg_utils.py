@@ -64,6 +64,8 @@ class EngineArgs:
     """None: ``MultiModalConfig``'s default (as the two below)."""
     max_image_pixels_in_flight: Optional[int] = None
     max_media_bytes_in_flight: Optional[int] = None
+    audio_chunking: str = "quiet"
+    """``MultiModalConfig.audio_chunking``: "quiet" or "vad"."""
     max_num_encoder_input_tokens: Optional[int] = None
     encoder_cache_size: Optional[int] = None
     tensor_parallel_size: int = 1
@@ -121,6 +123,7 @@ class EngineArgs:
                                        allowed_local_media_path=self.allowed_local_media_path,
                                        allowed_media_domains=self.allowed_media_domains,
                                        allow_private_media_urls=self.allow_private_media_urls,
+                                       audio_chunking=self.audio_chunking,
                                        **{name: getattr(self, name) for name in MEDIA_BUDGET_FIELDS
                                           if getattr(self, name) is not None}),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),

@@ -292,6 +292,10 @@ class MultiModalConfig:
     mm_processor_workers: int = field(default_factory=lambda: min(16, os.cpu_count() or 1))
     """Threads that validate, tokenize and load the media of requests off the event loop (default: the
     CPUs, at most 16)."""
+    audio_chunking: str = "quiet"
+    """How Whisper cuts audio longer than its 30 s window: "quiet" (contiguous windows cut at the quietest
+    100 ms near each window's end) or "vad" (silero-vad's speech regions only, cut between utterances;
+    needs ``pip install 'chorus[vad]'``)."""
 
     DEFAULT_LIMIT_PER_PROMPT: ClassVar[dict[str, int]] = {"image": 16, "audio": 999}
     """Items of a modality per prompt when ``limit_mm_per_prompt`` leaves it out."""
@@ -310,6 +314,8 @@ class MultiModalConfig:
                      "max_image_pixels_in_flight", "max_media_bytes_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0.")
+        if self.audio_chunking not in ("quiet", "vad"):
+            raise ValueError(f"audio_chunking={self.audio_chunking!r}: use 'quiet' or 'vad'.")
         if self.max_image_pixels_in_flight < self.max_image_pixels_per_request:
             raise ValueError(
                 f"max_image_pixels_in_flight={self.max_image_pixels_in_flight} is below "

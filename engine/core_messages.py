@@ -5,7 +5,7 @@ Client -> core (``EngineCommand``): ``AddRequest``, ``AbortRequests``, ``CallEng
 new token ids of that step, plus the scheduler's stats), ``CallResult`` for each ``CallEngine``,
 ``EngineDead`` once. A ``CallEngine`` carries one ``EngineCall``: a dataclass per thing a client may
 ask of the core between steps (``AddLoRA``, ``RemoveLoRA``, ``ListLoRAs``, ``ResetPrefixCache``,
-``GetStats``), which the core tells apart by type. The same objects travel through an in-process
+``GetStats``, ``AlignmentScores``), which the core tells apart by type. The same objects travel through an in-process
 queue (engine thread) or, pickled, through a pipe (engine process); ``EngineCoreOutputs`` pickles as
 columns, so a step's message costs a few lists, not one object per request.
 
@@ -81,7 +81,21 @@ class GetStats:
     """The scheduler's ``SchedulerStats`` now (``EngineCore.get_stats``)."""
 
 
-EngineCall = Union[AddLoRA, RemoveLoRA, ListLoRAs, ResetPrefixCache, GetStats]
+@dataclass(frozen=True)
+class AlignmentScores:
+    """Word timestamps of a finished Whisper window (``engine.runner.alignment``): its audio encoded again and
+    one teacher-forced decoder pass over ``token_ids``; answers the alignment heads' scaled ``Q K^T``, a
+    float32 numpy array [heads, len(token_ids), num_positions]."""
+
+    audio: Any
+    """The window's encoder input (``multimodal.audio_processing.AudioInput``, as the request had it)."""
+    token_ids: tuple[int, ...]
+    """Start-of-transcript sequence, ``<|notimestamps|>``, the window's text tokens, ``<|endoftext|>``."""
+    num_positions: int
+    """Encoder positions that hold the window's audio (0.02 s each)."""
+
+
+EngineCall = Union[AddLoRA, RemoveLoRA, ListLoRAs, ResetPrefixCache, GetStats, AlignmentScores]
 """What a client may ask of the core between steps (``CallEngine``)."""
 
 

@@ -54,8 +54,8 @@ import torch
 import engine.envs as envs
 from engine.arg_utils import EngineArgs
 from engine.config import EngineConfig
-from engine.core_messages import (AbortRequests, AddLoRA, AddRequest, CallEngine, CallResult, CoreMessage,
-                                  EngineCall, EngineCommand, EngineCoreOutputs, EngineDead, EngineFacts,
+from engine.core_messages import (AbortRequests, AddLoRA, AddRequest, AlignmentScores, CallEngine, CallResult,
+                                  CoreMessage, EngineCall, EngineCommand, EngineCoreOutputs, EngineDead, EngineFacts,
                                   GetStats, InjectFault, ListLoRAs, RemoveLoRA, ResetPrefixCache, Shutdown,
                                   refuse_non_call)
 from engine.errors import EngineDeadError, EngineStepError
@@ -69,6 +69,7 @@ from engine.processor import Processor
 from engine.reasoning.engine_gate import ReasoningGate
 from engine.reasoning.registry import get_reasoning_parser
 from engine.request import Request, RequestStatus
+from engine.runner.alignment import alignment_scores
 from engine.runner.pending import PendingOutput
 from engine.runner.runner import ModelRunner
 from engine.runner.grammar_mask import GrammarSource
@@ -202,7 +203,9 @@ class EngineCore:
                               loaded.hf_config.get_text_config().vocab_size, loaded.eos_token_ids,
                               lora_enabled=cfg.lora_config is not None,
                               max_n=cfg.scheduler_config.max_num_seqs, mm_processor=loaded.mm_processor,
-                              mm_config=cfg.mm_config, transcriber=loaded.transcriber,
+                              mm_config=cfg.mm_config,
+                              transcriber=loaded.transcriber.with_chunking(cfg.mm_config.audio_chunking)
+                              if loaded.transcriber is not None else None,
                               grammar_pool=grammar_pool,
                               adapter_uploads=lora_manager.client_uploads() if lora_manager is not None else None,
                               serving=engine_args.usage_context == "server")
@@ -484,6 +487,10 @@ class EngineCore:
                 return self.reset_prefix_cache()
             case GetStats():
                 return self.get_stats()
+            case AlignmentScores():
+                if self.executor is not None:
+                    raise ValueError("word timestamps need --tensor-parallel-size 1.")
+                return alignment_scores(self.runner.model, self.runner.device, call)
         refuse_non_call(call)
         raise AssertionError(f"EngineCore.call has no case for {type(call).__name__}.")
 

@@ -123,7 +123,7 @@ class LLM:
     # ------------------------------------------------------------------ transcribe (Whisper)
     def transcribe(self, audio, *, language: Optional[str] = None, task: str = "transcribe",
                    prompt: Optional[str] = None, timestamps: bool = False, temperature: float = 0.0,
-                   lora_request=None, use_tqdm: bool = False):
+                   lora_request=None, use_tqdm: bool = False, word_timestamps: bool = False):
         """Transcribe (or translate into English, ``task="translate"``) one recording or a list of them
         with a Whisper model -> ``engine.transcription.TranscriptionResult`` (``text``, timed ``segments``,
         ``language``) per recording.
@@ -131,7 +131,8 @@ class LLM:
         ``audio``: a file path (wav, flac, ogg, mp3; m4a/webm with PyAV), encoded bytes, a binary file
         object or ``(array, sample_rate)``; or a list of those. Long audio is cut into 30 s windows at quiet
         points, all windows of all recordings run as parallel requests. ``language`` None: English on
-        English-only models, detected from the first window on multilingual ones. ValueError (AudioError)
+        English-only models, detected from the first window on multilingual ones. ``word_timestamps``: also
+        time every word (``result.words``; one alignment pass per window, base model only). ValueError (AudioError)
         for bad audio or options; a window the engine failed raises its ``RequestOutput.error``.
         """
         from engine.transcription import TranscriptionOptions
@@ -142,8 +143,10 @@ class LLM:
             raise ValueError(f"transcribe: {self.llm_engine.model_name} is not a Whisper model.")
         single = not isinstance(audio, list)
         recordings = [audio] if single else list(audio)
+        if word_timestamps and lora_request is not None:
+            raise ValueError("transcribe: word timestamps are computed with the base model; leave lora_request unset.")
         options = TranscriptionOptions(task=task, language=language, prompt=prompt, timestamps=timestamps,
-                                       temperature=temperature)
+                                       temperature=temperature, word_timestamps=word_timestamps)
         code = transcriber.check_options(options)
         limits = self.llm_engine.processor.audio_limits
         decoded = [load_audio(a, limits) for a in recordings]
@@ -163,7 +166,12 @@ class LLM:
         _raise_first_error(outs)   # a recording with a missing window has no transcription
         results, start = [], 0
         for d, windows, lang in zip(decoded, plans, languages):
-            results.append(transcriber.assemble(d, windows, outs[start:start + len(windows)], options, lang))
+            window_outs = outs[start:start + len(windows)]
+            alignments = None
+            if word_timestamps:
+                calls = [transcriber.alignment_call(w, o, options, lang) for w, o in zip(windows, window_outs)]
+                alignments = [self.llm_engine.core.call(c) if c is not None else None for c in calls]
+            results.append(transcriber.assemble(d, windows, window_outs, options, lang, alignments))
             start += len(windows)
         return results[0] if single else results
 

@@ -5,27 +5,35 @@ No engine calls here: ``Transcriber`` plans requests (an optional language-detec
 request per 30 s window, all independent so they run in parallel in the batch) and assembles outputs;
 ``LLM.transcribe`` runs them offline, the server's ``/v1/audio/*`` routes through ``AsyncLLM``.
 
-Windows come from ``multimodal.audio_chunking.chunk_audio`` (cuts at the quietest 100 ms of each window's
-last second); their offsets are sample counts / rate, so they do not drift. Each window's text and
+Windows come from the transcriber's chunker (``multimodal.audio_chunking``: ``quiet`` cuts at the quietest
+100 ms of each window's last second; ``vad`` (``multimodal.vad``) keeps the speech only, windows split
+between utterances); their offsets are sample counts / rate, so they do not drift. Each window's text and
 timed segments come from ``multimodal.whisper_decoding.parse_segments``; a segment left open at a cut
 is closed at the window's end.
+
+Word timestamps (``TranscriptionOptions.word_timestamps``) take one more engine call per finished window
+with text: ``alignment_call`` asks the engine for the alignment heads' attention over the window's text
+tokens (``core_messages.AlignmentScores``), and ``multimodal.word_timing.align_words`` turns it into timed
+words, offset by the window's start.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
+from engine.core_messages import AlignmentScores
 from engine.loader.ct2 import WhisperTokenIds, default_whisper_token_ids, whisper_token_ids
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from multimodal.audio import AudioError, DecodedAudio
-from multimodal.audio_chunking import AudioChunk, chunk_audio
+from multimodal.audio_chunking import AudioChunk, AudioChunker, QuietChunker, audio_chunker
 from multimodal.whisper_decoding import (Segment, build_decoder_prompt, language_detection_prompt,
                                          language_from_token, parse_segments, resolve_language)
+from multimodal.word_timing import WordTiming, align_words
 
 SILENCE_PEAK = 1e-4
 """Audio whose every sample is below this (absolute) has nothing to transcribe: a 400."""
@@ -50,6 +58,8 @@ class TranscriptionOptions:
     max_tokens: Optional[int] = None
     """Cap on tokens per window; None: up to the decoder's room."""
     seed: Optional[int] = None
+    word_timestamps: bool = False
+    """Time every word (``timestamp_granularities[]=word``): one alignment pass per window after decoding."""
 
 
 @dataclass
@@ -75,6 +85,8 @@ class TranscriptionResult:
     task: str
     window_texts: list[str] = field(default_factory=list)
     """Each window's text, in order."""
+    words: list[WordTiming] = field(default_factory=list)
+    """Timed words over the whole audio, when word timestamps were asked for."""
 
 
 def token_ids_of(tokenizer, vocab_size: int) -> WhisperTokenIds:
@@ -96,15 +108,25 @@ class Transcriber:
         max_model_len: decoder positions (448): prompt + output tokens of a window.
         sample_rate_hz: the rate audio is decoded at (16 kHz).
         window_s: the encoder's window (30 s).
+        audio_processor: the model's ``AudioPromptProcessor`` (the encoder input of a word-timing call).
+        chunker: how long audio becomes windows (``--audio-chunking``; default: quiet cuts).
     """
 
     def __init__(self, tokenizer, token_ids: WhisperTokenIds, max_model_len: int, sample_rate_hz: int,
-                 window_s: float) -> None:
+                 window_s: float, audio_processor=None, chunker: Optional[AudioChunker] = None) -> None:
         self.tokenizer = tokenizer
         self.ids = token_ids
         self.max_model_len = max_model_len
         self.sample_rate_hz = sample_rate_hz
         self.window_s = window_s
+        self.audio_processor = audio_processor
+        self.chunker: AudioChunker = chunker or QuietChunker()
+
+    def with_chunking(self, mode: str) -> "Transcriber":
+        """This transcriber cutting long audio by ``mode`` ("quiet" or "vad"). ValueError with the install
+        command when "vad" is asked for and silero-vad or onnxruntime is missing."""
+        return Transcriber(self.tokenizer, self.ids, self.max_model_len, self.sample_rate_hz, self.window_s,
+                           self.audio_processor, audio_chunker(mode))
 
     @property
     def is_multilingual(self) -> bool:
@@ -140,7 +162,8 @@ class Transcriber:
     def detection_request(self, audio: DecodedAudio) -> tuple[dict, SamplingParams]:
         """A one-token request on the first window whose only allowed tokens are the languages
         (the model's logits rules restrict a ``[<|startoftranscript|>]`` prompt to them)."""
-        first = chunk_audio(audio.samples, self.sample_rate_hz, self.window_s)[0]
+        chunks = self.chunker.chunks(audio.samples, self.sample_rate_hz, self.window_s)
+        first = chunks[0] if chunks else QuietChunker().chunks(audio.samples, self.sample_rate_hz, self.window_s)[0]
         prompt = {"prompt_token_ids": language_detection_prompt(self.ids),
                   "multi_modal_data": {"audio": (audio.samples[first.start_sample:first.end_sample],
                                                  self.sample_rate_hz)}}
@@ -153,7 +176,7 @@ class Transcriber:
         return language_from_token(self.ids, token_ids[0])
 
     def windows(self, audio: DecodedAudio, options: TranscriptionOptions, language: Optional[str]) -> list[WindowPlan]:
-        chunks = chunk_audio(audio.samples, self.sample_rate_hz, self.window_s)
+        chunks = self.chunker.chunks(audio.samples, self.sample_rate_hz, self.window_s)
         prompt = build_decoder_prompt(self.ids, self.tokenizer, language=language, task=options.task,
                                       timestamps=options.timestamps, prompt_text=options.prompt)
         return [WindowPlan(i, c, list(prompt), audio.samples[c.start_sample:c.end_sample])
@@ -186,14 +209,58 @@ class Transcriber:
         return self.tokenizer.decode([t for t in output.outputs[0].token_ids if t < self.ids.eot])
 
     def assemble(self, audio: DecodedAudio, windows: list[WindowPlan], outputs: list[RequestOutput],
-                 options: TranscriptionOptions, language: Optional[str]) -> TranscriptionResult:
+                 options: TranscriptionOptions, language: Optional[str],
+                 alignments: Optional[list[Optional[np.ndarray]]] = None) -> TranscriptionResult:
+        """The transcript of ``windows``' finished ``outputs``; ``alignments``: each window's answer to its
+        ``alignment_call`` (None where it had none), when word timestamps were asked for."""
         segments: list[Segment] = []
         texts: list[str] = []
-        for window, output in zip(windows, outputs):
+        words: list[WordTiming] = []
+        for i, (window, output) in enumerate(zip(windows, outputs)):
             texts.append(self.window_text(output))
             segments += self.window_segments(window, output, options, first_id=len(segments))
+            if alignments is not None and alignments[i] is not None:
+                words += self.window_words(window, output, options, language, alignments[i])
         return TranscriptionResult(text=join_texts(texts), segments=segments, language=language,
-                                   duration_s=audio.duration_s, task=options.task, window_texts=texts)
+                                   duration_s=audio.duration_s, task=options.task, window_texts=texts,
+                                   words=words)
+
+    # ------------------------------------------------------------------ word timestamps
+    def _text_tokens(self, output: RequestOutput) -> list[int]:
+        return [t for t in output.outputs[0].token_ids if t < self.ids.eot]
+
+    def _alignment_prefix(self, options: TranscriptionOptions, language: Optional[str]) -> list[int]:
+        """``<|startoftranscript|>`` (+ language, task) and ``<|notimestamps|>``: OpenAI's alignment prompt
+        (no previous text, no timestamps)."""
+        return build_decoder_prompt(self.ids, self.tokenizer, language=language, task=options.task,
+                                    timestamps=False, prompt_text=None)
+
+    def alignment_call(self, window: WindowPlan, output: RequestOutput, options: TranscriptionOptions,
+                       language: Optional[str]) -> Optional[AlignmentScores]:
+        """The engine call that times ``window``'s words (None when it has no text)."""
+        text = self._text_tokens(output)
+        if not text:
+            return None
+        if self.audio_processor is None:
+            raise ValueError("word timestamps need the model's audio processor.")
+        from multimodal.audio_processing import AudioInput
+
+        processor = self.audio_processor
+        frames = window.samples.shape[0] // processor.settings.hop_length
+        num_positions = min(processor.num_embeds, max(1, frames // 2))
+        audio = AudioInput(np.ascontiguousarray(window.samples, dtype=np.float32), processor.log_mel,
+                           processor.settings.padding)
+        token_ids = self._alignment_prefix(options, language) + text + [self.ids.eot]
+        return AlignmentScores(audio, tuple(token_ids), num_positions)
+
+    def window_words(self, window: WindowPlan, output: RequestOutput, options: TranscriptionOptions,
+                     language: Optional[str], scores: np.ndarray) -> list[WordTiming]:
+        """``window``'s timed words from the engine's answer to its ``alignment_call``."""
+        import torch
+
+        first_row = len(self._alignment_prefix(options, language)) - 1
+        return align_words(torch.from_numpy(np.asarray(scores)), self._text_tokens(output), first_row,
+                           self.ids.eot, self.tokenizer.decode, language, offset_s=window.chunk.start_s)
 
     def _sot_index(self, prompt: list[int]) -> int:
         return prompt.index(self.ids.sot)
@@ -226,13 +293,17 @@ def _any_language(ids: WhisperTokenIds) -> Optional[str]:
 
 def options_from_form(task: str, language: Optional[str], prompt: Optional[str], response_format: str,
                       temperature: Optional[float], granularities: Optional[list[str]]) -> TranscriptionOptions:
-    """The options an OpenAI audio request's fields ask for. ValueError for unsupported ones."""
+    """The options an OpenAI audio request's fields ask for. ValueError for unsupported ones (word timestamps
+    come in verbose_json only, as OpenAI's)."""
     granularities = list(granularities or [])
     for g in granularities:
         if g not in ("segment", "word"):
-            raise ValueError(f"timestamp_granularities[]: {g!r}; use 'segment'.")
-    if "word" in granularities:
-        raise ValueError("timestamp_granularities[]=word is not supported yet; use 'segment'.")
+            raise ValueError(f"timestamp_granularities[]: {g!r}; use 'segment' or 'word'.")
+    words = "word" in granularities
+    if words and response_format != "verbose_json":
+        raise ValueError(f"timestamp_granularities[]=word needs response_format=verbose_json, not "
+                         f"{response_format!r}.")
     timestamps = response_format in ("verbose_json", "srt", "vtt") or "segment" in granularities
     return TranscriptionOptions(task=task, language=language or None, prompt=prompt or None, timestamps=timestamps,
-                                temperature=0.0 if temperature is None else float(temperature))
+                                temperature=0.0 if temperature is None else float(temperature),
+                                word_timestamps=words)

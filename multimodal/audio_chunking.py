@@ -11,11 +11,16 @@ every chunk but the last is at least ``chunk_length_s - search_s + rms_window_s 
 Chunks are computed in whole samples and their times derived from those (``start_sample / rate``), so
 offsets do not drift over an hour; together they cover ``[0, num_samples)`` exactly once, each starting
 where the previous ended.
+
+That is the ``quiet`` chunker (``QuietChunker``, the default of ``--audio-chunking``). The ``vad`` one
+(``multimodal.vad.VoiceChunker``) keeps only the speech silero-vad finds, so its chunks may leave gaps;
+``audio_chunker(mode)`` gives either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -43,6 +48,37 @@ class AudioChunk:
     @property
     def num_samples(self) -> int:
         return self.end_sample - self.start_sample
+
+
+AUDIO_CHUNKING_MODES = ("quiet", "vad")
+"""``--audio-chunking`` values."""
+
+
+class AudioChunker(Protocol):
+    """Long audio -> the chunks to transcribe, in order, each at most ``chunk_length_s``."""
+
+    def chunks(self, samples: np.ndarray, sample_rate_hz: int, chunk_length_s: float) -> list[AudioChunk]:
+        ...
+
+
+@dataclass(frozen=True)
+class QuietChunker:
+    """Contiguous chunks cut at quiet points (``chunk_audio``): every sample is transcribed."""
+
+    def chunks(self, samples: np.ndarray, sample_rate_hz: int, chunk_length_s: float) -> list[AudioChunk]:
+        return chunk_audio(samples, sample_rate_hz, chunk_length_s)
+
+
+def audio_chunker(mode: str) -> AudioChunker:
+    """The chunker of ``--audio-chunking mode``. ValueError for an unknown mode, or for "vad" without its
+    packages (the message says how to install them)."""
+    if mode == "quiet":
+        return QuietChunker()
+    if mode == "vad":
+        from multimodal.vad import VoiceChunker
+
+        return VoiceChunker.load()
+    raise ValueError(f"--audio-chunking {mode!r}: use one of {', '.join(AUDIO_CHUNKING_MODES)}.")
 
 
 def chunk_audio(samples: np.ndarray, sample_rate_hz: int = 16000, chunk_length_s: float = CHUNK_LENGTH_S,

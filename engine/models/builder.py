@@ -63,10 +63,6 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
         return requested or limit
     hf_config = hf_config.get_text_config()
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "model_type", "") in ("mistral", "mixtral", "gemma3_text"):
-        # We do not apply sliding-window attention: stay inside the window, where it is exact.
-        limit = min(limit, window)
     if requested is None:
         return limit
     if requested > limit:
@@ -254,8 +250,10 @@ def _configure_whisper(model, hf_config, tokenizer, resolved, max_model_len: int
         return [int(t) for t in value or []]
 
     model.configure_decoding(ids, token_list("suppress_tokens"), token_list("begin_suppress_tokens"),
-                             int(settings.get("max_initial_timestamp_index", 50) or 50))
-    return Transcriber(tokenizer, ids, max_model_len, mm_processor.sample_rate_hz, mm_processor.window_s)
+                             int(settings.get("max_initial_timestamp_index", 50) or 50),
+                             alignment_heads=settings.get("alignment_heads"))
+    return Transcriber(tokenizer, ids, max_model_len, mm_processor.sample_rate_hz, mm_processor.window_s,
+                       audio_processor=mm_processor)
 
 
 def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], model_cls, model_config: ModelConfig,

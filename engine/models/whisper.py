@@ -186,6 +186,11 @@ class WhisperForConditionalGeneration(nn.Module):
         """Encoder output rows per audio item (1500: a 30 s window)."""
         self.logits_rules: Optional[LogitsRules] = None
         """Set by ``configure_decoding`` once the tokenizer's special ids are known."""
+        from multimodal.word_timing import alignment_heads_of
+
+        self.alignment_heads: list[tuple[int, int]] = alignment_heads_of(config)
+        """(decoder layer, head) of the cross-attention heads that time words (``alignment_scores``); a
+        generation_config's list replaces them (``configure_decoding``)."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.proj_out = None
         if not self.tie_word_embeddings and self.tp.size > 1:
@@ -247,13 +252,58 @@ class WhisperForConditionalGeneration(nn.Module):
             layer.encoder_attn.write_kv(encoder_out, slot_mapping, layer.self_attn.attn)
 
     def configure_decoding(self, token_ids, suppress_tokens: list[int], begin_suppress_tokens: list[int],
-                           max_initial_timestamp_index: int = 50) -> None:
+                           max_initial_timestamp_index: int = 50,
+                           alignment_heads: Optional[list[list[int]]] = None) -> None:
         """Set ``logits_rules``: Whisper's token suppression, timestamp and language-detection rules the
-        runner applies before sampling (as transformers' Whisper ``generate``)."""
+        runner applies before sampling (as transformers' Whisper ``generate``); ``alignment_heads`` (the
+        checkpoint's generation_config) replace the config's or the built-in ones."""
         from multimodal.whisper_decoding import WhisperLogitsRules
+
+        if alignment_heads:
+            self.alignment_heads = [(int(layer), int(head)) for layer, head in alignment_heads]
 
         self.logits_rules = WhisperLogitsRules(token_ids, suppress_tokens, begin_suppress_tokens,
                                                max_initial_timestamp_index)
+
+    @torch.inference_mode()
+    def alignment_scores(self, encoder_out: torch.Tensor, token_ids: torch.Tensor,
+                         num_positions: int) -> torch.Tensor:
+        """Word timestamps' input: one teacher-forced decoder pass over ``token_ids`` [T] with explicit
+        attention, giving the scaled ``Q K^T`` of the ``alignment_heads`` over the first ``num_positions``
+        rows of ``encoder_out`` [num_source_positions, d_model] (one request's encoder output) -> float32
+        [len(alignment_heads), T, num_positions], before softmax (``multimodal.word_timing``).
+
+        Outside the paged path: no KV cache, no forward context, only the layers up to the last alignment
+        head. The base weights (no adapter); one rank (``tensor_parallel_size`` 1).
+        """
+        if self.tp.size > 1:
+            raise ValueError("word timestamps need --tensor-parallel-size 1 (the alignment pass runs on one rank).")
+        if not 0 < num_positions <= encoder_out.shape[0]:
+            raise ValueError(f"num_positions {num_positions} is outside (0, {encoder_out.shape[0]}].")
+        decoder = self.model.decoder
+        positions = torch.arange(token_ids.shape[0], device=token_ids.device)
+        hidden = decoder.embed_tokens(token_ids) + decoder.embed_positions(positions)      # [T, d_model]
+        wanted: dict[int, list[int]] = {}
+        for layer_index, head in self.alignment_heads:
+            wanted.setdefault(layer_index, []).append(head)
+        scores: dict[tuple[int, int], torch.Tensor] = {}
+        for layer_index, layer in enumerate(decoder.layers[:max(wanted) + 1]):
+            attn = layer.self_attn
+            q, k, v = attn.qkv_proj(layer.self_attn_layer_norm(hidden)).view(
+                -1, 3, attn.num_heads, attn.head_dim).unbind(1)                            # [T, H, D] each
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)    # [H, T, D]
+            hidden = hidden + attn.out_proj(out.transpose(0, 1).reshape(q.shape[0], -1))
+            cross = layer.encoder_attn
+            q = cross.q_proj(layer.encoder_attn_layer_norm(hidden)).view(-1, cross.num_heads, cross.head_dim)
+            k, v = cross.kv_proj(encoder_out).view(-1, 2, cross.num_heads, cross.head_dim).unbind(1)  # [S, H, D]
+            logits = torch.einsum("thd,shd->hts", q.float(), k.float()) * cross.scale       # [H, T, S]
+            for head in wanted.get(layer_index, []):
+                scores[(layer_index, head)] = logits[head, :, :num_positions]
+            out = torch.einsum("hts,shd->thd", logits.softmax(dim=-1).to(v.dtype), v)       # [T, H, D]
+            hidden = hidden + cross.out_proj(out.reshape(q.shape[0], -1))
+            hidden = hidden + layer.fc2(layer.act(layer.fc1(layer.final_layer_norm(hidden))))
+        return torch.stack([scores[h] for h in self.alignment_heads])
 
     def make_prompt_processor(self, checkpoint_dir: Path):
         """Audio -> log-mel features and content hashes (``multimodal.audio_processing``)."""

@@ -282,6 +282,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "whisper-1 for clients that hard-code OpenAI's name). Default: "
                              "whisper-tiny.en / whisper-base for the packaged models, else the path.")
 
+    speech.add_argument("--audio-chunking", default="quiet", choices=["quiet", "vad"],
+                        help="How audio longer than Whisper's 30 s window is cut: quiet (contiguous windows "
+                             "cut at the quietest 100 ms near each window's end) or vad (silero-vad's speech "
+                             "only, one window per utterance, silence not transcribed; needs "
+                             "pip install 'chorus[vad]'). Default: quiet.")
+
     mm = p.add_argument_group("Images (vision models: LLaVA, Qwen2-VL, Qwen2.5-VL)")
     mm.add_argument("--limit-mm-per-prompt", type=_limit_mm_per_prompt, default=None, metavar="JSON",
                     help='Most images or audio clips in one request, as JSON \'{"image": 2, "audio": 1}\' '
@@ -410,7 +416,8 @@ def _common_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs, device=args.device, enforce_eager=args.enforce_eager,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size, load_format=args.load_format,
-        async_scheduling=getattr(args, "async_scheduling", True), usage_context="server")
+        async_scheduling=getattr(args, "async_scheduling", True), usage_context="server",
+        audio_chunking=getattr(args, "audio_chunking", "quiet"))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,8 @@ One request's path (``LLM.transcribe`` is its offline twin):
     multilingual model without ``language``: one 1-token detection request
     one engine request per 30 s window, all submitted together (they share the engine's steps; their
         features are computed in the engine client's media threads), outputs assembled and rendered
+    ``timestamp_granularities[]=word`` (verbose_json only): once every window finished, one alignment call
+        per window with text (``core_messages.AlignmentScores``), giving verbose_json's ``words``
 
 Streaming (``stream=true``; json and text only): ``transcript.text.delta`` events in audio order (the
 earliest unfinished window's tokens as they arrive; a later window's text once every earlier one has
@@ -155,9 +157,10 @@ class RunningTranscription:
     async def abort_async(self) -> None:   # a response's BackgroundTask runs async callables on the loop
         self.abort()
 
-    def result(self, transcriber: Transcriber) -> TranscriptionResult:
+    def result(self, transcriber: Transcriber, alignments: Optional[list] = None) -> TranscriptionResult:
         return transcriber.assemble(self.audio, [w.plan for w in self.windows],
-                                    [w.output for w in self.windows], self.job.options, self.language)
+                                    [w.output for w in self.windows], self.job.options, self.language,
+                                    alignments)
 
 
 class OpenAIServingTranscription(ServingBase):
@@ -205,6 +208,8 @@ class OpenAIServingTranscription(ServingBase):
             return Response(status_code=499)
         body, media_type = render(form.response_format, text=result.text, segments=result.segments,
                                   language=result.language, duration_s=result.duration_s, task=result.task)
+        if job.options.word_timestamps and isinstance(body, dict):
+            body["words"] = [{"word": w.word.strip(), "start": w.start_s, "end": w.end_s} for w in result.words]
         if isinstance(body, dict):
             return JSONResponse(body)
         return Response(body, media_type=media_type)
@@ -225,6 +230,10 @@ class OpenAIServingTranscription(ServingBase):
                                         form.temperature, form.timestamp_granularities)
         except ValueError as e:
             raise BadRequestError(str(e), param="timestamp_granularities[]") from e
+        if options.word_timestamps and lora is not None:
+            raise BadRequestError("timestamp_granularities[]=word: word timestamps are computed with the base "
+                                  f"model; send model={self.models.model_name!r}, not an adapter.",
+                                  param="timestamp_granularities[]")
         try:
             language = self.transcriber.check_options(options)
         except ValueError as e:
@@ -276,7 +285,8 @@ class OpenAIServingTranscription(ServingBase):
         language = job.language
         if language is None:
             language = await self._detect_language(job, audio)
-        plans = self.transcriber.windows(audio, job.options, language)
+        # Voice-activity chunking runs a model over the whole recording: off the event loop.
+        plans = await asyncio.to_thread(self.transcriber.windows, audio, job.options, language)
         run = RunningTranscription(job, audio, language, [WindowOutput(p) for p in plans])
         kind = RequestOutputKind.DELTA if job.form.stream else RequestOutputKind.FINAL_ONLY
         requests = []
@@ -300,6 +310,8 @@ class OpenAIServingTranscription(ServingBase):
                       lora: Optional[LoRARequest]) -> list[RequestStream]:
         """Add every window request; if one is refused or the caller is cancelled (client gone), none is
         left running."""
+        if not requests:   # voice-activity chunking found no speech
+            return []
         tasks = [asyncio.ensure_future(self.engine_client.add_request(prompt, params, rid, lora_request=lora))
                  for prompt, params, rid in requests]
         try:
@@ -323,7 +335,13 @@ class OpenAIServingTranscription(ServingBase):
                 run.windows[i].add(out)
         finally:
             run.abort()
-        return run.result(self.transcriber)
+        alignments = None
+        if job.options.word_timestamps:
+            alignments = []
+            for window in run.windows:   # one at a time: each is a pass between engine steps
+                call = self.transcriber.alignment_call(window.plan, window.output, job.options, run.language)
+                alignments.append(await self.engine_client.call_engine(call) if call is not None else None)
+        return run.result(self.transcriber, alignments)
 
     async def _events(self, run: RunningTranscription) -> AsyncIterator[str]:
         deltas = TranscriptDeltas()

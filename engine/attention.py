@@ -4,6 +4,17 @@ The runner builds one ``AttentionMetadata`` per step and enters ``engine.forward
 it; each ``PagedAttention`` layer reads it, writes this step's K/V into its cache by ``slot_mapping``,
 then attends over the request's cached prefix + the new tokens (causal within the chunk).
 
+Two refinements of causal attention, the same in every backend (``kernels.reference.paged_attention_ref``):
+
+- a sliding window (per layer, ``PagedAttention.sliding_window``): the query at position p sees keys
+  p - window < k <= p, transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``: the
+  query and the window - 1 keys before it). Keys before the window are never read, so their blocks may
+  have been returned to the pool (``engine.kv_cache_manager``);
+- per-token key limits (``AttentionMetadata.key_limit``): the query token t sees keys up to
+  ``key_limit[t]`` instead of its own position: the tokens of one image of Gemma 3 attend to each other
+  both ways (``engine.models.gemma3_vl``). The window still applies on top (transformers' sliding layers:
+  AND(window, OR(causal, same image))).
+
 Backends: ``torch`` (the reference; used on CPU and as the test oracle) and ``triton``
 (``kernels/paged_attention.py``; used on CUDA). Both compute the same function. An FP8 KV cache
 (``--kv-cache-dtype fp8``) is the Triton backend's alone: its kernels quantize K/V on write and
@@ -52,6 +63,12 @@ class AttentionMetadata:
     slots_padded: Optional[bool] = None
     """Host flag: some ``slot_mapping`` entry is -1 (a padding token). False lets the torch backend's KV
     write skip its per-layer check; None: unknown (checked per write)."""
+    key_limit: Optional[torch.Tensor] = None
+    """[num_tokens] int32: the last key position each query token sees (its own position for a causal
+    token, the last token of its image for an image token of a bidirectional span); None: every token
+    is causal. Filled by a model with bidirectional spans (``engine.models.gemma3_vl``) at the top of its
+    forward, on eager steps with more than one query token per request; a decode row's limit is always
+    its own position (the scheduler never ends a prefill chunk inside such a span)."""
     captured: bool = False
     """Built for a CUDA-graph capture: the host fields (max lengths, num_decode_reqs) describe the
     graph's bucket, not the requests a replay will run."""
@@ -124,22 +141,31 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
 
 def _context_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor,
-                seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's first ``seq_len`` cached K and V ([seq_len, num_kv_heads, head_dim] each), gathered
-    from its block table row."""
+                seq_len: int, first_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's cached K and V at positions [first_block * block_size, seq_len) ([len, num_kv_heads,
+    head_dim] each), gathered from its block table row (blocks before ``first_block`` are not read)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    nblk = (seq_len + block_size - 1) // block_size
-    block_ids = block_table_row[:nblk].to(torch.long)
-    k = _gather_blocks(k_cache, block_ids).view(nblk * block_size, num_kv_heads, head_dim)[:seq_len]
-    v = _gather_blocks(v_cache, block_ids).view(nblk * block_size, num_kv_heads, head_dim)[:seq_len]
+    nblk = (seq_len + block_size - 1) // block_size - first_block
+    block_ids = block_table_row[first_block:first_block + nblk].to(torch.long)
+    length = seq_len - first_block * block_size
+    k = _gather_blocks(k_cache, block_ids).view(nblk * block_size, num_kv_heads, head_dim)[:length]
+    v = _gather_blocks(v_cache, block_ids).view(nblk * block_size, num_kv_heads, head_dim)[:length]
     return k, v
+
+
+def window_start(position: int, window: Optional[int]) -> int:
+    """The first key position the query at ``position`` sees under a sliding ``window`` (None: 0)."""
+    return 0 if window is None else max(0, position - window + 1)
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, k_new: Optional[torch.Tensor] = None,
                           v_new: Optional[torch.Tensor] = None, bf16_min_tokens: Optional[int] = None,
-                          decode_kernel: Optional[CpuDecodeAttention] = None) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its whole cached context.
+                          decode_kernel: Optional[CpuDecodeAttention] = None,
+                          window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its whole cached context (within the last
+    ``window`` positions of each query when given, and up to ``meta.key_limit`` where set: the module
+    docstring).
 
     q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim].
     Decodes (one query token) are batched into one padded attention; prefill chunks run one
@@ -149,7 +175,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     queries (None: never) attends with bfloat16 q, k and v (the CPU flash kernel's AMX path; float32
     softmax, sums and output), as a model whose weights multiply in bfloat16 asks (``AttentionBackend``).
     With ``decode_kernel`` (CPU, a float32 or bfloat16 cache), the decode rows attend through it, reading the
-    blocks in place, instead of through a gathered copy and SDPA.
+    blocks in place, instead of through a gathered copy and SDPA (not for decode rows whose context is longer
+    than ``window``: those gather their window's blocks, ``_windowed_decode``). Chunks whose window or key
+    limits change the causal mask take the masked call, over their window's blocks only.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -158,7 +186,13 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     nd = meta.num_decode_reqs
 
-    if nd > 0 and decode_kernel is not None and q.dtype == torch.float32:
+    if nd > 0 and window is not None and max(seq_lens[:nd]) > window:
+        od = _windowed_decode(q[:nd], k_cache, v_cache, meta.block_tables, seq_lens[:nd], window, scale)
+        if nd == num_tokens:
+            return od
+        out = torch.empty_like(q)
+        out[:nd] = od
+    elif nd > 0 and decode_kernel is not None and q.dtype == torch.float32:
         od = decode_kernel(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens[:nd],
                            max(seq_lens[:nd]), scale)                             # [nd, H, d]
         if nd == num_tokens:
@@ -201,7 +235,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if k_new is not None:
         for i in range(nd, len(seq_lens)):
             qlen = qsl[i + 1] - qsl[i]
-            if qlen > 1 and seq_lens[i] == qlen:
+            if qlen > 1 and seq_lens[i] == qlen and not _masked(qlen, window, meta):
                 fresh.setdefault(qlen, []).append(i)
     for qlen, reqs in fresh.items():
         if len(reqs) < 2:
@@ -223,6 +257,11 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if qlen == 0 or i in batched:
             continue
         ctx = slen - qlen
+        if _masked(slen, window, meta):
+            out[start:end] = _masked_prefill(q[start:end], k_cache, v_cache, meta, i, ctx, window, scale,
+                                             (k_new[start:end], v_new[start:end]) if ctx == 0 and k_new is not None
+                                             else None).to(q.dtype)
+            continue
         dtype = _prefill_dtype(qlen, bf16_min_tokens, q.device)
         # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's generic path, several times slower.
         qi = _heads_first(q[start:end], dtype)                               # [1, H, qlen, d]
@@ -249,6 +288,62 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                                enable_gqa=group > 1)
         out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def _masked(seq_len: int, window: Optional[int], meta: AttentionMetadata) -> bool:
+    """Whether a prefill chunk of a ``seq_len`` context needs more than the causal mask: a window shorter
+    than its context, or per-token key limits in the step."""
+    return (window is not None and seq_len > window) or meta.key_limit is not None
+
+
+def _masked_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    req: int, ctx: int, window: Optional[int], scale: float,
+                    kv_new: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One prefill chunk (q [qlen, H, d], its queries at positions ctx ..) under the window and the key limits
+    -> [qlen, H, d] float32: one masked SDPA call over the keys from its first query's window start (read from
+    the cache a block at a time, or ``kv_new`` ([qlen, Hkv, d] each) for a chunk with no cached prefix)."""
+    qlen, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    first_block = window_start(ctx, window) // block_size
+    if kv_new is not None:
+        (k, v), first_block = kv_new, 0
+    else:
+        k, v = _context_kv(k_cache, v_cache, meta.block_tables[req], ctx + qlen, first_block)
+    dev = q.device
+    kpos = first_block * block_size + torch.arange(k.shape[0], device=dev)              # [L]
+    qpos = ctx + torch.arange(qlen, device=dev)                                          # [qlen]
+    qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
+    hi = qpos if meta.key_limit is None else meta.key_limit[qsl[req]:qsl[req] + qlen].to(qpos.dtype)
+    mask = kpos[None, :] <= hi[:, None]                                                  # [qlen, L]
+    if window is not None:
+        mask &= kpos[None, :] > (qpos - window)[:, None]
+    o = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v), attn_mask=mask[None, None],
+                                       scale=scale, enable_gqa=num_heads != num_kv_heads)  # [1, H, qlen, d]
+    return o[0].transpose(0, 1)
+
+
+def _windowed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: list[int], window: int, scale: float) -> torch.Tensor:
+    """Decode rows (q [nd, H, d], one query each, at position seq_len - 1) over their last ``window`` keys:
+    each row gathers only the blocks its window touches -> [nd, H, d] in q's dtype."""
+    nd, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    dev = q.device
+    first = torch.tensor([max(0, s - window) // block_size for s in seq_lens], device=dev)   # [nd]
+    lens = torch.tensor(seq_lens, device=dev)                                                 # [nd]
+    num_blocks = max(-(-s // block_size) - max(0, s - window) // block_size for s in seq_lens)
+    cols = (first[:, None] + torch.arange(num_blocks, device=dev)[None, :]).clamp_(max=block_tables.shape[1] - 1)
+    ids = block_tables[:nd].gather(1, cols).reshape(-1).to(torch.long)                       # [nd * num_blocks]
+    padded = num_blocks * block_size
+    k = _gather_blocks(k_cache, ids).view(nd, padded, num_kv_heads, head_dim)
+    v = _gather_blocks(v_cache, ids).view(nd, padded, num_kv_heads, head_dim)
+    kpos = first[:, None] * block_size + torch.arange(padded, device=dev)[None, :]            # [nd, padded]
+    real = (kpos < lens[:, None]) & (kpos >= (lens - window)[:, None])
+    mask = torch.zeros(real.shape, dtype=torch.float32, device=dev).masked_fill_(~real, float("-inf"))
+    qd = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim).float()              # [nd, Hkv, G, d]
+    od = F.scaled_dot_product_attention(qd, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+                                        attn_mask=mask[:, None, None, :], scale=scale)      # [nd, Hkv, G, d]
+    return od.reshape(nd, num_heads, head_dim).to(q.dtype)
 
 
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -379,19 +474,22 @@ class AttentionBackend:
             write_kv_torch(k, v, k_cache, v_cache, slot_mapping, slots_padded)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_new=None,
-               v_new=None, *, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+               v_new=None, *, k_scale: float = 1.0, v_scale: float = 1.0,
+               window: Optional[int] = None) -> torch.Tensor:
         """Causal attention of q ([T, H, D]) over the cached context (``paged_attention_torch``'s
-        semantics) -> [T, H, D]; ``k_scale`` / ``v_scale`` as ``write_kv``'s."""
+        semantics: within ``window`` positions when given, up to ``meta.key_limit`` where set) -> [T, H, D];
+        ``k_scale`` / ``v_scale`` as ``write_kv``'s."""
         if self.name == "triton":
             from kernels.paged_attention import paged_attention
             return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, meta.max_query_len, meta.max_seq_len, scale,
                                    has_decodes=meta.captured or meta.num_decode_reqs > 0,
-                                   decode_tiles=self.decode_tiles, k_scale=k_scale, v_scale=v_scale)
+                                   decode_tiles=self.decode_tiles, k_scale=k_scale, v_scale=v_scale,
+                                   window=window, key_limit=meta.key_limit)
         decode_kernel = self.cpu_decode if self.cpu_decode is not None and cpu_decode_supports(
             q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], k_cache.dtype) else None
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, k_new, v_new, self.bf16_min_tokens,
-                                     decode_kernel)
+                                     decode_kernel, window)
 
     def attend_cross(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, k_scale: float = 1.0,
                      v_scale: float = 1.0) -> torch.Tensor:
@@ -410,13 +508,14 @@ class AttentionBackend:
         return cross_attention_torch(q, k_cache, v_cache, meta, scale)
 
     def attend_decode_rotary(self, q, k, v, positions, rotary, k_cache, v_cache, meta: AttentionMetadata,
-                             scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0) -> Optional[torch.Tensor]:
+                             scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                             window: Optional[int] = None) -> Optional[torch.Tensor]:
         """Rotary + KV write + attention of a pure-decode step as one kernel
         (``kernels.paged_attention.paged_decode_rotary``; q, k, v before rotary, q not written
         back) -> out [T, H, D]; None where this step does not take it (torch backend, a step
         with more than one query token per request, or a batch the policy does not fuse,
         ``KernelPolicy.fuses_decode_rotary``): then the caller rotates, writes and attends as usual.
-        ``k_scale`` / ``v_scale`` as ``write_kv``'s."""
+        ``k_scale`` / ``v_scale`` as ``write_kv``'s; ``window`` as ``attend``'s."""
         if (meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]
                 or not self._fuses_decode_rotary(q.shape[0], k_cache.shape[2], q.device)):
             return None
@@ -425,7 +524,8 @@ class AttentionBackend:
         return paged_decode_rotary(q, k, v, positions, rotary.cos[:, :half], rotary.sin[:, :half],
                                    rotary.rotary_dim, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
                                    meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
-                                   decode_tiles=self.decode_tiles, k_scale=k_scale, v_scale=v_scale)
+                                   decode_tiles=self.decode_tiles, k_scale=k_scale, v_scale=v_scale,
+                                   window=window)
 
     def _fuses_decode_rotary(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode batch of ``num_reqs`` takes ``attend_decode_rotary``'s kernel."""

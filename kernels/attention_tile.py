@@ -102,3 +102,16 @@ def store_partials(part_acc_ptr, part_max_ptr, part_sum_ptr, part, m_i, l_i, acc
     tl.store(part_max_ptr + part, m_i, mask=row_ok)
     tl.store(part_sum_ptr + part, l_i, mask=row_ok)
     tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+
+
+NO_WINDOW = 1 << 30
+"""The ``window`` the kernels take for a layer without a sliding window (every key is within it)."""
+
+
+@triton.jit
+def window_tiles(key_lo, num_tiles, seg, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """[tile_lo, tile_hi) (absolute tile indices) of the key tiles segment ``seg`` covers among those from the
+    one holding key ``key_lo`` (a sliding window's first key; 0: all) up to ``num_tiles``."""
+    tile0 = key_lo // TILE_N
+    tile_lo, tile_hi = segment_tiles(num_tiles - tile0, seg, NUM_SPLITS)
+    return tile_lo + tile0, tile_hi + tile0

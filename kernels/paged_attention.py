@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import (load_kv_tile, online_softmax_step, scale_values, score_scale_log2,
-                                    segment_tiles, store_partials)
+from kernels.attention_tile import (NO_WINDOW, load_kv_tile, online_softmax_step, scale_values,
+                                    score_scale_log2, store_partials, window_tiles)
 from kernels.kv_write import FP8_KV_DTYPE, check_kv_scales
 from kernels.paged_decode import MAX_DECODE_REQS, DecodeRotary, launch_paged_decode
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted,
@@ -78,26 +78,30 @@ def _find_request(query_start_loc_ptr, pid_qb, num_reqs, BLOCK_Q: tl.constexpr, 
 @triton.jit(do_not_specialize=["num_reqs", "num_heads"])   # one binary whatever the step's request count
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale_log2, v_scale, num_reqs, num_heads,
+    q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, key_limit_ptr,
+    qk_scale_log2, v_scale, num_reqs, num_heads, window,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_blk, stride_c_slot, stride_c_head, stride_bt_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FIND_CHUNK: tl.constexpr,
-    ROWS: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    ROWS: tl.constexpr, HEADS_FIRST: tl.constexpr, HAS_LIMIT: tl.constexpr = False,
 ):
     """Semantics (NUM_SPLITS == 1; scores in log2 units, qk_scale_log2 = scale * log2(e)):
 
         for each request i, qlen = qsl[i+1] - qsl[i], ctx = seq_lens[i] - qlen:
           for j in range(qlen), h in range(num_heads):
             t = qsl[i] + j; kvh = h // GROUP
-            keys p = 0 .. ctx + j, K[p] = k_cache[block_tables[i, p // BLOCK_SIZE], p % BLOCK_SIZE, kvh]
+            keys p with ctx + j - window < p <= hi, hi = key_limit[t] if HAS_LIMIT else ctx + j,
+            K[p] = k_cache[block_tables[i, p // BLOCK_SIZE], p % BLOCK_SIZE, kvh]
             s[p] = q[t, h] . K[p] * qk_scale_log2
             out[t, h] = sum_p 2^(s[p] - max s) V[p] / sum_p 2^(s[p] - max s)   (fp32, stored in out's dtype)
 
     An FP8 cache: K[p] and V[p] are the stored values times k_scale and v_scale (k_scale is inside
-    qk_scale_log2, v_scale multiplies the accumulated output: ``kernels.attention_tile``).
+    qk_scale_log2, v_scale multiplies the accumulated output: ``kernels.attention_tile``). ``window``:
+    the sliding window (``NO_WINDOW``: none); keys before the q-block's first window are never read (their
+    blocks may belong to another request by now). ``key_limit`` ([num_tokens] int32, HAS_LIMIT): each query
+    token's last visible key (bidirectional image spans), at most seq_lens[i] - 1.
 
     With NUM_SPLITS > 1, program (qb, kvh, seg) covers only its segment of the key tiles and
     stores acc = sum_p 2^(s[p] - m) V[p], m = max s, l = sum_p 2^(s[p] - m) into the partials
@@ -149,10 +153,16 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys [0, kv_end) are visible to at least one row of this q-block.
-    kv_end = ctx_len + tl.minimum((qb_local + 1) * BLOCK_Q, q_len)
+    # Keys [key_lo, kv_end) are visible to at least one row of this q-block.
+    if HAS_LIMIT:
+        hi = tl.load(key_limit_ptr + q_start + q_tok, mask=row_ok, other=0)           # [BLOCK_M]
+        kv_end = tl.minimum(tl.max(tl.where(row_ok, hi, 0), axis=0) + 1, seq_len)
+    else:
+        hi = q_pos
+        kv_end = ctx_len + tl.minimum((qb_local + 1) * BLOCK_Q, q_len)
+    key_lo = tl.maximum(ctx_len + qb_local * BLOCK_Q - window + 1, 0)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tile_lo, tile_hi = segment_tiles(num_tiles, seg, NUM_SPLITS)
+    tile_lo, tile_hi = window_tiles(key_lo, num_tiles, seg, TILE_N, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -160,10 +170,11 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
     for tile in range(tile_lo, tile_hi):
         kpos = tile * TILE_N + tl.arange(0, TILE_N)                 # [TILE_N]
-        k_ok = kpos < kv_end
+        k_ok = (kpos < kv_end) & (kpos >= key_lo)
         k_t, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
                               stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE, q.dtype)
-        visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        visible = ((kpos[None, :] <= hi[:, None]) & (kpos[None, :] > q_pos[:, None] - window)
+                   & k_ok[None, :])
         m_i, l_i, acc = online_softmax_step(q, k_t, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
 
     acc = scale_values(acc, v_scale, v_cache_ptr)
@@ -291,7 +302,8 @@ def find_chunk(num_reqs: int) -> int:
 
 
 def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                  max_query_len, max_seq_len, scale, out, num_splits, k_scale, v_scale) -> tuple[float, float]:
+                  max_query_len, max_seq_len, scale, out, num_splits, k_scale, v_scale, window=None,
+                  key_limit=None) -> tuple[float, float]:
     """Raise ValueError on a bad argument; returns (k_scale, v_scale) as floats."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, num_heads, head_dim = q.shape
@@ -333,6 +345,10 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         check_int("num_splits", num_splits, min_value=1)
         if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
             raise ValueError(f"num_splits: {num_splits} must be a power of two <= {MAX_SPLITS}.")
+    if window is not None:
+        check_int("window", window, min_value=1)
+    if key_limit is not None:
+        check_tensor("key_limit", key_limit, dtypes=(torch.int32,), shape=(num_tokens,), device=dev, contiguous=True)
     return check_kv_scales(k_cache.dtype, k_scale, v_scale)
 
 
@@ -342,8 +358,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
                     split_decodes: Optional[bool] = None, has_decodes: bool = True,
                     decode_tiles: Optional[dict] = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged context.
+                    v_scale: float = 1.0, window: Optional[int] = None,
+                    key_limit: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its paged context (within a sliding window,
+    up to per-token key limits, where given).
 
     Args:
         q: [num_tokens, num_heads, head_dim] float16/bfloat16/float32 (last dim contiguous).
@@ -371,13 +389,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             its kernel policy's ``attn_decode``).
         k_scale, v_scale: an FP8 cache's per-tensor scales (K = k_cache * k_scale, V likewise);
             1.0 for caches of q's dtype.
+        window: the query at position p sees keys p - window < k <= p (None: all keys up to p); keys
+            before a query's window are never read.
+        key_limit: [num_tokens] int32, the last key each query token sees instead of its own position
+            (>= it, < its request's seq_len); None: causal. Read by the launches with prefill chunks: a
+            pure-decode batch is causal (a decode token's limit is its own position).
 
     Returns:
         out, [num_tokens, num_heads, head_dim] in q's dtype. Rows past qsl[num_reqs] (padding
         tokens) hold undefined values.
     """
     scales = _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                           max_query_len, max_seq_len, scale, out, num_splits, k_scale, v_scale)
+                           max_query_len, max_seq_len, scale, out, num_splits, k_scale, v_scale, window, key_limit)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -394,11 +417,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # Pure decode (one token per request, token i = request i): the kernel without the q-block lookup.
         launch_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out, block_m=cfg.block_m,
                             head_pad=cfg.head_pad, tile_n=cfg.tile_n, heads_per_prog=cfg.heads_per_prog,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, kv_scales=scales)
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, kv_scales=scales, window=window)
         return out
     if split_decodes is None:
         split_decodes = max_query_len > 1 and num_splits is None and cfg.block_m > max(16, next_power_of_2(group))
-    step = (query_start_loc, seq_lens, block_tables, scale, scales, out)
+    step = (query_start_loc, seq_lens, block_tables, scale, scales, out, window, key_limit)
     if max_query_len <= 1 or not split_decodes:
         _launch(q, k_cache, v_cache, *step, cfg, ALL_ROWS)
         return out
@@ -412,9 +435,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-            kv_scales: tuple[float, float], out: torch.Tensor, cfg: _LaunchConfig, rows: int) -> None:
+            kv_scales: tuple[float, float], out: torch.Tensor, window: Optional[int],
+            key_limit: Optional[torch.Tensor], cfg: _LaunchConfig, rows: int) -> None:
     """One launch of the attention kernel (+ the split-KV merge) over the requests ``rows`` picks;
-    ``kv_scales``: the caches' (k_scale, v_scale)."""
+    ``kv_scales``: the caches' (k_scale, v_scale); ``window``, ``key_limit``: ``paged_attention``'s."""
     k_scale, v_scale = kv_scales
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -433,14 +457,16 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        key_limit if key_limit is not None else seq_lens,
         score_scale_log2(scale, k_scale, k_cache.dtype), v_scale, num_reqs, num_heads,
+        NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
         NUM_SPLITS=cfg.num_splits, UPCAST=upcast, FIND_CHUNK=find_chunk(num_reqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROWS=rows, HEADS_FIRST=heads_first,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_LIMIT=key_limit is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:
         _merge(out, (part_acc, part_max, part_sum), cfg)
@@ -484,7 +510,7 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
                         out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
                         decode_tiles: Optional[dict] = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
+                        v_scale: float = 1.0, window: Optional[int] = None) -> torch.Tensor:
     """``kv_write.rotary_write_kv`` then ``paged_attention`` for a pure-decode batch (token i is
     request i's only query token), as one launch of ``kernels.paged_decode`` (plus the split-KV
     merge when the batch is too small to fill the GPU): q and k are rotated in registers, the
@@ -495,7 +521,7 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     ``paged_attention`` with max_query_len 1. ``decode_tiles`` may override tile_n / num_warps /
     num_stages; this path always runs one KV head per program. An FP8 cache (``k_scale``,
     ``v_scale``) gets the new k and v quantized as ``rotary_write_kv`` writes them, and the newest
-    key and value are attended as stored.
+    key and value are attended as stored. ``window``: ``paged_attention``'s.
 
     Returns:
         out [num_tokens, num_heads, head_dim] in q's dtype.
@@ -504,7 +530,7 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 
     half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
     scales = _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 1, max_seq_len, scale,
-                           out, num_splits, k_scale, v_scale)
+                           out, num_splits, k_scale, v_scale, window)
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens != num_reqs or num_reqs > MAX_DECODE_REQS:
@@ -521,7 +547,8 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     launch_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out, block_m=cfg.block_m,
                         head_pad=cfg.head_pad, tile_n=cfg.tile_n, heads_per_prog=1, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages, num_splits=cfg.num_splits, partials=partials,
-                        rotary=DecodeRotary(k, v, slot_mapping, positions, cos, sin, half), kv_scales=scales)
+                        rotary=DecodeRotary(k, v, slot_mapping, positions, cos, sin, half), kv_scales=scales,
+                        window=window)
     if partials is not None:
         _merge(out, partials, cfg)
     return out

@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import (load_kv_tile, online_softmax_step, scale_values, score_scale_log2,
-                                    segment_tiles, store_partials)
+from kernels.attention_tile import (NO_WINDOW, load_kv_tile, online_softmax_step, scale_values,
+                                    score_scale_log2, store_partials, window_tiles)
 from kernels.kv_write import cache_value
 from kernels.utils import is_interpreted
 
@@ -78,7 +78,7 @@ def _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims,
 def _paged_decode_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, qk_scale_log2, k_scale, v_scale,
-    num_heads,
+    num_heads, window,
     k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_blk, stride_c_slot, stride_c_head, stride_bt_req,
@@ -90,7 +90,8 @@ def _paged_decode_kernel(
 ):
     """Semantics (scores in log2 units, qk_scale_log2 = scale * log2(e)): for request r (query
     token r) and each query head h of KV heads [g * HEADS_PER_PROG, (g + 1) * HEADS_PER_PROG),
-    kvh = h // GROUP, keys p = 0 .. seq_lens[r] - 1,
+    kvh = h // GROUP, keys p = max(0, seq_lens[r] - window) .. seq_lens[r] - 1 (``window``: the sliding
+    window, ``NO_WINDOW`` for none; earlier keys are never read),
     K[p] = k_cache[block_tables[r, p // BLOCK_SIZE], p % BLOCK_SIZE, kvh]:
 
         s[p] = q[r, h] . K[p] * qk_scale_log2
@@ -119,6 +120,7 @@ def _paged_decode_kernel(
     seg = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.maximum(tl.cdiv(seq_len, TILE_N), 1)
+    key_lo = tl.maximum(seq_len - window, 0)                        # the query's first key
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
     if ROTARY:
@@ -150,11 +152,11 @@ def _paged_decode_kernel(
             q = tl.load(q_row + head[:, None] * stride_q_head, mask=io_mask, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        tile_lo, tile_hi = segment_tiles(num_tiles, seg, NUM_SPLITS)
+        tile_lo, tile_hi = window_tiles(key_lo, num_tiles, seg, TILE_N, NUM_SPLITS)
         cache_end = seq_len - 1 if ROTARY else seq_len              # ROTARY: the newest key from registers
         for tile in range(tile_lo, tile_hi):
             kpos = tile * TILE_N + tl.arange(0, TILE_N)                 # [TILE_N]
-            k_ok = kpos < cache_end
+            k_ok = (kpos < cache_end) & (kpos >= key_lo)
             m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kvh0, dims, dim_ok,
                                          stride_c_blk, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale_log2,
                                          BLOCK_SIZE, DOT_PRECISION)
@@ -186,16 +188,18 @@ def _paged_decode_kernel(
             part = (tok * num_heads + head) * NUM_SPLITS + seg                 # [BLOCK_M]
             store_partials(part_acc_ptr, part_max_ptr, part_sum_ptr, part, m_i, l_i, acc, row_ok, dims, HEAD_PAD)
     else:
-        for it in range(0, HEADS_PER_PROG * num_tiles):
-            h_local = it // num_tiles
-            tile = it - h_local * num_tiles
+        tile0 = key_lo // TILE_N
+        win_tiles = num_tiles - tile0                                       # tiles of the window
+        for it in range(0, HEADS_PER_PROG * win_tiles):
+            h_local = it // win_tiles
+            tile = tile0 + it - h_local * win_tiles
             kv_head = kvh0 + h_local
             head = kv_head * GROUP + rows                                   # [BLOCK_M]
             q = tl.load(q_row + head[:, None] * stride_q_head, mask=io_mask, other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
             kpos = tile * TILE_N + tl.arange(0, TILE_N)                     # [TILE_N]
-            k_ok = kpos < seq_len
+            k_ok = (kpos < seq_len) & (kpos >= key_lo)
             m_i, l_i, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims, dim_ok,
                                          stride_c_blk, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale_log2,
                                          BLOCK_SIZE, DOT_PRECISION)
@@ -230,13 +234,14 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         tile_n: int, heads_per_prog: int, num_warps: int, num_stages: int, num_splits: int = 1,
                         partials: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                         rotary: Optional[DecodeRotary] = None,
-                        kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                        kv_scales: tuple[float, float] = (1.0, 1.0), window: Optional[int] = None) -> None:
     """One launch over a pure-decode batch (q row i is request i's only token). The caller
     (``kernels.paged_attention``) has checked the inputs and picked the tiles; ``heads_per_prog``
     must divide num_kv_heads and num_reqs be <= ``MAX_DECODE_REQS``. ``num_splits > 1`` writes
     ``partials`` (acc [num_reqs, num_heads, num_splits, head_pad], max and sum [num_reqs,
     num_heads, num_splits], float32) for the caller's merge; split-KV and ``rotary`` need
-    ``heads_per_prog == 1``. ``kv_scales``: an FP8 cache's checked (k_scale, v_scale)."""
+    ``heads_per_prog == 1``. ``kv_scales``: an FP8 cache's checked (k_scale, v_scale); ``window``: the
+    layer's sliding window (None: none)."""
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -258,7 +263,7 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _paged_decode_kernel[grid](
         out, part_acc, part_max, part_sum,
         q, k_cache, v_cache, seq_lens, block_tables, score_scale_log2(scale, kv_scales[0], k_cache.dtype),
-        kv_scales[0], kv_scales[1], num_heads,
+        kv_scales[0], kv_scales[1], num_heads, NO_WINDOW if window is None else window,
         *rot_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

@@ -15,8 +15,9 @@ NO_LORA = -1
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Twin of ``kernels.paged_attention.paged_attention``.
+                        block_tables: torch.Tensor, scale: float, window: Optional[int] = None,
+                        key_limit: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Twin of ``kernels.paged_attention.paged_attention`` (and of its ``window`` and ``key_limit``).
 
     q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim] in q's dtype; rows no request owns are zero.
@@ -38,8 +39,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.repeat_interleave(group, dim=1)
         qi = q[start:end].cpu().double()                       # [qlen, H, D]
         scores = torch.einsum("qhd,lhd->hql", qi, k) * scale   # [H, qlen, L]
-        # Query j sits at absolute position ctx + j and sees keys 0..ctx + j.
-        visible = positions[None, :] <= (ctx + torch.arange(end - start))[:, None]   # [qlen, L]
+        # Query j sits at absolute position ctx + j and sees keys 0..ctx + j (up to key_limit[t] where
+        # given), the last ``window`` of them under a sliding window.
+        qpos = ctx + torch.arange(end - start)                                      # [qlen]
+        hi = qpos if key_limit is None else key_limit[start:end].cpu().long()
+        visible = positions[None, :] <= hi[:, None]                                 # [qlen, L]
+        if window is not None:
+            visible &= positions[None, :] > (qpos - window)[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
     return out.to(q.dtype).to(q.device)

@@ -34,6 +34,9 @@ class PagedAttention(nn.Module):
         ``KVCache.allocate``."""
         self.v_scale: float = 1.0
         """An FP8 cache's V scale."""
+        self.sliding_window: Optional[int] = None
+        """This layer's sliding window in positions (a query sees itself and the window - 1 keys before it);
+        None: the whole context. Set by the model (``engine.models.sliding_window``)."""
 
     def fuses_rotary_write(self, x: torch.Tensor) -> bool:
         """Inputs like x take the fused rotary + KV write (CUDA with the Triton backend), which
@@ -60,7 +63,7 @@ class PagedAttention(nn.Module):
             if pending is None:
                 out = self.backend.attend_decode_rotary(q, k, v, positions, rotary, self.k_cache, self.v_cache,
                                                         meta, self.scale, k_scale=self.k_scale,
-                                                        v_scale=self.v_scale)
+                                                        v_scale=self.v_scale, window=self.sliding_window)
                 if out is not None:                 # a pure-decode step: rotary + KV write + attention in one kernel
                     return out.reshape(q.shape[0], self.num_heads * self.head_dim)
             rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, pending,
@@ -73,7 +76,7 @@ class PagedAttention(nn.Module):
             self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, meta.slots_padded,
                                   k_scale=self.k_scale, v_scale=self.v_scale)
         out = self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, k, v, k_scale=self.k_scale,
-                                  v_scale=self.v_scale)
+                                  v_scale=self.v_scale, window=self.sliding_window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _cpu_rotary_write(self, q, k, v, positions, rotary, meta) -> bool:

@@ -7,6 +7,9 @@ edge windows are smaller). The patches are reordered once so that each window's 
 contiguous, the blocks run on that order, and the merged tokens are put back in the processor's
 order at the end.
 
+LoRA: the blocks' and the merger's projections take adapters as Qwen2-VL's do; an adapter's gate_proj and
+up_proj are the two output slices of ``gate_up_proj`` (``lora_slices``).
+
 Within each frame, windows are ordered by size (full windows first), so that windows of one size are
 contiguous and attend in one batched SDPA call; the order of windows and of the patches inside one
 does not change the result. Frames stay contiguous, so the full-attention blocks still attend per
@@ -25,9 +28,10 @@ import torch.nn as nn
 
 from encoders.qwen2_vl import (
     SegmentRun, PatchMerger, VisionAttention, VisionBatch, VisionRotary, check_grids, conv3d_as_linear,
-    frame_runs, join_runs, patch_shape, rope_theta, rotary_position_ids,
+    frame_runs, join_runs, patch_shape, rope_theta, rotary_position_ids, vision_lora_slices,
 )
-from encoders.vit import TowerWeights, activation
+from encoders.vit import LoRASlices, TowerWeights, activation
+from engine.layers.linear import Linear
 
 _TOWER = "Qwen2_5_VLVisionTransformer"
 _EXPECTED_NAMES = "transformers' Qwen2_5_VisionTransformerPretrainedModel.state_dict()"
@@ -49,13 +53,14 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); ``gate_up_proj.weight`` is [2 * intermediate, dim], gate rows first."""
+    """down(act(gate(x)) * up(x)); ``gate_up_proj.weight`` is [2 * intermediate, dim], gate rows first (its
+    output slices 0 and 1)."""
 
     def __init__(self, dim: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
         self.act = activation(hidden_act)
-        self.gate_up_proj = nn.Linear(dim, 2 * intermediate_size)
-        self.down_proj = nn.Linear(intermediate_size, dim)
+        self.gate_up_proj = Linear(dim, [intermediate_size] * 2, bias=True)
+        self.down_proj = Linear(intermediate_size, [dim], bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
@@ -163,6 +168,15 @@ class Qwen2_5_VLVisionTransformer(nn.Module):
             hidden_states = block(hidden_states, full if index in self.full_attention_blocks else windowed)
         merged = self.merger(hidden_states)  # [P / merge**2, out_hidden_size], window order
         return torch.empty_like(merged).index_copy_(0, unit_order, merged)
+
+    def lora_slices(self) -> LoRASlices:
+        """The projections an adapter may update (``vision_lora_slices``): each block's mlp.gate_proj and
+        mlp.up_proj are slices 0 and 1 of ``mlp.gate_up_proj``."""
+        slices = vision_lora_slices(len(self.blocks), ("mlp.down_proj",))
+        for index in range(len(self.blocks)):
+            for idx, name in enumerate(("gate_proj", "up_proj")):
+                slices[f"blocks.{index}.mlp.{name}"] = (f"blocks.{index}.mlp.gate_up_proj", idx)
+        return slices
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in transformers' ``Qwen2_5_VisionTransformerPretrainedModel.state_dict()``

@@ -9,6 +9,9 @@ language-model token.
 Attention runs one SDPA call per run of consecutive frames with the same number of patches (one call
 for a batch of same-sized images), with no mask: the flash / memory-efficient kernels stay usable and
 no work is spent on the zero blocks a block-diagonal mask over all patches would carry.
+
+The blocks' and the merger's projections are ``engine.layers.linear.Linear``s (LoRA slots attach to them,
+``lora_slices`` maps transformers' module names onto them); the patch embedding is not.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from encoders.vit import TowerWeights, ViTMLP, WeightLoadError
+from encoders.vit import LoRASlices, TowerWeights, ViTMLP, WeightLoadError
+from engine.layers.linear import Linear
 
 _TOWER = "Qwen2VLVisionTransformer"
 _EXPECTED_NAMES = "transformers' Qwen2VisionTransformerPretrainedModel.state_dict()"
@@ -127,8 +131,8 @@ class VisionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.scale = self.head_dim ** -0.5
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
-        self.proj = nn.Linear(embed_dim, embed_dim)
+        self.qkv = Linear(embed_dim, [3 * embed_dim], bias=True)   # one projection, as in transformers
+        self.proj = Linear(embed_dim, [embed_dim], bias=True)
 
     def forward(self, hidden_states: torch.Tensor, batch: VisionBatch) -> torch.Tensor:
         """hidden_states [num_patches, embed_dim] -> [num_patches, embed_dim]."""
@@ -174,8 +178,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged_dim = embed_dim * merge_size ** 2
         self.ln_q = nn.LayerNorm(embed_dim, eps=_NORM_EPS) if norm is None else norm
-        self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
-                                 nn.Linear(self.merged_dim, out_dim))
+        self.mlp = nn.Sequential(Linear(self.merged_dim, [self.merged_dim], bias=True), nn.GELU(),
+                                 Linear(self.merged_dim, [out_dim], bias=True))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [num_patches, embed_dim] -> [num_patches / merge**2, out_dim]."""
@@ -211,6 +215,20 @@ def conv3d_as_linear(name: str, weight: torch.Tensor, patch_shape: tuple[int, ..
                               f"[embed_dim, {', '.join(map(str, patch_shape))}] (the config's in_channels, "
                               f"temporal_patch_size, patch_size, patch_size).")
     return weight.reshape(weight.shape[0], -1)
+
+
+def vision_lora_slices(num_blocks: int, mlp: tuple[str, ...]) -> LoRASlices:
+    """A Qwen2-VL-style tower's projections an adapter may update, by transformers' module names (relative
+    to the tower): each block's attn.qkv (one projection here as there), attn.proj and the MLP
+    projections ``mlp`` names (relative to the block, each one Linear of ours), the merger's mlp.0 and
+    mlp.2."""
+    slices: LoRASlices = {}
+    for index in range(num_blocks):
+        for name in ("attn.qkv", "attn.proj", *mlp):
+            slices[f"blocks.{index}.{name}"] = (f"blocks.{index}.{name}", 0)
+    for name in ("merger.mlp.0", "merger.mlp.2"):
+        slices[name] = (name, 0)
+    return slices
 
 
 def patch_shape(config) -> tuple[int, int, int, int]:
@@ -254,6 +272,10 @@ class Qwen2VLVisionTransformer(nn.Module):
         for block in self.blocks:
             hidden_states = block(hidden_states, batch)
         return self.merger(hidden_states)
+
+    def lora_slices(self) -> LoRASlices:
+        """The projections an adapter may update (``vision_lora_slices``; the MLP's fc1 and fc2)."""
+        return vision_lora_slices(len(self.blocks), ("mlp.fc1", "mlp.fc2"))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in transformers' ``Qwen2VisionTransformerPretrainedModel.state_dict()``

@@ -9,6 +9,9 @@
 - ``TowerWeights``: copies checkpoint tensors into a tower's parameters (whole or as one row block of
   a packed parameter) and names what was unknown, misshapen or never loaded.
 - ``ViTTower``: the CLIP / SigLIP tower minus what differs (class token, pre-layernorm, skipped heads).
+
+The projections are ``engine.layers.linear.Linear``s, so LoRA slots attach to them as to a language
+model's (``lora.manager``); ``ViTTower.lora_slices`` maps transformers' module names onto them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from engine.layers.linear import Linear
 
 
 class FeatureLayerError(ValueError):
@@ -63,8 +68,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class ViTAttention(nn.Module):
     """Bidirectional multi-head self-attention over [N, S, hidden] with q/k/v packed into one Linear.
 
-    ``qkv.weight`` is [3 * hidden, hidden]: rows [0, hidden) are q_proj's, then k_proj's, then v_proj's.
-    The scale is head_dim ** -0.5, as in CLIP and SigLIP.
+    ``qkv.weight`` is [3 * hidden, hidden]: rows [0, hidden) are q_proj's, then k_proj's, then v_proj's
+    (its output slices 0, 1, 2). The scale is head_dim ** -0.5, as in CLIP and SigLIP.
     """
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
@@ -78,9 +83,9 @@ class ViTAttention(nn.Module):
         self.qkv, self.out_proj = self.build_projections(hidden_size)
 
     def build_projections(self, hidden_size: int) -> tuple[nn.Module, nn.Module]:
-        """(qkv [3 * hidden -> hidden], out_proj [hidden -> hidden]), both with bias; a subclass may
-        build them as other layers taking [..., hidden] (Whisper's: adapter-ready Linears)."""
-        return nn.Linear(hidden_size, 3 * hidden_size), nn.Linear(hidden_size, hidden_size)
+        """(qkv [hidden -> q | k | v slices], out_proj [hidden -> hidden]), both with bias, as adapter-ready
+        ``Linear``s; a subclass may build them as other layers taking [..., hidden]."""
+        return Linear(hidden_size, [hidden_size] * 3, bias=True), Linear(hidden_size, [hidden_size], bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, S, hidden] -> [N, S, hidden]."""
@@ -97,8 +102,8 @@ class ViTMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
         self.act = activation(hidden_act)
-        self.fc1 = nn.Linear(hidden_size, intermediate_size)
-        self.fc2 = nn.Linear(intermediate_size, hidden_size)
+        self.fc1 = Linear(hidden_size, [intermediate_size], bias=True)
+        self.fc2 = Linear(intermediate_size, [hidden_size], bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(hidden_states)))
@@ -186,6 +191,22 @@ def resolve_feature_layers(feature_layers: Sequence[int], num_hidden_layers: int
     return resolved
 
 
+LoRASlices = dict[str, Optional[tuple[str, int]]]
+"""transformers module name of a projection (relative to a tower or projector) -> (our ``Linear`` holding it,
+relative to the same module, and its output slice), or None for one never run (a layer past the deepest
+feature layer, not built): what a tower's ``lora_slices()`` returns."""
+
+
+def materialize_deferred(module: nn.Module) -> None:
+    """Give the deferred (meta) weights of ``module``'s ``Linear``s memory where its other parameters live:
+    a tower built under ``engine.layers.linear.deferred_weights`` (a quantized checkpoint's model) loads
+    float weights."""
+    device = next((p.device for p in module.parameters() if not p.is_meta), None)
+    for sub in module.modules():
+        if isinstance(sub, Linear) and device is not None:
+            sub.materialize(device)
+
+
 class TowerWeights:
     """Copies checkpoint tensors into a module's parameters and reports what did not fit.
 
@@ -195,6 +216,7 @@ class TowerWeights:
 
     def __init__(self, module: nn.Module, tower: str, expected_names: str,
                  outer_prefixes: str = "'vision_tower.' or 'visual.'") -> None:
+        materialize_deferred(module)
         self.tower = tower
         self.expected_names = expected_names  # a hint for error messages: whose state_dict names we take
         self.outer_prefixes = outer_prefixes  # a hint for error messages: prefixes the caller should strip
@@ -288,6 +310,20 @@ class ViTTower(nn.Module):
                              f"config's num_channels and image_size; resize in preprocessing), "
                              f"got {list(pixel_values.shape)}.")
         return self.encoder(self.embed(pixel_values), indices)
+
+    def lora_slices(self) -> LoRASlices:
+        """The projections an adapter may update, by transformers' module names (with and without
+        transformers 4's ``vision_model.`` prefix): q/k/v_proj are slices of ``self_attn.qkv``; those of
+        layers not built (past the deepest feature layer, whose outputs nothing reads) are None."""
+        slices: LoRASlices = {}
+        for index in range(self.num_hidden_layers):
+            layer = f"encoder.layers.{index}"
+            built = index < self.num_layers
+            for idx, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                slices[f"{layer}.self_attn.{name}"] = (f"{layer}.self_attn.qkv", idx) if built else None
+            for name in ("self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
+                slices[f"{layer}.{name}"] = (f"{layer}.{name}", 0) if built else None
+        return {**slices, **{f"vision_model.{name}": target for name, target in slices.items()}}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in transformers' vision model's ``state_dict()`` (with or without the

@@ -56,6 +56,8 @@ class EngineArgs:
     """None: the largest rank among adapters given at start-up (at least 16)."""
     max_cpu_loras: Optional[int] = None
     lora_dtype: str = "auto"
+    enable_tower_connector_lora: bool = False
+    """``LoRAConfig.enable_tower_connector_lora`` (needs enable_lora)."""
     limit_mm_per_prompt: Optional[dict[str, int]] = None
     allowed_local_media_path: Optional[str] = None
     allowed_media_domains: Optional[list[str]] = None
@@ -99,9 +101,13 @@ class EngineArgs:
                              "adapters on the float weights (leave --quantization unset).")
         if self.enable_lora and quantization is None:
             quantization = "auto-float-gguf"   # adapters run on a GGUF file's float weights (dequantized)
+        if self.enable_tower_connector_lora and not self.enable_lora:
+            raise ValueError("enable_tower_connector_lora adapts the vision tower with LoRA adapters: also pass "
+                             "--enable-lora (or --lora-modules).")
         if self.enable_lora:
             lora = LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank or 16,
-                              max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype)
+                              max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype,
+                              enable_tower_connector_lora=self.enable_tower_connector_lora)
         return EngineConfig(
             model_config=ModelConfig(
                 model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=mml,

@@ -183,6 +183,11 @@ class LoRAConfig:
     """Adapters kept in host memory (LRU); defaults to max(max_loras, 64)."""
     lora_dtype: str = "auto"
     """auto (the model dtype), float32, float16 or bfloat16."""
+    enable_tower_connector_lora: bool = False
+    """Adapters may also update a vision-language model's vision tower and projector (LLaVA, Qwen2-VL,
+    Qwen2.5-VL): slot buffers on their projections too, and a request's image is encoded under its adapter
+    when the adapter updates them. Off: such adapters are refused (400)."""
+
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:

@@ -6,8 +6,9 @@ it carry its name only. The record of what was sent is per client and only saves
 out of date (a request that carried the weights never reached the engine, or the engine dropped the
 adapter again), the engine reads the adapter itself, off its step loop (``lora.adapter_loader``).
 
-What a read tells of an adapter is kept too: whether it updates the model's encoder, which decides the
-encoder-cache key of a request's media (``adapts_encoder``) where the request is processed.
+What a read tells of an adapter is kept too: whether it updates the model's encoder (a vision tower or its
+projector with ``--enable-tower-connector-lora``, Whisper's encoder), which decides the encoder-cache key of a
+request's media (``adapts_encoder``) where the request is processed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class AdapterUploads:
         with self._lock:
             known = self._adapts_encoder.get(lora_request.lora_name)
         return known is None or known[0] != lora_request.lora_path or known[1]
+
+    @property
+    def refuses_tower_adapters(self) -> bool:
+        """The base model has a vision tower and projector adapters could update, and this engine does not
+        adapt them (started without ``--enable-tower-connector-lora``): such adapters are refused."""
+        return bool(self.reader.targets.tower_modules)
 
     def was_sent(self, lora_request: LoRARequest) -> bool:
         with self._lock:

@@ -13,7 +13,7 @@ non-blocking copies; no host sync, no allocation), so a graph replay sees this s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -79,6 +79,10 @@ class LoRABatchState:
 
     batch: Optional[LoRABatch] = None
     """None before the first step (layers then add nothing)."""
+    regroup: Optional[Callable[[int], None]] = None
+    """Inside an encoder call over media items of different adapters (``LoRAManager.rows_batch`` with
+    ``item_rows``): sets ``batch`` for a Linear that sees this many rows (a tower stage with other rows
+    per item than the batch's: patches, then merged tokens); None elsewhere."""
     _shrink_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
     """[capacity] float32 scratch that every layer's shrink partials view."""
     _reserved: bool = field(default=False, repr=False)

@@ -295,8 +295,8 @@ class LinearLoRASlots(nn.Module):
         """
         if self.adds_nothing():
             return y
-        batch = self.state.batch
         x2 = self._rows(x)
+        batch = self.state.batch                   # after _rows, which may regroup it
         y2 = y.view(-1, y.shape[-1])
         if self.backend == "triton":
             self._forward_triton(x2, y2, batch)
@@ -315,8 +315,8 @@ class LinearLoRASlots(nn.Module):
         """
         if not self.overlap or self.adds_nothing():
             return LoRAPending(x)
-        batch = self.state.batch
         x2 = self._rows(x)
+        batch = self.state.batch                   # after _rows, which may regroup it
         # NOTE: the copy (if any), the scratch view and the configs are made on the current stream,
         # before the fork; the side stream only launches the shrink, so it allocates nothing.
         x2 = x2.contiguous()                                                   # [T, in]
@@ -447,8 +447,11 @@ class LinearLoRASlots(nn.Module):
                                            self.expand_overrides)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x as [num_tokens, input_size], checked against the step's batch."""
+        """x as [num_tokens, input_size], checked against the step's batch (regrouped first for an encoder
+        stage whose rows per media item differ: ``LoRABatchState.regroup``)."""
         x2 = x.reshape(-1, self.input_size)
+        if x2.shape[0] != self.state.batch.num_tokens and self.state.regroup is not None:
+            self.state.regroup(x2.shape[0])
         num_tokens = self.state.batch.num_tokens
         assert x2.shape[0] == num_tokens, f"LoRA batch has {num_tokens} tokens, the layer got {x2.shape[0]}"
         return x2

@@ -106,13 +106,15 @@ class LoRAManager:
             raise ValueError(f"lora_dtype={lora_config.lora_dtype} differs from the model dtype {dtype}; the "
                              "CUDA LoRA kernels need them equal: use lora_dtype='auto'.")
         self.policy = policy or KernelPolicy.for_device(self.device)
-        self.targets = LoRATargets.from_model(model)
+        self.targets = LoRATargets.from_model(model, tower_lora=lora_config.enable_tower_connector_lora)
         if not self.targets.slices:
             raise ValueError(f"{type(model).__name__} has no q/k/v/o/gate/up/down projections an adapter "
                              "could update; start the engine without enable_lora.")
         self.state = LoRABatchState()
         self._meta_buffers: Optional[LoRAMetaBuffers] = None
         """Static per-step meta tensors (``allocate_step_buffers``; else sized on first use)."""
+        self._step_rows: Optional[int] = None
+        """Rows ``allocate_step_buffers`` sized the step buffers for (None: not allocated; they grow)."""
         self.layers: dict[str, LinearLoRASlots] = {}
         """Our Linear module name -> its slot buffers (also attached as that Linear's ``adapter``)."""
         for name in self.targets.module_names:
@@ -357,6 +359,7 @@ class LoRAManager:
         NOTE: decode CUDA graphs read these tensors' addresses; nothing reallocates them later.
         """
         self._meta_buffers = LoRAMetaBuffers(max_num_tokens, self.max_loras, self.device)
+        self._step_rows = max_num_tokens
         max_slices = max(layer.num_slices for layer in self.layers.values())
         self.state.reserve(max_slices, max_num_tokens, self.max_lora_rank, self.device)
 
@@ -519,14 +522,19 @@ class LoRAManager:
             np.asarray(token_lora_slots), fixed_grid, with_segments=self.backend == "torch", max_active=max_active)
 
     @contextmanager
-    def rows_batch(self, row_lora_slots: Optional[np.ndarray]) -> Iterator[None]:
+    def rows_batch(self, row_lora_slots: Optional[np.ndarray],
+                   item_rows: Optional[np.ndarray] = None) -> Iterator[None]:
         """The LoRA batch of a model call outside the step's token batch (an encoder-decoder model's
-        encoder or cross-attention K/V projection, on encoder rows): ``set_batch(row_lora_slots)``
+        encoder or cross-attention K/V projection, a vision tower, on encoder rows): ``set_batch(row_lora_slots)``
         for the call, and no batch after it (the step sets its own before its forward).
 
         row_lora_slots: [num_rows] host int32 slot per row the call's adapted Linears see (NO_LORA:
         the base model); None or all NO_LORA: nothing is added. At most the rows
         ``allocate_step_buffers`` sized for. NOTE: refuses nesting; the meta buffers hold one batch.
+        item_rows: [num_items] the rows of each media item in ``row_lora_slots`` (consecutive), for a call
+        whose Linears see other row counts (a vision tower's patches, then its merged tokens): a Linear
+        of R rows gets each item's slot on R * item_rows[i] / num_rows consecutive rows (every stage of
+        the call keeps the items in order, in the same proportions).
         """
         if self._in_rows_batch:
             raise RuntimeError("LoRAManager.rows_batch does not nest.")
@@ -536,10 +544,31 @@ class LoRAManager:
                 self.state.batch = None
             else:
                 self.set_batch(np.asarray(row_lora_slots, dtype=np.int32))
+                if item_rows is not None:
+                    self.state.regroup = self._item_regroup(np.asarray(row_lora_slots, dtype=np.int32),
+                                                            np.asarray(item_rows, dtype=np.int64))
             yield
         finally:
             self.state.batch = None
+            self.state.regroup = None
             self._in_rows_batch = False
+
+    def _item_regroup(self, row_lora_slots: np.ndarray, item_rows: np.ndarray) -> Callable[[int], None]:
+        """``LoRABatchState.regroup`` for ``rows_batch``'s media items: sets the batch of a Linear call of
+        num_rows rows, each item's share of them in its slot."""
+        item_slots = row_lora_slots[np.cumsum(item_rows) - item_rows]          # [num_items]
+        total = int(item_rows.sum())
+
+        def regroup(num_rows: int) -> None:
+            rows = item_rows * num_rows
+            if (rows % total).any():
+                raise RuntimeError(f"an encoder call of {len(item_rows)} media items ({item_rows.tolist()} rows) "
+                                   f"ran a Linear on {num_rows} rows, which do not split among them in proportion")
+            if self._step_rows is not None and num_rows > self._step_rows:
+                raise RuntimeError(f"an encoder call ran an adapted Linear on {num_rows} rows, more than the "
+                                   f"{self._step_rows} the LoRA step buffers hold")
+            self.set_batch(np.repeat(item_slots, rows // total))
+        return regroup
 
     def few_adapters_bound(self, num_tokens: int) -> Optional[int]:
         """The adapter count of the CUDA-graph variant for steps of few adapters (None: no such

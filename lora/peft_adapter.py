@@ -34,9 +34,14 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 SUFFIX_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """PEFT module suffixes of a model mapped by suffix (``LoRATargets.from_model`` without the model's own
 ``LoRALayout.exact_slices``): q/k/v and gate/up land in packed slices, o/down in their own Linear."""
-SUPPORTED_TARGET_MODULES = SUFFIX_TARGET_MODULES + ("out_proj", "fc1", "fc2")
-"""PEFT module suffixes some model offers (``out_proj``, ``fc1``, ``fc2``: Whisper's, through its own
-mapping). A given model takes only its own (``LoRATargets.suffixes``)."""
+TOWER_TARGET_MODULES = ("qkv", "proj", "linear_1", "linear_2", "0", "2")
+"""PEFT module suffixes of vision towers and projectors besides the ones above: Qwen2-VL's attn.qkv and
+attn.proj, LLaVA's projector linear_1 / linear_2, Qwen2-VL's merger mlp.0 / mlp.2."""
+SUPPORTED_TARGET_MODULES = SUFFIX_TARGET_MODULES + ("out_proj", "fc1", "fc2") + TOWER_TARGET_MODULES
+"""PEFT module suffixes some model offers (``out_proj``, ``fc1``, ``fc2``: Whisper's and the vision towers',
+through their own mappings). A given model takes only its own (``LoRATargets.suffixes``)."""
+TOWER_LORA_FLAG = "--enable-tower-connector-lora"
+"""The engine flag that serves adapters on a vision tower and its projector (``LoRAConfig``)."""
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head", "wte", "wpe", "embed_out", "output")
 
 # <module>.<kind>[.<adapter name>][.weight], optionally under PeftModel's "base_model.model." prefix.
@@ -92,28 +97,56 @@ def _target_slice(module_name: str, slice_idx: int, module: nn.Module, in_encode
                        input_range=shard.input_range)
 
 
+def _checked_slice(model: nn.Module, peft_module: str, module_name: str, idx: int, in_encoder: bool) -> TargetSlice:
+    """The target of an exact mapping entry (``LoRALayout.exact_slices`` / ``encoder_slices``); ValueError
+    for one that does not fit the model (a model bug)."""
+    from engine.layers.linear import Linear
+
+    module = model.get_submodule(module_name)
+    suffix = peft_module.rpartition(".")[2]
+    if (not isinstance(module, Linear) or not 0 <= idx < len(module.output_sizes)
+            or suffix not in SUPPORTED_TARGET_MODULES):
+        raise ValueError(f"{type(model).__name__}.lora_layout() maps {peft_module!r} to slice {idx} "
+                         f"of {module_name!r}, which is not an output slice of a Linear (or the suffix "
+                         f"is not in {list(SUPPORTED_TARGET_MODULES)}).")
+    return _target_slice(module_name, idx, module, in_encoder)
+
+
 @dataclass
 class LoRATargets:
     """Every projection of the base model an adapter may target, by PEFT module name."""
 
     slices: dict[str, TargetSlice]
     """PEFT module name (``model.layers.0.self_attn.q_proj``) -> its place in our modules."""
+    tower_modules: frozenset[str] = frozenset()
+    """PEFT module names of a vision tower's and projector's projections that this engine does not adapt
+    (started without ``--enable-tower-connector-lora``): an adapter updating one is refused, naming the flag."""
+    unused_modules: frozenset[str] = frozenset()
+    """PEFT module names of projections the model never runs (``LoRALayout.encoder_slices`` None, with tower
+    LoRA served): an adapter's tensors for them change nothing and are skipped."""
+
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "LoRATargets":
+    def from_model(cls, model: nn.Module, tower_lora: bool = False) -> "LoRATargets":
         """The model's declared layout (``lora_layout()``, ``engine.layers.lora_layout.LoRALayout``): its
         exact mapping when it has one, else PEFT names mapped onto the model's ``Linear`` modules by suffix
         through its packed modules, where a model whose checkpoints name modules differently also takes
-        their names."""
+        their names; plus its encoder-side projections (``LoRALayout.encoder_slices``) when ``tower_lora``
+        (``LoRAConfig.enable_tower_connector_lora``), else recorded as ``tower_modules``."""
         layout = model.lora_layout()
         if layout.exact_slices is not None:
             return cls._from_exact(model, layout.exact_slices, layout.encoder_prefix)
         from engine.layers.linear import Linear
 
         packed, prefixes = layout.packed_modules, layout.checkpoint_prefixes
+        encoder_slices = layout.encoder_slices or {}
+        tower = {peft_module: _checked_slice(model, peft_module, place[0], place[1], in_encoder=True)
+                 for peft_module, place in encoder_slices.items() if place is not None}
+        unused = frozenset(name for name, place in encoder_slices.items() if place is None)
+        tower_linears = {target.module_name for target in tower.values()}
         slices: dict[str, TargetSlice] = {}
         for name, module in model.named_modules():
-            if not isinstance(module, Linear):
+            if not isinstance(module, Linear) or name in tower_linears:
                 continue
             parent, _, suffix = name.rpartition(".")
             children = [(peft_name, idx) for peft_name, (packed_name, idx) in packed.items()
@@ -129,33 +162,27 @@ class LoRATargets:
                 for theirs, ours in prefixes:
                     if peft_module.startswith(ours):
                         slices.setdefault(theirs + peft_module[len(ours):], target)
-        return cls(slices)
+        if tower_lora:
+            return cls({**slices, **tower}, unused_modules=unused)
+        return cls(slices, tower_modules=frozenset(tower) | unused)
+
 
     @classmethod
     def _from_exact(cls, model: nn.Module, mapping: Mapping[str, tuple[str, int]],
                     encoder_prefix: Optional[str]) -> "LoRATargets":
         """Targets from a model's exact layout (``LoRALayout.exact_slices``); its Linears under
         ``encoder_prefix`` are the encoder's. ValueError for a mapping that does not fit the model (a model bug)."""
-        from engine.layers.linear import Linear
+        return cls({peft_module: _checked_slice(model, peft_module, module_name, idx, in_encoder=(
+                        encoder_prefix is not None and module_name.startswith(encoder_prefix)))
+                    for peft_module, (module_name, idx) in mapping.items()})
 
-        slices: dict[str, TargetSlice] = {}
-        for peft_module, (module_name, idx) in mapping.items():
-            module = model.get_submodule(module_name)
-            suffix = peft_module.rpartition(".")[2]
-            if (not isinstance(module, Linear) or not 0 <= idx < len(module.output_sizes)
-                    or suffix not in SUPPORTED_TARGET_MODULES):
-                raise ValueError(f"{type(model).__name__}.lora_layout() maps {peft_module!r} to slice {idx} "
-                                 f"of {module_name!r}, which is not an output slice of a Linear (or the suffix "
-                                 f"is not in {list(SUPPORTED_TARGET_MODULES)}).")
-            in_encoder = encoder_prefix is not None and module_name.startswith(encoder_prefix)
-            slices[peft_module] = _target_slice(module_name, idx, module, in_encoder)
-        return cls(slices)
 
     @property
     def suffixes(self) -> tuple[str, ...]:
         """The PEFT module suffixes this model offers (in ``SUPPORTED_TARGET_MODULES`` order): what an
-        adapter's ``target_modules`` and tensors may name."""
-        have = {name.rpartition(".")[2] for name in self.slices}
+        adapter's ``target_modules`` and tensors may name (a tower's too where it is not served: such an
+        adapter is refused for its tensors, naming the flag)."""
+        have = {name.rpartition(".")[2] for name in (*self.slices, *self.tower_modules, *self.unused_modules)}
         return tuple(s for s in SUPPORTED_TARGET_MODULES if s in have)
 
     @property
@@ -453,7 +480,7 @@ def _group_lora_tensors(tensors: dict[str, torch.Tensor], targets: LoRATargets
     """PEFT module name -> (A, B), plus a sentence per tensor we cannot place."""
     suffixes = targets.suffixes
     halves: dict[str, dict[str, torch.Tensor]] = {}
-    embedding, unknown, missing_modules, base_weights = set(), set(), set(), set()
+    embedding, unknown, missing_modules, base_weights, tower = set(), set(), set(), set(), set()
     for key, tensor in tensors.items():
         m = _LORA_KEY_RE.match(key)
         if m is None:
@@ -467,6 +494,10 @@ def _group_lora_tensors(tensors: dict[str, torch.Tensor], targets: LoRATargets
             unknown.add(f"{module} (DoRA magnitude)")
         elif module in targets.slices:
             halves.setdefault(module, {})[kind] = tensor
+        elif module in targets.tower_modules:
+            tower.add(module)
+        elif module in targets.unused_modules:
+            continue
         elif suffix in suffixes:
             missing_modules.add(module)
         else:
@@ -474,6 +505,9 @@ def _group_lora_tensors(tensors: dict[str, torch.Tensor], targets: LoRATargets
     problems = []
     if embedding:
         problems.append(f"LoRA on embeddings or the LM head ({sorted(embedding)[:3]}) is not supported.")
+    if tower:
+        problems.append(f"it updates the vision tower or its projector ({sorted(tower)[:3]}), which this "
+                        f"engine adapts only when started with {TOWER_LORA_FLAG}.")
     if base_weights:
         problems.append(f"it carries base-model weights ({sorted(base_weights)[:3]}), e.g. from "
                         "modules_to_save or a resized vocabulary; that is not supported.")

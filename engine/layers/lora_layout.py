@@ -25,3 +25,10 @@ class LoRALayout:
     encoder_prefix: Optional[str] = None
     """Module-name prefix of the encoder's Linears (encoder-decoder models): adapters on them change the
     encoder output."""
+    encoder_slices: Optional[Mapping[str, Optional[tuple[str, int]]]] = None
+    """PEFT module name -> (our ``Linear``'s module name, output slice) of the projections of a multimodal
+    model's encoder side (a vision tower and its projector), by every name transformers gives them; added
+    to the suffix mapping (which skips these Linears) when the engine serves tower LoRA
+    (``--enable-tower-connector-lora``). Adapters on them change the encoder output. None: a projection the
+    model never runs (a tower layer past the deepest feature layer): an adapter's update there changes
+    nothing and is skipped."""

@@ -7,6 +7,9 @@ step's ``inputs_embeds``, and runs the language model over them like any prompt.
 both transformers layouts load: 4.x (``language_model.model.*``, ``vision_tower.*``,
 ``multi_modal_projector.*``) and 5.x (``model.language_model.*``, ``model.vision_tower.*``,
 ``model.multi_modal_projector.*``, ``lm_head.*``).
+
+LoRA: the language model's projections, and, with ``--enable-tower-connector-lora``, the tower's and the
+projector's (``encoder_lora_parts``: their ``lora_slices``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch.nn as nn
 
 from encoders.clip import CLIPVisionTower
 from encoders.siglip import SiglipVisionTower
-from encoders.vit import ACTIVATIONS
+from encoders.vit import ACTIVATIONS, LoRASlices, TowerWeights
+from engine.layers.linear import Linear
 from engine.distributed.group import TensorParallelGroup
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, image_token_id
@@ -58,13 +62,25 @@ class LlavaProjector(nn.Module):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"projector_hidden_act={act!r} is not supported; use one of {sorted(ACTIVATIONS)}.")
-        self.linear_1 = nn.Linear(in_features, hidden_size, bias=bias)
+        self.linear_1 = Linear(in_features, [hidden_size], bias=bias)
         self.act = ACTIVATIONS[act]
-        self.linear_2 = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.linear_2 = Linear(hidden_size, [hidden_size], bias=bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features [N, S, in_features] -> [N, S, hidden]."""
         return self.linear_2(self.act(self.linear_1(features)))
+
+    def lora_slices(self) -> LoRASlices:
+        """Both projections take adapters (transformers' names are ours)."""
+        return {"linear_1": ("linear_1", 0), "linear_2": ("linear_2", 0)}
+
+    def load_weights(self, weights) -> None:
+        """``multi_modal_projector.*`` tensors (prefix stripped) by their transformers names."""
+        loader = TowerWeights(self, "LlavaProjector", "transformers' LlavaMultiModalProjector.state_dict()",
+                              outer_prefixes="'multi_modal_projector.'")
+        for name, tensor in weights:
+            loader.load(name, name, tensor)
+        loader.finish()
 
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
@@ -72,6 +88,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     checkpoint_prefixes = CHECKPOINT_PREFIXES
     weight_parts = ("vision_tower", "multi_modal_projector", "language_model")
+    encoder_lora_parts = ("vision_tower", "multi_modal_projector")
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()

@@ -8,6 +8,9 @@ it continues from that start + max(h, w) / merge_size. ``mrope_positions`` compu
 [3, P] table once per request (the runner keeps it); a token past the prompt is at its index +
 the request's delta. Weights load from both transformers layouts: 5.x (``model.language_model.*``,
 ``model.visual.*``, ``lm_head.*``) and 4.x (``model.*``, ``visual.*``, ``lm_head.*``).
+
+LoRA: the language model's projections, and, with ``--enable-tower-connector-lora``, the vision tower's
+and its merger's (``encoder_lora_parts``: the tower's ``lora_slices``).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
     checkpoint_prefixes = CHECKPOINT_PREFIXES
     weight_parts = ("visual", "language_model")
+    encoder_lora_parts = ("visual",)
     capabilities = ModelCapabilities(multimodal=True, mrope=True, tensor_parallel=True, weight_quantization=True)
     vision_cls: type[torch.nn.Module] = Qwen2VLVisionTransformer
 

@@ -67,6 +67,9 @@ class VisionLanguageModel(nn.Module):
     """(their prefix, ours) pairs, most specific first; also used to match PEFT module names."""
     weight_parts: tuple[str, ...] = ()
     """Top-level submodules that take checkpoint tensors (each loads its own and checks completeness)."""
+    encoder_lora_parts: tuple[str, ...] = ()
+    """Top-level submodules of the encoder side (a vision tower, a projector) whose ``lora_slices()``
+    projections an adapter may update (with ``--enable-tower-connector-lora``)."""
     language_model: nn.Module
 
     def quantize(self, kind) -> None:
@@ -90,7 +93,20 @@ class VisionLanguageModel(nn.Module):
         return self.language_model.compute_logits(hidden)
 
     def lora_layout(self) -> LoRALayout:
-        return LoRALayout(self.language_model.packed_modules_mapping, self.checkpoint_prefixes)
+        return LoRALayout(self.language_model.packed_modules_mapping, self.checkpoint_prefixes,
+                          encoder_slices=self.encoder_lora_slices())
+
+    def encoder_lora_slices(self) -> dict[str, Optional[tuple[str, int]]]:
+        """Every PEFT module name (either transformers layout) of an ``encoder_lora_parts`` projection ->
+        (our Linear, its output slice), None for one never run (``LoRALayout.encoder_slices``)."""
+        slices: dict[str, Optional[tuple[str, int]]] = {}
+        for part in self.encoder_lora_parts:
+            ours = f"{part}."
+            theirs = [t for t, o in self.checkpoint_prefixes if o == ours]
+            for name, target in getattr(self, part).lora_slices().items():
+                for prefix in theirs:
+                    slices[prefix + name] = None if target is None else (ours + target[0], target[1])
+        return slices
 
     @property
     def shape(self) -> ModelShape:

@@ -54,11 +54,12 @@ class MediaEncoder:
         num_encoded = 0
         for modality, items in by_modality.items():
             features = [f for f, _ in items.values()]
-            row_slots = None
+            row_slots, item_rows = None, None
             if self.adapts_encoder:
+                item_rows = np.array([f.num_embeds for f in features], dtype=np.int64)      # [num_items]
                 row_slots = np.repeat(np.fromiter((s for _, s in items.values()), np.int32, len(items)),
-                                      [f.num_embeds for f in features])                  # [num_rows]
-            with self.row_calls.rows(row_slots):
+                                      item_rows)                                          # [num_rows]
+            with self.row_calls.rows(row_slots, item_rows):
                 outputs = self.model.embed_multimodal(modality, [f.data for f in features])
             for f, out in zip(features, outputs):
                 if out.shape[0] != f.num_embeds:

@@ -26,11 +26,13 @@ class RowCalls:
         self.cpu_ops = cpu_ops
 
     @contextlib.contextmanager
-    def rows(self, row_lora_slots: Optional[np.ndarray]) -> Iterator[None]:
+    def rows(self, row_lora_slots: Optional[np.ndarray], item_rows: Optional[np.ndarray] = None) -> Iterator[None]:
         """Run a model call on rows whose adapter slots are ``row_lora_slots`` ([num_rows] int32; None: the
         call's Linears run no adapter) under ``LoRAManager.rows_batch`` and a forward context without
-        attention metadata."""
+        attention metadata; ``item_rows`` ([num_items]: each media item's rows there, in order): the call's
+        Linears may see other row counts, split among the items in the same proportions (a vision tower's
+        patches, then its merged tokens)."""
         lora_rows = (contextlib.nullcontext() if self.lora_manager is None or row_lora_slots is None
-                     else self.lora_manager.rows_batch(row_lora_slots))
+                     else self.lora_manager.rows_batch(row_lora_slots, item_rows))
         with lora_rows, forward_context(None, self.policy, cpu_ops=self.cpu_ops):
             yield

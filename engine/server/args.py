@@ -343,6 +343,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="Adapters kept in host memory, LRU; evicted ones reload from disk when needed "
                            "(default: max(max-loras, 64)).")
+    lora.add_argument("--enable-tower-connector-lora", action="store_true",
+                      help="Adapters may also update the vision tower and projector of LLaVA, Qwen2-VL and "
+                           "Qwen2.5-VL (their images are then encoded per adapter). Off: an adapter with "
+                           "tower or projector weights is refused (400).")
     lora.add_argument("--allow-runtime-lora-updating", action="store_true",
                       help="Mount /v1/load_lora_adapter and /v1/unload_lora_adapter "
                            "(also $CHORUS_ALLOW_RUNTIME_LORA_UPDATING=1).")
@@ -444,6 +448,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                  "encoder_cache_size", "cpu_float_copy"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
+    if getattr(args, "enable_tower_connector_lora", False):
+        kwargs["enable_tower_connector_lora"] = True
     if getattr(args, "allow_private_media_urls", False):
         kwargs["allow_private_media_urls"] = True
     if getattr(args, "lora_dir", None):

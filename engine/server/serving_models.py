@@ -157,7 +157,7 @@ class OpenAIServingModels:
                     uploads.forget(name)
                 raise BadRequestError(f"The LoRA adapter `{name}` could not be loaded from the server's "
                                       "adapter directory: it is not a loadable PEFT adapter. The server log "
-                                      "says why.", param="model") from None
+                                      "says why." + self._tower_hint(), param="model") from None
 
     def _resolve_path(self, name: str) -> Optional[str]:
         for resolver in self.lora_resolvers:
@@ -203,7 +203,7 @@ class OpenAIServingModels:
                 return await self._load(lora)
             except (LoRAAdapterError, OSError) as e:
                 logger.warning("LoRA adapter %r could not be loaded from %r: %s", lora_name, lora_path, e)
-                raise self._not_loadable(lora_name, allowed_roots) from None
+                raise self._not_loadable(lora_name, allowed_roots, self._tower_hint()) from None
 
     def _check_new_name(self, lora_name: str, lora_path: str) -> None:
         if not lora_name or not lora_path:
@@ -216,11 +216,20 @@ class OpenAIServingModels:
                            base_model_name=base_model_name or self.model_name)
 
     @staticmethod
-    def _not_loadable(lora_name: str, allowed_roots: Optional[Sequence[str]]) -> BadRequestError:
+    def _not_loadable(lora_name: str, allowed_roots: Optional[Sequence[str]], hint: str = "") -> BadRequestError:
         where = ("a PEFT adapter directory under one of the server's --allowed-lora-path directories"
                  if allowed_roots is not None else "a PEFT adapter directory the server can load")
         return BadRequestError(f"The LoRA adapter {lora_name!r} could not be loaded from lora_path: it must "
-                               f"name {where}. The server log says why.", param="lora_path")
+                               f"name {where}. The server log says why.{hint}", param="lora_path")
+
+    def _tower_hint(self) -> str:
+        """A sentence for a refused adapter on a server whose model has a vision tower and projector that it
+        does not adapt: the same for every adapter, so it says nothing of the adapter's files."""
+        uploads = self._adapter_uploads()
+        if uploads is None or not uploads.refuses_tower_adapters:
+            return ""
+        return (" An adapter that updates the vision tower or projector needs the server started with "
+                "--enable-tower-connector-lora.")
 
     def _adapter_uploads(self):
         """The client's ``lora.adapter_uploads.AdapterUploads`` (None: LoRA disabled)."""

@@ -12,6 +12,10 @@ the scheduler's encoder budget, its rows merged at the placeholder tokens of eac
 split an audio's run; the prefix cache keys blocks by the audio's hash). Checkpoints of both transformers
 layouts load (5.x ``model.audio_tower.*`` / ``model.language_model.*`` / ``lm_head.*``; 4.x
 ``audio_tower.*`` / ``language_model.model.*`` / ``language_model.lm_head.*``).
+
+Tensor parallelism shards the language model; the encoder and projector are whole on every rank, as a vision
+tower is (``VisionLanguageModel``). LoRA adapters apply to the language model; an adapter with audio-tower
+weights is refused as one for another model.
 """
 
 from __future__ import annotations

@@ -40,3 +40,25 @@ def base() -> LoadedWhisper:
 def tiny_random_whisper_dir(tmp_path_factory) -> Path:
     """``build_tiny_random_whisper`` with its defaults (English-only vocabulary), built once per session."""
     return build_tiny_random_whisper(tmp_path_factory.mktemp("whisper"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_audio_dir(tmp_path_factory) -> Path:
+    """``build_tiny_qwen2_audio`` (a tiny random Qwen2-Audio with its processor), built once per session."""
+    from tests.audio.qwen2_audio_reference import build_tiny_qwen2_audio
+    return build_tiny_qwen2_audio(tmp_path_factory.mktemp("tiny-qwen2-audio"))
+
+
+@pytest.fixture(scope="session")
+def audio_clips() -> list:
+    """Three committed 16 kHz speech clips (float32 arrays): fox, hello, weather."""
+    from tests.audio.qwen2_audio_reference import load_clips
+    return load_clips()
+
+
+@pytest.fixture(scope="module")
+def audio_llm(qwen2_audio_dir):
+    """The engine on the tiny Qwen2-Audio (float32, CPU)."""
+    from engine.llm import LLM
+    from tests.audio.qwen2_audio_reference import MAX_MODEL_LEN
+    return LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=MAX_MODEL_LEN)

@@ -6,39 +6,22 @@ prefix caching, TP 2, the transformers 4.x layout."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
-import numpy as np
-import pytest
 import torch
 
 from engine.llm import LLM
-from tests.audio.qwen2_audio_reference import (AUDIO, MAX_MODEL_LEN, PROMPTS, audio_prompt, build_tiny_qwen2_audio,
-                                               hf_greedy, hf_inputs, hf_model, llm_audio, load_clips, params)
+from tests.audio.qwen2_audio_reference import (AUDIO, MAX_MODEL_LEN, PROMPTS, audio_prompt, hf_greedy, hf_inputs,
+                                               hf_model, llm_audio, params)
 from tests.models.utils import check_logprobs_close, ours_as_ref
 
 
-@pytest.fixture(scope="module")
-def qwen2_audio_dir(tmp_path_factory) -> Path:
-    return build_tiny_qwen2_audio(tmp_path_factory.mktemp("tiny-qwen2-audio"))
 
-
-@pytest.fixture(scope="module")
-def clips() -> list[np.ndarray]:
-    return load_clips()
-
-
-@pytest.fixture(scope="module")
-def llm(qwen2_audio_dir):
-    return LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
-
-
-def test_placeholder_expansion_matches_processor(llm, qwen2_audio_dir, clips):
+def test_placeholder_expansion_matches_processor(audio_llm, qwen2_audio_dir, audio_clips):
     """<|AUDIO|> expands to transformers' count (mel frames -> conv stride 2 -> pool 2), in the same ids."""
-    processor = llm.llm_engine.processor.mm_processor
+    processor = audio_llm.llm_engine.processor.mm_processor
     _, hf_processor = hf_model(str(qwen2_audio_dir))
     tok = hf_processor.tokenizer
-    for prompt, audios in ((PROMPTS[0], clips[:1]), (PROMPTS[1], clips[1:])):
+    for prompt, audios in ((PROMPTS[0], audio_clips[:1]), (PROMPTS[1], audio_clips[1:])):
         ref = hf_inputs(qwen2_audio_dir, prompt, audios)
         ids, items = processor.process(tok(prompt, add_special_tokens=False)["input_ids"],
                                        [llm_audio(a) for a in audios])
@@ -51,57 +34,59 @@ def test_placeholder_expansion_matches_processor(llm, qwen2_audio_dir, clips):
     assert processor.max_embeds_per_item() == 750
 
 
-def test_audio_embeddings_equal_transformers(llm, qwen2_audio_dir, clips):
-    """The encoder + projector rows of two clips of different lengths (one batched call) equal the audio
+def test_audio_embeddings_equal_transformers(audio_llm, qwen2_audio_dir, audio_clips):
+    """The encoder + projector rows of two audio_clips of different lengths (one batched call) equal the audio
     features transformers merges into the prompt."""
     model, _ = hf_model(str(qwen2_audio_dir))
-    inputs = hf_inputs(qwen2_audio_dir, PROMPTS[1], clips[1:])
+    inputs = hf_inputs(qwen2_audio_dir, PROMPTS[1], audio_clips[1:])
     captured = {}
     hook = model.model.multi_modal_projector.register_forward_hook(lambda m, a, out: captured.update(out=out))
     with torch.no_grad():
         model(**inputs)
     hook.remove()
-    _, items = llm.llm_engine.processor.mm_processor.process(
-        inputs["input_ids"][0].tolist(), [llm_audio(a) for a in clips[1:]])
-    ours = llm.llm_engine.runner.model.embed_multimodal("audio", [it.data for it in items])
+    _, items = audio_llm.llm_engine.processor.mm_processor.process(
+        inputs["input_ids"][0].tolist(), [llm_audio(a) for a in audio_clips[1:]])
+    ours = audio_llm.llm_engine.runner.model.embed_multimodal("audio", [it.data for it in items])
     for k, (row, item) in enumerate(zip(ours, items)):
         ref = captured["out"][k, :item.length]
         assert row.shape == ref.shape
         torch.testing.assert_close(row, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_one_clip(llm, qwen2_audio_dir, clips):
-    for clip in clips[:2]:
+def test_one_clip(audio_llm, qwen2_audio_dir, audio_clips):
+    for clip in audio_clips[:2]:
         ref = hf_greedy(qwen2_audio_dir, PROMPTS[0], [clip])
-        out = llm.generate(audio_prompt(PROMPTS[0], [clip]), params(), use_tqdm=False)
+        out = audio_llm.generate(audio_prompt(PROMPTS[0], [clip]), params(), use_tqdm=False)
         check_logprobs_close(ref, ours_as_ref(out[0].outputs[0]), f"one clip {len(clip)}")
 
 
-def test_two_clips_and_text_in_one_batch(llm, qwen2_audio_dir, clips):
-    reqs = [(PROMPTS[1], [clips[0], clips[2]]), (PROMPTS[0], [clips[1]]), (PROMPTS[2], [])]
-    outs = llm.generate([audio_prompt(p, a) if a else {"prompt": p} for p, a in reqs], params(), use_tqdm=False)
+def test_two_clips_and_text_in_one_batch(audio_llm, qwen2_audio_dir, audio_clips):
+    reqs = [(PROMPTS[1], [audio_clips[0], audio_clips[2]]), (PROMPTS[0], [audio_clips[1]]), (PROMPTS[2], [])]
+    prompts = [audio_prompt(p, a) if a else {"prompt": p} for p, a in reqs]
+    outs = audio_llm.generate(prompts, params(), use_tqdm=False)
     for (prompt, audios), out in zip(reqs, outs, strict=True):
         check_logprobs_close(hf_greedy(qwen2_audio_dir, prompt, audios), ours_as_ref(out.outputs[0]), prompt)
 
 
-def test_chunked_prefill_and_prefix_caching(qwen2_audio_dir, clips):
+def test_chunked_prefill_and_prefix_caching(qwen2_audio_dir, audio_clips):
     """A 32-token budget prefills the prompt (its audio run split over steps); the second request shares the
     audio prefix from the cache; both equal transformers."""
     llm = LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
               enable_prefix_caching=True, max_num_batched_tokens=32, block_size=16)
     prompt = "Some words first " + PROMPTS[0]
-    first = llm.generate(audio_prompt(prompt, clips[:1]), params(), use_tqdm=False)
-    second = llm.generate(audio_prompt(prompt + " again", clips[:1]), params(), use_tqdm=False)
+    first = llm.generate(audio_prompt(prompt, audio_clips[:1]), params(), use_tqdm=False)
+    second = llm.generate(audio_prompt(prompt + " again", audio_clips[:1]), params(), use_tqdm=False)
     for p, out in ((prompt, first), (prompt + " again", second)):
-        check_logprobs_close(hf_greedy(qwen2_audio_dir, p, clips[:1]), ours_as_ref(out[0].outputs[0]), p)
+        check_logprobs_close(hf_greedy(qwen2_audio_dir, p, audio_clips[:1]), ours_as_ref(out[0].outputs[0]), p)
     audio_offset = len(llm.get_tokenizer().encode(prompt[:prompt.index(AUDIO)], add_special_tokens=False))
     assert second[0].num_cached_tokens >= audio_offset + 64   # the audio's blocks came from the cache
-    other = llm.generate(audio_prompt(prompt, clips[1:2]), params(), use_tqdm=False)   # another clip
+    other = llm.generate(audio_prompt(prompt, audio_clips[1:2]), params(), use_tqdm=False)   # another clip
     assert other[0].num_cached_tokens <= audio_offset          # shares the text before the audio only
-    check_logprobs_close(hf_greedy(qwen2_audio_dir, prompt, clips[1:2]), ours_as_ref(other[0].outputs[0]), "other")
+    ref = hf_greedy(qwen2_audio_dir, prompt, audio_clips[1:2])
+    check_logprobs_close(ref, ours_as_ref(other[0].outputs[0]), "other")
 
 
-def test_audio_text_and_adapter_in_one_batch_equal_each_alone(tmp_path, qwen2_audio_dir, clips):
+def test_audio_text_and_adapter_in_one_batch_equal_each_alone(tmp_path, qwen2_audio_dir, audio_clips):
     """A PEFT adapter on the language model, with and without audio, beside base audio and text requests in
     one generate call: each equals transformers (+ PEFT) and the same request run alone."""
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -120,13 +105,13 @@ def test_audio_text_and_adapter_in_one_batch_equal_each_alone(tmp_path, qwen2_au
     llm = LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8,
               max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     lora = LoRARequest("ad", 1, str(tmp_path / "ad"))
-    reqs = [(PROMPTS[0], clips[:1], lora), (PROMPTS[0], clips[:1], None), (PROMPTS[2], [], lora),
+    reqs = [(PROMPTS[0], audio_clips[:1], lora), (PROMPTS[0], audio_clips[:1], None), (PROMPTS[2], [], lora),
             (PROMPTS[2], [], None)]
     prompts = [audio_prompt(p, a) if a else {"prompt": p} for p, a, _ in reqs]
     together = llm.generate(prompts, params(), lora_request=[lr for _, _, lr in reqs], use_tqdm=False)
     for (prompt, audios, lr), prompt_in, out in zip(reqs, prompts, together, strict=True):
         name = f"{prompt} audio={bool(audios)} lora={lr is not None}"
-        ref = hf_greedy(qwen2_audio_dir, prompt, audios, model=ref_model if lr else hf_model(str(qwen2_audio_dir))[0])
+        ref = hf_greedy(qwen2_audio_dir, prompt, audios, model=ref_model if lr else None)
         check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name)
         alone = llm.generate(prompt_in, params(), lora_request=lr, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == out.outputs[0].token_ids, name
@@ -134,18 +119,19 @@ def test_audio_text_and_adapter_in_one_batch_equal_each_alone(tmp_path, qwen2_au
     assert together[0].outputs[0].token_ids != together[1].outputs[0].token_ids   # the adapter matters
 
 
-def test_tensor_parallel_2_equals_transformers(qwen2_audio_dir, clips):
+def test_tensor_parallel_2_equals_transformers(qwen2_audio_dir, audio_clips):
     """TP 2 (gloo, float32): the language model sharded, the audio encoder and projector whole on each rank."""
     llm = LLM(str(qwen2_audio_dir), tensor_parallel_size=2, device="cpu", dtype="float32",
               max_model_len=MAX_MODEL_LEN, seed=0)
     try:
-        out = llm.generate(audio_prompt(PROMPTS[1], clips[:2]), params(), use_tqdm=False)
+        out = llm.generate(audio_prompt(PROMPTS[1], audio_clips[:2]), params(), use_tqdm=False)
     finally:
         llm.llm_engine.core.shutdown()
-    check_logprobs_close(hf_greedy(qwen2_audio_dir, PROMPTS[1], clips[:2]), ours_as_ref(out[0].outputs[0]), "tp2")
+    ref = hf_greedy(qwen2_audio_dir, PROMPTS[1], audio_clips[:2])
+    check_logprobs_close(ref, ours_as_ref(out[0].outputs[0]), "tp2")
 
 
-def test_transformers_4_layout_loads(tmp_path, qwen2_audio_dir, clips):
+def test_transformers_4_layout_loads(tmp_path, qwen2_audio_dir, audio_clips):
     """The 4.x tensor names (language_model.model.*, language_model.lm_head.*, audio_tower.*,
     multi_modal_projector.*) give transformers' output too."""
     import shutil
@@ -157,5 +143,6 @@ def test_transformers_4_layout_loads(tmp_path, qwen2_audio_dir, clips):
                         ("model.audio_tower.", "audio_tower."),
                         ("model.multi_modal_projector.", "multi_modal_projector.")])
     llm = LLM(str(d), device="cpu", dtype="float32", max_num_seqs=2, max_model_len=MAX_MODEL_LEN)
-    out = llm.generate(audio_prompt(PROMPTS[0], clips[2:]), params(), use_tqdm=False)
-    check_logprobs_close(hf_greedy(qwen2_audio_dir, PROMPTS[0], clips[2:]), ours_as_ref(out[0].outputs[0]), "4.x")
+    out = llm.generate(audio_prompt(PROMPTS[0], audio_clips[2:]), params(), use_tqdm=False)
+    ref = hf_greedy(qwen2_audio_dir, PROMPTS[0], audio_clips[2:])
+    check_logprobs_close(ref, ours_as_ref(out[0].outputs[0]), "4.x")

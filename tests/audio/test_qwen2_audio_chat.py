@@ -8,45 +8,29 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from engine.llm import LLM
 from tests.audio.qwen2_audio_reference import (AUDIO, AUDIO_DIR, MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, audio_prompt,
-                                               build_tiny_qwen2_audio, hf_greedy, hf_inputs, hf_model, load_clips,
-                                               params, wav_base64)
+                                               hf_greedy, hf_inputs, hf_model, params, wav_base64)
 from tests.models.utils import check_logprobs_close, ours_as_ref
 
 
-@pytest.fixture(scope="module")
-def qwen2_audio_dir(tmp_path_factory) -> Path:
-    return build_tiny_qwen2_audio(tmp_path_factory.mktemp("tiny-qwen2-audio"))
 
-
-@pytest.fixture(scope="module")
-def clips() -> list[np.ndarray]:
-    return load_clips()
-
-
-@pytest.fixture(scope="module")
-def llm(qwen2_audio_dir):
-    return LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
-
-
-def test_llm_chat_with_audio_parts(llm, qwen2_audio_dir, clips):
+def test_llm_chat_with_audio_parts(audio_llm, qwen2_audio_dir, audio_clips):
     """LLM.chat with an input_audio part and an offline (array, rate) audio part: the processor's chat
-    template, then transformers' greedy continuation with those clips."""
+    template, then transformers' greedy continuation with those audio_clips."""
     messages = [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": wav_base64("fox.wav"), "format": "wav"}},
-        {"type": "audio", "audio": (clips[1], 16000)},
+        {"type": "audio", "audio": (audio_clips[1], 16000)},
         {"type": "text", "text": "Which one is louder?"}]}]
     _, processor = hf_model(str(qwen2_audio_dir))
     text = processor.apply_chat_template([{"role": "user", "content": [
         {"type": "audio", "audio_url": "a"}, {"type": "audio", "audio_url": "b"},
         {"type": "text", "text": "Which one is louder?"}]}], add_generation_prompt=True, tokenize=False)
     assert text.count(AUDIO) == 2
-    out = llm.chat(messages, params(), use_tqdm=False)
-    check_logprobs_close(hf_greedy(qwen2_audio_dir, text, clips[:2]), ours_as_ref(out[0].outputs[0]), "chat")
+    out = audio_llm.chat(messages, params(), use_tqdm=False)
+    check_logprobs_close(hf_greedy(qwen2_audio_dir, text, audio_clips[:2]), ours_as_ref(out[0].outputs[0]), "chat")
 
 
 # ------------------------------------------------------------------------------------------------ server
@@ -86,9 +70,9 @@ def assert_nothing_held(srv) -> None:
     assert client.processor.media_budget.num_bytes == 0
 
 
-def test_chat_completions_input_audio_and_audio_url(server, qwen2_audio_dir, clips):
+def test_chat_completions_input_audio_and_audio_url(server, qwen2_audio_dir, audio_clips):
     """input_audio (base64 wav) and audio_url (data URL) parts: the reply is transformers' greedy continuation
-    of the rendered conversation with both clips, and the prompt is as long as transformers' input ids."""
+    of the rendered conversation with both audio_clips, and the prompt is as long as transformers' input ids."""
     url = "data:audio/wav;base64," + wav_base64("hello.wav")
     parts = [{"type": "input_audio", "input_audio": {"data": wav_base64("fox.wav"), "format": "wav"}},
              {"type": "audio_url", "audio_url": {"url": url}}, {"type": "text", "text": "Same speaker?"}]
@@ -96,12 +80,13 @@ def test_chat_completions_input_audio_and_audio_url(server, qwen2_audio_dir, cli
     text = processor.apply_chat_template([{"role": "user", "content": [
         {"type": "audio", "audio_url": "a"}, {"type": "audio", "audio_url": "b"},
         {"type": "text", "text": "Same speaker?"}]}], add_generation_prompt=True, tokenize=False)
-    ref = hf_greedy(qwen2_audio_dir, text, clips[:2])
+    ref = hf_greedy(qwen2_audio_dir, text, audio_clips[:2])
     r = chat(server, parts)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == processor.tokenizer.decode(ref.token_ids,
                                                                                       skip_special_tokens=True)
-    assert r.json()["usage"]["prompt_tokens"] == hf_inputs(qwen2_audio_dir, text, clips[:2])["input_ids"].shape[1]
+    num_prompt_tokens = hf_inputs(qwen2_audio_dir, text, audio_clips[:2])["input_ids"].shape[1]
+    assert r.json()["usage"]["prompt_tokens"] == num_prompt_tokens
     assert_nothing_held(server)
 
 
@@ -158,7 +143,7 @@ def test_audio_to_a_model_without_audio_is_a_400(tiny_llama_dir):
         srv.stop()
 
 
-def test_limit_mm_per_prompt_takes_audio(qwen2_audio_dir, clips):
+def test_limit_mm_per_prompt_takes_audio(qwen2_audio_dir, audio_clips):
     """--limit-mm-per-prompt audio=N (either form) reaches the engine; a prompt over it is refused."""
     import argparse
 
@@ -169,4 +154,4 @@ def test_limit_mm_per_prompt_takes_audio(qwen2_audio_dir, clips):
     llm = LLM(str(qwen2_audio_dir), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN,
               limit_mm_per_prompt={"audio": 1})
     with pytest.raises(ValueError, match=r"at most 1 audio\(s\) per prompt"):
-        llm.generate(audio_prompt(PROMPTS[1], clips[:2]), params(), use_tqdm=False)
+        llm.generate(audio_prompt(PROMPTS[1], audio_clips[:2]), params(), use_tqdm=False)

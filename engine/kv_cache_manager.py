@@ -9,6 +9,15 @@ media or a different cache salt never matches:
 - ``(identifier, offset of the item relative to the block start)`` for each media item whose
   placeholder range overlaps the block;
 - ``cache_salt`` on the first block only (the chain carries it to every later block).
+
+Sliding windows (``sliding_window``: set when every layer of the model attends within that window,
+``engine.models.sliding_window.kv_free_window``): the chunk starting at position p reads keys from
+p - window + 1 on, so each allocation first returns the request's blocks entirely before that key to the
+pool; their places in the request's list (and in the runner's block table, which is never read there)
+take the null block. A returned block keeps its hash like any freed block: its KV is that of its prefix,
+so a later request may still hit it, and a hit needs every block of the chain from the first, so a
+request never resumes on a prefix whose head was reused. The scheduler counts what a request still
+needs: the blocks of its window and of its next chunk.
 """
 
 from __future__ import annotations
@@ -17,6 +26,11 @@ from typing import Any, Optional
 
 from engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from engine.request import Request
+
+
+def window_start(position: int, window: Optional[int]) -> int:
+    """The first key position the query at ``position`` reads under a sliding ``window`` (None: 0)."""
+    return 0 if window is None else max(0, position - window + 1)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,13 +63,22 @@ class KVCacheManager:
         num_blocks: blocks in the cache, including the reserved null block 0.
         max_model_len: prompt + output tokens per request at most.
         enable_caching: reuse full blocks across requests by hash.
+        sliding_window: positions every layer attends within; blocks before a request's window are
+            returned to the pool while it runs (None: every block is kept).
+        max_chunk_tokens: the most tokens one step computes for a request (the scheduler's token
+            budget): with a window, it bounds the blocks a request holds at once.
     """
 
     def __init__(self, block_size: int, num_blocks: int, max_model_len: int,
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, sliding_window: Optional[int] = None,
+                 max_chunk_tokens: Optional[int] = None) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        self.max_chunk_tokens = max_chunk_tokens
+        # req_id -> how many of its leading blocks are out of its window (returned, the null block in place).
+        self.num_dead_blocks: dict[str, int] = {}
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # req_id -> its blocks, in token order.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -127,7 +150,8 @@ class KVCacheManager:
 
         Returns:
             Ids of the blocks newly allocated (excluding prefix hits), or None when the pool
-            does not have enough free blocks; on None nothing changed.
+            does not have enough free blocks; on None nothing changed (but blocks out of the
+            request's window, which are returned either way).
         """
         new_computed_blocks = new_computed_blocks or []
         req_id = request.request_id
@@ -136,23 +160,33 @@ class KVCacheManager:
         num_tokens_after = min(num_computed + num_new_tokens, self.max_model_len)
         num_held = len(req_blocks) + len(new_computed_blocks)
         num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - num_held)
+        # With a window: blocks before the chunk's first key are never read again. The request's own go
+        # back to the pool now (whether or not this allocation succeeds), prefix hits there are not taken.
+        num_dead = window_start(num_computed, self.sliding_window) // self.block_size
+        self._free_dead_blocks(req_id, req_blocks, num_dead)
+        new_computed_blocks = [self.block_pool.null_block if len(req_blocks) + i < num_dead else b
+                               for i, b in enumerate(new_computed_blocks)]
         # Prefix hits sitting in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         num_cross_blocks = 0
         if request.num_cross_tokens and req_id not in self.req_to_cross_blocks:
             num_cross_blocks = cdiv(request.num_cross_tokens, self.block_size)
         num_needed = num_new_blocks + num_evictable_hits + num_cross_blocks
         if full_sequence_must_fit:
-            num_full_seq_blocks = max(0, cdiv(request.num_tokens, self.block_size) - num_held)
+            num_live = num_held - min(num_dead, num_held)
+            peak = self._peak_blocks(request.num_tokens, num_new_tokens)
+            num_full_seq_blocks = max(0, peak - num_live)
             num_needed = max(num_needed, num_full_seq_blocks + num_evictable_hits + num_cross_blocks)
         if num_needed > self.block_pool.num_free_blocks:
             return None
 
         if new_computed_blocks:
             assert not req_blocks, "prefix hits are only taken on the first allocation"
-            self.block_pool.touch(new_computed_blocks)
+            self.block_pool.touch(b for b in new_computed_blocks if not b.is_null)
         req_blocks = self.req_to_blocks.setdefault(req_id, req_blocks)
         req_blocks.extend(new_computed_blocks)
+        if new_computed_blocks and num_dead:
+            self.num_dead_blocks[req_id] = min(num_dead, len(req_blocks))   # the hits it did not take
         if req_id not in self.num_cached_block:
             self.num_cached_block[req_id] = len(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
@@ -172,10 +206,31 @@ class KVCacheManager:
                 self.num_cached_block[req_id] = num_full
         return [b.block_id for b in new_blocks]
 
+    def _free_dead_blocks(self, req_id: str, req_blocks: list[KVCacheBlock], num_dead: int) -> None:
+        """Return the request's blocks before index ``num_dead`` (out of its window) to the pool, later ones
+        first (as ``free``), the null block taking their places."""
+        done = self.num_dead_blocks.get(req_id, 0)
+        upto = min(num_dead, len(req_blocks))
+        if upto <= done:
+            return
+        dead = req_blocks[done:upto]
+        req_blocks[done:upto] = [self.block_pool.null_block] * (upto - done)
+        self.block_pool.free_blocks(reversed(dead))
+        self.num_dead_blocks[req_id] = upto
+
+    def _peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` computed ``chunk_tokens`` at a time holds at once: all
+        of them, or with a window the blocks of a window and of one chunk."""
+        num_blocks = cdiv(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return num_blocks
+        return min(num_blocks, cdiv(self.sliding_window - 1 + chunk_tokens, self.block_size) + 1)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so the chain's tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
+        self.num_dead_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
         self.block_pool.free_blocks(self.req_to_cross_blocks.pop(request.request_id, []))
 
@@ -207,8 +262,9 @@ class KVCacheManager:
 
     def can_fit_ever(self, num_tokens: int, num_cross_tokens: int = 0) -> bool:
         """Whether ``num_tokens`` tokens of KV (plus ``num_cross_tokens`` of cross-attention K/V) fit in
-        the whole (empty) cache."""
-        num_blocks = cdiv(num_tokens, self.block_size) + cdiv(num_cross_tokens, self.block_size)
+        the whole (empty) cache: with a window, the blocks of a window and of the largest chunk."""
+        chunk = self.max_chunk_tokens or num_tokens
+        num_blocks = self._peak_blocks(num_tokens, chunk) + cdiv(num_cross_tokens, self.block_size)
         return num_blocks <= self.block_pool.num_usable_blocks
 
     def reset_prefix_cache(self) -> bool:

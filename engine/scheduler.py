@@ -91,6 +91,11 @@ class Scheduler:
             (0: a text-only model); sizes the encoder budget and cache (``SchedulerConfig.encoder_budgets``).
         structured_output: the engine's ``StructuredOutputManager``; None: a request with
             ``structured_outputs`` is refused.
+        sliding_window: every layer of the model attends within this many positions: KV blocks before a
+            running request's window go back to the pool (``KVCacheManager``); None: none slides.
+        whole_media_chunks: a prefill chunk never ends inside a media item's placeholder (its tokens
+            attend to each other both ways, e.g. Gemma 3's images), and an item longer than the token
+            budget is refused.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -99,14 +104,16 @@ class Scheduler:
                  lora_ready: Optional[Callable[[LoRARequest], bool]] = None,
                  max_embeds_per_mm_item: int = 0,
                  structured_output: Optional["StructuredOutputManager"] = None,
-                 new_reasoning_tracker: Optional[Callable[[Request], Optional["ReasoningTracker"]]] = None
-                 ) -> None:
+                 new_reasoning_tracker: Optional[Callable[[Request], Optional["ReasoningTracker"]]] = None,
+                 sliding_window: Optional[int] = None, whole_media_chunks: bool = False) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            self.block_size, num_kv_blocks, max_model_len, cache_config.enable_prefix_caching)
+            self.block_size, num_kv_blocks, max_model_len, cache_config.enable_prefix_caching,
+            sliding_window, scheduler_config.max_num_batched_tokens)
+        self.whole_media_chunks = whole_media_chunks
         self.lora_config = lora_config
         self.lora_slots = LoRASlotManager(lora_config.max_loras) if lora_config is not None else None
         self._lora_reservation: Optional[_LoRAReservation] = None
@@ -158,6 +165,11 @@ class Scheduler:
                     f"Request {rid!r}: a {feature.modality} of {feature.num_embeds} embeddings exceeds "
                     f"the encoder budget of {self.encoder_compute_budget} embeddings per step; send a smaller "
                     "one or raise --max-num-encoder-input-tokens (and --encoder-cache-size).")
+            if self.whole_media_chunks and feature.num_embeds > self._max_chunk_tokens():
+                raise ValueError(
+                    f"Request {rid!r}: a {feature.modality} of {feature.num_embeds} tokens is computed in one "
+                    f"prefill chunk, longer than the {self._max_chunk_tokens()} tokens a step computes for a "
+                    "request; raise --max-num-batched-tokens (and --long-prefill-token-threshold).")
         if request.lora_request is not None and self.lora_slots is None:
             raise ValueError(f"Request {rid!r} names adapter {request.lora_request.lora_name!r} but "
                              "LoRA is disabled; start the engine with a LoRA config (--enable-lora).")
@@ -424,6 +436,8 @@ class Scheduler:
         Cache space for the chosen items is taken by ``_allocate_encoder_inputs`` once the
         request's KV blocks are allocated.
         """
+        if self.whole_media_chunks:
+            num_new_tokens = self._end_outside_media(request, num_computed, num_new_tokens)
         ecm = self.encoder_cache_manager
         end = num_computed + num_new_tokens
         to_encode: list[int] = []
@@ -444,6 +458,24 @@ class Scheduler:
             identifiers.add(feature.identifier)
             num_embeds_planned += feature.num_embeds
         return to_encode, num_new_tokens
+
+    def _max_chunk_tokens(self) -> int:
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        budget = self.scheduler_config.max_num_batched_tokens
+        return min(budget, threshold) if threshold > 0 else budget
+
+    @staticmethod
+    def _end_outside_media(request: Request, num_computed: int, num_new_tokens: int) -> int:
+        """``num_new_tokens`` cut back so that the chunk from ``num_computed`` does not end inside a placeholder
+        (0: the chunk would start inside, or at, one that does not fit whole)."""
+        end = num_computed + num_new_tokens
+        for feature in request.mm_features:
+            if feature.placeholder is None:
+                continue
+            start, stop = feature.placeholder.offset, feature.placeholder.offset + feature.placeholder.length
+            if start < end < stop:
+                return max(0, start - num_computed)
+        return num_new_tokens
 
     def _allocate_encoder_inputs(self, plan: _StepPlan, request: Request, encoder_inputs: list[int]) -> None:
         if not encoder_inputs:

@@ -19,9 +19,8 @@ Differences from Llama / Qwen3 (``engine.models.llama``, ``engine.models.qwen3``
 - final logit soft-capping ``tanh(logits / c) * c`` where ``final_logit_softcapping`` is set;
 - tied embeddings (``tie_word_embeddings``, True in the released checkpoints).
 
-Sliding-window attention itself is not implemented: every layer attends to its whole context, which is
-exact while the context fits in the window, so the constructor refuses ``max_position`` above
-``sliding_window`` (a ValueError naming the ``--max-model-len`` that serves it). Attention-logit
+Sliding layers attend within ``sliding_window`` (``engine.models.sliding_window``: each layer's
+``PagedAttention.sliding_window``), global layers to the whole context. Attention-logit
 soft-capping (``attn_logit_softcapping``, None in every released Gemma 3) and bidirectional attention
 (``use_bidirectional_attention``) are refused the same way.
 """
@@ -43,30 +42,11 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.interfaces import ModelShape
 from engine.models.llama import LlamaForCausalLM, _head_dim
 from engine.models.qwen3 import Qwen3Attention
-
-SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def layer_types(config) -> list[str]:
-    """Each decoder layer's kind, "sliding_attention" or "full_attention" (transformers fills
-    ``layer_types`` from ``sliding_window_pattern``: every pattern-th layer global)."""
-    types = list(getattr(config, "layer_types", None) or [])
-    if not types:
-        pattern = int(getattr(config, "sliding_window_pattern", None) or 6)
-        types = [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_hidden_layers)]
-    if len(types) != config.num_hidden_layers or set(types) - {SLIDING, FULL}:
-        raise ValueError(f"layer_types={types} must name {config.num_hidden_layers} layers, each "
-                         f"{SLIDING!r} or {FULL!r}")
-    return types
+from engine.models.sliding_window import FULL, layer_types, layer_windows, set_layer_windows
 
 
-def check_gemma3_config(config, max_position: int) -> None:
+def check_gemma3_config(config) -> None:
     """ValueError for what Chorus does not compute (see the module docstring)."""
-    window = getattr(config, "sliding_window", None)
-    if window and SLIDING in layer_types(config) and max_position > window:
-        raise ValueError(f"this Gemma 3 checkpoint has sliding-window layers (window {window}), which Chorus "
-                         f"computes as full attention, exact only within the window; "
-                         f"--max-model-len {window} or less serves it exactly (asked for {max_position}).")
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping} is not supported "
                          f"(no attention backend soft-caps attention logits).")
@@ -161,6 +141,7 @@ class Gemma3Model(nn.Module):
         rotary = {kind: RotaryEmbedding(_RopeOf(config, kind), head_dim, max_position)
                   for kind in sorted(set(types))}
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, rotary[kind], kind, tp) for kind in types)
+        set_layer_windows((layer.self_attn.attn for layer in self.layers), layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -185,7 +166,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     adapter layout apply."""
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
-        check_gemma3_config(config, max_position)
+        check_gemma3_config(config)
         nn.Module.__init__(self)
         self.config = config
         self.shape = ModelShape(config.hidden_size, config.intermediate_size, config.vocab_size)

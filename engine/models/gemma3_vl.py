@@ -10,12 +10,14 @@ multimodal projector and the text model ``engine.models.gemma3.Gemma3ForCausalLM
   <end_of_image> \\n\\n`` (``multimodal.gemma3_processing``); the image embeddings replace the
   ``<image_soft_token>`` embeddings unscaled, the text embeddings are scaled by sqrt(hidden) as Gemma's.
 
-Attention among image tokens: transformers, given ``token_type_ids`` (its processor returns them, and
-``generate`` passes them on the prefill), lets the tokens of one image attend to each other
-bidirectionally (``create_masks_for_vision_model``). Chorus' paged attention is causal only, so this
-model computes every token causally: it equals transformers called without ``token_type_ids`` (the causal
-mask) exactly, and differs from transformers' default processor path (bidirectional within an image).
-Text-only prompts are exact either way.
+Attention among image tokens, as transformers' processor path (``token_type_ids``,
+``create_masks_for_vision_model``): the tokens of one image (a run of ``<image_soft_token>``) attend to each
+other both ways, every other token causally; sliding layers apply their window on top (AND(window,
+OR(causal, same image))). ``forward`` gives each image token the last position of its run as its key limit
+(``AttentionMetadata.key_limit``, ``image_key_limits``); the model declares ``bidirectional_media``, so the
+scheduler never ends a prefill chunk inside an image (vLLM's choice too): a chunk holds the rest of every
+image it reaches, and the image tokens computed in an earlier chunk (or taken from the prefix cache) saw the
+whole image already.
 
 Logits: transformers' ``Gemma3ForConditionalGeneration`` applies no final-logit soft-capping (its
 text-only ``Gemma3ForCausalLM`` does, from ``text_config.final_logit_softcapping``, None in every
@@ -24,7 +26,7 @@ released Gemma 3); this class follows the multimodal one and never soft-caps.
 
 from __future__ import annotations
 
-import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -34,13 +36,31 @@ import torch.nn.functional as F
 
 from encoders.siglip import SiglipVisionTower
 from engine.distributed.group import TensorParallelGroup
+from engine.forward_context import current_forward_context
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llava import CHECKPOINT_PREFIXES
 from engine.models.vision_language import VisionLanguageModel, image_token_id
 from multimodal.gemma3_processing import Gemma3PromptProcessor
 from multimodal.image_processor import ProcessedImage, load_image_processor
 
-logger = logging.getLogger("chorus.models")
+
+def image_key_limits(input_ids: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+                     image_token_id: int) -> torch.Tensor:
+    """The last key position each token of a step sees: an image token, the position of the last token of its
+    run of image tokens in its request; any other token, its own. Device ops only (no host sync).
+
+    input_ids, positions: [T] (T may include padding past query_start_loc[-1]); query_start_loc: [R + 1]
+    int32 -> [T] int32.
+    """
+    num_tokens = input_ids.shape[0]
+    idx = torch.arange(num_tokens, device=input_ids.device, dtype=query_start_loc.dtype)             # [T]
+    req = torch.searchsorted(query_start_loc[1:].contiguous(), idx, right=True)                      # [T]
+    is_img = input_ids == image_token_id                                                              # [T]
+    same_run = torch.zeros_like(is_img)
+    same_run[:-1] = is_img[:-1] & is_img[1:] & (req[:-1] == req[1:])     # the next token continues the run
+    run_end = torch.where(same_run, num_tokens, idx.long())                                          # [T]
+    run_end = run_end.flip(0).cummin(0).values.flip(0)           # the first run end at or after each token
+    return torch.where(is_img, positions[run_end], positions).to(torch.int32)
 
 
 class Gemma3MultiModalProjector(nn.Module):
@@ -77,6 +97,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
 
     checkpoint_prefixes = CHECKPOINT_PREFIXES
     weight_parts = ("vision_tower", "multi_modal_projector", "language_model")
+    capabilities = replace(VisionLanguageModel.capabilities, bidirectional_media=True)
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
@@ -97,9 +118,18 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
                      if v is not None)) for k in ("boi", "eoi"))
         self.num_image_embeds = int(config.mm_tokens_per_image)
         self.vocab_size = text_config.vocab_size
-        logger.warning("Gemma 3 with images: image tokens attend causally (Chorus' attention is causal only); "
-                       "transformers' processor path attends bidirectionally within an image, so outputs "
-                       "with images can differ from it (text-only prompts are exact).")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The language model's forward, each image's tokens attending to the whole image: on a step with a
+        prefill chunk, the step's ``key_limit`` (``image_key_limits``; on CPU only where the step holds an
+        image token). A pure-decode step (and a CUDA-graph capture, which is one) is causal."""
+        ctx = current_forward_context()
+        meta = ctx.attn_metadata if ctx is not None else None
+        if meta is not None and meta.max_query_len > 1 and not meta.captured:
+            if input_ids.is_cuda or bool((input_ids == self.image_token_id).any()):
+                meta.key_limit = image_key_limits(input_ids, positions, meta.query_start_loc, self.image_token_id)
+        return super().forward(input_ids, positions, inputs_embeds)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Gemma's scaled token embeddings (an image token outside the vocabulary embeds as token 0, as

@@ -47,6 +47,9 @@ class ModelCapabilities:
     """``tensor_parallel_size`` > 1 shards it: its constructor takes ``tp``, it has ``checkpoint_shard``."""
     weight_quantization: bool = False
     """Its projections quantize to weight-only int8 / int4 (``SupportsWeightQuantization``)."""
+    bidirectional_media: bool = False
+    """The placeholder tokens of one media item attend to each other both ways (the model's forward fills
+    ``AttentionMetadata.key_limit``): the scheduler never ends a prefill chunk inside a placeholder."""
 
 
 @dataclass(frozen=True)

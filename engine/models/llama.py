@@ -24,6 +24,7 @@ from engine.layers.parallel import (VocabParallelEmbedding, column_parallel_line
                                     parallel_logits, row_parallel_linear)
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
+from engine.models.sliding_window import layer_windows, set_layer_windows
 from engine.pending_update import PendingUpdate
 
 
@@ -342,4 +343,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama layout (sliding window handled by capping max_model_len at load)."""
+    """Mistral: Llama layout; with ``sliding_window`` set every layer attends within it
+    (``engine.models.sliding_window``)."""
+
+    def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
+        super().__init__(config, max_position, tp)
+        set_layer_windows(self.attention_layers(), layer_windows(config))

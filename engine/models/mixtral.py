@@ -34,6 +34,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
 from engine.models.llama import LlamaAttention, LlamaMLP, _head_dim
+from engine.models.sliding_window import layer_windows, set_layer_windows
 
 _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 """A per-expert checkpoint tensor: ``<layer>.mlp.experts.<E>.<proj>.weight``."""
@@ -115,12 +116,15 @@ class MoEForCausalLM(nn.Module):
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
-        check_full_attention(config, max_position)
+        windows = layer_windows(config)
+        if not any(windows):
+            check_full_attention(config, max_position)
         self.config = config
         rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position)
         layers = [MoEDecoderLayer(config, self.build_attention(config, rotary_emb), self.build_mlp(config, i))
                   for i in range(config.num_hidden_layers)]
         self.model = MoEModel(config, layers)
+        set_layer_windows(self.attention_layers(), windows)
         widths = [m.activation_width() if isinstance(m, SparseMoeBlock) else config.intermediate_size
                   for m in (layer.mlp for layer in layers)]
         self.shape = ModelShape(config.hidden_size, max(widths), config.vocab_size)

@@ -9,7 +9,8 @@ vLLM's rule: greedy tokens equal or, where they part, each in the other's top-5;
   which would hide a missing ``1 + w``);
 - chunked prefill and prefix caching on a long prompt; prefill chunks beside decode rows;
 - a PEFT adapter on all seven projections equals PEFT; tensor_parallel_size 2 equals 1;
-- contexts past the sliding window, attention-logit soft-capping and bidirectional attention are refused.
+- attention-logit soft-capping and bidirectional attention are refused (contexts past the sliding window:
+  tests/models/test_sliding_window.py).
 """
 
 from __future__ import annotations
@@ -193,12 +194,12 @@ def test_unsupported_configs_are_refused():
                 sliding_window_pattern=2)
     cfg = Gemma3TextConfig(**tiny, sliding_window=64)
     assert get_model_class(cfg) is Gemma3ForCausalLM                # model_type fallback (gemma3_text)
-    with pytest.raises(ValueError, match="sliding-window layers.*--max-model-len 64"):
-        Gemma3ForCausalLM(cfg, max_position=128)
-    Gemma3ForCausalLM(cfg, max_position=64)          # within the window: full attention is exact
-    # Only global layers: no window limit.
-    Gemma3ForCausalLM(Gemma3TextConfig(**{**tiny, "sliding_window_pattern": 1}, sliding_window=64),
-                      max_position=256)
+    # Contexts past the window are served: sliding layers attend within it, global layers to everything.
+    model = Gemma3ForCausalLM(cfg, max_position=256)
+    assert [a.sliding_window for a in model.attention_layers()] == [64, None]
+    only_global = Gemma3ForCausalLM(Gemma3TextConfig(**{**tiny, "sliding_window_pattern": 1}, sliding_window=64),
+                                    max_position=256)
+    assert [a.sliding_window for a in only_global.attention_layers()] == [None, None]
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         Gemma3ForCausalLM(Gemma3TextConfig(**tiny, sliding_window=64, attn_logit_softcapping=50.0),
                           max_position=64)

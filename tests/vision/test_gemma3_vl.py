@@ -2,10 +2,10 @@
 checkpoint (tiny SigLIP + tiny Gemma 3 text), float32 on CPU: greedy tokens equal (or top-5 at a
 divergence) and logprobs within 1e-3.
 
-The reference is transformers called without ``token_type_ids`` (causal attention everywhere): Chorus'
-attention is causal only, while transformers' processor path (``token_type_ids`` given) lets one image's
-tokens attend to each other bidirectionally; ``test_bidirectional_reference_differs`` shows that this path
-is not what Chorus computes (see ``engine.models.gemma3_vl``)."""
+The reference is transformers' processor path: ``token_type_ids`` given, so one image's tokens attend to each
+other both ways (``test_bidirectional_attention_is_transformers_processor_path`` shows it differs from the
+causal path). The text model's sliding layers have a window of 10 tokens, shorter than every prompt with an
+image, so the window and the image spans combine (AND(window, OR(causal, same image)))."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from tests.models.utils import RefOutput, check_logprobs_close, ours_as_ref
 from tests.vision.utils import hf_generate_greedy
 
 MAX_TOKENS = 8
-WINDOW = 512
+WINDOW = 10
+MAX_LEN = 512
 BOI, IMG, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 MM_TOKENS = 4
 CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['content'] is string %}"
@@ -34,7 +35,7 @@ CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['
 
 def build_tiny_gemma3_vl(out_dir: Path, seed: int = 0) -> Path:
     """transformers' own ``Gemma3ForConditionalGeneration``: SigLIP 56 px / 14 px patches (16 patches,
-    pooled 2x2 to 4 tokens), a 2-layer Gemma 3 text model (one sliding, one global layer), every
+    pooled 2x2 to 4 tokens), a 2-layer Gemma 3 text model (one sliding layer, window 10, one global), every
     Gemma RMSNorm (text norms and ``mm_soft_emb_norm``) drawn nonzero."""
     from transformers import (
         Gemma3Config,
@@ -80,7 +81,7 @@ def gemma3_vl_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(gemma3_vl_dir):
-    return LLM(str(gemma3_vl_dir), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=WINDOW)
+    return LLM(str(gemma3_vl_dir), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=MAX_LEN)
 
 
 @functools.lru_cache(maxsize=2)
@@ -103,12 +104,11 @@ def hf_inputs(model_dir: Path, prompt: str, images) -> dict:
     return inputs
 
 
-def hf_greedy(model_dir: Path, prompt: str, images, bidirectional: bool = False) -> RefOutput:
+def hf_greedy(model_dir: Path, prompt: str, images) -> RefOutput:
+    """transformers' greedy continuation with ``token_type_ids`` (image tokens 1), as its processor gives."""
     model, _, _ = _hf(str(model_dir))
     inputs = hf_inputs(model_dir, prompt, images)
-    if bidirectional:
-        img_id = model.config.image_token_id
-        inputs["token_type_ids"] = (inputs["input_ids"] == img_id).long()
+    inputs["token_type_ids"] = (inputs["input_ids"] == model.config.image_token_id).long()
     return hf_generate_greedy(model, inputs, MAX_TOKENS)
 
 
@@ -135,7 +135,7 @@ def test_prompt_expansion_matches_processor(llm, gemma3_vl_dir, images):
     from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
 
     _, tok, _ = _hf(str(gemma3_vl_dir))
-    model = Gemma3ForConditionalGeneration(AutoConfig.from_pretrained(gemma3_vl_dir), WINDOW)
+    model = Gemma3ForConditionalGeneration(AutoConfig.from_pretrained(gemma3_vl_dir), MAX_LEN)
     pp = model.make_prompt_processor(gemma3_vl_dir)
     for prompt, n in zip(PROMPTS[:2], (1, 2), strict=True):
         ref = hf_inputs(gemma3_vl_dir, prompt, [])["input_ids"][0].tolist()
@@ -165,23 +165,40 @@ def test_two_images_and_text_batch(llm, gemma3_vl_dir, images):
         check_logprobs_close(ref, ours_as_ref(out.outputs[0]), req["prompt"])
 
 
-def test_chunked_prefill_splits_an_image_and_prefix_caching(gemma3_vl_dir, images):
-    """An 8-token budget prefills the prompt (image included) over several steps; the second request shares
-    the image prefix from the cache; both equal transformers."""
+def test_chunked_prefill_keeps_an_image_whole_and_prefix_caching(gemma3_vl_dir, images):
+    """A 6-token budget prefills the prompt over several steps, each image in one chunk (no chunk ends inside
+    its 4 tokens); the second request shares the image prefix from the cache (a block of 4 tokens: the hit may
+    end inside the image, whose cached tokens saw all of it); both equal transformers."""
     prompt = "Some words first " + PROMPTS[0]
-    llm = LLM(str(gemma3_vl_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=WINDOW,
-              enable_prefix_caching=True, max_num_batched_tokens=8, block_size=16)
+    llm = LLM(str(gemma3_vl_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN,
+              enable_prefix_caching=True, max_num_batched_tokens=6, block_size=4)
+    sched = llm.llm_engine.core.scheduler
+    assert sched.whole_media_chunks
+    chunk_ends = []
+    real_schedule = sched.schedule
+
+    def schedule():
+        so = real_schedule()        # advances each scheduled request's num_computed_tokens to its chunk's end
+        chunk_ends.extend((r.num_computed_tokens, r.mm_features) for r in sched.running
+                          if r.mm_features and so.num_scheduled_tokens.get(r.request_id))
+        return so
+
+    sched.schedule = schedule
     first = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images[1]}}, params(), use_tqdm=False)
     second = llm.generate({"prompt": prompt + " again", "multi_modal_data": {"image": images[1]}}, params(),
                           use_tqdm=False)
     for p, out in ((prompt, first), (prompt + " again", second)):
         check_logprobs_close(hf_greedy(gemma3_vl_dir, p, [images[1]]), ours_as_ref(out[0].outputs[0]), p)
     assert second[0].num_cached_tokens >= 16
+    assert len(chunk_ends) > 6
+    for end, features in chunk_ends:    # outside every image
+        for f in features:
+            assert not f.placeholder.offset < end < f.placeholder.offset + f.placeholder.length
 
 
 def test_tensor_parallel_2_equals_transformers(gemma3_vl_dir, images):
     """TP 2 (gloo, float32): the language model sharded, the tower and projector whole on each rank."""
-    llm = LLM(str(gemma3_vl_dir), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=WINDOW,
+    llm = LLM(str(gemma3_vl_dir), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=MAX_LEN,
               seed=0)
     try:
         out = llm.generate({"prompt": PROMPTS[1], "multi_modal_data": {"image": images[:2]}}, params(),
@@ -202,16 +219,15 @@ def test_transformers_4_layout_loads(tmp_path, gemma3_vl_dir, images):
     _rename_tensors(d, [("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
                         ("model.vision_tower.", "vision_tower."),
                         ("model.multi_modal_projector.", "multi_modal_projector.")])
-    llm = LLM(str(d), device="cpu", dtype="float32", max_num_seqs=2, max_model_len=WINDOW)
+    llm = LLM(str(d), device="cpu", dtype="float32", max_num_seqs=2, max_model_len=MAX_LEN)
     out = llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {"image": images[2]}}, params(), use_tqdm=False)
     check_logprobs_close(hf_greedy(gemma3_vl_dir, PROMPTS[0], [images[2]]), ours_as_ref(out[0].outputs[0]),
                          "4.x layout")
 
 
-def test_bidirectional_reference_differs(llm, gemma3_vl_dir, images):
-    """transformers with token_type_ids (its processor's path) attends bidirectionally within an image;
-    Chorus matches the causal path (to float32 rounding) and not the bidirectional one. (In this tiny
-    model, 4 image tokens, the gap is small; with Gemma 3's 256 tokens per image it is not.)"""
+def test_bidirectional_attention_is_transformers_processor_path(llm, gemma3_vl_dir, images):
+    """transformers with token_type_ids (its processor's path) attends bidirectionally within an image:
+    Chorus matches it (to float32 rounding), and not the causal path (transformers without token_type_ids)."""
     model, _, _ = _hf(str(gemma3_vl_dir))
     inputs = hf_inputs(gemma3_vl_dir, PROMPTS[0], [images[0]])
     with torch.no_grad():
@@ -221,15 +237,15 @@ def test_bidirectional_reference_differs(llm, gemma3_vl_dir, images):
     out = llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}},
                        SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, ignore_eos=True), use_tqdm=False)
     ours = out[0].outputs[0].logprobs[0]
-    ours_gap = max(abs(lp.logprob - float(causal[t])) for t, lp in ours.items())
-    bidir_gap = max(abs(lp.logprob - float(bidir[t])) for t, lp in ours.items())
+    ours_gap = max(abs(lp.logprob - float(bidir[t])) for t, lp in ours.items())
+    causal_gap = max(abs(lp.logprob - float(causal[t])) for t, lp in ours.items())
     assert ours_gap < 1e-5, ours_gap
-    assert bidir_gap > 10 * max(ours_gap, 1e-6), (bidir_gap, ours_gap)
+    assert causal_gap > 10 * max(ours_gap, 1e-6), (causal_gap, ours_gap)
 
 
 def test_chat_completions_with_image(gemma3_vl_dir, images):
-    """/v1/chat/completions with a data-URL image: the reply is transformers' greedy continuation (causal
-    reference) of the rendered prompt with that image."""
+    """/v1/chat/completions with a data-URL image: the reply is transformers' greedy continuation of the
+    rendered prompt with that image."""
     import base64
     import io
 
@@ -250,7 +266,7 @@ def test_chat_completions_with_image(gemma3_vl_dir, images):
     decoded = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
     ref = hf_greedy(gemma3_vl_dir, text, [decoded])
     srv = start_server(str(gemma3_vl_dir), served_model_name=["tiny-gemma3"], dtype="float32", device="cpu",
-                       max_num_seqs=4)   # max_model_len: capped to the text model's window by default
+                       max_num_seqs=4)
     try:
         body = {"model": "tiny-gemma3", "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
                 "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},

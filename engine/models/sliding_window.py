@@ -1,0 +1,71 @@
+"""Which decoder layers of a checkpoint attend within a sliding window, as transformers reads its config.
+
+- Mistral, Mixtral: every layer, when ``sliding_window`` is set (transformers' ``create_sliding_window_causal_mask``
+  for the whole model);
+- Gemma 3 (text, and the text model of ``gemma3``): the layers whose ``layer_types`` entry is
+  ``"sliding_attention"`` (transformers fills ``layer_types`` from ``sliding_window_pattern``: every
+  pattern-th layer global); the others attend to the whole context.
+
+A windowed layer's query at position p sees keys p - window < k <= p (``engine.attention``). When every
+layer is windowed, a request's KV blocks before its window are returned to the pool while it runs
+(``kv_free_window``, read by the scheduler's ``KVCacheManager``); with a global layer nothing falls out of
+every window.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from engine.layers.attention import PagedAttention
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+"""transformers' ``layer_types`` entries."""
+_EVERY_LAYER = ("mistral", "mixtral")
+"""Families whose ``sliding_window`` applies to every layer."""
+_BY_LAYER_TYPE = ("gemma3_text",)
+"""Families whose ``layer_types`` say which layers slide."""
+
+
+def layer_types(config) -> list[str]:
+    """Each decoder layer's kind, "sliding_attention" or "full_attention" (``layer_types``, or derived from
+    ``sliding_window_pattern`` as transformers does: every pattern-th layer global)."""
+    types = list(getattr(config, "layer_types", None) or [])
+    if not types:
+        pattern = int(getattr(config, "sliding_window_pattern", None) or 6)
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_hidden_layers)]
+    if len(types) != config.num_hidden_layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types={types} must name {config.num_hidden_layers} layers, each "
+                         f"{SLIDING!r} or {FULL!r}")
+    return types
+
+
+def layer_windows(text_config) -> list[Optional[int]]:
+    """Each decoder layer's sliding window in positions (None: the whole context), for the families above;
+    every layer None for the others and for a config without ``sliding_window``."""
+    window = getattr(text_config, "sliding_window", None)
+    model_type = getattr(text_config, "model_type", "")
+    n = text_config.num_hidden_layers
+    if not window or model_type not in _EVERY_LAYER + _BY_LAYER_TYPE:
+        return [None] * n
+    window = int(window)
+    if model_type in _EVERY_LAYER:
+        return [window] * n
+    return [window if kind == SLIDING else None for kind in layer_types(text_config)]
+
+
+def kv_free_window(hf_config) -> Optional[int]:
+    """The window outside of which a request's KV is never read again, when every layer has that window
+    (None: some layer attends to the whole context, or none slides)."""
+    windows = layer_windows(hf_config.get_text_config())
+    if windows and windows[0] is not None and all(w == windows[0] for w in windows):
+        return windows[0]
+    return None
+
+
+def set_layer_windows(layers: Iterable[PagedAttention], windows: list[Optional[int]]) -> None:
+    """Give each attention layer its window (``layer_windows``' order: decoder layer order)."""
+    layers = list(layers)
+    if len(layers) != len(windows):
+        raise ValueError(f"{len(layers)} attention layers for {len(windows)} windows")
+    for layer, window in zip(layers, windows):
+        layer.sliding_window = window

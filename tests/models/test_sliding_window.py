@@ -1,0 +1,167 @@
+"""Sliding-window attention against transformers on tiny random checkpoints (CPU, float32: greedy tokens
+equal, logprobs within 1e-3), with prompts and generations well past the window:
+
+- Mistral (every layer within ``sliding_window`` 12; 5 query heads over 1 KV head, head_dim 12) and Mixtral
+  (window 10, 3 query heads over 1 KV head): the KV blocks before a running request's window go back to the
+  pool, counted while a long request decodes;
+- Gemma 3 (window 10 on its sliding layers, global layers beside them; 3 query heads over 1 KV head): no
+  block falls out of every window, so none is returned;
+- chunked prefill (chunks shorter and longer than the window, at odd offsets), prefix caching of a prompt
+  whose head blocks were returned, preemption (recompute) across the window, and admission by what a
+  request still needs (a prompt longer than the whole KV cache runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
+from tests.models.utils import check_outputs_close, hf_float32, hf_greedy
+
+MAX_TOKENS = 24
+MISTRAL_WINDOW, MIXTRAL_WINDOW, GEMMA_WINDOW = 12, 10, 10
+LONG_PROMPT = " ".join(TINY_PROMPTS) + " " + " ".join(TINY_PROMPTS[::-1])
+
+
+def _params(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-sliding")
+    return {
+        "mistral": build_tiny_checkpoint(root / "mistral", "mistral", seed=21, hidden_size=60,
+                                         num_attention_heads=5, num_key_value_heads=1, head_dim=12,
+                                         sliding_window=MISTRAL_WINDOW),
+        "mixtral": build_tiny_checkpoint(root / "mixtral", "mixtral", seed=22, hidden_size=48,
+                                         num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                                         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=MIXTRAL_WINDOW),
+        "gemma3": build_tiny_checkpoint(root / "gemma3", "gemma3_text", seed=23, hidden_size=48,
+                                        num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                                        num_hidden_layers=3, sliding_window_pattern=2, query_pre_attn_scalar=20,
+                                        sliding_window=GEMMA_WINDOW),
+    }
+
+
+def _prompts(tok) -> list[list[int]]:
+    """Token ids of prompts from 1x to 6x the window, the shortest within it."""
+    ids = [tok.encode(p) for p in TINY_PROMPTS[:3]] + [tok.encode(LONG_PROMPT)]
+    assert min(map(len, ids)) < MIXTRAL_WINDOW and max(map(len, ids)) > 6 * MISTRAL_WINDOW
+    return ids
+
+
+@pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma3"])
+def test_parity_with_transformers_past_the_window(dirs, family):
+    d = dirs[family]
+    hf = hf_float32(d)
+    llm = LLM(str(d), seed=0, block_size=8, max_num_batched_tokens=64, max_num_seqs=4)
+    windows = [a.sliding_window for a in llm.llm_engine.core.runner.model.attention_layers()]
+    expected = {"mistral": [MISTRAL_WINDOW] * 2, "mixtral": [MIXTRAL_WINDOW] * 2,
+                "gemma3": [GEMMA_WINDOW, None, GEMMA_WINDOW]}[family]
+    assert windows == expected
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.sliding_window == (None if family == "gemma3"
+                                                                             else expected[0])
+    assert llm.llm_engine.core.scheduler.max_model_len > 4 * MISTRAL_WINDOW     # not capped to the window
+    ids = _prompts(llm.get_tokenizer())
+    refs = [hf_greedy(hf, i, MAX_TOKENS) for i in ids]
+    outputs = llm.generate([{"prompt_token_ids": i} for i in ids], _params(), use_tqdm=False)
+    exact = check_outputs_close(outputs, refs, [f"{family} prompt {i}" for i in range(len(refs))])
+    assert exact == len(refs)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_chunked_prefill_and_prefix_caching(dirs, family):
+    """Chunks of 7 tokens (shorter than the window, at every offset in a block); a second prompt sharing the
+    long prefix hits the cache (for Mistral, blocks the first request returned while it ran). Equal to
+    transformers."""
+    d = dirs[family]
+    hf = hf_float32(d)
+    llm = LLM(str(d), seed=0, block_size=4, max_num_batched_tokens=7, max_num_seqs=3, enable_prefix_caching=True,
+              num_gpu_blocks_override=120)
+    tok = llm.get_tokenizer()
+    long_ids = tok.encode(LONG_PROMPT)
+    prompts = [long_ids, long_ids + tok.encode(" The quick brown fox")]
+    refs = [hf_greedy(hf, i, MAX_TOKENS) for i in prompts]
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], _params(), use_tqdm=False)
+    second = llm.generate([{"prompt_token_ids": prompts[1]}], _params(), use_tqdm=False)
+    assert check_outputs_close(first + second, refs, ["long", "long + tail (cached prefix)"]) == len(refs)
+    assert second[0].num_cached_tokens >= 4 * (len(long_ids) // 4 - 1)
+
+
+@pytest.mark.parametrize("family,num_blocks", [("mistral", 8), ("gemma3", 100)])
+def test_preemption_across_the_window(dirs, family, num_blocks):
+    """A KV cache too small for three requests past their window at once: some are preempted and recomputed
+    (chunked, 7 tokens a step). Equal to transformers."""
+    d = dirs[family]
+    hf = hf_float32(d)
+    llm = LLM(str(d), seed=0, block_size=4, max_num_batched_tokens=7, max_num_seqs=3, enable_prefix_caching=False,
+              num_gpu_blocks_override=num_blocks)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(LONG_PROMPT), tok.encode(TINY_PROMPTS[1]) * 3, tok.encode(TINY_PROMPTS[2]) * 4]
+    refs = [hf_greedy(hf, i, MAX_TOKENS) for i in prompts]
+    outputs = llm.generate([{"prompt_token_ids": i} for i in prompts], _params(), use_tqdm=False)
+    assert check_outputs_close(outputs, refs, ["long", "repeated 3", "repeated 4"]) == len(refs)
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+
+
+def test_blocks_out_of_the_window_are_freed_while_decoding(dirs):
+    """A Mistral request decoding far past its window holds at most a window and a chunk of blocks: the free
+    blocks in the pool stay high while it runs, and a prompt longer than the whole cache is admitted."""
+    d = dirs["mistral"]
+    block_size, num_blocks = 4, 12                 # 11 usable blocks: 44 tokens, less than the prompt
+    llm = LLM(str(d), seed=0, block_size=block_size, max_num_batched_tokens=8, max_num_seqs=2,
+              num_gpu_blocks_override=num_blocks, enable_prefix_caching=False)
+    tok = llm.get_tokenizer()
+    ids = tok.encode(LONG_PROMPT)
+    assert len(ids) > (num_blocks - 1) * block_size
+    core = llm.llm_engine.core
+    kv = core.scheduler.kv_cache_manager
+    # Admission: what the request still needs at its peak (a window and a chunk), not its whole length.
+    peak = -(-(MISTRAL_WINDOW - 1 + 8) // block_size) + 1
+    assert kv.can_fit_ever(len(ids) + 64) and peak < num_blocks - 1
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=64,
+                                                                      ignore_eos=True))
+    held, free, returned = [], [], []
+    while engine.has_unfinished_requests():
+        # The step's chunk starts at ``start``: every block before its first query's window is back in the pool.
+        start = core.scheduler.requests["r"].num_computed_tokens if "r" in core.scheduler.requests else 0
+        engine.step()
+        if "r" in kv.req_to_blocks:
+            blocks = kv.req_to_blocks["r"]
+            held.append(sum(1 for b in blocks if not b.is_null))
+            returned.append(sum(1 for b in blocks if b.is_null))
+            free.append(kv.num_free_blocks)
+            assert returned[-1] == max(0, start - MISTRAL_WINDOW + 1) // block_size
+    assert max(held) <= peak
+    assert min(free) >= (num_blocks - 1) - peak
+    assert returned[-1] >= (len(ids) + 64 - MISTRAL_WINDOW) // block_size - 1
+    assert kv.num_free_blocks == num_blocks - 1            # all back at the end
+    assert core.scheduler.num_preemptions == 0
+    # And the output is transformers'.
+    ref = hf_greedy(hf_float32(d), ids, 64)
+    out = LLM(str(d), seed=0, block_size=block_size, max_num_batched_tokens=8, num_gpu_blocks_override=num_blocks,
+              enable_prefix_caching=False).generate([{"prompt_token_ids": ids}], _params(64), use_tqdm=False)
+    assert check_outputs_close(out, [ref], ["long decode in a small cache"]) == 1
+
+
+def test_gemma3_keeps_every_block(dirs):
+    """With global layers nothing is out of every window: a long Gemma 3 request holds all its blocks."""
+    llm = LLM(str(dirs["gemma3"]), seed=0, block_size=4, max_num_batched_tokens=16, max_num_seqs=1,
+              enable_prefix_caching=False)
+    engine, kv = llm.llm_engine, llm.llm_engine.core.scheduler.kv_cache_manager
+    ids = llm.get_tokenizer().encode(LONG_PROMPT)
+    engine.add_request("g", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=4,
+                                                                      ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        blocks = kv.req_to_blocks.get("g")
+        if blocks is not None:
+            assert not any(b.is_null for b in blocks)
+            assert len(blocks) * 4 >= engine.core.scheduler.requests["g"].num_computed_tokens
+    assert kv.sliding_window is None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from lora.adapter_store import AdapterStore
 from lora.adapter_uploads import AdapterUploads
 from lora.batch import LoRABatchState, LoRAMetaBuffers
 from lora.errors import InvalidLoRAAdapterError, LoRAAdapterError, LoRAAdapterNotFoundError
+from lora.expert_layers import ExpertLoRASlots
 from lora.layers import LinearLoRASlots, LoRAPending
 from lora.peft_adapter import LoRAAdapter, LoRATargets
 from lora.peft_adapter import max_rank_in as _max_rank_in
@@ -115,9 +116,17 @@ class LoRAManager:
         """Static per-step meta tensors (``allocate_step_buffers``; else sized on first use)."""
         self._step_rows: Optional[int] = None
         """Rows ``allocate_step_buffers`` sized the step buffers for (None: not allocated; they grow)."""
-        self.layers: dict[str, LinearLoRASlots] = {}
-        """Our Linear module name -> its slot buffers (also attached as that Linear's ``adapter``)."""
+        self.layers: dict[str, Union[LinearLoRASlots, ExpertLoRASlots]] = {}
+        """Our Linear (or routed-experts) module name -> its slot buffers (also attached as its ``adapter``)."""
+        experts = self.targets.expert_modules
         for name in self.targets.module_names:
+            if name in experts:        # a MoE layer's routed experts: per-expert A/B (``lora.expert_layers``)
+                gate = experts[name]
+                part = gate.output_range
+                model.get_submodule(name).adapter = self.layers[name] = ExpertLoRASlots(
+                    gate.num_experts, gate.input_size, gate.output_size if part is None else part[1] - part[0],
+                    self.max_loras, self.max_lora_rank, self.lora_dtype, self.device, self.state)
+                continue
             linear = model.get_submodule(name)
             slots = LinearLoRASlots(linear.input_size, linear.output_sizes, self.max_loras,
                                     self.max_lora_rank, self.lora_dtype, self.device, self.state,
@@ -389,7 +398,9 @@ class LoRAManager:
                           if a <= self.max_loras})
         # Layers of one shape share their launch keys (the overrides and fusion switches come from
         # the engine's one KernelPolicy): one layer per shape is enough, not every decoder layer's.
-        by_shape = {(layer.input_size, tuple(layer.output_sizes)): layer for layer in self.layers.values()}
+        # (The routed experts' update runs inside the fused MoE kernels, compiled with the model's.)
+        by_shape = {(layer.input_size, tuple(layer.output_sizes)): layer for layer in self.layers.values()
+                    if isinstance(layer, LinearLoRASlots)}
         seen, calls = set(), 0
         for shape, layer in by_shape.items():
             for t in token_counts:

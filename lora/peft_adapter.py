@@ -40,6 +40,11 @@ attn.proj, LLaVA's projector linear_1 / linear_2, Qwen2-VL's merger mlp.0 / mlp.
 SUPPORTED_TARGET_MODULES = SUFFIX_TARGET_MODULES + ("out_proj", "fc1", "fc2") + TOWER_TARGET_MODULES
 """PEFT module suffixes some model offers (``out_proj``, ``fc1``, ``fc2``: Whisper's and the vision towers',
 through their own mappings). A given model takes only its own (``LoRATargets.suffixes``)."""
+EXPERT_TARGET_MODULES = ("w1", "w2", "w3", "gate", "gate_up_proj")
+"""PEFT names of a MoE model's routed experts and router besides the ones above: transformers 4's per-expert
+``w1`` / ``w3`` / ``w2`` (Mixtral), the router ``gate``, and ``gate_up_proj`` (with ``down_proj``), the stacked
+expert parameters of transformers 5 that PEFT adapts through ``target_parameters``."""
+SUPPORTED_TARGET_MODULES = SUPPORTED_TARGET_MODULES + EXPERT_TARGET_MODULES
 TOWER_LORA_FLAG = "--enable-tower-connector-lora"
 """The engine flag that serves adapters on a vision tower and its projector (``LoRAConfig``)."""
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head", "wte", "wpe", "embed_out", "output")
@@ -76,13 +81,18 @@ class TargetSlice:
     input_range: Optional[tuple[int, int]] = None
     """Tensor parallelism, row-parallel Linear: the (start, stop) columns of A this rank keeps (A split
     with the input, B whole: the partial update rides on the layer's all-reduce); None: all."""
+    num_experts: int = 0
+    """A slice of a MoE layer's routed experts (``engine.layers.moe.FusedMoE``, slots in
+    ``lora.expert_layers``: slice 0 gate, 1 up, 2 down), which has this many experts; 0: a ``Linear``."""
+    expert: int = -1
+    """The expert this PEFT module is (its per-expert name), with ``num_experts``."""
 
     def shard(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of A [r, input_size] and B [output_size, r]."""
+        """This rank's part of A [..., r, input_size] and B [..., output_size, r]."""
         if self.input_range is not None:
-            a = a[:, self.input_range[0]:self.input_range[1]]
+            a = a[..., self.input_range[0]:self.input_range[1]]
         if self.output_range is not None:
-            b = b[self.output_range[0]:self.output_range[1]]
+            b = b[..., self.output_range[0]:self.output_range[1], :]
         return a, b
 
 
@@ -125,7 +135,6 @@ class LoRATargets:
     """PEFT module names of projections the model never runs (``LoRALayout.encoder_slices`` None, with tower
     LoRA served): an adapter's tensors for them change nothing and are skipped."""
 
-
     @classmethod
     def from_model(cls, model: nn.Module, tower_lora: bool = False) -> "LoRATargets":
         """The model's declared layout (``lora_layout()``, ``engine.layers.lora_layout.LoRALayout``): its
@@ -162,10 +171,10 @@ class LoRATargets:
                 for theirs, ours in prefixes:
                     if peft_module.startswith(ours):
                         slices.setdefault(theirs + peft_module[len(ours):], target)
+        slices.update(_expert_slices(model, layout))
         if tower_lora:
             return cls({**slices, **tower}, unused_modules=unused)
         return cls(slices, tower_modules=frozenset(tower) | unused)
-
 
     @classmethod
     def _from_exact(cls, model: nn.Module, mapping: Mapping[str, tuple[str, int]],
@@ -176,14 +185,21 @@ class LoRATargets:
                         encoder_prefix is not None and module_name.startswith(encoder_prefix)))
                     for peft_module, (module_name, idx) in mapping.items()})
 
-
     @property
     def suffixes(self) -> tuple[str, ...]:
         """The PEFT module suffixes this model offers (in ``SUPPORTED_TARGET_MODULES`` order): what an
         adapter's ``target_modules`` and tensors may name (a tower's too where it is not served: such an
         adapter is refused for its tensors, naming the flag)."""
         have = {name.rpartition(".")[2] for name in (*self.slices, *self.tower_modules, *self.unused_modules)}
+        if self.expert_modules:
+            have.add("gate_up_proj")                        # the stacked experts (``target_parameters``)
         return tuple(s for s in SUPPORTED_TARGET_MODULES if s in have)
+
+    @property
+    def expert_modules(self) -> dict[str, TargetSlice]:
+        """Our routed-experts modules that some PEFT projection maps to -> the target of one expert's gate
+        (its ``num_experts``, ``input_size`` H, ``output_size`` I and this rank's ``output_range``)."""
+        return {t.module_name: t for t in self.slices.values() if t.num_experts and t.slice_idx == 0}
 
     @property
     def adapts_encoder(self) -> bool:
@@ -217,6 +233,8 @@ class PEFTAdapterConfig:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     """Regex -> alpha for modules that deviate from ``lora_alpha``."""
     base_model_name_or_path: Optional[str] = None
+    target_parameters: list[str] = field(default_factory=list)
+    """Parameters PEFT adapts directly (a MoE model's stacked experts and router weight)."""
 
     @property
     def max_rank(self) -> int:
@@ -282,7 +300,8 @@ def read_adapter_config(path: Union[str, Path], max_lora_rank: Optional[int] = N
         fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
         rank_pattern={str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
         alpha_pattern={str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
-        base_model_name_or_path=raw.get("base_model_name_or_path"))
+        base_model_name_or_path=raw.get("base_model_name_or_path"),
+        target_parameters=list(raw.get("target_parameters") or []))
 
 
 def _is_int(v) -> bool:
@@ -329,10 +348,10 @@ def _config_problems(raw: dict, max_lora_rank: Optional[int], supported_modules:
         problems.append("lora_bias (a bias on lora_B) is not supported.")
     for key, what in (("trainable_token_indices", "trainable tokens"),
                       ("layer_replication", "layer replication"),
-                      ("alora_invocation_tokens", "activated LoRA (aLoRA)"), ("use_qalora", "QA-LoRA"),
-                      ("target_parameters", "target_parameters (LoRA on raw parameters)")):
+                      ("alora_invocation_tokens", "activated LoRA (aLoRA)"), ("use_qalora", "QA-LoRA")):
         if raw.get(key):
             problems.append(f"{key}: {what} is not supported.")
+    problems.extend(_target_parameter_problems(raw.get("target_parameters"), supported_modules))
     problems.extend(_target_module_problems(raw.get("target_modules"), bool(raw.get("target_parameters")),
                                             supported_modules))
     return problems
@@ -370,9 +389,10 @@ class LoRASliceWeights:
     """One projection's update, ready to copy into a slot (scale already folded into B)."""
 
     lora_a: torch.Tensor
-    """[rank, input_size]."""
+    """[rank, input_size]; an experts slice (``TargetSlice.num_experts``): [E, rank, input_size], zero for
+    the experts the adapter does not target."""
     lora_b: torch.Tensor
-    """[output_size, rank], multiplied by the module's scale."""
+    """[output_size, rank] ([E, output_size, rank] for an experts slice), multiplied by the module's scale."""
 
 
 @dataclass
@@ -445,8 +465,12 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
     """
     config = read_adapter_config(path, max_lora_rank, targets.suffixes)
     tensors = read_adapter_tensors(path)
-    pairs, problems = _group_lora_tensors(tensors, targets)
+    tensors, stacked, scale_names, problems = _stacked_expert_pairs(tensors, targets, config)
+    pairs, more = _group_lora_tensors(tensors, targets)
+    pairs.update(stacked)
+    problems += more
     weights: dict[tuple[str, int], LoRASliceWeights] = {}
+    per_expert: dict[tuple[str, int], dict[int, LoRASliceWeights]] = {}   # experts' slice -> expert -> weights
     max_rank, adapts_encoder = 0, False
     for peft_module, (a, b) in sorted(pairs.items()):
         target = targets.slices[peft_module]
@@ -462,10 +486,15 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
             continue
         max_rank = max(max_rank, rank)
         adapts_encoder = adapts_encoder or target.in_encoder
-        scale = config.scaling(peft_module)
-        weights[(target.module_name, target.slice_idx)] = LoRASliceWeights(
+        scale = config.scaling(scale_names.get(peft_module, peft_module))
+        slice_weights = LoRASliceWeights(
             lora_a=a.to(torch.float32).to(dtype).contiguous(),                  # [rank, in]
             lora_b=(b.to(torch.float32) * scale).to(dtype).contiguous())        # [out, rank]
+        if target.num_experts:
+            per_expert.setdefault((target.module_name, target.slice_idx), {})[target.expert] = slice_weights
+        else:
+            weights[(target.module_name, target.slice_idx)] = slice_weights
+    weights.update(_stack_experts(per_expert, targets))
     if not problems and not weights:
         problems.append("it holds no lora_A/lora_B tensors.")
     if problems:
@@ -554,3 +583,157 @@ def max_rank_in(paths: list[str], at_least: int = 16) -> int:
     for p in paths:
         rank = max(rank, read_adapter_config(p).max_rank)
     return rank
+
+
+# ----------------------------------------------------------------------------------------
+# Routed experts (MoE): per-expert modules, the stacked parameters, the router
+# ----------------------------------------------------------------------------------------
+STACKED_EXPERT_PARAMETERS = {"gate_up_proj": (0, 1), "down_proj": (2,)}
+"""transformers 5's stacked expert parameters (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj``
+[E, H, I]) -> the experts slices they update. PEFT's ``target_parameters`` adapts each with one A
+[r * E, in] and one B [out, r * E] (expert e: A rows e * r ..., B columns e of every r-th), one A for
+gate and up together."""
+_BASE_LAYER = ".base_layer"
+
+
+def _expert_slices(model: nn.Module, layout) -> dict[str, TargetSlice]:
+    """PEFT names of every routed-experts module's per-expert projections (``LoRALayout.expert_projections``)
+    and of the router beside it (``LoRALayout.router_modules``), also under ``LoRALayout.module_renames``."""
+    from engine.layers.linear import Linear
+    from engine.layers.moe import FusedMoE
+
+    if not layout.expert_projections:
+        return {}
+    slices: dict[str, TargetSlice] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE):
+            continue
+        found = {f"{name}.{e}.{suffix}": _expert_slice(name, s, e, module)
+                 for suffix, s in layout.expert_projections for e in range(module.num_experts)}
+        parent = name.rpartition(".")[0]
+        for router in layout.router_modules:
+            linear = model.get_submodule(parent).get_submodule(router)
+            if isinstance(linear, Linear):
+                found[f"{parent}.{router}"] = _target_slice(f"{parent}.{router}", 0, linear)
+        for peft_module, target in found.items():
+            slices[peft_module] = target
+            for theirs, ours in layout.module_renames:
+                if ours in peft_module:
+                    slices.setdefault(peft_module.replace(ours, theirs), target)
+    return slices
+
+
+def _expert_slice(module_name: str, slice_idx: int, expert: int, module: nn.Module) -> TargetSlice:
+    """Where one expert's gate (0), up (1) or down (2) projection lands in ``module`` (a ``FusedMoE``; with
+    tensor parallelism its ``intermediate_range``: B rows of gate/up, A columns of down)."""
+    hidden, inter, part = module.hidden_size, module.full_intermediate_size, module.intermediate_range
+    if slice_idx == 2:
+        return TargetSlice(module_name, 2, inter, hidden, input_range=part, num_experts=module.num_experts,
+                           expert=expert)
+    return TargetSlice(module_name, slice_idx, hidden, inter, output_range=part, num_experts=module.num_experts,
+                       expert=expert)
+
+
+def _target_parameter_problems(params, supported_modules: tuple[str, ...]) -> list[str]:
+    """Why ``target_parameters`` cannot be served (empty when it can): only the stacked experts
+    (``STACKED_EXPERT_PARAMETERS``) and the router's ``gate.weight`` of a MoE model."""
+    if not params:
+        return []
+    if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+        return [f"target_parameters must be a list of parameter names, got {params!r}."]
+    known = (*STACKED_EXPERT_PARAMETERS, "gate.weight") if "gate_up_proj" in supported_modules else ()
+    bad = [p for p in params if not any(p == k or p.endswith("." + k) for k in known)]
+    if not bad:
+        return []
+    if not known:
+        return [f"target_parameters {bad}: LoRA on raw parameters is served on the routed experts of MoE models "
+                "only, and this model has none."]
+    return [f"target_parameters {bad} are not supported; this model takes {list(known)}."]
+
+
+def _stacked_parameter(module: str, config: PEFTAdapterConfig) -> Optional[str]:
+    """Which stacked parameter the tensors of PEFT module ``module`` (``<experts>`` or
+    ``<experts>.base_layer``) adapt: PEFT nests one wrapper per parameter, ``gate_up_proj`` innermost."""
+    named = {p.rpartition(".")[2] for p in (config.target_parameters or [])} & set(STACKED_EXPERT_PARAMETERS)
+    if module.endswith(_BASE_LAYER):
+        return "gate_up_proj" if len(named) == 2 else None
+    if len(named) == 2:
+        return "down_proj"
+    return next(iter(named), None)
+
+
+def _stacked_expert_pairs(tensors: dict[str, torch.Tensor], targets: LoRATargets, config: PEFTAdapterConfig
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                     dict[str, str], list[str]]:
+    """Split off the tensors of the stacked experts (``target_parameters``) and turn them into per-expert
+    pairs under the per-expert PEFT names (gate and up share the stacked A).
+
+    Returns (the other tensors, per-expert name -> (A [r, in], B [out, r]), per-expert name -> the name its
+    scale is looked up by (``<experts>.gate_up_proj``), a sentence per problem).
+    """
+    experts = targets.expert_modules
+    if not experts:
+        return tensors, {}, {}, []
+    names = {(t.module_name, t.expert, t.slice_idx): peft for peft, t in reversed(list(targets.slices.items()))
+             if t.num_experts}                                        # the first (our) name of each
+    rest: dict[str, torch.Tensor] = {}
+    halves: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    problems: list[str] = []
+    for key, tensor in tensors.items():
+        m = _LORA_KEY_RE.match(key)
+        module = m.group("module") if m is not None else ""
+        base = module[:-len(_BASE_LAYER)] if module.endswith(_BASE_LAYER) else module
+        if base not in experts or m.group("kind") not in ("lora_A", "lora_B"):
+            rest[key] = tensor
+            continue
+        param = _stacked_parameter(module, config)
+        if param is None:
+            problems.append(f"{module} holds LoRA tensors of the stacked experts, but target_parameters "
+                            f"({config.target_parameters}) does not say which of gate_up_proj / down_proj.")
+            continue
+        halves.setdefault((base, param), {})[m.group("kind")] = tensor
+    pairs, scale_names = {}, {}
+    for (base, param), h in sorted(halves.items()):
+        if "lora_A" not in h or "lora_B" not in h:
+            problems.append(f"{base}.{param} has only {'lora_A' if 'lora_A' in h else 'lora_B'}.")
+            continue
+        gate = experts[base]
+        E, hidden, inter = gate.num_experts, gate.input_size, gate.output_size
+        a, b = h["lora_A"], h["lora_B"]
+        in_size, out_size = (hidden, 2 * inter) if param == "gate_up_proj" else (inter, hidden)
+        if (a.dim() != 2 or b.dim() != 2 or a.shape[0] % E or a.shape[0] == 0 or a.shape[1] != in_size
+                or tuple(b.shape) != (out_size, a.shape[0])):
+            problems.append(f"{base}.{param}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit the base "
+                            f"model, which needs A [r * {E}, {in_size}] and B [{out_size}, r * {E}] (an adapter "
+                            "for a different model?).")
+            continue
+        rank = a.shape[0] // E
+        a3 = a.reshape(E, rank, in_size)                                           # [E, r, in]
+        b3 = b.reshape(out_size, rank, E).permute(2, 0, 1)                         # [E, out, r]
+        slices = STACKED_EXPERT_PARAMETERS[param]
+        for e in range(E):
+            for i, s in enumerate(slices):
+                name = names[(base, e, s)]
+                rows = slice(i * inter, (i + 1) * inter) if len(slices) == 2 else slice(None)
+                pairs[name] = (a3[e], b3[e, rows])
+                scale_names[name] = f"{base}.{param}"
+    return rest, pairs, scale_names, problems
+
+
+def _stack_experts(per_expert: dict[tuple[str, int], dict[int, LoRASliceWeights]], targets: LoRATargets
+                   ) -> dict[tuple[str, int], LoRASliceWeights]:
+    """Each experts slice's per-expert weights stacked: A [E, r, in], B [E, out, r], ranks zero-padded to the
+    slice's largest, zero for the experts the adapter does not target."""
+    experts = targets.expert_modules
+    out: dict[tuple[str, int], LoRASliceWeights] = {}
+    for (module, s), by_expert in per_expert.items():
+        some = next(iter(by_expert.values()))
+        rank = max(w.lora_a.shape[0] for w in by_expert.values())
+        E = experts[module].num_experts
+        a = some.lora_a.new_zeros(E, rank, some.lora_a.shape[1])                   # [E, r, in]
+        b = some.lora_b.new_zeros(E, some.lora_b.shape[0], rank)                   # [E, out, r]
+        for e, w in by_expert.items():
+            a[e, :w.lora_a.shape[0]] = w.lora_a
+            b[e, :, :w.lora_b.shape[1]] = w.lora_b
+        out[(module, s)] = LoRASliceWeights(lora_a=a, lora_b=b)
+    return out

@@ -32,3 +32,13 @@ class LoRALayout:
     (``--enable-tower-connector-lora``). Adapters on them change the encoder output. None: a projection the
     model never runs (a tower layer past the deepest feature layer): an adapter's update there changes
     nothing and is skipped."""
+    expert_projections: tuple[tuple[str, int], ...] = ()
+    """A MoE model's routed experts (``engine.layers.moe.FusedMoE``): PEFT per-expert module suffix -> slice of
+    the experts update (0 gate, 1 up, 2 down), e.g. Mixtral's ``(("w1", 0), ("w3", 1), ("w2", 2))`` for
+    ``experts.N.w1``; empty: no adapter reaches the experts. Their stacked form (``target_parameters``) comes
+    with it."""
+    router_modules: tuple[str, ...] = ()
+    """Suffixes of the router ``Linear`` beside each routed-experts module (``gate``) that adapters may target."""
+    module_renames: tuple[tuple[str, str], ...] = ()
+    """(theirs, ours) infixes of expert and router module names in transformers 4's layout (Mixtral's
+    ``.block_sparse_moe.`` for our ``.mlp.``): adapters may use either."""

@@ -231,6 +231,11 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        """I on this rank (each expert's gate/up rows, down columns)."""
+        self.full_intermediate_size = intermediate_size
+        """I of the checkpoint (``intermediate_size`` times the tensor-parallel size)."""
+        self.intermediate_range: Optional[tuple[int, int]] = None
+        """Tensor parallelism: the (start, stop) intermediate rows of every expert this rank holds; None: all."""
         self.renormalize = renormalize
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)

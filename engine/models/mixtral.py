@@ -10,10 +10,11 @@ router ``block_sparse_moe.gate.weight``; Qwen-MoE's ``mlp.experts.E.gate_proj|up
 transformers 5's stacked ones (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I],
 what ``save_pretrained(save_original_format=False)`` writes) both load into the stacked ``w13`` / ``w2``.
 
-Capabilities: none beyond ``ModelForCausalLM`` (no tensor parallelism, no weight quantization yet). LoRA
-adapters reach the attention projections (and a dense layer's or a shared expert's gate/up/down); an adapter
-on the routed experts is refused by the adapter reader (its expert modules are no ``Linear``: "unknown target
-modules").
+Capabilities: none beyond ``ModelForCausalLM`` (no tensor parallelism, no weight quantization yet). LoRA adapters
+reach the attention projections, a dense layer's or a shared expert's gate/up/down, the router (``gate``) and
+the routed experts: per expert (PEFT's ``experts.N.w1`` / ``gate_proj`` ... names) or through PEFT's
+``target_parameters`` on the stacked ``gate_up_proj`` / ``down_proj``, run inside the fused MoE path
+(``engine.layers.moe.fused_moe_lora``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
 from engine.models.llama import LlamaAttention, LlamaMLP, _head_dim
-from engine.models.sliding_window import layer_windows, set_layer_windows
 
 _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 """A per-expert checkpoint tensor: ``<layer>.mlp.experts.<E>.<proj>.weight``."""
@@ -111,20 +111,19 @@ class MoEForCausalLM(nn.Module):
     }
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     """(theirs, ours) substrings of checkpoint tensor names (Mixtral's ``.block_sparse_moe.`` is our ``.mlp.``)."""
+    expert_projections: tuple[tuple[str, int], ...] = (("gate_proj", 0), ("up_proj", 1), ("down_proj", 2))
+    """PEFT per-expert module suffix -> slice of the experts' LoRA update (``LoRALayout.expert_projections``)."""
     capabilities = ModelCapabilities()
     logits_rules: Optional[LogitsRules] = None
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
-        windows = layer_windows(config)
-        if not any(windows):
-            check_full_attention(config, max_position)
+        check_full_attention(config, max_position)
         self.config = config
         rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position)
         layers = [MoEDecoderLayer(config, self.build_attention(config, rotary_emb), self.build_mlp(config, i))
                   for i in range(config.num_hidden_layers)]
         self.model = MoEModel(config, layers)
-        set_layer_windows(self.attention_layers(), windows)
         widths = [m.activation_width() if isinstance(m, SparseMoeBlock) else config.intermediate_size
                   for m in (layer.mlp for layer in layers)]
         self.shape = ModelShape(config.hidden_size, max(widths), config.vocab_size)
@@ -165,8 +164,10 @@ class MoEForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def lora_layout(self) -> LoRALayout:
-        """Attention (and dense / shared-expert MLP) projections only: the routed experts hold no ``Linear``."""
-        return LoRALayout(self.packed_modules_mapping)
+        """Attention, dense / shared-expert MLP projections (``Linear``), the routed experts (per expert, or
+        their stacked parameters) and the router (``gate``)."""
+        return LoRALayout(self.packed_modules_mapping, expert_projections=self.expert_projections,
+                          router_modules=("gate",), module_renames=self.checkpoint_renames)
 
     def lora_qkv_warmup_consumer(self) -> Optional[QKVConsumer]:
         """The first layer's rotary + KV write where it is fused and takes the q/k/v adapter update
@@ -255,6 +256,7 @@ class MixtralForCausalLM(MoEForCausalLM):
     router logits)."""
 
     checkpoint_renames = ((".block_sparse_moe.", ".mlp."),)
+    expert_projections = (("w1", 0), ("w3", 1), ("w2", 2))
 
     def build_mlp(self, config, layer_idx: int) -> nn.Module:
         return SparseMoeBlock.from_config(config, config.num_local_experts, config.intermediate_size,

@@ -7,8 +7,6 @@ side's token is in the other's top-5; logprobs of the common prefix within 1e-3.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -35,6 +33,11 @@ LONG_PROMPT = " ".join(CORPUS[:10])
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Variant name -> its tiny checkpoint directory (built on first use)."""
+    return checkpoint_getter(tmp_path_factory)
+
+
+def checkpoint_getter(tmp_path_factory):
+    """A function of a ``VARIANTS`` name that builds its tiny checkpoint on first use and returns its directory."""
     built = {}
 
     def get(name: str):
@@ -106,8 +109,7 @@ def test_lora_on_attention_matches_peft(variant, checkpoints, tiny_prompts, tmp_
     from tests.lora.utils import build_peft_adapter, peft_greedy, peft_reference_model
 
     d = checkpoints(variant)
-    # Attention only: PEFT 0.21 turns MLP targets on a MoE model into the experts' stacked parameters, even in a
-    # model with dense layers (``test_expert_adapter_is_refused``).
+    # Attention only here: adapters on the experts and the router are tests/models/test_moe_lora.py's.
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     adapter = build_peft_adapter(d, tmp_path / "attn", r=8, lora_alpha=16, target_modules=targets, seed=5)
     tok = AutoTokenizer.from_pretrained(d)
@@ -120,40 +122,6 @@ def test_lora_on_attention_matches_peft(variant, checkpoints, tiny_prompts, tmp_
     request = LoRARequest("attn", 1, str(adapter))
     outputs = llm.generate(prompts, _params(), lora_request=request, use_tqdm=False)
     _check(outputs, refs, prompts, min_exact=2)
-
-
-def test_expert_adapter_is_refused(checkpoints, tmp_path):
-    """LoRA on the routed experts is not supported yet: the adapter reader says so. PEFT 0.21 turns MLP targets
-    on a MoE model into ``target_parameters`` on the stacked experts; older adapters name per-expert modules."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-
-    from engine.models.mixtral import MixtralForCausalLM
-    from engine.models.qwen3_moe import Qwen3MoeForCausalLM
-    from lora.errors import InvalidLoRAAdapterError
-    from lora.peft_adapter import LoRATargets, load_peft_adapter
-    from tests.lora.utils import ALL_TARGETS, build_peft_adapter
-
-    d = checkpoints("qwen3moe-64x8-norm-dense1")
-    adapter = build_peft_adapter(d, tmp_path / "peft", r=4, lora_alpha=8, target_modules=ALL_TARGETS, seed=1)
-    targets = LoRATargets.from_model(Qwen3MoeForCausalLM(AutoConfig.from_pretrained(d), 64))
-    with pytest.raises(InvalidLoRAAdapterError, match=r"target_parameters \(LoRA on raw parameters\) is not"):
-        load_peft_adapter("experts", str(adapter), targets, 16, torch.float32)
-
-    d = checkpoints("mixtral-8x2")
-    targets = LoRATargets.from_model(MixtralForCausalLM(AutoConfig.from_pretrained(d), 64))
-    assert targets.suffixes == ("q_proj", "k_proj", "v_proj", "o_proj")
-    prefix = "base_model.model.model.layers.0.block_sparse_moe.experts.0.w1"
-    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
-              str(tmp_path / "adapter_model.safetensors"))
-    config = {"r": 4, "lora_alpha": 8, "target_modules": ["w1"], "peft_type": "LORA"}
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(InvalidLoRAAdapterError, match=r"unknown target modules \['w1'\]"):
-        load_peft_adapter("experts", str(tmp_path), targets, 8, torch.float32)
-    config["target_modules"] = ["q_proj"]        # the config hides it; the tensors still name an expert
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(InvalidLoRAAdapterError, match="experts.0.w1"):
-        load_peft_adapter("experts", str(tmp_path), targets, 8, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------

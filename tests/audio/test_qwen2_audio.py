@@ -7,6 +7,7 @@ prefix caching, TP 2, the transformers 4.x layout."""
 from __future__ import annotations
 
 
+import pytest
 import torch
 
 from engine.llm import LLM
@@ -146,3 +147,23 @@ def test_transformers_4_layout_loads(tmp_path, qwen2_audio_dir, audio_clips):
     out = llm.generate(audio_prompt(PROMPTS[0], audio_clips[2:]), params(), use_tqdm=False)
     ref = hf_greedy(qwen2_audio_dir, PROMPTS[0], audio_clips[2:])
     check_logprobs_close(ref, ours_as_ref(out[0].outputs[0]), "4.x")
+
+
+def test_frame_and_embedding_counts_match_the_processor(audio_llm, qwen2_audio_dir):
+    """Lengths around the hop and the window: frames = the feature extractor's mask, embeddings = the
+    processor's count; too short for one embedding or longer than the window is refused."""
+    import numpy as np
+    _, hf_processor = hf_model(str(qwen2_audio_dir))
+    ours = audio_llm.llm_engine.processor.mm_processor
+    for num_samples in (480, 481, 639, 640, 16_000, 16_001, 479_999, 480_000):
+        mask = hf_processor.feature_extractor(np.zeros(num_samples, np.float32), sampling_rate=16000,
+                                              return_attention_mask=True, padding="max_length")["attention_mask"]
+        frames = int(mask.sum())
+        assert ours.num_frames(num_samples) == frames, num_samples
+        assert ours.num_embeds(num_samples) == (((frames - 1) // 2 + 1) - 2) // 2 + 1, num_samples
+    tok = hf_processor.tokenizer
+    ids = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="too short"):
+        ours.process(ids, [llm_audio(np.zeros(320, np.float32))])
+    with pytest.raises(ValueError, match="longer than the model's 30 s window"):
+        ours.process(ids, [llm_audio(np.zeros(480_001, np.float32))])

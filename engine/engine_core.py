@@ -28,10 +28,13 @@ Constrained decoding (``engine.structured_output``): the core builds one ``Gramm
 tokenizer, the logits width, ``--structured-outputs-backend``), shared by the processor (which validates a
 request's constraint before it is queued: a 400 with the compiler's reason) and the scheduler's
 ``StructuredOutputManager``. A step that samples constrained requests needs their matchers to have taken
-every earlier token, so the runner asks for its bitmask once its forward is launched (``_grammar_source``):
-that settles step N (its sampled ids, ``update_from_output``) before the bitmask of N+1 is filled on the
-host, while the device runs N+1's forward. Such a step therefore gives up the overlap of step N's update
-with N+1's sampling; steps without constrained requests keep the deferred order.
+every earlier token. With async scheduling its sampling stays open after its forward is launched: the next
+``step()`` schedules step N+1 and prepares its inputs, then the runner asks for step N's bitmask
+(``_grammar_source``; step N-1 was settled in the previous ``step()``), samples N and launches N+1's forward
+at once, and step N is settled while the device runs N+1. The host's bitmask work overlaps step N's
+forward, and the device waits only for the bitmask itself, not for scheduling. Without async scheduling,
+and with tensor parallelism, the bitmask is asked for once the forward is launched and first settles the
+step in flight.
 
 Tensor parallelism (``tensor_parallel_size`` > 1): this core is rank 0. ``from_engine_args`` starts
 the other ranks (``engine.distributed.executor``), every rank builds its shard the same way
@@ -148,6 +151,9 @@ class EngineCore:
         self.facts = facts
         self.lora_manager = lora_manager
         self.async_scheduling = engine_config.scheduler_config.async_scheduling
+        self._sample_with_next = self.async_scheduling and executor is None
+        """A constrained step samples once the next step's inputs are prepared (``ModelRunner.execute_async``);
+        the tensor-parallel workers sample each step as it runs."""
         self._in_flight: Optional[tuple[SchedulerOutput, PendingOutput]] = None
         """Async scheduling: the launched step whose output has not been processed yet."""
         self._failed: dict[str, BaseException] = {}
@@ -308,7 +314,7 @@ class EngineCore:
             result = self.runner.execute(so, grammar)
             self._raise_injected_fault()
             return self._update(so, result)
-        pending = self.runner.execute_async(so, grammar)
+        pending = self.runner.execute_async(so, grammar, sample_with_next=self._sample_with_next)
         self._raise_injected_fault()
         prev, self._in_flight = self._in_flight, None
         outputs = settled + (self._update(*prev) if prev is not None else [])
@@ -320,17 +326,19 @@ class EngineCore:
 
     def _grammar_source(self, so: SchedulerOutput,
                         settled: list[EngineCoreOutput]) -> Optional[GrammarSource]:
-        """What the runner asks for the bitmask of ``so``'s constrained rows once its forward is launched
-        (None when ``so`` samples no constrained request): settle the step in flight first (its outputs go
-        to ``settled``), so every matcher has taken its request's earlier tokens, then fill the bitmask on
-        the host; the tensor-parallel workers get the same bitmask."""
+        """What the runner asks for the bitmask of ``so``'s constrained rows (None when ``so`` samples no
+        constrained request). Sampled with the next step (``_sample_with_next``), every earlier step is
+        settled by then; otherwise it is asked for once the forward is launched and settles the step in
+        flight first (its outputs go to ``settled``), so every matcher has taken its request's earlier
+        tokens. Then it fills the bitmask on the host; the tensor-parallel workers get the same bitmask."""
         if not so.structured_output_req_ids:
             return None
 
         def fill(sample_req_ids: list[str]) -> Optional[GrammarBitmask]:
-            prev, self._in_flight = self._in_flight, None
-            if prev is not None:
-                settled.extend(self._update(*prev))
+            if not self._sample_with_next:
+                prev, self._in_flight = self._in_flight, None
+                if prev is not None:
+                    settled.extend(self._update(*prev))
             bitmask = self.scheduler.grammar_bitmask(sample_req_ids)
             if self.executor is not None:
                 self.executor.send_grammar_bitmask(bitmask)
@@ -387,6 +395,7 @@ class EngineCore:
         completing) with ``EngineStepError`` and free what they held; raise ``EngineDeadError`` if the
         fault is fatal (a CUDA error, or ``MAX_CONSECUTIVE_STEP_FAULTS`` in a row)."""
         self._in_flight = None
+        self.runner.drop_unsampled()
         self._num_consecutive_faults += 1
         req_ids = list(dict.fromkeys(rid for so in steps for rid in so.num_scheduled_tokens))
         stale_loras = {load.lora_request.lora_name for so in steps for load in so.lora_loads}

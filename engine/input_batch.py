@@ -244,8 +244,8 @@ class StepBuffers:
 
     def prepare(self, states: list[CachedRequestState], num_scheduled: list[int], table: BlockTableRows,
                 block_size: int, with_lora: bool, num_reqs_padded: Optional[int] = None,
-                num_tokens_padded: Optional[int] = None, prev_sampled_rows: Optional[dict[str, int]] = None,
-                prev_sampled: Optional[torch.Tensor] = None) -> StepInputs:
+                num_tokens_padded: Optional[int] = None,
+                prev_sampled_rows: Optional[dict[str, int]] = None) -> StepInputs:
         """Lay the step's tokens out flat and send them to the device.
 
         Args:
@@ -259,8 +259,9 @@ class StepBuffers:
             num_tokens_padded: pad to this many tokens (a mixed graph's size): padding requests
                 then have no tokens, and the padding tokens belong to no request (KV slot -1,
                 adapter -1; their outputs are garbage and never read).
-            prev_sampled_rows, prev_sampled: the previous step's sampled ids on the device and
-                each request's row in them, for input ids the host does not have yet.
+            prev_sampled_rows: each request's row in the previous step's sampled ids, for input ids the
+                host does not have yet: ``gather_placeholders`` writes them once those ids exist on the
+                device.
         """
         m = self._next_mirror()
         a = m.np
@@ -344,10 +345,6 @@ class StepBuffers:
                             ("logits_indices", num_sampled), ("placeholder_dst", num_ph),
                             ("placeholder_src", num_ph)):
             self._send(m, name, count)
-        if num_ph:
-            # Input ids the host does not have: the previous step's samples, gathered on the device.
-            self.input_ids.index_copy_(0, self.placeholder_dst[:num_ph],
-                                       prev_sampled.index_select(0, self.placeholder_src[:num_ph]))
         if m.copied is not None:
             m.copied.record()
 
@@ -371,6 +368,14 @@ class StepBuffers:
             logits_indices=self.logits_indices[:num_sampled], all_rows_sample=all_rows_sample,
             token_lora_slots=lora_slots,
             prompt_logprob_ranges=prompt_ranges, num_placeholders=num_ph, mrope_positions=mrope)
+
+    def gather_placeholders(self, num_placeholders: int, prev_sampled: Optional[torch.Tensor]) -> None:
+        """Write the prepared step's input ids the host does not have: the previous step's samples
+        (``prev_sampled``: [num_sampled] on the device), gathered on the device by the rows ``prepare`` was
+        given. A step without placeholders needs no ``prev_sampled``."""
+        if num_placeholders:
+            self.input_ids.index_copy_(0, self.placeholder_dst[:num_placeholders],
+                                       prev_sampled.index_select(0, self.placeholder_src[:num_placeholders]))
 
     @staticmethod
     def _mrope_positions(states: list[CachedRequestState], counts: np.ndarray, qsl: np.ndarray,

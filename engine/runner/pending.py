@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,6 +36,26 @@ class PendingOutput:
         self._sampled: list[int] = []
         """The sampled ids, in ``sampled_req_ids`` order (once read)."""
         self._output: Optional[ModelRunnerOutput] = None
+        self._sample: Optional[Callable[[], None]] = None
+        """Samples a launched step that has not sampled yet (``unsampled``); None once it has."""
+
+    @classmethod
+    def unsampled(cls, req_ids: list[str], sample: Callable[[], None]) -> "PendingOutput":
+        """A launched step whose sampling waits (a constrained step, ``ModelRunner.execute_async``):
+        ``sample()`` samples it and ``adopt``s the sampled result into this handle; ``get`` calls it first
+        when the runner has not yet."""
+        p = cls(req_ids, [], None, None)
+        p._sample = sample
+        return p
+
+    def adopt(self, sampled: "PendingOutput") -> None:
+        """Become ``sampled``, the result of this unsampled step's sampling."""
+        self._sample = None
+        self._sampled_req_ids = sampled._sampled_req_ids
+        self._host_ids = sampled._host_ids
+        self._ready = sampled._ready
+        self._logprobs = sampled._logprobs
+        self._prompt_logprobs = sampled._prompt_logprobs
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> "PendingOutput":
@@ -50,6 +70,8 @@ class PendingOutput:
         return self._output is not None
 
     def get(self) -> ModelRunnerOutput:
+        if self._sample is not None:
+            self._sample()
         if self._output is None:
             if self._ready is not None:
                 self._ready.synchronize()

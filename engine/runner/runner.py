@@ -8,6 +8,13 @@ ids. Nothing waits for the device: ``PendingOutput.get()`` is the step's one hos
 engine can schedule and launch step N+1 before reading step N's tokens (async scheduling; step
 N's ids reach step N+1's inputs on the device). ``execute(so)`` is the synchronous form.
 
+A constrained step launched with ``sample_with_next`` (async scheduling) leaves its sampling open: the
+next ``execute_async`` prepares its own inputs first, then asks for the open step's bitmask, samples it
+and launches its forward at once. The host fills a step's bitmask while the device runs that step's
+forward, and the device goes from one step's sampling straight to the next forward, with the host's
+scheduling and input preparation done before, as unconstrained steps have it. Reading the open step's
+output (``PendingOutput.get``) samples it too.
+
 The model is reached only through ``engine.models.interfaces``: its declared capabilities decide, once
 here, which parts exist (media encoding, M-RoPE positions, cross-attention inputs, logits rules).
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,6 +53,25 @@ from engine.runner.warm_up import (capture_cuda_graphs, tune_lora_stacked_gemms,
 from kernels.cpu_layer_ops import CpuLayerOps
 
 logger = logging.getLogger("chorus.runner")
+
+
+@dataclass
+class _UnsampledStep:
+    """A launched constrained step whose sampling waits for its bitmask (``sample_with_next``)."""
+    inputs: StepInputs
+    """The step's inputs (its sampling requests in logits-row order)."""
+    logits: torch.Tensor
+    """[num_sampled, vocab] its sampling rows' logits, computed on the device."""
+    states: list[CachedRequestState]
+    """The requests that sample, in logits-row order."""
+    prompt_logprobs: dict[str, LogprobsLists]
+    """req_id -> the prompt logprobs the step computed."""
+    num_generated: Optional[dict[str, int]]
+    """req_id -> output tokens before this step's sample (models with logits rules; else None)."""
+    grammar: GrammarSource
+    """Fills the step's bitmask when it samples."""
+    handle: PendingOutput
+    """What ``execute_async`` returned for the step: it adopts the sampled result."""
 
 
 class ModelRunner:
@@ -138,6 +165,8 @@ class ModelRunner:
         """The captured step graphs (None: every step runs eagerly)."""
         self.step_observer: Optional[StepObserver] = None
         """Sees each step's device work (a profiler, ``benchmarks/step_timer.py``); None: nothing watches."""
+        self._unsampled: Optional[_UnsampledStep] = None
+        """The launched constrained step whose sampling is open (``sample_with_next``); None: none."""
 
     # ------------------------------------------------------------------ start-up
     def determine_num_blocks(self, max_needed_blocks: int) -> int:
@@ -191,19 +220,49 @@ class ModelRunner:
         """Run one step and wait for its sampled ids."""
         return self.execute_async(so, grammar).get()
 
-    def execute_async(self, so: SchedulerOutput, grammar: Optional[GrammarSource] = None) -> PendingOutput:
+    def execute_async(self, so: SchedulerOutput, grammar: Optional[GrammarSource] = None,
+                      sample_with_next: bool = False) -> PendingOutput:
         """Launch one step; the returned handle's ``get()`` waits for its sampled ids. ``grammar``: the
         bitmask of the step's constrained rows, asked for once the forward is launched (a step with
-        ``structured_output_req_ids``; ``engine.runner.grammar_mask``). On CPU, a model without
-        bf16-product weights runs its step under ``BF16_MATMUL_MODE_LOCK``: its float32 matmuls never see
-        another engine's bf16 mode (``engine.layers.quantized``)."""
+        ``structured_output_req_ids``; ``engine.runner.grammar_mask``). ``sample_with_next``: a step with
+        ``grammar`` samples once the next step's inputs are prepared, or when its output is read (models
+        without logits rules; the module's docstring). On CPU, a model without bf16-product weights runs
+        its step under ``BF16_MATMUL_MODE_LOCK``: its float32 matmuls never see another engine's bf16 mode
+        (``engine.layers.quantized``)."""
+        defer = sample_with_next and grammar is not None and self.logits_rules is None
         if self.device.type != "cpu" or self.bf16_weights:
-            return self._execute_async(so, grammar)
+            return self._execute_async(so, grammar, defer)
         with BF16_MATMUL_MODE_LOCK:
-            return self._execute_async(so, grammar)
+            return self._execute_async(so, grammar, defer)
+
+    def drop_unsampled(self) -> None:
+        """Forget the open constrained step without sampling it (its step failed)."""
+        self._unsampled = None
 
     @torch.inference_mode()
-    def _execute_async(self, so: SchedulerOutput, grammar: Optional[GrammarSource]) -> PendingOutput:
+    def _sample_unsampled(self) -> None:
+        """Sample the open constrained step, if any: fill its bitmask on the host, sample on the device."""
+        step, self._unsampled = self._unsampled, None
+        if step is None:
+            return
+        filled = step.grammar(step.inputs.sample_req_ids)
+        token_bitmask = to_device(filled, self.device) if filled is not None else None
+        pending = self.sampling.sample(step.inputs, step.logits, step.states, step.prompt_logprobs,
+                                       step.num_generated, token_bitmask)
+        step.handle.adopt(pending)
+        self.states.track(step.handle, step.states)
+
+    def _sample_on_read(self, handle: PendingOutput) -> None:
+        """``handle``'s output is read before the next step sampled it: sample it now."""
+        if self._unsampled is None or self._unsampled.handle is not handle:
+            raise RuntimeError("The output of a constrained step that was dropped unsampled was read.")
+        if self.device.type != "cpu" or self.bf16_weights:
+            return self._sample_unsampled()
+        with BF16_MATMUL_MODE_LOCK:
+            return self._sample_unsampled()
+
+    @torch.inference_mode()
+    def _execute_async(self, so: SchedulerOutput, grammar: Optional[GrammarSource], defer: bool) -> PendingOutput:
         if self.buffers is None:
             raise RuntimeError("allocate_kv_cache() must run before the first step.")
         self.states.absorb_sampled(keep_last=True)   # at most one step in flight besides this one
@@ -222,6 +281,7 @@ class ModelRunner:
         counts = [so.num_scheduled_tokens[r] for r in order]
         if (not all(sampling_is_simple(s.sampling_params) for s in states)
                 or any(s.rules_need_history for s in states)):
+            self._sample_unsampled()
             self.states.absorb_sampled()   # penalties, min_tokens, history-reading logits rules: every token
         num_generated = None   # the logits rules' view: output tokens before this step's sample
         if self.logits_rules is not None:
@@ -244,10 +304,19 @@ class ModelRunner:
             self.lora_manager.set_batch(inputs.token_lora_slots,
                                         fixed_grid=graph_key is not None and graph_key.lora,
                                         max_active=few or None)
+        self._sample_unsampled()   # the open step samples now: its ids are this step's placeholders
+        last = self.sampling.last_sampled
+        self.buffers.gather_placeholders(inputs.num_placeholders, last[0] if last is not None else None)
         logits, prompt_logprobs = self._forward(inputs, graph_key, mm_rows)
+        for s, n in zip(states, counts):
+            s.num_computed_tokens += n
         if logits is None:
-            sampled_states = []
             pending = PendingOutput(inputs.req_ids, [], None, None, prompt_logprobs=prompt_logprobs)
+            self.states.track(pending, [])
+        elif defer:
+            pending = PendingOutput.unsampled(inputs.req_ids, lambda: self._sample_on_read(pending))
+            self._unsampled = _UnsampledStep(inputs, logits, [requests[r] for r in inputs.sample_req_ids],
+                                             prompt_logprobs, num_generated, grammar, pending)
         else:
             sampled_states = [requests[r] for r in inputs.sample_req_ids]
             token_bitmask = None
@@ -256,11 +325,9 @@ class ModelRunner:
                 token_bitmask = to_device(filled, self.device) if filled is not None else None
             pending = self.sampling.sample(inputs, logits, sampled_states, prompt_logprobs, num_generated,
                                            token_bitmask)
-        for s, n in zip(states, counts):
-            s.num_computed_tokens += n
+            self.states.track(pending, sampled_states)
         if self.step_observer is not None:
             self.step_observer.end()
-        self.states.track(pending, sampled_states)
         return pending
 
     def _observe_begin(self, graph_key: Optional[GraphKey], counts: list[int]) -> None:
@@ -277,12 +344,15 @@ class ModelRunner:
             reqs_padded, tokens_padded = self.graphs.max_num_reqs, graph_key.num_tokens
         else:
             reqs_padded, tokens_padded = graph_key.size, None
-        last = self.sampling.last_sampled
-        prev_ids, prev_rows = last if last is not None else (None, None)
+        if self._unsampled is not None:   # the open step's rows: its ids are gathered once it samples
+            prev_rows = {rid: i for i, rid in enumerate(self._unsampled.inputs.sample_req_ids)}
+        else:
+            last = self.sampling.last_sampled
+            prev_rows = last[1] if last is not None else None
         return self.buffers.prepare(states, counts, self.states.block_table, self.block_size,
                                     with_lora=self.lora_manager is not None,
                                     num_reqs_padded=reqs_padded, num_tokens_padded=tokens_padded,
-                                    prev_sampled_rows=prev_rows, prev_sampled=prev_ids)
+                                    prev_sampled_rows=prev_rows)
 
     def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey],
                  mm_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None,

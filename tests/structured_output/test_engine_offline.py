@@ -371,3 +371,37 @@ def test_a_choice_of_the_unconstrained_text_gives_its_tokens(llm):
                                use_tqdm=False)
     for (_, ref), out in zip(clean, constrained):
         assert out.outputs[0].token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_host_schedules_and_prepares_the_next_step_before_the_bitmask(tiny_llama_dir, monkeypatch,
+                                                                        async_scheduling):
+    """Async scheduling: a constrained step samples once the next step is scheduled and its inputs are
+    prepared, so the host work of both overlaps the device's forward and the next forward follows the
+    sampling at once. Without async scheduling each step fills its own bitmask before the next is
+    scheduled. Both give the same tokens."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=256, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    events: list[str] = []
+
+    def record(obj, name: str) -> None:
+        original = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(obj, name, wrapped)
+    record(engine.scheduler, "schedule")
+    record(engine.scheduler, "grammar_bitmask")
+    record(engine.runner.buffers, "prepare")
+    out = llm.generate([TINY_PROMPTS[0]], greedy(constraint("regex")), use_tqdm=False)
+    check_text("regex", out[0].outputs[0].text)
+    steps = [e for e in events if e != "schedule"]   # the steps that ran: prepare, then its bitmask
+    if async_scheduling:
+        assert events[:5] == ["schedule", "prepare", "schedule", "prepare", "grammar_bitmask"], events
+        assert steps[1:-1:2] == ["prepare"] * len(steps[1:-1:2]) and steps[2::2] == ["grammar_bitmask"] * len(steps[2::2]), steps
+    else:
+        assert events[:4] == ["schedule", "prepare", "grammar_bitmask", "schedule"], events
+    # Async: the step launched after the last token's also asks for its (then empty) bitmask.
+    assert steps.count("grammar_bitmask") == len(out[0].outputs[0].token_ids) + async_scheduling
+    assert_idle(llm)

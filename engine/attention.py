@@ -175,9 +175,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     queries (None: never) attends with bfloat16 q, k and v (the CPU flash kernel's AMX path; float32
     softmax, sums and output), as a model whose weights multiply in bfloat16 asks (``AttentionBackend``).
     With ``decode_kernel`` (CPU, a float32 or bfloat16 cache), the decode rows attend through it, reading the
-    blocks in place, instead of through a gathered copy and SDPA (not for decode rows whose context is longer
-    than ``window``: those gather their window's blocks, ``_windowed_decode``). Chunks whose window or key
-    limits change the causal mask take the masked call, over their window's blocks only.
+    blocks in place (of their window only), instead of through a gathered copy and SDPA (without it, decode rows
+    whose context is longer than ``window`` gather their window's blocks, ``_windowed_decode``). Chunks whose
+    window or key limits change the causal mask take the masked call, over their window's blocks only.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -186,15 +186,15 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
     nd = meta.num_decode_reqs
 
-    if nd > 0 and window is not None and max(seq_lens[:nd]) > window:
-        od = _windowed_decode(q[:nd], k_cache, v_cache, meta.block_tables, seq_lens[:nd], window, scale)
+    if nd > 0 and decode_kernel is not None and q.dtype == torch.float32:
+        od = decode_kernel(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens[:nd],
+                           max(seq_lens[:nd]), scale, window=window)              # [nd, H, d]
         if nd == num_tokens:
             return od
         out = torch.empty_like(q)
         out[:nd] = od
-    elif nd > 0 and decode_kernel is not None and q.dtype == torch.float32:
-        od = decode_kernel(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens[:nd],
-                           max(seq_lens[:nd]), scale)                             # [nd, H, d]
+    elif nd > 0 and window is not None and max(seq_lens[:nd]) > window:
+        od = _windowed_decode(q[:nd], k_cache, v_cache, meta.block_tables, seq_lens[:nd], window, scale)
         if nd == num_tokens:
             return od
         out = torch.empty_like(q)

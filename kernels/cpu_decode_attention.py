@@ -1,7 +1,8 @@
 """Decode attention over the paged KV cache on CPU: ``csrc/decode_attention.c`` through ctypes.
 
 Semantics (the C file's header has the loop): each request's one query token attends over the first
-``seq_lens[r]`` slots of its blocks, query head h reading KV head ``h // (num_heads // num_kv_heads)``.
+``seq_lens[r]`` slots of its blocks (the last ``window`` of them under a sliding window, the blocks before
+never read), query head h reading KV head ``h // (num_heads // num_kv_heads)``.
 The torch twin is ``kernels.reference.paged_attention_ref`` with one query token per request.
 
 Why: the torch path gathers each decode row's blocks into a padded copy and runs SDPA over it; at 16 rows the
@@ -28,7 +29,8 @@ MAX_BLOCK_SIZE = 256
 
 _CPU = torch.device("cpu")
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_ARGTYPES = [_P, _I64, _P, _P, _I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _I64, _P, _P, _I32]
+_ARGTYPES = [_P, _I64, _P, _P, _I32, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _I64, _I64, _P, _P, _I32,
+             _I64]
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
@@ -58,12 +60,13 @@ class CpuDecodeAttention:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-                 num_threads: Optional[int] = None) -> torch.Tensor:
+                 num_threads: Optional[int] = None, window: Optional[int] = None) -> torch.Tensor:
         """q: [num_reqs, num_heads, head_dim] float32 (one query token per request; each row's heads
         contiguous); caches: [num_blocks, block_size, num_kv_heads, head_dim] float32 or bfloat16; block_tables:
         [num_reqs, >= cdiv(max_seq_len, block_size)] int32; seq_lens: [num_reqs] int32, each in
-        [1, max_seq_len] (``max_seq_len`` is their host max; not checked on the tensor: the caller's invariant).
-        Returns out [num_reqs, num_heads, head_dim] float32."""
+        [1, max_seq_len] (``max_seq_len`` is their host max; not checked on the tensor: the caller's invariant);
+        window: the sliding window, keys before seq_len - window neither weighted nor (their blocks) read (None:
+        all keys). Returns out [num_reqs, num_heads, head_dim] float32."""
         check_tensor("q", q, ndim=3, dtypes=(torch.float32,), device=_CPU)
         num_reqs, num_heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -75,6 +78,8 @@ class CpuDecodeAttention:
             self._checked_caches.add(key)
         _, block_size, num_kv_heads, _ = k_cache.shape
         max_seq_len = check_int("max_seq_len", max_seq_len, min_value=1)
+        if window is not None:
+            check_int("window", window, min_value=1)
         num_blocks = cdiv(max_seq_len, block_size)
         check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(num_reqs,), device=_CPU, contiguous=True)
         check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=_CPU,
@@ -91,7 +96,7 @@ class CpuDecodeAttention:
                  block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs,
                  num_heads, num_kv_heads, head_dim, block_size, float(scale), chunk_blocks, max_chunks,
                  scratch.data_ptr(), scratch.data_ptr() + 4 * items * head_dim,
-                 num_threads or torch.get_num_threads())
+                 num_threads or torch.get_num_threads(), window or 0)
         return out
 
     @staticmethod

@@ -69,6 +69,24 @@ def test_matches_ref(build_dir, num_heads, num_kv_heads, head_dim, block_size, s
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)       # float32 sums against float64
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 500])
+@pytest.mark.parametrize("chunk_tokens,block_size", [(16, 16), (128, 8)])
+def test_sliding_window(build_dir, window, chunk_tokens, block_size):
+    """Only the last ``window`` keys: a window of one key, within a block, one block, across blocks and
+    chunks, longer than every context. Blocks before a request's window hold NaN: never read."""
+    seq_lens = [300, 7, 129, 16, 41]
+    q, kc, vc, bt, sl = make_decode(seq_lens, 6, 2, 64, block_size, seed=window)
+    ref = paged_attention_ref(q, kc, vc, torch.arange(len(seq_lens) + 1, dtype=torch.int32), sl, bt, 0.125,
+                              window=window)
+    for r, s in enumerate(seq_lens):
+        for b in range(max(0, s - window) // block_size):
+            kc[int(bt[r, b])] = float("nan")
+            vc[int(bt[r, b])] = float("nan")
+    out = kernel(build_dir, chunk_tokens)(q, kc, vc, bt, sl, max(seq_lens), 0.125, num_threads=2, window=window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_large_scores_and_threads(build_dir):
     """Scores of +-hundreds (a max far from the rest: the online softmax's rescaling and the zeroed tail
     weights), one thread and three: the same result."""

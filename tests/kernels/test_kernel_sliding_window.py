@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention_torch
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.kv_write import rotary_write_kv
 from kernels.paged_attention import paged_attention, paged_decode_rotary
 from kernels.reference import paged_attention_ref
@@ -160,12 +161,19 @@ def test_fused_decode_rotary_window(window, num_splits):
     assert_close(out, expected, torch.float32)
 
 
+@pytest.fixture(scope="module")
+def cpu_decode(tmp_path_factory):
+    kernel = CpuDecodeAttention.load(tmp_path_factory.mktemp("cpu_kernels"), 32)
+    assert kernel is not None, "the C kernel did not build (is gcc installed?)"
+    return kernel
+
+
 @pytest.mark.parametrize("window", [1, 7, 16, 45])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("with_new_kv", [False, True])
-def test_torch_backend_window_matches_twin(layout, window, with_new_kv):
-    """The engine's CPU path: windowed decodes (gathered by window), masked chunks over their window's blocks
-    (from the cache, or this step's K/V for a chunk with no prefix)."""
+@pytest.mark.parametrize("with_new_kv,c_decode", [(False, False), (True, False), (False, True)])
+def test_torch_backend_window_matches_twin(layout, window, with_new_kv, c_decode, cpu_decode):
+    """The engine's CPU path: windowed decodes (gathered by window, or through the C decode kernel), masked
+    chunks over their window's blocks (from the cache, or this step's K/V for a chunk with no prefix)."""
     rows = LAYOUTS[layout]
     q, kc, vc, meta, dead = make_step(rows, window, seed=window + 1)
     expected = twin(q, kc, vc, meta, 0.3, window)
@@ -178,7 +186,9 @@ def test_torch_backend_window_matches_twin(layout, window, with_new_kv):
         blk = meta.block_tables[req, pos // bs].long()
         k_new, v_new = kc[blk, pos % bs].clone(), vc[blk, pos % bs].clone()
     poison(kc, vc, dead)
-    assert_close(paged_attention_torch(q, kc, vc, meta, 0.3, k_new, v_new, window=window), expected, torch.float32)
+    out = paged_attention_torch(q, kc, vc, meta, 0.3, k_new, v_new, decode_kernel=cpu_decode if c_decode else None,
+                                window=window)
+    assert_close(out, expected, torch.float32)
 
 
 def test_torch_backend_image_spans():

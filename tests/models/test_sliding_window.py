@@ -1,7 +1,7 @@
 """Sliding-window attention against transformers on tiny random checkpoints (CPU, float32: greedy tokens
 equal, logprobs within 1e-3), with prompts and generations well past the window:
 
-- Mistral (every layer within ``sliding_window`` 12; 5 query heads over 1 KV head, head_dim 12) and Mixtral
+- Mistral (every layer within ``sliding_window`` 12; 5 query heads over 1 KV head) and Mixtral
   (window 10, 3 query heads over 1 KV head): the KV blocks before a running request's window go back to the
   pool, counted while a long request decodes;
 - Gemma 3 (window 10 on its sliding layers, global layers beside them; 3 query heads over 1 KV head): no
@@ -34,8 +34,8 @@ def _params(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-sliding")
     return {
-        "mistral": build_tiny_checkpoint(root / "mistral", "mistral", seed=21, hidden_size=60,
-                                         num_attention_heads=5, num_key_value_heads=1, head_dim=12,
+        "mistral": build_tiny_checkpoint(root / "mistral", "mistral", seed=21, hidden_size=80,
+                                         num_attention_heads=5, num_key_value_heads=1, head_dim=16,
                                          sliding_window=MISTRAL_WINDOW),
         "mixtral": build_tiny_checkpoint(root / "mixtral", "mixtral", seed=22, hidden_size=48,
                                          num_attention_heads=3, num_key_value_heads=1, head_dim=16,
@@ -60,7 +60,9 @@ def test_parity_with_transformers_past_the_window(dirs, family):
     d = dirs[family]
     hf = hf_float32(d)
     llm = LLM(str(d), seed=0, block_size=8, max_num_batched_tokens=64, max_num_seqs=4)
-    windows = [a.sliding_window for a in llm.llm_engine.core.runner.model.attention_layers()]
+    layers = llm.llm_engine.core.runner.model.attention_layers()
+    windows = [a.sliding_window for a in layers]
+    assert layers[0].backend.cpu_decode is not None           # windowed decodes through the C kernel
     expected = {"mistral": [MISTRAL_WINDOW] * 2, "mixtral": [MIXTRAL_WINDOW] * 2,
                 "gemma3": [GEMMA_WINDOW, None, GEMMA_WINDOW]}[family]
     assert windows == expected

@@ -244,7 +244,7 @@ class LimitedRedirects(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         scheme = urllib.parse.urlsplit(newurl).scheme.lower()
         if scheme not in ("http", "https"):
-            raise MediaError(f"the image URL redirects to a {scheme or 'relative'}: URL, which is not allowed")
+            raise MediaError(f"the media URL redirects to a {scheme or 'relative'}: URL, which is not allowed")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -279,7 +279,7 @@ def check_address(address: str) -> None:
         # The address and its kind go to the operator's log only: the client learns nothing of the
         # server's network (which internal address a name resolves to).
         logger.info("Refused a media URL: its host resolves to %s, a %s address.", address, kind)
-        raise MediaError("the image URL's host is not allowed: media URLs must point to public addresses")
+        raise MediaError("the media URL's host is not allowed: media URLs must point to public addresses")
 
 
 class _AddressGuard:
@@ -302,12 +302,12 @@ class _AddressGuard:
         host, port = address
         name = host.lower().rstrip(".")
         if self.allowed_hosts is not None and name not in self.allowed_hosts:
-            raise MediaError(f"the image URL's host {host!r} is not an allowed media domain (allowed: "
+            raise MediaError(f"the media URL's host {host!r} is not an allowed media domain (allowed: "
                              f"{', '.join(sorted(self.allowed_hosts)) or 'none'})")
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError) as e:
-            raise MediaError(f"the image URL's host {host!r} could not be resolved ({e})") from e
+            raise MediaError(f"the media URL's host {host!r} could not be resolved ({e})") from e
         if self.allowed_hosts is None and not self.limits.allow_private_media_urls:
             for *_, sockaddr in infos:
                 check_address(sockaddr[0])

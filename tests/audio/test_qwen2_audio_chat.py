@@ -120,6 +120,8 @@ def test_file_urls_refused_without_the_flag():
     ([{"type": "audio", "audio": "/etc/passwd"}], "only accepted by the offline LLM.chat"),
     ([{"type": "audio_url", "audio_url": {"url": "data:image/png;base64,AAAA"}}], "must hold audio"),
     ([{"type": "audio_url", "audio_url": {"url": "ftp://example.com/a.wav"}}], "unsupported audio URL"),
+    ([{"type": "audio_url", "audio_url": {"url": "http://127.0.0.1:9/a.wav"}}], "must point to public addresses"),
+    ([{"type": "audio_url", "audio_url": "http://[::ffff:10.0.0.1]/a.wav"}], "must point to public addresses"),
     ([{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}] * 3, "at most 2 audio(s)"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "takes audio, not image"),
 ])

@@ -202,16 +202,16 @@ def test_sparse_layers_follow_the_config():
     assert ours.lora_qkv_warmup_consumer() is None
 
 
-def test_sliding_window_beyond_the_context_is_refused():
+def test_mixtral_layers_attend_within_the_sliding_window():
+    """Contexts past the window are served (tests/models/test_sliding_window.py): every layer has the window."""
     from transformers import MixtralConfig
 
     from engine.models.mixtral import MixtralForCausalLM
 
-    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
-    MixtralForCausalLM(config, 32)
-    with pytest.raises(ValueError, match="--max-model-len 32 or less"):
-        MixtralForCausalLM(config, 64)
+    model = MixtralForCausalLM(config, 64)
+    assert [a.sliding_window for a in model.attention_layers()] == [32, 32]
 
 
 # ------------------------------------------------------------------------------------------

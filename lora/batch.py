@@ -87,6 +87,9 @@ class LoRABatchState:
     """[capacity] float32 scratch that every layer's shrink partials view."""
     _reserved: bool = field(default=False, repr=False)
     """``reserve`` ran: the buffer may be captured by CUDA graphs and is never reallocated."""
+    spill: bool = False
+    """Inside a ``LoRAManager.rows_batch`` (eager, never captured): a scratch larger than the reserved one
+    is allocated for the call instead of raising (the reserved buffer stays where graphs read it)."""
 
     def reserve(self, num_slices: int, num_tokens: int, rank: int, device: torch.device) -> None:
         """Allocate the scratch buffer for the largest step up front: num_slices x rank x
@@ -107,12 +110,15 @@ class LoRABatchState:
         """A float32 [num_slices, split_k, num_tokens, rank] view of the one scratch buffer.
 
         Before ``reserve`` the buffer grows as needed (tests, tools); after it, a request that
-        does not fit is a bug (a larger step than reserved for) and raises.
+        does not fit is a bug (a larger step than reserved for) and raises, except in a rows batch
+        (``spill``), which gets a scratch of its own.
         NOTE: layers run one after another, so one buffer serves them all.
         """
         buf = self._shrink_buffer
         need = num_slices * split_k * num_tokens * rank
         if buf is None or buf.numel() < need or buf.device != device:
+            if self._reserved and self.spill:
+                return torch.empty(need, dtype=torch.float32, device=device).view(num_slices, split_k, num_tokens, rank)
             if self._reserved:
                 raise RuntimeError(f"LoRA shrink buffer: [{num_slices}, {split_k}, {num_tokens}, {rank}] "
                                    f"does not fit the reserved {0 if buf is None else buf.numel()} floats "

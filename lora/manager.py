@@ -116,6 +116,9 @@ class LoRAManager:
         """Static per-step meta tensors (``allocate_step_buffers``; else sized on first use)."""
         self._step_rows: Optional[int] = None
         """Rows ``allocate_step_buffers`` sized the step buffers for (None: not allocated; they grow)."""
+        self._rows_meta: Optional[LoRAMetaBuffers] = None
+        """Meta tensors of a ``rows_batch`` larger than the step buffers (an encoder call: eager, never in a
+        CUDA graph), grown as needed; the step's stay where captured graphs read them."""
         self.layers: dict[str, Union[LinearLoRASlots, ExpertLoRASlots]] = {}
         """Our Linear (or routed-experts) module name -> its slot buffers (also attached as its ``adapter``)."""
         experts = self.targets.expert_modules
@@ -550,6 +553,7 @@ class LoRAManager:
         if self._in_rows_batch:
             raise RuntimeError("LoRAManager.rows_batch does not nest.")
         self._in_rows_batch = True
+        self.state.spill = True                       # eager rows: a scratch beyond the reserve is theirs alone
         try:
             if row_lora_slots is None or not (np.asarray(row_lora_slots) >= 0).any():
                 self.state.batch = None
@@ -562,6 +566,7 @@ class LoRAManager:
         finally:
             self.state.batch = None
             self.state.regroup = None
+            self.state.spill = False
             self._in_rows_batch = False
 
     def _item_regroup(self, row_lora_slots: np.ndarray, item_rows: np.ndarray) -> Callable[[int], None]:
@@ -575,9 +580,6 @@ class LoRAManager:
             if (rows % total).any():
                 raise RuntimeError(f"an encoder call of {len(item_rows)} media items ({item_rows.tolist()} rows) "
                                    f"ran a Linear on {num_rows} rows, which do not split among them in proportion")
-            if self._step_rows is not None and num_rows > self._step_rows:
-                raise RuntimeError(f"an encoder call ran an adapted Linear on {num_rows} rows, more than the "
-                                   f"{self._step_rows} the LoRA step buffers hold")
             self.set_batch(np.repeat(item_slots, rows // total))
         return regroup
 
@@ -591,7 +593,12 @@ class LoRAManager:
         return GRAPH_FEW_ADAPTERS
 
     def _meta_for(self, num_tokens: int) -> LoRAMetaBuffers:
-        """The meta buffers, fit for a step of num_tokens tokens."""
+        """The meta buffers, fit for a step of num_tokens tokens; a ``rows_batch`` of more rows than the step
+        buffers hold (a vision tower's patches) gets ``_rows_meta``, so the step buffers never move."""
+        if self._in_rows_batch and self._step_rows is not None and num_tokens > self._step_rows:
+            if self._rows_meta is None or self._rows_meta.max_num_tokens < num_tokens:
+                self._rows_meta = LoRAMetaBuffers(num_tokens, self.max_loras, self.device)
+            return self._rows_meta
         if self._meta_buffers is None or self._meta_buffers.max_num_tokens < num_tokens:
             # Outside the engine (tests, tools): sized on first use, grown as needed.
             self._meta_buffers = LoRAMetaBuffers(max(num_tokens, 1), self.max_loras, self.device)

@@ -312,8 +312,10 @@ def test_bad_image_is_400(server, media, media_dir, case, url_of, message):
 BAD_PARTS = [
     ("no image_url", [{"type": "image_url"}], "messages[0].content[0]: an image_url part needs 'image_url'"),
     ("url not a string", [{"type": "image_url", "image_url": {"url": 5}}], "a non-empty string"),
-    ("unknown type", [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
-     "messages[0].content[0]: unsupported content part type 'input_audio'; use one of text, image_url"),
+    ("unknown type", [{"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}],
+     "messages[0].content[0]: unsupported content part type 'video_url'; use one of text, image_url"),
+    ("audio to a vision model", [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+     "messages[0].content[0]: this model does not take audio"),
     ("offline type", [{"type": "image_pil", "image_pil": "x"}], "only accepted by the offline LLM.chat"),
     ("no type", [{"text": "hi"}], "a content part needs a 'type'"),
     ("text without text", [{"type": "text", "text": 3}], "a text part needs 'text', a string"),

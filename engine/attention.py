@@ -67,8 +67,8 @@ class AttentionMetadata:
     """[num_tokens] int32: the last key position each query token sees (its own position for a causal
     token, the last token of its image for an image token of a bidirectional span); None: every token
     is causal. Filled by a model with bidirectional spans (``engine.models.gemma3_vl``) at the top of its
-    forward, on eager steps with more than one query token per request; a decode row's limit is always
-    its own position (the scheduler never ends a prefill chunk inside such a span)."""
+    forward, on steps with a prefill chunk (eager, or a mixed CUDA graph's capture); a decode row's limit is
+    always its own position (the scheduler never ends a prefill chunk inside such a span)."""
     captured: bool = False
     """Built for a CUDA-graph capture: the host fields (max lengths, num_decode_reqs) describe the
     graph's bucket, not the requests a replay will run."""

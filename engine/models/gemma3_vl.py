@@ -122,11 +122,12 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The language model's forward, each image's tokens attending to the whole image: on a step with a
-        prefill chunk, the step's ``key_limit`` (``image_key_limits``; on CPU only where the step holds an
-        image token). A pure-decode step (and a CUDA-graph capture, which is one) is causal."""
+        prefill chunk (eager, or a mixed CUDA graph: device ops only), the step's ``key_limit``
+        (``image_key_limits``; on CPU only where the step holds an image token). A pure-decode step (and its
+        CUDA graph) is causal."""
         ctx = current_forward_context()
         meta = ctx.attn_metadata if ctx is not None else None
-        if meta is not None and meta.max_query_len > 1 and not meta.captured:
+        if meta is not None and meta.max_query_len > 1:
             if input_ids.is_cuda or bool((input_ids == self.image_token_id).any()):
                 meta.key_limit = image_key_limits(input_ids, positions, meta.query_start_loc, self.image_token_id)
         return super().forward(input_ids, positions, inputs_embeds)

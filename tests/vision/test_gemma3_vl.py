@@ -196,6 +196,24 @@ def test_chunked_prefill_keeps_an_image_whole_and_prefix_caching(gemma3_vl_dir, 
             assert not f.placeholder.offset < end < f.placeholder.offset + f.placeholder.length
 
 
+def test_graph_path_with_images_equals_transformers(gemma3_vl_dir, images):
+    """Mixed CUDA-graph steps (replayed eagerly on CPU: padded tokens and zero-token requests, the captured
+    metadata) fill the image key limits too; decode steps take decode graphs."""
+    from tests.models.utils import EagerReplayGraphs
+
+    llm = LLM(str(gemma3_vl_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN,
+              max_num_batched_tokens=40)
+    runner = llm.llm_engine.runner
+    runner.buffers.enable_media(40, runner.model.shape.hidden_size, runner.dtype, False)
+    graphs = EagerReplayGraphs.install(llm, token_sizes=[16, 24, 40])
+    reqs = [({"prompt": PROMPTS[0], "multi_modal_data": {"image": images[0]}}, [images[0]]),
+            ({"prompt": PROMPTS[1], "multi_modal_data": {"image": images[1:3]}}, images[1:3])]
+    outs = llm.generate([r for r, _ in reqs], params(), use_tqdm=False)
+    for (req, imgs), out in zip(reqs, outs, strict=True):
+        check_logprobs_close(hf_greedy(gemma3_vl_dir, req["prompt"], imgs), ours_as_ref(out.outputs[0]), req["prompt"])
+    assert graphs.num_mixed_replays > 0 and graphs.num_replays > graphs.num_mixed_replays
+
+
 def test_tensor_parallel_2_equals_transformers(gemma3_vl_dir, images):
     """TP 2 (gloo, float32): the language model sharded, the tower and projector whole on each rank."""
     llm = LLM(str(gemma3_vl_dir), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=MAX_LEN,

@@ -22,7 +22,7 @@ Differences from Llama / Qwen3 (``engine.models.llama``, ``engine.models.qwen3``
 Sliding layers attend within ``sliding_window`` (``engine.models.sliding_window``: each layer's
 ``PagedAttention.sliding_window``), global layers to the whole context. Attention-logit
 soft-capping (``attn_logit_softcapping``, None in every released Gemma 3) and bidirectional attention
-(``use_bidirectional_attention``) are refused the same way.
+(``use_bidirectional_attention``) are refused (a ValueError at construction).
 """
 
 from __future__ import annotations

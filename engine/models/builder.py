@@ -302,10 +302,12 @@ def _finish_quantized(model: torch.nn.Module, dtype: torch.dtype, dequantize: bo
 
 @torch.no_grad()
 def _quantize_fp8(model: torch.nn.Module) -> None:
-    """``--quantization fp8``: every projection (not the embedding or the LM head) as FP8 per channel."""
+    """``--quantization fp8``: every projection (not the embedding or the LM head) as FP8 per channel, but
+    those of a multimodal model's encoder side (``VisionLanguageModel.float_parts``), which stay float."""
     from engine.layers.linear import Linear
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight is not None:
+    keep_float = tuple(f"{part}." for part in getattr(model, "float_parts", ()))
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.weight is not None and not name.startswith(keep_float):
             module.quantize_fp8()
 
 

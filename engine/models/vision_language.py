@@ -81,6 +81,12 @@ class VisionLanguageModel(nn.Module):
                     if map_checkpoint_name(name, self.checkpoint_prefixes).startswith("language_model.")}
         self.language_model.quantize(kind)
 
+    @property
+    def float_parts(self) -> tuple[str, ...]:
+        """Top-level submodules whose projections stay float whatever ``--quantization`` asks: every part but
+        the language model (the encoder side: a vision or audio tower and its projector)."""
+        return tuple(part for part in self.weight_parts if part != "language_model")
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> token embeddings [T, hidden]."""
         return self.language_model.model.embed_tokens(input_ids)

@@ -30,7 +30,7 @@ from engine.loader.ct2 import WhisperTokenIds, default_whisper_token_ids, whispe
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from multimodal.audio import AudioError, DecodedAudio
-from multimodal.audio_chunking import AudioChunk, AudioChunker, QuietChunker, audio_chunker
+from multimodal.audio_chunking import AUDIO_CHUNKING_MODES, AudioChunk, AudioChunker, QuietChunker
 from multimodal.whisper_decoding import (Segment, build_decoder_prompt, language_detection_prompt,
                                          language_from_token, parse_segments, resolve_language)
 from multimodal.word_timing import WordTiming, align_words
@@ -280,6 +280,18 @@ class Transcriber:
             return None
         entry = step.get(self.ids.no_speech)
         return math.exp(entry.logprob) if entry is not None else 0.0
+
+
+def audio_chunker(mode: str) -> AudioChunker:
+    """The chunker of ``--audio-chunking mode``. ValueError for an unknown mode, or for "vad" without its
+    packages (``multimodal.vad.VadUnavailableError``: the message says how to install them)."""
+    if mode == "quiet":
+        return QuietChunker()
+    if mode == "vad":
+        from multimodal.vad import VoiceChunker
+
+        return VoiceChunker.load()
+    raise ValueError(f"--audio-chunking {mode!r}: use one of {', '.join(AUDIO_CHUNKING_MODES)}.")
 
 
 def join_texts(texts: list[str]) -> str:

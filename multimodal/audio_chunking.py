@@ -14,7 +14,7 @@ where the previous ended.
 
 That is the ``quiet`` chunker (``QuietChunker``, the default of ``--audio-chunking``). The ``vad`` one
 (``multimodal.vad.VoiceChunker``) keeps only the speech silero-vad finds, so its chunks may leave gaps;
-``audio_chunker(mode)`` gives either.
+``engine.transcription.audio_chunker(mode)`` gives either.
 """
 
 from __future__ import annotations
@@ -67,18 +67,6 @@ class QuietChunker:
 
     def chunks(self, samples: np.ndarray, sample_rate_hz: int, chunk_length_s: float) -> list[AudioChunk]:
         return chunk_audio(samples, sample_rate_hz, chunk_length_s)
-
-
-def audio_chunker(mode: str) -> AudioChunker:
-    """The chunker of ``--audio-chunking mode``. ValueError for an unknown mode, or for "vad" without its
-    packages (the message says how to install them)."""
-    if mode == "quiet":
-        return QuietChunker()
-    if mode == "vad":
-        from multimodal.vad import VoiceChunker
-
-        return VoiceChunker.load()
-    raise ValueError(f"--audio-chunking {mode!r}: use one of {', '.join(AUDIO_CHUNKING_MODES)}.")
 
 
 def chunk_audio(samples: np.ndarray, sample_rate_hz: int = 16000, chunk_length_s: float = CHUNK_LENGTH_S,

@@ -8,8 +8,8 @@ from typing import Optional, get_args
 import pytest
 
 from engine.arg_utils import EngineArgs
-from engine.core_messages import (AbortRequests, AddLoRA, AddRequest, CallEngine, CallResult, EngineCall,
-                                  EngineCommand, EngineCoreOutputs, EngineDead, GetStats, InjectFault,
+from engine.core_messages import (AbortRequests, AddLoRA, AddRequest, AlignmentScores, CallEngine, CallResult,
+                                  EngineCall, EngineCommand, EngineCoreOutputs, EngineDead, GetStats, InjectFault,
                                   ListLoRAs, RemoveLoRA, ResetPrefixCache, Shutdown)
 from engine.engine_core import EngineCore
 from engine.outputs import EngineCoreOutput, LogprobsLists, SchedulerStats
@@ -96,7 +96,8 @@ def test_every_engine_call_is_a_typed_command_and_anything_else_is_refused(core)
     """Each ``EngineCall`` has its case in ``EngineCore.call`` (a call without one would raise
     AssertionError) and travels pickled (engine process); names, classes and other commands are refused."""
     calls = {AddLoRA: AddLoRA(LoRARequest("a", 1, "/no/such/dir")), RemoveLoRA: RemoveLoRA("a"),
-             ListLoRAs: ListLoRAs(), ResetPrefixCache: ResetPrefixCache(), GetStats: GetStats()}
+             ListLoRAs: ListLoRAs(), ResetPrefixCache: ResetPrefixCache(), GetStats: GetStats(),
+             AlignmentScores: AlignmentScores(None, (1, 2), 1)}
     assert set(calls) == set(get_args(EngineCall))
     answers = {}
     for kind, call in calls.items():
@@ -107,6 +108,7 @@ def test_every_engine_call_is_a_typed_command_and_anything_else_is_refused(core)
     assert isinstance(answers[AddLoRA].error, ValueError)    # a core without LoRA says so
     assert answers[RemoveLoRA].value is False and answers[ListLoRAs].value == []
     assert answers[ResetPrefixCache].value is True and answers[GetStats].value == core.get_stats()
+    assert isinstance(answers[AlignmentScores].error, ValueError)   # word timestamps need Whisper
     for not_a_call in ("get_stats", GetStats, Shutdown(), AbortRequests([])):
         reply = core.handle(CallEngine(8, not_a_call), {})
         assert isinstance(reply.error, TypeError) and "not an engine call" in str(reply.error)

@@ -85,7 +85,8 @@ class ViTAttention(nn.Module):
     def build_projections(self, hidden_size: int) -> tuple[nn.Module, nn.Module]:
         """(qkv [hidden -> q | k | v slices], out_proj [hidden -> hidden]), both with bias, as adapter-ready
         ``Linear``s; a subclass may build them as other layers taking [..., hidden]."""
-        return Linear(hidden_size, [hidden_size] * 3, bias=True), Linear(hidden_size, [hidden_size], bias=True)
+        qkv = Linear(hidden_size, [hidden_size] * 3, bias=True)   # q | k | v slices
+        return qkv, Linear(hidden_size, [hidden_size], bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, S, hidden] -> [N, S, hidden]."""

@@ -118,7 +118,8 @@ class LoRABatchState:
         need = num_slices * split_k * num_tokens * rank
         if buf is None or buf.numel() < need or buf.device != device:
             if self._reserved and self.spill:
-                return torch.empty(need, dtype=torch.float32, device=device).view(num_slices, split_k, num_tokens, rank)
+                spilled = torch.empty(need, dtype=torch.float32, device=device)   # [need], this call's alone
+                return spilled.view(num_slices, split_k, num_tokens, rank)
             if self._reserved:
                 raise RuntimeError(f"LoRA shrink buffer: [{num_slices}, {split_k}, {num_tokens}, {rank}] "
                                    f"does not fit the reserved {0 if buf is None else buf.numel()} floats "

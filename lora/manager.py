@@ -553,7 +553,7 @@ class LoRAManager:
         if self._in_rows_batch:
             raise RuntimeError("LoRAManager.rows_batch does not nest.")
         self._in_rows_batch = True
-        self.state.spill = True                       # eager rows: a scratch beyond the reserve is theirs alone
+        self.state.spill = True        # eager rows: a scratch beyond the reserve is theirs alone
         try:
             if row_lora_slots is None or not (np.asarray(row_lora_slots) >= 0).any():
                 self.state.batch = None

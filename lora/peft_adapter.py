@@ -107,7 +107,8 @@ def _target_slice(module_name: str, slice_idx: int, module: nn.Module, in_encode
                        input_range=shard.input_range)
 
 
-def _checked_slice(model: nn.Module, peft_module: str, module_name: str, idx: int, in_encoder: bool) -> TargetSlice:
+def _checked_slice(model: nn.Module, peft_module: str, module_name: str, idx: int,
+                   in_encoder: bool) -> TargetSlice:
     """The target of an exact mapping entry (``LoRALayout.exact_slices`` / ``encoder_slices``); ValueError
     for one that does not fit the model (a model bug)."""
     from engine.layers.linear import Linear

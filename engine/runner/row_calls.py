@@ -26,7 +26,8 @@ class RowCalls:
         self.cpu_ops = cpu_ops
 
     @contextlib.contextmanager
-    def rows(self, row_lora_slots: Optional[np.ndarray], item_rows: Optional[np.ndarray] = None) -> Iterator[None]:
+    def rows(self, row_lora_slots: Optional[np.ndarray],
+             item_rows: Optional[np.ndarray] = None) -> Iterator[None]:
         """Run a model call on rows whose adapter slots are ``row_lora_slots`` ([num_rows] int32; None: the
         call's Linears run no adapter) under ``LoRAManager.rows_batch`` and a forward context without
         attention metadata; ``item_rows`` ([num_items]: each media item's rows there, in order): the call's

@@ -27,11 +27,14 @@ QWEN_IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 TOWER_TARGETS = {
     "llava": (r".*(vision_tower.*\.(q_proj|k_proj|v_proj|out_proj|fc1|fc2)"
               r"|multi_modal_projector\.(linear_1|linear_2)|language_model.*\.(q_proj|v_proj|down_proj))"),
-    "qwen2_vl": r".*(visual\.blocks.*\.(qkv|proj|fc1|fc2)|visual\.merger\.mlp\.(0|2)|language_model.*\.(q_proj|o_proj))",
+    "qwen2_vl": (r".*(visual\.blocks.*\.(qkv|proj|fc1|fc2)|visual\.merger\.mlp\.(0|2)"
+                 r"|language_model.*\.(q_proj|o_proj))"),
     "qwen2_5_vl": (r".*(visual\.blocks.*\.(qkv|proj|gate_proj|up_proj|down_proj)|visual\.merger\.mlp\.(0|2)"
                    r"|language_model.*\.(k_proj|up_proj))"),
 }
 LM_TARGETS = r".*language_model.*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)"
+NUM_TOKENS = 8
+"""Greedy tokens per request (``params()``); ``check_logprobs_close`` returning it: every token equal."""
 
 
 def _hf_class(family: str):
@@ -103,7 +106,8 @@ def test_targets_split_tower_from_language_model(setup):
     tower = {name for name, t in on.slices.items() if t.in_encoder}
     assert tower and tower | on.unused_modules == off.tower_modules and on.adapts_encoder and not off.adapts_encoder
     # LLaVA reads layer -2 of the 3-layer tower: the last layer is never built, an update there is skipped.
-    assert {name.split(".layers.")[1].split(".")[0] for name in on.unused_modules} == ({"2"} if family == "llava" else set())
+    unused_layers = {name.split(".layers.")[1].split(".")[0] for name in on.unused_modules}
+    assert unused_layers == ({"2"} if family == "llava" else set())
     assert not any(t.in_encoder for t in off.slices.values()) and set(off.slices) == set(on.slices) - tower
     enc_modules = {t.module_name for t in on.slices.values() if t.in_encoder}
     assert all(m.startswith(("vision_tower.", "multi_modal_projector.", "visual.")) for m in enc_modules)
@@ -131,15 +135,16 @@ def test_tower_and_lm_adapters_equal_peft_merged_in_one_batch(setup):
     assert not torch.allclose(cache[base_key], cache[f"{base_key}+lora:tower"], atol=1e-3)  # the tower adapter acts
     for (im, _, adapter), out in zip(reqs, outs):
         ref = _reference(family, model_dir, str(adapters[adapter]) if adapter else "", im)
-        check_logprobs_close(ref, ours_as_ref(out.outputs[0]), f"{family} adapter={adapter or 'base'}")
+        name = f"{family} adapter={adapter or 'base'}"
+        assert check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name) == NUM_TOKENS
     base_tokens = outs[2].outputs[0].token_ids
     assert outs[0].outputs[0].token_ids != base_tokens and outs[1].outputs[0].token_ids != base_tokens
 
     alone_llm = _llm(model_dir, enable_tower_connector_lora=True)
     for (prompt, (_, lr, adapter)), out in zip(zip(prompts, reqs), outs):
         alone = alone_llm.generate(prompt, params(), lora_request=lr, use_tqdm=False)[0]
-        check_logprobs_close(ours_as_ref(alone.outputs[0]), ours_as_ref(out.outputs[0]),
-                             f"{family} alone adapter={adapter or 'base'}")
+        assert check_logprobs_close(ours_as_ref(alone.outputs[0]), ours_as_ref(out.outputs[0]),
+                                    f"{family} alone adapter={adapter or 'base'}") == NUM_TOKENS
 
 
 def test_encoder_cache_keys_carry_a_tower_adapter_only(setup):
@@ -180,7 +185,7 @@ def test_without_the_flag_a_tower_adapter_is_refused(setup):
         llm.generate(prompt, params(), lora_request=LoRARequest("tower", 1, str(adapters["tower"])),
                      use_tqdm=False)
     out = llm.generate(prompt, params(), lora_request=LoRARequest("lm", 2, str(adapters["lm"])), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 8
+    assert len(out[0].outputs[0].token_ids) == NUM_TOKENS
     if family != "llava":
         return
     srv = start_server(str(model_dir), served_model_name=["tiny"], max_model_len=256, enable_lora=True,
@@ -211,7 +216,7 @@ def test_tower_rows_beyond_the_step_buffers(setup):
     prompt = {"prompt": _prompt(family), "multi_modal_data": {"image": img2}}
     out = llm.generate(prompt, params(), lora_request=LoRARequest("tower", 1, str(adapters["tower"])),
                        use_tqdm=False)[0]
-    check_logprobs_close(_reference(family, model_dir, str(adapters["tower"]), img2), ours_as_ref(out.outputs[0]),
-                         f"{family} 16-token steps")
+    assert check_logprobs_close(_reference(family, model_dir, str(adapters["tower"]), img2),
+                                ours_as_ref(out.outputs[0]), f"{family} 16-token steps") == NUM_TOKENS
     manager = llm.llm_engine.runner.lora_manager
     assert manager._step_rows == 16 and manager._rows_meta.max_num_tokens > 16

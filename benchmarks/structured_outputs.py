@@ -287,7 +287,7 @@ def compile_times(tokenizer: Any, vocab_size: int, stop_ids: list[int], backend:
                    {"allOf": [{"type": "object"}, {"required": ["a"]}]}):
         t0 = time.perf_counter()
         try:
-            grammar = pool.validate(StructuredOutputsParams(json=schema))
+            grammar = pool.submit(StructuredOutputsParams(json=schema)).result()
         except StructuredOutputError:
             continue
         setup.setdefault(grammar.backend, time.perf_counter() - t0)
@@ -298,10 +298,10 @@ def compile_times(tokenizer: Any, vocab_size: int, stop_ids: list[int], backend:
         for case in schemas:
             params = StructuredOutputsParams(json={"$comment": f"variant {r}", **case.schema})
             t0 = time.perf_counter()
-            grammar = pool.validate(params)
+            grammar = pool.submit(params).result()
             cold.append((time.perf_counter() - t0) * 1e3)
             t0 = time.perf_counter()
-            pool.validate(params)
+            pool.submit(params).result()
             cached.append((time.perf_counter() - t0) * 1e3)
             by_backend[grammar.backend] = by_backend.get(grammar.backend, 0) + 1
     pool.shutdown()

@@ -82,6 +82,11 @@ class StructuredOutputBackend(Protocol):
         """Compile ``spec``. Raises ``StructuredOutputError`` with the compiler's reason."""
         ...
 
+    def check(self, spec: GrammarSpec) -> None:
+        """Parse ``spec`` without compiling it against the tokenizer (a small fraction of a compile): raises
+        ``StructuredOutputError`` with the compiler's reason where ``compile`` would for the spec itself."""
+        ...
+
 
 def fill_allow_all(bitmask: torch.Tensor, row: int) -> None:
     """Allow every token in ``bitmask[row]``."""

@@ -5,9 +5,11 @@ identity) and holds the ``Future`` of each compilation, so requests with the sam
 compilation, finished or in flight. A spec that does not compile is cached too: its future raises the
 same ``StructuredOutputError`` (the compiler's reason) for every request that carries it.
 
-Request processing calls ``validate`` (or awaits ``submit``'s future) so a bad spec is a 400 before the
-request reaches the engine; the engine's ``submit`` of the same spec in the same process is then a cache
-hit on the finished grammar.
+Request processing calls ``validate`` so a bad spec is a 400 before the request reaches the engine; the
+engine's ``submit`` of the same spec in the same process is then a cache hit on the finished grammar. When
+the engine runs in a process of its own, the API process holds a copy of the pool that only checks specs
+(``check_only``: the backend parses a spec without compiling it against the tokenizer), so each spec is
+compiled once, in the engine process.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from engine.structured_output.backend import CompiledGrammar, StructuredOutputBackend
 from engine.structured_output.errors import PARAM_STRUCTURED_OUTPUTS, StructuredOutputError
@@ -54,14 +56,19 @@ class GrammarCompilePool:
     tokenizer. Thread-safe."""
 
     def __init__(self, backend: StructuredOutputBackend, tokenizer_id: str,
-                 max_workers: int = DEFAULT_MAX_WORKERS, max_cached: int = DEFAULT_MAX_CACHED) -> None:
+                 max_workers: int = DEFAULT_MAX_WORKERS, max_cached: int = DEFAULT_MAX_CACHED,
+                 check_only: bool = False) -> None:
         """
         Args:
             backend: compiles the specs (``selection.make_backend``).
             tokenizer_id: the tokenizer's identity in cache keys (``tokenizer_fingerprint``).
             max_workers: compile threads.
             max_cached: compiled grammars (and failures) kept.
+            check_only: ``validate`` parses specs without compiling them (``StructuredOutputBackend.check``):
+                the pool of a process that validates requests for an engine in another process.
         """
+        self.check_only = check_only
+        """``validate`` checks specs and compiles none."""
         self.backend = backend
         """What compiles."""
         self.vocab_size = backend.vocab_size
@@ -82,11 +89,12 @@ class GrammarCompilePool:
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int, backend: str = "auto",
                       stop_token_ids: Optional[Sequence[int]] = None,
                       max_workers: int = DEFAULT_MAX_WORKERS,
-                      max_cached: int = DEFAULT_MAX_CACHED) -> "GrammarCompilePool":
+                      max_cached: int = DEFAULT_MAX_CACHED, check_only: bool = False) -> "GrammarCompilePool":
         """A pool for ``tokenizer`` with the backend named ``backend`` (``auto``, ``xgrammar``,
         ``guidance``). A named backend that cannot read the tokenizer is logged, and every spec then fails
-        with its reason (``selection.UnavailableBackend``). The pool pickles as these arguments (the
-        engine process sends its request processor, which validates with a pool, to the API process)."""
+        with its reason (``selection.UnavailableBackend``). The pool pickles as these arguments with
+        ``check_only`` set (the engine process sends its request processor, which validates with a pool, to
+        the API process, which then checks specs and leaves their compilation to the engine)."""
         try:
             built = make_backend(backend, tokenizer, vocab_size, stop_token_ids)
         except StructuredOutputError as e:
@@ -94,13 +102,14 @@ class GrammarCompilePool:
                            backend, e)
             built = UnavailableBackend(backend, vocab_size, e)
         fingerprint = tokenizer_fingerprint(tokenizer, vocab_size, stop_token_ids)
-        pool = cls(built, fingerprint, max_workers, max_cached)
+        pool = cls(built, fingerprint, max_workers, max_cached, check_only)
         pool._rebuild_args = (tokenizer, vocab_size, backend, list(stop_token_ids or []), max_workers,
-                              max_cached)
+                              max_cached, True)
         return pool
 
     def __reduce__(self) -> tuple:
-        """A pool built by ``for_tokenizer`` pickles as its arguments (a fresh pool, empty cache)."""
+        """A pool built by ``for_tokenizer`` pickles as its arguments (a fresh pool, empty cache) with
+        ``check_only`` set."""
         if self._rebuild_args is None:
             raise TypeError("only a GrammarCompilePool built by for_tokenizer can be pickled")
         return (GrammarCompilePool.for_tokenizer, self._rebuild_args)
@@ -117,7 +126,9 @@ class GrammarCompilePool:
         """The future of ``spec``'s compiled grammar; it raises ``StructuredOutputError`` when the spec
         does not compile. Never blocks on a compilation."""
         spec = as_spec(spec)
-        key = self.cache_key(spec)
+        return self._submit(spec, self.backend.compile, self.cache_key(spec))
+
+    def _submit(self, spec: GrammarSpec, run: Callable[[GrammarSpec], Any], key: str) -> Future:
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
@@ -125,7 +136,7 @@ class GrammarCompilePool:
                 self.cache_hits += 1
                 return future
             self.cache_misses += 1
-            future = self._executor.submit(self.backend.compile, spec)
+            future = self._executor.submit(run, spec)
             self._cache[key] = future
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
@@ -141,17 +152,19 @@ class GrammarCompilePool:
                     del self._cache[key]
 
     def validate(self, spec: SpecLike, param: str = PARAM_STRUCTURED_OUTPUTS,
-                 timeout_s: Optional[float] = None) -> CompiledGrammar:
-        """Compile ``spec`` (or find it in the cache) and wait for it: for request processing, so a bad
-        spec is rejected before the engine. Blocks the calling thread; an event loop awaits
-        ``asyncio.wrap_future(submit(spec))`` instead.
+                 timeout_s: Optional[float] = None) -> None:
+        """Compile ``spec`` (or find it in the cache; with ``check_only``, parse it) and wait for it: for
+        request processing, so a bad spec is rejected before the engine. Blocks the calling thread.
 
         Raises:
             StructuredOutputError: the spec does not compile; ``param`` names the request field.
             concurrent.futures.TimeoutError: not compiled within ``timeout_s``.
         """
+        spec = as_spec(spec)
+        future = (self._submit(spec, self.backend.check, self.cache_key(spec) + ":checked") if self.check_only
+                  else self.submit(spec))
         try:
-            return self.submit(spec).result(timeout=timeout_s)
+            future.result(timeout=timeout_s)
         except StructuredOutputError as e:
             raise e.with_param(param) from None
 

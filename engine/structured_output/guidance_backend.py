@@ -148,21 +148,33 @@ class GuidanceBackend:
     def compile(self, spec: GrammarSpec) -> GuidanceGrammar:
         import llguidance
 
-        reason = self.unsupported_reason(spec)
-        if reason is not None:
-            raise StructuredOutputError(reason, backend=NAME)
-        try:
-            grammar = self._grammar_text(spec)
-        except StructuredOutputError:
-            raise
-        except (ValueError, KeyError, TypeError, AssertionError) as e:
-            raise StructuredOutputError(f"Invalid {spec.kind.value} for the guidance backend: {e}",
-                                        backend=NAME) from None
+        grammar = self._checked_grammar_text(spec)
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=_LOG_LEVEL)
         if template.is_error():
             raise StructuredOutputError(f"Invalid {spec.kind.value} for the guidance backend: "
                                         f"{template.get_error().strip()}", backend=NAME)
         return GuidanceGrammar(spec, template, self.stop_token_ids, self.vocab_size)
+
+    def check(self, spec: GrammarSpec) -> None:
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(self._checked_grammar_text(spec))
+        if error:
+            raise StructuredOutputError(f"Invalid {spec.kind.value} for the guidance backend: {error.strip()}",
+                                        backend=NAME)
+
+    def _checked_grammar_text(self, spec: GrammarSpec) -> str:
+        """``_grammar_text``, raising ``StructuredOutputError`` for what this backend does not read."""
+        reason = self.unsupported_reason(spec)
+        if reason is not None:
+            raise StructuredOutputError(reason, backend=NAME)
+        try:
+            return self._grammar_text(spec)
+        except StructuredOutputError:
+            raise
+        except (ValueError, KeyError, TypeError, AssertionError) as e:
+            raise StructuredOutputError(f"Invalid {spec.kind.value} for the guidance backend: {e}",
+                                        backend=NAME) from None
 
     def _grammar_text(self, spec: GrammarSpec) -> str:
         """The llguidance grammar (its JSON form) of ``spec``."""

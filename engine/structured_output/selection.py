@@ -57,21 +57,29 @@ class AutoBackend:
         return None
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        return self._either(spec, lambda backend: backend.compile(spec))
+
+    def check(self, spec: GrammarSpec) -> None:
+        self._either(spec, lambda backend: backend.check(spec))
+
+    def _either(self, spec: GrammarSpec, run: Callable[[StructuredOutputBackend], Any]) -> Any:
+        """``run`` on xgrammar, or on the guidance backend where xgrammar cannot read the tokenizer, does not
+        enforce ``spec`` or fails on it (then xgrammar's error stands where the guidance backend fails too)."""
         try:
             xgrammar = self._xgrammar.get()
         except StructuredOutputError:
-            return self._guidance.get().compile(spec)
+            return run(self._guidance.get())
         unenforced = xgrammar.unsupported_reason(spec)
         if unenforced is not None:
-            return self._guidance.get().compile(spec)
+            return run(self._guidance.get())
         try:
-            return xgrammar.compile(spec)
+            return run(xgrammar)
         except StructuredOutputError as xgrammar_error:
             try:
                 guidance = self._guidance.get()
                 if guidance.unsupported_reason(spec) is not None:
                     raise xgrammar_error
-                return guidance.compile(spec)
+                return run(guidance)
             except StructuredOutputError:
                 raise xgrammar_error from None
 
@@ -91,6 +99,9 @@ class UnavailableBackend:
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         raise StructuredOutputError(str(self._error), backend=self._error.backend)
+
+    def check(self, spec: GrammarSpec) -> None:
+        self.compile(spec)
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int,

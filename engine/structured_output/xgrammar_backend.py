@@ -134,47 +134,61 @@ class XgrammarBackend:
         return None
 
     def compile(self, spec: GrammarSpec) -> XgrammarGrammar:
+        return XgrammarGrammar(spec, self._build(spec, self._compiler))
+
+    def check(self, spec: GrammarSpec) -> None:
+        import xgrammar as xgr
+
+        self._build(spec, xgr.Grammar)
+
+    def _build(self, spec: GrammarSpec, builder: Any) -> Any:
+        """``spec`` through ``builder``: the compiler (a compiled grammar) or ``xgrammar.Grammar`` (the parsed
+        grammar), whose ``compile_*`` / ``from_*`` functions take the same arguments."""
         reason = self.unsupported_reason(spec)
         if reason is not None:
             raise StructuredOutputError(reason, backend=NAME)
+        parse_only = builder is not self._compiler
+
+        def call(name: str, *args, **kwargs) -> Any:
+            return getattr(builder, _PARSERS[name] if parse_only else "compile_" + name)(*args, **kwargs)
         try:
-            compiled = self._compile(spec)
+            return self._build_kind(spec, call)
         except StructuredOutputError:
             raise
         except Exception as e:  # RuntimeError, InvalidJSONError, InvalidStructuralTagError, KeyError, ...
             raise StructuredOutputError(f"Invalid {spec.kind.value} for xgrammar: {compiler_reason(e)}",
                                         backend=NAME) from None
-        return XgrammarGrammar(spec, compiled)
 
-    def _compile(self, spec: GrammarSpec) -> Any:
-        compiler = self._compiler
+    @staticmethod
+    def _build_kind(spec: GrammarSpec, call) -> Any:
         kind = spec.kind
         # Without any whitespace, the JSON is compact (no space after ',' and ':'), as the guidance
         # backend writes it.
         separators = None if spec.any_whitespace else (",", ":")
         if kind is GrammarKind.JSON:
             # strict_mode: objects get only the properties the schema lists unless it allows more.
-            return compiler.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace,
-                                                separators=separators, strict_mode=True)
+            return call("json_schema", spec.text, any_whitespace=spec.any_whitespace, separators=separators,
+                        strict_mode=True)
         if kind is GrammarKind.JSON_OBJECT:
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace,
-                                                separators=separators, strict_mode=False)
+            return call("json_schema", '{"type": "object"}', any_whitespace=spec.any_whitespace,
+                        separators=separators, strict_mode=False)
         if kind is GrammarKind.REGEX:
-            return compiler.compile_regex(spec.text)
+            return call("regex", spec.text)
         if kind is GrammarKind.CHOICE:
-            return compiler.compile_grammar(choice_ebnf(spec.value()))
+            return call("grammar", choice_ebnf(spec.value()))
         if kind is GrammarKind.GRAMMAR:
-            return compiler.compile_grammar(spec.text)
+            return call("grammar", spec.text)
         if kind is GrammarKind.STRUCTURAL_TAG:
-            return self._compile_structural_tag(spec)
+            return XgrammarBackend._build_structural_tag(spec, call)
         raise StructuredOutputError(f"xgrammar cannot compile a {kind.value} constraint.", backend=NAME)
 
-    def _compile_structural_tag(self, spec: GrammarSpec) -> Any:
+    @staticmethod
+    def _build_structural_tag(spec: GrammarSpec, call) -> Any:
         import xgrammar as xgr
 
         tag = spec.value()
         if "structures" not in tag:
-            return self._compiler.compile_structural_tag(spec.text)
+            return call("structural_tag", spec.text)
         structures = tag["structures"]
         triggers = tag.get("triggers")
         if not isinstance(structures, list) or not isinstance(triggers, list):
@@ -182,7 +196,12 @@ class XgrammarBackend:
                                         backend=NAME)
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", True)),
                                        end=s["end"]) for s in structures]
-        return self._compiler.compile_structural_tag(items, triggers)
+        return call("structural_tag", items, triggers)
+
+
+_PARSERS = {"json_schema": "from_json_schema", "regex": "from_regex", "grammar": "from_ebnf",
+            "structural_tag": "from_structural_tag"}
+"""``xgrammar.Grammar``'s parser of what each ``GrammarCompiler.compile_<kind>`` compiles."""
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

@@ -25,13 +25,13 @@ def pool():
 
 
 def test_second_compile_is_a_cache_hit(pool):
-    first = pool.validate(StructuredOutputsParams(json=SCHEMA))
+    first = pool.submit(StructuredOutputsParams(json=SCHEMA)).result()
     hits, misses = pool.cache_hits, pool.cache_misses
-    again = pool.validate(StructuredOutputsParams(json='{"type": "object", "properties": {"a": {"type": '
-                                                         '"integer"}}, "required": ["a"]}'))
-    assert again is first and (pool.cache_hits, pool.cache_misses) == (hits + 1, misses)
+    pool.validate(StructuredOutputsParams(json='{"type": "object", "properties": {"a": {"type": "integer"}}, '
+                                               '"required": ["a"]}'))
+    assert (pool.cache_hits, pool.cache_misses) == (hits + 1, misses)
     assert pool.submit(GrammarSpec.from_params(StructuredOutputsParams(json=SCHEMA))).result() is first
-    other = pool.validate(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    other = pool.submit(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)).result()
     assert other is not first and pool.cache_misses == misses + 1
 
 
@@ -104,3 +104,46 @@ def test_cache_is_bounded_and_keys_on_the_tokenizer():
     assert tokenizer_fingerprint(tok, 384) == tokenizer_fingerprint(tok, 384)
     assert tokenizer_fingerprint(tok, 384) != tokenizer_fingerprint(tok, 416)
     assert tokenizer_fingerprint(tok, 384) != tokenizer_fingerprint(tok, 384, stop_token_ids=[0])
+
+
+GOOD = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex="[a-z]+-[0-9]{2}"), StructuredOutputsParams(choice=["yes", "no"]),
+        StructuredOutputsParams(grammar='root ::= "a" root | "b"'),
+        StructuredOutputsParams(grammar='start: "x"+'),                                   # Lark: guidance
+        StructuredOutputsParams(json={"type": "object", "minProperties": 1})]            # guidance
+BAD = [StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}),
+       StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+       StructuredOutputsParams(regex="(a"), StructuredOutputsParams(grammar="root ::= missing"),
+       StructuredOutputsParams(structural_tag='{"structures": "x", "triggers": []}')]
+
+
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "guidance"])
+def test_a_check_only_pool_refuses_what_compiling_refuses_and_compiles_nothing(backend, monkeypatch):
+    """The API process's copy of the pool (``--engine-process``: a pickled pool is ``check_only``) parses
+    specs: a spec the compiler refuses is refused with the same reason and field, a good one passes, and
+    nothing is compiled (the engine process compiles each spec once)."""
+    import pickle
+
+    compiling = GrammarCompilePool.for_tokenizer(smol_tokenizer(), SMOL_VOCAB_SIZE, backend=backend)
+    checking = pickle.loads(pickle.dumps(compiling))
+    assert checking.check_only and not compiling.check_only
+    try:
+        reasons = {}
+        for params in BAD + GOOD:
+            try:
+                compiling.validate(params, param="response_format")
+            except StructuredOutputError as e:
+                reasons[repr(params)] = e
+        assert len(reasons) >= len(BAD), reasons
+        monkeypatch.setattr(type(checking.backend), "compile", lambda *a: pytest.fail("compiled"), raising=False)
+        for params in BAD + GOOD:
+            expected = reasons.get(repr(params))
+            if expected is None:
+                checking.validate(params)
+                continue
+            with pytest.raises(StructuredOutputError) as info:
+                checking.validate(params, param="response_format")
+            assert (str(info.value), info.value.param) == (str(expected), expected.param)
+    finally:
+        compiling.shutdown()
+        checking.shutdown()

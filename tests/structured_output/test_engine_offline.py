@@ -60,7 +60,7 @@ def assert_idle(llm: LLM) -> None:
 
 def allowed_ids(llm: LLM, params: StructuredOutputsParams, prefix: list[int]) -> set[int]:
     """The ids the grammar of ``params`` allows after the output ``prefix`` (the engine's own grammar)."""
-    matcher = llm.llm_engine.processor.grammar_pool.validate(params).new_matcher()
+    matcher = llm.llm_engine.processor.grammar_pool.submit(params).result().new_matcher()
     assert matcher.accept_tokens(prefix), prefix
     vocab_size = llm.llm_engine.processor.grammar_pool.vocab_size
     bitmask = allocate_bitmask(1, vocab_size, pin_memory=False)

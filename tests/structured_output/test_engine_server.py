@@ -168,8 +168,9 @@ def test_bad_constraint_is_a_400_naming_the_field(server, path, fields, param, r
 
 
 def test_engine_process_validates_in_the_api_process(tiny_llama_dir):
-    """--engine-process: the request processor (with a copy of the compile pool, rebuilt from its arguments)
-    runs in the API process; a bad constraint is refused there, a good one is compiled again by the engine."""
+    """--engine-process: the request processor (with a copy of the compile pool, rebuilt from its arguments
+    to check specs only) runs in the API process; a bad constraint is refused there, a good one is compiled
+    by the engine alone."""
     srv = start_server(str(tiny_llama_dir), served_model_name=[MODEL], max_model_len=256, engine_process=True)
     try:
         bad = post(srv, "/v1/completions", {"model": MODEL, "prompt": "Hello",

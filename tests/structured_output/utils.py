@@ -106,6 +106,6 @@ class HeldPool:
     def release(self) -> None:
         for future, params in self.held:
             try:
-                future.set_result(self.real.validate(params))
+                future.set_result(self.real.submit(params).result())
             except StructuredOutputError as e:
                 future.set_exception(e)

@@ -500,8 +500,8 @@ class EngineCore:
             case GetStats():
                 return self.get_stats()
             case AlignmentScores():
-                if self.executor is not None:
-                    raise ValueError("word timestamps need --tensor-parallel-size 1.")
+                if self.executor is not None or self.lora_manager is not None:
+                    raise ValueError("word timestamps need --tensor-parallel-size 1 and no --enable-lora.")
                 return alignment_scores(self.runner.model, self.runner.device, call)
         refuse_non_call(call)
         raise AssertionError(f"EngineCore.call has no case for {type(call).__name__}.")

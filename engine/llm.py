@@ -132,7 +132,7 @@ class LLM:
         object or ``(array, sample_rate)``; or a list of those. Long audio is cut into 30 s windows at quiet
         points, all windows of all recordings run as parallel requests. ``language`` None: English on
         English-only models, detected from the first window on multilingual ones. ``word_timestamps``: also
-        time every word (``result.words``; one alignment pass per window, base model only). ValueError (AudioError)
+        time every word (``result.words``; one alignment pass per window; not with enable_lora). ValueError (AudioError)
         for bad audio or options; a window the engine failed raises its ``RequestOutput.error``.
         """
         from engine.transcription import TranscriptionOptions
@@ -143,8 +143,9 @@ class LLM:
             raise ValueError(f"transcribe: {self.llm_engine.model_name} is not a Whisper model.")
         single = not isinstance(audio, list)
         recordings = [audio] if single else list(audio)
-        if word_timestamps and lora_request is not None:
-            raise ValueError("transcribe: word timestamps are computed with the base model; leave lora_request unset.")
+        if word_timestamps and self.llm_engine.engine_config.lora_config is not None:
+            raise ValueError("transcribe: word timestamps are not available with enable_lora (the alignment pass "
+                             "runs the base weights).")
         options = TranscriptionOptions(task=task, language=language, prompt=prompt, timestamps=timestamps,
                                        temperature=temperature, word_timestamps=word_timestamps)
         code = transcriber.check_options(options)

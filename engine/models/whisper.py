@@ -274,7 +274,8 @@ class WhisperForConditionalGeneration(nn.Module):
         [len(alignment_heads), T, num_positions], before softmax (``multimodal.word_timing``).
 
         Outside the paged path: no KV cache, no forward context, only the layers up to the last alignment
-        head. The base weights (no adapter); one rank (``tensor_parallel_size`` 1).
+        head; the projections' base weights (``Linear.forward_base``: no adapter); one rank
+        (``tensor_parallel_size`` 1).
         """
         if self.tp.size > 1:
             raise ValueError("word timestamps need --tensor-parallel-size 1 (the alignment pass runs on one rank).")
@@ -289,20 +290,20 @@ class WhisperForConditionalGeneration(nn.Module):
         scores: dict[tuple[int, int], torch.Tensor] = {}
         for layer_index, layer in enumerate(decoder.layers[:max(wanted) + 1]):
             attn = layer.self_attn
-            q, k, v = attn.qkv_proj(layer.self_attn_layer_norm(hidden)).view(
+            q, k, v = attn.qkv_proj.forward_base(layer.self_attn_layer_norm(hidden)).view(
                 -1, 3, attn.num_heads, attn.head_dim).unbind(1)                            # [T, H, D] each
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)    # [H, T, D]
-            hidden = hidden + attn.out_proj(out.transpose(0, 1).reshape(q.shape[0], -1))
+            hidden = hidden + attn.out_proj.forward_base(out.transpose(0, 1).reshape(q.shape[0], -1))
             cross = layer.encoder_attn
-            q = cross.q_proj(layer.encoder_attn_layer_norm(hidden)).view(-1, cross.num_heads, cross.head_dim)
-            k, v = cross.kv_proj(encoder_out).view(-1, 2, cross.num_heads, cross.head_dim).unbind(1)  # [S, H, D]
+            q = cross.q_proj.forward_base(layer.encoder_attn_layer_norm(hidden)).view(-1, cross.num_heads, cross.head_dim)
+            k, v = cross.kv_proj.forward_base(encoder_out).view(-1, 2, cross.num_heads, cross.head_dim).unbind(1)  # [S, H, D]
             logits = torch.einsum("thd,shd->hts", q.float(), k.float()) * cross.scale       # [H, T, S]
             for head in wanted.get(layer_index, []):
                 scores[(layer_index, head)] = logits[head, :, :num_positions]
             out = torch.einsum("hts,shd->thd", logits.softmax(dim=-1).to(v.dtype), v)       # [T, H, D]
-            hidden = hidden + cross.out_proj(out.reshape(q.shape[0], -1))
-            hidden = hidden + layer.fc2(layer.act(layer.fc1(layer.final_layer_norm(hidden))))
+            hidden = hidden + cross.out_proj.forward_base(out.reshape(q.shape[0], -1))
+            hidden = hidden + layer.fc2.forward_base(layer.act(layer.fc1.forward_base(layer.final_layer_norm(hidden))))
         return torch.stack([scores[h] for h in self.alignment_heads])
 
     def make_prompt_processor(self, checkpoint_dir: Path):

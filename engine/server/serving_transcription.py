@@ -230,9 +230,9 @@ class OpenAIServingTranscription(ServingBase):
                                         form.temperature, form.timestamp_granularities)
         except ValueError as e:
             raise BadRequestError(str(e), param="timestamp_granularities[]") from e
-        if options.word_timestamps and lora is not None:
-            raise BadRequestError("timestamp_granularities[]=word: word timestamps are computed with the base "
-                                  f"model; send model={self.models.model_name!r}, not an adapter.",
+        if options.word_timestamps and self.engine_client.engine_config.lora_config is not None:
+            raise BadRequestError("timestamp_granularities[]=word: word timestamps are not available on a server "
+                                  "started with --enable-lora (the alignment pass runs the base weights).",
                                   param="timestamp_granularities[]")
         try:
             language = self.transcriber.check_options(options)

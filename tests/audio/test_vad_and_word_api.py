@@ -24,7 +24,7 @@ from engine.llm import LLM
 from engine.transcription import audio_chunker
 from multimodal.audio_chunking import QuietChunker
 from multimodal.vad import VadUnavailableError
-from tests.audio.whisper_reference import load_wav, normalized_words, whisper_dir
+from tests.audio.whisper_reference import AUDIO_DIR, load_wav, normalized_words, whisper_dir
 from tests.server.conftest import start_server
 from tests.server.test_errors import assert_error
 
@@ -118,3 +118,9 @@ def test_word_granularity_over_http(whisper_server):
     assert [w["start"] for w in words] == sorted(w["start"] for w in words)
     plain = _post(whisper_server, audio, response_format="verbose_json")
     assert "words" not in plain.json() and plain.json()["text"] == text
+
+
+def test_word_timestamps_are_refused_with_lora_enabled():
+    llm = LLM(model=str(whisper_dir("tiny.en")), device="cpu", dtype="float32", enable_lora=True)
+    with pytest.raises(ValueError, match="not available with enable_lora"):
+        llm.transcribe(str(AUDIO_DIR / "fox.wav"), word_timestamps=True)

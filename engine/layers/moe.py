@@ -31,9 +31,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.distributed.group import TensorParallelGroup
+from engine.distributed.sharding import even_part
 from engine.layers.adapter import Feeds
 from engine.layers.fused import silu_mul_linear
 from engine.layers.linear import Linear
+from engine.layers.parallel import column_parallel_linear, row_parallel_linear
 
 # ----------------------------------------------------------------------------------------
 # Routing and the expert computation (pure functions: the seam a fused kernel slots into)
@@ -220,22 +223,32 @@ def fused_moe_dense_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
 # Modules
 # ----------------------------------------------------------------------------------------
 class FusedMoE(nn.Module):
-    """The routed experts of one layer, their weights stacked (``w13`` [E, 2I, H], ``w2`` [E, H, I])."""
+    """The routed experts of one layer, their weights stacked (``w13`` [E, 2I, H], ``w2`` [E, H, I]).
+
+    With tensor parallelism (``tp`` of size n > 1) every expert is split as the dense MLP is: this rank holds
+    rows [r * I / n, (r + 1) * I / n) of each expert's gate and up projections and the same columns of its
+    down projection, so its output is a partial sum that the caller all-reduces (``SparseMoeBlock``)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        tp = tp or TensorParallelGroup.single()
+        if intermediate_size % tp.size:
+            raise ValueError(f"the experts' intermediate size {intermediate_size} is not divisible by "
+                             f"--tensor-parallel-size {tp.size}; use a size that divides it.")
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
+        self.full_intermediate_size = intermediate_size
+        """I of the checkpoint."""
+        self.intermediate_range: Optional[tuple[int, int]] = (
+            even_part(intermediate_size, tp.rank, tp.size) if tp.size > 1 else None)
+        """Tensor parallelism: the (start, stop) intermediate rows of every expert this rank holds; None: all."""
+        intermediate_size //= tp.size
         self.intermediate_size = intermediate_size
         """I on this rank (each expert's gate/up rows, down columns)."""
-        self.full_intermediate_size = intermediate_size
-        """I of the checkpoint (``intermediate_size`` times the tensor-parallel size)."""
-        self.intermediate_range: Optional[tuple[int, int]] = None
-        """Tensor parallelism: the (start, stop) intermediate rows of every expert this rank holds; None: all."""
         self.renormalize = renormalize
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
@@ -251,64 +264,83 @@ class FusedMoE(nn.Module):
         return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
     def load_expert(self, param_name: str, expert: int, shard: int, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint expert tensor: ``w13`` shard 0 (gate) or 1 (up) [I, H], or ``w2`` [H, I]."""
+        """Copy one checkpoint expert tensor (whole: this rank takes its rows): ``w13`` shard 0 (gate) or 1 (up)
+        [I, H], or ``w2`` [H, I]."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: the config has {self.num_experts} experts")
-        size = self.intermediate_size
+        size, full = self.intermediate_size, self.full_intermediate_size
         if param_name == "w13":
-            want, dst = (size, self.hidden_size), self.w13.data[expert, shard * size:(shard + 1) * size]
+            want, dst = (full, self.hidden_size), self.w13.data[expert, shard * size:(shard + 1) * size]
         else:
-            want, dst = (self.hidden_size, size), self.w2.data[expert]
+            want, dst = (self.hidden_size, full), self.w2.data[expert]
         if tuple(tensor.shape) != want:
             raise ValueError(f"expert {expert} {param_name} tensor has shape {tuple(tensor.shape)}, "
                              f"expected {want}")
-        dst.copy_(tensor)
+        dst.copy_(self._part(tensor, 0 if param_name == "w13" else 1))
 
     def load_stacked(self, param_name: str, tensor: torch.Tensor) -> None:
-        """Copy a transformers-5 stacked tensor: ``gate_up_proj`` [E, 2I, H] into ``w13``, ``down_proj``
-        [E, H, I] into ``w2``."""
-        param = getattr(self, param_name)
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"stacked {param_name} tensor has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        """Copy a transformers-5 stacked tensor (whole: this rank takes its rows): ``gate_up_proj`` [E, 2I, H]
+        into ``w13``, ``down_proj`` [E, H, I] into ``w2``."""
+        E, H, full = self.num_experts, self.hidden_size, self.full_intermediate_size
+        want = (E, 2 * full, H) if param_name == "w13" else (E, H, full)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"stacked {param_name} tensor has shape {tuple(tensor.shape)}, expected {want}")
+        if param_name == "w13":
+            gate, up = tensor.split(full, dim=1)                                   # [E, I, H] each
+            tensor = torch.cat([self._part(gate, 1), self._part(up, 1)], dim=1)   # [E, 2 * I / n, H]
+        else:
+            tensor = self._part(tensor, 2)                                         # [E, H, I / n]
+        getattr(self, param_name).data.copy_(tensor)
+
+    def _part(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's ``intermediate_range`` of ``tensor`` along ``dim`` (all of it unsharded)."""
+        if self.intermediate_range is None:
+            return tensor
+        start, stop = self.intermediate_range
+        return tensor.narrow(dim, start, stop - start)
 
 
 class SharedExpertMLP(nn.Module):
-    """A dense SwiGLU expert every token takes (Qwen2-MoE's ``shared_expert``); gate|up packed."""
+    """A dense SwiGLU expert every token takes (Qwen2-MoE's ``shared_expert``); gate|up packed (column-parallel,
+    down row-parallel under tensor parallelism, as ``LlamaMLP``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, feeds=Feeds.SILU_MUL)
-        self.down_proj = Linear(intermediate_size, [hidden_size])    # scaled by its gate: Feeds.ANY
+        self.gate_up_proj = column_parallel_linear(hidden_size, [intermediate_size] * 2, False, tp,
+                                                   feeds=Feeds.SILU_MUL)
+        self.down_proj = row_parallel_linear(intermediate_size, hidden_size, False, tp)   # scaled by its gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_mul_linear(self.down_proj, self.gate_up_proj(x))
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (``gate``) + routed experts (``experts``) + optional shared expert, in HF's module names."""
+    """Router (``gate``) + routed experts (``experts``) + optional shared expert, in HF's module names. Under
+    tensor parallelism the router (and the shared expert's gate) is replicated, the experts and the shared
+    expert are split along their intermediate size, and the routed output is all-reduced."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool, shared_expert_intermediate_size: int = 0, hidden_act: str = "silu") -> None:
+                 renormalize: bool, shared_expert_intermediate_size: int = 0, hidden_act: str = "silu",
+                 tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
         if hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={hidden_act!r} is not supported by the MoE block (only 'silu').")
+        self.tp = tp or TensorParallelGroup.single()
         self.gate = Linear(hidden_size, [num_experts])
-        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, self.tp)
         self.shared_expert: Optional[SharedExpertMLP] = None
         self.shared_expert_gate: Optional[Linear] = None
         if shared_expert_intermediate_size:
-            self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, self.tp)
             self.shared_expert_gate = Linear(hidden_size, [1])
 
     @classmethod
-    def from_config(cls, config, num_experts: int, intermediate_size: int, renormalize: bool
-                    ) -> "SparseMoeBlock":
+    def from_config(cls, config, num_experts: int, intermediate_size: int, renormalize: bool,
+                    tp: Optional[TensorParallelGroup] = None) -> "SparseMoeBlock":
         return cls(config.hidden_size, num_experts, config.num_experts_per_tok, intermediate_size,
                    renormalize,
                    int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
-                   getattr(config, "hidden_act", "silu"))
+                   getattr(config, "hidden_act", "silu"), tp)
 
     def activation_width(self) -> int:
         """Per-token activation width of this block (``ModelShape.intermediate_size``): the routed experts'
@@ -320,7 +352,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] (normed) -> [T, H], for the next residual add + RMSNorm."""
-        out = self.experts(hidden, self.gate(hidden))
+        out = self.tp.all_reduce(self.experts(hidden, self.gate(hidden)))   # [T, H] (a no-op unsharded)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared

@@ -10,11 +10,13 @@ router ``block_sparse_moe.gate.weight``; Qwen-MoE's ``mlp.experts.E.gate_proj|up
 transformers 5's stacked ones (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I],
 what ``save_pretrained(save_original_format=False)`` writes) both load into the stacked ``w13`` / ``w2``.
 
-Capabilities: none beyond ``ModelForCausalLM`` (no tensor parallelism, no weight quantization yet). LoRA adapters
+Capabilities: tensor parallelism (attention and dense MLPs as Llama's; each expert's intermediate rows split
+over the ranks, the routers replicated, the routed output all-reduced); no weight quantization yet. LoRA adapters
 reach the attention projections, a dense layer's or a shared expert's gate/up/down, the router (``gate``) and
 the routed experts: per expert (PEFT's ``experts.N.w1`` / ``gate_proj`` ... names) or through PEFT's
 ``target_parameters`` on the stacked ``gate_up_proj`` / ``down_proj``, run inside the fused MoE path
-(``engine.layers.moe.fused_moe_lora``).
+(``engine.layers.moe.fused_moe_lora``); with tensor parallelism each rank holds its rows of gate/up B and its
+columns of down A (S-LoRA), the partial update riding on the all-reduce.
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ import torch
 import torch.nn as nn
 
 from engine.distributed.group import TensorParallelGroup
+from engine.distributed.sharding import Shard
 from engine.layers.adapter import Feeds
 from engine.layers.attention import PagedAttention
 from engine.layers.fused import norm_linear
 from engine.layers.lora_layout import LoRALayout
 from engine.layers.moe import FusedMoE, SparseMoeBlock
+from engine.layers.parallel import VocabParallelEmbedding, copy_rows, parallel_logits
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
-from engine.models.llama import LlamaAttention, LlamaMLP, _head_dim
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _head_dim
+from engine.models.sliding_window import layer_windows, set_layer_windows
 
 _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 """A per-expert checkpoint tensor: ``<layer>.mlp.experts.<E>.<proj>.weight``."""
@@ -82,10 +87,13 @@ class MoEDecoderLayer(nn.Module):
 
 
 class MoEModel(nn.Module):
-    def __init__(self, config, layers: list[MoEDecoderLayer]) -> None:
+    def __init__(self, config, layers: list[MoEDecoderLayer], tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        if tp.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -113,23 +121,31 @@ class MoEForCausalLM(nn.Module):
     """(theirs, ours) substrings of checkpoint tensor names (Mixtral's ``.block_sparse_moe.`` is our ``.mlp.``)."""
     expert_projections: tuple[tuple[str, int], ...] = (("gate_proj", 0), ("up_proj", 1), ("down_proj", 2))
     """PEFT per-expert module suffix -> slice of the experts' LoRA update (``LoRALayout.expert_projections``)."""
-    capabilities = ModelCapabilities()
+    capabilities = ModelCapabilities(tensor_parallel=True)
     logits_rules: Optional[LogitsRules] = None
 
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
         super().__init__()
-        check_full_attention(config, max_position)
+        self.tp = tp or TensorParallelGroup.single()
+        """This rank's group: at size > 1 attention heads, dense MLPs, every expert's intermediate rows, the
+        embedding and the head hold this rank's shard; routers are replicated."""
+        windows = layer_windows(config)
+        if not any(windows):
+            check_full_attention(config, max_position)
         self.config = config
         rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position)
         layers = [MoEDecoderLayer(config, self.build_attention(config, rotary_emb), self.build_mlp(config, i))
                   for i in range(config.num_hidden_layers)]
-        self.model = MoEModel(config, layers)
+        self.model = MoEModel(config, layers, self.tp)
+        set_layer_windows(self.attention_layers(), windows)
         widths = [m.activation_width() if isinstance(m, SparseMoeBlock) else config.intermediate_size
                   for m in (layer.mlp for layer in layers)]
         self.shape = ModelShape(config.hidden_size, max(widths), config.vocab_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
+        elif self.tp.size > 1:
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)   # its rows only
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.lm_head.weight.requires_grad_(False)
@@ -137,7 +153,7 @@ class MoEForCausalLM(nn.Module):
     # -- what a subclass picks ------------------------------------------------------------
     def build_attention(self, config, rotary_emb: RotaryEmbedding) -> LlamaAttention:
         bias = bool(getattr(config, "attention_bias", False))
-        return LlamaAttention(config, rotary_emb, qkv_bias=bias, o_bias=bias, tp=TensorParallelGroup.single())
+        return LlamaAttention(config, rotary_emb, qkv_bias=bias, o_bias=bias, tp=self.tp)
 
     def build_mlp(self, config, layer_idx: int) -> nn.Module:
         raise NotImplementedError
@@ -154,7 +170,20 @@ class MoEForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [R, hidden] -> logits [R, vocab] in the model's dtype."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp.size > 1:
+            return parallel_logits(hidden, weight, self.tp, self.config.vocab_size)
         return torch.matmul(hidden, weight.t())
+
+    def checkpoint_shard(self, name: str) -> Optional[Shard]:
+        """The range of checkpoint tensor ``name`` this rank reads (None: all of it): attention, dense MLPs,
+        the embedding and the head as Llama's (``LlamaForCausalLM.checkpoint_shard``, whose rules read only
+        what this class has too); expert tensors are read whole and cut by ``FusedMoE`` (a stacked gate|up
+        tensor's rows are two ranges)."""
+        for theirs, ours in self.checkpoint_renames:
+            name = name.replace(theirs, ours)
+        if ".experts." in name:
+            return None
+        return LlamaForCausalLM.checkpoint_shard(self, name)
 
     @property
     def rotary_dim(self) -> int:
@@ -221,6 +250,10 @@ class MoEForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[name]
+            if self.tp.size > 1 and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                copy_rows(param, tensor, name)   # this rank's vocabulary rows, padded
+                loaded.add(name)
+                continue
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(param.shape)}")
@@ -260,4 +293,4 @@ class MixtralForCausalLM(MoEForCausalLM):
 
     def build_mlp(self, config, layer_idx: int) -> nn.Module:
         return SparseMoeBlock.from_config(config, config.num_local_experts, config.intermediate_size,
-                                          renormalize=True)
+                                          renormalize=True, tp=self.tp)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from engine.distributed.group import TensorParallelGroup
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.llama import LlamaMLP
@@ -34,10 +33,10 @@ class Qwen3MoeForCausalLM(MoEForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B layout)."""
 
     def build_attention(self, config, rotary_emb: RotaryEmbedding) -> Qwen3Attention:
-        return Qwen3Attention(config, rotary_emb, TensorParallelGroup.single())
+        return Qwen3Attention(config, rotary_emb, self.tp)
 
     def build_mlp(self, config, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
-            return LlamaMLP(config, bias=False, tp=TensorParallelGroup.single())
+            return LlamaMLP(config, bias=False, tp=self.tp)
         return SparseMoeBlock.from_config(config, config.num_experts, config.moe_intermediate_size,
-                                          renormalize=bool(getattr(config, "norm_topk_prob", False)))
+                                          renormalize=bool(getattr(config, "norm_topk_prob", False)), tp=self.tp)

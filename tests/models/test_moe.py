@@ -198,7 +198,7 @@ def test_sparse_layers_follow_the_config():
     assert hf_sparse == [False, True, False, False, False, True]
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers] == hf_sparse
     assert ours.shape.intermediate_size == max(48, 2 * 16, 2 * 32)
-    assert Qwen3MoeForCausalLM.capabilities == ModelCapabilities() == MixtralForCausalLM.capabilities
+    assert Qwen3MoeForCausalLM.capabilities == ModelCapabilities(tensor_parallel=True) == MixtralForCausalLM.capabilities
     assert ours.lora_qkv_warmup_consumer() is None
 
 

@@ -2,11 +2,12 @@
 Whisper tiny.en on CPU.
 
 - Real speech, 25 s of digital silence, real speech: the voice-activity chunker gives one window per
-  utterance, none covering the silence, and the transcript has both utterances' words and nothing else;
-  the quiet chunker on the same audio transcribes the silence as part of its windows.
-- Without silero-vad or onnxruntime, ``vad`` is a one-line error with the install command.
+  utterance, neither covering the silence (the quiet chunker's windows cover every sample), and the
+  transcript has both utterances' words, with no segment or word timed inside the silence.
+- Without silero-vad or onnxruntime, ``vad`` stops the engine at start-up with a one-line error carrying
+  the install command.
 - ``timestamp_granularities[]=word``: a 400 without ``verbose_json`` (as OpenAI's); with it, ``words`` with
-  increasing times that reassemble to the text.
+  increasing times that reassemble to the text, also through an engine process; refused with LoRA enabled.
 """
 
 from __future__ import annotations
@@ -124,3 +125,15 @@ def test_word_timestamps_are_refused_with_lora_enabled():
     llm = LLM(model=str(whisper_dir("tiny.en")), device="cpu", dtype="float32", enable_lora=True)
     with pytest.raises(ValueError, match="not available with enable_lora"):
         llm.transcribe(str(AUDIO_DIR / "fox.wav"), word_timestamps=True)
+
+
+def test_word_timestamps_through_an_engine_process():
+    """The alignment call and its answer cross the engine process's pipe (CUDA's default mode)."""
+    server = start_server(str(whisper_dir("tiny.en")), max_num_seqs=4, kv_cache_space=0.5, engine_process=True)
+    try:
+        r = _post(server, load_wav("fox")[0], response_format="verbose_json", **{"timestamp_granularities[]": "word"})
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    words = r.json()["words"]
+    assert words and " ".join(w["word"] for w in words) == r.json()["text"] and words[-1]["end"] <= 3.7

@@ -20,6 +20,12 @@ the device, one grouped GEMM launch for gate|up with SiLU-and-mul and one for do
 (one sync per layer). While a CUDA graph is being captured ``fused_moe`` runs ``fused_moe_dense_ref`` (every
 expert on every row, weighted by a zero where a row did not pick it: exact, sync-free, E / K times the work),
 until the kernel's own capture is checked on a GPU.
+
+LoRA: a ``FusedMoE`` whose ``adapter`` (``ExpertsAdapter``, the LoRA slots) has an update this step runs
+``fused_moe_lora`` instead: each token's adapter on every expert it routes to (``ExpertLoRAWeights``: per
+(slot, expert) A and B of gate, up and down), ``kernels.fused_moe_lora`` on CUDA, the vectorised twin
+``fused_moe_lora_ref`` elsewhere. Tensor parallelism: each expert's intermediate rows are split over the ranks
+(``FusedMoE.intermediate_range``), the router replicated, and ``SparseMoeBlock`` all-reduces the routed output.
 """
 
 from __future__ import annotations

@@ -220,3 +220,33 @@ def test_tower_rows_beyond_the_step_buffers(setup):
                                 ours_as_ref(out.outputs[0]), f"{family} 16-token steps") == NUM_TOKENS
     manager = llm.llm_engine.runner.lora_manager
     assert manager._step_rows == 16 and manager._rows_meta.max_num_tokens > 16
+
+
+def test_triton_lora_path_through_the_tower(setup, monkeypatch):
+    """The Triton LoRA backend forced on CPU (the interpreter): one encoder call over images of the tower
+    adapter and of the base, in 32-token steps (the tower's rows beyond the step buffers, the shrink
+    scratch of their own), equals PEFT's merged model."""
+    from lora.manager import LoRAManager
+
+    family, model_dir, adapters = setup
+    if family != "qwen2_vl":
+        pytest.skip("one family shows the kernels' side; the others share it")
+    init = LoRAManager.__init__
+
+    def triton_backend(self, *args, backend=None, **kwargs):
+        init(self, *args, backend="triton", **kwargs)
+    monkeypatch.setattr(LoRAManager, "__init__", triton_backend)
+    img, img2 = make_image(64, 48, 0), make_image(90, 90, 2)
+    tower = LoRARequest("tower", 1, str(adapters["tower"]))
+    reqs = [(img2, tower, "tower"), (img, None, "")]
+    llm = _llm(model_dir, enable_tower_connector_lora=True, max_num_batched_tokens=32)
+    assert llm.llm_engine.runner.lora_manager.backend == "triton"
+    media = llm.llm_engine.runner.media
+    encode, calls = media.encode, []
+    monkeypatch.setattr(media, "encode", lambda *args: calls.append(encode(*args)) or calls[-1])
+    outs = llm.generate([{"prompt": _prompt(family), "multi_modal_data": {"image": im}} for im, _, _ in reqs],
+                        params(), lora_request=[lr for _, lr, _ in reqs], use_tqdm=False)
+    for (im, _, adapter), out in zip(reqs, outs):
+        ref = _reference(family, model_dir, str(adapters[adapter]) if adapter else "", im)
+        assert check_logprobs_close(ref, ours_as_ref(out.outputs[0]), f"triton {adapter or 'base'}") == NUM_TOKENS
+    assert calls == [2] and llm.llm_engine.runner.lora_manager._rows_meta.max_num_tokens > 32

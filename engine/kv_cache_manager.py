@@ -15,9 +15,9 @@ Sliding windows (``sliding_window``: set when every layer of the model attends w
 p - window + 1 on, so each allocation first returns the request's blocks entirely before that key to the
 pool; their places in the request's list (and in the runner's block table, which is never read there)
 take the null block. A returned block keeps its hash like any freed block: its KV is that of its prefix,
-so a later request may still hit it, and a hit needs every block of the chain from the first, so a
-request never resumes on a prefix whose head was reused. The scheduler counts what a request still
-needs: the blocks of its window and of its next chunk.
+so a later request may still hit it. A hit needs only the blocks of the window before its end cached, not
+the earlier ones (they stand as the null block: no query of the request reads them). The scheduler counts
+what a request still needs: the blocks of its window and of its next chunk.
 """
 
 from __future__ import annotations
@@ -121,16 +121,37 @@ class KVCacheManager:
             return [], 0
         self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+        hashes = request.block_hashes[:max_hit_blocks]
+        if self.sliding_window is not None:
+            blocks = self._window_hits(hashes)
+        else:
+            blocks = []
+            for block_hash in hashes:
+                block = self.block_pool.get_cached_block(block_hash)
+                if block is None:
+                    break
+                blocks.append(block)
         num_hit_tokens = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
         return blocks, num_hit_tokens
+
+    def _window_hits(self, hashes: list[int]) -> list[KVCacheBlock]:
+        """The longest prefix of ``hashes`` whose last window is cached: k blocks such that the blocks holding
+        the keys the query at position k * block_size reads (from its window's start) are all in the cache;
+        the earlier ones need not be (their KV is never read again), and stand as the null block."""
+        bs = self.block_size
+        found: list[Optional[KVCacheBlock]] = []
+        run = best = 0              # cached blocks ending at the current one; the longest valid hit
+        for i, block_hash in enumerate(hashes):
+            block = self.block_pool.get_cached_block(block_hash)
+            found.append(block)
+            run = run + 1 if block is not None else 0
+            first_needed = window_start((i + 1) * bs, self.sliding_window) // bs
+            if run >= i + 1 - first_needed:
+                best = i + 1
+        first_needed = window_start(best * bs, self.sliding_window) // bs
+        return [found[i] if i >= first_needed else self.block_pool.null_block for i in range(best)]
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[list[KVCacheBlock]] = None,

@@ -76,15 +76,16 @@ def test_parity_with_transformers_past_the_window(dirs, family):
     assert exact == len(refs)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
-def test_chunked_prefill_and_prefix_caching(dirs, family):
+@pytest.mark.parametrize("family,num_blocks", [("mistral", 120), ("mistral", 40), ("gemma3", 120)])
+def test_chunked_prefill_and_prefix_caching(dirs, family, num_blocks):
     """Chunks of 7 tokens (shorter than the window, at every offset in a block); a second prompt sharing the
-    long prefix hits the cache (for Mistral, blocks the first request returned while it ran). Equal to
+    long prefix hits the cache (for Mistral, blocks the first request returned while it ran; with 40 blocks
+    the head of the prefix is reused by then, and the hit takes only the last window's blocks). Equal to
     transformers."""
     d = dirs[family]
     hf = hf_float32(d)
     llm = LLM(str(d), seed=0, block_size=4, max_num_batched_tokens=7, max_num_seqs=3, enable_prefix_caching=True,
-              num_gpu_blocks_override=120)
+              num_gpu_blocks_override=num_blocks)
     tok = llm.get_tokenizer()
     long_ids = tok.encode(LONG_PROMPT)
     prompts = [long_ids, long_ids + tok.encode(" The quick brown fox")]

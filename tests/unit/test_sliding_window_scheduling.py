@@ -74,6 +74,31 @@ def test_prefix_hits_before_the_window_are_not_taken():
     assert kv.num_free_blocks == kv.num_usable_blocks
 
 
+def test_a_hit_needs_only_its_last_window_cached():
+    """The head of a cached prompt evicted: a request with that prompt still hits up to where the blocks of a
+    window are cached, the blocks before standing as the null block; a gap in the window ends the hit."""
+    kv = KVCacheManager(BS, 40, max_model_len=512, sliding_window=6, max_chunk_tokens=64)
+    first = make_request("a", prompt_len=40)
+    kv.get_computed_blocks(first)
+    assert kv.allocate_slots(first, 40) is not None
+    first.num_computed_tokens = 40
+    blocks = list(kv.req_to_blocks["a"])
+    kv.free(first)
+    kv.block_pool.uncache_blocks(blocks[:5])                     # the head's hashes gone (as if reused)
+    second = make_request("b", prompt_token_ids=first.prompt_token_ids + [7, 8])
+    hits, n = kv.get_computed_blocks(second)
+    assert n == 40 and [b.is_null for b in hits] == [True] * 8 + [False] * 2
+    assert [b.block_id for b in hits[8:]] == [b.block_id for b in blocks[8:]]
+    kv.block_pool.uncache_blocks(blocks[8:9])                    # a gap: the window of position 40 misses it
+    third = make_request("c", prompt_token_ids=first.prompt_token_ids + [9])
+    hits, n = kv.get_computed_blocks(third)
+    assert n == 32 and [b.is_null for b in hits] == [True] * 6 + [False] * 2   # keys 27..31: blocks 6, 7
+    assert kv.allocate_slots(third, 9, hits, n) is not None
+    assert not any(b.is_null for b in kv.req_to_blocks["c"][6:])
+    kv.free(third)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
 def _chunks(sched: Scheduler, req_id: str) -> list[int]:
     runner = FakeRunner(sched)
     sizes = []

@@ -75,7 +75,7 @@ def _find_request(query_start_loc_ptr, pid_qb, num_reqs, BLOCK_Q: tl.constexpr, 
     return n - 1
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_heads"])   # one binary whatever the step's request count
+@triton.jit(do_not_specialize=["num_reqs", "num_heads", "window"])   # one binary whatever the request count or window
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, key_limit_ptr,

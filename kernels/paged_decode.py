@@ -74,7 +74,7 @@ def _attend_keys(q, k_cache_ptr, v_cache_ptr, bt_row, kpos, k_ok, kv_head, dims,
     return online_softmax_step(q, k_t, v, k_ok[None, :], m_i, l_i, acc, qk_scale_log2, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])   # one binary for windowed and full layers
 def _paged_decode_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, qk_scale_log2, k_scale, v_scale,

@@ -104,7 +104,8 @@ def test_targets_split_tower_from_language_model(setup):
     model = llm.llm_engine.runner.model
     on, off = LoRATargets.from_model(model, tower_lora=True), LoRATargets.from_model(model)
     tower = {name for name, t in on.slices.items() if t.in_encoder}
-    assert tower and tower | on.unused_modules == off.tower_modules and on.adapts_encoder and not off.adapts_encoder
+    assert tower and tower | on.unused_modules == off.tower_modules
+    assert on.adapts_encoder and not off.adapts_encoder
     # LLaVA reads layer -2 of the 3-layer tower: the last layer is never built, an update there is skipped.
     unused_layers = {name.split(".layers.")[1].split(".")[0] for name in on.unused_modules}
     assert unused_layers == ({"2"} if family == "llava" else set())
@@ -128,11 +129,13 @@ def test_tower_and_lm_adapters_equal_peft_merged_in_one_batch(setup):
 
     llm = _llm(model_dir, enable_tower_connector_lora=True)
     outs = llm.generate(prompts, params(), lora_request=[lr for _, lr, _ in reqs], use_tqdm=False)
-    # One step encodes img under the base (shared by the LM-only request), img and img2 under the tower adapter.
+    # One step encodes img under the base (shared by the LM-only request), img and img2 under the tower
+    # adapter.
     cache = llm.llm_engine.runner.encoder_cache
     assert llm.llm_engine.runner.num_encoded_items == 3 and len(cache) == 3
     (base_key,) = [key for key in cache if "+lora:" not in key]
-    assert not torch.allclose(cache[base_key], cache[f"{base_key}+lora:tower"], atol=1e-3)  # the tower adapter acts
+    # The tower adapter changes the encoder output.
+    assert not torch.allclose(cache[base_key], cache[f"{base_key}+lora:tower"], atol=1e-3)
     for (im, _, adapter), out in zip(reqs, outs):
         ref = _reference(family, model_dir, str(adapters[adapter]) if adapter else "", im)
         name = f"{family} adapter={adapter or 'base'}"
@@ -184,7 +187,8 @@ def test_without_the_flag_a_tower_adapter_is_refused(setup):
     with pytest.raises(InvalidLoRAAdapterError, match=TOWER_LORA_FLAG):
         llm.generate(prompt, params(), lora_request=LoRARequest("tower", 1, str(adapters["tower"])),
                      use_tqdm=False)
-    out = llm.generate(prompt, params(), lora_request=LoRARequest("lm", 2, str(adapters["lm"])), use_tqdm=False)
+    out = llm.generate(prompt, params(), lora_request=LoRARequest("lm", 2, str(adapters["lm"])),
+                       use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == NUM_TOKENS
     if family != "llava":
         return
@@ -197,7 +201,8 @@ def test_without_the_flag_a_tower_adapter_is_refused(setup):
         message = r.json()["error"]["message"]
         assert TOWER_LORA_FLAG in message
         # The same words for a path that holds nothing: the answer tells nothing of the server's files.
-        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "tower", "lora_path": "/no/such/dir"})
+        r = httpx.post(srv.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "tower", "lora_path": "/no/such/dir"})
         assert r.status_code == 400 and r.json()["error"]["message"] == message
         r = httpx.post(srv.url + "/v1/load_lora_adapter",
                        json={"lora_name": "lm", "lora_path": str(adapters["lm"])})
@@ -248,5 +253,6 @@ def test_triton_lora_path_through_the_tower(setup, monkeypatch):
                         params(), lora_request=[lr for _, lr, _ in reqs], use_tqdm=False)
     for (im, _, adapter), out in zip(reqs, outs):
         ref = _reference(family, model_dir, str(adapters[adapter]) if adapter else "", im)
-        assert check_logprobs_close(ref, ours_as_ref(out.outputs[0]), f"triton {adapter or 'base'}") == NUM_TOKENS
+        name = f"triton {adapter or 'base'}"
+        assert check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name) == NUM_TOKENS
     assert calls == [2] and llm.llm_engine.runner.lora_manager._rows_meta.max_num_tokens > 32

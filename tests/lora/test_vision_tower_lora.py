@@ -109,6 +109,14 @@ def test_targets_split_tower_from_language_model(setup):
     # LLaVA reads layer -2 of the 3-layer tower: the last layer is never built, an update there is skipped.
     unused_layers = {name.split(".layers.")[1].split(".")[0] for name in on.unused_modules}
     assert unused_layers == ({"2"} if family == "llava" else set())
+    # transformers 4's names too (LLaVA's tower under vision_model., Qwen's under visual. at the top).
+    legacy, ours = {"llava": ("vision_tower.vision_model.encoder.layers.0.self_attn.k_proj",
+                              ("vision_tower.encoder.layers.0.self_attn.qkv", 1)),
+                    "qwen2_vl": ("visual.blocks.1.attn.qkv", ("visual.blocks.1.attn.qkv", 0)),
+                    "qwen2_5_vl": ("visual.blocks.1.mlp.up_proj",
+                                   ("visual.blocks.1.mlp.gate_up_proj", 1))}[family]
+    target = on.slices[legacy]
+    assert (target.module_name, target.slice_idx) == ours and target.in_encoder
     assert not any(t.in_encoder for t in off.slices.values()) and set(off.slices) == set(on.slices) - tower
     enc_modules = {t.module_name for t in on.slices.values() if t.in_encoder}
     assert all(m.startswith(("vision_tower.", "multi_modal_projector.", "visual.")) for m in enc_modules)
@@ -172,6 +180,16 @@ def test_encoder_cache_keys_carry_a_tower_adapter_only(setup):
     assert run(LoRARequest("tower", 2, str(adapters["tower"]))) == (2, 2)
     keys = set(runner.encoder_cache)
     assert len(keys) == 2 and sum(key.endswith("+lora:tower") for key in keys) == 1
+
+
+def test_the_flag_needs_enable_lora():
+    from engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="--enable-lora"):
+        EngineArgs(model="unused", enable_tower_connector_lora=True).create_engine_config(max_model_len=256)
+    args = EngineArgs(model="unused", enable_lora=True, enable_tower_connector_lora=True)
+    config = args.create_engine_config(max_model_len=256)
+    assert config.lora_config.enable_tower_connector_lora
 
 
 def test_without_the_flag_a_tower_adapter_is_refused(setup):

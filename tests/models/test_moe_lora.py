@@ -40,14 +40,19 @@ def _params():
 
 
 def per_expert_adapter(base_dir: Path, out_dir: Path, r: int, alpha: float, seed: int) -> Path:
-    """A transformers-4-style Mixtral adapter (random A and B): q_proj, the router ``gate`` and every expert's
-    w1 / w3 / w2 under ``block_sparse_moe``, as PEFT saved them before transformers 5 stacked the experts."""
+    """A transformers-4-style adapter (random A and B) as PEFT saved them before transformers 5 stacked the
+    experts: q_proj, the router ``gate`` and every expert's projections, Mixtral's ``block_sparse_moe.experts.N.w1``
+    / ``w3`` / ``w2`` or Qwen-MoE's ``mlp.experts.N.gate_proj`` / ``up_proj`` / ``down_proj``."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(base_dir)
-    H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
-    q_out = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    if cfg.model_type == "mixtral":
+        block, names, E, I = "block_sparse_moe", ("w1", "w3", "w2"), cfg.num_local_experts, cfg.intermediate_size
+    else:
+        block, names, E, I = "mlp", ("gate_proj", "up_proj", "down_proj"), cfg.num_experts, cfg.moe_intermediate_size
+    H = cfg.hidden_size
+    q_out = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
 
@@ -57,15 +62,15 @@ def per_expert_adapter(base_dir: Path, out_dir: Path, r: int, alpha: float, seed
         tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.3
     for layer in range(cfg.num_hidden_layers):
         add("self_attn.q_proj", H, q_out)
-        add("block_sparse_moe.gate", H, E)
+        add(f"{block}.gate", H, E)
         for e in range(E):
-            add(f"block_sparse_moe.experts.{e}.w1", H, I)
-            add(f"block_sparse_moe.experts.{e}.w3", H, I)
-            add(f"block_sparse_moe.experts.{e}.w2", I, H)
+            add(f"{block}.experts.{e}.{names[0]}", H, I)
+            add(f"{block}.experts.{e}.{names[1]}", H, I)
+            add(f"{block}.experts.{e}.{names[2]}", I, H)
     out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
-              "target_modules": ["q_proj", "gate", "w1", "w2", "w3"], "base_model_name_or_path": str(base_dir)}
+              "target_modules": ["q_proj", "gate", *names], "base_model_name_or_path": str(base_dir)}
     (out_dir / "adapter_config.json").write_text(json.dumps(config))
     return out_dir
 
@@ -98,13 +103,15 @@ def _check_mixed_batch(d: Path, adapters: dict[str, Path], prompts: list[str]):
 
 def test_qwen3_moe_attention_experts_router(checkpoints, tiny_prompts, tmp_path):
     """Qwen3-MoE: PEFT's MLP targets on the experts (its stacked form, rank 8 on gate|up by rank_pattern) with
-    q/k/v/o, and explicit target_parameters on the experts and the router."""
+    q/k/v/o, explicit target_parameters on the experts and the router, and a transformers-4 per-expert adapter
+    (``mlp.experts.N.gate_proj`` ...); max_loras 2, so the third adapter waits for a slot."""
     d = checkpoints("qwen3moe-8x2-norm")
     converted = build_peft_adapter(d, tmp_path / "all", r=4, lora_alpha=8, target_modules=ALL_TARGETS, seed=5)
     assert json.loads((converted / "adapter_config.json").read_text())["target_parameters"]
     explicit = build_peft_adapter(d, tmp_path / "params", r=4, lora_alpha=16, target_modules=["q_proj", "o_proj"],
                                   target_parameters=EXPERTS_AND_ROUTER, seed=6, use_rslora=True)
-    _check_mixed_batch(d, {"all": converted, "params": explicit}, tiny_prompts[:3])
+    per_expert = per_expert_adapter(d, tmp_path / "v4", r=4, alpha=8, seed=4)
+    _check_mixed_batch(d, {"all": converted, "params": explicit, "v4": per_expert}, tiny_prompts[:3])
 
 
 def test_mixtral_stacked_and_per_expert(checkpoints, tiny_prompts, tmp_path):
@@ -186,3 +193,30 @@ def test_target_parameters_outside_the_experts_are_refused(checkpoints, tiny_lla
     (adapter / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(InvalidLoRAAdapterError, match="routed experts of MoE models only"):
         read_adapter_config(adapter, 16, dense.suffixes)
+
+
+def test_mismatched_experts_over_http(checkpoints, tmp_path):
+    """/v1/load_lora_adapter with expert tensors that do not fit: a 400 on lora_path (the reason goes to the
+    server log only), the adapter not listed or served; a fitting one loads and serves."""
+    import httpx
+
+    from tests.server.conftest import start_server
+
+    d = checkpoints("mixtral-8x2")
+    good = per_expert_adapter(d, tmp_path / "good", r=4, alpha=8, seed=11)
+    bad = _with_tensor(good, tmp_path / "bad", "experts.5.w2.lora_A.weight", lambda t: t[:, :32])
+    srv = start_server(str(d), served_model_name=["moe"], max_model_len=128, enable_lora=True,
+                       allow_runtime_lora_updating=True, max_loras=2, max_lora_rank=8)
+    try:
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+        models = {m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]}
+        assert models == {"moe"}
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "bad", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 404, r.text
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": str(good)})
+        assert r.status_code == 200, r.text
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "good", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    finally:
+        srv.stop()

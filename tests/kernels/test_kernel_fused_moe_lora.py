@@ -110,3 +110,38 @@ def test_checks_reject_bad_inputs():
                           (dict(b2=lora.b2.transpose(0, 1)), "b2: expected shape")]:
         with pytest.raises(ValueError, match=match):
             fused_moe_lora_triton(hidden, w13, w2, w, ids, **{**good, **change})
+
+
+# ----------------------------------------------------------------------------------------
+# CUDA: MoE-model sizes, and a CUDA-graph capture (no host read)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 7, 256])
+@pytest.mark.parametrize("E,K,H,I", [(60, 4, 2048, 1408), (8, 2, 1024, 3584)])
+def test_gpu_real_sizes(T, E, K, H, I):
+    args = _case(T, E, K, H, I, 4, 16, torch.bfloat16, [0, -1, 3, 1])
+    lora = args[5]
+    out = fused_moe_lora_triton(*args[:5], lora.token_slots, lora.a13, lora.b13, lora.a2, lora.b2)
+    torch.testing.assert_close(out.float(), fused_moe_lora_ref(*args).float(), rtol=3e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graph_capture():
+    """The call captures in a CUDA graph and replays with new routing and new slots."""
+    hidden, w13, w2, w, ids, lora = _case(16, 60, 4, 2048, 1408, 4, 16, torch.bfloat16, [0, -1, 3])
+    call = (lambda: fused_moe_lora_triton(hidden, w13, w2, w, ids, lora.token_slots, lora.a13, lora.b13,
+                                          lora.a2, lora.b2))
+    call()                                                                         # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    _, _, _, w_new, ids_new, lora_new = _case(16, 60, 4, 2048, 1408, 4, 16, torch.bfloat16, [2, 1, -1], seed=5)
+    w.copy_(w_new)
+    ids.copy_(ids_new)
+    lora.token_slots.copy_(lora_new.token_slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), fused_moe_lora_ref(hidden, w13, w2, w, ids, lora).float(),
+                               rtol=3e-2, atol=5e-2)

@@ -153,14 +153,15 @@ class LLM:
         decoded = [load_audio(a, limits) for a in recordings]
         for d in decoded:
             transcriber.check_audio(d)
+        chunks = [transcriber.chunks(d) for d in decoded]
         languages = [code] * len(decoded)
         if code is None:   # detect each recording's language from its first window
-            detect = [transcriber.detection_request(d) for d in decoded]
+            detect = [transcriber.detection_request(d, c) for d, c in zip(decoded, chunks)]
             outs = self.generate([r[0] for r in detect], [r[1] for r in detect], use_tqdm=False,
                                  lora_request=lora_request)
             _raise_first_error(outs)
             languages = [transcriber.language_of(o) for o in outs]
-        plans = [transcriber.windows(d, options, lang) for d, lang in zip(decoded, languages)]
+        plans = [transcriber.windows(d, options, lang, c) for d, lang, c in zip(decoded, languages, chunks)]
         requests = [transcriber.window_request(w, options) for windows in plans for w in windows]
         outs = self.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=use_tqdm,
                              lora_request=lora_request)

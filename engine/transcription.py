@@ -159,10 +159,17 @@ class Transcriber:
             raise AudioError("the audio is silent (every sample is below 1e-4 of full scale); nothing to transcribe.")
 
     # ------------------------------------------------------------------ planning
-    def detection_request(self, audio: DecodedAudio) -> tuple[dict, SamplingParams]:
-        """A one-token request on the first window whose only allowed tokens are the languages
-        (the model's logits rules restrict a ``[<|startoftranscript|>]`` prompt to them)."""
-        chunks = self.chunker.chunks(audio.samples, self.sample_rate_hz, self.window_s)
+    def chunks(self, audio: DecodedAudio) -> list[AudioChunk]:
+        """The windows of ``audio`` by the transcriber's chunker (seconds of model time for ``vad`` on long
+        audio: call it once, off an event loop, and pass the result on)."""
+        return self.chunker.chunks(audio.samples, self.sample_rate_hz, self.window_s)
+
+    def detection_request(self, audio: DecodedAudio,
+                          chunks: Optional[list[AudioChunk]] = None) -> tuple[dict, SamplingParams]:
+        """A one-token request on the first window (of ``chunks``, default ``self.chunks(audio)``; the
+        first 30 s when there is none) whose only allowed tokens are the languages (the model's logits
+        rules restrict a ``[<|startoftranscript|>]`` prompt to them)."""
+        chunks = self.chunks(audio) if chunks is None else chunks
         first = chunks[0] if chunks else QuietChunker().chunks(audio.samples, self.sample_rate_hz, self.window_s)[0]
         prompt = {"prompt_token_ids": language_detection_prompt(self.ids),
                   "multi_modal_data": {"audio": (audio.samples[first.start_sample:first.end_sample],
@@ -175,8 +182,10 @@ class Transcriber:
             raise RuntimeError("language detection produced no token")
         return language_from_token(self.ids, token_ids[0])
 
-    def windows(self, audio: DecodedAudio, options: TranscriptionOptions, language: Optional[str]) -> list[WindowPlan]:
-        chunks = self.chunker.chunks(audio.samples, self.sample_rate_hz, self.window_s)
+    def windows(self, audio: DecodedAudio, options: TranscriptionOptions, language: Optional[str],
+                chunks: Optional[list[AudioChunk]] = None) -> list[WindowPlan]:
+        """One engine request per window (``chunks``, default ``self.chunks(audio)``)."""
+        chunks = self.chunks(audio) if chunks is None else chunks
         prompt = build_decoder_prompt(self.ids, self.tokenizer, language=language, task=options.task,
                                       timestamps=options.timestamps, prompt_text=options.prompt)
         return [WindowPlan(i, c, list(prompt), audio.samples[c.start_sample:c.end_sample])

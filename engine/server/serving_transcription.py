@@ -282,11 +282,12 @@ class OpenAIServingTranscription(ServingBase):
     async def _start(self, job: AudioJob, data: bytes) -> RunningTranscription:
         """Decode, detect the language if needed, and submit every window."""
         audio = await self._decode(data)
+        # Voice-activity chunking runs a model over the whole recording: off the event loop.
+        chunks = await asyncio.to_thread(self.transcriber.chunks, audio)
         language = job.language
         if language is None:
-            language = await self._detect_language(job, audio)
-        # Voice-activity chunking runs a model over the whole recording: off the event loop.
-        plans = await asyncio.to_thread(self.transcriber.windows, audio, job.options, language)
+            language = await self._detect_language(job, audio, chunks)
+        plans = self.transcriber.windows(audio, job.options, language, chunks)
         run = RunningTranscription(job, audio, language, [WindowOutput(p) for p in plans])
         kind = RequestOutputKind.DELTA if job.form.stream else RequestOutputKind.FINAL_ONLY
         requests = []
@@ -297,8 +298,8 @@ class OpenAIServingTranscription(ServingBase):
         run.streams = await self._submit(requests, job.lora)
         return run
 
-    async def _detect_language(self, job: AudioJob, audio: DecodedAudio) -> str:
-        prompt, params = self.transcriber.detection_request(audio)
+    async def _detect_language(self, job: AudioJob, audio: DecodedAudio, chunks: list) -> str:
+        prompt, params = self.transcriber.detection_request(audio, chunks)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         final = None
         async for out in self.engine_client.generate(prompt, params, f"{job.request_id}-lang",

@@ -188,7 +188,6 @@ class LoRAConfig:
     Qwen2.5-VL): slot buffers on their projections too, and a request's image is encoded under its adapter
     when the adapter updates them. Off: such adapters are refused (400)."""
 
-
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ValueError(f"max_loras={self.max_loras} must be >= 1.")

@@ -595,7 +595,9 @@ def quantize_activations_fp8_ref(x: torch.Tensor, scheme: str, input_scale: Opti
     width = K if scheme == PER_TOKEN else group_size
     G = cdiv(K, width)
     xg = F.pad(x.float(), (0, G * width - K)).view(M, G, width)                                  # [M, G, width]
-    scale = xg.abs().amax(dim=2).clamp(min=MIN_AMAX) / FP8_MAX                                   # [M, G]
+    # A tensor divisor: CUDA divides by a host scalar through its reciprocal, not by IEEE division.
+    fp8_max = torch.tensor(FP8_MAX, dtype=torch.float32, device=x.device)
+    scale = xg.abs().amax(dim=2).clamp(min=MIN_AMAX) / fp8_max                                   # [M, G]
     q = (xg * (1.0 / scale)[:, :, None]).clamp(-FP8_MAX, FP8_MAX)
     return q.view(M, G * width)[:, :K].to(FP8_DTYPE), scale
 

@@ -58,8 +58,10 @@ def cache_value(x, scale, cache_ptr):
 
 
 def fp8_quantize_ref(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Twin of ``cache_value`` for an FP8 cache: x / scale in float32, saturated, rounded to e4m3."""
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+    """Twin of ``cache_value`` for an FP8 cache: x / scale in float32 (IEEE division: a tensor divisor, as CUDA
+    divides by a host scalar through its reciprocal), saturated, rounded to e4m3."""
+    divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
 
 
 def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[float, float]:

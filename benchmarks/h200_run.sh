@@ -7,6 +7,18 @@
 #   tests       GPU tests: every test marked gpu, then tests/kernels (which run on the GPU when there is one)
 #   latency     decode step vs its bytes floor, batch 1/32/128/256, transformers side by side    (~200 s)
 #   throughput  offline LLM.generate, 1000 requests, vs transformers generate / generate_batch   (~330 s)
+#   families    other shapes (benchmarks/shapes.py, random bf16 weights), the parts FAMILIES names (default
+#               "qwen3-8b qwen3-30b-a3b gemma3-12b throughput"): a shape's part is latency at batch 1/64
+#               ($OUT/latency_SHAPE.json; transformers side by side but for the shapes HF_SKIP names),
+#               `throughput` the 1000-request workload on qwen3-30b-a3b ($OUT/throughput_qwen3_30b_a3b.json).
+#               Estimates, not timed yet: ~100-150 s per latency shape (load, graphs, transformers' init
+#               of random weights), ~350-450 s for the MoE throughput: two device calls,
+#               FAMILIES="qwen3-8b qwen3-30b-a3b gemma3-12b" then FAMILIES=throughput
+#   fp8         Llama-3-8B shape with the engine's --quantization fp8 (transformers bf16), the parts FP8_PARTS
+#               names (default "latency throughput"): latency at batch 1/64/256 ($OUT/latency_fp8.json,
+#               ~150 s), the `throughput` workload ($OUT/throughput_fp8.json, ~300 s); not timed yet: if one
+#               call runs past 10 minutes, FP8_PARTS=latency then FP8_PARTS=throughput, or HF=0 (the
+#               transformers side is the latency and throughput phases' own)
 #   serve       chorus serve under 256 streamed requests of 512 prompt ids + 128 tokens sent at
 #               once, from 1 and 4 client processes, vs LLM.generate on the same requests; needs
 #               the carried .whl folder (fetch-wheels)                             (~180 s, not timed yet)
@@ -61,6 +73,9 @@ MODEL=${TMPDIR:-/tmp}/chorus-llama3-8b-dummy   # what --llama3-8b-dummy writes (
 PORT=${PORT:-8123}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TRITON_CACHE_DIR=/tmp/triton-cache CHORUS_CACHE=${CHORUS_CACHE:-/tmp/chorus-cache}
+
+THROUGHPUT_WORKLOAD="--num-prompts 1000 --input-len 128:1024 --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64
+  --hf-continuous"   # the throughput phase's requests and transformers settings (families and fp8 too)
 
 skip_hf() { [ "$HF" = 1 ] || echo --skip-hf; }
 quiet() { grep -v -E "Warning|warn\(|Loading weights"; }
@@ -138,8 +153,29 @@ for phase in "$@"; do
     latency)
       bench latency latency.py --llama3-8b-dummy --batch-sizes 1,32,128,256 --context-len 512 --steps 32 $(skip_hf) ;;
     throughput)
-      bench throughput throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 --output-len 64:512 \
-        --hf-batch-size 64 --hf-max-prompts 64 --hf-continuous $(skip_hf) ;;
+      bench throughput throughput.py --llama3-8b-dummy $THROUGHPUT_WORKLOAD $(skip_hf) ;;
+    families)
+      for part in ${FAMILIES:-qwen3-8b qwen3-30b-a3b gemma3-12b throughput}; do
+        case $part in
+          throughput)
+            bench throughput_qwen3_30b_a3b throughput.py --shape qwen3-30b-a3b $THROUGHPUT_WORKLOAD $(skip_hf) ;;
+          *)
+            bench "latency_${part//-/_}" latency.py --shape "$part" --batch-sizes 1,64 --context-len 512 --steps 32 \
+              $(case " ${HF_SKIP:-} " in *" $part "*) echo --skip-hf ;; *) skip_hf ;; esac) ;;
+        esac
+      done ;;
+    fp8)
+      for part in ${FP8_PARTS:-latency throughput}; do
+        case $part in
+          latency)
+            bench latency_fp8 latency.py --shape llama3-8b --quantization fp8 --batch-sizes 1,64,256 \
+              --context-len 512 --steps 32 $(skip_hf) ;;
+          throughput)
+            bench throughput_fp8 throughput.py --shape llama3-8b --quantization fp8 $THROUGHPUT_WORKLOAD $(skip_hf) ;;
+          *)
+            echo "unknown fp8 part $part (latency, throughput)"; exit 2 ;;
+        esac
+      done ;;
     multi-lora)
       for spec in ${MULTI_LORA:-64:1,4,16,64 256:16,64}; do
         bench "multi_lora_b${spec%%:*}" multi_lora.py --batch-sizes "${spec%%:*}" --num-adapters "${spec#*:}" \

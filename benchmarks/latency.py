@@ -3,6 +3,9 @@
 Examples:
     # H200: Llama-3-8B shape, random bf16 weights, 512-token contexts
     python benchmarks/latency.py --llama3-8b-dummy --batch-sizes 1,32,128,256 --context-len 512
+    # another shape (benchmarks/shapes.py), FP8 weights in the engine; --tiny: its small variant, for CPU
+    python benchmarks/latency.py --shape qwen3-30b-a3b --batch-sizes 1,64
+    python benchmarks/latency.py --shape llama3-8b --quantization fp8 --batch-sizes 1,64,256
     # CPU smoke test on a small checkpoint
     python benchmarks/latency.py --model PATH --batch-sizes 1,4 --context-len 32 --steps 4
 
@@ -15,7 +18,12 @@ engine runs decode-only steps (a CUDA graph each on CUDA, with async scheduling)
   * busy: GPU-busy fraction of wall time over those steps (sum of step intervals / span);
   * eager ms: the same steps with CUDA graphs off (the runner's eager path);
   * floor ms: (weight bytes + KV bytes read per step) / copy bandwidth, the bandwidth measured
-    first as a device-to-device copy (bytes read + written);
+    first as a device-to-device copy (bytes read + written); the bytes from the config
+    (``benchmarks.shapes.decode_bytes``): every weight once but the embedding (B rows of it), with
+    ``--quantization fp8`` the projections at 1 byte per weight + their scales; of a MoE layer the
+    router and the experts B tokens select, E * (1 - (1 - k/E)^B) of E experts at top-k under uniform
+    routing (an expectation: real routing is not uniform); the KV of every context token, at most
+    the window in a sliding-window layer;
   * HF ms/token: transformers ``generate`` on the same shapes, (t(1 + k new) - t(1 new)) / k.
 Prints a table, writes JSON.
 """
@@ -34,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.throughput import llama3_8b_dummy  # noqa: E402
+from benchmarks.shapes import add_shape_args, decode_bytes, resolve_shape_args  # noqa: E402
 
 
 def sync() -> None:
@@ -64,7 +72,8 @@ def measure_copy_bandwidth(num_bytes: int = 2 << 30, iters: int = 20) -> float:
 
 def floor_bytes(hf_cfg, weight_bytes: int, embed_bytes: int, batch: int, context_len: float,
                 elem_bytes: int = 2) -> dict:
-    """Bytes a decode step must read: every weight once (the embedding only for B rows) + the KV."""
+    """Bytes a decode step must read: every weight once (the embedding only for B rows) + the KV, from the
+    built weights (tp.py's floor of one rank's shard; a dense model; this script's own is ``decode_bytes``)."""
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     kv_per_token = 2 * hf_cfg.num_hidden_layers * hf_cfg.num_key_value_heads * head_dim * elem_bytes
     weights = weight_bytes - embed_bytes + batch * hf_cfg.hidden_size * elem_bytes
@@ -111,13 +120,11 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
     llm = LLM(model_dir, load_format=args.load_format, dtype=args.dtype,
               max_model_len=args.context_len + 2 * args.steps + 64, max_num_seqs=max_b,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
+              gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization, seed=0)
     engine = llm.llm_engine
     runner = engine.runner
     hf_cfg = engine.runner.model.config
     elem = torch.finfo(engine.runner.dtype).bits // 8
-    weight_bytes = sum(p.numel() for p in runner.model.parameters()) * elem
-    embed_bytes = runner.model.model.embed_tokens.weight.numel() * elem
     cuda = torch.cuda.is_available()
     rows = []
     for b in batch_sizes:
@@ -143,7 +150,7 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
         eager_s = _run_steps(engine, max(4, args.steps // 4))
         runner.graphs = graphs
         mean_ctx = args.context_len + 6 + args.steps / 2
-        fb = floor_bytes(hf_cfg, weight_bytes, embed_bytes, b, mean_ctx, elem)
+        fb = decode_bytes(hf_cfg, b, mean_ctx, elem, fp8=args.quantization == "fp8")
         floor_ms = fb["total_bytes"] / bandwidth * 1e3 if cuda else float("nan")
         gpu_ms = timing.get("gpu_busy_ms", float("nan")) / max(1, timing.get("steps", 1))
         rows.append(dict(batch=b, context_len=args.context_len, step_ms=step_s * 1e3, gpu_ms=gpu_ms,
@@ -200,7 +207,7 @@ def hf_rows(args, model_dir: str, batch_sizes: list[int]) -> list[dict]:
         per_token = (tk - t1) / k
         rows.append(dict(batch=b, hf_ms_per_token=per_token * 1e3, hf_tok_s=b / per_token, hf_prefill_s=t1))
         print(f"hf batch {b}: {per_token * 1e3:.2f} ms/token ({b / per_token:.1f} tok/s)", flush=True)
-    del model
+    model = None   # frees it (``gen`` reads the name)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -210,7 +217,7 @@ def hf_rows(args, model_dir: str, batch_sizes: list[int]) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--llama3-8b-dummy", action="store_true", help="Llama-3-8B shape, random bf16 weights")
+    add_shape_args(ap)
     ap.add_argument("--batch-sizes", default="1,32,128,256")
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
@@ -221,12 +228,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="benchmarks/out/latency.json")
     args = ap.parse_args()
-    args.load_format = "auto"
-    if args.llama3_8b_dummy:
-        args.model = llama3_8b_dummy()
-        args.load_format = "dummy"
+    resolve_shape_args(args)
     if args.model is None:
-        ap.error("--model or --llama3-8b-dummy is required")
+        ap.error("--model, --shape or --llama3-8b-dummy is required")
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
     bandwidth = measure_copy_bandwidth()
@@ -238,7 +242,8 @@ def main() -> None:
         if "hf_ms_per_token" in r:
             r["speedup_vs_hf"] = r["hf_ms_per_token"] / r["step_ms"]
 
-    name = "llama3-8b-dummy" if args.llama3_8b_dummy else args.model
+    name = f"{args.shape}-dummy{'-tiny' if args.tiny else ''}" if args.shape else args.model
+    name += f", {args.quantization} weights" if args.quantization else ""
     print(f"\ncontext {args.context_len} tokens, model {name}, {device}, copy bw {bandwidth / 1e12:.2f} TB/s")
     print(f"{'batch':>5s} {'step ms':>8s} {'gpu ms':>7s} {'graph ms':>8s} {'floor ms':>8s} {'x floor':>7s} {'busy':>6s} "
           f"{'eager ms':>8s} {'tok/s':>8s} {'HF ms/tok':>9s} {'x HF':>6s}")

@@ -6,6 +6,9 @@ Examples:
     # H200, a Llama-3-8B-shaped model with random bf16 weights, lengths drawn per request
     python benchmarks/throughput.py --llama3-8b-dummy --num-prompts 1000 --input-len 128:1024 \
         --output-len 64:512 --hf-batch-size 64 --hf-max-prompts 64 --hf-continuous
+    # another shape (benchmarks/shapes.py; --tiny: its small variant, for CPU); FP8 weights in the engine
+    python benchmarks/throughput.py --shape qwen3-30b-a3b --num-prompts 1000 ...
+    python benchmarks/throughput.py --shape llama3-8b --quantization fp8 --num-prompts 1000 ...
 
 Transformers runs padded batched ``generate`` (left padding, batches of ``--hf-batch-size``, each
 batch runs to its longest output; only requested tokens count) and, with ``--hf-continuous``,
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -27,12 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.shapes import (LLAMA3_8B, add_shape_args, dummy_model, resolve_shape_args,  # noqa: E402
+                               shape_fields, write_checkpoint)  # noqa: E402
 from engine.dtypes import TORCH_DTYPES  # noqa: E402
-
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-
 
 def parse_range(s: str) -> tuple[int, int]:
     if ":" in s:
@@ -52,27 +51,15 @@ def make_workload(n: int, in_range, out_range, vocab: int, seed: int):
 
 
 def dummy_checkpoint(out_dir: Path, dtype: str, shape: dict = LLAMA3_8B) -> Path:
-    """A config-only HF directory for ``load_format=dummy`` (and the same config for transformers),
-    with a word-level tokenizer of one token per id (the benchmarks send token ids; detokenizing
-    still needs a vocabulary that covers every id)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
-    cfg = LlamaConfig(**shape, dtype=dtype, architectures=["LlamaForCausalLM"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(out_dir)
-    if not (out_dir / "tokenizer.json").is_file():
-        vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
-        tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", eos_token="t1").save_pretrained(out_dir)
-    return out_dir
+    """A config-only Llama directory of ``shape``'s sizes for ``load_format=dummy`` (and the same config for
+    transformers), with ``benchmarks.shapes.write_tokenizer``'s tokenizer of one token per id."""
+    return write_checkpoint(out_dir, "llama", "LlamaForCausalLM", shape, dtype)
 
 
 def llama3_8b_dummy() -> str:
     """The Llama-3-8B-shaped checkpoint of ``--llama3-8b-dummy`` (config and tokenizer; random bf16
     weights through ``load_format=dummy``), under $TMPDIR (default /tmp)."""
-    return str(dummy_checkpoint(Path(os.environ.get("TMPDIR", "/tmp")) / "chorus-llama3-8b-dummy",
-                                "bfloat16"))
+    return dummy_model("llama3-8b")
 
 
 def run_chorus(args, prompts, outs) -> dict:
@@ -88,13 +75,16 @@ def run_chorus(args, prompts, outs) -> dict:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
     if args.load_format == "dummy":
         kw["load_format"] = "dummy"
+    if args.quantization:
+        kw["quantization"] = args.quantization
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     load_s = time.perf_counter() - t0
     run = timed_generate(llm, prompts, outs, args.warmup_prompts)
     sc = llm.llm_engine.engine_config.scheduler_config
     del llm
-    return dict(system="chorus" + (" (eager)" if args.enforce_eager else ""), **run, load_s=load_s,
+    return dict(system="chorus" + (f" ({args.quantization})" if args.quantization else "")
+                + (" (eager)" if args.enforce_eager else ""), **run, load_s=load_s,
                 max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
 
 
@@ -216,7 +206,7 @@ def run_hf_continuous(model, device, prompts, outs) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--llama3-8b-dummy", action="store_true", help="Llama-3-8B shape, random weights")
+    add_shape_args(ap)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", default="128", help="N or MIN:MAX (uniform)")
     ap.add_argument("--output-len", default="64", help="N or MIN:MAX (uniform)")
@@ -239,14 +229,11 @@ def main() -> None:
                          "benchmarks/serve.py --dataset: the same requests over HTTP")
     ap.add_argument("--out", default="benchmarks/out/throughput.json")
     args = ap.parse_args()
-    args.load_format = "auto"
-    if args.llama3_8b_dummy:
-        args.model = llama3_8b_dummy()
-        args.load_format = "dummy"
-        if args.max_model_len is None:
-            args.max_model_len = 2048
-    vocab = LLAMA3_8B["vocab_size"] if args.llama3_8b_dummy else 49152
-    if args.model and not args.llama3_8b_dummy:
+    resolve_shape_args(args)
+    if args.shape and args.max_model_len is None:
+        args.max_model_len = 2048
+    vocab = shape_fields(args.shape, args.tiny)[2]["vocab_size"] if args.shape else 49152
+    if args.model and not args.shape:
         from engine.loader import load_config, resolve_model
         vocab = load_config(resolve_model(args.model)).vocab_size
     prompts, outs = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),

@@ -612,8 +612,9 @@ def _expert_slices(model: nn.Module, layout) -> dict[str, TargetSlice]:
         found = {f"{name}.{e}.{suffix}": _expert_slice(name, s, e, module)
                  for suffix, s in layout.expert_projections for e in range(module.num_experts)}
         parent = name.rpartition(".")[0]
+        block = model.get_submodule(parent)
         for router in layout.router_modules:
-            linear = model.get_submodule(parent).get_submodule(router)
+            linear = block.get_submodule(router) if router in dict(block.named_children()) else None
             if isinstance(linear, Linear):
                 found[f"{parent}.{router}"] = _target_slice(f"{parent}.{router}", 0, linear)
         for peft_module, target in found.items():

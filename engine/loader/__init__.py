@@ -1,4 +1,4 @@
-"""Reading checkpoints and tokenizers: HF directories (safetensors / .bin), Llama GGUF files and
+"""Reading checkpoints and tokenizers: HF directories (safetensors / .bin), GGUF files and
 faster-whisper (CTranslate2) Whisper directories.
 
 Public API (the model runner calls these)::

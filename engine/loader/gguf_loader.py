@@ -1,4 +1,5 @@
-"""Turn a Llama-architecture GGUF file into a cached Hugging Face checkpoint directory.
+"""Turn a GGUF file (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, Mixtral) into a cached Hugging Face checkpoint
+directory.
 
 Parsing a GGUF is slow in pure Python (transformers' tokenizer and model loads decode every entry on
 each load), so the first use converts the file once into
@@ -10,9 +11,13 @@ Conversion algorithm:
   1. ``gguf.GGUFReader`` memory-maps the file (tensor bytes are read lazily).
   2. The config is rebuilt from the metadata the way transformers' ``load_gguf_checkpoint`` does
      (same key renames, ``tie_word_embeddings`` = no ``output.weight``), but without decoding the
-     49k-entry vocabulary arrays, which is what makes transformers slow.
-  3. Each tensor is dequantized with ``gguf.quants.dequantize`` to float32; for Llama, ``attn_q`` /
-     ``attn_k`` rows are un-permuted from llama.cpp's rope layout (``_unpermute_rope_rows``).
+     49k-entry vocabulary arrays, which is what makes transformers slow; what llama.cpp leaves implicit
+     per architecture (Gemma 3's layer pattern and rope bases, Qwen3-MoE's dense layers, ...) is added by
+     ``gguf_arch``, which also maps the tensor names. A file lacking tensors its model needs is refused
+     before anything is written (``gguf_arch.check_tensors``).
+  3. Each tensor is dequantized with ``gguf.quants.dequantize`` to float32; for Llama and Mixtral,
+     ``attn_q`` / ``attn_k`` rows are un-permuted from llama.cpp's rope layout (``_unpermute_rope_rows``);
+     Gemma's norms lose the 1 llama.cpp adds; stacked experts become one HF tensor per expert.
   4. The tokenizer is built by transformers (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``).
   5. Everything is written to a temporary directory that is renamed into place
      (``atomic_cache.atomic_entry``), so a crash, a full disk or a concurrent process never leaves
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -38,26 +42,12 @@ import torch
 
 from engine import envs
 from engine.loader.atomic_cache import atomic_entry
+from engine.loader.gguf_arch import GgufArch, GgufFacts, arch_for, check_tensors, hf_tensors, is_ignored
 
 # Bump when the layout of a converted directory changes: old entries are then ignored.
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 SOURCE_FILE = "chorus_gguf_source.json"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", SOURCE_FILE)
-
-# GGUF architectures this loader maps to HF names, and whether q/k rows are rope-permuted.
-_PERMUTES_QK = {"llama": True, "qwen2": False}
-
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-# Tensors HF models recompute from the config (llama3 rope frequency factors); not yielded.
-_IGNORED_TENSORS = {"rope_freqs.weight"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
 @dataclass
@@ -70,6 +60,8 @@ class GgufMetadata:
     """The HF config as a dict (``model_type`` included), as transformers would build it."""
     tensor_names: list[str]
     """GGUF tensor names, e.g. "blk.0.attn_q.weight"."""
+    arch: GgufArch
+    """How this architecture's tensors and config map to HF (Mixtral for a ``llama`` file with experts)."""
 
 
 def converted_dir_for(gguf_path: Path) -> Path:
@@ -107,32 +99,44 @@ def ensure_converted(gguf_path: Path) -> Path:
 
 
 def read_metadata(reader) -> GgufMetadata:
-    """Build the HF config dict from a ``gguf.GGUFReader``, mirroring transformers' GGUF loader."""
+    """Build the HF config dict from a ``gguf.GGUFReader``, mirroring transformers' GGUF loader.
+
+    Raises:
+        ValueError: the architecture is not supported, or the file lacks tensors its model needs (one line
+            naming them).
+    """
     from transformers import integrations as hf_integrations
 
     config_mapping = hf_integrations.GGUF_CONFIG_MAPPING
     # NOTE: GGUF_CONFIG_DEFAULTS_MAPPING is absent in older transformers.
     defaults_mapping = getattr(hf_integrations, "GGUF_CONFIG_DEFAULTS_MAPPING", {})
     fields = reader.fields
-    arch = _scalar(fields["general.architecture"])
-    if arch not in _PERMUTES_QK:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; Chorus reads {sorted(_PERMUTES_QK)} GGUF files. "
-            f"Convert the model to a Hugging Face checkpoint directory instead.")
+    architecture = _scalar(fields["general.architecture"])
+    # NOTE: only this architecture's own keys are decoded (never the vocabulary arrays: fast).
+    metadata = {key: _scalar(field) for key, field in fields.items() if key.startswith(f"{architecture}.")}
+    arch = arch_for(architecture, metadata)
     tensor_names = [t.name for t in reader.tensors]
     cfg: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
-    for key, value in defaults_mapping.get(arch, {}).items():
+    for key, value in defaults_mapping.get(arch.config_prefix, {}).items():
         cfg.setdefault(key, value)
     for gguf_key, field in fields.items():
         prefix, _, rest = gguf_key.partition(".")
-        renames = config_mapping.get(prefix, {}) if prefix in ("general", "tokenizer", arch) else {}
+        if prefix == architecture:
+            renames = config_mapping.get(arch.config_prefix, {})
+        else:
+            renames = config_mapping.get(prefix, {}) if prefix in ("general", "tokenizer") else {}
         hf_key = renames.get(rest)
         if hf_key is None or hf_key == -1:
             continue  # NOTE: skipping before decoding keeps the vocabulary arrays undecoded (fast)
         cfg[hf_key] = _scalar(field)
     if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in fields:
         cfg["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
-    return GgufMetadata(architecture=arch, config_dict=cfg, tensor_names=tensor_names)
+    cfg["model_type"] = arch.model_type
+    if arch.architectures:
+        cfg["architectures"] = list(arch.architectures)
+    arch.finish_config(cfg, GgufFacts(architecture, metadata, tuple(tensor_names)))
+    check_tensors(arch, int(cfg["num_hidden_layers"]), tuple(tensor_names))
+    return GgufMetadata(architecture=architecture, config_dict=cfg, tensor_names=tensor_names, arch=arch)
 
 
 def build_config(meta: GgufMetadata):
@@ -146,34 +150,20 @@ def iter_dequantized(reader, meta: GgufMetadata) -> Iterator[tuple[str, torch.Te
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the file, in HF layout."""
     from gguf.quants import dequantize
 
-    permutes = _PERMUTES_QK[meta.architecture]
+    permutes = meta.arch.permutes_qk
     num_heads = int(meta.config_dict["num_attention_heads"])
     num_kv_heads = int(meta.config_dict.get("num_key_value_heads") or num_heads)
     for t in reader.tensors:
-        if t.name in _IGNORED_TENSORS:
+        if is_ignored(t.name):
             continue
-        hf_name = hf_tensor_name(t.name)
-        w = dequantize(t.data, t.tensor_type)  # [out, in] (numpy order), float32
+        w = dequantize(t.data, t.tensor_type)  # [out, in] (numpy order; experts [n_expert, out, in]), float32
         if permutes and ".attn_q." in t.name:
             w = _unpermute_rope_rows(w, num_heads)
         elif permutes and ".attn_k." in t.name:
             w = _unpermute_rope_rows(w, num_kv_heads)
-        # NOTE: copy: F32 tensors come back as read-only views of the memory-mapped file.
-        yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """Map a GGUF tensor name to its HF name.
-
-    Example: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight.
-    """
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    m = _GLOBAL_RE.match(gguf_name)
-    if m and m.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in Chorus' Llama mapping.")
+        for hf_name, part in hf_tensors(meta.arch, t.name, w):
+            # NOTE: copy: F32 tensors come back as read-only views of the memory-mapped file.
+            yield hf_name, torch.from_numpy(np.array(part, dtype=np.float32, copy=True))
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -196,16 +186,36 @@ def _convert_into(gguf_path: Path, out_dir: Path) -> None:
     meta = read_metadata(reader)
     build_config(meta).save_pretrained(out_dir)
     tensors = dict(iter_dequantized(reader, meta))
+    # NOTE: a zero-stride stand-in: only the names (and the expert count) are wanted, not the values.
+    tensor_types = {hf_name: t.tensor_type.name for t in reader.tensors if not is_ignored(t.name)
+                    for hf_name, _ in hf_tensors(meta.arch, t.name, _stand_in(t.data.shape))}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
+    _load_tokenizer_as_saved(out_dir)
     st = gguf_path.stat()
     source = {"gguf_path": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
               "format_version": CACHE_FORMAT_VERSION, "architecture": meta.architecture,
-              "tensor_types": {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors
-                               if t.name not in _IGNORED_TENSORS}}
+              "tensor_types": tensor_types}
     (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2))
+
+
+def _stand_in(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array of ``shape`` that takes no memory (zero strides)."""
+    return np.broadcast_to(np.float32(0), shape)
+
+
+def _load_tokenizer_as_saved(out_dir: Path) -> None:
+    """Make ``out_dir``'s tokenizer load as the backend transformers built from the GGUF metadata
+    (``tokenizer.json`` verbatim), not as its model class rebuilt: a class such as ``Qwen2Tokenizer`` or
+    ``GemmaTokenizer`` re-derives its own pre-tokenizer and unknown token on load, which a file's own
+    vocabulary need not share (a byte-level BPE in a ``gemma3`` file, a ``default`` pre-tokenizer in a
+    ``qwen3`` one)."""
+    path = out_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def stored_tensor_types(converted_dir: Path) -> dict[str, str]:

@@ -6,7 +6,6 @@ is converted once per session into a temporary CHORUS_CACHE, and transformers lo
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +18,11 @@ from engine.loader import (
     ResolvedModel, checkpoint_dir, checkpoint_dtype, iter_weights, load_config, load_tokenizer, resolve_model,
 )
 from engine.loader import gguf_loader
+from tests.models.gguf_writer import llama_cpp_permute, write_gguf
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = ["Hello world! How are you today?", "def add(a, b):\n    return a + b\n",
          "  leading spaces, émojis 🎉", "<|im_start|>user\nhi<|im_end|>"]
-
-_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
-_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
-
 
 def _config_dict(cfg) -> dict:
     d = cfg.to_dict()
@@ -42,72 +34,17 @@ def _config_dict(cfg) -> dict:
 
 # ----------------------------------------------------------------------------------------- tiny GGUF files
 
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (the inverse of what the loader undoes)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_tiny_gguf(out: Path, model, tokenizer_dir: Path, quant: str = "F32") -> None:
     """Write ``model`` (a tiny HF Llama/Qwen2) and the tokenizer in ``tokenizer_dir`` as a GGUF file."""
-    import gguf
-    from transformers import AutoTokenizer
+    import shutil
 
-    cfg = model.config
-    arch = cfg.model_type
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    tj = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    added = {t["content"]: t["id"] for t in tj["added_tokens"]}
-    by_id = {i: t for t, i in {**tj["model"]["vocab"], **added}.items()}
-    tokens = [by_id[i] for i in range(len(by_id))]
-    merges = [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]]
-
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_name("tiny")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in added else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
-    w.add_chat_template(tok.chat_template)
-    permute = arch == "llama"
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name in _GGUF_GLOBAL:
-            gname = _GGUF_GLOBAL[name]
-        else:
-            parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}
-            gname = f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
-        a = tensor.detach().float().numpy()
-        if permute and ".attn_q." in gname:
-            a = llama_cpp_permute(a, cfg.num_attention_heads)
-        elif permute and ".attn_k." in gname:
-            a = llama_cpp_permute(a, cfg.num_key_value_heads)
-        a = np.ascontiguousarray(a)
-        if quant == "Q8_0" and a.ndim == 2:
-            qtype = gguf.GGMLQuantizationType.Q8_0
-            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-        elif quant == "F16" and a.ndim == 2:
-            w.add_tensor(gname, a.astype(np.float16))
-        else:
-            w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    hf_dir = out.parent / f"{out.stem}-hf"
+    model.save_pretrained(hf_dir)
+    for path in tokenizer_dir.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(path, hf_dir / path.name)
+    write_gguf(out, hf_dir, quant)
+    shutil.rmtree(hf_dir)
 
 
 TINY_CASES = {

@@ -1,0 +1,221 @@
+"""GGUF files of Qwen3, Qwen3-MoE, Gemma 3 and Mixtral (llama.cpp's ``qwen3``, ``qwen3moe``, ``gemma3`` and
+``llama`` with experts) against transformers on the tiny HF checkpoints they were written from (CPU, float32).
+
+Each tiny checkpoint comes from the family's own test config (test_qwen3, test_gemma3, test_moe), made
+representable in llama.cpp's format where it fixes things in code (Gemma 3: every 6th layer global, local rope
+base 1e4, attention scale 1/sqrt(head_dim), no soft-capping); ``tests.models.gguf_writer`` writes it as
+llama.cpp's converter would. Chorus serves the file; the reference is transformers on the weights the file
+holds: F32 files greedy tokens equal and logprobs within 1e-3; F16 / Q8_0 files vLLM's rule (tokens equal or,
+where they part, each in the other's top-5). Where transformers reads the arch from GGUF itself
+(``from_pretrained(..., gguf_file=...)``: qwen3, qwen3moe, gemma3) its weights equal our converted
+checkpoint's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine import LLM, SamplingParams
+from engine.loader import checkpoint_dir, gguf_loader, load_config, resolve_model
+from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
+from tests.models import test_gemma3, test_moe, test_qwen3
+from tests.models.gguf_writer import write_gguf
+from tests.models.utils import check_logprobs_close, hf_float32, hf_greedy, ours_as_ref
+
+MAX_TOKENS = 12
+HF_READS_GGUF = ("qwen3", "qwen3moe", "gemma3")
+"""The GGUF architectures transformers loads itself (the writer's cross-check)."""
+
+
+def _qwen3(d: Path) -> Path:
+    return test_qwen3._build(d, seed=5)
+
+
+def _qwen3_tied_bias(d: Path) -> Path:
+    return test_qwen3._build(d, seed=6, tie_word_embeddings=True, attention_bias=True)
+
+
+def _gemma3(d: Path) -> Path:
+    return test_gemma3._build(d, seed=11, num_hidden_layers=6, num_key_value_heads=2,
+                              tie_word_embeddings=False, query_pre_attn_scalar=test_gemma3.SHAPE["head_dim"],
+                              final_logit_softcapping=None)
+
+
+def _moe(variant: str):
+    arch, overrides = test_moe.VARIANTS[variant]
+    return lambda d: build_tiny_checkpoint(d, arch, seed=3, **overrides)
+
+
+CASES = {   # name: (checkpoint builder, GGUF arch, tensor type of the 2-D weights, our class)
+    "qwen3-f32": (_qwen3, "qwen3", "F32", "Qwen3ForCausalLM"),
+    "qwen3-tied-bias-q8_0": (_qwen3_tied_bias, "qwen3", "Q8_0", "Qwen3ForCausalLM"),
+    "gemma3-f32": (_gemma3, "gemma3", "F32", "Gemma3ForCausalLM"),
+    "gemma3-f16": (_gemma3, "gemma3", "F16", "Gemma3ForCausalLM"),
+    "qwen3moe-f32": (_moe("qwen3moe-8x2-norm"), "qwen3moe", "F32", "Qwen3MoeForCausalLM"),
+    "qwen3moe-q8_0": (_moe("qwen3moe-8x2-norm"), "qwen3moe", "Q8_0", "Qwen3MoeForCausalLM"),
+    "mixtral-f32": (_moe("mixtral-8x2"), "llama", "F32", "MixtralForCausalLM"),
+    "mixtral-q8_0": (_moe("mixtral-8x2"), "llama", "Q8_0", "MixtralForCausalLM"),
+}
+
+
+def _reference_dir(hf_dir: Path, stored: dict[str, torch.Tensor], out: Path) -> Path:
+    """``hf_dir`` with the weights the GGUF holds (dequantized), for transformers."""
+    shutil.copytree(hf_dir, out)
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Case name -> (HF checkpoint dir, GGUF file, the weights the file holds), built on first use."""
+    cache, hf_dirs = {}, {}
+
+    def get(case: str):
+        if case not in cache:
+            build, _, quant, _ = CASES[case]
+            if build not in hf_dirs:
+                hf_dirs[build] = build(tmp_path_factory.mktemp(case + "-hf"))
+            gdir = tmp_path_factory.mktemp(case + "-gguf")
+            stored = write_gguf(gdir / "tiny.gguf", hf_dirs[build], quant)
+            cache[case] = (hf_dirs[build], gdir / "tiny.gguf", stored)
+        return cache[case]
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("CHORUS_CACHE", str(tmp_path_factory.getbasetemp() / "chorus-cache"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gguf_matches_transformers(case, built, tmp_path):
+    hf_dir, gguf_path, stored = built(case)
+    _, gguf_arch, quant, cls = CASES[case]
+    import gguf
+    reader = gguf.GGUFReader(str(gguf_path))
+    assert reader.fields["general.architecture"].contents() == gguf_arch
+    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
+    assert types == {quant}, types
+    if "moe" in case or "mixtral" in case:
+        assert any(t.name.endswith("ffn_gate_exps.weight") and len(t.shape) == 3 for t in reader.tensors)
+
+    hf_cfg = hf_float32(hf_dir).config
+    cfg = load_config(resolve_model(str(gguf_path)))
+    keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "tie_word_embeddings", "rms_norm_eps", "head_dim", "intermediate_size"]
+    keys += {"qwen3": ["attention_bias"], "gemma3": ["layer_types", "sliding_window", "query_pre_attn_scalar",
+                                                     "rope_parameters", "final_logit_softcapping"],
+             "qwen3moe": ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                          "mlp_only_layers"],
+             "llama": ["num_local_experts", "num_experts_per_tok", "sliding_window"]}[gguf_arch]
+    for key in keys:
+        want = getattr(hf_cfg, key)
+        if key == "head_dim" and want is None:   # Mixtral's config leaves it to hidden_size / heads
+            want = hf_cfg.hidden_size // hf_cfg.num_attention_heads
+        assert getattr(cfg, key) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), key
+    if quant == "F32":
+        from safetensors.torch import load_file
+        want = load_file(str(hf_dir / "model.safetensors"))
+        assert set(stored) == set(want) - ({"lm_head.weight"} if hf_cfg.tie_word_embeddings else set())
+        for name, tensor in stored.items():
+            torch.testing.assert_close(tensor, want[name].float(), atol=1e-6, rtol=0, msg=name)
+
+    hf = hf_float32(_reference_dir(hf_dir, stored, tmp_path / "reference"))
+    # Float weights (a quantized file dequantized): every token equal, logprobs within 1e-3.
+    assert _run(case, gguf_path, hf, quantization=None if quant == "F32" else "none", atol=1e-3) == "float"
+    if quant == "Q8_0":
+        # On CPU a Llama-family model keeps Q8_0 as int8 (re-quantized per row): vLLM's top-5 rule. The MoE
+        # models dequantize it (no weight-only kernels for experts): tokens equal again.
+        kept = _run(case, gguf_path, hf, quantization=None, atol=float("inf") if "qwen3-" in case else 1e-3)
+        assert kept == ("int8" if "qwen3-" in case else "float")
+
+
+def _run(case: str, gguf_path: Path, hf, quantization, atol: float) -> str:
+    """Serve ``gguf_path`` with ``quantization`` and check it against ``hf`` (all tokens equal where
+    ``atol`` is finite, else vLLM's rule); returns "int8" where projections stayed int8, else "float"."""
+    from transformers import AutoTokenizer
+    from engine.layers.quantized import packed_weights
+
+    _, _, _, cls = CASES[case]
+    llm = LLM(str(gguf_path), seed=0, max_model_len=256, quantization=quantization)
+    model = llm.llm_engine.core.runner.model
+    assert type(model).__name__ == cls
+    tok = llm.get_tokenizer()
+    hf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    for p in TINY_PROMPTS:   # the tokenizer is transformers' reading of the file's metadata
+        assert tok.encode(p) == hf_tok.encode(p), p
+    refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in TINY_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(TINY_PROMPTS, params, use_tqdm=False)
+    matched = [check_logprobs_close(r, ours_as_ref(o.outputs[0]), f"{case} prompt {i}", atol=atol)
+               for i, (r, o) in enumerate(zip(refs, outputs))]
+    if atol != float("inf"):
+        assert matched == [MAX_TOKENS] * len(refs)
+    assert len({tuple(r.token_ids) for r in refs}) > 1
+    return "int8" if packed_weights(model) else "float"
+
+
+@pytest.mark.parametrize("case", ["qwen3-f32", "gemma3-f32", "qwen3moe-f32"])
+def test_transformers_reads_our_gguf_as_we_do(case, built):
+    """transformers' own GGUF tensor loading holds the same weights as our converted checkpoint (read back by
+    transformers: so that directory serves transformers and PEFT too). transformers is given the checkpoint's
+    config: its GGUF config mapping skips ``attention.key_length`` for qwen3 and
+    ``expert_feed_forward_length`` for qwen3moe, so it would build a tiny file at the defaults' sizes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_dir, gguf_path, _ = built(case)
+    assert CASES[case][1] in HF_READS_GGUF
+    theirs = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                  config=AutoConfig.from_pretrained(str(hf_dir)),
+                                                  dtype=torch.float32).state_dict()
+    ours = hf_float32(checkpoint_dir(resolve_model(str(gguf_path)))).state_dict()
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in ours.items():
+        torch.testing.assert_close(theirs[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+def _copy_without(src: Path, dst: Path, drop: set[str]) -> None:
+    """A copy of GGUF ``src`` without the tensors named in ``drop`` (metadata kept)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        if t.name not in drop:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case, drop, named", [
+    ("gemma3-f32", {"blk.2.post_ffw_norm.weight"}, "blk.2.post_ffw_norm.weight"),
+    ("qwen3moe-f32", {"blk.1.ffn_up_exps.weight", "blk.0.attn_k_norm.weight"},
+     "blk.0.attn_k_norm.weight, blk.1.ffn_up_exps.weight"),
+    ("mixtral-f32", {"blk.0.ffn_gate_inp.weight"}, "blk.0.ffn_gate_inp.weight"),
+])
+def test_missing_tensors_stop_start_up_naming_them(case, drop, named, built, tmp_path):
+    _, gguf_path, _ = built(case)
+    broken = tmp_path / "broken.gguf"
+    _copy_without(gguf_path, broken, drop)
+    with pytest.raises(ValueError, match="lacks tensors") as err:
+        LLM(str(broken), max_model_len=64)
+    message = str(err.value)
+    assert "\n" not in message and named in message, message
+    assert not gguf_loader.converted_dir_for(broken).exists()   # refused before anything is written

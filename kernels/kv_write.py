@@ -43,7 +43,8 @@ def _round_to_e4m3(y):
     exp_biased = tl.maximum((bits >> 23) & 0xFF, 127 - 6)
     magic = (((exp_biased + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
     r = (tl.abs(y) + magic) - magic
-    return tl.where(bits < 0, -r, r)                        # the sign bit, -0.0 included
+    # y's sign bit on r: -0.0 included (a negation of r may compile to 0 - r, which gives +0.0).
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -83,16 +83,22 @@ def ensure_converted(gguf_path: Path) -> Path:
 
     Raises:
         CacheWriteError: the disk holding ``CHORUS_CACHE`` is full (nothing half-written is left).
+        ValueError: the file's architecture is not supported or it lacks tensors its model needs (one line,
+            before anything is printed or written).
     """
+    import gguf
+
     gguf_path = Path(gguf_path).resolve()
     out_dir = converted_dir_for(gguf_path)
     if is_converted(out_dir):
         return out_dir
     start = time.perf_counter()
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = read_metadata(reader)
     print(f"Chorus: converting {gguf_path.name} into a cached checkpoint at {out_dir} "
           f"(first use only)...", file=sys.stderr, flush=True)
     with atomic_entry(out_dir, f"the converted checkpoint of {gguf_path.name}", is_converted) as tmp_dir:
-        _convert_into(gguf_path, tmp_dir)
+        _convert_into(gguf_path, tmp_dir, reader, meta)
     print(f"Chorus: converted {gguf_path.name} in {time.perf_counter() - start:.1f} s.",
           file=sys.stderr, flush=True)
     return out_dir
@@ -176,14 +182,12 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _convert_into(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors, the tokenizer and the source record into ``out_dir``."""
-    import gguf
+def _convert_into(gguf_path: Path, out_dir: Path, reader, meta: GgufMetadata) -> None:
+    """Write config.json, model.safetensors, the tokenizer and the source record into ``out_dir`` (``reader``:
+    the file's ``gguf.GGUFReader``; ``meta``: its ``read_metadata``)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = read_metadata(reader)
     build_config(meta).save_pretrained(out_dir)
     tensors = dict(iter_dequantized(reader, meta))
     # NOTE: a zero-stride stand-in: only the names (and the expert count) are wanted, not the values.

@@ -57,6 +57,7 @@ CASES = {   # name: (checkpoint builder, GGUF arch, tensor type of the 2-D weigh
     "qwen3-tied-bias-q8_0": (_qwen3_tied_bias, "qwen3", "Q8_0", "Qwen3ForCausalLM"),
     "gemma3-f32": (_gemma3, "gemma3", "F32", "Gemma3ForCausalLM"),
     "gemma3-f16": (_gemma3, "gemma3", "F16", "Gemma3ForCausalLM"),
+    "gemma3-q8_0": (_gemma3, "gemma3", "Q8_0", "Gemma3ForCausalLM"),
     "qwen3moe-f32": (_moe("qwen3moe-8x2-norm"), "qwen3moe", "F32", "Qwen3MoeForCausalLM"),
     "qwen3moe-q8_0": (_moe("qwen3moe-8x2-norm"), "qwen3moe", "Q8_0", "Qwen3MoeForCausalLM"),
     "mixtral-f32": (_moe("mixtral-8x2"), "llama", "F32", "MixtralForCausalLM"),
@@ -133,8 +134,9 @@ def test_gguf_matches_transformers(case, built, tmp_path):
     if quant == "Q8_0":
         # On CPU a Llama-family model keeps Q8_0 as int8 (re-quantized per row): vLLM's top-5 rule. The MoE
         # models dequantize it (no weight-only kernels for experts): tokens equal again.
-        kept = _run(case, gguf_path, hf, quantization=None, atol=float("inf") if "qwen3-" in case else 1e-3)
-        assert kept == ("int8" if "qwen3-" in case else "float")
+        int8 = cls in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+        kept = _run(case, gguf_path, hf, quantization=None, atol=float("inf") if int8 else 1e-3)
+        assert kept == ("int8" if int8 else "float")
 
 
 def _run(case: str, gguf_path: Path, hf, quantization, atol: float) -> str:
@@ -219,3 +221,26 @@ def test_missing_tensors_stop_start_up_naming_them(case, drop, named, built, tmp
     message = str(err.value)
     assert "\n" not in message and named in message, message
     assert not gguf_loader.converted_dir_for(broken).exists()   # refused before anything is written
+
+
+def test_serve_stops_with_one_line_naming_the_missing_tensor(built, tmp_path):
+    """``chorus serve`` on a file without a tensor its model needs: the one-line start-up error, nothing
+    else."""
+    import os
+    import subprocess
+
+    from engine.server.app import EXIT_CONFIG_ERROR
+    from tests.server.conftest import free_port
+    from tests.server.test_cli import REPO, chorus_cmd
+
+    _, gguf_path, _ = built("qwen3moe-f32")
+    broken = tmp_path / "broken.gguf"
+    _copy_without(gguf_path, broken, {"blk.1.ffn_down_exps.weight"})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CHORUS_CACHE": str(tmp_path / "cache")}
+    argv = [*chorus_cmd(), "serve", str(broken), "--host", "127.0.0.1", "--port", str(free_port()),
+            "--max-model-len", "64"]
+    run = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == EXIT_CONFIG_ERROR, run.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("chorus serve: error: "), run.stderr[-2000:]
+    assert "blk.1.ffn_down_exps.weight" in lines[0] and "qwen3moe" in lines[0], lines[0]

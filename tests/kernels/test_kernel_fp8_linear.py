@@ -40,11 +40,24 @@ def _channel_weight(n: int, k: int, g) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(t.to(DEVICE) for t in quantize_weight_fp8_per_channel(torch.randn(n, k, generator=g) / k ** 0.5))
 
 
-def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """One rounding of out's dtype apart at most (the GEMMs differ from the twins in float32 summation order)."""
+FP8_MMA_RTOL = 2 ** -7
+"""Hopper's FP8 tensor-core tiles (the GEMM's warpgroup MMA, more than 16 rows on CUDA) accumulate in reduced
+precision (about 14 bits, DeepSeek-V3's report) before float32: outputs are that close, not one rounding."""
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, fp8_mma: bool = False) -> None:
+    """One rounding of out's dtype apart at most (the GEMMs differ from the twins in float32 summation order);
+    ``fp8_mma``: ``FP8_MMA_RTOL``."""
     assert out.dtype == ref.dtype and out.shape == ref.shape and out.is_contiguous()
     rtol = dict(float32=1e-5, float16=2e-3, bfloat16=1.6e-2)[str(out.dtype).split(".")[1]]
+    if fp8_mma:
+        rtol = max(rtol, FP8_MMA_RTOL)
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol * ref.abs().max().item() / 16)
+
+
+def _wgmma(m: int) -> bool:
+    """The CUDA GEMM runs ``m`` rows in warpgroup MMA tiles (``FP8_MMA_RTOL``)."""
+    return DEVICE.type == "cuda" and m > 16
 
 
 # ----------------------------------------------------------------------------------------
@@ -119,7 +132,8 @@ def test_linear_per_channel(m, scheme, bias, out_dtype):
     kwargs = dict(activation_scheme=scheme, bias=torch.randn(n, generator=g).to(DEVICE) if bias else None,
                   out_dtype=out_dtype, input_scale=torch.tensor([0.03], device=DEVICE) if scheme == STATIC else None,
                   group_size=32 if scheme == PER_TOKEN_GROUP else None)
-    _assert_close(fp8_linear(x, w, w_scale, backend="triton", **kwargs), fp8_linear_ref(x, w, w_scale, **kwargs))
+    _assert_close(fp8_linear(x, w, w_scale, backend="triton", **kwargs), fp8_linear_ref(x, w, w_scale, **kwargs),
+                  _wgmma(m))
 
 
 @pytest.mark.parametrize("scheme,bias,out_dtype", [(PER_TOKEN_GROUP, False, None),
@@ -134,7 +148,7 @@ def test_linear_block(m, n, k, block_size, scheme, bias, out_dtype):
     w, w_scale = _block_weight(n, k, block_size, g)
     kwargs = dict(activation_scheme=scheme, block_size=block_size, out_dtype=out_dtype,
                   bias=torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE) if bias else None)
-    _assert_close(fp8_linear(x, w, w_scale, **kwargs), fp8_linear_ref(x, w, w_scale, **kwargs))
+    _assert_close(fp8_linear(x, w, w_scale, **kwargs), fp8_linear_ref(x, w, w_scale, **kwargs), _wgmma(m))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -306,10 +320,10 @@ def test_cuda_linear_llama_sizes(n, k, m, backend):
     x = _x(m, k, torch.bfloat16, g)
     w, w_scale = _channel_weight(n, k, g)
     _assert_close(fp8_linear(x, w, w_scale, activation_scheme=PER_TOKEN, backend=backend),
-                  fp8_linear_ref(x, w, w_scale, activation_scheme=PER_TOKEN))
+                  fp8_linear_ref(x, w, w_scale, activation_scheme=PER_TOKEN), _wgmma(m))
     wb, sb = _block_weight(n, k, (128, 128), g)
     kwargs = dict(activation_scheme=PER_TOKEN_GROUP, block_size=(128, 128))
-    _assert_close(fp8_linear(x, wb, sb, **kwargs), fp8_linear_ref(x, wb, sb, **kwargs))
+    _assert_close(fp8_linear(x, wb, sb, **kwargs), fp8_linear_ref(x, wb, sb, **kwargs), _wgmma(m))
     q, s = quantize_activations_fp8(x, PER_TOKEN_GROUP)
     q_ref, s_ref = quantize_activations_fp8_ref(x, PER_TOKEN_GROUP)
     assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())

@@ -183,27 +183,86 @@ def test_transformers_reads_our_gguf_as_we_do(case, built):
         torch.testing.assert_close(theirs[name], tensor, atol=1e-6, rtol=0, msg=name)
 
 
-def _copy_without(src: Path, dst: Path, drop: set[str]) -> None:
-    """A copy of GGUF ``src`` without the tensors named in ``drop`` (metadata kept)."""
+def _rewrite(src: Path, dst: Path, drop: frozenset[str] = frozenset(), per_expert: bool = False,
+             extra: dict | None = None) -> None:
+    """A copy of GGUF ``src`` without the tensors named in ``drop``; ``per_expert``: stacked ``ffn_*_exps``
+    tensors as older llama.cpp wrote Mixtral, one ``ffn_*.E`` per expert; ``extra``: metadata to add
+    (key -> (value, GGUFValueType, array item type or None))."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value = field.contents()
         vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype,
+                        sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for key, (value, vtype, sub) in (extra or {}).items():
         w.add_key_value(key, value, vtype, sub_type=sub)
     for t in reader.tensors:
-        if t.name not in drop:
+        stem = t.name.removesuffix(".weight")
+        if t.name in drop:
+            continue
+        if per_expert and stem.endswith("_exps"):
+            for e, part in enumerate(np.array(t.data)):
+                w.add_tensor(f"{stem.removesuffix('_exps')}.{e}.weight", part, raw_dtype=t.tensor_type)
+        else:
             w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_older_per_expert_mixtral_files_read_as_stacked_ones(built, tmp_path):
+    """Older llama.cpp wrote Mixtral's experts one tensor each (``blk.N.ffn_gate.E.weight``)."""
+    from engine.loader import iter_weights
+
+    _, gguf_path, _ = built("mixtral-f32")
+    legacy = tmp_path / "legacy.gguf"
+    _rewrite(gguf_path, legacy, per_expert=True)
+    import gguf
+    names = {t.name for t in gguf.GGUFReader(str(legacy)).tensors}
+    assert "blk.1.ffn_down.7.weight" in names and not any(n.endswith("_exps.weight") for n in names)
+    want = dict(iter_weights(resolve_model(str(gguf_path)), torch.float32))
+    got = dict(iter_weights(resolve_model(str(legacy)), torch.float32))
+    assert sorted(got) == sorted(want) and "model.layers.1.block_sparse_moe.experts.7.w2.weight" in got
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_gemma3_sliding_window_pattern_key_sets_the_layer_types(built, tmp_path):
+    """Without ``gemma3.attention.sliding_window_pattern`` every 6th layer is global (llama.cpp's gemma3);
+    with it, the key says which layers slide."""
+    import gguf
+
+    _, gguf_path, _ = built("gemma3-f32")
+    default = load_config(resolve_model(str(gguf_path))).layer_types
+    assert default == ["sliding_attention"] * 5 + ["full_attention"]
+    pattern = [True, False, True, True, False, True]
+    keyed = tmp_path / "keyed.gguf"
+    _rewrite(gguf_path, keyed, extra={"gemma3.attention.sliding_window_pattern":
+                                      (pattern, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)})
+    cfg = load_config(resolve_model(str(keyed)))
+    assert cfg.layer_types == ["sliding_attention" if s else "full_attention" for s in pattern]
+
+
+def test_shared_expert_and_router_names():
+    """Qwen2-MoE-style shared-expert tensors of a qwen3moe file take HF's names (the gate as [1, hidden])."""
+    from engine.loader.gguf_arch import ARCHS, hf_tensors
+
+    arch = ARCHS["qwen3moe"]
+    gate = hf_tensors(arch, "blk.2.ffn_gate_inp_shexp.weight", np.ones(64, np.float32))
+    assert [(n, t.shape) for n, t in gate] == [("model.layers.2.mlp.shared_expert_gate.weight", (1, 64))]
+    assert hf_tensors(arch, "blk.2.ffn_up_shexp.weight", np.ones((32, 64), np.float32))[0][0] == \
+        "model.layers.2.mlp.shared_expert.up_proj.weight"
+    stacked = np.arange(3 * 4 * 2, dtype=np.float32).reshape(3, 4, 2)   # [n_expert, out, in]
+    experts = hf_tensors(arch, "blk.0.ffn_down_exps.weight", stacked)
+    assert [n for n, _ in experts] == [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(3)]
+    assert all(np.array_equal(t, stacked[e]) for e, (_, t) in enumerate(experts))
+    with pytest.raises(ValueError, match="no Hugging Face equivalent"):
+        hf_tensors(arch, "blk.0.attn_qkv.weight", np.ones((4, 4), np.float32))
 
 
 @pytest.mark.parametrize("case, drop, named", [
@@ -215,7 +274,7 @@ def _copy_without(src: Path, dst: Path, drop: set[str]) -> None:
 def test_missing_tensors_stop_start_up_naming_them(case, drop, named, built, tmp_path):
     _, gguf_path, _ = built(case)
     broken = tmp_path / "broken.gguf"
-    _copy_without(gguf_path, broken, drop)
+    _rewrite(gguf_path, broken, frozenset(drop))
     with pytest.raises(ValueError, match="lacks tensors") as err:
         LLM(str(broken), max_model_len=64)
     message = str(err.value)
@@ -235,7 +294,7 @@ def test_serve_stops_with_one_line_naming_the_missing_tensor(built, tmp_path):
 
     _, gguf_path, _ = built("qwen3moe-f32")
     broken = tmp_path / "broken.gguf"
-    _copy_without(gguf_path, broken, {"blk.1.ffn_down_exps.weight"})
+    _rewrite(gguf_path, broken, frozenset({"blk.1.ffn_down_exps.weight"}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHORUS_CACHE": str(tmp_path / "cache")}
     argv = [*chorus_cmd(), "serve", str(broken), "--host", "127.0.0.1", "--port", str(free_port()),
             "--max-model-len", "64"]

@@ -184,14 +184,14 @@ def test_transformers_reads_our_gguf_as_we_do(case, built):
 
 
 def _rewrite(src: Path, dst: Path, drop: frozenset[str] = frozenset(), per_expert: bool = False,
-             extra: dict | None = None) -> None:
+             extra: dict | None = None, arch: str | None = None) -> None:
     """A copy of GGUF ``src`` without the tensors named in ``drop``; ``per_expert``: stacked ``ffn_*_exps``
     tensors as older llama.cpp wrote Mixtral, one ``ffn_*.E`` per expert; ``extra``: metadata to add
-    (key -> (value, GGUFValueType, array item type or None))."""
+    (key -> (value, GGUFValueType, array item type or None)); ``arch``: another ``general.architecture``."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(str(dst), arch or reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -282,9 +282,13 @@ def test_missing_tensors_stop_start_up_naming_them(case, drop, named, built, tmp
     assert not gguf_loader.converted_dir_for(broken).exists()   # refused before anything is written
 
 
-def test_serve_stops_with_one_line_naming_the_missing_tensor(built, tmp_path):
-    """``chorus serve`` on a file without a tensor its model needs: the one-line start-up error, nothing
-    else."""
+@pytest.mark.parametrize("broken, words", [
+    ("missing", ["lacks tensors", "qwen3moe", "blk.1.ffn_down_exps.weight"]),
+    ("unsupported", ["architecture 'phi3' is not supported", "qwen3moe", "Hugging Face checkpoint"]),
+])
+def test_serve_stops_with_one_line_naming_what_is_missing(broken, words, built, tmp_path):
+    """``chorus serve`` on a file without a tensor its model needs, or of an architecture Chorus does not
+    read: the one-line start-up error, nothing else."""
     import os
     import subprocess
 
@@ -293,13 +297,18 @@ def test_serve_stops_with_one_line_naming_the_missing_tensor(built, tmp_path):
     from tests.server.test_cli import REPO, chorus_cmd
 
     _, gguf_path, _ = built("qwen3moe-f32")
-    broken = tmp_path / "broken.gguf"
-    _rewrite(gguf_path, broken, frozenset({"blk.1.ffn_down_exps.weight"}))
+    path = tmp_path / "broken.gguf"
+    if broken == "missing":
+        _rewrite(gguf_path, path, frozenset({"blk.1.ffn_down_exps.weight"}))
+    else:
+        _rewrite(gguf_path, path, arch="phi3")
     env = {**os.environ, "PYTHONPATH": str(REPO), "CHORUS_CACHE": str(tmp_path / "cache")}
-    argv = [*chorus_cmd(), "serve", str(broken), "--host", "127.0.0.1", "--port", str(free_port()),
+    argv = [*chorus_cmd(), "serve", str(path), "--host", "127.0.0.1", "--port", str(free_port()),
             "--max-model-len", "64"]
     run = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == EXIT_CONFIG_ERROR, run.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("chorus serve: error: "), run.stderr[-2000:]
-    assert "blk.1.ffn_down_exps.weight" in lines[0] and "qwen3moe" in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert not (tmp_path / "cache" / "converted").exists()   # refused before anything is written

@@ -7,8 +7,8 @@ base 1e4, attention scale 1/sqrt(head_dim), no soft-capping); ``tests.models.ggu
 llama.cpp's converter would. Chorus serves the file; the reference is transformers on the weights the file
 holds (dequantized): served as float weights (F32, F16, Q8_0 with --quantization none; MoE files always),
 every greedy token equal and logprobs within 1e-3; Q8_0 kept int8 on CPU (Qwen3, Gemma 3), vLLM's rule
-(tokens equal or, where they part, each in the other's top-5). Where transformers reads the arch from GGUF itself
-(``from_pretrained(..., gguf_file=...)``: qwen3, qwen3moe, gemma3) its weights equal our converted
+(tokens equal or, where they part, each in the other's top-5). Where transformers reads the arch from GGUF
+itself (``from_pretrained(..., gguf_file=...)``: qwen3, qwen3moe, gemma3) its weights equal our converted
 checkpoint's.
 """
 

@@ -111,6 +111,8 @@ def write_gguf(out: Path, hf_dir: Path, quant: str = "F32") -> dict[str, torch.T
     arch = _GGUF_ARCH[cfg.model_type]
     name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
                                         text.num_hidden_layers)
+    # llama.cpp's qwen3moe has no dense-MLP tensors; a Qwen3-MoE with mlp_only_layers writes llama's names there.
+    dense_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, text.num_hidden_layers)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")
     _add_hparams(w, cfg, arch)
@@ -131,7 +133,7 @@ def write_gguf(out: Path, hf_dir: Path, quant: str = "F32") -> dict[str, torch.T
     stored: dict[str, torch.Tensor] = {}
     for name, a in plain:
         stem, leaf = name.rsplit(".", 1)
-        gname = f"{name_map.get_name(stem)}.{leaf}"
+        gname = f"{name_map.get_name(stem) or dense_map.get_name(stem)}.{leaf}"
         if arch == "llama" and ".attn_q." in gname:
             a = llama_cpp_permute(a, text.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:

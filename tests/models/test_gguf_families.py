@@ -61,6 +61,7 @@ CASES = {   # name: (checkpoint builder, GGUF arch, tensor type of the 2-D weigh
     "gemma3-q8_0": (_gemma3, "gemma3", "Q8_0", "Gemma3ForCausalLM"),
     "qwen3moe-f32": (_moe("qwen3moe-8x2-norm"), "qwen3moe", "F32", "Qwen3MoeForCausalLM"),
     "qwen3moe-q8_0": (_moe("qwen3moe-8x2-norm"), "qwen3moe", "Q8_0", "Qwen3MoeForCausalLM"),
+    "qwen3moe-dense1-f32": (_moe("qwen3moe-64x8-norm-dense1"), "qwen3moe", "F32", "Qwen3MoeForCausalLM"),
     "mixtral-f32": (_moe("mixtral-8x2"), "llama", "F32", "MixtralForCausalLM"),
     "mixtral-q8_0": (_moe("mixtral-8x2"), "llama", "Q8_0", "MixtralForCausalLM"),
 }

@@ -111,7 +111,7 @@ def write_gguf(out: Path, hf_dir: Path, quant: str = "F32") -> dict[str, torch.T
     arch = _GGUF_ARCH[cfg.model_type]
     name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
                                         text.num_hidden_layers)
-    # llama.cpp's qwen3moe has no dense-MLP tensors; a Qwen3-MoE with mlp_only_layers writes llama's names there.
+    # llama.cpp's qwen3moe has no dense-MLP tensors: a Qwen3-MoE with mlp_only_layers takes llama's names.
     dense_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, text.num_hidden_layers)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")

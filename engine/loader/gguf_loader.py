@@ -4,7 +4,8 @@ directory.
 Parsing a GGUF is slow in pure Python (transformers' tokenizer and model loads decode every entry on
 each load), so the first use converts the file once into
 ``cache_dir()/converted/<stem>-<key>/`` holding ``config.json``, the tokenizer files and
-``model.safetensors`` (float32, dequantized, q/k rows in HF order); every later use reads that
+``model.safetensors`` (float32, dequantized, q/k rows in HF order; files of ``SHARD_BYTES`` and an index
+where larger, so the conversion never holds the whole model in memory); every later use reads that
 directory like any HF checkpoint.
 
 Conversion algorithm:
@@ -47,7 +48,10 @@ from engine.loader.gguf_arch import GgufArch, GgufFacts, arch_for, check_tensors
 # Bump when the layout of a converted directory changes: old entries are then ignored.
 CACHE_FORMAT_VERSION = 3
 SOURCE_FILE = "chorus_gguf_source.json"
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", SOURCE_FILE)
+_REQUIRED_FILES = ("config.json", "tokenizer_config.json", SOURCE_FILE)
+_WEIGHTS, _WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+SHARD_BYTES = 2 << 30
+"""Float32 bytes per converted weight file: the conversion holds one file's tensors in memory at a time."""
 
 
 @dataclass
@@ -75,7 +79,8 @@ def converted_dir_for(gguf_path: Path) -> Path:
 
 def is_converted(out_dir: Path) -> bool:
     """True when ``out_dir`` is a complete conversion (it only ever appears complete, by rename)."""
-    return all((out_dir / name).is_file() for name in _REQUIRED_FILES)
+    weights = (out_dir / _WEIGHTS).is_file() or (out_dir / _WEIGHTS_INDEX).is_file()
+    return weights and all((out_dir / name).is_file() for name in _REQUIRED_FILES)
 
 
 def ensure_converted(gguf_path: Path) -> Path:
@@ -185,16 +190,13 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 def _convert_into(gguf_path: Path, out_dir: Path, reader, meta: GgufMetadata) -> None:
     """Write config.json, model.safetensors, the tokenizer and the source record into ``out_dir`` (``reader``:
     the file's ``gguf.GGUFReader``; ``meta``: its ``read_metadata``)."""
-    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     build_config(meta).save_pretrained(out_dir)
-    tensors = dict(iter_dequantized(reader, meta))
+    _write_weights(iter_dequantized(reader, meta), out_dir)
     # NOTE: a zero-stride stand-in: only the names (and the expert count) are wanted, not the values.
     tensor_types = {hf_name: t.tensor_type.name for t in reader.tensors if not is_ignored(t.name)
                     for hf_name, _ in hf_tensors(meta.arch, t.name, _stand_in(t.data.shape))}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
     _load_tokenizer_as_saved(out_dir)
@@ -203,6 +205,37 @@ def _convert_into(gguf_path: Path, out_dir: Path, reader, meta: GgufMetadata) ->
               "format_version": CACHE_FORMAT_VERSION, "architecture": meta.architecture,
               "tensor_types": tensor_types}
     (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2))
+
+
+def _write_weights(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path) -> None:
+    """``model.safetensors``, or where the tensors pass ``SHARD_BYTES``, ``model-NNNNN.safetensors`` files of
+    at most that much each (a tensor larger alone gets its own) and ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    files: list[str] = []
+    weight_map: dict[str, str] = {}     # tensor name -> its file
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total_bytes = 0
+
+    def flush() -> None:
+        files.append(f"model-{len(files) + 1:05d}.safetensors")
+        save_file(pending, str(out_dir / files[-1]), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(pending, files[-1]))
+        pending.clear()
+
+    for name, tensor in tensors:
+        if pending and pending_bytes + tensor.nbytes > SHARD_BYTES:
+            flush()
+            pending_bytes = 0
+        pending[name] = tensor
+        pending_bytes += tensor.nbytes
+        total_bytes += tensor.nbytes
+    if not files:
+        save_file(pending, str(out_dir / _WEIGHTS), metadata={"format": "pt"})
+        return
+    flush()
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out_dir / _WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
 
 
 def _stand_in(shape: tuple[int, ...]) -> np.ndarray:

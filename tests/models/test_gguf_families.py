@@ -314,3 +314,26 @@ def test_serve_stops_with_one_line_naming_what_is_missing(broken, words, built, 
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert not (tmp_path / "cache" / "converted").exists()   # refused before anything is written
+
+
+def test_large_conversions_are_written_in_files_of_shard_bytes(built, tmp_path, monkeypatch):
+    """Past ``SHARD_BYTES`` the converted weights are several files and an index (the conversion never holds
+    the whole model); they read back equal to one file's."""
+    import json
+
+    from engine.loader import iter_weights
+
+    _, gguf_path, _ = built("mixtral-f32")
+    whole = dict(iter_weights(resolve_model(str(gguf_path)), torch.float32))
+    monkeypatch.setenv("CHORUS_CACHE", str(tmp_path / "sharded-cache"))
+    monkeypatch.setattr(gguf_loader, "SHARD_BYTES", 256 << 10)
+    resolved = resolve_model(str(gguf_path))
+    out = checkpoint_dir(resolved)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and not (out / "model.safetensors").exists()
+    assert all((out / f).stat().st_size <= (256 << 10) + (64 << 10) for f in files)   # + the file's header
+    sharded = dict(iter_weights(resolved, torch.float32))
+    assert sorted(sharded) == sorted(whole)
+    for name, tensor in whole.items():
+        assert torch.equal(sharded[name], tensor), name

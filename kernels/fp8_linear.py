@@ -215,7 +215,9 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, num_
                 part *= tl.load(ws_rows + k0 // W_BLOCK_K, mask=n_ok, other=0.0)[None, :]
             acc += part
         else:
-            acc = tl.dot(a, tl.trans(w), acc)
+            # Each step's product joins the float32 accumulator apart: Hopper's FP8 MMA accumulates in
+            # reduced precision, so a chain over all of K would lose bits as K grows.
+            acc += tl.dot(a, tl.trans(w))
     if X_SCALE == 0:
         acc *= tl.load(as_ptr)
     elif X_SCALE == 1:

@@ -17,9 +17,7 @@ contiguous segment, and the results, scaled by their routing weights, are scatte
 On CUDA ``fused_moe`` runs ``kernels.fused_moe`` (the same sorted pairs padded to the block size per expert on
 the device, one grouped GEMM launch for gate|up with SiLU-and-mul and one for down with the routing weight);
 ``fused_moe_ref`` is its twin and the CPU path. The reference reads the per-expert token counts on the host
-(one sync per layer). While a CUDA graph is being captured ``fused_moe`` runs ``fused_moe_dense_ref`` (every
-expert on every row, weighted by a zero where a row did not pick it: exact, sync-free, E / K times the work),
-until the kernel's own capture is checked on a GPU.
+(one sync per layer); the kernel reads nothing on the host, so CUDA graphs capture it as it is.
 
 LoRA: a ``FusedMoE`` whose ``adapter`` (``ExpertsAdapter``, the LoRA slots) has an update this step runs
 ``fused_moe_lora`` instead: each token's adapter on every expert it routes to (``ExpertLoRAWeights``: per
@@ -65,10 +63,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """The routed experts' output [T, H] (see ``fused_moe_ref`` for the arguments): ``kernels.fused_moe`` on
-    CUDA (the dense form inside CUDA graph capture), the reference elsewhere."""
+    CUDA (eager and in CUDA graphs: it never reads the device on the host), the reference elsewhere."""
     if hidden.is_cuda:
-        if torch.cuda.is_current_stream_capturing():
-            return fused_moe_dense_ref(hidden, w13, w2, topk_weights, topk_ids)
         from kernels.fused_moe import fused_moe_triton
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
@@ -207,22 +203,6 @@ def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> t
             y[start:start + n] = F.linear(x[start:start + n], w[expert])
             start += n
     return y
-
-
-def fused_moe_dense_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
-    """``fused_moe_ref``'s result without a host read (for CUDA graph capture): every expert runs on every
-    row, weighted by the row's routing weight for it (zero where the row did not pick it)."""
-    num_experts, intermediate = w13.shape[0], w2.shape[2]
-    # [T, E]: each row's weight per expert (a row picks an expert at most once)
-    dense = torch.zeros(topk_ids.shape[0], num_experts, dtype=torch.float32, device=hidden.device)
-    dense.scatter_(1, topk_ids, topk_weights.to(torch.float32))
-    out = torch.zeros_like(hidden, dtype=torch.float32)
-    for expert in range(num_experts):
-        gate_up = F.linear(hidden, w13[expert])
-        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        out.add_(F.linear(act, w2[expert]).to(torch.float32) * dense[:, expert, None])
-    return out.to(hidden.dtype)
 
 
 # ----------------------------------------------------------------------------------------

@@ -242,7 +242,7 @@ def test_fused_moe_ref_matches_per_token_loop(num_tokens, num_experts, top_k):
     logits[:, -1] = -1e4                                  # one expert nobody picks: an empty segment
     topk_weights, topk_ids = moe.select_experts(logits, top_k, renormalize=False)
     want = _per_token_moe(hidden, w13, w2, topk_weights, topk_ids).float()
-    for fn in (moe.fused_moe_ref, moe.fused_moe_dense_ref, moe.fused_moe):
+    for fn in (moe.fused_moe_ref, moe.fused_moe):
         got = fn(hidden, w13, w2, topk_weights, topk_ids)
         assert got.shape == hidden.shape and got.dtype == hidden.dtype
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

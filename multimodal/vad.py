@@ -14,7 +14,7 @@ every cut falls in a silence of at least ``min_silence_s`` and no silence that l
 longer than a window is cut inside by the quiet chunker. Audio without speech has no chunks. Chunk offsets
 are samples of the original audio, so the transcript's times are the recording's.
 
-The ONNX session is made on first use in each process (it does not pickle; the transcriber travels to the
+The ONNX runtime is made on first use in each process (it does not pickle; the transcriber travels to the
 API process in the engine-process mode).
 """
 
@@ -127,20 +127,20 @@ class VoiceChunker:
     model_path: Path
     """silero-vad's ONNX model."""
     settings: VadSettings = VadSettings()
-    _session: Any = field(default=None, repr=False, compare=False)
+    _runtime: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls) -> "VoiceChunker":
         """A chunker over the installed model; VadUnavailableError (with the install command) without it."""
         chunker = cls(silero_model_path())
-        chunker._get_session()    # fail at start-up, not on the first request
+        chunker._get_runtime()    # fail at start-up, not on the first request
         return chunker
 
     def __getstate__(self) -> dict:
-        return {"model_path": self.model_path, "settings": self.settings, "_session": None}
+        return {"model_path": self.model_path, "settings": self.settings, "_runtime": None}
 
-    def _get_session(self):
-        if self._session is None:
+    def _get_runtime(self):
+        if self._runtime is None:
             try:
                 import onnxruntime
             except ImportError as e:
@@ -148,14 +148,14 @@ class VoiceChunker:
             options = onnxruntime.SessionOptions()
             options.inter_op_num_threads = 1
             options.intra_op_num_threads = 1
-            self._session = onnxruntime.InferenceSession(str(self.model_path), sess_options=options,
+            self._runtime = onnxruntime.InferenceSession(str(self.model_path), sess_options=options,
                                                          providers=["CPUExecutionProvider"])
-        return self._session
+        return self._runtime
 
     def speech_probabilities(self, samples: np.ndarray) -> np.ndarray:
         """float32 mono 16 kHz ``samples`` [num_samples] -> speech probability per 512-sample step
         [ceil(num_samples / 512)] (the last step zero-padded)."""
-        session = self._get_session()
+        runtime = self._get_runtime()
         samples = np.asarray(samples, dtype=np.float32)
         num_steps = -(-samples.shape[0] // STEP_SAMPLES)
         padded = np.zeros(num_steps * STEP_SAMPLES + CONTEXT_SAMPLES, dtype=np.float32)
@@ -165,7 +165,7 @@ class VoiceChunker:
         probabilities = np.empty(num_steps, dtype=np.float32)
         for step in range(num_steps):
             frame = padded[step * STEP_SAMPLES:(step + 1) * STEP_SAMPLES + CONTEXT_SAMPLES][None, :]   # [1, 576]
-            out, state = session.run(None, {"input": frame, "state": state, "sr": rate})
+            out, state = runtime.run(None, {"input": frame, "state": state, "sr": rate})
             probabilities[step] = float(out.reshape(-1)[0])
         return probabilities
 

@@ -388,7 +388,7 @@ class Processor:
         return self.adapter_uploads.attach(lora_request)
 
     def encoder_keyed(self, features: list[MultiModalFeature], lora_request) -> list[MultiModalFeature]:
-        """``features`` under their final encoder-cache keys: keyed under the adapter's name when the
+        """``features`` under their final encoder-cache keys: keyed under the adapter's name and id when the
         request's adapter updates a projection of the model's encoder (its encoder output is its own:
         ``AdapterUploads.adapts_encoder``), else by content alone (the base encoder's output, shared by
         the requests of every other adapter)."""
@@ -396,7 +396,7 @@ class Processor:
             return features
         if not self.adapter_uploads.adapts_encoder(lora_request):
             return features
-        return [f.with_encoder_adapter(lora_request.lora_name) for f in features]
+        return [f.with_encoder_adapter(lora_request.lora_name, lora_request.lora_int_id) for f in features]
 
 
 CHILD_ID_SEPARATOR = "#"

@@ -77,12 +77,14 @@ class MultiModalFeature:
     """The adapter the encoder runs for this item (the request's, when it updates encoder
     projections); None: the base encoder, whose output requests of any other adapter share."""
 
-    def with_encoder_adapter(self, lora_name: str) -> "MultiModalFeature":
-        """This item encoded under adapter ``lora_name``: a copy whose encoder-cache key carries the name,
-        so the same media under two such adapters is encoded twice and never shares the base output.
-        NOTE: the key holds the name only, as the prefix cache's adapter key does."""
+    def with_encoder_adapter(self, lora_name: str, lora_int_id: int) -> "MultiModalFeature":
+        """This item encoded under adapter ``lora_name`` (loaded as ``lora_int_id``): a copy whose encoder-cache
+        key carries both, as the prefix cache's adapter key does, so the same media under two such adapters is
+        encoded twice and never shares the base output, and an adapter loaded again under the same name (the
+        server gives every load a new id) never reads the encoder outputs of the one it replaced."""
         assert self.encoder_lora_name is None, "an item is encoded under one adapter"
-        return replace(self, identifier=f"{self.identifier}+lora:{lora_name}", encoder_lora_name=lora_name)
+        return replace(self, identifier=f"{self.identifier}+lora:{lora_name}#{lora_int_id}",
+                       encoder_lora_name=lora_name)
 
     @property
     def num_embeds(self) -> int:

@@ -143,7 +143,7 @@ def test_tower_and_lm_adapters_equal_peft_merged_in_one_batch(setup):
     assert llm.llm_engine.runner.num_encoded_items == 3 and len(cache) == 3
     (base_key,) = [key for key in cache if "+lora:" not in key]
     # The tower adapter changes the encoder output.
-    assert not torch.allclose(cache[base_key], cache[f"{base_key}+lora:tower"], atol=1e-3)
+    assert not torch.allclose(cache[base_key], cache[f"{base_key}+lora:tower#1"], atol=1e-3)
     for (im, _, adapter), out in zip(reqs, outs):
         ref = _reference(family, model_dir, str(adapters[adapter]) if adapter else "", im)
         name = f"{family} adapter={adapter or 'base'}"
@@ -179,7 +179,7 @@ def test_encoder_cache_keys_carry_a_tower_adapter_only(setup):
     assert run(LoRARequest("tower", 2, str(adapters["tower"]))) == (2, 1)    # its own key
     assert run(LoRARequest("tower", 2, str(adapters["tower"]))) == (2, 2)
     keys = set(runner.encoder_cache)
-    assert len(keys) == 2 and sum(key.endswith("+lora:tower") for key in keys) == 1
+    assert len(keys) == 2 and sum(key.endswith("+lora:tower#2") for key in keys) == 1
 
 
 def test_the_flag_needs_enable_lora():

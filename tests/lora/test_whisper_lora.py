@@ -147,9 +147,12 @@ def test_processor_decides_the_encoder_cache_key(setup):
 
     content_hash, _ = key("base", None)
     assert key("dec", dec) == (content_hash, None)
-    assert key("both", both) == (f"{content_hash}+lora:both", "both")
-    assert key("both-again", both) == (f"{content_hash}+lora:both", "both")
+    assert key("both", both) == (f"{content_hash}+lora:both#1", "both")
+    assert key("both-again", both) == (f"{content_hash}+lora:both#1", "both")
     assert key("dec-again", dec) == (content_hash, None)
+    # The same name loaded again (a new id): its own key, never the replaced adapter's encoder output.
+    assert key("both-reloaded", LoRARequest("both", 7, str(setup["both"]))) == (f"{content_hash}+lora:both#7",
+                                                                               "both")
 
 
 def test_mixed_batch_matches_peft(setup):
@@ -175,7 +178,7 @@ def test_mixed_batch_matches_peft(setup):
     core = llm.llm_engine.core
     # The base and the decoder-only adapter share one encoder output; the encoder adapter has its own.
     assert core.runner.num_encoded_items == 2
-    assert sorted(k.rpartition("+lora:")[2] for k in core.runner.encoder_cache if "+lora:" in k) == ["both"]
+    assert sorted(k.rpartition("+lora:")[2] for k in core.runner.encoder_cache if "+lora:" in k) == ["both#2"]
     # The encoder adapter's entry stays cached: the same audio under it again is not encoded again.
     again = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"audio": (audio, 16000)}}, params,
                          lora_request=adapters["both"], use_tqdm=False)[0]

@@ -128,15 +128,15 @@ def test_image_key_is_final_after_process_and_carries_an_encoder_adapter(tiny_ll
     assert base == [(content_hash, None)]
     assert keys("dec", dec)[1] == [(content_hash, None)]
     children, under_enc = keys("enc", enc, many)
-    assert under_enc == [(f"{content_hash}+lora:enc", "enc")] * 2
-    assert keys("enc-again", enc)[1] == [(f"{content_hash}+lora:enc", "enc")]   # from the record, no read
+    assert under_enc == [(f"{content_hash}+lora:enc#1", "enc")] * 2
+    assert keys("enc-again", enc)[1] == [(f"{content_hash}+lora:enc#1", "enc")]   # from the record, no read
     # A record marked sent without a read (the engine reads that adapter): keyed under it, right either way.
     processor.adapter_uploads.mark_sent(LoRARequest("other", 3, "/other"))
-    assert keys("other", LoRARequest("other", 3, "/other"))[1] == [(f"{content_hash}+lora:other", "other")]
+    assert keys("other", LoRARequest("other", 3, "/other"))[1] == [(f"{content_hash}+lora:other#3", "other")]
     # The core queues the processor's key as it is.
     core = llm.llm_engine.core
     monkeypatch.setattr(core.lora_manager, "register", lambda *args, **kwargs: False)
     core.add_request(AddRequest("enc", children))
     assert [core.scheduler.requests[c.request_id].mm_features[0].identifier for c in children] == \
-        [f"{content_hash}+lora:enc"] * 2
+        [f"{content_hash}+lora:enc#1"] * 2
     core.abort_requests([c.request_id for c in children])

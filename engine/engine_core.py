@@ -222,6 +222,8 @@ class EngineCore:
                             engine_config=cfg, tokenizer=loaded.tokenizer, processor=processor,
                             default_sampling_params=loaded.default_sampling,
                             lora_enabled=cfg.lora_config is not None)
+        if lora_manager is not None:
+            lora_manager.demand = scheduler.lora_demand   # host-store eviction keeps adapters waited for
         core = cls(cfg, runner, scheduler, facts, lora_manager, executor)
         freeze_gc_heap()
         return core
@@ -480,6 +482,8 @@ class EngineCore:
         if self.lora_manager is not None:
             stats.num_loras_registered = (len(self.lora_manager.list_loras())
                                           + len(self.lora_manager.pending_removals()))
+            stats.num_lora_host_loads = self.lora_manager.store.num_loads
+            stats.num_lora_host_evictions = self.lora_manager.store.num_evictions
         return stats
 
     def reset_prefix_cache(self) -> bool:

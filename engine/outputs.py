@@ -75,6 +75,9 @@ class LoRASlotLoad:
     """The slot, 0..max_loras-1."""
     lora_request: "LoRARequest"
     """The adapter (name and path; no weights)."""
+    prefetch: bool = False
+    """For a request a later step admits (``Scheduler._prefetch_lora_slots``): no request of this step
+    reads the slot, so on CUDA the copy may finish after this step's forward (the next step waits)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,18 @@ class SchedulerStats:
     """Adapter GPU slots (``max_loras``; 0 without LoRA)."""
     num_loras_registered: int = 0
     """Adapters the engine knows (host copies), those being unloaded included."""
+    num_lora_slot_loads: int = 0
+    """Adapters copied into a GPU slot since start (prefetches included)."""
+    num_lora_slot_evictions: int = 0
+    """Of those, loads that evicted another (idle) adapter from its slot."""
+    num_lora_slot_prefetches: int = 0
+    """Of those, loads for a request admitted in a later step."""
+    num_lora_reloads_while_running: int = 0
+    """Slot loads that evicted or reloaded an adapter with running requests (never: a check that stays 0)."""
+    num_lora_host_loads: int = 0
+    """Adapters put in the host store (``max_cpu_loras``) since start (a read again after eviction counts again)."""
+    num_lora_host_evictions: int = 0
+    """Adapters the host store dropped for room since start."""
     num_encoder_cache_entries: int = 0
     """Encoder outputs held, referenced or kept for reuse."""
     num_encoder_cache_entries_in_use: int = 0

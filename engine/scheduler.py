@@ -14,6 +14,7 @@ them. A grammar that fails to compile or a token it rejects ends the request wit
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from engine.structured_output.manager import GrammarBitmask, ReasoningTracker, StructuredOutputManager
+
+logger = logging.getLogger("chorus.scheduler")
 
 
 LORA_RESERVE_AFTER_STEPS = 0
@@ -121,6 +124,10 @@ class Scheduler:
         self._lora_blocked_since: dict[str, int] = {}
         self.lora_reserve_after_steps = LORA_RESERVE_AFTER_STEPS
         self.lora_ready = lora_ready
+        self._lora_not_ready: set[str] = set()
+        """Adapters ``lora_ready`` answered False for in this ``schedule()`` (asked once a step)."""
+        self.num_lora_reloads_while_running = 0
+        """Slot loads that evicted or reloaded an adapter some running request uses (a check: always 0)."""
         self.encoder_compute_budget, encoder_cache_size = scheduler_config.encoder_budgets(max_embeds_per_mm_item)
         self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
 
@@ -224,11 +231,13 @@ class Scheduler:
         placeholders already reach ``max_tokens`` is not scheduled again.
         """
         self._validate_lora_reservation()
+        self._lora_not_ready.clear()
         plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens,
                          encoder_budget=self.encoder_compute_budget)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
+            self._prefetch_lora_slots(plan)
         output = self._build_output(plan, self._constrained_sampling(plan))
         for req_id, n in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -403,9 +412,11 @@ class Scheduler:
     def _admit(self, plan: _StepPlan, request: Request, num_computed: int, num_new_tokens: int) -> None:
         if request.lora_request is not None:
             assert self.lora_slots is not None
-            grant = self.lora_slots.acquire(request.lora_request)
+            resident = self.lora_slots.slot_of(request.lora_request.lora_name) is not None
+            grant = self.lora_slots.acquire(request.lora_request, {} if resident else self.lora_demand())
             assert grant is not None, "checked by _lora_admissible"
             if grant.load_needed:
+                self._check_slot_load(grant.evicted, request.lora_request.lora_name)
                 plan.lora_loads.append(LoRASlotLoad(grant.lora_slot, request.lora_request))
             if self._lora_reservation is not None and self._lora_reservation.req_id == request.request_id:
                 self._lora_reservation = None
@@ -520,12 +531,71 @@ class Scheduler:
         slot = self.lora_slots.slot_of(request.lora_request.lora_name)
         if slot is not None:
             return reservation is None or is_holder or slot != reservation.drain_slot
-        if self.lora_ready is not None and not self.lora_ready(request.lora_request):
+        if not self._lora_host_ready(request.lora_request):
             return False   # its adapter is being read from disk: the others go on
         if (reservation is None or is_holder) and self.lora_slots.can_acquire(request.lora_request):
             return True
         self._lora_blocked_since.setdefault(request.request_id, self.num_steps)
         return False
+
+    def lora_demand(self) -> dict[str, int]:
+        """Adapter name -> queue position of the first waiting request that names it: what slot and
+        host-store eviction keep longest (an adapter waited for soonest is evicted last)."""
+        demand: dict[str, int] = {}
+        for position, request in enumerate(self.waiting):
+            if request.lora_request is not None:
+                demand.setdefault(request.lora_request.lora_name, position)
+        return demand
+
+    def _prefetch_lora_slots(self, plan: _StepPlan) -> None:
+        """Slot loads for the waiting requests the scheduler will admit next: the first ``max_loras``
+        waiting requests (queue order) whose adapter has no slot are looked at; an adapter in host
+        memory (``lora_ready``, which has a missing one read from disk off the step loop) goes to an
+        empty slot or one whose idle adapter nobody waits for (``LoRASlotManager.prefetch``), so its
+        copy (``LoRASlotLoad.prefetch``: on a side stream on CUDA) runs beside this step and the step
+        that admits the request loads nothing. Not while a slot is reserved (the holder goes first)."""
+        slots = self.lora_slots
+        if slots is None or self._lora_reservation is not None or len(self.waiting) == 0:
+            return
+        demand: Optional[dict[str, int]] = None
+        looked = 0
+        for request in self.waiting:
+            lora_request = request.lora_request
+            if lora_request is None or slots.slot_of(lora_request.lora_name) is not None:
+                continue
+            looked += 1
+            if looked > slots.max_loras:
+                break
+            if not self._lora_host_ready(lora_request):
+                continue
+            demand = self.lora_demand() if demand is None else demand
+            grant = slots.prefetch(lora_request, demand)
+            if grant is None:
+                break                       # every free slot's adapter is waited for
+            self._check_slot_load(grant.evicted, lora_request.lora_name)
+            plan.lora_loads.append(LoRASlotLoad(grant.lora_slot, lora_request, prefetch=True))
+
+    def _lora_host_ready(self, lora_request: LoRARequest) -> bool:
+        """``lora_ready``, asked at most once per adapter per step while it says False."""
+        name = lora_request.lora_name
+        if self.lora_ready is None:
+            return True
+        if name in self._lora_not_ready:
+            return False
+        if self.lora_ready(lora_request):
+            return True
+        self._lora_not_ready.add(name)
+        return False
+
+    def _check_slot_load(self, evicted: Optional[str], loaded: str) -> None:
+        """Count a slot load that evicts or reloads an adapter a running request uses
+        (``num_lora_reloads_while_running``); checked against ``running`` itself, not the slot counts."""
+        for r in self.running:
+            if r.lora_request is not None and r.lora_request.lora_name in (evicted, loaded):
+                self.num_lora_reloads_while_running += 1
+                logger.error("LoRA slot load of %r (evicting %r) while request %s runs on it", loaded, evicted,
+                             r.request_id)
+                return
 
     def _needs_new_slot(self, request: Request) -> bool:
         assert self.lora_slots is not None and request.lora_request is not None
@@ -828,6 +898,10 @@ class Scheduler:
             num_lora_slots_in_use=(sum(slots.num_running(s) > 0 for s in range(slots.max_loras))
                                    if slots is not None else 0),
             num_lora_slots=slots.max_loras if slots is not None else 0,
+            num_lora_slot_loads=slots.num_loads if slots is not None else 0,
+            num_lora_slot_evictions=slots.num_evictions if slots is not None else 0,
+            num_lora_slot_prefetches=slots.num_prefetches if slots is not None else 0,
+            num_lora_reloads_while_running=self.num_lora_reloads_while_running,
             num_encoder_cache_entries=len(ecm.cached),
             num_encoder_cache_entries_in_use=len(ecm.cached) - len(ecm.freeable),
             num_encoder_cache_embeds_in_use=ecm.cache_size - ecm.num_freeable_slots,

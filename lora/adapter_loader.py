@@ -41,10 +41,13 @@ class AdapterLoader:
 
     Args:
         reader: reads an adapter for the engine's base model.
+        pin_memory: page-lock each adapter read, on the loader thread (CUDA engines: the host store keeps
+            pinned copies, and pinning on the step loop would be a host copy there).
     """
 
-    def __init__(self, reader: AdapterReader) -> None:
+    def __init__(self, reader: AdapterReader, pin_memory: bool = False) -> None:
         self.reader = reader
+        self.pin_memory = pin_memory
         self._queued: dict[str, LoRARequest] = {}
         """Adapter name -> the read asked for and not finished (queued or running)."""
         self._done: list[AdapterRead] = []
@@ -65,6 +68,12 @@ class AdapterLoader:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="chorus-adapter-loader", daemon=True)
                 self._thread.start()
+
+    @property
+    def num_pending(self) -> int:
+        """Reads queued or running (not finished)."""
+        with self._lock:
+            return len(self._queued)
 
     @property
     def busy(self) -> bool:
@@ -94,6 +103,8 @@ class AdapterLoader:
                 lora_request = self._queued[name]
             try:
                 result: Union[LoRAAdapter, LoRAAdapterError] = self.reader.read(lora_request)
+                if self.pin_memory:
+                    result.pin_memory()
             except LoRAAdapterError as e:
                 result = e
             except Exception as e:  # noqa: BLE001 - an unreadable adapter fails its requests, not the engine

@@ -1,15 +1,18 @@
 """Host-memory store of loaded adapters: an LRU over ``max_cpu_loras`` entries.
 
 The store holds the only host copy of each adapter's tensors (page-locked on CUDA so slot loads
-are non-blocking copies). Putting an adapter beyond capacity evicts the least recently used one;
-the manager reloads an evicted adapter from disk when a slot needs it again. ``remove`` drops the
+are non-blocking copies). Putting an adapter beyond capacity evicts by recency and pending demand:
+first the least recently used adapter no waiting request names, then, when every held adapter is
+waited for, the one whose first waiting request is latest in the queue (``demand``), so an adapter
+about to be admitted is never dropped for one needed later. The manager reloads an evicted adapter
+from disk (off the step loop) when a slot needs it again. ``remove`` drops the
 entry, so nothing here keeps the tensors alive afterwards.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import Mapping, Optional
 
 from lora.peft_adapter import LoRAAdapter
 
@@ -49,8 +52,14 @@ class AdapterStore:
             self._adapters.move_to_end(name)
         return adapter
 
-    def put(self, adapter: LoRAAdapter) -> list[str]:
-        """Hold ``adapter`` (replacing one of the same name); returns the names evicted for room."""
+    def put(self, adapter: LoRAAdapter, demand: Optional[Mapping[str, int]] = None) -> list[str]:
+        """Hold ``adapter`` (replacing one of the same name); returns the names evicted for room.
+
+        Args:
+            demand: adapter name -> queue position of its first waiting request (``Scheduler.lora_demand``);
+                None: plain LRU. Eviction takes the least recently used adapter not in ``demand``,
+                else the one with the latest position (possibly ``adapter`` itself).
+        """
         if self.pin_memory:
             adapter.pin_memory()
         self._adapters.pop(adapter.name, None)
@@ -58,10 +67,18 @@ class AdapterStore:
         self.num_loads += 1
         evicted = []
         while len(self._adapters) > self.capacity:
-            name, _ = self._adapters.popitem(last=False)
+            name = self._victim(demand or {})
+            del self._adapters[name]
             evicted.append(name)
             self.num_evictions += 1
         return evicted
+
+    def _victim(self, demand: Mapping[str, int]) -> str:
+        """The adapter to drop: the least recently used one nobody waits for, else the one waited for latest."""
+        for name in self._adapters:          # oldest first
+            if name not in demand:
+                return name
+        return max(self._adapters, key=lambda name: demand[name])
 
     def remove(self, name: str) -> bool:
         """Drop an adapter; returns whether it was held."""

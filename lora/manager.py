@@ -6,9 +6,15 @@ Life of an adapter:
    read (``lora.adapter_uploads``: off the step loop) in the host store (LRU over ``max_cpu_loras``).
 2. ``host_ready`` / ``take_reads``: a waiting request gets a slot only once its adapter is in the
    host store; one the LRU dropped is read again by the loader thread (``lora.adapter_loader``)
-   while the other requests run.
+   while the other requests run (at most ``MAX_READS_IN_FLIGHT_FRACTION`` of the store's capacity
+   queued at once, and only for the adapters the scheduler asks about first in a step: see
+   ``host_ready``). The store evicts by recency and pending demand (``demand``: the scheduler's
+   ``lora_demand``), so an adapter about to be admitted is not dropped for one needed later.
 3. ``load_slots`` (before a step, as the scheduler's ``lora_loads`` say): copy the adapter from
    the host store into its slot of every adapted layer; projections it does not target are zeroed.
+   On CUDA the copies run on a side stream from pinned memory: the step waits for them through an
+   event, and a prefetch load (for a request a later step admits) is waited for by the next step
+   only, so its copy overlaps this step's forward.
 4. ``set_batch`` (once per step): group the step's tokens by slot; every layer reads it. Calls
    outside the step's token batch (an encoder-decoder model's encoder and cross-attention K/V
    projection, on encoder rows) run under ``rows_batch`` with one slot per row.
@@ -24,7 +30,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -54,6 +60,12 @@ adapters all sit in the first this-many slots (``few_adapters_bound``; the slot 
 lowest free slot first): fixed-grid launches over fewer slots have fewer programs that find an
 empty segment, so such steps run faster (``benchmarks/RESULTS.md``, "Launch configs and constants
 inside the kernels")."""
+
+
+MAX_READS_IN_FLIGHT_FRACTION = 0.5
+"""``host_ready`` queues disk reads only while fewer than this fraction of ``max_cpu_loras`` are queued
+(at least one): the scheduler asks in queue order, so the reads go to the adapters needed soonest, and
+what they put in the store does not evict each other before their requests are admitted."""
 
 
 STACKED_COVER_MIN_GAIN = 0.03
@@ -146,8 +158,19 @@ class LoRAManager:
         self.store = AdapterStore(lora_config.max_cpu_loras, pin_memory=self.device.type == "cuda")
         self.reader = AdapterReader(self.targets, self.max_lora_rank, self.lora_dtype)
         """Reads adapters for this model; the engine's client gets it to read adapters off the step loop."""
-        self.loader = AdapterLoader(self.reader)
+        self.loader = AdapterLoader(self.reader, pin_memory=self.device.type == "cuda")
         """The engine's own reads (``host_ready``, ``register(read_later=True)``), off the step loop."""
+        self._asked: set[str] = set()
+        """Adapters ``host_ready`` was asked about since the last ``take_reads`` (this step)."""
+        self.demand: Callable[[], Mapping[str, int]] = dict
+        """Adapter name -> queue position of its first waiting request (the engine sets the scheduler's
+        ``lora_demand``): host-store eviction keeps adapters waited for, the soonest longest."""
+        self._copy_stream: Optional[torch.cuda.Stream] = None
+        """CUDA: the side stream slot copies run on (created on first load)."""
+        self._copies_fresh: Optional[torch.cuda.Event] = None
+        """CUDA: prefetch copies enqueued since the last ``set_batch`` (this step's: not waited for)."""
+        self._copies_due: Optional[torch.cuda.Event] = None
+        """CUDA: prefetch copies of an earlier step: the next ``set_batch`` makes the step wait for them."""
         self._unverified: set[str] = set()
         """Registered from a request that carried no weights: not read yet (its requests wait)."""
         self._registered: dict[str, LoRARequest] = {}
@@ -213,20 +236,32 @@ class LoRAManager:
         logger.info("LoRA adapter %r registered from %s", name, lora_request.lora_path)
         return True
 
-    def put_registered(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
-        """Hold ``adapter`` in the host store and register it under ``lora_request`` (kept without weights)."""
-        self.store.put(adapter)
+    def put_registered(self, lora_request: LoRARequest, adapter: LoRAAdapter,
+                       demand: Optional[Mapping[str, int]] = None) -> None:
+        """Hold ``adapter`` in the host store and register it under ``lora_request`` (kept without weights);
+        ``demand``: the waiting requests' adapters (``self.demand()`` when None), which eviction keeps."""
+        self.store.put(adapter, self.demand() if demand is None else demand)
         self._registered[lora_request.lora_name] = lora_request.without_adapter()
         self._unverified.discard(lora_request.lora_name)
 
     def host_ready(self, lora_request: LoRARequest) -> bool:
         """Whether the adapter's weights are in the host store, so a step may load it into a slot;
         when not, the loader is asked to read them (the scheduler asks before it gives a request a
-        slot: ``Scheduler.lora_ready``)."""
+        slot: ``Scheduler.lora_ready``).
+
+        The scheduler asks in queue order, once per adapter and step, so the k-th adapter asked in a
+        step is about the k-th needed: a read is queued only for the first ``max_cpu_loras - max_loras``
+        asked, ready or not (at least one), whose weights the store keeps until their requests are admitted (it evicts
+        the adapters waited for latest); a read for one further back would evict itself, or one needed
+        sooner, and be read again."""
         name = lora_request.lora_name
+        self._asked.add(name)
         if self.store.get(name) is not None:
             return True
-        self.loader.request(self._registered.get(name, lora_request))
+        if len(self._asked) > max(1, self.store.capacity - self.max_loras):
+            return False
+        if self.loader.num_pending < max(1, int(self.store.capacity * MAX_READS_IN_FLIGHT_FRACTION)):
+            self.loader.request(self._registered.get(name, lora_request))
         return False
 
     def take_reads(self) -> dict[str, LoRAAdapterError]:
@@ -234,7 +269,9 @@ class LoRAManager:
         name -> error for the reads that failed (their waiting requests fail with it). An adapter
         registered without weights (``read_later``) whose read failed is unregistered again. A read of
         an adapter unloaded meanwhile is dropped."""
+        self._asked.clear()               # the engine calls this once per step, before ``schedule()``
         errors: dict[str, LoRAAdapterError] = {}
+        demand: Optional[Mapping[str, int]] = None
         for read in self.loader.take_done():
             name = read.lora_request.lora_name
             known = self._registered.get(name)
@@ -247,7 +284,8 @@ class LoRAManager:
                 else:
                     errors[name] = self._reread_error(known, read.result)
                 continue
-            self.put_registered(known, read.result)
+            demand = self.demand() if demand is None else demand
+            self.put_registered(known, read.result, demand)
         return errors
 
     def adapter_reads_pending(self) -> bool:
@@ -320,9 +358,39 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ per step
     def load_slots(self, loads: Sequence) -> None:
-        """Copy adapters into slots, as the step's ``lora_loads`` (``LoRASlotLoad``s) say."""
-        for load in loads:
-            self.load_slot(load.lora_slot, load.lora_request)
+        """Copy adapters into slots, as the step's ``lora_loads`` (``LoRASlotLoad``s) say.
+
+        On CUDA the copies run on a side stream, after everything launched before (the last step that
+        read an idle slot's old adapter), from the store's pinned tensors; an event marks their end. A
+        step with a load its own requests read waits for it at once; one with prefetch loads only
+        (``LoRASlotLoad.prefetch``: the scheduler emits them in steps that run tokens, so ``set_batch``
+        follows) leaves the wait to the next step's ``set_batch``. On CPU they are plain copies."""
+        if self.device.type != "cuda":
+            for load in loads:
+                self.load_slot(load.lora_slot, load.lora_request)
+            return
+        current = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(current)
+        with torch.cuda.stream(self._copy_stream):
+            for load in loads:
+                self.load_slot(load.lora_slot, load.lora_request)
+        done = torch.cuda.Event()
+        done.record(self._copy_stream)
+        if all(load.prefetch for load in loads):
+            if self._copies_fresh is not None:       # an earlier step's, whose set_batch never ran
+                self._copies_due = self._copies_fresh
+            self._copies_fresh = done
+            return
+        current.wait_event(done)                     # covers every earlier copy on the side stream
+        self._copies_fresh = self._copies_due = None
+
+    def _wait_for_prefetched(self) -> None:
+        """Make the current stream wait for the prefetch copies of earlier steps; this step's become due."""
+        if self._copies_due is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copies_due)
+        self._copies_due, self._copies_fresh = self._copies_fresh, None
 
     def load_slot(self, lora_slot: int, lora_request: LoRARequest) -> None:
         """Copy one adapter into ``lora_slot`` of every adapted layer (zeroing untargeted slices)."""
@@ -527,6 +595,8 @@ class LoRAManager:
             max_active: with fixed_grid, the most adapters the step may run (a graph captured for
                 few adapters, see ``few_adapters_bound``); None: max_loras.
         """
+        if self._copies_due is not None or self._copies_fresh is not None:
+            self._wait_for_prefetched()
         if token_lora_slots is None or (not fixed_grid and all(n is None for n in self._slot_names)):
             self.state.batch = None   # no adapter resident: nothing to add, no grouping, no sync
             return

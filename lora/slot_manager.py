@@ -2,24 +2,35 @@
 
 Ints and names only; the runner copies weights when the ``SchedulerOutput`` says so
 (``LoRASlotLoad``). A slot holding an adapter that no running request uses is *idle*: it keeps
-its weights (a later request reuses them without a load) but may be evicted, least recently
-used first, when another adapter needs a slot. A slot with running requests is never evicted.
+its weights (a later request reuses them without a load) but may be evicted when another adapter
+needs a slot: first the idle slots whose adapter no waiting request names, least recently used
+first, then those whose waiting requests come latest in the queue (``demand``). A slot with running
+requests is never evicted. ``prefetch`` places the adapter of a request the scheduler will admit next
+in an empty slot or one nobody waits for, so that its copy runs before the step that admits it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 from lora.request import LoRARequest
 
 
-class SlotGrant(NamedTuple):
+@dataclass(frozen=True)
+class SlotGrant:
     """Result of ``LoRASlotManager.acquire``."""
 
     lora_slot: int
     """GPU slot the request's adapter sits in, 0..max_loras-1."""
     load_needed: bool
     """True when the adapter was not resident: the runner must copy it in before the step."""
+    evicted: Optional[str] = field(default=None, compare=False)
+    """The idle adapter whose slot this load takes (None: the slot was empty or no load)."""
+
+
+NO_DEMAND: Mapping[str, int] = {}
+"""``demand`` of a caller that knows of no waiting request."""
 
 
 class LoRASlotManager:
@@ -42,6 +53,12 @@ class LoRASlotManager:
         self._clock = 0
         # Adapters asked to be removed while still in use: freed on their last release.
         self._pending_removal: set[str] = set()
+        self.num_loads = 0
+        """Adapters put into a slot since start (``acquire`` and ``prefetch``; a swap back counts again)."""
+        self.num_evictions = 0
+        """Of those, loads that took the slot of another (idle) adapter."""
+        self.num_prefetches = 0
+        """Of those, ``prefetch`` loads (for a request admitted in a later step)."""
 
     # --- queries ------------------------------------------------------------------------
     def slot_of(self, lora_name: str) -> Optional[int]:
@@ -62,15 +79,25 @@ class LoRASlotManager:
         """lora_name -> slot of every resident adapter."""
         return dict(self._name_to_slot)
 
-    def _slot_for_new_adapter(self) -> Optional[int]:
-        """An empty slot (lowest first), else the least recently used idle slot, else None."""
+    def _slot_for_new_adapter(self, demand: Mapping[str, int] = NO_DEMAND,
+                              unwanted_only: bool = False) -> Optional[int]:
+        """An empty slot (lowest first), else an idle slot: one whose adapter no waiting request names
+        (least recently used first), then one whose first waiting request is latest in the queue
+        (``demand``: adapter name -> queue position of its first waiting request); else None.
+        ``unwanted_only``: never a slot whose adapter is waited for."""
         for slot, lora in enumerate(self._slot_lora):
             if lora is None:
                 return slot
         idle = [s for s in range(self.max_loras) if self._num_running[s] == 0]
+        if unwanted_only:
+            idle = [s for s in idle if self._slot_lora[s].lora_name not in demand]
         if not idle:
             return None
-        return min(idle, key=lambda s: self._last_used[s])
+
+        def eviction_order(s: int) -> tuple[int, int, int]:
+            position = demand.get(self._slot_lora[s].lora_name)
+            return (0, 0, self._last_used[s]) if position is None else (1, -position, self._last_used[s])
+        return min(idle, key=eviction_order)
 
     def can_acquire(self, lora_request: LoRARequest) -> bool:
         """Whether ``acquire`` would succeed now (changes nothing)."""
@@ -91,11 +118,12 @@ class LoRASlotManager:
         self._clock += 1
         self._last_used[slot] = self._clock
 
-    def acquire(self, lora_request: LoRARequest) -> Optional[SlotGrant]:
+    def acquire(self, lora_request: LoRARequest, demand: Mapping[str, int] = NO_DEMAND) -> Optional[SlotGrant]:
         """Take a slot reference for one running request of ``lora_request``.
 
-        Reuses the adapter's slot when resident; otherwise takes an empty slot or evicts the
-        least recently used idle one.
+        Reuses the adapter's slot when resident; otherwise takes an empty slot or evicts an idle one
+        (``_slot_for_new_adapter``: by recency and ``demand``, adapter name -> queue position of its
+        first waiting request).
 
         Returns:
             The slot and whether the adapter must be loaded into it, or None if every slot
@@ -103,23 +131,45 @@ class LoRASlotManager:
         """
         name = lora_request.lora_name
         slot = self._name_to_slot.get(name)
-        load_needed = False
+        evicted = None
+        load_needed = slot is None
         if slot is None:
-            slot = self._slot_for_new_adapter()
+            slot = self._slot_for_new_adapter(demand)
             if slot is None:
                 return None
-            evicted = self._slot_lora[slot]
-            if evicted is not None:
-                del self._name_to_slot[evicted.lora_name]
-                self._pending_removal.discard(evicted.lora_name)
-            self._slot_lora[slot] = lora_request
-            self._name_to_slot[name] = slot
-            load_needed = True
+            evicted = self._place(slot, lora_request)
         # A new user of an adapter pending removal cancels the removal.
         self._pending_removal.discard(name)
         self._num_running[slot] += 1
         self._touch(slot)
-        return SlotGrant(slot, load_needed)
+        return SlotGrant(slot, load_needed, evicted)
+
+    def prefetch(self, lora_request: LoRARequest, demand: Mapping[str, int]) -> Optional[SlotGrant]:
+        """Put a waiting request's adapter in a slot ahead of its admission (no running reference):
+        an empty slot or an idle one whose adapter no waiting request names (``demand``), never
+        one waited for. None when the adapter is resident already or no such slot exists."""
+        if lora_request.lora_name in self._name_to_slot:
+            return None
+        slot = self._slot_for_new_adapter(demand, unwanted_only=True)
+        if slot is None:
+            return None
+        evicted = self._place(slot, lora_request)
+        self._touch(slot)
+        self.num_prefetches += 1
+        return SlotGrant(slot, True, evicted)
+
+    def _place(self, slot: int, lora_request: LoRARequest) -> Optional[str]:
+        """Make ``lora_request`` the adapter of an empty or idle ``slot``; returns the adapter evicted."""
+        assert self._num_running[slot] == 0, "a slot with running requests is never evicted"
+        old = self._slot_lora[slot]
+        if old is not None:
+            del self._name_to_slot[old.lora_name]
+            self._pending_removal.discard(old.lora_name)
+            self.num_evictions += 1
+        self._slot_lora[slot] = lora_request
+        self._name_to_slot[lora_request.lora_name] = slot
+        self.num_loads += 1
+        return None if old is None else old.lora_name
 
     def release(self, lora_request: LoRARequest) -> None:
         """Drop one running request's reference (finished or preempted)."""

@@ -59,6 +59,17 @@ HELD_GAUGES = (
 )
 """(gauge name, help, ``SchedulerStats`` field): what the engine holds now (leak checks)."""
 
+LORA_COUNTERS = (
+    ("lora_slot_loads", "Adapters copied into a GPU slot (prefetches included).", "num_lora_slot_loads"),
+    ("lora_slot_evictions", "Slot loads that evicted another (idle) adapter.", "num_lora_slot_evictions"),
+    ("lora_slot_prefetches", "Slot loads for requests admitted in a later step.", "num_lora_slot_prefetches"),
+    ("lora_reloads_while_running", "Slot loads that evicted or reloaded an adapter with running requests "
+     "(a check: stays 0).", "num_lora_reloads_while_running"),
+    ("lora_host_loads", "Adapters put in the host-memory store (--max-cpu-loras).", "num_lora_host_loads"),
+    ("lora_host_evictions", "Adapters the host-memory store dropped for room.", "num_lora_host_evictions"),
+)
+"""(counter name, help, ``SchedulerStats`` field): adapter movement between disk, host memory and slots."""
+
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
@@ -167,6 +178,8 @@ class EngineStatsCollector(Collector):
         yield gauge("max_num_reqs_per_step", "Most requests scheduled in one engine step since start.",
                     s.max_reqs_per_step)
         yield gauge("num_active_loras", "Adapters resident in GPU slots.", s.num_active_loras)
+        for name, doc, attr in LORA_COUNTERS:
+            yield counter(name, doc, getattr(s, attr))
         yield gauge("num_requests_tracked", "Requests the server's engine client tracks (added, stream not "
                     "closed yet).", getattr(self.engine_client, "num_tracked_requests", 0))
         for name, doc, attr in HELD_GAUGES:

@@ -76,8 +76,9 @@ class LoRASlotLoad:
     lora_request: "LoRARequest"
     """The adapter (name and path; no weights)."""
     prefetch: bool = False
-    """For a request a later step admits (``Scheduler._prefetch_lora_slots``): no request of this step
-    reads the slot, so on CUDA the copy may finish after this step's forward (the next step waits)."""
+    """For a request a later step admits (``Scheduler._prefetch_lora_slots``, only in steps that run
+    tokens): no request of this step reads the slot, so on CUDA the copy may finish after this step's
+    forward (the next step waits for it)."""
 
 
 @dataclass(frozen=True)

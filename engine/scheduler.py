@@ -553,9 +553,12 @@ class Scheduler:
         memory (``lora_ready``, which has a missing one read from disk off the step loop) goes to an
         empty slot or one whose idle adapter nobody waits for (``LoRASlotManager.prefetch``), so its
         copy (``LoRASlotLoad.prefetch``: on a side stream on CUDA) runs beside this step and the step
-        that admits the request loads nothing. Not while a slot is reserved (the holder goes first)."""
+        that admits the request loads nothing. Not while a slot is reserved (the holder goes first), and
+        only in a step that runs tokens (the runner's ``set_batch`` of this step then hands the copy's
+        wait to the next step: ``LoRAManager.load_slots``)."""
         slots = self.lora_slots
-        if slots is None or self._lora_reservation is not None or len(self.waiting) == 0:
+        if (slots is None or self._lora_reservation is not None or len(self.waiting) == 0
+                or not plan.num_scheduled_tokens):
             return
         demand: Optional[dict[str, int]] = None
         looked = 0

@@ -251,14 +251,14 @@ class LoRAManager:
 
         The scheduler asks in queue order, once per adapter and step, so the k-th adapter asked in a
         step is about the k-th needed: a read is queued only for the first ``max_cpu_loras - max_loras``
-        asked, ready or not (at least one), whose weights the store keeps until their requests are admitted (it evicts
-        the adapters waited for latest); a read for one further back would evict itself, or one needed
-        sooner, and be read again."""
+        asked, ready or not (at least half of ``max_cpu_loras``), whose weights the store keeps until
+        their requests are admitted (it evicts the adapters waited for latest); a read for one further
+        back would evict itself, or one needed sooner, and be read again."""
         name = lora_request.lora_name
         self._asked.add(name)
         if self.store.get(name) is not None:
             return True
-        if len(self._asked) > max(1, self.store.capacity - self.max_loras):
+        if len(self._asked) > max(1, self.store.capacity - self.max_loras, self.store.capacity // 2):
             return False
         if self.loader.num_pending < max(1, int(self.store.capacity * MAX_READS_IN_FLIGHT_FRACTION)):
             self.loader.request(self._registered.get(name, lora_request))
@@ -343,6 +343,8 @@ class LoRAManager:
             Whether anything was held.
         """
         held = self.holds(lora_name)
+        if self._copy_stream is not None and lora_name in self._slot_names:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)   # its copy lands first
         for slot, name in enumerate(self._slot_names):
             if name == lora_name:
                 for layer in self.layers.values():

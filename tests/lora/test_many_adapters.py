@@ -129,7 +129,7 @@ def test_random_requests_over_2000_adapters_match_alone_and_peft(engine, lora_di
     assert len(resolver.list_names()) == NUM_ADAPTERS
     rng = random.Random(0)
     requests = {}
-    for k in range(240):
+    for k in range(200):
         adapter = None if k % 5 == 0 else rng.randrange(NUM_ADAPTERS)   # a fifth are base requests
         requests[f"r{k}"] = (PROMPTS[rng.randrange(len(PROMPTS))], adapter)
     for rid, (prompt, adapter) in requests.items():
@@ -383,3 +383,19 @@ def test_cuda_slot_copies_wait_on_the_right_event(tiny_llama_dir, monkeypatch):
     assert drain()[-1] == ("wait_event", "main", 5)
     mgr.set_batch(None)
     assert drain() == [] and mgr.slot_of("z") == 0 and mgr.num_slot_loads == 5
+
+
+def test_reload_while_running_counter_sees_what_the_slot_counts_miss():
+    """The counter checks slot loads against the running requests themselves: with the slot manager's
+    count of a slot's running requests wrongly at 0, the load that evicts that slot is counted."""
+    sched = make_scheduler(max_loras=1, max_num_seqs=4)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", lora_request=lora("CA"), max_tokens=8))
+    runner.step()
+    assert sched.num_lora_reloads_while_running == 0
+    sched.lora_slots._num_running[0] = 0                # a bookkeeping fault: CA's slot looks idle
+    sched.add_request(make_request("b", lora_request=lora("CB"), max_tokens=2))
+    with pytest.raises(AssertionError, match="runs without a resident adapter"):
+        sched.schedule()                                # the step message refuses it too
+    assert sched.lora_slots.slot_of("CB") == 0
+    assert sched.num_lora_reloads_while_running == 1 and sched.get_stats().num_lora_reloads_while_running == 1

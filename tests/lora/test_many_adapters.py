@@ -119,7 +119,7 @@ def _scrape(engine: LLMEngine) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
     eng = LLMEngine.from_engine_args(model=str(tiny_llama_dir), max_model_len=128, enable_lora=True,
-                                     max_loras=16, max_cpu_loras=64, max_lora_rank=64, max_num_seqs=12)
+                                     max_loras=16, max_cpu_loras=64, max_lora_rank=64, max_num_seqs=16)
     yield eng
     eng.close()
 
@@ -142,7 +142,10 @@ def test_random_requests_over_2000_adapters_match_alone_and_peft(engine, lora_di
     assert stats.num_lora_slot_loads >= distinct > 16          # slots cycled through the adapters
     assert stats.num_lora_slot_evictions >= distinct - 16
     assert stats.num_lora_host_evictions >= distinct - 64      # the host store cycled too
-    assert stats.max_reqs_per_step == 12                       # batched across many adapters at once
+    # Each adapter is read by the client, and at most about once more by the engine (the store dropped it
+    # before its request ran): no read is evicted before its request is admitted and read again.
+    assert distinct + (distinct - 64) <= stats.num_lora_host_loads <= distinct + (distinct - 64) + 16
+    assert stats.max_reqs_per_step == 16                       # batched across many adapters at once
     assert stats.num_lora_slot_prefetches > 0                  # copies ahead of the admitting step
     _assert_nothing_held(engine)
     scraped = _scrape(engine)
@@ -399,3 +402,38 @@ def test_reload_while_running_counter_sees_what_the_slot_counts_miss():
         sched.schedule()                                # the step message refuses it too
     assert sched.lora_slots.slot_of("CB") == 0
     assert sched.num_lora_reloads_while_running == 1 and sched.get_stats().num_lora_reloads_while_running == 1
+
+
+def test_disk_reads_go_to_the_adapters_asked_first_in_a_step(tiny_llama_dir):
+    """``host_ready`` queues reads only for the first max(max_cpu_loras - max_loras, max_cpu_loras / 2)
+    adapters asked in a step (ready ones count) and while fewer than half the store's capacity are queued."""
+    from transformers import AutoConfig
+
+    from engine.config import LoRAConfig
+    from engine.models.llama import LlamaForCausalLM
+    from lora.manager import LoRAManager
+    from lora.peft_adapter import LoRAAdapter, PEFTAdapterConfig
+
+    class Loader:
+        def __init__(self):
+            self.asked, self.num_pending = [], 0
+
+        def request(self, lora_request):
+            self.asked.append(lora_request.lora_name)
+
+        def take_done(self):
+            return []
+
+    mgr = LoRAManager(LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=8), LlamaForCausalLM(
+        AutoConfig.from_pretrained(tiny_llama_dir), 512), torch.device("cpu"), torch.float32)
+    mgr.loader = Loader()
+    mgr.store.put(LoRAAdapter("h", "/x", 2, PEFTAdapterConfig(r=2, lora_alpha=2), {}))
+    assert mgr.host_ready(LoRARequest("h", 1))
+    assert not any(mgr.host_ready(LoRARequest(n, ord(n))) for n in "abcdefg")
+    assert mgr.loader.asked == list("abcde")                # 8 - 2 = 6 asked, h among them
+    assert not mgr.host_ready(LoRARequest("f", 9)) and mgr.loader.asked == list("abcde")
+    assert mgr.take_reads() == {}                            # the next step
+    mgr.loader.num_pending = 4                               # half the store's capacity queued
+    assert not mgr.host_ready(LoRARequest("f", 9)) and mgr.loader.asked == list("abcde")
+    mgr.loader.num_pending = 3
+    assert not mgr.host_ready(LoRARequest("f", 9)) and mgr.loader.asked == list("abcdef")

@@ -1,6 +1,6 @@
 """``AdapterLoader``: the engine's disk reads of adapters, on a thread beside the step loop.
 
-The engine reads an adapter itself in two cases: its host store (an LRU over ``max_cpu_loras``)
+The engine reads an adapter itself in two cases: its host store (``max_cpu_loras`` adapters)
 dropped a registered adapter that a waiting request needs in a slot again, or a request names an
 adapter the engine was never sent (the client's record of sent adapters was out of date). Either
 way the step loop only asks for the read (``request``) and goes on stepping the other requests;

@@ -1,4 +1,4 @@
-"""Host-memory store of loaded adapters: an LRU over ``max_cpu_loras`` entries.
+"""Host-memory store of loaded adapters: ``max_cpu_loras`` entries, evicted by recency and pending demand.
 
 The store holds the only host copy of each adapter's tensors (page-locked on CUDA so slot loads
 are non-blocking copies). Putting an adapter beyond capacity evicts by recency and pending demand:
@@ -18,7 +18,7 @@ from lora.peft_adapter import LoRAAdapter
 
 
 class AdapterStore:
-    """LRU of ``LoRAAdapter``s by name.
+    """``LoRAAdapter``s by name, kept in recency order.
 
     Args:
         capacity: adapters kept at once (``max_cpu_loras``).

@@ -3,9 +3,9 @@
 Life of an adapter:
 
 1. ``register`` (when a request names it, or ``add_lora``): keep the tensors the engine's client
-   read (``lora.adapter_uploads``: off the step loop) in the host store (LRU over ``max_cpu_loras``).
+   read (``lora.adapter_uploads``: off the step loop) in the host store (``max_cpu_loras`` adapters).
 2. ``host_ready`` / ``take_reads``: a waiting request gets a slot only once its adapter is in the
-   host store; one the LRU dropped is read again by the loader thread (``lora.adapter_loader``)
+   host store; one the store dropped is read again by the loader thread (``lora.adapter_loader``)
    while the other requests run (at most ``MAX_READS_IN_FLIGHT_FRACTION`` of the store's capacity
    queued at once, and only for the adapters the scheduler asks about first in a step: see
    ``host_ready``). The store evicts by recency and pending demand (``demand``: the scheduler's

@@ -34,7 +34,7 @@ NO_DEMAND: Mapping[str, int] = {}
 
 
 class LoRASlotManager:
-    """Adapter -> slot map with per-slot running counts and LRU eviction of idle slots.
+    """Adapter -> slot map with per-slot running counts; idle slots evicted by recency and pending demand.
 
     Args:
         max_loras: number of GPU slots.

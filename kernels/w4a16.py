@@ -279,7 +279,8 @@ def w4a16_config(M: int, N: int, K: int, device: Optional[torch.device] = None,
     group scale is applied to the float32 product (exact). M > 16: GEMM tiles (block_m up to
     64, then 64x128, then 128x128 with 8 warps above 256 rows) with the scale folded into the
     weight tile (scale_in_weight=1: one accumulator, fewer registers).
-    NOTE: first choices, checked to compile for sm_90 without spills but not yet timed;
+    NOTE: first choices, checked to compile for sm_90 without spills, untuned: the decode tiling reads the
+    int4 weights at 0.13 of the bytes floor on an H200 (benchmarks/RESULTS.md, "Quantized weights");
     ``benchmarks/sweeps/w4a16_sweep.py`` times them against the alternatives on the GPU.
     """
     if device is not None and is_interpreted(device):

@@ -191,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.model = LlamaModel(config, max_position, qkv_bias, o_bias, mlp_bias, self.rotary_cls, self.tp,
                                 self.decoder_layer_cls)
+        # Mistral's, Qwen2's and Qwen3's windowed layers (engine.models.sliding_window); None for Llama.
+        set_layer_windows(self.attention_layers(), layer_windows(config))
         self.quantized_head = None
         """The LM head kept quantized (``quantize``), or None."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -337,7 +339,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: Llama with biases on q/k/v (none on o)."""
+    """Qwen2: Llama with biases on q/k/v (none on o); with ``use_sliding_window`` the layers from
+    ``max_window_layers`` on attend within ``sliding_window`` (``engine.models.sliding_window``)."""
 
     qkv_bias_default = True
 
@@ -345,7 +348,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: Llama layout; with ``sliding_window`` set every layer attends within it
     (``engine.models.sliding_window``)."""
-
-    def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
-        super().__init__(config, max_position, tp)
-        set_layer_windows(self.attention_layers(), layer_windows(config))

@@ -16,8 +16,6 @@ un-normalized q and k. ``Qwen3Attention`` is shared with Qwen3-MoE (``engine.mod
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from engine.distributed.group import TensorParallelGroup
@@ -84,22 +82,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense). Module and checkpoint names as transformers' (``model.layers.N.self_attn.q_norm.weight``,
     ...); q/k/v and gate/up packed as Llama's, so PEFT adapters on q/k/v/o/gate/up/down map the same way
-    (``lora_layout``)."""
+    (``lora_layout``). With ``use_sliding_window`` the layers from ``max_window_layers`` on attend within
+    ``sliding_window`` (``engine.models.sliding_window``, set by ``LlamaForCausalLM``)."""
 
     decoder_layer_cls = Qwen3DecoderLayer
-
-    def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
-        check_full_attention(config, max_position)
-        super().__init__(config, max_position, tp)
-
-
-def check_full_attention(config, max_position: int) -> None:
-    """ValueError for a config with sliding-window layers (``use_sliding_window``) at a context longer than
-    the window: every layer here attends to the whole context, which equals sliding-window attention only
-    while the context fits in the window."""
-    window = getattr(config, "sliding_window", None)
-    sliding = any(t == "sliding_attention" for t in (getattr(config, "layer_types", None) or []))
-    if sliding and window and max_position > window:
-        raise ValueError(f"this checkpoint uses sliding-window attention (use_sliding_window, window {window}), "
-                         f"which Chorus does not implement; --max-model-len {window} or less serves it exactly "
-                         f"(asked for {max_position}).")

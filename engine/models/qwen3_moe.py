@@ -8,6 +8,8 @@ renormalized when ``norm_topk_prob``; dense layers a SwiGLU MLP of ``intermediat
 ``shared_expert_intermediate_size`` (Qwen2-MoE style) gets a gated shared expert in each sparse layer.
 Checkpoints: ``model.layers.N.mlp.gate.weight`` (router), ``mlp.experts.E.gate_proj|up_proj|down_proj.weight``
 or transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj`` (``engine.models.mixtral``).
+With ``use_sliding_window`` every layer attends within ``sliding_window``, as transformers' Qwen3-MoE (which
+has no ``max_window_layers``): ``engine.models.sliding_window``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """Which decoder layers of a checkpoint attend within a sliding window, as transformers reads its config.
 
-- Mistral, Mixtral: every layer, when ``sliding_window`` is set (transformers' ``create_sliding_window_causal_mask``
-  for the whole model);
-- Gemma 3 (text, and the text model of ``gemma3``): the layers whose ``layer_types`` entry is
-  ``"sliding_attention"`` (transformers fills ``layer_types`` from ``sliding_window_pattern``: every
-  pattern-th layer global); the others attend to the whole context.
+- Mistral, Mixtral, Qwen3-MoE: every layer, when ``sliding_window`` is set (transformers'
+  ``create_sliding_window_causal_mask`` for the whole model; Qwen3-MoE's config keeps ``sliding_window`` only
+  with ``use_sliding_window`` and has no ``max_window_layers``);
+- Gemma 3 (text, and the text model of ``gemma3``), Qwen2 (also the language model of Qwen2-Audio and of a
+  LLaVA over Qwen2) and Qwen3: the layers whose ``layer_types`` entry is ``"sliding_attention"``; the
+  others attend to the whole context. transformers fills ``layer_types`` from Gemma 3's
+  ``sliding_window_pattern`` (every pattern-th layer global) and from Qwen's ``max_window_layers`` (layers
+  i >= max_window_layers slide, when ``use_sliding_window``; ``sliding_window`` is None without it).
 
 A windowed layer's query at position p sees keys p - window < k <= p (``engine.attention``). When every
 layer is windowed, a request's KV blocks before its window are returned to the pool while it runs
@@ -20,16 +23,20 @@ from engine.layers.attention import PagedAttention
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 """transformers' ``layer_types`` entries."""
-_EVERY_LAYER = ("mistral", "mixtral")
+_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
 """Families whose ``sliding_window`` applies to every layer."""
-_BY_LAYER_TYPE = ("gemma3_text",)
+_BY_LAYER_TYPE = ("gemma3_text", "qwen2", "qwen3")
 """Families whose ``layer_types`` say which layers slide."""
 
 
 def layer_types(config) -> list[str]:
-    """Each decoder layer's kind, "sliding_attention" or "full_attention" (``layer_types``, or derived from
-    ``sliding_window_pattern`` as transformers does: every pattern-th layer global)."""
+    """Each decoder layer's kind, "sliding_attention" or "full_attention" (``layer_types``, or derived as
+    transformers does: from Qwen's ``max_window_layers``, layers from it on sliding; else from
+    ``sliding_window_pattern``, every pattern-th layer global)."""
     types = list(getattr(config, "layer_types", None) or [])
+    first_sliding = getattr(config, "max_window_layers", None)
+    if not types and first_sliding is not None:
+        types = [SLIDING if i >= first_sliding else FULL for i in range(config.num_hidden_layers)]
     if not types:
         pattern = int(getattr(config, "sliding_window_pattern", None) or 6)
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_hidden_layers)]
@@ -41,8 +48,11 @@ def layer_types(config) -> list[str]:
 
 def layer_windows(text_config) -> list[Optional[int]]:
     """Each decoder layer's sliding window in positions (None: the whole context), for the families above;
-    every layer None for the others and for a config without ``sliding_window``."""
+    every layer None for the others and for a config without ``sliding_window`` (or with Qwen's
+    ``use_sliding_window`` false)."""
     window = getattr(text_config, "sliding_window", None)
+    if not getattr(text_config, "use_sliding_window", True):
+        window = None
     model_type = getattr(text_config, "model_type", "")
     n = text_config.num_hidden_layers
     if not window or model_type not in _EVERY_LAYER + _BY_LAYER_TYPE:

@@ -4,8 +4,11 @@ equal, logprobs within 1e-3), with prompts and generations well past the window:
 - Mistral (every layer within ``sliding_window`` 12; 5 query heads over 1 KV head) and Mixtral
   (window 10, 3 query heads over 1 KV head): the KV blocks before a running request's window go back to the
   pool, counted while a long request decodes;
-- Gemma 3 (window 10 on its sliding layers, global layers beside them; 3 query heads over 1 KV head): no
+- Gemma 3 (window 10 on its sliding layers, global layers beside them; 3 query heads over 1 KV head), and
+  Qwen2 / Qwen3 with ``use_sliding_window`` (window 11 / 12 on the layers from ``max_window_layers`` on): no
   block falls out of every window, so none is returned;
+- Qwen3-MoE with ``use_sliding_window`` (window 10 on every layer: transformers' Qwen3-MoE has no
+  ``max_window_layers``) and Qwen3 with ``max_window_layers`` 0: blocks go back to the pool as Mistral's;
 - chunked prefill (chunks shorter and longer than the window, at odd offsets), prefix caching of a prompt
   whose head blocks were returned, preemption (recompute) across the window, and admission by what a
   request still needs (a prompt longer than the whole KV cache runs).
@@ -23,6 +26,12 @@ from tests.models.utils import check_outputs_close, hf_float32, hf_greedy
 
 MAX_TOKENS = 24
 MISTRAL_WINDOW, MIXTRAL_WINDOW, GEMMA_WINDOW = 12, 10, 10
+QWEN2_WINDOW, QWEN3_WINDOW, QWEN3_MOE_WINDOW = 11, 12, 10
+WINDOWS = {"mistral": [MISTRAL_WINDOW] * 2, "mixtral": [MIXTRAL_WINDOW] * 2,
+           "gemma3": [GEMMA_WINDOW, None, GEMMA_WINDOW], "qwen2": [None, QWEN2_WINDOW, QWEN2_WINDOW],
+           "qwen3": [None, None, QWEN3_WINDOW], "qwen3_every": [QWEN3_WINDOW] * 2,
+           "qwen3_moe": [QWEN3_MOE_WINDOW] * 3}
+"""Each family's per-layer window (None: the whole context), as transformers applies them."""
 LONG_PROMPT = " ".join(TINY_PROMPTS) + " " + " ".join(TINY_PROMPTS[::-1])
 
 
@@ -45,6 +54,22 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
                                         num_attention_heads=3, num_key_value_heads=1, head_dim=16,
                                         num_hidden_layers=3, sliding_window_pattern=2, query_pre_attn_scalar=20,
                                         sliding_window=GEMMA_WINDOW),
+        "qwen2": build_tiny_checkpoint(root / "qwen2", "qwen2", seed=24, hidden_size=48, num_attention_heads=3,
+                                       num_key_value_heads=1, num_hidden_layers=3, use_sliding_window=True,
+                                       sliding_window=QWEN2_WINDOW, max_window_layers=1),
+        "qwen3": build_tiny_checkpoint(root / "qwen3", "qwen3", seed=25, hidden_size=48, num_attention_heads=3,
+                                       num_key_value_heads=1, head_dim=16, num_hidden_layers=3,
+                                       use_sliding_window=True, sliding_window=QWEN3_WINDOW, max_window_layers=2),
+        "qwen3_every": build_tiny_checkpoint(root / "qwen3_every", "qwen3", seed=26, hidden_size=48,
+                                             num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                                             use_sliding_window=True, sliding_window=QWEN3_WINDOW,
+                                             max_window_layers=0),
+        "qwen3_moe": build_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=27, hidden_size=48,
+                                           num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                                           num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=32,
+                                           num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                           use_sliding_window=True, sliding_window=QWEN3_MOE_WINDOW,
+                                           max_window_layers=1),
     }
 
 
@@ -55,7 +80,7 @@ def _prompts(tok) -> list[list[int]]:
     return ids
 
 
-@pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma3"])
+@pytest.mark.parametrize("family", list(WINDOWS))
 def test_parity_with_transformers_past_the_window(dirs, family):
     d = dirs[family]
     hf = hf_float32(d)
@@ -63,11 +88,12 @@ def test_parity_with_transformers_past_the_window(dirs, family):
     layers = llm.llm_engine.core.runner.model.attention_layers()
     windows = [a.sliding_window for a in layers]
     assert layers[0].backend.cpu_decode is not None           # windowed decodes through the C kernel
-    expected = {"mistral": [MISTRAL_WINDOW] * 2, "mixtral": [MIXTRAL_WINDOW] * 2,
-                "gemma3": [GEMMA_WINDOW, None, GEMMA_WINDOW]}[family]
+    expected = WINDOWS[family]
     assert windows == expected
-    assert llm.llm_engine.core.scheduler.kv_cache_manager.sliding_window == (None if family == "gemma3"
-                                                                             else expected[0])
+    if family.startswith("qwen"):                             # transformers' own layers say the same
+        assert [layer.self_attn.sliding_window for layer in hf.model.layers] == expected
+    every = expected[0] if all(w == expected[0] for w in expected) else None
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.sliding_window == every
     assert llm.llm_engine.core.scheduler.max_model_len > 4 * MISTRAL_WINDOW     # not capped to the window
     ids = _prompts(llm.get_tokenizer())
     refs = [hf_greedy(hf, i, MAX_TOKENS) for i in ids]
@@ -76,7 +102,8 @@ def test_parity_with_transformers_past_the_window(dirs, family):
     assert exact == len(refs)
 
 
-@pytest.mark.parametrize("family,num_blocks", [("mistral", 120), ("mistral", 40), ("gemma3", 120)])
+@pytest.mark.parametrize("family,num_blocks", [("mistral", 120), ("mistral", 40), ("gemma3", 120), ("qwen2", 120),
+                                               ("qwen3", 120), ("qwen3_every", 40), ("qwen3_moe", 40)])
 def test_chunked_prefill_and_prefix_caching(dirs, family, num_blocks):
     """Chunks of 7 tokens (shorter than the window, at every offset in a block); a second prompt sharing the
     long prefix hits the cache (for Mistral, blocks the first request returned while it ran; with 40 blocks
@@ -112,10 +139,12 @@ def test_preemption_across_the_window(dirs, family, num_blocks):
     assert llm.llm_engine.get_stats().num_preemptions > 0
 
 
-def test_blocks_out_of_the_window_are_freed_while_decoding(dirs):
-    """A Mistral request decoding far past its window holds at most a window and a chunk of blocks: the free
-    blocks in the pool stay high while it runs, and a prompt longer than the whole cache is admitted."""
-    d = dirs["mistral"]
+@pytest.mark.parametrize("family", ["mistral", "qwen3_every", "qwen3_moe"])
+def test_blocks_out_of_the_window_are_freed_while_decoding(dirs, family):
+    """A request decoding far past its window, every layer windowed (Mistral; Qwen3 with max_window_layers 0;
+    Qwen3-MoE), holds at most a window and a chunk of blocks: the free blocks in the pool stay high while it
+    runs, and a prompt longer than the whole cache is admitted."""
+    d, window = dirs[family], WINDOWS[family][0]
     block_size, num_blocks = 4, 12                 # 11 usable blocks: 44 tokens, less than the prompt
     llm = LLM(str(d), seed=0, block_size=block_size, max_num_batched_tokens=8, max_num_seqs=2,
               num_gpu_blocks_override=num_blocks, enable_prefix_caching=False)
@@ -125,7 +154,7 @@ def test_blocks_out_of_the_window_are_freed_while_decoding(dirs):
     core = llm.llm_engine.core
     kv = core.scheduler.kv_cache_manager
     # Admission: what the request still needs at its peak (a window and a chunk), not its whole length.
-    peak = -(-(MISTRAL_WINDOW - 1 + 8) // block_size) + 1
+    peak = -(-(window - 1 + 8) // block_size) + 1
     assert kv.can_fit_ever(len(ids) + 64) and peak < num_blocks - 1
     engine = llm.llm_engine
     engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=64,
@@ -140,10 +169,10 @@ def test_blocks_out_of_the_window_are_freed_while_decoding(dirs):
             held.append(sum(1 for b in blocks if not b.is_null))
             returned.append(sum(1 for b in blocks if b.is_null))
             free.append(kv.num_free_blocks)
-            assert returned[-1] == max(0, start - MISTRAL_WINDOW + 1) // block_size
+            assert returned[-1] == max(0, start - window + 1) // block_size
     assert max(held) <= peak
     assert min(free) >= (num_blocks - 1) - peak
-    assert returned[-1] >= (len(ids) + 64 - MISTRAL_WINDOW) // block_size - 1
+    assert returned[-1] >= (len(ids) + 64 - window) // block_size - 1
     assert kv.num_free_blocks == num_blocks - 1            # all back at the end
     assert core.scheduler.num_preemptions == 0
     # And the output is transformers'.
@@ -153,9 +182,10 @@ def test_blocks_out_of_the_window_are_freed_while_decoding(dirs):
     assert check_outputs_close(out, [ref], ["long decode in a small cache"]) == 1
 
 
-def test_gemma3_keeps_every_block(dirs):
-    """With global layers nothing is out of every window: a long Gemma 3 request holds all its blocks."""
-    llm = LLM(str(dirs["gemma3"]), seed=0, block_size=4, max_num_batched_tokens=16, max_num_seqs=1,
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_a_global_layer_keeps_every_block(dirs, family):
+    """With global layers nothing is out of every window: a long request holds all its blocks."""
+    llm = LLM(str(dirs[family]), seed=0, block_size=4, max_num_batched_tokens=16, max_num_seqs=1,
               enable_prefix_caching=False)
     engine, kv = llm.llm_engine, llm.llm_engine.core.scheduler.kv_cache_manager
     ids = llm.get_tokenizer().encode(LONG_PROMPT)
@@ -168,3 +198,23 @@ def test_gemma3_keeps_every_block(dirs):
             assert not any(b.is_null for b in blocks)
             assert len(blocks) * 4 >= engine.core.scheduler.requests["g"].num_computed_tokens
     assert kv.sliding_window is None
+
+
+def test_qwen_layer_windows_follow_transformers_configs():
+    """``use_sliding_window`` false: no window (transformers drops ``sliding_window``); Qwen2 / Qwen3 slide from
+    ``max_window_layers`` on or by explicit ``layer_types``; Qwen3-MoE slides everywhere."""
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    from engine.models.sliding_window import FULL, SLIDING, kv_free_window, layer_windows
+
+    tiny = dict(num_hidden_layers=4, sliding_window=16)
+    for cls in (Qwen2Config, Qwen3Config, Qwen3MoeConfig):
+        off = cls(**tiny, use_sliding_window=False, max_window_layers=1)
+        assert layer_windows(off) == [None] * 4 and kv_free_window(off) is None
+    for cls in (Qwen2Config, Qwen3Config):
+        assert layer_windows(cls(**tiny, use_sliding_window=True, max_window_layers=3)) == [None] * 3 + [16]
+        explicit = cls(**tiny, use_sliding_window=True, layer_types=[SLIDING, FULL, SLIDING, FULL])
+        assert layer_windows(explicit) == [16, None, 16, None] and kv_free_window(explicit) is None
+        assert kv_free_window(cls(**tiny, use_sliding_window=True, max_window_layers=0)) == 16
+    moe = Qwen3MoeConfig(**tiny, use_sliding_window=True, max_window_layers=2)
+    assert layer_windows(moe) == [16] * 4 and kv_free_window(moe) == 16

@@ -10,8 +10,8 @@ equal, logprobs within 1e-3), with prompts and generations well past the window:
 - Qwen3-MoE with ``use_sliding_window`` (window 10 on every layer: transformers' Qwen3-MoE has no
   ``max_window_layers``) and Qwen3 with ``max_window_layers`` 0: blocks go back to the pool as Mistral's;
 - chunked prefill (chunks shorter and longer than the window, at odd offsets), prefix caching of a prompt
-  whose head blocks were returned, preemption (recompute) across the window, and admission by what a
-  request still needs (a prompt longer than the whole KV cache runs).
+  whose head blocks were returned, preemption (recompute) across the window (Mistral, Gemma 3, Qwen2,
+  Qwen3), and admission by what a request still needs (a prompt longer than the whole KV cache runs).
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def test_chunked_prefill_and_prefix_caching(dirs, family, num_blocks):
     assert second[0].num_cached_tokens >= 4 * (len(long_ids) // 4 - 1)
 
 
-@pytest.mark.parametrize("family,num_blocks", [("mistral", 8), ("gemma3", 100)])
+@pytest.mark.parametrize("family,num_blocks", [("mistral", 8), ("gemma3", 100), ("qwen3_every", 8),
+                                               ("qwen2", 100)])
 def test_preemption_across_the_window(dirs, family, num_blocks):
     """A KV cache too small for three requests past their window at once: some are preempted and recomputed
     (chunked, 7 tokens a step). Equal to transformers."""

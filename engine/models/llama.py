@@ -138,21 +138,18 @@ class LlamaDecoderLayer(nn.Module):
         return LlamaAttention(config, rotary_emb, qkv_bias, o_bias, tp)
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config, max_position: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 rotary_cls: type[RotaryEmbedding] = RotaryEmbedding,
-                 tp: Optional[TensorParallelGroup] = None,
-                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
+class DecoderStack(nn.Module):
+    """Token embedding (vocab-parallel under tensor parallelism), pre-norm decoder layers with a carried
+    residual, final RMSNorm: the body Llama-family and MoE models share."""
+
+    def __init__(self, config, layers: Iterable[nn.Module], tp: TensorParallelGroup) -> None:
         super().__init__()
-        tp = tp or TensorParallelGroup.single()
         if tp.size == 1:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.embed_tokens.weight.requires_grad_(False)
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        rotary_emb = rotary_cls(config, _head_dim(config), max_position)
-        self.layers = nn.ModuleList(
-            layer_cls(config, rotary_emb, qkv_bias, o_bias, mlp_bias, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -163,6 +160,17 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+class LlamaModel(DecoderStack):
+    def __init__(self, config, max_position: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 rotary_cls: type[RotaryEmbedding] = RotaryEmbedding,
+                 tp: Optional[TensorParallelGroup] = None,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
+        tp = tp or TensorParallelGroup.single()
+        rotary_emb = rotary_cls(config, _head_dim(config), max_position)
+        super().__init__(config, [layer_cls(config, rotary_emb, qkv_bias, o_bias, mlp_bias, tp)
+                                  for _ in range(config.num_hidden_layers)], tp)
 
 
 class LlamaForCausalLM(nn.Module):

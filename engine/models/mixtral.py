@@ -38,7 +38,7 @@ from engine.layers.parallel import VocabParallelEmbedding, copy_rows, parallel_l
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _head_dim
+from engine.models.llama import DecoderStack, LlamaAttention, LlamaForCausalLM, LlamaMLP, _head_dim
 from engine.models.sliding_window import layer_windows, set_layer_windows
 
 _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
@@ -86,27 +86,6 @@ class MoEDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class MoEModel(nn.Module):
-    def __init__(self, config, layers: list[MoEDecoderLayer], tp: TensorParallelGroup) -> None:
-        super().__init__()
-        if tp.size > 1:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
 class MoEForCausalLM(nn.Module):
     """A causal LM of ``MoEDecoderLayer``s over a paged KV cache; subclasses pick each layer's attention and
     MLP (``build_attention``, ``build_mlp``) and the checkpoint's module renames. Module names follow
@@ -136,7 +115,7 @@ class MoEForCausalLM(nn.Module):
         rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position)
         layers = [MoEDecoderLayer(config, self.build_attention(config, rotary_emb), self.build_mlp(config, i))
                   for i in range(config.num_hidden_layers)]
-        self.model = MoEModel(config, layers, self.tp)
+        self.model = DecoderStack(config, layers, self.tp)
         set_layer_windows(self.attention_layers(), windows)
         widths = [m.activation_width() if isinstance(m, SparseMoeBlock) else config.intermediate_size
                   for m in (layer.mlp for layer in layers)]

@@ -128,11 +128,13 @@ def build_model(model_config: ModelConfig, device: torch.device, tp: Optional[Te
     _check_checkpoint_quantization(scheme, model_cls, model_config, tp, device)
     # A quantized checkpoint's projections never hold float weights (unless dequantized: --quantization none).
     defer = scheme is not None and model_config.quantization != "none" and model_config.load_format != "dummy"
+    # Dummy weights with --quantization fp8: each projection is drawn and quantized in turn (``_init_dummy``).
+    defer = defer or (model_config.load_format == "dummy" and model_config.quantization == "fp8")
     with _default_dtype(dtype), torch.device(device), (deferred_weights() if defer else contextlib.nullcontext()):
         model = model_cls(hf_config, max_position=max_model_len, **({"tp": tp} if tp.size > 1 else {}))
     kv_scales: dict[int, KVScales] = {}
     if model_config.load_format == "dummy":
-        _init_dummy(model, hf_config, model_config.seed)
+        _init_dummy(model, hf_config, model_config.seed, fp8=model_config.quantization == "fp8")
     else:
         shard_of = model.checkpoint_shard if tp.size > 1 else None
         stream = QuantizedTensorStream(scheme) if scheme is not None else None
@@ -305,10 +307,15 @@ def _quantize_fp8(model: torch.nn.Module) -> None:
     """``--quantization fp8``: every projection (not the embedding or the LM head) as FP8 per channel, but
     those of a multimodal model's encoder side (``VisionLanguageModel.float_parts``), which stay float."""
     from engine.layers.linear import Linear
-    keep_float = tuple(f"{part}." for part in getattr(model, "float_parts", ()))
+    keep_float = _fp8_float_prefixes(model)
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.weight is not None and not name.startswith(keep_float):
             module.quantize_fp8()
+
+
+def _fp8_float_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
+    """Module-name prefixes ``--quantization fp8`` keeps float: a multimodal model's encoder side."""
+    return tuple(f"{part}." for part in getattr(model, "float_parts", ()))
 
 
 def _quantization_plan(model: torch.nn.Module, quantization: Optional[str], resolved, device: torch.device):
@@ -392,20 +399,33 @@ def _amx_gemm():
 
 
 @torch.no_grad()
-def _init_dummy(model: torch.nn.Module, hf_config, seed: int) -> None:
+def _init_dummy(model: torch.nn.Module, hf_config, seed: int, fp8: bool = False) -> None:
     """Random weights from the config alone (``load_format='dummy'``), for speed measurements.
 
     Drawn where the parameters live, from one generator on that device (an 8B model fills in
-    well under a second on a GPU); norms are ones and biases zeros.
+    well under a second on a GPU); norms are ones and biases zeros. With ``fp8`` the projections were built
+    deferred (meta, ``deferred_weights``): each gets memory, its values and its FP8 form (but on
+    ``_fp8_float_prefixes``) before the next, so the float model is never whole in memory (a 70B model's
+    FP8 weights fit one 141 GB GPU, its bf16 ones do not); the values are those drawn without ``fp8``.
     """
+    from engine.layers.linear import Linear
+    deferred = {id(m.weight): (name, m) for name, m in model.named_modules()
+                if fp8 and isinstance(m, Linear) and m.weight is not None and m.weight.is_meta}
     params = list(model.named_parameters())
-    device = params[0][1].device if params else torch.device("cpu")
+    device = next((p.device for _, p in params if not p.is_meta), torch.device("cpu"))
     gen = torch.Generator(device=device).manual_seed(seed)
     std = float(getattr(hf_config, "initializer_range", 0.02))
+    keep_float = _fp8_float_prefixes(model)
     for name, p in params:
+        owner = deferred.get(id(p))
+        if owner is not None:
+            owner[1].materialize(device)
+            p = owner[1].weight
         if name.endswith("norm.weight") or "layernorm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
         else:
             p.normal_(0.0, std, generator=gen)
+        if owner is not None and not owner[0].startswith(keep_float):
+            owner[1].quantize_fp8()

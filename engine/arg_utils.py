@@ -55,6 +55,8 @@ class EngineArgs:
     max_lora_rank: Optional[int] = None
     """None: the largest rank among adapters given at start-up (at least 16)."""
     max_cpu_loras: Optional[int] = None
+    max_lora_pool_bytes: Optional[int] = None
+    """``LoRAConfig.max_lora_pool_bytes``."""
     lora_dtype: str = "auto"
     enable_tower_connector_lora: bool = False
     """``LoRAConfig.enable_tower_connector_lora`` (needs enable_lora)."""
@@ -107,6 +109,7 @@ class EngineArgs:
         if self.enable_lora:
             lora = LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank or 16,
                               max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype,
+                              max_lora_pool_bytes=self.max_lora_pool_bytes,
                               enable_tower_connector_lora=self.enable_tower_connector_lora)
         return EngineConfig(
             model_config=ModelConfig(

@@ -178,7 +178,12 @@ class LoRAConfig:
     max_loras: int = 4
     """GPU slots: distinct adapters in one step."""
     max_lora_rank: int = 16
-    """Rank of every slot; adapters of lower rank are zero-padded."""
+    """Largest adapter rank accepted (a larger one is refused, 400); not the size of a slot: an adapter
+    takes the pool rows of its own rank (``lora.rank_pool``)."""
+    max_lora_pool_bytes: Optional[int] = None
+    """Device bytes of the pool the resident adapters' weights share, by their own ranks (``lora.rank_pool``):
+    adapters of ranks 8 and 128 hold 8 and 128 rows of it, none padded. None: max_loras adapters of
+    max_lora_rank. An adapter that does not fit waits for idle ones to be evicted, as for a full slot table."""
     max_cpu_loras: Optional[int] = None
     """Adapters kept in host memory (LRU); defaults to max(max_loras, 64)."""
     lora_dtype: str = "auto"
@@ -193,6 +198,9 @@ class LoRAConfig:
             raise ValueError(f"max_loras={self.max_loras} must be >= 1.")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} must be >= 1.")
+        if self.max_lora_pool_bytes is not None and self.max_lora_pool_bytes < 1:
+            raise ValueError(f"max_lora_pool_bytes={self.max_lora_pool_bytes} must be >= 1 (or unset: room for "
+                             "max_loras adapters of max_lora_rank).")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = max(self.max_loras, 64)
         if self.max_cpu_loras < self.max_loras:

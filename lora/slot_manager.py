@@ -7,6 +7,11 @@ needs a slot: first the idle slots whose adapter no waiting request names, least
 first, then those whose waiting requests come latest in the queue (``demand``). A slot with running
 requests is never evicted. ``prefetch`` places the adapter of a request the scheduler will admit next
 in an empty slot or one nobody waits for, so that its copy runs before the step that admits it.
+
+With a ``lora.rank_pool.RankPagePool`` a slot is a page-table entry and the adapter's weights take
+``cdiv(rank, PAGE_ROWS)`` pages of the pool: a new adapter needs a free entry and enough free pages, and
+as many idle adapters are evicted (in the order above) as that takes; one that cannot fit even then
+waits, as for a full slot table.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from lora.rank_pool import RankPagePool
 from lora.request import LoRARequest
 
 
@@ -27,6 +33,10 @@ class SlotGrant:
     """True when the adapter was not resident: the runner must copy it in before the step."""
     evicted: Optional[str] = field(default=None, compare=False)
     """The idle adapter whose slot this load takes (None: the slot was empty or no load)."""
+    pages: tuple[int, ...] = field(default=(), compare=False)
+    """With a pool: the pool pages the adapter's weights sit in (the slot's page table); else empty."""
+    evicted_more: tuple[str, ...] = field(default=(), compare=False)
+    """With a pool: further idle adapters evicted to free their pages (besides ``evicted``)."""
 
 
 NO_DEMAND: Mapping[str, int] = {}
@@ -37,14 +47,19 @@ class LoRASlotManager:
     """Adapter -> slot map with per-slot running counts; idle slots evicted by recency and pending demand.
 
     Args:
-        max_loras: number of GPU slots.
+        max_loras: number of GPU slots (page-table entries with a pool).
+        pool: the pool of rank rows the adapters' weights share (None: each slot holds max_lora_rank rows
+            of its own, and ranks are not counted).
     """
 
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int, pool: Optional[RankPagePool] = None) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras={max_loras} must be >= 1.")
         self.max_loras = max_loras
+        self.pool = pool
         self._slot_lora: list[Optional[LoRARequest]] = [None] * max_loras
+        self._slot_pages: list[tuple[int, ...]] = [()] * max_loras
+        """Pool pages each slot's adapter holds (empty without a pool)."""
         self._name_to_slot: dict[str, int] = {}
         # Running requests holding each slot.
         self._num_running = [0] * max_loras
@@ -79,29 +94,46 @@ class LoRASlotManager:
         """lora_name -> slot of every resident adapter."""
         return dict(self._name_to_slot)
 
-    def _slot_for_new_adapter(self, demand: Mapping[str, int] = NO_DEMAND,
-                              unwanted_only: bool = False) -> Optional[int]:
-        """An empty slot (lowest first), else an idle slot: one whose adapter no waiting request names
-        (least recently used first), then one whose first waiting request is latest in the queue
-        (``demand``: adapter name -> queue position of its first waiting request); else None.
-        ``unwanted_only``: never a slot whose adapter is waited for."""
-        for slot, lora in enumerate(self._slot_lora):
-            if lora is None:
-                return slot
-        idle = [s for s in range(self.max_loras) if self._num_running[s] == 0]
+    def pages_of(self, lora_slot: int) -> tuple[int, ...]:
+        """Pool pages of the adapter in ``lora_slot`` (empty: no pool, or an empty slot)."""
+        return self._slot_pages[lora_slot]
+
+    def _slot_for_new_adapter(self, demand: Mapping[str, int] = NO_DEMAND, unwanted_only: bool = False,
+                              rank: int = 0) -> Optional[tuple[int, list[int]]]:
+        """(slot, idle slots to evict first) for a new adapter of ``rank``, or None.
+
+        Without a pool: an empty slot (lowest first), else an idle slot: one whose adapter no waiting
+        request names (least recently used first), then one whose first waiting request is latest in the
+        queue (``demand``: adapter name -> queue position of its first waiting request). With a pool, idle
+        adapters are evicted in that order until a slot and ``rank``'s pages are free; None (nothing
+        evicted) when even every idle one would not do. ``unwanted_only``: never evict an adapter waited for.
+        """
+        empty = [slot for slot, lora in enumerate(self._slot_lora) if lora is None]
+        need = 0 if self.pool is None else self.pool.pages_for(rank)
+        free_pages = 0 if self.pool is None else self.pool.num_free
+        if empty and free_pages >= need:
+            return empty[0], []
+        idle = [s for s in range(self.max_loras) if self._slot_lora[s] is not None and self._num_running[s] == 0]
         if unwanted_only:
             idle = [s for s in idle if self._slot_lora[s].lora_name not in demand]
-        if not idle:
-            return None
 
         def eviction_order(s: int) -> tuple[int, int, int]:
             position = demand.get(self._slot_lora[s].lora_name)
             return (0, 0, self._last_used[s]) if position is None else (1, -position, self._last_used[s])
-        return min(idle, key=eviction_order)
+        victims: list[int] = []
+        for s in sorted(idle, key=eviction_order):
+            if (empty or victims) and free_pages >= need:
+                break
+            victims.append(s)
+            free_pages += len(self._slot_pages[s])
+        if not (empty or victims) or free_pages < need:
+            return None
+        return (empty[0] if empty else victims[0]), victims
 
-    def can_acquire(self, lora_request: LoRARequest) -> bool:
-        """Whether ``acquire`` would succeed now (changes nothing)."""
-        return lora_request.lora_name in self._name_to_slot or self._slot_for_new_adapter() is not None
+    def can_acquire(self, lora_request: LoRARequest, rank: int = 0) -> bool:
+        """Whether ``acquire`` would succeed now (changes nothing); ``rank``: the adapter's (with a pool)."""
+        return (lora_request.lora_name in self._name_to_slot
+                or self._slot_for_new_adapter(rank=rank) is not None)
 
     def pick_drain_slot(self, drain_cost: Optional[dict[int, int]] = None) -> Optional[int]:
         """The busy slot cheapest to drain: lowest ``drain_cost[slot]`` (e.g. steps until its
@@ -118,12 +150,13 @@ class LoRASlotManager:
         self._clock += 1
         self._last_used[slot] = self._clock
 
-    def acquire(self, lora_request: LoRARequest, demand: Mapping[str, int] = NO_DEMAND) -> Optional[SlotGrant]:
+    def acquire(self, lora_request: LoRARequest, demand: Mapping[str, int] = NO_DEMAND,
+                rank: int = 0) -> Optional[SlotGrant]:
         """Take a slot reference for one running request of ``lora_request``.
 
         Reuses the adapter's slot when resident; otherwise takes an empty slot or evicts an idle one
         (``_slot_for_new_adapter``: by recency and ``demand``, adapter name -> queue position of its
-        first waiting request).
+        first waiting request). ``rank``: the adapter's, which sets its pages with a pool.
 
         Returns:
             The slot and whether the adapter must be loaded into it, or None if every slot
@@ -131,45 +164,53 @@ class LoRASlotManager:
         """
         name = lora_request.lora_name
         slot = self._name_to_slot.get(name)
-        evicted = None
+        evicted: tuple[str, ...] = ()
         load_needed = slot is None
         if slot is None:
-            slot = self._slot_for_new_adapter(demand)
-            if slot is None:
+            plan = self._slot_for_new_adapter(demand, rank=rank)
+            if plan is None:
                 return None
-            evicted = self._place(slot, lora_request)
+            slot = plan[0]
+            evicted = self._place(slot, lora_request, plan[1], rank)
         # A new user of an adapter pending removal cancels the removal.
         self._pending_removal.discard(name)
         self._num_running[slot] += 1
         self._touch(slot)
-        return SlotGrant(slot, load_needed, evicted)
+        return _grant(slot, load_needed, evicted, self._slot_pages[slot])
 
-    def prefetch(self, lora_request: LoRARequest, demand: Mapping[str, int]) -> Optional[SlotGrant]:
+    def prefetch(self, lora_request: LoRARequest, demand: Mapping[str, int], rank: int = 0) -> Optional[SlotGrant]:
         """Put a waiting request's adapter in a slot ahead of its admission (no running reference):
         an empty slot or an idle one whose adapter no waiting request names (``demand``), never
         one waited for. None when the adapter is resident already or no such slot exists."""
         if lora_request.lora_name in self._name_to_slot:
             return None
-        slot = self._slot_for_new_adapter(demand, unwanted_only=True)
-        if slot is None:
+        plan = self._slot_for_new_adapter(demand, unwanted_only=True, rank=rank)
+        if plan is None:
             return None
-        evicted = self._place(slot, lora_request)
+        slot = plan[0]
+        evicted = self._place(slot, lora_request, plan[1], rank)
         self._touch(slot)
         self.num_prefetches += 1
-        return SlotGrant(slot, True, evicted)
+        return _grant(slot, True, evicted, self._slot_pages[slot])
 
-    def _place(self, slot: int, lora_request: LoRARequest) -> Optional[str]:
-        """Make ``lora_request`` the adapter of an empty or idle ``slot``; returns the adapter evicted."""
-        assert self._num_running[slot] == 0, "a slot with running requests is never evicted"
-        old = self._slot_lora[slot]
-        if old is not None:
-            del self._name_to_slot[old.lora_name]
-            self._pending_removal.discard(old.lora_name)
+    def _place(self, slot: int, lora_request: LoRARequest, victims: list[int], rank: int) -> tuple[str, ...]:
+        """Evict the idle adapters in ``victims`` and make ``lora_request`` the adapter of ``slot`` (empty
+        or one of them), with its pages; returns the adapters evicted."""
+        evicted = []
+        for victim in victims:
+            assert self._num_running[victim] == 0, "a slot with running requests is never evicted"
+            evicted.append(self._slot_lora[victim].lora_name)
+            self._free_slot(victim)
             self.num_evictions += 1
+        assert self._slot_lora[slot] is None
+        if self.pool is not None:
+            pages = self.pool.allocate(rank)
+            assert pages is not None, "checked by _slot_for_new_adapter"
+            self._slot_pages[slot] = pages
         self._slot_lora[slot] = lora_request
         self._name_to_slot[lora_request.lora_name] = slot
         self.num_loads += 1
-        return None if old is None else old.lora_name
+        return tuple(evicted)
 
     def release(self, lora_request: LoRARequest) -> None:
         """Drop one running request's reference (finished or preempted)."""
@@ -202,3 +243,10 @@ class LoRASlotManager:
         del self._name_to_slot[lora.lora_name]
         self._pending_removal.discard(lora.lora_name)
         self._slot_lora[slot] = None
+        if self.pool is not None:
+            self.pool.free(self._slot_pages[slot])
+        self._slot_pages[slot] = ()
+
+
+def _grant(slot: int, load_needed: bool, evicted: tuple[str, ...], pages: tuple[int, ...]) -> SlotGrant:
+    return SlotGrant(slot, load_needed, evicted[0] if evicted else None, pages, evicted[1:])

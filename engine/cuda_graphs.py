@@ -25,6 +25,11 @@ Vision models: mixed graphs read the step's encoder embeddings and a mask of the
 buffers (``StepBuffers.enable_media``) and write them over the token embeddings; M-RoPE models also
 read [3, T] positions. Decode graphs stay text-only (a step with a media token is a mixed step).
 
+Encoder-decoder models (Whisper, ``capabilities.cross_attention_graphs``): decode graphs only, their
+cross-attention reading each row's cross blocks and lengths from static buffers the runner refills before
+every replay (``engine.runner.cross_buffers``; padding rows read one position of block 0); steps with prompt
+tokens, which also write new requests' cross K/V, run eagerly over the same buffers.
+
 Why mixed graphs: an eager step of a 32-layer model issues hundreds of launches, whose host time
 exceeds the device time of a step of a few hundred tokens, so while requests keep arriving (every
 step mixed) the GPU waited on Python.
@@ -41,7 +46,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 from unittest import mock
 
 import numpy as np
@@ -123,12 +128,19 @@ class StepGraphs:
         lora_manager: the engine's ``LoRAManager`` when LoRA is on (its meta buffers are then
             static graph inputs too), else None.
         policy: the engine's kernel policy, entered with each capture's forward context.
+        cross_metadata: encoder-decoder models: f(batch size) -> the cross-attention metadata a decode graph
+            of that size is captured with, over static buffers the runner refills before each replay
+            (``engine.runner.cross_buffers``); such models capture decode graphs only. None: no cross-attention.
     """
 
     def __init__(self, model: ModelForCausalLM, buffers: StepBuffers, max_model_len: int,
                  batch_sizes: list[int], token_sizes: list[int], max_num_reqs: int,
-                 lora_manager=None, policy: Optional[KernelPolicy] = None) -> None:
+                 lora_manager=None, policy: Optional[KernelPolicy] = None,
+                 cross_metadata: Optional[Callable[[int], AttentionMetadata]] = None) -> None:
+        if cross_metadata is not None and token_sizes:
+            raise ValueError("mixed-step graphs of an encoder-decoder model: capture decode graphs only")
         self.model = model
+        self.cross_metadata = cross_metadata
         self.policy = policy
         self.lora_manager = lora_manager
         self.buffers = buffers
@@ -233,10 +245,11 @@ class StepGraphs:
             self.lora_manager.set_batch(np.full(t, -1, dtype=np.int32), fixed_grid=key.lora,
                                         max_active=key.few_adapters or None)
 
-    def _forward(self, key: GraphKey, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, key: GraphKey, meta: AttentionMetadata,
+                 cross_meta: Optional[AttentionMetadata] = None) -> torch.Tensor:
         t = key.num_tokens
         buf = self.buffers
-        with forward_context(meta, self.policy):
+        with forward_context(meta, self.policy, cross_meta):
             if key.mixed and buf.mm_mask is not None:
                 # Vision models: token embeddings with the step's encoder rows written over them.
                 embeds = self.model.embed_input_ids(buf.input_ids[:t])                       # [t, hidden]
@@ -275,11 +288,12 @@ class StepGraphs:
             for key in self.keys_to_capture():
                 self._fill_padding(key)
                 meta = self.graph_metadata(key)
-                self._forward(key, meta)          # warm-up: Triton compiles, cuBLAS picks kernels
+                cross_meta = self.cross_metadata(key.size) if self.cross_metadata is not None else None
+                self._forward(key, meta, cross_meta)          # warm-up: Triton compiles, cuBLAS picks kernels
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(key, meta)
+                    out = self._forward(key, meta, cross_meta)
                 pool = graph.pool()
                 self.graphs[key] = _Graph(graph, out)
         torch.cuda.synchronize()

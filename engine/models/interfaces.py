@@ -43,6 +43,10 @@ class ModelCapabilities:
     """Rotates prompts with media by 3-D positions (``SupportsMRoPE``): its forward takes [3, T] positions."""
     encoder_decoder: bool = False
     """Its decoder cross-attends to the request's encoder output (``SupportsEncoderDecoder``)."""
+    cross_attention_graphs: bool = False
+    """Encoder-decoder models: its cross-attention reads nothing but the forward context's
+    ``cross_attn_metadata`` (no host values of it beyond ``max_query_len`` / ``max_seq_len``), so its decode
+    steps may run in CUDA graphs over the runner's static cross-attention buffers."""
     tensor_parallel: bool = False
     """``tensor_parallel_size`` > 1 shards it: its constructor takes ``tp``, it has ``checkpoint_shard``."""
     weight_quantization: bool = False

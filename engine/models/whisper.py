@@ -167,8 +167,10 @@ class WhisperForConditionalGeneration(nn.Module):
     features)`` runs the encoder; ``write_cross_kv`` fills the cross-attention K/V of new requests.
     """
 
-    capabilities = ModelCapabilities(multimodal=True, encoder_decoder=True, tensor_parallel=True)
-    """The decoder is sharded at ``tensor_parallel_size`` > 1 (the encoder is replicated)."""
+    capabilities = ModelCapabilities(multimodal=True, encoder_decoder=True, tensor_parallel=True,
+                                     cross_attention_graphs=True)
+    """The decoder is sharded at ``tensor_parallel_size`` > 1 (the encoder is replicated); cross-attention
+    reads only ``cross_attn_metadata`` (``AttentionBackend.attend_cross``), so decode steps run in CUDA graphs."""
     rotary_dim: Optional[int] = None
     """Positions are learned embeddings: no rotary."""
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}

@@ -1,5 +1,5 @@
 """``CrossAttentionInputs``: an encoder-decoder model's cross-attention K/V, written once per request before
-its first token into its cross blocks, and the step's metadata over them."""
+its first token into its cross blocks, and the step's metadata over them (``CrossAttentionBuffers``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.input_batch import CachedRequestState
 from engine.models.interfaces import SupportsEncoderDecoder
+from engine.runner.cross_buffers import CrossAttentionBuffers
 from engine.runner.row_calls import RowCalls
 
 
@@ -25,11 +26,12 @@ class CrossAttentionInputs:
         row_calls: how the K/V projections run (forward context, adapter slots).
         lora_rows_per_call: with LoRA, the rows one K/V call may run (the LoRA step buffers' size);
             None: LoRA off (one call per step).
+        max_num_reqs: requests in one step (``max_num_seqs``), the rows of the metadata buffers.
     """
 
     def __init__(self, model: SupportsEncoderDecoder, encoder_cache: dict[str, torch.Tensor],
                  cross_block_rows: np.ndarray, block_size: int, device: torch.device, row_calls: RowCalls,
-                 lora_rows_per_call: Optional[int]) -> None:
+                 lora_rows_per_call: Optional[int], max_num_reqs: int) -> None:
         self.model = model
         self.encoder_cache = encoder_cache
         self.cross_block_rows = cross_block_rows
@@ -37,6 +39,9 @@ class CrossAttentionInputs:
         self.device = device
         self.row_calls = row_calls
         self.lora_rows_per_call = lora_rows_per_call
+        self.buffers = CrossAttentionBuffers(max_num_reqs, cross_block_rows.shape[1], model.num_source_positions,
+                                             device)
+        """The step's cross-attention metadata, in persistent buffers (eager steps and decode graphs)."""
 
     def write_kv(self, states: list[CachedRequestState]) -> None:
         """Project the encoder outputs of requests about to compute token 0 into their cross blocks (every
@@ -78,19 +83,12 @@ class CrossAttentionInputs:
                 self.model.write_cross_kv(torch.cat(outputs[start:stop]), slot_mapping)
             start = stop
 
-    def metadata(self, states: list[CachedRequestState], counts: list[int]) -> AttentionMetadata:
-        """The step's requests over their cross blocks: every position visible to every query token."""
-        rows = np.fromiter((s.row for s in states), np.int64, len(states))
-        tables = self.cross_block_rows[rows]                                     # [R, max_cross_blocks]
-        lengths = np.fromiter((s.num_cross_tokens for s in states), np.int32, len(states))      # [R]
-        qsl = np.zeros(len(states) + 1, dtype=np.int32)
-        np.cumsum(counts, out=qsl[1:])
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.int64, device=dev),   # cross-attention writes nothing
-            query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(lengths).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            max_query_len=max(counts), max_seq_len=int(lengths.max()),
-            num_decode_reqs=sum(1 for n in counts if n == 1),
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lengths.tolist())
+    def metadata(self, states: list[CachedRequestState], counts: list[int],
+                 num_reqs_padded: Optional[int] = None) -> AttentionMetadata:
+        """The step's requests over their cross blocks (every position visible to every query token), in the
+        persistent buffers a decode graph reads; ``num_reqs_padded``: that graph's batch size (None: eager)."""
+        num_reqs = len(states)
+        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)                       # [R]
+        lengths = np.fromiter((s.num_cross_tokens for s in states), np.int32, num_reqs)      # [R]
+        return self.buffers.prepare(self.cross_block_rows[rows], lengths, np.asarray(counts, dtype=np.int64),
+                                    num_reqs_padded)

@@ -120,15 +120,18 @@ class ModelRunner:
                                 checkpoint_scales=kv_scales)   # an FP8 cache's per-layer scales
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
         """Capture step graphs when the KV cache is allocated (off: ``enforce_eager``; encoder-decoder
-        models)."""
-        if capabilities.encoder_decoder and self.use_cuda_graphs:
-            logger.info("Encoder-decoder model: CUDA graphs are off (the steps run eagerly).")
+        models without ``cross_attention_graphs``, or with LoRA)."""
+        if capabilities.encoder_decoder and self.use_cuda_graphs and (not capabilities.cross_attention_graphs
+                                                                      or lora_manager is not None):
+            logger.info("Encoder-decoder model%s: CUDA graphs are off (the steps run eagerly).",
+                        " with LoRA" if capabilities.cross_attention_graphs else "")
             self.use_cuda_graphs = False
         self._graph_sizes = graph_batch_sizes(sc.max_num_seqs, sc.max_num_batched_tokens)
         """Decode graph batch sizes (captured with ``use_cuda_graphs``)."""
-        self._graph_token_sizes = graph_token_sizes(sc.max_num_batched_tokens,
-                                                    config.max_cudagraph_capture_size)
-        """Mixed graph token counts (captured with ``use_cuda_graphs``)."""
+        self._graph_token_sizes = (graph_token_sizes(sc.max_num_batched_tokens, config.max_cudagraph_capture_size)
+                                   if not capabilities.encoder_decoder else [])
+        """Mixed graph token counts (captured with ``use_cuda_graphs``; none for encoder-decoder models, whose
+        steps with prompt tokens run eagerly)."""
         max_step_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
         self.lora_rows_per_call = 0
         """Rows one adapted model call may run (the LoRA step buffers' size; 0: LoRA off)."""
@@ -152,7 +155,7 @@ class ModelRunner:
         """Runs the media encoders (multimodal models; else None)."""
         self.cross_attention = (CrossAttentionInputs(model, self.encoder_cache, self.states.cross_block_rows,
                                                      self.block_size, device, row_calls,
-                                                     self.lora_rows_per_call or None)
+                                                     self.lora_rows_per_call or None, sc.max_num_seqs)
                                 if capabilities.encoder_decoder else None)
         """Writes and describes the cross-attention K/V (encoder-decoder models; else None)."""
         self.logits_rules = model.logits_rules
@@ -200,7 +203,9 @@ class ModelRunner:
                 tune_lora_stacked_gemms(self.lora_manager, self._graph_sizes)
             self.graphs = capture_cuda_graphs(self.model, self.buffers, self.max_model_len, self._graph_sizes,
                                               self._graph_token_sizes, sc.max_num_seqs, self.lora_manager,
-                                              self.policy)
+                                              self.policy,
+                                              self.cross_attention.buffers.capture_metadata
+                                              if self.cross_attention is not None else None)
 
     def _init_step_buffers(self) -> None:
         sc = self.config.scheduler_config
@@ -295,7 +300,8 @@ class ModelRunner:
         inputs = self._prepare(states, counts, graph_key)
         if self.cross_attention is not None:
             self.cross_attention.write_kv(states)
-            inputs.cross_attn_metadata = self.cross_attention.metadata(states, counts)
+            inputs.cross_attn_metadata = self.cross_attention.metadata(
+                states, counts, graph_key.size if graph_key is not None else None)
         if graph_key is not None and graph_key.mixed and self.buffers.mm_mask is not None:
             self.buffers.write_media(graph_key.num_tokens, mm_rows, inputs.mrope_positions)
         if self.lora_manager is not None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Optional
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import StepGraphs
 from engine.input_batch import StepBuffers
 from engine.kernel_policy import KernelPolicy
@@ -55,9 +56,11 @@ def tune_lora_stacked_gemms(lora_manager, graph_batch_sizes: list[int]) -> None:
 
 def capture_cuda_graphs(model: ModelForCausalLM, buffers: StepBuffers, max_model_len: int,
                         graph_batch_sizes: list[int], graph_token_sizes: list[int], max_num_seqs: int,
-                        lora_manager, policy: KernelPolicy) -> StepGraphs:
-    """Capture the decode and mixed step graphs over the step buffers (``engine.cuda_graphs``)."""
+                        lora_manager, policy: KernelPolicy,
+                        cross_metadata: Optional[Callable[[int], AttentionMetadata]] = None) -> StepGraphs:
+    """Capture the decode and mixed step graphs over the step buffers (``engine.cuda_graphs``);
+    ``cross_metadata``: an encoder-decoder model's capture-time cross-attention metadata per batch size."""
     graphs = StepGraphs(model, buffers, max_model_len, graph_batch_sizes, graph_token_sizes, max_num_seqs,
-                        lora_manager=lora_manager, policy=policy)
+                        lora_manager=lora_manager, policy=policy, cross_metadata=cross_metadata)
     graphs.capture()
     return graphs

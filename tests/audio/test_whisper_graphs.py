@@ -1,0 +1,173 @@
+"""Whisper decode steps over static cross-attention buffers (``engine.runner.cross_buffers``), as CUDA graphs
+run them.
+
+On CPU: the metadata a step fills (real rows, then padding rows of a decode graph's batch) and the views a
+capture holds, which see every later step's values; padding rows change no real row's attention; and the
+runner's graph path with a stand-in for the graphs (``_EagerReplay``: it "captures" the metadata views and
+"replays" by running the forward over them eagerly, so a replay reads only the static buffers) gives the
+same tokens and logprobs as eager steps, with requests finishing mid-batch and new ones joining.
+
+On CUDA (``gpu``): the real tiny.en with CUDA graphs equals the same engine with ``enforce_eager`` on speech
+clips of different lengths, requests finishing and joining mid-batch, and the steps took the graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import cross_attention_torch
+from engine.cuda_graphs import StepGraphs
+from engine.llm import LLM
+from engine.runner.cross_buffers import CrossAttentionBuffers
+from engine.sampling_params import SamplingParams
+from tests.audio.whisper_reference import load_wav
+
+BLOCKS = 5
+
+
+def _tables(rows: list[list[int]]) -> np.ndarray:
+    out = np.zeros((len(rows), BLOCKS), dtype=np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def test_prepare_fills_real_then_padding_rows():
+    buf = CrossAttentionBuffers(8, BLOCKS, 20, torch.device("cpu"))
+    tables = _tables([[3, 4, 5], [7, 8], [9]])
+    meta = buf.prepare(tables, np.array([11, 8, 2], np.int32), np.array([1, 1, 1]), num_reqs_padded=6)
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert meta.seq_lens.tolist() == [11, 8, 2, 1, 1, 1]
+    assert meta.block_tables[:3].tolist() == tables.tolist()
+    assert not meta.block_tables[3:].any()
+    assert (meta.max_query_len, meta.max_seq_len, meta.num_decode_reqs) == (1, 11, 6)
+    assert meta.query_start_loc_cpu == meta.query_start_loc.tolist()
+    # An eager mixed step: no padding, its own bounds; rows left from the padded step are not in its views.
+    meta = buf.prepare(tables[:2], np.array([11, 8], np.int32), np.array([1, 4]))
+    assert meta.query_start_loc.tolist() == [0, 1, 5] and meta.seq_lens.tolist() == [11, 8]
+    assert (meta.max_query_len, meta.num_decode_reqs, meta.block_tables.shape[0]) == (4, 1, 2)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        buf.prepare(tables, np.array([1, 1, 1], np.int32), np.array([1, 1, 1]), num_reqs_padded=9)
+
+
+def test_capture_views_read_each_later_step():
+    buf = CrossAttentionBuffers(8, BLOCKS, 20, torch.device("cpu"))
+    captured = buf.capture_metadata(4)
+    assert captured.captured and (captured.max_query_len, captured.max_seq_len) == (1, 20)
+    assert captured.seq_lens.tolist() == [1, 1, 1, 1] and captured.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    for step, lengths in enumerate(([5, 6, 7], [9, 2], [20, 20, 20, 20])):
+        n = len(lengths)
+        buf.prepare(_tables([[step + 1 + i] for i in range(n)]), np.array(lengths, np.int32),
+                    np.ones(n, np.int64), num_reqs_padded=4)
+        assert captured.seq_lens.tolist() == lengths + [1] * (4 - n)
+        assert captured.block_tables[:, 0].tolist() == [step + 1 + i for i in range(n)] + [0] * (4 - n)
+
+
+def test_padding_rows_change_no_real_row():
+    torch.manual_seed(0)
+    block_size, heads, dim = 4, 2, 8
+    k_cache = torch.randn(12, block_size, heads, dim)
+    v_cache = torch.randn(12, block_size, heads, dim)
+    tables = _tables([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]])
+    lengths = np.array([10, 7, 19], np.int32)
+    q = torch.randn(3, heads, dim)
+    buf = CrossAttentionBuffers(8, BLOCKS, 20, torch.device("cpu"))
+    eager = cross_attention_torch(q, k_cache, v_cache, buf.prepare(tables, lengths, np.ones(3, np.int64)), 0.3)
+    padded_q = torch.cat([q, torch.randn(5, heads, dim)])
+    padded = cross_attention_torch(padded_q, k_cache, v_cache,
+                                   buf.prepare(tables, lengths, np.ones(3, np.int64), num_reqs_padded=8), 0.3)
+    torch.testing.assert_close(padded[:3], eager, rtol=0, atol=0)
+    # Each real row attends over its own blocks only: request 1 over blocks 4, 5 (7 positions).
+    k = k_cache[[4, 5]].reshape(-1, heads, dim)[:7]
+    v = v_cache[[4, 5]].reshape(-1, heads, dim)[:7]
+    ref = torch.softmax(torch.einsum("hd,shd->hs", q[1], k) * 0.3, dim=-1)
+    torch.testing.assert_close(eager[1], torch.einsum("hs,shd->hd", ref, v), rtol=1e-5, atol=1e-6)
+
+
+class _EagerReplay(StepGraphs):
+    """CPU stand-in for the captured graphs: ``capture`` keeps each decode key's capture-time metadata (views of
+    the static buffers, bounds of the bucket), ``replay`` runs the forward over exactly those objects."""
+
+    def capture(self) -> None:
+        for key in self.keys_to_capture():
+            self._fill_padding(key)
+            self.graphs[key] = (self.graph_metadata(key), self.cross_metadata(key.size))
+        self.replayed_sizes: list[int] = []
+
+    def replay(self, key) -> torch.Tensor:
+        meta, cross_meta = self.graphs[key]
+        self.num_replays += 1
+        self.replayed_sizes.append(key.size)
+        return self._forward(key, meta, cross_meta)
+
+
+def _requests(n: int) -> tuple[list[dict], list[SamplingParams]]:
+    """n transcription requests over three committed clips, with max_tokens of 3..14 (finishing at
+    different steps)."""
+    clips = [load_wav(name)[0] for name in ("fox", "hello", "weather")]
+    prompts = [{"prompt_token_ids": None, "multi_modal_data": {"audio": (clips[i % 3], 16000)}} for i in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + (5 * i) % 12, logprobs=1) for i in range(n)]
+    return prompts, params
+
+
+def _run(llm: LLM, prompt_ids: list[int], n: int) -> list:
+    prompts, params = _requests(n)
+    for p in prompts:
+        p["prompt_token_ids"] = prompt_ids
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _assert_same(outs, ref, atol: float) -> None:
+    for got, want in zip(outs, ref):
+        tokens = list(got.outputs[0].token_ids)
+        assert tokens == list(want.outputs[0].token_ids)
+        ours = [step[t].logprob for step, t in zip(got.outputs[0].logprobs, tokens)]
+        theirs = [step[t].logprob for step, t in zip(want.outputs[0].logprobs, tokens)]
+        np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0)
+
+
+def _decoder_prompt(llm: LLM) -> list[int]:
+    ids = llm.llm_engine.processor.transcriber.ids
+    return [ids.sot, ids.no_timestamps]
+
+
+def test_graph_path_over_static_buffers_equals_eager(tiny_random_whisper_dir):
+    """The runner's decode-graph path (buffers padded to the bucket, the forward reading only the capture's
+    metadata views) gives eager's tokens and logprobs; 7 requests through 4 rows: rows finish and new requests
+    join while others decode, so buckets of 1, 2 and 4 rows run with padding."""
+    kw = dict(model=str(tiny_random_whisper_dir), device="cpu", dtype="float32", max_num_seqs=4)
+    eager = LLM(**kw)
+    prompt = _decoder_prompt(eager)
+    ref = _run(eager, prompt, 7)
+    llm = LLM(**kw)
+    runner = llm.llm_engine.core.runner
+    runner.graphs = _EagerReplay(runner.model, runner.buffers, runner.max_model_len, runner._graph_sizes, [],
+                                 4, policy=runner.policy,
+                                 cross_metadata=runner.cross_attention.buffers.capture_metadata)
+    runner.graphs.capture()
+    outs = _run(llm, prompt, 7)
+    _assert_same(outs, ref, atol=1e-5)
+    sizes = runner.graphs.replayed_sizes
+    assert len(sizes) >= 10 and {1, 2, 4} <= set(sizes)
+    assert any(len(set(o.outputs[0].token_ids)) > 1 for o in outs)   # not one repeated token
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_en_cuda_graphs_equal_eager(tiny_en_dir):
+    """Real tiny.en on CUDA (float32, TF32 off): 12 transcriptions through 8 rows with CUDA graphs equal the
+    same engine with enforce_eager; decode steps replayed graphs (padded buckets included)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    kw = dict(model=str(tiny_en_dir), device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3)
+    eager = LLM(enforce_eager=True, **kw)
+    prompt = _decoder_prompt(eager)
+    ref = _run(eager, prompt, 12)
+    llm = LLM(**kw)
+    graphs = llm.llm_engine.core.runner.graphs
+    assert graphs is not None and graphs.num_mixed_replays == 0
+    outs = _run(llm, prompt, 12)
+    _assert_same(outs, ref, atol=1e-3)
+    assert graphs.num_replays >= 10 and graphs.num_mixed_replays == 0

@@ -10,10 +10,11 @@ order at the end.
 LoRA: the blocks' and the merger's projections take adapters as Qwen2-VL's do; an adapter's gate_proj and
 up_proj are the two output slices of ``gate_up_proj`` (``lora_slices``).
 
-Within each frame, windows are ordered by size (full windows first), so that windows of one size are
-contiguous and attend in one batched SDPA call; the order of windows and of the patches inside one
-does not change the result. Frames stay contiguous, so the full-attention blocks still attend per
-frame.
+Attention is ``encoders.varlen_attention.packed_attention`` over the windows (or, in the full-attention
+blocks, the frames) as packed segments. Within each frame, windows are ordered by size (full windows
+first), so that where attention runs one SDPA call per run of equal segments (CPU), windows of one
+size are contiguous and attend in one call; the order of windows and of the patches inside one does
+not change the result. Frames stay contiguous, so the full-attention blocks still attend per frame.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import torch
 import torch.nn as nn
 
 from encoders.qwen2_vl import (
-    SegmentRun, PatchMerger, VisionAttention, VisionBatch, VisionRotary, check_grids, conv3d_as_linear,
-    frame_runs, join_runs, patch_shape, rope_theta, rotary_position_ids, vision_lora_slices,
+    PatchMerger, VisionAttention, VisionBatch, VisionRotary, check_grids, conv3d_as_linear, frame_runs,
+    patch_shape, rope_theta, rotary_position_ids, vision_lora_slices,
 )
+from encoders.varlen_attention import SegmentRun, join_runs, packed_segments
 from encoders.vit import LoRASlices, TowerWeights, activation
 from engine.layers.linear import Linear
 
@@ -160,8 +162,9 @@ class Qwen2_5_VLVisionTransformer(nn.Module):
         position_ids = self._to_window_order(rotary_position_ids(grids, self.merge_size), layout.unit_order)
         unit_order = layout.unit_order.to(pixel_values.device)
         cos, sin = self.rotary(position_ids.to(pixel_values.device))
-        full = VisionBatch(cos=cos, sin=sin, runs=frame_runs(grids))
-        windowed = VisionBatch(cos=cos, sin=sin, runs=layout.runs)
+        device = pixel_values.device
+        full = VisionBatch(cos=cos, sin=sin, segments=packed_segments(frame_runs(grids), device))
+        windowed = VisionBatch(cos=cos, sin=sin, segments=packed_segments(layout.runs, device))
         hidden_states = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))  # [P, hidden]
         hidden_states = self._to_window_order(hidden_states, unit_order)
         for index, block in enumerate(self.blocks):

@@ -6,9 +6,9 @@ Linear; every block applies the 2-D rotary (h / w patch coordinates) to q and k 
 within one frame of one image only; the PatchMerger turns each merge x merge block of patches into one
 language-model token.
 
-Attention runs one SDPA call per run of consecutive frames with the same number of patches (one call
-for a batch of same-sized images), with no mask: the flash / memory-efficient kernels stay usable and
-no work is spent on the zero blocks a block-diagonal mask over all patches would carry.
+Attention is ``encoders.varlen_attention.packed_attention`` over the frames as packed segments: one
+flash varlen launch for any mix of image sizes on CUDA (bf16 / fp16), one SDPA call per run of
+consecutive equal frames elsewhere (exact on CPU).
 
 The blocks' and the merger's projections are ``engine.layers.linear.Linear``s (LoRA slots attach to them,
 ``lora_slices`` maps transformers' module names onto them); the patch embedding is not.
@@ -22,8 +22,8 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from encoders.varlen_attention import PackedSegments, SegmentRun, join_runs, packed_attention, packed_segments
 from encoders.vit import LoRASlices, TowerWeights, ViTMLP, WeightLoadError
 from engine.layers.linear import Linear
 
@@ -37,37 +37,12 @@ class GridError(ValueError):
 
 
 @dataclass(frozen=True)
-class SegmentRun:
-    """Consecutive attention segments (frames; windows in Qwen2.5-VL) of the same number of patches:
-    they attend in one batched SDPA call."""
-
-    first_patch: int  # index of the run's first patch in the packed sequence
-    num_segments: int  # segments in the run; each attends only to its own patches
-    patches_per_segment: int  # patches in every segment of the run
-
-
-@dataclass(frozen=True)
 class VisionBatch:
     """What every block needs about the packed images, computed once per forward."""
 
     cos: torch.Tensor  # [num_patches, head_dim] float32, the rotary cos per patch
     sin: torch.Tensor  # [num_patches, head_dim] float32
-    runs: list[SegmentRun]  # the attention segments, in order, covering every patch once
-
-
-def join_runs(segments: Iterable[tuple[int, int]]) -> list[SegmentRun]:
-    """Consecutive attention segments, given as (count, patches each) groups in order, as runs: groups
-    of equal length that follow each other join into one run."""
-    runs: list[SegmentRun] = []
-    first_patch = 0
-    for count, length in segments:
-        if runs and runs[-1].patches_per_segment == length:
-            last = runs[-1]
-            runs[-1] = SegmentRun(last.first_patch, last.num_segments + count, length)
-        else:
-            runs.append(SegmentRun(first_patch, count, length))
-        first_patch += count * length
-    return runs
+    segments: PackedSegments  # the attention segments, in order, covering every patch once
 
 
 def frame_runs(grid_thw: list[list[int]]) -> list[SegmentRun]:
@@ -141,15 +116,8 @@ class VisionAttention(nn.Module):
         q, k, v = qkv.unbind(1)  # each [num_patches, heads, head_dim]
         q = apply_vision_rotary(q, batch.cos, batch.sin)
         k = apply_vision_rotary(k, batch.cos, batch.sin)
-        outputs = []
-        for run in batch.runs:
-            span = slice(run.first_patch, run.first_patch + run.num_segments * run.patches_per_segment)
-            shape = (run.num_segments, run.patches_per_segment, self.num_heads, self.head_dim)
-            # each [segments, heads, patches_per_segment, head_dim]
-            q_run, k_run, v_run = (x[span].view(shape).transpose(1, 2) for x in (q, k, v))
-            out = F.scaled_dot_product_attention(q_run, k_run, v_run, scale=self.scale)  # same shape
-            outputs.append(out.transpose(1, 2).reshape(-1, embed_dim))
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # [num_patches, embed_dim]
+        out = packed_attention(q, k, v, batch.segments, self.scale)  # [num_patches, heads, head_dim]
+        out = out.reshape(num_patches, embed_dim)
         return self.proj(out)
 
 
@@ -261,7 +229,7 @@ class Qwen2VLVisionTransformer(nn.Module):
         grids = check_grids(pixel_values, grid_thw, self.merge_size, self.patch_dim, _TOWER)
         position_ids = rotary_position_ids(grids, self.merge_size).to(pixel_values.device)  # built on the CPU
         cos, sin = self.rotary(position_ids)
-        return VisionBatch(cos=cos, sin=sin, runs=frame_runs(grids))
+        return VisionBatch(cos=cos, sin=sin, segments=packed_segments(frame_runs(grids), pixel_values.device))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [num_patches, C * temporal_patch_size * patch_size**2] (any float dtype), grid_thw

@@ -24,10 +24,20 @@ next_power_of_2(M) real rows and repeat them up to tl.dot's 16, and load their i
 chunk ahead (register prefetch). Every program rebuilds all M input rows, so that work grows
 with M: the fused launches pay off at M <= 2 and lose from M = 4-8 on (``gemv_config``'s note).
 
+FP8 weights (W8A16): every wrapper also takes an e4m3 weight [N, K] with ``weight_scale`` (float32)
+per output channel [N] or, with ``scale_block=(bn, bk)``, per block [cdiv(N, bn), cdiv(K, bk)] (HF's
+block-wise ``fp8``, 128 x 128). The kernel reads the e4m3 tile (half the bytes of bf16) and converts
+it to the activations' dtype in registers, exactly; per-channel scales multiply the float32
+accumulator once at the end, block scales each BLOCK_K chunk's partial (block_k divides bk, so no
+chunk straddles a block). The activations stay unquantized: a checkpoint's static input scale
+(W8A8 static) is not applied, so the result is the dequantized weight's product, which is what the
+CPU path computes, not the W8A8 GEMM's (``kernels.fp8_linear``), which rounds the activations to e4m3.
+
 Numerics: float32 accumulation, bias added in float32, one rounding to x's dtype at the end;
 the prologues round exactly as ``kernels.layer_ops`` does (see the kernel's docstring). The
 torch twins are the ``*_ref`` functions at the end of this module, composed from
-``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and a float32 ``F.linear``;
+``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and a float32 ``F.linear`` (of the
+dequantized weight, ``fp8_linear.dequantize_fp8_weight``, for FP8);
 ``tests/kernels/test_kernel_gemv.py`` compares the two.
 
 Launch configs: ``gemv_config(M, N, K, override=...)`` (defaults, then the caller's field
@@ -46,6 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8_linear import FP8_DTYPE, dequantize_fp8_weight
 from kernels.reference import rms_norm_ref, silu_and_mul_ref
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
@@ -126,7 +137,8 @@ def _accumulate(acc, a, w, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_
     """acc [BLOCK_M, BLOCK_N] += a [BLOCK_MA, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T (float32).
 
     With tl.dot and BLOCK_MA < BLOCK_M the rows of a are repeated to BLOCK_M (row r of acc gets
-    row r % BLOCK_MA: the first BLOCK_MA rows are the real ones)."""
+    row r % BLOCK_MA: the first BLOCK_MA rows are the real ones). w is in a's dtype (an FP8
+    weight tile is converted by ``_accumulate_tile``)."""
     if USE_DOT:
         if BLOCK_MA < BLOCK_M:
             a = tl.reshape(tl.broadcast_to(a[None, :, :], [BLOCK_M // BLOCK_MA, BLOCK_MA, BLOCK_K]),
@@ -141,9 +153,30 @@ def _accumulate(acc, a, w, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
-                 M, N, K, eps, stride_x, stride_r,
+def _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     W_FP8: tl.constexpr, SCALE_BK: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """``_accumulate`` of one K chunk whose weight tile w [BLOCK_N, BLOCK_K] is in DTYPE or, with
+    W_FP8, e4m3 converted to DTYPE here (exact). With block scales (SCALE_BK > 0; the chunk lies in
+    one SCALE_BK-wide block) the chunk's partial is multiplied by each row's scale of that block,
+    ws_rows [BLOCK_N] pointing at the rows' scale rows."""
+    if W_FP8:
+        w = w.to(DTYPE)
+    if SCALE_BK > 0:
+        part = _accumulate(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a, w, BLOCK_M, BLOCK_MA, BLOCK_K,
+                           USE_DOT, UPCAST, DOT_PRECISION)
+        acc += part * tl.load(ws_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)[None, :]
+    else:
+        acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_ptr,
+                 M, N, K, eps, stride_x, stride_r, num_scale_kblocks,
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 W_FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
@@ -156,7 +189,13 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
             if PROLOGUE == ADD_RMSNORM:  s = dtype(x[t] + residual[t]) if HAS_RESIDUAL else x[t]
                                          a = dtype(nw * dtype(s * rsqrt(mean(s^2) + eps)))
                                          if HAS_RESIDUAL: res_out[t] = s      (program 0 only)
-            out[t] = dtype(a @ w.T + (b if HAS_BIAS else 0))                            # [N]
+            out[t] = dtype(a @ W.T + (b if HAS_BIAS else 0))                            # [N]
+
+    W = w (x's dtype) unless W_FP8; with W_FP8, w is e4m3 and W[n, k] = float(w[n, k]) * s, the scale
+    s = ws[n] per channel (SCALE_BK == 0: applied once to the float32 accumulator) or
+    ws[n // SCALE_BN, k // SCALE_BK] per block (ws [cdiv(N, SCALE_BN), num_scale_kblocks]: each
+    BLOCK_K chunk lies in one block, BLOCK_K divides SCALE_BK, and its partial product is scaled).
+    The e4m3 tile is converted to dtype in registers (exact for float16 / bfloat16 / float32).
 
     Program p covers columns [p * BLOCK_N, (p + 1) * BLOCK_N) of all M rows over all of K.
     w: [N, K] contiguous; x / residual rows at strides stride_x / stride_r (last dim stride 1);
@@ -176,6 +215,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K                                   # [BLOCK_N, 1]
+    ws_rows = ws_ptr + (offs_n // SCALE_BN) * num_scale_kblocks                          # [BLOCK_N]
 
     rstd = tl.zeros([BLOCK_MA, 1], dtype=tl.float32)
     if PROLOGUE == 2:
@@ -206,7 +246,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, BK]
             a = tl.load(x_ptr + rows_a[:, None] * stride_x + offs_k[None, :], mask=ma_ok[:, None] & k_ok[None, :],
                         other=0.0)                                                     # [BMA, BK]
-            acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+            acc = _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
+                                   W_FP8, SCALE_BK, USE_DOT, UPCAST, DOT_PRECISION)
     else:
         p, q, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, 0, K, stride_x, stride_r,
                                 BLOCK_K, PROLOGUE, HAS_RESIDUAL)
@@ -216,8 +257,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
             p_next, q_next, nw_next = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, k0 + BLOCK_K, K,
                                                    stride_x, stride_r, BLOCK_K, PROLOGUE, HAS_RESIDUAL)
             a = _build_input(p, q, nw, rstd, DTYPE, PROLOGUE, HAS_RESIDUAL)               # [BMA, BK]
-            acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+            acc = _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
+                                   W_FP8, SCALE_BK, USE_DOT, UPCAST, DOT_PRECISION)
             p, q, nw = p_next, q_next, nw_next
+    if W_FP8:
+        if SCALE_BK == 0:
+            acc *= tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     offs_m = tl.arange(0, BLOCK_M)
@@ -280,7 +325,7 @@ def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int,
 
 
 def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN,
-                override: GemvOverride = ()) -> GemvConfig:
+                override: GemvOverride = (), scale_block_k: Optional[int] = None) -> GemvConfig:
     """The default config for an [M, K] x [N, K]^T decode GEMV, with ``override`` applied last.
 
     Args:
@@ -289,6 +334,9 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         prologue: PLAIN, SILU_MUL or ADD_RMSNORM.
         override: ``GemvConfig`` (field, value) pairs; ValueError for an unknown field or a value
             the config rejects.
+        scale_block_k: inputs per scale block of a block-scaled FP8 weight (None: none); block_k is
+            then cut to the largest power of two dividing it (after the override), so no chunk
+            straddles a block.
 
     NOTE: defaults chosen with ``benchmarks/sweeps/gemv_sweep.py`` on an H200 (Llama-3-8B shapes,
     bf16, M 1..16, weights from HBM, CUDA graphs): tl.dot beats the elementwise form at every M,
@@ -308,14 +356,22 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         cfg = GemvConfig(32, 512, 4, 3, 1)
     else:
         cfg = GemvConfig(64, 256, 4, 3, 1) if prologue == PLAIN else GemvConfig(128, 128, 4, 3, 1)
-    if not override:
-        return cfg
-    fields = dict(override)
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(GemvConfig)})
-    if unknown:
-        raise ValueError(f"GEMV config override: unknown field(s) {unknown}; use block_n, block_k, "
-                         f"num_warps, num_stages, use_dot.")
-    return dataclasses.replace(cfg, **fields)
+    if override:
+        fields = dict(override)
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(GemvConfig)})
+        if unknown:
+            raise ValueError(f"GEMV config override: unknown field(s) {unknown}; use block_n, block_k, "
+                             f"num_warps, num_stages, use_dot.")
+        cfg = dataclasses.replace(cfg, **fields)
+    if scale_block_k is not None and scale_block_k % cfg.block_k:
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, scale_block_k & -scale_block_k))
+    return cfg
+
+
+def fp8_scale_block_supported(scale_block: Optional[tuple[int, int]]) -> bool:
+    """Whether the GEMV takes an FP8 weight with these (rows, inputs) scale blocks (None: per channel):
+    the inputs per block must be a multiple of 16 (the smallest K chunk)."""
+    return scale_block is None or scale_block[1] % 16 == 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -330,36 +386,63 @@ def _check_rows(name: str, x: torch.Tensor) -> int:
 
 
 def _check_weights(x: torch.Tensor, K: int, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   config: Optional[GemvConfig]) -> int:
-    """Check weight [N, K] (contiguous, x's dtype and device), bias [N] and config; returns N."""
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device, contiguous=True)
+                   config: Optional[GemvConfig], weight_scale: Optional[torch.Tensor],
+                   scale_block: Optional[tuple[int, int]]) -> int:
+    """Check weight [N, K] (contiguous, x's dtype or e4m3 with its scales, x's device), bias [N] and
+    config; returns N."""
+    fp8 = isinstance(weight, torch.Tensor) and weight.dtype == FP8_DTYPE
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype, FP8_DTYPE) if fp8 else (x.dtype,), device=x.device,
+                 contiguous=True)
     check_tensor("weight", weight, shape=(None, K))
     N = weight.shape[0]
     if N < 1 or K < 1:
         raise ValueError(f"weight: shape {tuple(weight.shape)} must have N >= 1 rows and K >= 1 columns.")
+    if not fp8 and (weight_scale is not None or scale_block is not None):
+        raise ValueError(f"weight_scale / scale_block: given for a {weight.dtype} weight; they go with a "
+                         f"float8_e4m3fn weight only.")
+    if fp8:
+        if scale_block is None:
+            check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,), shape=(N,), device=x.device,
+                         contiguous=True)
+        else:
+            if (not isinstance(scale_block, tuple) or len(scale_block) != 2
+                    or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in scale_block)):
+                raise ValueError(f"scale_block: expected (rows, inputs) positive ints, got {scale_block!r}.")
+            if not fp8_scale_block_supported(scale_block):
+                raise ValueError(f"scale_block: {scale_block} has {scale_block[1]} inputs per block; the GEMV "
+                                 f"needs a multiple of 16 (use kernels.fp8_linear.fp8_linear).")
+            check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,),
+                         shape=(cdiv(N, scale_block[0]), cdiv(K, scale_block[1])), device=x.device, contiguous=True)
     if bias is not None:
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(N,), device=x.device, contiguous=True)
     if config is not None and not isinstance(config, GemvConfig):
         raise ValueError(f"config: expected a GemvConfig, got {type(config).__name__}.")
+    if config is not None and scale_block is not None and scale_block[1] % config.block_k:
+        raise ValueError(f"config.block_k: {config.block_k} must divide the scale block's {scale_block[1]} inputs.")
     return N
 
 
 def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
             eps: float, weight: torch.Tensor, bias: Optional[torch.Tensor], res_out: Optional[torch.Tensor],
-            config: Optional[GemvConfig], override: GemvOverride) -> torch.Tensor:
+            config: Optional[GemvConfig], override: GemvOverride, weight_scale: Optional[torch.Tensor] = None,
+            scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     M, (N, K) = x.shape[0], weight.shape
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)                            # [M, N]
     if M == 0:
         return out
+    scale_bn, scale_bk = scale_block if scale_block is not None else (1, 0)
     if config is None:
-        config = gemv_config(M, N, K, x.device, prologue, override)
+        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None)
     block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
     upcast = is_interpreted(x.device)
     _gemv_kernel[(cdiv(N, config.block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight, out, res_out if res_out is not None else out,
         M, N, K, float(eps), x.stride(0), residual.stride(0) if residual is not None else 0,
+        weight_scale.shape[1] if scale_block is not None else 0,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        W_FP8=weight_scale is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_MA=block_ma, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_KS=block_ks,
         USE_DOT=bool(config.use_dot), UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
@@ -368,13 +451,18 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+         weight_scale: Optional[torch.Tensor] = None, scale_block: Optional[tuple[int, int]] = None,
          config: Optional[GemvConfig] = None, override: GemvOverride = ()) -> torch.Tensor:
     """out = x @ weight.T (+ bias) for a decode batch, float32 accumulation.
 
     Args:
         x: [M, K], 0 <= M <= 16, float16/bfloat16/float32, last dim contiguous (row stride free).
-        weight: [N, K] (nn.Linear layout), x's dtype, contiguous.
+        weight: [N, K] (nn.Linear layout), x's dtype or float8_e4m3fn, contiguous.
         bias: optional [N], x's dtype, contiguous; added in float32 before the final rounding.
+        weight_scale: with an e4m3 weight, its float32 scales: [N] per output channel, or
+            [cdiv(N, bn), cdiv(K, bk)] with ``scale_block``; None for a float weight.
+        scale_block: (bn, bk) weight rows and inputs per block scale (bk a multiple of 16); None:
+            per channel.
         config: launch config; None: ``gemv_config(M, N, K, x.device, override=override)``.
         override: ``GemvConfig`` field overrides of the default config (ignored with ``config``).
 
@@ -382,19 +470,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         out: a new [M, N] tensor in x's dtype.
     """
     _check_rows("x", x)
-    _check_weights(x, x.shape[1], weight, bias, config)
-    return _launch(PLAIN, x, None, None, 0.0, weight, bias, None, config, override)
+    _check_weights(x, x.shape[1], weight, bias, config, weight_scale, scale_block)
+    return _launch(PLAIN, x, None, None, 0.0, weight, bias, None, config, override, weight_scale, scale_block)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                  weight_scale: Optional[torch.Tensor] = None, scale_block: Optional[tuple[int, int]] = None,
                   config: Optional[GemvConfig] = None, override: GemvOverride = ()) -> torch.Tensor:
     """out = silu_and_mul(gate_up) @ weight.T (+ bias), the product rows never written to memory.
 
     Args:
         gate_up: [M, 2 * K] (gate | up), 0 <= M <= 16, float16/bfloat16/float32, last dim contiguous.
             The input row is a = dtype(dtype(silu(gate)) * up), rounded as ``layer_ops.silu_and_mul``.
-        weight: [N, K], gate_up's dtype, contiguous.
+        weight: [N, K], gate_up's dtype or float8_e4m3fn, contiguous.
         bias: optional [N], gate_up's dtype, contiguous.
+        weight_scale: with an e4m3 weight, its float32 scales: [N] per output channel, or
+            [cdiv(N, bn), cdiv(K, bk)] with ``scale_block``; None for a float weight.
+        scale_block: (bn, bk) weight rows and inputs per block scale (bk a multiple of 16); None:
+            per channel.
         config: launch config; None: ``gemv_config(M, N, K, gate_up.device, SILU_MUL, override)``.
         override: ``GemvConfig`` field overrides of the default config (ignored with ``config``).
 
@@ -404,12 +497,14 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     _check_rows("gate_up", gate_up)
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: last dim {gate_up.shape[1]} must be even (gate | up).")
-    _check_weights(gate_up, gate_up.shape[1] // 2, weight, bias, config)
-    return _launch(SILU_MUL, gate_up, None, None, 0.0, weight, bias, None, config, override)
+    _check_weights(gate_up, gate_up.shape[1] // 2, weight, bias, config, weight_scale, scale_block)
+    return _launch(SILU_MUL, gate_up, None, None, 0.0, weight, bias, None, config, override, weight_scale,
+                   scale_block)
 
 
 def add_rms_norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                       weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                      weight_scale: Optional[torch.Tensor] = None, scale_block: Optional[tuple[int, int]] = None,
                       config: Optional[GemvConfig] = None, override: GemvOverride = ()
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """out = rmsnorm(x + residual) @ weight.T (+ bias), and the residual sum.
@@ -419,8 +514,12 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_we
         residual: optional [M, K] in x's dtype, last dim contiguous. Not modified.
         norm_weight: [K] RMSNorm weight, x's dtype, contiguous.
         eps: added to the mean square.
-        weight: [N, K], x's dtype, contiguous.
+        weight: [N, K], x's dtype or float8_e4m3fn, contiguous.
         bias: optional [N], x's dtype, contiguous.
+        weight_scale: with an e4m3 weight, its float32 scales: [N] per output channel, or
+            [cdiv(N, bn), cdiv(K, bk)] with ``scale_block``; None for a float weight.
+        scale_block: (bn, bk) weight rows and inputs per block scale (bk a multiple of 16); None:
+            per channel.
         config: launch config; None: ``gemv_config(M, N, K, x.device, ADD_RMSNORM, override)``.
         override: ``GemvConfig`` field overrides of the default config (ignored with ``config``).
 
@@ -437,32 +536,41 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_we
     check_tensor("norm_weight", norm_weight, dtypes=(x.dtype,), shape=(K,), device=x.device, contiguous=True)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps: expected a float >= 0, got {eps!r}.")
-    _check_weights(x, K, weight, bias, config)
+    _check_weights(x, K, weight, bias, config, weight_scale, scale_block)
     res_out = torch.empty(M, K, dtype=x.dtype, device=x.device) if residual is not None else None   # [M, K]
-    out = _launch(ADD_RMSNORM, x, residual, norm_weight, eps, weight, bias, res_out, config, override)
+    out = _launch(ADD_RMSNORM, x, residual, norm_weight, eps, weight, bias, res_out, config, override,
+                  weight_scale, scale_block)
     return out, (res_out if res_out is not None else x)
 
 
 # ----------------------------------------------------------------------------------------
 # Torch twins (the test oracle)
 # ----------------------------------------------------------------------------------------
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Twin of ``gemv``: a float32 ``F.linear`` rounded once to x's dtype."""
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+             weight_scale: Optional[torch.Tensor] = None,
+             scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Twin of ``gemv``: a float32 ``F.linear`` rounded once to x's dtype; an e4m3 weight is first
+    dequantized to float32 (``fp8_linear.dequantize_fp8_weight``)."""
     b = bias.float() if bias is not None else None
-    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    w = dequantize_fp8_weight(weight, weight_scale, scale_block) if weight_scale is not None else weight.float()
+    return F.linear(x.float(), w, b).to(x.dtype)
 
 
-def silu_mul_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def silu_mul_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                      weight_scale: Optional[torch.Tensor] = None,
+                      scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Twin of ``silu_mul_gemv``: ``reference.silu_and_mul_ref`` (rounded to the dtype) then ``gemv_ref``."""
-    return gemv_ref(silu_and_mul_ref(gate_up), weight, bias)
+    return gemv_ref(silu_and_mul_ref(gate_up), weight, bias, weight_scale=weight_scale, scale_block=scale_block)
 
 
 def add_rms_norm_gemv_ref(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                          weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                          weight_scale: Optional[torch.Tensor] = None,
+                          scale_block: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``add_rms_norm_gemv``: ``reference.rms_norm_ref`` then ``gemv_ref``; returns
     (out, residual sum) (x itself when residual is None)."""
+    fp8 = dict(weight_scale=weight_scale, scale_block=scale_block)
     if residual is None:
-        return gemv_ref(rms_norm_ref(x, norm_weight, eps), weight, bias), x
+        return gemv_ref(rms_norm_ref(x, norm_weight, eps), weight, bias, **fp8), x
     n, s = rms_norm_ref(x, norm_weight, eps, residual)
-    return gemv_ref(n, weight, bias), s
+    return gemv_ref(n, weight, bias, **fp8), s

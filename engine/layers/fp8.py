@@ -2,8 +2,12 @@
 (``engine.quantization.slices.Fp8Slice``) or quantized at load (``--quantization fp8``: per output channel,
 amax / 448, as llmcompressor's FP8_DYNAMIC).
 
-- CUDA: ``kernels.fp8_linear``'s W8A8 GEMM (``fp8_linear``): the activations quantized per token, per token
-  and 128 inputs for block weights, or by the checkpoint's static scale; steps of up to
+- CUDA, decode steps of at most ``KernelPolicy.decode_gemv_max_tokens`` rows without an adapter update
+  (``Linear.uses_decode_gemv``): ``kernels.gemv``'s decode GEMV reads the e4m3 weight and its scales
+  (W8A16: converted in registers, activations unquantized, a static input scale not applied), with the
+  RMSNorm / SiLU-and-mul before it fused in as for bf16 layers (``engine.layers.fused``);
+- CUDA, other steps: ``kernels.fp8_linear``'s W8A8 GEMM (``fp8_linear``): the activations quantized per
+  token, per token and 128 inputs for block weights, or by the checkpoint's static scale; steps of up to
   ``FP8_TRITON_MAX_TOKENS`` rows run the Triton GEMM (on the H200 it beats ``torch._scaled_mm`` there:
   RESULTS.md "Quantized weights"), larger ones ``fp8_linear``'s pick;
 - CPU: the dequantized weight (float copy) through ``F.linear``: the checkpoint's values, for correctness
@@ -37,14 +41,18 @@ class Fp8Weight:
         """float8_e4m3fn [out, in]."""
         self.scale = scale.float().contiguous()
         """float32 [out] or [ceil(out / bo), ceil(in / bi)]."""
-        self.block = block
+        self.block = (int(block[0]), int(block[1])) if block is not None else None
         """(bo, bi) per scale; None: per channel."""
         self.input_scale = input_scale.float().reshape(1) if input_scale is not None else None
         """Static activation scale (float32 [1]); None: dynamic."""
         self.cuda = weight.is_cuda
+        self.decode_gemv = False
+        """Whether decode steps may read this weight through ``kernels.gemv`` (CUDA, scale blocks it takes)."""
         if self.cuda:
             from kernels.fp8_linear import scaled_mm_works
+            from kernels.gemv import fp8_scale_block_supported
             scaled_mm_works(weight.device)   # probed now, before CUDA graph capture
+            self.decode_gemv = fp8_scale_block_supported(self.block)
         self.float_weight: Optional[torch.Tensor] = None
         """CPU: the dequantized weight [out, in] in the model's dtype."""
         if not self.cuda:

@@ -1,9 +1,10 @@
 """Linear layers with packed output slices, their fast base paths, and the adapter seam.
 
 ``Linear.forward`` picks the base computation by the step (``engine.kernel_policy``): on CUDA,
-decode steps of a few tokens run one ``kernels.gemv`` launch; a projection that feeds a residual
-add + RMSNorm may return split-K partials the norm sums (decode-sized bf16 steps, where the GEMM
-alone would leave SMs idle); everything else is one ``F.linear``. With an adapter attached
+decode steps of a few tokens run one ``kernels.gemv`` launch (a float weight, or an FP8 one read as
+e4m3 with its scales); a projection that feeds a residual add + RMSNorm may return split-K partials
+the norm sums (decode-sized bf16 steps, where the GEMM alone would leave SMs idle); everything else
+is one ``F.linear`` (a quantized weight's own ``linear``). With an adapter attached
 (``engine.layers.adapter``) and active in the step, the adapter runs the projection and adds
 its update, or leaves it to the consumer the layer ``feeds``.
 """
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from engine.forward_context import current_policy
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds, LinearAdapter, defer_update
+from engine.layers.fp8 import Fp8Weight
 from engine.quantization.slices import Fp8Slice, Int4Slice, QuantizedSlice
 
 
@@ -158,12 +160,13 @@ class Linear(nn.Module):
         """The projection without adapter update: one ``kernels.gemv`` launch for a decode step of a
         few tokens (``uses_decode_gemv``), split-K partials for a layer feeding the add + RMSNorm
         (``split_k_parts``), else ``F.linear``."""
-        if self.weight_q is not None:
-            return self.weight_q.linear(x, self.bias)
         policy = current_policy()
         if self.uses_decode_gemv(x, policy):
             from kernels.gemv import gemv
-            return gemv(x, self.weight, self.bias, override=policy.gemv)
+            weight, scale, block = self.decode_gemv_weight()
+            return gemv(x, weight, self.bias, weight_scale=scale, scale_block=block, override=policy.gemv)
+        if self.weight_q is not None:
+            return self.weight_q.linear(x, self.bias)
         if self.feeds is Feeds.ADD_RMS_NORM:
             parts = self.split_k_parts(x, policy)
             if parts > 1:
@@ -172,10 +175,22 @@ class Linear(nn.Module):
 
     def uses_decode_gemv(self, x: torch.Tensor, policy: KernelPolicy) -> bool:
         """Whether this layer of x runs as ``kernels.gemv`` (CUDA, at most
-        ``policy.decode_gemv_max_tokens`` rows, row-contiguous, no adapter update in the step)."""
-        return (x.is_cuda and self.weight is not None and 0 < x.shape[0] <= policy.decode_gemv_max_tokens
-                and x.dtype == self.weight.dtype
-                and x.dim() == 2 and x.stride(-1) == 1 and (self.adapter is None or self.adapter.adds_nothing()))
+        ``policy.decode_gemv_max_tokens`` rows, row-contiguous, no adapter update in the step; a float
+        weight in x's dtype or an FP8 one the GEMV takes, ``Fp8Weight.decode_gemv``)."""
+        if not (x.is_cuda and 0 < x.shape[0] <= policy.decode_gemv_max_tokens
+                and x.dim() == 2 and x.stride(-1) == 1 and (self.adapter is None or self.adapter.adds_nothing())):
+            return False
+        if self.weight is not None:
+            return x.dtype == self.weight.dtype
+        return (isinstance(self.weight_q, Fp8Weight) and self.weight_q.decode_gemv
+                and (self.bias is None or self.bias.dtype == x.dtype))
+
+    def decode_gemv_weight(self) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple[int, int]]]:
+        """What ``kernels.gemv`` reads for this layer (where ``uses_decode_gemv``): (weight [out, in],
+        FP8 scales or None, FP8 scale block (rows, inputs) or None: per channel)."""
+        if self.weight is not None:
+            return self.weight, None, None
+        return self.weight_q.weight, self.weight_q.scale, self.weight_q.block
 
     def split_k_parts(self, x: torch.Tensor, policy: KernelPolicy) -> int:
         """Partial products to run this layer of x as (1: a plain GEMM). Only on CUDA, in bfloat16

@@ -211,3 +211,114 @@ CUDA_CASES = [("plain", 6144, 4096), ("plain", 4096, 4096), ("plain", 28672, 409
 def test_gpu_real_sizes(prologue, n, k, m, config):
     _check(prologue, _case(prologue, m, n, k, torch.bfloat16, bias=(n == 6144), strided=(m == 4)), config,
            torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------
+# FP8 (e4m3) weights: per-channel and block scales, converted in registers (W8A16)
+# ----------------------------------------------------------------------------------------
+def _fp8_case(prologue: str, m: int, n: int, k: int, dtype, scale_block, seed: int = 0):
+    """(args, fp8 kwargs): ``_case``'s inputs with the weight as e4m3 and its float32 scales."""
+    from kernels.fp8_linear import quantize_weight_fp8_per_channel
+
+    args = list(_case(prologue, m, n, k, dtype, bias=True, strided=m % 2 == 1, seed=seed))
+    w = args[-2].float().cpu()                                                          # [N, K]
+    if scale_block is None:
+        wq, scale = quantize_weight_fp8_per_channel(w)                                  # [N, K], [N]
+    else:
+        g = torch.Generator().manual_seed(seed + 7)
+        bn, bk = scale_block
+        scale = (0.5 + torch.rand(-(-n // bn), -(-k // bk), generator=g)) / 448         # [cdiv(N, bn), cdiv(K, bk)]
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        wq = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    args[-2] = wq.to(DEVICE)
+    return tuple(args), dict(weight_scale=scale.to(DEVICE), scale_block=scale_block)
+
+
+def _run_fp8(prologue: str, args, fp8, config, override=()):
+    kw = dict(fp8, config=config, override=override)
+    if prologue == "plain":
+        return gemv(*args, **kw), None, gemv_ref(*args, **fp8), None
+    if prologue == "silu_mul":
+        return silu_mul_gemv(*args, **kw), None, silu_mul_gemv_ref(*args, **fp8), None
+    out, res = add_rms_norm_gemv(*args, **kw)
+    ref_out, ref_res = add_rms_norm_gemv_ref(*args, **fp8)
+    return out, res, ref_out, ref_res
+
+
+# N, K odd; blocks ragged in both (37 = 2 x 16 + 5 rows, 201 = 3 x 64 + 9 inputs).
+FP8_SCALES = {"channel": None, "block": (16, 64)}
+
+
+@pytest.mark.parametrize("scales", list(FP8_SCALES))
+@pytest.mark.parametrize("m,use_dot,dtype", [(1, 1, torch.bfloat16), (2, 0, torch.float32), (5, 1, torch.float32),
+                                             (8, 0, torch.bfloat16), (16, 1, torch.bfloat16)])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_fp8_matches_twin(prologue, m, use_dot, dtype, scales):
+    """The e4m3 weight with its scales against the twin (dequantize, then the float32 reference)."""
+    scale_block = FP8_SCALES[scales]
+    args, fp8 = _fp8_case(prologue, m, 37, 201, dtype, scale_block)
+    config = GemvConfig(block_n=16, block_k=32 if scale_block else 64, num_warps=4, num_stages=1, use_dot=use_dot)
+    out, res, ref_out, ref_res = _run_fp8(prologue, args, fp8, config)
+    rtol, atol = _tol(dtype)
+    assert out.dtype == dtype and out.shape == (m, 37)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=rtol, atol=atol)
+    if prologue == "add_rmsnorm":
+        torch.testing.assert_close(res.float(), ref_res.float(), rtol=2 ** -7, atol=1e-6)
+    # The scales matter: the same e4m3 weight without them is a different product.
+    unscaled = dict(weight_scale=torch.ones_like(fp8["weight_scale"]), scale_block=scale_block)
+    assert not torch.allclose(out.float(), _run_fp8(prologue, args, unscaled, config)[0].float(),
+                              rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_fp8_default_config_block_scales(prologue):
+    """config=None with 32-input scale blocks: the default block_k is cut to 32 (no chunk straddles a
+    block), also under an override asking for more."""
+    args, fp8 = _fp8_case(prologue, 3, 24, 136, torch.float32, (8, 32))
+    for override in ((), (("block_k", 128),)):
+        out, _, ref, _ = _run_fp8(prologue, args, fp8, None, override)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_gemv_config_cuts_block_k():
+    assert gemv_config(1, 6144, 4096).block_k == 512
+    assert gemv_config(1, 6144, 4096, scale_block_k=128).block_k == 128
+    assert gemv_config(1, 6144, 4096, override=(("block_k", 1024),), scale_block_k=128).block_k == 128
+    assert gemv_config(1, 6144, 4096, override=(("block_k", 64),), scale_block_k=128).block_k == 64
+    assert gemv_config(1, 6144, 4096, scale_block_k=96).block_k == 32
+
+
+def test_fp8_checks_reject_bad_inputs():
+    x = torch.randn(2, 64, device=DEVICE)
+    wq = torch.randn(24, 64, device=DEVICE).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemv(x, wq)                                                          # e4m3 without scales
+    with pytest.raises(ValueError, match="weight_scale: expected shape"):
+        gemv(x, wq, weight_scale=torch.ones(23, device=DEVICE))
+    with pytest.raises(ValueError, match="weight_scale: dtype"):
+        gemv(x, wq, weight_scale=torch.ones(24, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="weight_scale: expected shape"):
+        gemv(x, wq, weight_scale=torch.ones(24, device=DEVICE), scale_block=(16, 32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemv(x, wq, weight_scale=torch.ones(3, 8, device=DEVICE), scale_block=(8, 8))
+    with pytest.raises(ValueError, match="scale_block"):
+        gemv(x, wq, weight_scale=torch.ones(2, 2, device=DEVICE), scale_block=[16, 32])
+    with pytest.raises(ValueError, match="block_k"):
+        gemv(x, wq, weight_scale=torch.ones(2, 2, device=DEVICE), scale_block=(16, 32),
+             config=GemvConfig(block_n=16, block_k=64))
+    with pytest.raises(ValueError, match="float8_e4m3fn weight only"):
+        gemv(x, torch.randn(24, 64, device=DEVICE), weight_scale=torch.ones(24, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scales", [None, (128, 128)], ids=["channel", "block"])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("prologue,n,k", CUDA_CASES)
+def test_gpu_fp8_real_sizes(prologue, n, k, m, scales):
+    """Llama-3-8B shapes with e4m3 weights and the default configs, bfloat16 activations."""
+    args, fp8 = _fp8_case(prologue, m, n, k, torch.bfloat16, scales)
+    out, res, ref_out, ref_res = _run_fp8(prologue, args, fp8, None)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+    if prologue == "add_rmsnorm":
+        assert torch.equal(res, ref_res)

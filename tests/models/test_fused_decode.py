@@ -64,7 +64,7 @@ def test_gemv_override_from_the_policy(monkeypatch):
     seen = []
 
     def spy(x, weight, bias=None, **kw):
-        seen.append(kw)
+        seen.append(kw["override"])
         return torch.zeros(x.shape[0], weight.shape[0])
     monkeypatch.setattr(gemv_kernels, "gemv", spy)
     monkeypatch.setattr(Linear, "uses_decode_gemv", lambda linear, x, policy: True)
@@ -74,7 +74,7 @@ def test_gemv_override_from_the_policy(monkeypatch):
         monkeypatch.setenv("CHORUS_KERNEL_POLICY", "gemv.block_n=64")     # the context's policy wins
         Linear(8, [4])(torch.zeros(1, 8))
     Linear(8, [4])(torch.zeros(1, 8))                                    # no context: the string's
-    assert seen == [{"override": (("block_n", 32), ("use_dot", 1))}] * 2 + [{"override": (("block_n", 64),)}]
+    assert seen == [(("block_n", 32), ("use_dot", 1))] * 2 + [(("block_n", 64),)]
 
 
 # ----------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ Examples:
     # another shape (benchmarks/shapes.py), FP8 weights in the engine; --tiny: its small variant, for CPU
     python benchmarks/latency.py --shape qwen3-30b-a3b --batch-sizes 1,64
     python benchmarks/latency.py --shape llama3-8b --quantization fp8 --batch-sizes 1,64,256
+    # Llama-3-70B shape on one H200: FP8 weights (drawn and quantized one projection at a time), FP8 KV cache
+    python benchmarks/latency.py --shape llama3-70b --quantization fp8 --kv-cache-dtype fp8 --batch-sizes 1,64 \
+        --gpu-memory-utilization 0.9 --skip-hf
     # CPU smoke test on a small checkpoint
     python benchmarks/latency.py --model PATH --batch-sizes 1,4 --context-len 32 --steps 4
 
@@ -20,7 +23,8 @@ engine runs decode-only steps (a CUDA graph each on CUDA, with async scheduling)
   * floor ms: (weight bytes + KV bytes read per step) / copy bandwidth, the bandwidth measured
     first as a device-to-device copy (bytes read + written); the bytes from the config
     (``benchmarks.shapes.decode_bytes``): every weight once but the embedding (B rows of it), with
-    ``--quantization fp8`` the projections at 1 byte per weight + their scales; of a MoE layer the
+    ``--quantization fp8`` the projections at 1 byte per weight + their scales, with ``--kv-cache-dtype fp8``
+    the KV at 1 byte per element; of a MoE layer the
     router and the experts B tokens select, E * (1 - (1 - k/E)^B) of E experts at top-k under uniform
     routing (an expectation: real routing is not uniform); the KV of every context token, at most
     the window in a sliding-window layer;
@@ -42,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.shapes import add_shape_args, decode_bytes, resolve_shape_args  # noqa: E402
+from benchmarks.shapes import add_shape_args, decode_bytes, kv_elem_bytes, resolve_shape_args  # noqa: E402
 
 
 def sync() -> None:
@@ -112,15 +116,31 @@ def _graph_replay_ms(runner, batch: int, reps: int) -> float:
     return start.elapsed_time(stop) / reps
 
 
+def chorus_llm(args, model_dir: str, max_num_seqs: int, max_model_len: int, **engine_kw):
+    """The engine the decode rows run on (``args``: this script's flags; ``engine_kw`` adds or overrides)."""
+    from engine import LLM
+    kw = dict(load_format=args.load_format, dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+              gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, seed=0)
+    return LLM(model_dir, **{**kw, **engine_kw})
+
+
 def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) -> list[dict]:
-    from engine import LLM, SamplingParams
+    llm = chorus_llm(args, model_dir, max(batch_sizes), args.context_len + 2 * args.steps + 64)
+    rows = decode_rows(llm, args, batch_sizes, bandwidth)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_rows(llm, args, batch_sizes: list[int], bandwidth: float) -> list[dict]:
+    """One row per batch size of steady decode on ``llm`` at ``args.context_len`` tokens (module docstring)."""
+    from engine import SamplingParams
     from benchmarks.step_timer import StepTimer
 
-    max_b = max(batch_sizes)
-    llm = LLM(model_dir, load_format=args.load_format, dtype=args.dtype,
-              max_model_len=args.context_len + 2 * args.steps + 64, max_num_seqs=max_b,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization, seed=0)
     engine = llm.llm_engine
     runner = engine.runner
     hf_cfg = engine.runner.model.config
@@ -150,7 +170,8 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
         eager_s = _run_steps(engine, max(4, args.steps // 4))
         runner.graphs = graphs
         mean_ctx = args.context_len + 6 + args.steps / 2
-        fb = decode_bytes(hf_cfg, b, mean_ctx, elem, fp8=args.quantization == "fp8")
+        fb = decode_bytes(hf_cfg, b, mean_ctx, elem, kv_elem_bytes(args.kv_cache_dtype, elem),
+                          fp8=args.quantization == "fp8")
         floor_ms = fb["total_bytes"] / bandwidth * 1e3 if cuda else float("nan")
         gpu_ms = timing.get("gpu_busy_ms", float("nan")) / max(1, timing.get("steps", 1))
         rows.append(dict(batch=b, context_len=args.context_len, step_ms=step_s * 1e3, gpu_ms=gpu_ms,
@@ -165,10 +186,6 @@ def chorus_rows(args, model_dir: str, batch_sizes: list[int], bandwidth: float) 
               f"floor {floor_ms:.2f} ms, "
               f"eager {eager_s * 1e3:.2f} ms, busy {timing.get('busy_fraction', float('nan')):.3f}",
               flush=True)
-    del llm, engine, runner
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -232,9 +249,7 @@ def main() -> None:
     if args.model is None:
         ap.error("--model, --shape or --llama3-8b-dummy is required")
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
-    bandwidth = measure_copy_bandwidth()
-    print(f"device {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    device, bandwidth = device_and_bandwidth()
     rows = chorus_rows(args, args.model, batch_sizes, bandwidth)
     hf = {} if args.skip_hf else {r["batch"]: r for r in hf_rows(args, args.model, batch_sizes)}
     for r in rows:
@@ -244,6 +259,7 @@ def main() -> None:
 
     name = f"{args.shape}-dummy{'-tiny' if args.tiny else ''}" if args.shape else args.model
     name += f", {args.quantization} weights" if args.quantization else ""
+    name += f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype != "auto" else ""
     print(f"\ncontext {args.context_len} tokens, model {name}, {device}, copy bw {bandwidth / 1e12:.2f} TB/s")
     print(f"{'batch':>5s} {'step ms':>8s} {'gpu ms':>7s} {'graph ms':>8s} {'floor ms':>8s} {'x floor':>7s} {'busy':>6s} "
           f"{'eager ms':>8s} {'tok/s':>8s} {'HF ms/tok':>9s} {'x HF':>6s}")
@@ -252,6 +268,19 @@ def main() -> None:
               f"{r['step_over_floor']:7.2f} {r['busy_fraction']:6.3f} {r['eager_step_ms']:8.2f} "
               f"{r['tok_s']:8.1f} "
               f"{r.get('hf_ms_per_token', float('nan')):9.2f} {r.get('speedup_vs_hf', float('nan')):6.1f}")
+    write_report(args, device, bandwidth, rows)
+
+
+def device_and_bandwidth() -> tuple[str, float]:
+    """The device's name and its copy bandwidth (``measure_copy_bandwidth``), printed."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
+    bandwidth = measure_copy_bandwidth()
+    print(f"device {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    return device, bandwidth
+
+
+def write_report(args, device: str, bandwidth: float, rows: list[dict]) -> None:
+    """The JSON at ``args.out``: the flags, the device, its bandwidth and the rows."""
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(args=vars(args), device=device, copy_bandwidth_bytes_s=bandwidth, rows=rows,

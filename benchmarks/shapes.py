@@ -4,6 +4,7 @@ the bytes a decode step of that shape must read (``decode_bytes``, the floor of 
 
 Shapes (the released checkpoints' text configs):
   llama3-8b      LlamaForCausalLM, as ``--llama3-8b-dummy``;
+  llama3-70b     LlamaForCausalLM, 80 layers of 8192 (with ``--quantization fp8`` its ~70 GB of weights fit one H200);
   qwen3-8b       Qwen3ForCausalLM;
   qwen3-30b-a3b  Qwen3MoeForCausalLM, 128 experts of 768, 8 per token, every layer sparse;
   gemma3-12b     Gemma3ForCausalLM, 5 sliding-window (1024) layers to 1 global, tied embeddings.
@@ -20,8 +21,12 @@ LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8)
+
 SHAPES: dict[str, tuple[str, str, dict]] = {
     "llama3-8b": ("llama", "LlamaForCausalLM", LLAMA3_8B),
+    "llama3-70b": ("llama", "LlamaForCausalLM", LLAMA3_70B),
     "qwen3-8b": ("qwen3", "Qwen3ForCausalLM",
                  dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960,
@@ -83,11 +88,15 @@ def shape_fields(name: str, tiny: bool = False) -> tuple[str, str, dict]:
     return model_type, arch, fields
 
 
-def dummy_model(name: str, tiny: bool = False, dtype: Optional[str] = None) -> str:
+def dummy_model(name: str, tiny: bool = False, dtype: Optional[str] = None, windows: bool = True) -> str:
     """The checkpoint directory of shape ``name`` (bfloat16, float32 with ``tiny``) under $TMPDIR (default
-    /tmp): ``chorus-NAME-dummy``, ``chorus-NAME-tiny-dummy``."""
+    /tmp): ``chorus-NAME-dummy``, ``chorus-NAME-tiny-dummy``; ``windows=False``: every layer global
+    (``layer_types`` all full attention; ``chorus-NAME-nowindow-dummy``), the shape without its sliding windows."""
     model_type, arch, fields = shape_fields(name, tiny)
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"chorus-{name}{'-tiny' if tiny else ''}-dummy"
+    if not windows:
+        fields = {**fields, "layer_types": ["full_attention"] * fields["num_hidden_layers"]}
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / (f"chorus-{name}{'-tiny' if tiny else ''}"
+                                                    f"{'' if windows else '-nowindow'}-dummy")
     return str(write_checkpoint(out, model_type, arch, fields, dtype or ("float32" if tiny else "bfloat16")))
 
 
@@ -143,7 +152,8 @@ def decode_bytes(cfg, batch: int, context_len: float, elem_bytes: int = 2, kv_el
 
 
 def add_shape_args(ap) -> None:
-    """``--shape``, ``--tiny``, ``--llama3-8b-dummy`` and ``--quantization`` on a benchmark's parser."""
+    """``--shape``, ``--tiny``, ``--llama3-8b-dummy``, ``--quantization`` and ``--kv-cache-dtype`` on a benchmark's
+    parser."""
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="a model shape with random weights (benchmarks/shapes.py) instead of --model")
     ap.add_argument("--tiny", action="store_true", help="with --shape: its tiny float32 variant (CPU smoke tests)")
@@ -151,6 +161,20 @@ def add_shape_args(ap) -> None:
                     "(--shape llama3-8b)")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="the engine's weight quantization (transformers keeps the float weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the engine's KV cache dtype: auto (the model's) or fp8 (e4m3, CUDA; the bytes floor counts "
+                         "1 byte per KV element)")
+
+
+def kv_elem_bytes(kv_cache_dtype: str, model_elem_bytes: int) -> int:
+    """Bytes per KV cache element of ``--kv-cache-dtype`` (auto: the model's ``model_elem_bytes``)."""
+    from engine.config import FP8_KV_CACHE_DTYPES
+    from engine.dtypes import TORCH_DTYPES
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return 1
+    if kv_cache_dtype == "auto":
+        return model_elem_bytes
+    return TORCH_DTYPES[kv_cache_dtype].itemsize
 
 
 def resolve_shape_args(args) -> None:

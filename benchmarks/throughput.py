@@ -9,6 +9,8 @@ Examples:
     # another shape (benchmarks/shapes.py; --tiny: its small variant, for CPU); FP8 weights in the engine
     python benchmarks/throughput.py --shape qwen3-30b-a3b --num-prompts 1000 ...
     python benchmarks/throughput.py --shape llama3-8b --quantization fp8 --num-prompts 1000 ...
+    # Llama-3-70B shape on one H200: FP8 weights and KV cache, no transformers (its bf16 model does not fit)
+    python benchmarks/throughput.py --shape llama3-70b --quantization fp8 --kv-cache-dtype fp8 --skip-hf ...
 
 Transformers runs padded batched ``generate`` (left padding, batches of ``--hf-batch-size``, each
 batch runs to its longest output; only requested tokens count) and, with ``--hf-continuous``,
@@ -77,6 +79,8 @@ def run_chorus(args, prompts, outs) -> dict:
         kw["load_format"] = "dummy"
     if args.quantization:
         kw["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     load_s = time.perf_counter() - t0
@@ -84,6 +88,7 @@ def run_chorus(args, prompts, outs) -> dict:
     sc = llm.llm_engine.engine_config.scheduler_config
     del llm
     return dict(system="chorus" + (f" ({args.quantization})" if args.quantization else "")
+                + (f" ({args.kv_cache_dtype} KV)" if args.kv_cache_dtype != "auto" else "")
                 + (" (eager)" if args.enforce_eager else ""), **run, load_s=load_s,
                 max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
 

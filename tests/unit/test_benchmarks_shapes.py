@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from benchmarks.shapes import SHAPES, decode_bytes, dummy_model, expected_distinct_experts, shape_fields
+from benchmarks.shapes import (SHAPES, decode_bytes, dummy_model, expected_distinct_experts, kv_elem_bytes,
+                               shape_fields)
 
-ARCHITECTURES = {"llama3-8b": "LlamaForCausalLM", "qwen3-8b": "Qwen3ForCausalLM",
+ARCHITECTURES = {"llama3-8b": "LlamaForCausalLM", "llama3-70b": "LlamaForCausalLM", "qwen3-8b": "Qwen3ForCausalLM",
                  "qwen3-30b-a3b": "Qwen3MoeForCausalLM", "gemma3-12b": "Gemma3ForCausalLM"}
 
 
@@ -87,3 +88,26 @@ def test_gemma3_sliding_layers_read_at_most_the_window():
     assert decode_bytes(cfg, 3, 2048)["kv_bytes"] == 3 * (40 * 1024 + 8 * 2048) * per_token_layer
     assert decode_bytes(cfg, 3, 512)["kv_bytes"] == 3 * 48 * 512 * per_token_layer
     assert decode_bytes(cfg, 1, 512)["weight_bytes"] > 2 * 262208 * 3840   # the tied LM head, read
+
+
+def test_llama3_70b_in_fp8_reads_about_70_gb_and_an_fp8_kv_cache_half_the_kv():
+    """80 layers of 8192: q|k|v 8192 x (8192 + 2 * 1024), o, gate|up 8192 x 2 * 28672, down, each FP8 with a float32
+    scale per output; norms, the LM head and one embedding row bf16; the KV at 1 byte per element."""
+    def proj(d_in, d_out):
+        return d_in * d_out + 4 * d_out
+    layer = proj(8192, 10240) + proj(8192, 8192) + proj(8192, 2 * 28672) + proj(28672, 8192) + 2 * 2 * 8192
+    cfg = _config("llama3-70b")
+    fb = decode_bytes(cfg, 1, 512, kv_elem_bytes=kv_elem_bytes("fp8", 2), fp8=True)
+    assert fb["weight_bytes"] == 80 * layer + 2 * (8192 + 128256 * 8192 + 8192)
+    assert 70e9 < fb["weight_bytes"] < 71e9
+    assert fb["kv_bytes"] == 80 * 2 * 8 * 128 * 512 == decode_bytes(cfg, 1, 512)["kv_bytes"] // 2
+    assert (kv_elem_bytes("auto", 2), kv_elem_bytes("fp8_e4m3", 2), kv_elem_bytes("bfloat16", 4)) == (2, 1, 2)
+
+
+def test_gemma3_without_windows_has_every_layer_global(tmp_path, monkeypatch):
+    from engine.models.sliding_window import layer_windows
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with_windows = AutoConfig.from_pretrained(dummy_model("gemma3-12b", tiny=True))
+    without = AutoConfig.from_pretrained(dummy_model("gemma3-12b", tiny=True, windows=False))
+    assert layer_windows(with_windows) == [16] * 5 + [None]
+    assert layer_windows(without) == [None] * 6

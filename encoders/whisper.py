@@ -13,17 +13,23 @@ The projections are ``engine.layers.linear.Linear``s, so LoRA slots attach to th
 ``WhisperEncoderTower.packed_modules_mapping`` says which block of which packed Linear each of q/k/v is
 (as in ``engine.models.llama``), and ``WhisperEncoderTower.lora_targets()`` maps every transformers module
 name to its Linear and row block here.
+
+CUDA graphs: a window always has ``2 * max_source_positions`` frames, so ``capture_graphs`` captures the
+forward at a few batch sizes (``encoders.encoder_graphs``) and the forward replays them from then on, padding
+a call's windows up to the next captured size. A call in which an adapter updates a projection (inside a
+``LoRAManager.rows_batch`` with adapter rows) runs eagerly: the graphs hold the base projections only.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from encoders.encoder_graphs import BatchGraphs, encoder_graph_sizes
 from encoders.vit import TowerWeights, ViTAttention, activation
 from engine.layers.linear import Linear
 
@@ -105,15 +111,44 @@ class WhisperEncoderTower(nn.Module):
                                 config.activation_function)
             for _ in range(config.encoder_layers))
         self.layer_norm = nn.LayerNorm(config.d_model)
+        self.graphs: Optional[BatchGraphs] = None
+        """The forward's captured CUDA graphs (``capture_graphs``); None: every call runs eagerly."""
+
+    def capture_graphs(self, max_items: int, use_graphs: bool = True) -> list[int]:
+        """Capture the forward in CUDA graphs for calls of up to ``max_items`` windows (batch sizes
+        ``encoder_graph_sizes(max_items)``; larger calls replay in chunks) and replay them from then on.
+        Capture outside any adapter batch (the graphs run the base projections). ``use_graphs=False``: the
+        same chunking and padding, each chunk eager (CPU tests). Returns the batch sizes captured."""
+        self.graphs = None
+        sizes = encoder_graph_sizes(max_items)
+        if sizes:
+            weight = self.conv1.weight
+            graphs = BatchGraphs(self._forward_eager, (self.num_mel_bins, self.num_frames), weight.dtype,
+                                 weight.device, sizes, use_graphs)
+            graphs.capture()
+            self.graphs = graphs
+        return sizes
+
+    def _adapter_active(self) -> bool:
+        """Whether an adapter updates some projection of this call (a ``rows_batch`` with adapter rows)."""
+        return any(module.adapter is not None and not module.adapter.adds_nothing()
+                   for module in self.modules() if isinstance(module, Linear))
 
     def forward(self, input_features: torch.Tensor) -> torch.Tensor:
         """input_features [B, num_mel_bins, 2 * max_source_positions] (any float dtype, cast to the
-        parameters') -> [B, max_source_positions, d_model] in the parameters' dtype."""
+        parameters') -> [B, max_source_positions, d_model] in the parameters' dtype; replayed from the
+        captured graphs (``capture_graphs``) unless an adapter updates a projection of this call."""
         expected = (self.num_mel_bins, self.num_frames)
         if input_features.dim() != 3 or tuple(input_features.shape[1:]) != expected:
             raise ValueError(f"{_TOWER}: input_features must be [B, {expected[0]}, {expected[1]}] (the "
                              f"config's num_mel_bins, and 2 * max_source_positions frames: pad or trim the "
                              f"log-mel as WhisperFeatureExtractor does), got {list(input_features.shape)}.")
+        if self.graphs is not None and not self._adapter_active():
+            return self.graphs(input_features)
+        return self._forward_eager(input_features)
+
+    def _forward_eager(self, input_features: torch.Tensor) -> torch.Tensor:
+        """``forward`` without the graphs (its input checked)."""
         features = input_features.to(self.conv1.weight.dtype)
         features = F.gelu(self.conv1(features))  # [B, d_model, frames]
         features = F.gelu(self.conv2(features))  # [B, d_model, positions]

@@ -155,6 +155,11 @@ class SupportsEncoderDecoder(Protocol):
         """encoder_out [N, hidden] (positions of one or more requests, flat) -> every decoder layer's
         cross-attention K/V at slot_mapping [N] int64."""
 
+    def capture_encoder_graphs(self, max_items: int) -> None:
+        """CUDA: capture the encoder's forward in CUDA graphs for calls of up to ``max_items`` media items
+        (each item has a fixed shape); ``embed_multimodal`` replays them from then on, eagerly in calls where
+        an adapter updates the encoder. The runner calls it outside any adapter batch."""
+
 
 class SupportsWeightQuantization(Protocol):
     """``capabilities.weight_quantization``: weight-only quantized projections (CPU)."""

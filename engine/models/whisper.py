@@ -247,6 +247,11 @@ class WhisperForConditionalGeneration(nn.Module):
         features = type(items[0]).features(items, encoder.conv1.weight.device)   # [B, num_mel_bins, frames]
         return list(encoder(features).unbind(0))
 
+    def capture_encoder_graphs(self, max_items: int) -> None:
+        """The encoder's CUDA graphs for up to ``max_items`` 30 s windows per replay
+        (``WhisperEncoderTower.capture_graphs``)."""
+        self.model.encoder.capture_graphs(max_items)
+
     def write_cross_kv(self, encoder_out: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Project encoder outputs [N, d_model] (positions of new requests, flat) into every decoder
         layer's cross-attention K/V, stored at ``slot_mapping`` [N] of each layer's KV cache."""

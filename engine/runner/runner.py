@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from encoders.encoder_graphs import ENCODER_GRAPH_BATCH_SIZES
 from engine import envs
 from engine.attention import select_backend
 from engine.config import EngineConfig
@@ -126,6 +127,13 @@ class ModelRunner:
             logger.info("Encoder-decoder model%s: CUDA graphs are off (the steps run eagerly).",
                         " with LoRA" if capabilities.cross_attention_graphs else "")
             self.use_cuda_graphs = False
+        self.encoder_graph_items = (min(encoder_compute_budget // model.num_source_positions,
+                                        max(ENCODER_GRAPH_BATCH_SIZES))
+                                    if capabilities.encoder_decoder and device.type == "cuda"
+                                    and not config.enforce_eager else 0)
+        """Encoder-decoder models on CUDA: the encoder's largest CUDA graph, in media items (the items one step
+        may encode, at most ``ENCODER_GRAPH_BATCH_SIZES``'s largest; with LoRA too, whose adapted calls run
+        eagerly); 0: the encoder runs eagerly."""
         self._graph_sizes = graph_batch_sizes(sc.max_num_seqs, sc.max_num_batched_tokens)
         """Decode graph batch sizes (captured with ``use_cuda_graphs``)."""
         self._graph_token_sizes = (graph_token_sizes(sc.max_num_batched_tokens, config.max_cudagraph_capture_size)
@@ -148,13 +156,14 @@ class ModelRunner:
         ``EncoderCacheManager`` decides what stays; evictions arrive in ``free_encoder_identifiers``)."""
         self.num_encoded_items = 0
         """Media items the encoder has run on since start (an item served from the cache is not counted)."""
-        row_calls = RowCalls(lora_manager, policy, self.cpu_ops)
-        self.media = (MediaEncoder(model, self.encoder_cache, row_calls, device,
+        self.row_calls = RowCalls(lora_manager, policy, self.cpu_ops)
+        """How model calls outside the step's tokens run (encoders, cross-attention K/V, graph captures)."""
+        self.media = (MediaEncoder(model, self.encoder_cache, self.row_calls, device,
                                    lora_manager is not None and lora_manager.targets.adapts_encoder)
                       if capabilities.multimodal else None)
         """Runs the media encoders (multimodal models; else None)."""
         self.cross_attention = (CrossAttentionInputs(model, self.encoder_cache, self.states.cross_block_rows,
-                                                     self.block_size, device, row_calls,
+                                                     self.block_size, device, self.row_calls,
                                                      self.lora_rows_per_call or None, sc.max_num_seqs)
                                 if capabilities.encoder_decoder else None)
         """Writes and describes the cross-attention K/V (encoder-decoder models; else None)."""
@@ -179,6 +188,8 @@ class ModelRunner:
             sc = self.config.scheduler_config
             graph_tokens = (min(sc.max_num_batched_tokens, self.config.max_cudagraph_capture_size)
                             if self.use_cuda_graphs else 0)
+            if self.encoder_graph_items:    # the encoder graphs' pool, held beside eager activations
+                graph_tokens += self.encoder_graph_items * self.model.num_source_positions
             reserve = activation_reserve_bytes(self.model.shape, sc, self.dtype, graph_tokens,
                                                self.encoder_cache_size)
         return self.kv_cache.blocks_that_fit(self.config.cache_config, max_needed_blocks, reserve)
@@ -198,6 +209,9 @@ class ModelRunner:
         if cuda and self.lora_manager is not None:
             first_eager = max(self._graph_token_sizes, default=0) + 1 if self.use_cuda_graphs else 1
             warm_up_lora_kernels(self.lora_manager, self.model, first_eager, sc.max_num_batched_tokens)
+        if self.encoder_graph_items:
+            with self.row_calls.rows(None):      # the forward context; no adapter batch (base projections)
+                self.model.capture_encoder_graphs(self.encoder_graph_items)
         if self.use_cuda_graphs:
             if self.lora_manager is not None and self.policy.lora_stacked_tune:
                 tune_lora_stacked_gemms(self.lora_manager, self._graph_sizes)

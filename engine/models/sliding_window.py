@@ -4,8 +4,8 @@
   ``create_sliding_window_causal_mask`` for the whole model; Qwen3-MoE's config keeps ``sliding_window`` only
   with ``use_sliding_window`` and has no ``max_window_layers``);
 - Gemma 3 (text, and the text model of ``gemma3``), Qwen2 (also the language model of Qwen2-Audio and of a
-  LLaVA over Qwen2) and Qwen3: the layers whose ``layer_types`` entry is ``"sliding_attention"``; the
-  others attend to the whole context. transformers fills ``layer_types`` from Gemma 3's
+  LLaVA over Qwen2), the language models of Qwen2-VL and Qwen2.5-VL, and Qwen3: the layers whose
+  ``layer_types`` entry is ``"sliding_attention"``; the others attend to the whole context. transformers fills ``layer_types`` from Gemma 3's
   ``sliding_window_pattern`` (every pattern-th layer global) and from Qwen's ``max_window_layers`` (layers
   i >= max_window_layers slide, when ``use_sliding_window``; ``sliding_window`` is None without it).
 
@@ -25,7 +25,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 """transformers' ``layer_types`` entries."""
 _EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
 """Families whose ``sliding_window`` applies to every layer."""
-_BY_LAYER_TYPE = ("gemma3_text", "qwen2", "qwen3")
+_BY_LAYER_TYPE = ("gemma3_text", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3")
 """Families whose ``layer_types`` say which layers slide."""
 
 

@@ -5,9 +5,10 @@
   with ``use_sliding_window`` and has no ``max_window_layers``);
 - Gemma 3 (text, and the text model of ``gemma3``), Qwen2 (also the language model of Qwen2-Audio and of a
   LLaVA over Qwen2), the language models of Qwen2-VL and Qwen2.5-VL, and Qwen3: the layers whose
-  ``layer_types`` entry is ``"sliding_attention"``; the others attend to the whole context. transformers fills ``layer_types`` from Gemma 3's
-  ``sliding_window_pattern`` (every pattern-th layer global) and from Qwen's ``max_window_layers`` (layers
-  i >= max_window_layers slide, when ``use_sliding_window``; ``sliding_window`` is None without it).
+  ``layer_types`` entry is ``"sliding_attention"``; the others attend to the whole context. transformers
+  fills ``layer_types`` from Gemma 3's ``sliding_window_pattern`` (every pattern-th layer global) and from
+  Qwen's ``max_window_layers`` (layers i >= max_window_layers slide, when ``use_sliding_window``;
+  ``sliding_window`` is None without it).
 
 A windowed layer's query at position p sees keys p - window < k <= p (``engine.attention``). When every
 layer is windowed, a request's KV blocks before its window are returned to the pool while it runs

@@ -41,6 +41,10 @@ class KernelPolicy:
     (cuBLAS and separate kernels). 0-16."""
     gemv: Overrides = ()
     """``kernels.gemv.GemvConfig`` field overrides (block_n, block_k, num_warps, num_stages, use_dot)."""
+    moe_decode_max_pairs: int = 64
+    """On CUDA, MoE calls of at most this many (token, expert) pairs run ``kernels.fused_moe_decode``
+    (each pair reads its own expert, no sort), larger ones the sorted grouped GEMMs of
+    ``kernels.fused_moe``; 0: always sorted. 0-4096."""
     gemm_split_k: bool = True
     """On CUDA in bfloat16, o_proj / down_proj of decode-sized steps (output tiles filling at most
     half the SMs) run as one batched GEMM over two halves of K whose partials the next add +
@@ -92,6 +96,8 @@ class KernelPolicy:
     def __post_init__(self) -> None:
         if not 0 <= self.decode_gemv_max_tokens <= 16:
             raise ValueError(f"decode_gemv_max_tokens={self.decode_gemv_max_tokens}: use 0-16.")
+        if not 0 <= self.moe_decode_max_pairs <= 4096:
+            raise ValueError(f"moe_decode_max_pairs={self.moe_decode_max_pairs}: use 0-4096.")
         if not 0 <= self.lora_stacked_max_tokens <= 1024:
             raise ValueError(f"lora_stacked_max_tokens={self.lora_stacked_max_tokens}: use 0-1024.")
         if not 16 <= self.cpu_decode_chunk_tokens <= 65536:

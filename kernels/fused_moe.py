@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.utils import FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted
+from kernels.utils import FLOAT_DTYPES, cdiv, check_int, check_pow2_field, check_tensor, is_interpreted
 
 
 # ----------------------------------------------------------------------------------------
@@ -212,9 +212,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pair_ptr, expert_of_block
 # Launch configs
 # ----------------------------------------------------------------------------------------
 def _check_pow2(name: str, value: object, min_value: int, max_value: int) -> None:
-    if (isinstance(value, bool) or not isinstance(value, int) or not min_value <= value <= max_value
-            or value & (value - 1)):
-        raise ValueError(f"FusedMoEConfig.{name}: {value!r} must be a power of two in [{min_value}, {max_value}].")
+    check_pow2_field("FusedMoEConfig", name, value, min_value, max_value)
 
 
 @dataclass(frozen=True)
@@ -289,6 +287,26 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pai
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+def check_moe_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Check a fused MoE call's tensors (``fused_moe_triton``'s Args) and return (T, H, E, I, K);
+    ValueError naming the argument otherwise."""
+    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    T, H = hidden.shape
+    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,), device=hidden.device, contiguous=True)
+    E, two_i = w13.shape[0], w13.shape[1]
+    if w13.shape[2] != H or two_i % 2 or two_i == 0 or E == 0:
+        raise ValueError(f"w13: expected shape (E >= 1, 2 * I >= 2, {H}), got {tuple(w13.shape)}.")
+    inter = two_i // 2
+    check_tensor("w2", w2, dtypes=(hidden.dtype,), shape=(E, H, inter), device=hidden.device, contiguous=True)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=hidden.device)
+    top_k = topk_ids.shape[1]
+    if topk_ids.shape[0] != T or not 1 <= top_k <= E:
+        raise ValueError(f"topk_ids: expected shape ({T}, K) with 1 <= K <= {E}, got {tuple(topk_ids.shape)}.")
+    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(T, top_k), device=hidden.device)
+    return T, H, E, inter, top_k
+
+
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
     """The routed experts' output, sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]).
@@ -307,19 +325,7 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     No host synchronization and every buffer size is a function of the shapes (CUDA-graph safe).
     Buffers: the [P, I] intermediate (P <= T * K + E * (block_m - 1)) and the [T * K, H] weighted rows.
     """
-    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    T, H = hidden.shape
-    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,), device=hidden.device, contiguous=True)
-    E, two_i = w13.shape[0], w13.shape[1]
-    if w13.shape[2] != H or two_i % 2 or two_i == 0 or E == 0:
-        raise ValueError(f"w13: expected shape (E >= 1, 2 * I >= 2, {H}), got {tuple(w13.shape)}.")
-    inter = two_i // 2
-    check_tensor("w2", w2, dtypes=(hidden.dtype,), shape=(E, H, inter), device=hidden.device, contiguous=True)
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=hidden.device)
-    top_k = topk_ids.shape[1]
-    if topk_ids.shape[0] != T or not 1 <= top_k <= E:
-        raise ValueError(f"topk_ids: expected shape ({T}, K) with 1 <= K <= {E}, got {tuple(topk_ids.shape)}.")
-    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(T, top_k), device=hidden.device)
+    T, H, E, inter, top_k = check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids)
     if config is None:
         config = fused_moe_config(T, E, H, inter, top_k, hidden.device)
     elif not isinstance(config, FusedMoEConfig):

@@ -58,6 +58,14 @@ def check_tensor(name: str, t: object, *, ndim: Optional[int] = None,
     return t
 
 
+def check_pow2_field(owner: str, name: str, value: object, min_value: int, max_value: int) -> None:
+    """ValueError naming ``owner.name`` unless value is a power of two in [min_value, max_value] (a config
+    field's check)."""
+    if (isinstance(value, bool) or not isinstance(value, int) or not min_value <= value <= max_value
+            or value & (value - 1)):
+        raise ValueError(f"{owner}.{name}: {value!r} must be a power of two in [{min_value}, {max_value}].")
+
+
 def check_int(name: str, v: object, *, min_value: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ValueError(f"{name}: expected a host int, got {type(v).__name__}.")

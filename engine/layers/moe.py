@@ -15,8 +15,9 @@ The compute is one entry point, ``fused_moe(hidden, w13, w2, topk_weights, topk_
 are sorted by expert, each expert with tokens runs one gate|up matmul, SiLU-and-mul and one down matmul on its
 contiguous segment, and the results, scaled by their routing weights, are scatter-added back to their tokens.
 On CUDA ``fused_moe`` runs ``kernels.fused_moe`` (the same sorted pairs padded to the block size per expert on
-the device, one grouped GEMM launch for gate|up with SiLU-and-mul and one for down with the routing weight);
-``fused_moe_ref`` is its twin and the CPU path. The reference reads the per-expert token counts on the host
+the device, one grouped GEMM launch for gate|up with SiLU-and-mul and one for down with the routing weight), or
+for calls of few pairs (decode steps, ``KernelPolicy.moe_decode_max_pairs``) ``kernels.fused_moe_decode`` (no
+sort: each pair's programs read its own expert's rows); ``fused_moe_ref`` is the twin of both and the CPU path. The reference reads the per-expert token counts on the host
 (one sync per layer); the kernel reads nothing on the host, so CUDA graphs capture it as it is.
 
 LoRA: a ``FusedMoE`` whose ``adapter`` (``ExpertsAdapter``, the LoRA slots) has an update this step runs
@@ -37,6 +38,8 @@ import torch.nn.functional as F
 
 from engine.distributed.group import TensorParallelGroup
 from engine.distributed.sharding import even_part
+from engine.forward_context import current_policy
+from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds
 from engine.layers.fused import silu_mul_linear
 from engine.layers.linear import Linear
@@ -62,12 +65,23 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' output [T, H] (see ``fused_moe_ref`` for the arguments): ``kernels.fused_moe`` on
-    CUDA (eager and in CUDA graphs: it never reads the device on the host), the reference elsewhere."""
+    """The routed experts' output [T, H] (see ``fused_moe_ref`` for the arguments). On CUDA (eager and in CUDA
+    graphs: neither kernel reads the device on the host) calls of at most ``KernelPolicy.moe_decode_max_pairs``
+    (token, expert) pairs run ``kernels.fused_moe_decode`` (each pair reads its own expert), larger ones
+    ``kernels.fused_moe`` (pairs sorted by expert); the reference elsewhere."""
     if hidden.is_cuda:
+        if uses_moe_decode(topk_ids.numel(), current_policy()):
+            from kernels.fused_moe_decode import fused_moe_decode_triton
+            return fused_moe_decode_triton(hidden, w13, w2, topk_weights, topk_ids)
         from kernels.fused_moe import fused_moe_triton
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def uses_moe_decode(num_pairs: int, policy: KernelPolicy) -> bool:
+    """Whether a CUDA call of ``num_pairs`` (token, expert) pairs (a shape: the same at every replay of a
+    captured graph) takes the decode path."""
+    return 0 < num_pairs <= policy.moe_decode_max_pairs
 
 
 def fused_moe_lora(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

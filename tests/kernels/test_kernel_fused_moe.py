@@ -4,6 +4,8 @@ shapes and 16/32-wide tiles; the CUDA tests run MoE-model sizes and a CUDA-graph
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -22,8 +24,9 @@ def _tol(dtype):
 
 
 def _case(T: int, E: int, K: int, H: int, I: int, dtype, seed: int = 0, strided: bool = False,
-          ids_dtype=torch.int64):
-    """(hidden, w13, w2, topk_weights, topk_ids) with expert ``EMPTY_EXPERT`` never routed to."""
+          ids_dtype=torch.int64, renormalize: Optional[bool] = None):
+    """(hidden, w13, w2, topk_weights, topk_ids) with expert ``EMPTY_EXPERT`` never routed to; the routing
+    weights renormalised over the top K when ``renormalize`` (None: when K > 1)."""
     g = torch.Generator().manual_seed(seed + 1000 * T + 100 * E + 10 * K)
     buf = torch.randn(T, H + (16 if strided else 0), generator=g).to(dtype)
     hidden = (buf[:, 8:8 + H] if strided else buf).to(DEVICE)
@@ -31,20 +34,23 @@ def _case(T: int, E: int, K: int, H: int, I: int, dtype, seed: int = 0, strided:
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype).to(DEVICE)
     logits = torch.randn(T, E, generator=g)
     logits[:, EMPTY_EXPERT] = float("-inf")
-    topk_weights, topk_ids = select_experts(logits.to(DEVICE), K, renormalize=(K > 1))
+    renormalize = K > 1 if renormalize is None else renormalize
+    topk_weights, topk_ids = select_experts(logits.to(DEVICE), K, renormalize)
     return hidden, w13, w2, topk_weights, topk_ids.to(ids_dtype)
 
 
-def _check(args, config=None):
+def _check(args, config=None, fn=fused_moe_triton):
+    """``fn(*args, config=config)`` (a fused MoE wrapper) against ``fused_moe_ref``; returns its output."""
     hidden = args[0]
     before = [a.clone() for a in args]
-    out = fused_moe_triton(*args, config=config)
+    out = fn(*args, config=config)
     ref = fused_moe_ref(*args)
     assert out.dtype == hidden.dtype and out.shape == hidden.shape and out.is_contiguous()
     rtol, atol = _tol(hidden.dtype)
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
     for a, b in zip(args, before):                         # inputs untouched
         assert torch.equal(a, b)
+    return out
 
 
 # ----------------------------------------------------------------------------------------

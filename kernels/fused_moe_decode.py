@@ -1,0 +1,281 @@
+"""Fused MoE experts for a few (token, expert) pairs: two GEMV-style launches, no sorting.
+
+The routed experts of an MoE layer (``engine.layers.moe.fused_moe_ref``'s semantics, as ``kernels.fused_moe``):
+
+    out[t] = sum_k topk_weights[t, k] * (silu(x_t @ gate_e.T) * (x_t @ up_e.T)) @ w2[e].T,   e = topk_ids[t, k]
+
+with ``w13`` [E, 2I, H] (each expert's gate rows, then its up rows) and ``w2`` [E, H, I]. At a decode step the
+T * K pairs are few (batch 1 top-8: 8 pairs) and each expert has about one of them, so the sorted path's
+work is mostly overhead: the sort and alignment are launches of their own, and every pair fills a
+BLOCK_M-row block by itself. Here each pair reads its own expert's rows directly:
+
+- Launch 1 (``_gate_up_kernel``): one program per (pair, BLOCK_N intermediate columns): the pair's row
+  x[t] against the gate and up rows of w13[e], SiLU-and-mul in the epilogue -> act [T * K, I].
+- Launch 2 (``_down_kernel``): one program per (token, BLOCK_N hidden columns): for each of the token's
+  K pairs, act[pair] against w2[e]'s rows, times the routing weight, summed over the K pairs in the
+  program (no atomics, deterministic) -> out [T, H].
+
+Pairs sharing an expert read its rows once each; the pair (stage 1) and the token (stage 2) are the
+fastest grid axis, so those reads of one column block run side by side and meet in L2. The path reads
+no index on the host and every size is a function of the shapes (CUDA-graph safe).
+
+It is correct at any T; the engine takes it for calls of at most ``KernelPolicy.moe_decode_max_pairs``
+(64) pairs. Up to there the pairs' programs fill the GPU by themselves (64 pairs x I / BLOCK_N
+columns), and at about one pair per expert the sorted path has nothing to share: its blocks are one
+real row and padding. Past it pairs share experts more and more (64 tokens top-8 of 128 experts: 4
+pairs per expert), which the sorted path reads once per block and this one once per pair.
+
+Numerics: as ``kernels.fused_moe`` (float32 accumulation; gate, up, silu(gate), the product, the down
+output and that times the weight rounded to the input dtype, the K weighted rows summed in float32 and
+rounded once). The torch twin is ``engine.layers.moe.fused_moe_ref``;
+``tests/kernels/test_kernel_fused_moe_decode.py`` compares the two.
+
+Inner products, per launch (``MoEDecodeLaunch.use_dot``): tl.dot on the pair's row repeated to 16 rows
+against the [BLOCK_N, BLOCK_K] weight tile, or an elementwise multiply accumulated in a [BLOCK_N,
+BLOCK_K] float32 tile summed once after the K loop (as ``kernels.gemv``'s two forms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import triton
+import triton.language as tl
+
+from kernels.fused_moe import check_moe_inputs
+from kernels.utils import cdiv, check_pow2_field, is_interpreted
+
+
+# ----------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _acc_init(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """The float32 accumulator of one pair's [BLOCK_N] outputs: [16, BLOCK_N] for tl.dot (tl.dot's
+    smallest M; every row the same), else [BLOCK_N, BLOCK_K] partial products summed by ``_acc_finish``."""
+    if USE_DOT:
+        return tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+
+
+@triton.jit
+def _acc_step(acc, a, w, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """acc += a [BLOCK_K] (one input row chunk) times w [BLOCK_N, BLOCK_K] (weight rows), in float32."""
+    if USE_DOT:
+        a2 = tl.broadcast_to(a[None, :], [16, BLOCK_K])
+        if UPCAST:
+            a2 = a2.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(a2, tl.trans(w), input_precision=DOT_PRECISION)
+    else:
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _acc_finish(acc, USE_DOT: tl.constexpr):
+    """[BLOCK_N] float32 inner products from ``_acc_step``'s accumulator (tl.dot: its row 0)."""
+    if USE_DOT:
+        return tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], acc, 0.0), axis=0)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H, I, stride_x, stride_we,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Semantics (dtype = act's dtype; float32 math unless rounded by dtype(.)):
+
+        for pair p in [0, T * K), t = p // TOP_K, e = ids[p]:
+            g, u = dtype(x[t] @ w13[e, :I].T), dtype(x[t] @ w13[e, I:2I].T)             # [I]
+            act[p] = dtype(dtype(silu(g)) * u)
+
+    x: [T, H] rows at stride stride_x (last dim contiguous); w13: [E, 2I, H] contiguous (expert stride
+    stride_we); ids: [T * K] flat expert ids; act: [T * K, I] contiguous.
+
+    Grid: (T * K pairs, cdiv(I, BLOCK_N) column blocks); program (p, n) computes act[p, n-th block]
+    over all of H (no split-K).
+    """
+    DTYPE: tl.constexpr = act_ptr.dtype.element_ty
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    w_expert = w13_ptr + expert * stride_we
+    w_rows = w_expert + offs_n.to(tl.int64)[:, None] * H                               # [BLOCK_N, 1] gate rows
+    u_rows = w_expert + (offs_n + I).to(tl.int64)[:, None] * H                        # [BLOCK_N, 1] up rows
+    acc_g = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
+    acc_u = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        a = tl.load(x_row + offs_k, mask=k_ok, other=0.0)                               # [BLOCK_K]
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        g = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)                    # [BLOCK_N, BLOCK_K]
+        u = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        acc_g = _acc_step(acc_g, a, g, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+        acc_u = _acc_step(acc_u, a, u, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+    gate = _acc_finish(acc_g, USE_DOT).to(DTYPE).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    y = (act * _acc_finish(acc_u, USE_DOT).to(DTYPE).to(tl.float32)).to(DTYPE)
+    tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, y, mask=n_ok)
+
+
+@triton.jit
+def _down_kernel(act_ptr, w2_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, stride_we,
+                 TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Semantics (dtype = out's dtype; float32 math unless rounded by dtype(.)):
+
+        for token t in [0, T):
+            s = 0 (float32)
+            for k in [0, TOP_K), p = t * TOP_K + k, e = ids[p]:
+                y = dtype(act[p] @ w2[e].T)                                               # [H]
+                s += dtype(y * topk_w[p])
+            out[t] = dtype(s)
+
+    act: [T * K, I] contiguous; w2: [E, H, I] contiguous (expert stride stride_we); ids, topk_w:
+    [T * K] flat expert ids and routing weights (any float dtype, read as float32); out: [T, H]
+    contiguous.
+
+    Grid: (T tokens, cdiv(H, BLOCK_N) column blocks); program (t, n) loops the token's K pairs, each
+    over all of I.
+    """
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    token = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(TOP_K):
+        pair = token * TOP_K + k
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_row = act_ptr + pair.to(tl.int64) * I
+        w_rows = w2_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * I          # [BLOCK_N, 1]
+        acc = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < I
+            a = tl.load(a_row + offs_k, mask=k_ok, other=0.0)                            # [BLOCK_K]
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _acc_step(acc, a, w, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+        y = _acc_finish(acc, USE_DOT).to(DTYPE).to(tl.float32)
+        rw = tl.load(topk_w_ptr + pair).to(tl.float32)
+        total += (y * rw).to(DTYPE).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * H + offs_n, total.to(DTYPE), mask=n_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# Launch configs
+# ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoEDecodeLaunch:
+    """Launch parameters of one of the two launches."""
+
+    block_n: int = 32
+    """Output columns per program (power of two in [1, 256], >= 16 with use_dot)."""
+    block_k: int = 256
+    """Inputs per inner step, weight tile [block_n, block_k] (power of two in [16, 4096])."""
+    num_warps: int = 4
+    """Warps per program (power of two in [1, 16])."""
+    num_stages: int = 3
+    """Software-pipelining depth of the inner loop (>= 1)."""
+    use_dot: int = 1
+    """1: tl.dot on the input row repeated to 16 rows; 0: elementwise products summed after the loop."""
+
+    def __post_init__(self) -> None:
+        if self.use_dot not in (0, 1) or isinstance(self.use_dot, (bool, float)):
+            raise ValueError(f"MoEDecodeLaunch.use_dot: {self.use_dot!r} must be 0 or 1.")
+        check_pow2_field("MoEDecodeLaunch", "block_n", self.block_n, 16 if self.use_dot else 1, 256)
+        check_pow2_field("MoEDecodeLaunch", "block_k", self.block_k, 16, 4096)
+        check_pow2_field("MoEDecodeLaunch", "num_warps", self.num_warps, 1, 16)
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"MoEDecodeLaunch.num_stages: {self.num_stages!r} must be an int >= 1.")
+
+
+@dataclass(frozen=True)
+class MoEDecodeConfig:
+    """Launch parameters of the decode path: one ``MoEDecodeLaunch`` per launch."""
+
+    gate_up: MoEDecodeLaunch = field(default_factory=MoEDecodeLaunch)
+    """Launch 1: (pair, intermediate columns) programs over w13."""
+    down: MoEDecodeLaunch = field(default_factory=MoEDecodeLaunch)
+    """Launch 2: (token, hidden columns) programs over w2, the K pairs looped inside."""
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up", "down"):
+            if not isinstance(getattr(self, name), MoEDecodeLaunch):
+                raise ValueError(f"MoEDecodeConfig.{name}: expected a MoEDecodeLaunch, "
+                                 f"got {type(getattr(self, name)).__name__}.")
+
+
+def moe_decode_config(num_tokens: int, hidden: int, intermediate: int, top_k: int,
+                      device: Optional[torch.device] = None) -> MoEDecodeConfig:
+    """The default config of a decode-path call.
+
+    Args:
+        num_tokens, hidden, intermediate, top_k: T, H, I, K.
+        device: where it runs; a CPU device means the interpreter (64-wide tiles: few programs). None: CUDA.
+
+    NOTE: not tuned here: tiles as ``kernels.gemv``'s decode defaults (tl.dot, 32 x 256, 4 warps, 3
+    stages), down with 16 columns so a batch-1 call still has H / 16 programs.
+    ``benchmarks/sweeps/moe_decode_sweep.py`` times the grid on the target GPU.
+    """
+    if device is not None and is_interpreted(device):
+        small = MoEDecodeLaunch(block_n=64, block_k=64, num_warps=4, num_stages=1, use_dot=0)
+        return MoEDecodeConfig(gate_up=small, down=small)
+    return MoEDecodeConfig(gate_up=MoEDecodeLaunch(32, 256, 4, 3, 1), down=MoEDecodeLaunch(16, 256, 4, 3, 1))
+
+
+# ----------------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------------
+def fused_moe_decode_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor, config: Optional[MoEDecodeConfig] = None) -> torch.Tensor:
+    """The routed experts' output, sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]), each pair
+    reading its own expert (the module docstring).
+
+    Args:
+        hidden: [T, H] float16/bfloat16/float32, last dim contiguous (row stride free).
+        w13: [E, 2 * I, H] each expert's gate rows then its up rows; hidden's dtype and device, contiguous.
+        w2: [E, H, I] each expert's down projection; hidden's dtype and device, contiguous.
+        topk_weights: [T, K] routing weights, any float dtype (read as float32).
+        topk_ids: [T, K] int32/int64 expert ids in [0, E) (not checked on the host: no sync).
+        config: launch config; None: ``moe_decode_config(T, H, I, K, hidden.device)``.
+
+    Returns:
+        A new contiguous [T, H] tensor in hidden's dtype (``engine.layers.moe.fused_moe_ref``'s result).
+
+    No host synchronization and every buffer size is a function of the shapes (CUDA-graph safe).
+    Buffer: the [T * K, I] SiLU-and-mul products.
+    """
+    T, H, _, inter, top_k = check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    if config is None:
+        config = moe_decode_config(T, H, inter, top_k, hidden.device)
+    elif not isinstance(config, MoEDecodeConfig):
+        raise ValueError(f"config: expected a MoEDecodeConfig, got {type(config).__name__}.")
+    out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)                  # [T, H]
+    if T == 0 or H == 0:
+        return out.zero_()
+    num_pairs = T * top_k
+    ids = topk_ids.reshape(-1).contiguous()                                              # [T*K] pair -> expert
+    topk_w = topk_weights.reshape(-1).contiguous()                                       # [T*K]
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)       # [T*K, I]
+    upcast = is_interpreted(hidden.device)
+    precision = "ieee" if upcast or hidden.dtype == torch.float32 else "tf32"
+    c1, c2 = config.gate_up, config.down
+    _gate_up_kernel[(num_pairs, cdiv(inter, c1.block_n))](
+        hidden, w13, ids, act, H, inter, hidden.stride(0), w13.stride(0),
+        TOP_K=top_k, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, USE_DOT=bool(c1.use_dot), UPCAST=upcast,
+        DOT_PRECISION=precision, num_warps=c1.num_warps, num_stages=c1.num_stages)
+    _down_kernel[(T, cdiv(H, c2.block_n))](
+        act, w2, ids, topk_w, out, H, inter, w2.stride(0),
+        TOP_K=top_k, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, USE_DOT=bool(c2.use_dot), UPCAST=upcast,
+        DOT_PRECISION=precision, num_warps=c2.num_warps, num_stages=c2.num_stages)
+    return out

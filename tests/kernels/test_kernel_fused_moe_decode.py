@@ -1,0 +1,175 @@
+"""Fused MoE decode path (``kernels.fused_moe_decode``): the two GEMV-style launches against the torch twin
+``engine.layers.moe.fused_moe_ref`` and against the sorted path (``kernels.fused_moe``), and the engine's choice
+between the two (``engine.layers.moe.uses_moe_decode``). CPU tensors run through the interpreter with tiny shapes
+(odd widths: N and K tails in both launches; both inner-product forms); the CUDA tests run Qwen3-30B-A3B and
+Mixtral layer sizes, a CUDA-graph capture and a MoE block with a shared expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernel_policy import KernelPolicy
+from engine.layers.moe import SparseMoeBlock, fused_moe_ref, uses_moe_decode
+from kernels.fused_moe import fused_moe_triton
+from kernels.fused_moe_decode import (MoEDecodeConfig, MoEDecodeLaunch, fused_moe_decode_triton,
+                                      moe_decode_config)
+from tests.kernels.test_kernel_fused_moe import DEVICE, _case, _tol
+from tests.kernels.test_kernel_fused_moe import _check as check_fused_moe
+
+ROUTINGS = [(8, 2), (64, 8)]
+"""(experts, top_k) of the tests: Mixtral-like and Qwen3-MoE-like."""
+
+
+def _inputs(T: int, E: int, K: int, H: int, I: int, dtype, renormalize: bool, seed: int = 0, **kwargs):
+    """``test_kernel_fused_moe._case``'s (hidden, w13, w2, topk_weights, topk_ids): one expert never routed to,
+    and with 8 experts tokens share experts."""
+    return _case(T, E, K, H, I, dtype, seed, renormalize=renormalize, **kwargs)
+
+
+def _check(args, config=None):
+    return check_fused_moe(args, config, fn=fused_moe_decode_triton)
+
+
+def _config(use_dot: int) -> MoEDecodeConfig:
+    """Interpreter tiles: 16 columns, 32 inputs per step (tails at H 67 and I 37), one form for both launches."""
+    launch = MoEDecodeLaunch(block_n=16, block_k=32, num_warps=4, num_stages=1, use_dot=use_dot)
+    return MoEDecodeConfig(gate_up=launch, down=launch)
+
+
+# ----------------------------------------------------------------------------------------
+# The kernel against fused_moe_ref (interpreter on CPU)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("E,K", ROUTINGS)
+@pytest.mark.parametrize("T", [1, 4])
+def test_matches_ref(T, E, K, dtype, renormalize):
+    """Odd H and I (67, 37: tails of the 64-wide tiles), default interpreter tiles (elementwise form)."""
+    _check(_inputs(T, E, K, 67, 37, dtype, renormalize))
+
+
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
+def test_policy_bound(renormalize):
+    """8 tokens top-8 of 64 experts: the 64 pairs of ``KernelPolicy.moe_decode_max_pairs``."""
+    _check(_inputs(8, 64, 8, 67, 37, torch.float32, renormalize))
+
+
+@pytest.mark.parametrize("T", range(1, 9))
+def test_every_token_count(T):
+    """Tokens 1..8 with 8 experts top-2 (tokens share experts from T = 2 on), the tl.dot form."""
+    _check(_inputs(T, 8, 2, 48, 40, torch.float32, True), _config(use_dot=1))
+
+
+@pytest.mark.parametrize("use_dot", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_forms_strided_int32(dtype, use_dot):
+    """Both inner-product forms, a strided hidden and int32 ids; equal to the sorted path within rounding."""
+    args = _inputs(5, 8, 2, 67, 37, dtype, False, strided=True, ids_dtype=torch.int32)
+    out = _check(args, _config(use_dot))
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out.float(), fused_moe_triton(*args).float(), rtol=rtol, atol=atol)
+
+
+def test_float32_is_exact_to_accumulation_order():
+    """float32 routing weights of one expert per token (K = 1, weight 1): the output is that expert's MLP."""
+    hidden, w13, w2, _, _ = _inputs(2, 8, 2, 32, 16, torch.float32, True)
+    ids = torch.tensor([[5], [2]], device=DEVICE)
+    weights = torch.ones(2, 1, device=DEVICE)
+    out = fused_moe_decode_triton(hidden, w13, w2, weights, ids)
+    for t, e in enumerate((5, 2)):
+        gate, up = (hidden[t] @ w13[e].T).split(16)
+        expected = (torch.nn.functional.silu(gate) * up) @ w2[e].T
+        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_tokens():
+    hidden, w13, w2, w, ids = _inputs(0, 8, 2, 64, 32, torch.float32, True)
+    out = fused_moe_decode_triton(hidden, w13, w2, w, ids)
+    assert out.shape == (0, 64) and out.dtype == torch.float32
+
+
+def test_config_checks():
+    for kwargs, name in [(dict(block_n=24), "block_n"), (dict(block_n=8, use_dot=1), "block_n"),
+                         (dict(block_k=8), "block_k"), (dict(num_warps=3), "num_warps"),
+                         (dict(num_stages=0), "num_stages"), (dict(use_dot=2), "use_dot")]:
+        with pytest.raises(ValueError, match=name):
+            MoEDecodeLaunch(**kwargs)
+    assert MoEDecodeLaunch(block_n=8, use_dot=0).block_n == 8                       # below 16 without tl.dot
+    with pytest.raises(ValueError, match="gate_up"):
+        MoEDecodeConfig(gate_up=dict(block_n=16))
+    assert moe_decode_config(1, 64, 32, 2, torch.device("cpu")).gate_up.use_dot == 0
+    assert moe_decode_config(1, 2048, 768, 8).down.block_n == 16
+
+
+def test_checks_reject_bad_inputs():
+    hidden, w13, w2, w, ids = _inputs(3, 8, 2, 64, 32, torch.float32, True)
+    with pytest.raises(ValueError, match="hidden: dtype"):
+        fused_moe_decode_triton(hidden.long(), w13, w2, w, ids)
+    with pytest.raises(ValueError, match="w13: expected shape"):
+        fused_moe_decode_triton(hidden, w13[:, :63].contiguous(), w2, w, ids)
+    with pytest.raises(ValueError, match="w2: expected shape"):
+        fused_moe_decode_triton(hidden, w13, w2[:, :, :16].contiguous(), w, ids)
+    with pytest.raises(ValueError, match="topk_weights: expected shape"):
+        fused_moe_decode_triton(hidden, w13, w2, w[:, :1], ids)
+    with pytest.raises(ValueError, match="config"):
+        fused_moe_decode_triton(hidden, w13, w2, w, ids, config=_config(0).gate_up)
+
+
+# ----------------------------------------------------------------------------------------
+# The engine's choice
+# ----------------------------------------------------------------------------------------
+def test_engine_choice_follows_the_policy():
+    policy = KernelPolicy()
+    assert [uses_moe_decode(n, policy) for n in (0, 1, 8, 64, 65, 512)] == [False, True, True, True, False, False]
+    assert not uses_moe_decode(8, KernelPolicy(moe_decode_max_pairs=0))
+    assert KernelPolicy().with_overrides("moe_decode_max_pairs=16").moe_decode_max_pairs == 16
+    with pytest.raises(ValueError, match="0-4096"):
+        KernelPolicy(moe_decode_max_pairs=5000)
+
+
+# ----------------------------------------------------------------------------------------
+# CUDA: Qwen3-30B-A3B (E 128, K 8, H 2048, I 768) and Mixtral-like (E 8, K 2) layer sizes
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 4, 8, 16])
+@pytest.mark.parametrize("E,K,H,I", [(128, 8, 2048, 768), (8, 2, 1024, 3584)])
+def test_gpu_real_sizes(T, E, K, H, I):
+    args = _inputs(T, E, K, H, I, torch.bfloat16, True)
+    out = _check(args)
+    torch.testing.assert_close(out.float(), fused_moe_triton(*args).float(), rtol=3e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graph_capture():
+    """No host read: the call captures in a CUDA graph and replays with new routing."""
+    hidden, w13, w2, w, ids = _inputs(4, 128, 8, 2048, 768, torch.bfloat16, True)
+    fused_moe_decode_triton(hidden, w13, w2, w, ids)                                # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_decode_triton(hidden, w13, w2, w, ids)
+    _, _, _, w_new, ids_new = _inputs(4, 128, 8, 2048, 768, torch.bfloat16, True, seed=5)
+    w.copy_(w_new)
+    ids.copy_(ids_new)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), fused_moe_ref(hidden, w13, w2, w, ids).float(), rtol=3e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_block_with_shared_expert(T):
+    """A Qwen2-MoE-style block (shared expert beside the routed ones) on both sides of the switch (T 1: the
+    decode path, T 64: the sorted path) equals its CPU float32 self run through the reference."""
+    torch.manual_seed(0)
+    block = SparseMoeBlock(256, 64, 8, 128, True, shared_expert_intermediate_size=192)
+    for p in block.parameters():
+        p.data.normal_(0, 0.05)
+    x = torch.randn(T, 256)
+    ref = block(x)
+    assert uses_moe_decode(T * 8, KernelPolicy()) == (T == 1)
+    out = block.to(DEVICE)(x.to(DEVICE))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-3, atol=1e-4)

@@ -4,6 +4,10 @@ as a fraction of the base model, against transformers + PEFT mixed-adapter ``gen
 Examples:
     # H200: Llama-3-8B shape, random bf16 weights (no download), rank-16 adapters on all 7 projections
     python benchmarks/multi_lora.py --batch-sizes 64,256 --input-len 512 --output-len 128
+    # the FP8 base (--quantization fp8), and Qwen3-30B-A3B with adapters on attention and every routed expert
+    python benchmarks/multi_lora.py --quantization fp8 --batch-sizes 64 --num-adapters 0,16,64 --skip-hf
+    python benchmarks/multi_lora.py --shape qwen3-30b-a3b --batch-sizes 64 --num-adapters 0,16 --max-loras 16 \
+        --gpu-memory-utilization 0.85 --skip-hf
     # CPU smoke run on a tiny config
     python benchmarks/multi_lora.py --tiny
 
@@ -11,7 +15,10 @@ Each run decodes ``--batch-sizes`` requests of ``--input-len`` random prompt tok
 ``--output-len`` new tokens (EOS ignored, greedy). With N adapters, request i runs adapter
 i % N. Adapters are random rank-``--rank`` PEFT directories (``--unique-adapter-files`` distinct
 weight files, shared round-robin by N distinct adapter *names*: each name takes its own slot,
-so the kernels read N distinct slots exactly as with N distinct weights). Chorus runs with
+so the kernels read N distinct slots exactly as with N distinct weights). ``--shape`` (benchmarks/shapes.py,
+default llama3-8b; random weights) sets the model: adapters on q/k/v/o and the MLP's gate/up/down, on a MoE shape
+on every routed expert's (PEFT's per-expert form ``mlp.experts.N.gate_proj``); ``--quantization fp8`` quantizes
+the base of both engines (the adapters stay float). Chorus runs with
 ``max_loras`` = the largest N (``--max-loras`` sets it), prefix caching off (the same prompts are reused across runs),
 and a warm-up that puts the run's adapters in their slots first; one LoRA engine serves every
 adapter count (decode steps replay CUDA graphs with the LoRA kernels inside). "base" is an engine
@@ -38,11 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.shapes import SHAPES, dummy_model, shape_fields  # noqa: E402
 from engine.dtypes import TORCH_DTYPES  # noqa: E402
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024, tie_word_embeddings=False)
 TARGETS = {"self_attn.q_proj": ("hidden", "q"), "self_attn.k_proj": ("hidden", "kv"),
@@ -54,33 +59,31 @@ TARGETS = {"self_attn.q_proj": ("hidden", "q"), "self_attn.k_proj": ("hidden", "
 # ----------------------------------------------------------------------------------------
 # Checkpoint and adapters on disk
 # ----------------------------------------------------------------------------------------
-def dummy_checkpoint(out_dir: Path, shape: dict, dtype: str) -> Path:
-    """A config-only HF directory (``load_format=dummy``) with a minimal tokenizer."""
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(**shape, dtype=dtype, architectures=["LlamaForCausalLM"]).save_pretrained(out_dir)
-    # Prompts are token ids; the tokenizer only has to exist (unknown ids detokenize to "").
-    tk = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>"))
-    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(out_dir)
-    return out_dir
+def adapter_modules(shape: dict) -> list[tuple[str, int, int]]:
+    """(module under a decoder layer, fan in, fan out) of each projection the adapters of ``shape`` (config fields)
+    target: ``TARGETS``' 7; on a MoE (``num_experts``) the gate/up/down of every routed expert instead of the MLP's
+    (PEFT's per-expert names ``mlp.experts.N.gate_proj``, which it stacks when it loads them)."""
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    dims = dict(hidden=shape["hidden_size"], inter=shape["intermediate_size"],
+                q=shape["num_attention_heads"] * head_dim, kv=shape["num_key_value_heads"] * head_dim)
+    modules = [(m, dims[d_in], dims[d_out]) for m, (d_in, d_out) in TARGETS.items()]
+    if not shape.get("num_experts"):
+        return modules
+    h, inter = shape["hidden_size"], shape["moe_intermediate_size"]
+    experts = [(f"mlp.experts.{e}.{proj}", *((inter, h) if proj == "down_proj" else (h, inter)))
+               for e in range(shape["num_experts"]) for proj in ("gate_proj", "up_proj", "down_proj")]
+    return [m for m in modules if m[0].startswith("self_attn.")] + experts
 
 
 def write_random_adapter(out_dir: Path, shape: dict, rank: int, seed: int) -> Path:
-    """A PEFT LoRA directory: rank ``rank`` on all 7 projections of every layer, random A and B."""
+    """A PEFT LoRA directory: rank ``rank`` on every ``adapter_modules`` projection of every layer, random A and B."""
     from safetensors.torch import save_file
 
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    dims = dict(hidden=shape["hidden_size"], inter=shape["intermediate_size"],
-                q=shape["num_attention_heads"] * head_dim, kv=shape["num_key_value_heads"] * head_dim)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(shape["num_hidden_layers"]):
-        for module, (d_in, d_out) in TARGETS.items():
+        for module, n_in, n_out in adapter_modules(shape):
             key = f"base_model.model.model.layers.{layer}.{module}"
-            n_in, n_out = dims[d_in], dims[d_out]
             a = torch.randn(rank, n_in, generator=g) / math.sqrt(n_in)
             tensors[f"{key}.lora_A.weight"] = a.bfloat16()
             tensors[f"{key}.lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * 0.02).bfloat16()
@@ -110,7 +113,8 @@ def chorus_engine(args, enable_lora: bool):
     from engine import LLM
 
     kw = dict(load_format="dummy", dtype=args.dtype, max_num_seqs=max(args.batch_sizes), seed=0,
-              max_model_len=args.input_len + args.output_len + 16, enable_prefix_caching=False)
+              max_model_len=args.input_len + args.output_len + 16, enable_prefix_caching=False,
+              quantization=args.quantization)
     if torch.cuda.is_available():
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.max_num_batched_tokens:
@@ -178,6 +182,7 @@ def _base_rows(args, prompts, adapter_dirs, report) -> None:
     for b in args.batch_sizes:
         report["rows"].append(run_chorus(llm, args, prompts[:b], [], "chorus base (LoRA off)"))
         _show(report["rows"][-1], report)
+    llm.close()
     del llm
     _free()
 
@@ -202,6 +207,7 @@ def _lora_rows(args, prompts, adapter_dirs, report) -> None:
             _show(report["rows"][-1], report)
     report["lora_slot_mib"] = mgr.slot_nbytes() / (1 << 20)
     report["lora_host_store_mib"] = mgr.store.nbytes() / (1 << 20)
+    llm.close()
     del llm, mgr
     _free()
 
@@ -297,7 +303,11 @@ def hf_rows(args, prompts, adapter_dirs, report) -> list[dict]:
 # ----------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="tiny random config, CPU-friendly sizes")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
+                    help="the model shape (benchmarks/shapes.py), random weights")
+    ap.add_argument("--tiny", action="store_true", help="the shape's tiny variant, CPU-friendly sizes")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="the base model's weights in both Chorus engines (transformers keeps the float weights)")
     ap.add_argument("--batch-sizes", default=None, help="comma-separated requests per run (default 64)")
     ap.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 512; tiny: 32)")
     ap.add_argument("--output-len", type=int, default=None, help="new tokens (default 128; tiny: 8)")
@@ -324,7 +334,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/chorus-multi-lora", help="where the config and adapters go")
     ap.add_argument("--out", default="benchmarks/out/multi_lora.json")
     args = ap.parse_args()
-    shape = TINY if args.tiny else LLAMA3_8B
+    shape = shape_fields(args.shape, args.tiny)[2]
     defaults = dict(batch_sizes="8" if args.tiny else "64", input_len=32 if args.tiny else 512,
                     output_len=8 if args.tiny else 128)
     for k, v in defaults.items():
@@ -341,8 +351,10 @@ def main() -> None:
     if max(args.num_adapters) > max(args.batch_sizes):
         raise SystemExit(f"--num-adapters {max(args.num_adapters)} > the largest batch: "
                          "some adapters would get no request.")
-    work = Path(args.workdir) / ("tiny" if args.tiny else "llama3-8b")
-    args.model = str(dummy_checkpoint(work / "model", shape, args.dtype))
+    if shape.get("num_experts") and not args.skip_hf:
+        raise SystemExit(f"--shape {args.shape}: transformers + PEFT runs the dense shapes only; add --skip-hf.")
+    work = Path(args.workdir) / f"{args.shape}{'-tiny' if args.tiny else ''}"
+    args.model = dummy_model(args.shape, args.tiny, args.dtype)
     n_files = max(1, min(args.unique_adapter_files, max(args.num_adapters)))
     t0 = time.perf_counter()
     adapter_dirs = [write_random_adapter(work / f"adapter-r{args.rank}-{i}", shape, args.rank, seed=i)
@@ -351,7 +363,8 @@ def main() -> None:
     print(f"adapters ready in {time.perf_counter() - t0:.1f} s", flush=True)
     prompts = make_prompts(max(args.batch_sizes), args.input_len, shape["vocab_size"], seed=0)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()}"
-    report = dict(args=vars(args), device=device, date=time.strftime("%Y-%m-%d"), rows=[])
+    targets = "q/k/v/o and every routed expert's gate/up/down" if shape.get("num_experts") else "all 7 projections"
+    report = dict(args=vars(args), device=device, date=time.strftime("%Y-%m-%d"), targets=targets, rows=[])
 
     rows = chorus_rows(args, prompts, adapter_dirs, report)
     hf = [] if args.skip_hf else hf_rows(args, prompts, adapter_dirs, report)
@@ -376,7 +389,8 @@ def _finish(args, report: dict, rows: list[dict], hf: list[dict]) -> None:
     for r in hf:
         r["x_base"] = r["output_tok_s"] / hf_base if hf_base else None
     print(f"\nworkload: batch {args.batch_sizes}, input {args.input_len}, output {args.output_len}, rank "
-          f"{args.rank} on all 7 projections, {'tiny' if args.tiny else 'Llama-3-8B'}-shaped {args.dtype}, "
+          f"{args.rank} on {report['targets']}, {args.shape}{' tiny' if args.tiny else ''}-shaped {args.dtype}"
+          f"{', fp8 base' if args.quantization else ''}, "
           f"device {report['device']}; hf+peft: batch {args.hf_batch_size}, t({args.output_len}) extrapolated "
           f"from {args.hf_output_lens[0]} and {args.hf_output_lens[1]} new tokens")
     print(f"{'system':24s} {'batch':>5s} {'adapters':>8s} {'seconds':>8s} {'device s':>8s} {'out tok/s':>10s} "

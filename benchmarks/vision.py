@@ -7,6 +7,8 @@ Examples:
     python benchmarks/vision.py llava --num-requests 200 --hf-requests 32
     # CPU check of the whole script: tiny shapes, a handful of requests, float32
     python benchmarks/vision.py all --tiny
+    # the towers alone (CLIP-L/336, Qwen2-VL-7B on mixed sizes): TFLOP/s and fraction of peak; --tiny on CPU
+    python benchmarks/vision.py towers
 
 Sub-benchmarks (each prints a table; all of them go into one JSON, rewritten after each one):
   llava          LLaVA-1.5-7B shape (CLIP ViT-L/14-336, 576 image tokens, Llama-2-7B). Requests of one
@@ -32,7 +34,12 @@ Sub-benchmarks (each prints a table; all of them go into one JSON, rewritten aft
                  ``LLM.generate`` throughput, then ``model.visual`` alone on batches of those images (CUDA
                  events after a warm-up) against its FLOPs counted analytically (``vision_flops``), as
                  TFLOP/s and a fraction of the H200's dense bf16 peak.
-  all            The four above, in this order; the LLaVA engine is built once and shared by llava,
+  towers         The vision towers alone, random weights, no engine: CLIP ViT-L/14-336 as LLaVA-1.5 runs it
+                 (23 of 24 layers: feature layer -2) on batches of images, and the Qwen2-VL-7B tower on
+                 calls that pack one image of each mixed size (448x448 to 1344x896) several times over;
+                 device time per call (CUDA events after a warm-up) against the FLOPs counted analytically
+                 (``vit_flops``, ``vision_flops``), as TFLOP/s and a fraction of the H200's dense bf16 peak.
+  all            The first four above, in this order; the LLaVA engine is built once and shared by llava,
                  encoder-cache and text-tpot (transformers runs before it is built).
 
 Image preprocessing throughput by worker threads / processes is benchmarks/preprocess.py's.
@@ -71,6 +78,7 @@ H200_BF16_DENSE_TFLOPS = 989.0
 HF_REFERENCE_TOK_S = 334.5
 """transformers 5.17 ``generate`` at batch 32 on an H200, LLaVA-1.5-7B shape (the issue's number)."""
 SUB_BENCHMARKS = ("llava", "encoder-cache", "text-tpot", "qwen2-vl")
+"""What ``all`` runs; ``towers`` runs on its own."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -163,6 +171,8 @@ class Scale:
     qwen_sizes: tuple[tuple[int, int], ...]
     vision_images: int           # images timed through model.visual
     vision_batch_sizes: tuple[int, ...]
+    tower_batch_sizes: tuple[int, ...]  # towers: CLIP images per call
+    tower_mixed_repeats: tuple[int, ...]  # towers: Qwen2-VL calls hold this many images of each size
     tpot_text_requests: int
     tpot_prompt_len: int
     tpot_output_len: int
@@ -174,12 +184,14 @@ FULL = Scale(llava=LLAVA_15_7B, qwen=QWEN2_VL_7B, num_requests=1000, image_size=
              output_len=128, hf_requests=64, hf_batch_size=32, cache_requests=400, cache_popular=20,
              cache_output_len=32, qwen_requests=500,
              qwen_sizes=((448, 448), (672, 504), (896, 672), (1120, 840), (1344, 896)),
-             vision_images=40, vision_batch_sizes=(1, 8), tpot_text_requests=32, tpot_prompt_len=256,
+             vision_images=40, vision_batch_sizes=(1, 8), tower_batch_sizes=(1, 8, 32, 64),
+             tower_mixed_repeats=(1, 4), tpot_text_requests=32, tpot_prompt_len=256,
              tpot_output_len=256, tpot_image_rate=10.0, warmup_requests=8)
 TINY = Scale(llava=LLAVA_TINY, qwen=QWEN2_VL_TINY, num_requests=8, image_size=(96, 72), text_len=16,
              output_len=8, hf_requests=4, hf_batch_size=2, cache_requests=20, cache_popular=4,
              cache_output_len=4, qwen_requests=6, qwen_sizes=((56, 56), (84, 56), (112, 84)),
-             vision_images=4, vision_batch_sizes=(1, 2), tpot_text_requests=4, tpot_prompt_len=32,
+             vision_images=4, vision_batch_sizes=(1, 2), tower_batch_sizes=(1, 2),
+             tower_mixed_repeats=(1,), tpot_text_requests=4, tpot_prompt_len=32,
              tpot_output_len=24, tpot_image_rate=20.0, warmup_requests=2)
 
 
@@ -345,9 +357,51 @@ def vision_flops(grids: list[tuple[int, int, int]], vision_config) -> float:
     return float(flops)
 
 
+def vit_flops(num_images: int, vision: dict, num_layers: int) -> float:
+    """Multiply-add FLOPs (2 per MAC) of a CLIP ViT tower (``vision``: a CLIPVisionConfig's fields) running
+    ``num_layers`` layers on ``num_images`` images: the patch embedding, per layer q/k/v / out / fc1 / fc2
+    over the class token + patches, and attention over them (QK^T and PV: 4 * S^2 * D per image)."""
+    d, ffn = vision["hidden_size"], vision["intermediate_size"]
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    seq = patches + 1                                                    # the class token
+    flops = 2 * num_images * patches * (3 * vision["patch_size"] ** 2) * d
+    per_layer = 2 * seq * d * (4 * d) + 2 * (2 * seq * d * ffn) + 4 * seq ** 2 * d
+    return float(flops + num_images * num_layers * per_layer)
+
+
 # ----------------------------------------------------------------------------------------
 # Measuring helpers
 # ----------------------------------------------------------------------------------------
+def seconds_per_pass(one_pass: Callable[[], None], iters: int = 3) -> float:
+    """Seconds of one ``one_pass()`` after one warm-up pass, averaged over ``iters``: device time between CUDA
+    events on CUDA, wall time on CPU."""
+    with torch.inference_mode():
+        one_pass()
+        sync()
+        if cuda():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                one_pass()
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop) / 1e3 / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            one_pass()
+        return (time.perf_counter() - t0) / iters
+
+
+def peak_row(flops: float, seconds: float, calls: int) -> dict:
+    """ms per call, TFLOP, TFLOP/s and the fraction of the H200's dense bf16 peak of ``calls`` calls that
+    did ``flops`` in ``seconds``."""
+    return dict(ms_per_call=seconds * 1e3 / calls, tflop=flops / 1e12, tflop_s=flops / seconds / 1e12,
+                fraction_of_peak=flops / seconds / 1e12 / H200_BF16_DENSE_TFLOPS)
+
+
+PEAK_COLUMNS = [("ms_per_call", "ms/call", ".2f"), ("tflop", "TFLOP", ".3f"), ("tflop_s", "TFLOP/s", ".1f"),
+                ("fraction_of_peak", "of peak", ".3f")]
+"""The columns of ``peak_row``."""
 def cuda() -> bool:
     return torch.cuda.is_available()
 
@@ -913,8 +967,7 @@ def bench_qwen2_vl(session: Session) -> dict:
     print(f"\nvision tower alone ({len(vision[0]['grids']) if vision else 0} images, consecutive batches; "
           f"FLOPs counted analytically; H200 peak {H200_BF16_DENSE_TFLOPS:g} TFLOP/s dense bf16):")
     print_table(vision, [("batch", "batch", "d"), ("calls", "calls", "d"), ("patches", "patches", "d"),
-                         ("ms_per_call", "ms/call", ".2f"), ("tflop", "TFLOP", ".3f"),
-                         ("tflop_s", "TFLOP/s", ".1f"), ("fraction_of_peak", "of peak", ".3f")])
+                         *PEAK_COLUMNS])
     return dict(rows=[chorus] + hf_rows, vision=vision, num_requests=n, sizes=s.qwen_sizes, output_len=s.output_len)
 
 
@@ -938,40 +991,98 @@ def time_vision_tower(llm, processed: list, batch_sizes: tuple[int, ...], iters:
             for pixels, grid in batches:
                 visual(pixels, grid)
 
-        with torch.inference_mode():
-            one_pass()
-            sync()
-            if cuda():
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    one_pass()
-                stop.record()
-                stop.synchronize()
-                seconds = start.elapsed_time(stop) / 1e3 / iters
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    one_pass()
-                seconds = (time.perf_counter() - t0) / iters
-        flops = vision_flops(grids, vc)
+        seconds = seconds_per_pass(one_pass, iters)
         rows.append(dict(batch=bs, calls=len(batches), patches=sum(t * h * w for t, h, w in grids),
-                         grids=grids,
-                         ms_per_call=seconds * 1e3 / len(batches), tflop=flops / 1e12,
-                         tflop_s=flops / seconds / 1e12,
-                         fraction_of_peak=flops / seconds / 1e12 / H200_BF16_DENSE_TFLOPS))
+                         grids=grids, **peak_row(vision_flops(grids, vc), seconds, len(batches))))
     return rows
+
+
+def random_weights(module: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """``module`` on ``device`` in ``dtype`` with every parameter drawn N(0, 0.02) (norm scales 1 + that):
+    random weights of a real checkpoint's scale, so no activation overflows."""
+    module = module.to(device=device, dtype=dtype).eval()
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, device=device, dtype=torch.float32) * 0.02
+            is_norm_scale = param.dim() == 1 and "norm" in name and name.endswith("weight")
+            param.copy_(noise + (1.0 if is_norm_scale else 0.0))
+    return module
+
+
+def qwen2_vl_grid(width: int, height: int, vc) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid of one image of width x height pixels (each side rounded to whole merge
+    blocks, as the image processor's resize does within its pixel bounds)."""
+    block = vc.patch_size * vc.spatial_merge_size
+    return (1, max(1, round(height / block)) * vc.spatial_merge_size,
+            max(1, round(width / block)) * vc.spatial_merge_size)
+
+
+def clip_tower_rows(s: Scale, device: str, dtype: torch.dtype) -> list[dict]:
+    """CLIP ViT-L/14-336 as LLaVA-1.5 runs it (layers up to -2) on ``s.tower_batch_sizes`` images per call."""
+    from transformers import CLIPVisionConfig
+
+    from encoders.clip import CLIPVisionTower
+
+    fields = {k: v for k, v in s.llava.vision.items() if k != "projection_dim"}
+    config = CLIPVisionConfig(**fields)
+    num_layers = config.num_hidden_layers - 1                           # LLaVA reads layer -2
+    tower = random_weights(CLIPVisionTower(config, num_layers=num_layers), dtype, device)
+    side = config.image_size
+    rows = []
+    for bs in s.tower_batch_sizes:
+        pixels = torch.randn(bs, 3, side, side, device=device, dtype=dtype)
+        seconds = seconds_per_pass(lambda: tower(pixels, [-2]))
+        patches = bs * (side // config.patch_size) ** 2
+        rows.append(dict(tower=f"{s.llava.name} clip", images=bs, patches=patches,
+                         **peak_row(vit_flops(bs, fields, num_layers), seconds, 1)))
+    return rows
+
+
+def qwen2_vl_tower_rows(s: Scale, device: str, dtype: torch.dtype) -> list[dict]:
+    """The Qwen2-VL-7B tower on calls of ``s.tower_mixed_repeats`` images of each of ``s.qwen_sizes``."""
+    from encoders.qwen2_vl import Qwen2VLVisionTransformer
+
+    vc = build_config(s.qwen, "float32").vision_config
+    tower = random_weights(Qwen2VLVisionTransformer(vc), dtype, device)
+    patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    rows = []
+    for repeats in s.tower_mixed_repeats:
+        grids = [qwen2_vl_grid(w, h, vc) for w, h in s.qwen_sizes] * repeats
+        num_patches = sum(t * h * w for t, h, w in grids)
+        pixels = torch.randn(num_patches, patch_dim, device=device, dtype=dtype)
+        grid_thw = torch.tensor(grids, dtype=torch.int64)
+        seconds = seconds_per_pass(lambda: tower(pixels, grid_thw))
+        rows.append(dict(tower=f"{s.qwen.name} visual", images=len(grids), patches=num_patches,
+                         **peak_row(vision_flops(grids, vc), seconds, 1)))
+    return rows
+
+
+def bench_towers(session: Session) -> dict:
+    args, s = session.args, session.scale
+    session.release()
+    device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+    rows = clip_tower_rows(s, device, dtype)
+    free_memory()
+    rows += qwen2_vl_tower_rows(s, device, dtype)
+    free_memory()
+    print(f"\nvision towers alone, random {str(dtype).removeprefix('torch.')} weights, one call per row "
+          f"(FLOPs counted analytically; H200 peak {H200_BF16_DENSE_TFLOPS:g} TFLOP/s dense bf16); "
+          f"{device_name()}:")
+    print_table(rows, [("tower", "tower", "s"), ("images", "images", "d"), ("patches", "patches", "d"),
+                       *PEAK_COLUMNS])
+    return dict(rows=rows, qwen_sizes=s.qwen_sizes)
 
 
 BENCHES: dict[str, Callable[[Session], dict]] = {
     "llava": bench_llava, "encoder-cache": bench_encoder_cache, "text-tpot": bench_text_tpot,
-    "qwen2-vl": bench_qwen2_vl,
+    "qwen2-vl": bench_qwen2_vl, "towers": bench_towers,
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("bench", choices=list(SUB_BENCHMARKS) + ["all"])
+    ap.add_argument("bench", choices=list(BENCHES) + ["all"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, a handful of requests, CPU float32")
     ap.add_argument("--out", default=None,
                     help="JSON path (default benchmarks/results/vision.json; with --tiny "

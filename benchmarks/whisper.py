@@ -7,6 +7,10 @@ Examples:
     python benchmarks/whisper.py latency --chat-model /tmp/chorus-llama3-8b-dummy
     # CPU (the 2-core machine): tiny.en on a few clips, float32, against transformers on the same clips
     python benchmarks/whisper.py rtf --model tiny.en --device cpu --num-clips 8 --hf-clips 8 --hf-batch-sizes 8
+    # the encoder alone (turbo shape, random bf16): eager and CUDA graphs, TFLOP/s and fraction of peak
+    python benchmarks/whisper.py encoder
+    # its CPU check: a tiny shape, float32 (the graphs' chunking runs eagerly)
+    python benchmarks/whisper.py encoder --encoder-shape tiny --device cpu --encoder-batch-sizes 1 2
 
 Sub-benchmarks (each prints a table; all rows go into one JSON):
   rtf      ``--num-clips`` distinct 30 s clips (the committed espeak-ng speech of tests/data/audio laid end to
@@ -18,6 +22,11 @@ Sub-benchmarks (each prints a table; all rows go into one JSON):
            ``WhisperForConditionalGeneration`` (same weights / same random shape) in batches of each
            ``--hf-batch-sizes`` on the first ``--hf-clips`` clips' log-mel, computed beforehand by its
            ``WhisperFeatureExtractor`` and not timed (which favours it); same stopping rule.
+           Also prints the encoder's device time within the run (CUDA events around each encoder call, log-mel
+           included) and its achieved TFLOP/s against ``encoder_flops`` and the H200's dense bf16 peak.
+  encoder  ``WhisperEncoderTower`` alone (``--encoder-shape``, random weights) on ``--encoder-batch-sizes``
+           windows per call, eagerly and replayed from its CUDA graphs (``capture_graphs``): device time per
+           call after a warm-up, TFLOP/s and the fraction of the H200's dense bf16 peak.
   latency  One 30 s clip at a time (``--latency-clips`` of them): time to the first token and to the end,
            with the Whisper engine idle, then while a chat engine (its own process, same GPU) serves
            ``--chat-concurrency`` streamed requests at all times (prompt 512 ids, 256 new tokens).
@@ -44,7 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.vision import cuda, device_name, free_memory, pct, print_table, sync  # noqa: E402
+from benchmarks.vision import (  # noqa: E402
+    PEAK_COLUMNS, CallTimer, cuda, device_name, free_memory, pct, peak_row, print_table, random_weights,
+    seconds_per_pass, sync,
+)
 from engine.dtypes import TORCH_DTYPES  # noqa: E402
 
 SAMPLE_RATE_HZ = 16000
@@ -54,6 +66,19 @@ TURBO_SHAPE = dict(d_model=1280, encoder_layers=32, decoder_layers=4, encoder_at
                    decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120, num_mel_bins=128,
                    max_source_positions=1500, max_target_positions=448)
 """openai/whisper-large-v3-turbo's config (its vocabulary has 51866 tokens; the dummy uses base's 51865)."""
+TINY_ENCODER_SHAPE = dict(d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+                          num_mel_bins=80, max_source_positions=1500)
+"""``encoder --encoder-shape tiny``: a CPU check of the sub-benchmark."""
+
+
+def encoder_flops(shape: dict, windows: int) -> float:
+    """Multiply-add FLOPs (2 per MAC) of Whisper's encoder (``shape``: a WhisperConfig's fields) on ``windows``
+    30 s windows: conv1 (kernel 3) over 2 * S frames, conv2 (kernel 3, stride 2) over S positions, and per
+    layer q/k/v / out_proj, fc1 / fc2 and attention (QK^T and PV: 4 * S^2 * d_model) over S positions."""
+    d, ffn, positions = shape["d_model"], shape["encoder_ffn_dim"], shape["max_source_positions"]
+    conv = 2 * (2 * positions) * (shape["num_mel_bins"] * 3) * d + 2 * positions * (d * 3) * d
+    per_layer = 2 * positions * d * (4 * d) + 2 * (2 * positions * d * ffn) + 4 * positions ** 2 * d
+    return float(windows * (conv + shape["encoder_layers"] * per_layer))
 
 
 # ----------------------------------------------------------------------------------------
@@ -179,10 +204,12 @@ def run_ours(llm, clips: list[np.ndarray], fixed_len: Optional[int], max_tokens:
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
+    model = engine.core.runner.model
     sync()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
+    with CallTimer(device=cuda()).install(model, "embed_multimodal") as encoder_timer:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
     seconds = time.perf_counter() - t0
     if profiler is not None:
         import pstats
@@ -191,10 +218,15 @@ def run_ours(llm, clips: list[np.ndarray], fixed_len: Optional[int], max_tokens:
     stats = engine.get_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     audio_s = len(clips) * CLIP_S
+    encoded = engine.core.runner.num_encoded_items - encoded0
+    encoder = peak_row(encoder_flops(model.config.to_dict(), encoded), encoder_timer.seconds,
+                       max(1, encoder_timer.calls))
     return dict(system="chorus", clips=len(clips), audio_s=audio_s, seconds=seconds, rtf=audio_s / seconds,
+                encoder_s=encoder_timer.seconds, encoder_calls=encoder_timer.calls,
+                encoder_tflop_s=encoder["tflop_s"], encoder_of_peak=encoder["fraction_of_peak"],
                 output_tokens=tokens, tokens_per_clip=tokens / len(clips), out_tok_s=tokens / seconds,
                 steps=stats.num_steps - stats0.num_steps, max_reqs_per_step=stats.max_reqs_per_step,
-                encoded=engine.core.runner.num_encoded_items - encoded0,
+                encoded=encoded,
                 preemptions=stats.num_preemptions - stats0.num_preemptions,
                 sample_text=outs[0].outputs[0].text[:80])
 
@@ -276,6 +308,10 @@ def bench_rtf(args) -> list[dict]:
                             ("rtf", "x real time", ".0f"), ("tokens_per_clip", "tok/clip", ".1f"),
                             ("out_tok_s", "out tok/s", ".0f"), ("chorus_speedup", "chorus / it", ".1f"),
                             ("steps", "steps", "d"), ("max_reqs_per_step", "max batch", "d")])
+        print(f"chorus encoder: {ours['encoded']} windows in {ours['encoder_calls']} calls, "
+              f"{ours['encoder_s']:.2f} s {'device' if cuda() else 'wall'} time "
+              f"({ours['encoder_s'] / ours['seconds']:.0%} of the run), {ours['encoder_tflop_s']:.1f} TFLOP/s "
+              f"= {ours['encoder_of_peak']:.3f} of the H200's dense bf16 peak")
         print(f"chorus sample: {ours['sample_text']!r}")
         rows += table
     return rows
@@ -362,9 +398,37 @@ def bench_latency(args) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------
+# encoder
+# ----------------------------------------------------------------------------------------
+def bench_encoder(args) -> list[dict]:
+    from transformers import WhisperConfig
+
+    from encoders.whisper import WhisperEncoderTower
+
+    shape = TURBO_SHAPE if args.encoder_shape == "turbo" else TINY_ENCODER_SHAPE
+    tower = random_weights(WhisperEncoderTower(WhisperConfig(**shape)), TORCH_DTYPES[args.dtype], args.device)
+    frames = 2 * shape["max_source_positions"]
+    rows = []
+    for mode in ("eager", "graphs"):
+        if mode == "graphs":
+            t0 = time.perf_counter()
+            sizes = tower.capture_graphs(max(args.encoder_batch_sizes), use_graphs=args.device == "cuda")
+            print(f"encoder graphs of batch sizes {sizes} captured in {time.perf_counter() - t0:.1f} s")
+        for windows in args.encoder_batch_sizes:
+            features = torch.randn(windows, shape["num_mel_bins"], frames, device=args.device)
+            seconds = seconds_per_pass(lambda: tower(features))
+            rows.append(dict(mode=mode, windows=windows, **peak_row(encoder_flops(shape, windows), seconds, 1)))
+    print(f"\n== encoder alone: {args.encoder_shape} shape ({shape['encoder_layers']} layers, d_model "
+          f"{shape['d_model']}, {encoder_flops(shape, 1) / 1e12:.3f} TFLOP per 30 s window), {args.dtype}, "
+          f"{device_name()}; H200 peak 989 TFLOP/s dense bf16 ==")
+    print_table(rows, [("mode", "mode", "s"), ("windows", "windows", "d"), *PEAK_COLUMNS])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("bench", choices=["rtf", "latency", "all"])
+    ap.add_argument("bench", choices=["rtf", "latency", "encoder", "all"])
     ap.add_argument("--model", nargs="+", default=["tiny.en", "turbo"], help="tiny.en, base, turbo or a directory")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -385,6 +449,9 @@ def main() -> None:
     ap.add_argument("--turbo-dir", default=None, help="the turbo shape's config directory (default: written "
                     "under $TMPDIR from the base model's tokenizer)")
     ap.add_argument("--profile", action="store_true", help="cProfile of chorus' timed run (host time by function)")
+    ap.add_argument("--encoder-shape", choices=["turbo", "tiny"], default="turbo", help="encoder's shape")
+    ap.add_argument("--encoder-batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32],
+                    help="encoder: 30 s windows per call")
     ap.add_argument("--out", default=None, help="JSON file for every row")
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -393,6 +460,8 @@ def main() -> None:
         rows += bench_rtf(args)
     if args.bench in ("latency", "all"):
         rows += bench_latency(args)
+    if args.bench in ("encoder", "all"):
+        rows += bench_encoder(args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(device=device_name(), args=vars(args), rows=rows), indent=2))

@@ -13,12 +13,25 @@
 #               `throughput` the 1000-request workload on qwen3-30b-a3b ($OUT/throughput_qwen3_30b_a3b.json).
 #               Estimates, not timed yet: ~100-150 s per latency shape (load, graphs, transformers' init
 #               of random weights), ~350-450 s for the MoE throughput: two device calls,
-#               FAMILIES="qwen3-8b qwen3-30b-a3b gemma3-12b" then FAMILIES=throughput
+#               FAMILIES="qwen3-8b qwen3-30b-a3b gemma3-12b" then FAMILIES=throughput.
+#               Parts named only: `moe-lora` 16 distinct rank-16 adapters on q/k/v/o and every routed expert of
+#               qwen3-30b-a3b vs the base, batch 64, 512 + 128 tokens ($OUT/multi_lora_qwen3_30b_a3b.json, ~300-400 s
+#               with writing the adapters, 1.7 GB each); `gemma3-window` benchmarks/kv_cache.py window: a 32k-token
+#               prompt's KV blocks on gemma3-12b with its windows and with every layer global, and decode at batch 64,
+#               2048 tokens, on each ($OUT/kv_cache_window_gemma3_12b.json, ~150-200 s)
 #   fp8         Llama-3-8B shape with the engine's --quantization fp8 (transformers bf16), the parts FP8_PARTS
 #               names (default "latency throughput"): latency at batch 1/64/256 ($OUT/latency_fp8.json,
 #               ~150 s), the `throughput` workload ($OUT/throughput_fp8.json, ~300 s); not timed yet: if one
 #               call runs past 10 minutes, FP8_PARTS=latency then FP8_PARTS=throughput, or HF=0 (the
-#               transformers side is the latency and throughput phases' own)
+#               transformers side is the latency and throughput phases' own).
+#               Parts named only (no transformers): `70b-latency` the llama3-70b shape, FP8 weights (drawn and quantized
+#               one projection at a time: ~71 GB) and FP8 KV cache, batch 1/64 vs its bytes floor
+#               ($OUT/latency_fp8_llama3_70b.json, ~120-180 s); `70b-throughput` the same model on the throughput
+#               workload ($OUT/throughput_fp8_llama3_70b.json, ~250-400 s); `kv-fp8` benchmarks/kv_cache.py fp8: the
+#               KV blocks at start-up (gpu_memory_utilization 0.9) and decode at batch 256, bf16 cache vs FP8 cache,
+#               Llama-3-8B shape with bf16 weights ($OUT/kv_cache_fp8.json, ~150-200 s); `lora-fp8` multi-lora's
+#               runs on the FP8 base, LORA_FP8="BATCH:ADAPTERS ..." (default "64:16,64";
+#               $OUT/multi_lora_fp8_b64.json, ~150-250 s)
 #   serve       chorus serve under 256 streamed requests of 512 prompt ids + 128 tokens sent at
 #               once, from 1 and 4 client processes, vs LLM.generate on the same requests; needs
 #               the carried .whl folder (fetch-wheels)                             (~180 s, not timed yet)
@@ -159,6 +172,12 @@ for phase in "$@"; do
         case $part in
           throughput)
             bench throughput_qwen3_30b_a3b throughput.py --shape qwen3-30b-a3b $THROUGHPUT_WORKLOAD $(skip_hf) ;;
+          moe-lora)
+            bench multi_lora_qwen3_30b_a3b multi_lora.py --shape qwen3-30b-a3b --batch-sizes 64 --num-adapters 16 \
+              --max-loras 16 --input-len 512 --output-len 128 --base-last --gpu-memory-utilization 0.85 --skip-hf ;;
+          gemma3-window)
+            bench kv_cache_window_gemma3_12b kv_cache.py window --shape gemma3-12b --prompt-len 32768 \
+              --batch-sizes 64 --context-len 2048 --steps 32 --gpu-memory-utilization 0.9 ;;
           *)
             bench "latency_${part//-/_}" latency.py --shape "$part" --batch-sizes 1,64 --context-len 512 --steps 32 \
               $(case " ${HF_SKIP:-} " in *" $part "*) echo --skip-hf ;; *) skip_hf ;; esac) ;;
@@ -172,8 +191,22 @@ for phase in "$@"; do
               --context-len 512 --steps 32 $(skip_hf) ;;
           throughput)
             bench throughput_fp8 throughput.py --shape llama3-8b --quantization fp8 $THROUGHPUT_WORKLOAD $(skip_hf) ;;
+          70b-latency)
+            bench latency_fp8_llama3_70b latency.py --shape llama3-70b --quantization fp8 --kv-cache-dtype fp8 \
+              --batch-sizes 1,64 --context-len 512 --steps 32 --gpu-memory-utilization 0.9 --skip-hf ;;
+          70b-throughput)
+            bench throughput_fp8_llama3_70b throughput.py --shape llama3-70b --quantization fp8 --kv-cache-dtype fp8 \
+              $THROUGHPUT_WORKLOAD --skip-hf ;;
+          kv-fp8)
+            bench kv_cache_fp8 kv_cache.py fp8 --shape llama3-8b --kv-cache-dtypes auto,fp8 --batch-sizes 256 \
+              --context-len 512 --steps 32 --gpu-memory-utilization 0.9 ;;
+          lora-fp8)
+            for spec in ${LORA_FP8:-64:16,64}; do
+              bench "multi_lora_fp8_b${spec%%:*}" multi_lora.py --quantization fp8 --batch-sizes "${spec%%:*}" \
+                --num-adapters "${spec#*:}" --max-loras 64 --input-len 512 --output-len 128 --base-last --skip-hf
+            done ;;
           *)
-            echo "unknown fp8 part $part (latency, throughput)"; exit 2 ;;
+            echo "unknown fp8 part $part (latency, throughput, 70b-latency, 70b-throughput, kv-fp8, lora-fp8)"; exit 2 ;;
         esac
       done ;;
     multi-lora)

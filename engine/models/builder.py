@@ -429,3 +429,5 @@ def _init_dummy(model: torch.nn.Module, hf_config, seed: int, fp8: bool = False)
             p.normal_(0.0, std, generator=gen)
         if owner is not None and not owner[0].startswith(keep_float):
             owner[1].quantize_fp8()
+    if deferred and device.type == "cuda":
+        torch.cuda.empty_cache()   # the float weights' freed blocks: the KV cache budget reads the free memory

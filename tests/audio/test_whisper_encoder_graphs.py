@@ -121,16 +121,19 @@ def test_graph_replay_equals_eager_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_whisper_engine_encoder_graphs_equal_eager(tmp_path):
+    """Seven clips, at most four windows encoded per step: the encoder replays graphs of 1, 2 and 4 windows
+    and the transcripts equal those of the same engine with ``enforce_eager`` (logprobs within 2e-3)."""
     from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
     from tests.audio.whisper_reference import build_tiny_random_whisper
     from tests.models.test_whisper_engine import _audios, _prompt
+    from tests.models.utils import check_logprobs_close, ours_as_ref
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     path = build_tiny_random_whisper(tmp_path)
     audios = _audios(7, [3.0, 8.0, 17.0, 29.0, 12.0, 5.0, 21.0])
     prompts = [{"prompt_token_ids": _prompt(path), "multi_modal_data": {"audio": audio}} for audio in audios]
-    from engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     outputs = {}
     for eager in (True, False):
@@ -143,5 +146,6 @@ def test_whisper_engine_encoder_graphs_equal_eager(tmp_path):
         else:
             assert graphs is not None and graphs.sizes == [1, 2, 4] and graphs.num_replays >= 2
         del llm
-    for with_graphs, eager in zip(outputs[False], outputs[True]):
-        assert with_graphs.outputs[0].token_ids == eager.outputs[0].token_ids
+    for i, (with_graphs, eager) in enumerate(zip(outputs[False], outputs[True])):
+        check_logprobs_close(ours_as_ref(eager.outputs[0]), ours_as_ref(with_graphs.outputs[0]), f"clip {i}",
+                             atol=2e-3)

@@ -54,6 +54,21 @@ def _free(llm) -> None:
         torch.cuda.empty_cache()
 
 
+def free_gib() -> float | None:
+    """The device's free memory in GiB before an engine starts (CUDA; None on CPU): an engine left alive would
+    take the next one's KV budget, so each row records it and ``check_free`` compares them."""
+    return torch.cuda.mem_get_info()[0] / (1 << 30) if torch.cuda.is_available() else None
+
+
+def check_free(rows: list[dict]) -> None:
+    """Warns when an engine started with over 1 GiB less free memory than the first (its KV budget smaller)."""
+    first = rows[0]["free_gib_before"]
+    for r in rows[1:]:
+        if first is not None and r["free_gib_before"] < first - 1.0:
+            print(f"WARNING: an engine started with {r['free_gib_before']:.1f} GiB free, the first with {first:.1f}: "
+                  "its KV budget is the smaller for it", flush=True)
+
+
 def cache_capacity(llm) -> dict:
     """The KV cache the engine allocated at start-up (its log's blocks and tokens, the reserved null block
     included), the blocks requests can hold, bytes."""
@@ -69,18 +84,20 @@ def fp8_rows(args, bandwidth: float) -> list[dict]:
     rows = []
     for kv_dtype in args.kv_cache_dtypes:
         args.kv_cache_dtype = kv_dtype
-        t0 = time.perf_counter()
+        t0, free = time.perf_counter(), free_gib()
         llm = chorus_llm(args, args.model, max(args.capacity_seqs, max(args.batch_sizes)), args.capacity_model_len,
                          kv_cache_space=args.kv_cache_space)
         cap = cache_capacity(llm)
         needed = max(args.capacity_seqs, max(args.batch_sizes)) * math.ceil(args.capacity_model_len
                                                                            / cap["block_size"])
-        cap.update(kv_cache_dtype=kv_dtype, capped=cap["blocks"] >= needed, load_s=time.perf_counter() - t0)
+        cap.update(kv_cache_dtype=kv_dtype, capped=cap["blocks"] >= needed, load_s=time.perf_counter() - t0,
+                   free_gib_before=free)
         print(f"{kv_dtype}: {cap['blocks']} blocks x {cap['block_size']} = {cap['tokens']} tokens, {cap['kv_dtype']}, "
               f"{cap['kv_gib']:.2f} GiB{' (capped by the sequences bound)' if cap['capped'] else ''}", flush=True)
         cap["decode"] = decode_rows(llm, args, args.batch_sizes, bandwidth)
         rows.append(cap)
         _free(llm)
+    check_free(rows)
     for r in rows:
         r["capacity_x_first"] = r["blocks"] / rows[0]["blocks"]
         for d, first in zip(r["decode"], rows[0]["decode"]):
@@ -124,6 +141,7 @@ def window_rows(args, bandwidth: float) -> list[dict]:
     for windows in (True, False):
         model_dir = dummy_model(args.shape, args.tiny, windows=windows)
         max_len = max(args.prompt_len, args.context_len + 2 * args.steps) + 64
+        free = free_gib()
         llm = chorus_llm(args, model_dir, max(args.batch_sizes), max_len, kv_cache_space=args.kv_cache_space)
         cfg = llm.llm_engine.runner.model.config
         kv = llm.llm_engine.runner.kv_cache
@@ -132,13 +150,15 @@ def window_rows(args, bandwidth: float) -> list[dict]:
         need_tokens = sum(min(args.prompt_len, w) if w else args.prompt_len for w in layer_windows(cfg))
         row = dict(windows=windows, sliding_layers=sum(w is not None for w in layer_windows(cfg)),
                    layers=cfg.num_hidden_layers, prompt_len=args.prompt_len, **prompt_blocks(llm, args.prompt_len),
-                   bytes_per_block=kv.bytes_per_block(), window_need_bytes=need_tokens * per_token_layer)
+                   bytes_per_block=kv.bytes_per_block(), window_need_bytes=need_tokens * per_token_layer,
+                   free_gib_before=free)
         row["held_bytes"] = row["blocks_held"] * row["bytes_per_block"]
         row["decode"] = decode_rows(llm, args, args.batch_sizes, bandwidth)
         rows.append(row)
         _free(llm)
         print(f"windows {'on' if windows else 'off'}: {row['blocks_held']} blocks held ({row['held_bytes'] / 2**30:.3f}"
               f" GiB), peak {row['blocks_peak']}; window need {row['window_need_bytes'] / 2**30:.3f} GiB", flush=True)
+    check_free(rows)
     off = rows[1]
     print(f"\n{'windows':>7s} {'sliding':>7s} {'blocks':>7s} {'peak':>6s} {'held GiB':>8s} {'need GiB':>8s} "
           f"{'x off':>6s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'x floor':>7s} {'x off':>6s}")

@@ -62,6 +62,8 @@ from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next
 
 MAX_ROWS = 16
 """Most token rows one call takes (the decode batches this kernel is for); more raise ValueError."""
+FP8_ROWS_ONCE = 2
+"""Rows up to which an e4m3 weight's default tiles are the elementwise reduce-once form (``gemv_config``)."""
 
 PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
 """Values of the kernel's PROLOGUE constexpr: how the input rows are built from the inputs."""
@@ -133,12 +135,15 @@ def _build_input(p, q, nw, rstd, DTYPE: tl.constexpr, PROLOGUE: tl.constexpr, HA
 
 @triton.jit
 def _accumulate(acc, a, w, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_K: tl.constexpr,
-                USE_DOT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_MA, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T (float32).
+                USE_DOT: tl.constexpr, REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += a [BLOCK_MA, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T (float32); with
+    REDUCE_ONCE (elementwise form) acc is [BLOCK_M, BLOCK_N, BLOCK_K] and gets the products
+    unreduced (the kernel sums over K once, after the loop).
 
     With tl.dot and BLOCK_MA < BLOCK_M the rows of a are repeated to BLOCK_M (row r of acc gets
-    row r % BLOCK_MA: the first BLOCK_MA rows are the real ones). w is in a's dtype (an FP8
-    weight tile is converted by ``_accumulate_tile``)."""
+    row r % BLOCK_MA: the first BLOCK_MA rows are the real ones). With tl.dot w is in a's dtype
+    (``_accumulate_tile`` converts an FP8 tile); the elementwise forms take any float w."""
     if USE_DOT:
         if BLOCK_MA < BLOCK_M:
             a = tl.reshape(tl.broadcast_to(a[None, :, :], [BLOCK_M // BLOCK_MA, BLOCK_MA, BLOCK_K]),
@@ -147,6 +152,8 @@ def _accumulate(acc, a, w, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+    elif REDUCE_ONCE:
+        acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     else:
         acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     return acc
@@ -155,20 +162,27 @@ def _accumulate(acc, a, w, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_
 @triton.jit
 def _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     W_FP8: tl.constexpr, SCALE_BK: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+                     W_FP8: tl.constexpr, SCALE_BK: tl.constexpr, USE_DOT: tl.constexpr,
+                     REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``_accumulate`` of one K chunk whose weight tile w [BLOCK_N, BLOCK_K] is in DTYPE or, with
-    W_FP8, e4m3 converted to DTYPE here (exact). With block scales (SCALE_BK > 0; the chunk lies in
-    one SCALE_BK-wide block) the chunk's partial is multiplied by each row's scale of that block,
-    ws_rows [BLOCK_N] pointing at the rows' scale rows."""
-    if W_FP8:
+    W_FP8, e4m3 (converted to DTYPE for tl.dot, to float32 by the elementwise forms; exact). With
+    block scales (SCALE_BK > 0; the chunk lies in one SCALE_BK-wide block), ws_rows [BLOCK_N]
+    pointing at the rows' scale rows: the chunk's partial is multiplied by each row's scale of that
+    block, or with REDUCE_ONCE the float32 weight tile is (float(w) * s: the dequantized weight)."""
+    if W_FP8 and USE_DOT:
         w = w.to(DTYPE)
     if SCALE_BK > 0:
-        part = _accumulate(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a, w, BLOCK_M, BLOCK_MA, BLOCK_K,
-                           USE_DOT, UPCAST, DOT_PRECISION)
-        acc += part * tl.load(ws_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)[None, :]
+        s = tl.load(ws_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)                      # [BLOCK_N]
+        if REDUCE_ONCE and not USE_DOT:
+            acc = _accumulate(acc, a, w.to(tl.float32) * s[:, None], BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT,
+                              REDUCE_ONCE, UPCAST, DOT_PRECISION)
+        else:
+            part = _accumulate(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a, w, BLOCK_M, BLOCK_MA, BLOCK_K,
+                               USE_DOT, False, UPCAST, DOT_PRECISION)
+            acc += part * s[None, :]
     else:
-        acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+        acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, REDUCE_ONCE and not USE_DOT, UPCAST,
+                          DOT_PRECISION)
     return acc
 
 
@@ -178,7 +192,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                  W_FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
     """Semantics (dtype = out's dtype = x's dtype; float32 math unless rounded by dtype(.)):
 
@@ -205,7 +219,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
 
     Tiles: the input rows are built BLOCK_MA >= M at a time (the prologue's work scales with it);
     tl.dot takes BLOCK_M = max(16, BLOCK_MA) rows, the BLOCK_MA rows repeated (the copies past
-    row M are computed and never stored). The elementwise form has BLOCK_M == BLOCK_MA.
+    row M are computed and never stored). The elementwise form has BLOCK_M == BLOCK_MA; with
+    REDUCE_ONCE it keeps [BLOCK_M, BLOCK_N, BLOCK_K] float32 partial sums over the K loop and
+    reduces them over K once at the end (no cross-thread reduction per step).
     """
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -238,7 +254,10 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
             p, q = p_next, q_next
         rstd = tl.rsqrt(ss / K + eps)[:, None]                                          # [BLOCK_MA, 1]
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if REDUCE_ONCE and not USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PROLOGUE == 0:
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -247,7 +266,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
             a = tl.load(x_ptr + rows_a[:, None] * stride_x + offs_k[None, :], mask=ma_ok[:, None] & k_ok[None, :],
                         other=0.0)                                                     # [BMA, BK]
             acc = _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
-                                   W_FP8, SCALE_BK, USE_DOT, UPCAST, DOT_PRECISION)
+                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION)
     else:
         p, q, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, 0, K, stride_x, stride_r,
                                 BLOCK_K, PROLOGUE, HAS_RESIDUAL)
@@ -258,8 +277,10 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
                                                    stride_x, stride_r, BLOCK_K, PROLOGUE, HAS_RESIDUAL)
             a = _build_input(p, q, nw, rstd, DTYPE, PROLOGUE, HAS_RESIDUAL)               # [BMA, BK]
             acc = _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
-                                   W_FP8, SCALE_BK, USE_DOT, UPCAST, DOT_PRECISION)
+                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION)
             p, q, nw = p_next, q_next, nw_next
+    if REDUCE_ONCE and not USE_DOT:
+        acc = tl.sum(acc, axis=2)                                                       # [BLOCK_M, BLOCK_N]
     if W_FP8:
         if SCALE_BK == 0:
             acc *= tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -295,10 +316,16 @@ class GemvConfig:
     use_dot: int = 0
     """1: tl.dot on a [BLOCK_M >= 16, block_k] input tile (rows past M are zero padding);
     0: elementwise multiply + sum over K with BLOCK_M = next power of two >= M."""
+    reduce_once: int = 0
+    """Elementwise form only (ignored with use_dot): 1 keeps [BLOCK_M, block_n, block_k] float32
+    partial sums over the K loop and reduces them once at the end (registers grow with all three);
+    0 reduces each K step's products."""
 
     def __post_init__(self) -> None:
         if self.use_dot not in (0, 1) or isinstance(self.use_dot, float):
             raise ValueError(f"GemvConfig.use_dot: {self.use_dot!r} must be 0 or 1.")
+        if self.reduce_once not in (0, 1) or isinstance(self.reduce_once, float):
+            raise ValueError(f"GemvConfig.reduce_once: {self.reduce_once!r} must be 0 or 1.")
         _check_pow2("block_n", self.block_n, 16 if self.use_dot else 1, 1024)
         _check_pow2("block_k", self.block_k, 16, 4096)
         _check_pow2("num_warps", self.num_warps, 1, 16)
@@ -325,7 +352,8 @@ def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int,
 
 
 def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN,
-                override: GemvOverride = (), scale_block_k: Optional[int] = None) -> GemvConfig:
+                override: GemvOverride = (), scale_block_k: Optional[int] = None,
+                weight_fp8: bool = False) -> GemvConfig:
     """The default config for an [M, K] x [N, K]^T decode GEMV, with ``override`` applied last.
 
     Args:
@@ -337,6 +365,8 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         scale_block_k: inputs per scale block of a block-scaled FP8 weight (None: none); block_k is
             then cut to the largest power of two dividing it (after the override), so no chunk
             straddles a block.
+        weight_fp8: the weight is e4m3 (``FP8_ROWS_ONCE`` rows or fewer take the elementwise
+            reduce-once tiles).
 
     NOTE: defaults chosen with ``benchmarks/sweeps/gemv_sweep.py`` on an H200 (Llama-3-8B shapes,
     bf16, M 1..16, weights from HBM, CUDA graphs): tl.dot beats the elementwise form at every M,
@@ -348,10 +378,20 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     ahead at M <= 2 and lose from M = 4-8 on, because the rebuild's cost grows with M: hence
     ``KernelPolicy.decode_gemv_max_tokens`` (``benchmarks/RESULTS.md``, "What sets each ``KernelPolicy``
     default" and "Launch configs and constants inside the kernels").
+
+    NOTE (FP8 weights): the tl.dot form widens each e4m3 tile to bf16 for the MMA; a W8A16 GEMV
+    built that way measured 69 us for gate_up at one row on the H200 (the W8A8 GEMM 34 us, the
+    bytes floor 24.5 us). Up to ``FP8_ROWS_ONCE`` rows an e4m3 weight therefore takes the
+    elementwise form reduced once (e4m3 -> float32 and one FMA per weight element and row, no MMA,
+    no per-step shuffles): block_n 32, 64 float32 partial sums per thread. These tiles are a
+    starting point: ``benchmarks/sweeps/fp8_sweep.py`` ranks them against the tl.dot tiles at
+    1 / 4 / 16 rows.
     """
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
                          num_warps=4, num_stages=1, use_dot=0)
+    elif weight_fp8 and M <= FP8_ROWS_ONCE:
+        cfg = GemvConfig(32, 256 // next_power_of_2(M), 4, 3, use_dot=0, reduce_once=1)
     elif N <= 16384:
         cfg = GemvConfig(32, 512, 4, 3, 1)
     else:
@@ -361,7 +401,7 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(GemvConfig)})
         if unknown:
             raise ValueError(f"GEMV config override: unknown field(s) {unknown}; use block_n, block_k, "
-                             f"num_warps, num_stages, use_dot.")
+                             f"num_warps, num_stages, use_dot, reduce_once.")
         cfg = dataclasses.replace(cfg, **fields)
     if scale_block_k is not None and scale_block_k % cfg.block_k:
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, scale_block_k & -scale_block_k))
@@ -432,7 +472,8 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         return out
     scale_bn, scale_bk = scale_block if scale_block is not None else (1, 0)
     if config is None:
-        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None)
+        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None,
+                             weight_fp8=weight_scale is not None)
     block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
     upcast = is_interpreted(x.device)
     _gemv_kernel[(cdiv(N, config.block_n),)](
@@ -444,7 +485,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         W_FP8=weight_scale is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_MA=block_ma, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_KS=block_ks,
-        USE_DOT=bool(config.use_dot), UPCAST=upcast,
+        USE_DOT=bool(config.use_dot), REDUCE_ONCE=bool(config.reduce_once), UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

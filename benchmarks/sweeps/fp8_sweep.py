@@ -1,8 +1,11 @@
-"""FP8 linear sweep: ``kernels.fp8_linear`` paths against torch._scaled_mm and bf16 F.linear.
+"""FP8 linear sweep: ``kernels.fp8_linear`` paths against torch._scaled_mm and bf16 F.linear, and the
+FP8 decode GEMV (``kernels.gemv`` on e4m3 weights) against the W8A8 GEMM and the bytes floor.
 
 Example (H200; Llama-3-8B projections):
     python benchmarks/sweeps/fp8_sweep.py
     python benchmarks/sweeps/fp8_sweep.py --shapes qkv,down --ms 1,16,2048 --no-grid --out /tmp/fp8.json
+    python benchmarks/sweeps/fp8_sweep.py --ms 1,4,16 --out benchmarks/out/fp8_gemv_sweep.json   # decode
+    python benchmarks/sweeps/fp8_sweep.py --tiny        # CPU: small shapes through the Triton interpreter
 
 Per projection shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) and token
 count M (default 1, 4, 16, 64, 256, 2048), each case is timed from a CUDA graph of --calls
@@ -15,6 +18,18 @@ HBM, as in a 32-layer step). Timed, each as a whole call (activation quantizatio
 - ``blk_triton``: 128x128 block weight scales, per-token-group activations (HF ``fp8``).
 - ``quant_tok`` / ``quant_grp``: the activation quantization alone (per token / per 128-wide group).
 
+At M <= 16 also the decode GEMV (W8A16: the e4m3 weight converted in registers, activations
+unquantized), each against the bytes floor (N * K weight bytes + the scales at --peak-tbs):
+
+- ``pc_gemv`` / ``blk_gemv``: ``kernels.gemv.gemv`` on the per-channel / block-scaled weight.
+- ``pc_fused`` / ``pc_unfused``: the projection's prologue (qkv, gate_up: add + RMSNorm; down:
+  SiLU-and-mul) fused into the GEMV (``add_rms_norm_gemv`` / ``silu_mul_gemv``) against the
+  ``kernels.layer_ops`` kernel followed by the W8A8 Triton GEMM, as FP8 decode steps ran before.
+
+``--tiny`` runs small shapes with weight dims of 1-4 scale blocks, default configs, on the CPU through
+the Triton interpreter (wall-clock times, meaningless as speed: it checks that every path runs and
+matches its twin) or on CUDA when there is one.
+
 Triton paths run their default config, then (without --no-grid) a candidate grid; the table shows
 default and best. Every path's output is checked once against its torch twin (max error relative
 to the twin's max, in the JSON). Prints a table (us per call) and writes JSON.
@@ -26,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,8 +55,36 @@ from benchmarks.sweeps.kernel_timing import measure_copy_bandwidth, time_graph_c
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 """Llama-3-8B projections: name -> (N, K) of the [N, K] weight."""
+TINY_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (512, 256), "down": (256, 448)}
+"""``--tiny``: the same projections at a size the interpreter runs in seconds (down's K a ragged block)."""
 BLOCK = (128, 128)
 """(BN, BK) of the block-scaled weights (HF ``fp8`` checkpoints)."""
+PROLOGUE = {"qkv": "add_rmsnorm", "gate_up": "add_rmsnorm", "down": "silu_mul"}
+"""The elementwise op in front of each projection in a decode step (o_proj has none)."""
+EPS = 1e-5
+GEMV_MAX_ROWS = 16
+"""Rows up to which the decode GEMV paths are timed (``kernels.gemv.MAX_ROWS``)."""
+
+
+def gemv_candidates(m: int, block_scales: bool) -> list:
+    """GemvConfig grid for the FP8 GEMV at M rows: tl.dot tiles and elementwise reduce-once tiles
+    (block_n, block_k, num_warps, num_stages), the latter pruned to <= 128 float32 partial sums
+    per thread. An e4m3 tile is half a bf16 tile's bytes, so block_k wider than the bf16 defaults
+    are in; block scales cap block_k at the 128-wide block."""
+    from kernels.gemv import GemvConfig
+
+    if block_scales:
+        dot = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4)]
+        once = [(32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (16, 128, 2, 3)]
+    else:
+        dot = [(32, 512, 4, 3), (64, 256, 4, 3), (32, 1024, 4, 3), (16, 1024, 4, 4), (128, 256, 8, 3)]
+        once = [(32, 256, 4, 3), (64, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3),
+                (32, 256, 8, 3), (64, 256, 8, 3), (16, 512, 4, 3), (16, 256, 2, 3)]
+    block_m = 1 << max(0, m - 1).bit_length()
+    out = [GemvConfig(bn, bk, nw, ns, use_dot=1) for bn, bk, nw, ns in dot]
+    out += [GemvConfig(bn, bk, nw, ns, use_dot=0, reduce_once=1) for bn, bk, nw, ns in once
+            if block_m * bn * bk <= 128 * 32 * nw]
+    return out
 
 
 def gemm_candidates(m: int) -> list:
@@ -73,16 +117,26 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
 
 
+def time_calls(fn, args) -> float:
+    """Microseconds per ``fn(i)`` call: a CUDA graph of back-to-back calls; on CPU (``--tiny``, the
+    interpreter) the wall clock of ``args.calls`` eager calls."""
+    if torch.cuda.is_available():
+        return time_graph_calls(fn, args.calls, args.reps)
+    t0 = time.perf_counter()
+    for i in range(args.calls):
+        fn(i)
+    return (time.perf_counter() - t0) / args.calls * 1e6
+
+
 def time_path(run, ref: torch.Tensor, configs: list, args) -> dict:
     """Default (config None) and, per candidate, {config, us, err}; configs that fail to compile
     or run are reported and skipped. ``run(config, i)`` calls the path on weight copy i."""
-    out = dict(default=dict(us=time_graph_calls(lambda i: run(None, i), args.calls, args.reps),
-                            err=rel_err(run(None, 0), ref)))
+    out = dict(default=dict(us=time_calls(lambda i: run(None, i), args), err=rel_err(run(None, 0), ref)))
     results = []
     for cfg in configs:
         try:
             err = rel_err(run(cfg, 0), ref)
-            us = time_graph_calls(lambda i: run(cfg, i), args.calls, args.reps)
+            us = time_calls(lambda i: run(cfg, i), args)
         except Exception as e:                                      # shared memory, registers
             print(f"    {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
@@ -98,12 +152,13 @@ def sweep_case(name: str, n: int, k: int, m: int, weights: dict, args) -> dict:
     """Every path at one (shape, M)."""
     from kernels import fp8_linear as fp8
 
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)                            # [M, K]
+    x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16)                     # [M, K]
     wb, wpc, spc, wblk, sblk = (weights[key] for key in ("bf16", "pc", "pc_scale", "blk", "blk_scale"))
-    row = dict(shape=name, N=n, K=k, M=m, paths={})
+    row = dict(shape=name, N=n, K=k, M=m, paths={},
+               floor_us=dict(pc=floor_us(n, k, spc[0], args), blk=floor_us(n, k, sblk[0], args)))
     ref_bf16 = F.linear(x, wb[0]).float()
-    row["paths"]["bf16"] = dict(default=dict(us=time_graph_calls(lambda i: F.linear(x, wb[i % len(wb)]),
-                                                                 args.calls, args.reps), err=0.0))
+    row["paths"]["bf16"] = dict(default=dict(us=time_calls(lambda i: F.linear(x, wb[i % len(wb)]), args),
+                                             err=0.0))
     pc = dict(activation_scheme=fp8.PER_TOKEN)
     blk = dict(activation_scheme=fp8.PER_TOKEN_GROUP, block_size=BLOCK)
     ref_pc = fp8.fp8_linear_ref(x, wpc[0], spc[0], **pc)
@@ -113,7 +168,7 @@ def sweep_case(name: str, n: int, k: int, m: int, weights: dict, args) -> dict:
     row["paths"]["pc_triton"] = time_path(
         lambda c, i: fp8.fp8_linear(x, wpc[i % len(wpc)], spc[i % len(spc)], backend="triton", config=c, **pc),
         ref_pc, gemm_candidates(m) if grid else [], args)
-    if fp8.scaled_mm_works(x.device):
+    if x.is_cuda and fp8.scaled_mm_works(x.device):
         row["paths"]["pc_scaled_mm"] = time_path(
             lambda c, i: fp8.fp8_linear(x, wpc[i % len(wpc)], spc[i % len(spc)], backend="scaled_mm", **pc),
             ref_pc, [], args)
@@ -122,24 +177,78 @@ def sweep_case(name: str, n: int, k: int, m: int, weights: dict, args) -> dict:
         ref_blk, gemm_candidates(m) if grid else [], args)
     for label, scheme in (("quant_tok", fp8.PER_TOKEN), ("quant_grp", fp8.PER_TOKEN_GROUP)):
         row["paths"][label] = dict(default=dict(
-            us=time_graph_calls(lambda i: fp8.quantize_activations_fp8(x, scheme), args.calls, args.reps), err=0.0))
+            us=time_calls(lambda i: fp8.quantize_activations_fp8(x, scheme), args), err=0.0))
+    if m <= GEMV_MAX_ROWS:
+        sweep_gemv(name, x, weights, row, args)
     return row
 
 
-def make_weights(n: int, k: int, l2: int) -> dict:
+def floor_us(n: int, k: int, scale: torch.Tensor, args) -> float:
+    """Microseconds to read the e4m3 weight [n, k] and its float32 scales at --peak-tbs."""
+    return (n * k + scale.numel() * 4) / (args.peak_tbs * 1e12) * 1e6
+
+
+def sweep_gemv(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> None:
+    """The decode GEMV paths of one (shape, M) into ``row["paths"]`` (module docstring)."""
+    from kernels import fp8_linear as fp8
+    from kernels import gemv as gv
+    from kernels.layer_ops import add_rms_norm, silu_and_mul
+
+    wpc, spc, wblk, sblk = (weights[key] for key in ("pc", "pc_scale", "blk", "blk_scale"))
+    grid = not args.no_grid
+    row["paths"]["pc_gemv"] = time_path(
+        lambda c, i: gv.gemv(x, wpc[i % len(wpc)], weight_scale=spc[i % len(spc)], config=c),
+        gv.gemv_ref(x, wpc[0], weight_scale=spc[0]), gemv_candidates(x.shape[0], False) if grid else [], args)
+    row["paths"]["blk_gemv"] = time_path(
+        lambda c, i: gv.gemv(x, wblk[i % len(wblk)], weight_scale=sblk[i % len(sblk)], scale_block=BLOCK, config=c),
+        gv.gemv_ref(x, wblk[0], weight_scale=sblk[0], scale_block=BLOCK), gemv_candidates(x.shape[0], True) if grid else [],
+        args)
+    prologue = PROLOGUE.get(name)
+    if prologue is None:
+        return
+    m, k = x.shape
+    pc = dict(activation_scheme=fp8.PER_TOKEN, backend="triton")
+    if prologue == "add_rmsnorm":
+        res = torch.randn_like(x)                                                     # [M, K]
+        nw = torch.ones(k, device=x.device, dtype=x.dtype)                            # [K]
+        buf = torch.empty_like(x)                                                     # [M, K]
+
+        def unfused(i):
+            add_rms_norm(x, nw, EPS, residual=res, out=buf)                           # residual updated in place
+            return fp8.fp8_linear(buf, wpc[i % len(wpc)], spc[i % len(spc)], **pc)
+
+        def fused(c, i):
+            return gv.add_rms_norm_gemv(x, res, nw, EPS, wpc[i % len(wpc)], weight_scale=spc[i % len(spc)],
+                                        config=c)[0]
+        ref = gv.add_rms_norm_gemv_ref(x, res, nw, EPS, wpc[0], weight_scale=spc[0])[0]
+    else:
+        gate_up = torch.randn(m, 2 * k, device=x.device, dtype=x.dtype)              # [M, 2K]
+
+        def unfused(i):
+            return fp8.fp8_linear(silu_and_mul(gate_up), wpc[i % len(wpc)], spc[i % len(spc)], **pc)
+
+        def fused(c, i):
+            return gv.silu_mul_gemv(gate_up, wpc[i % len(wpc)], weight_scale=spc[i % len(spc)], config=c)
+        ref = gv.silu_mul_gemv_ref(gate_up, wpc[0], weight_scale=spc[0])
+    row["paths"]["pc_fused"] = time_path(fused, ref, [], args)
+    row["paths"]["pc_fused"]["prologue"] = prologue
+    row["paths"]["pc_unfused"] = dict(default=dict(us=time_calls(unfused, args), err=0.0), prologue=prologue)
+
+
+def make_weights(n: int, k: int, l2: int, device: torch.device) -> dict:
     """bf16 copies, and fp8 copies with per-channel / 128x128 block scales (each list > 2x L2)."""
     from kernels import fp8_linear as fp8
 
     out = dict(bf16=[], pc=[], pc_scale=[], blk=[], blk_scale=[])
     for _ in range(weight_copies(n, k, 2, l2)):
-        out["bf16"].append(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5)   # [N, K]
+        out["bf16"].append(torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5)   # [N, K]
     for i in range(weight_copies(n, k, 1, l2)):
         w, s = fp8.quantize_weight_fp8_per_channel(out["bf16"][i % len(out["bf16"])])
         out["pc"].append(w)
         out["pc_scale"].append(s)
         out["blk"].append(w)                               # same bytes; block scales of the right shape
         out["blk_scale"].append(torch.full((math.ceil(n / BLOCK[0]), math.ceil(k / BLOCK[1])), 1e-3,
-                                           device="cuda") * (1 + torch.rand(1, device="cuda")))
+                                           device=device) * (1 + torch.rand(1, device=device)))
     return out
 
 
@@ -157,6 +266,26 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['shape']:8s} {r['M']:5d} " + " ".join(us(r, p, w) for p, w in cols))
 
 
+def print_gemv_table(rows: list[dict]) -> None:
+    """The decode rows: W8A8 Triton GEMM, the FP8 GEMV and the bytes floor (x floor = time / floor)."""
+    rows = [r for r in rows if "pc_gemv" in r["paths"]]
+    if not rows:
+        return
+    cols = [("pc_triton", "default"), ("pc_triton", "best"), ("pc_gemv", "default"), ("pc_gemv", "best"),
+            ("blk_triton", "default"), ("blk_gemv", "default"), ("blk_gemv", "best"), ("pc_unfused", "default"),
+            ("pc_fused", "default")]
+    head = ["pc_tri", "pc_tri*", "pc_gemv", "pc_gemv*", "blk_tri", "blk_gemv", "blk_gmv*", "unfused", "fused"]
+    print(f"\nFP8 decode GEMV, us per call (* = best config of the grid; unfused = norm / SiLU kernel + pc_tri, "
+          f"fused = the GEMV with it)\n{'shape':8s} {'M':>5s} {'floor':>8s} " + " ".join(f"{h:>8s}" for h in head)
+          + f" {'pc x fl':>8s} {'blk x fl':>8s}")
+    for r in rows:
+        def ratio(path: str, floor: float) -> str:
+            p = r["paths"][path]
+            return f"{p.get('best', p['default'])['us'] / floor:8.3g}"
+        print(f"{r['shape']:8s} {r['M']:5d} {r['floor_us']['pc']:8.2f} " + " ".join(us(r, p, w) for p, w in cols)
+              + f" {ratio('pc_gemv', r['floor_us']['pc'])} {ratio('blk_gemv', r['floor_us']['blk'])}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
@@ -164,29 +293,45 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10, help="calls per CUDA graph")
     ap.add_argument("--reps", type=int, default=3, help="timed graph replays")
     ap.add_argument("--no-grid", action="store_true", help="default configs only (no candidate grid)")
-    ap.add_argument("--out", default="benchmarks/out/fp8_sweep.json")
+    ap.add_argument("--peak-tbs", type=float, default=4.8, help="HBM TB/s of the bytes floor (H200: 4.8)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="small shapes, M 1,4,16, default configs; runs on CPU through the Triton interpreter")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/out/fp8_sweep[_tiny].json)")
     args = ap.parse_args()
+    shape_table = TINY_SHAPES if args.tiny else SHAPES
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
-        if s not in SHAPES:
-            ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+        if s not in shape_table:
+            ap.error(f"unknown shape {s!r}; choose from {', '.join(shape_table)}")
+    if args.tiny:
+        if args.ms == ap.get_default("ms"):
+            args.ms = "1,4,16"
+        args.no_grid, args.calls, args.reps = True, min(args.calls, 2), 1
     ms = [int(v) for v in args.ms.split(",")]
+    out_path = args.out or f"benchmarks/out/fp8_sweep{'_tiny' if args.tiny else ''}.json"
     if not torch.cuda.is_available():
-        sys.exit("fp8_sweep.py times CUDA kernels; no CUDA device here.")
+        if not args.tiny:
+            sys.exit("fp8_sweep.py times CUDA kernels; no CUDA device here (--tiny runs on CPU).")
+        os.environ["TRITON_INTERPRET"] = "1"           # before anything imports triton
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     from kernels.fp8_linear import scaled_mm_works
 
     t0 = time.time()
     bw = measure_copy_bandwidth()
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 << 20)
-    has_scaled_mm = scaled_mm_works(torch.device("cuda", torch.cuda.current_device()))
-    print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s, L2 {l2 / 1e6:.0f} MB; torch {torch.__version__}, "
-          f"rowwise _scaled_mm {'works' if has_scaled_mm else 'unavailable'}", flush=True)
+    if args.device.type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        device_name, l2 = props.name, getattr(props, "L2_cache_size", 50 << 20)
+        has_scaled_mm = scaled_mm_works(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        device_name, l2, has_scaled_mm = "cpu (Triton interpreter)", 0, False
+    print(f"{device_name}: copy bandwidth {bw / 1e12:.2f} TB/s, L2 {l2 / 1e6:.0f} MB; torch {torch.__version__}, "
+          f"rowwise _scaled_mm {'works' if has_scaled_mm else 'unavailable'}; bytes floor at {args.peak_tbs} TB/s",
+          flush=True)
     rows = []
     for name in shapes:
-        n, k = SHAPES[name]
-        weights = make_weights(n, k, l2)
+        n, k = shape_table[name]
+        weights = make_weights(n, k, l2, args.device)
         for m in ms:
             row = sweep_case(name, n, k, m, weights, args)
             rows.append(row)
@@ -194,14 +339,16 @@ def main() -> None:
                                                  + (f" (best {v['best']['us']:.1f})" if "best" in v else "")
                                                  for p, v in row["paths"].items()), flush=True)
         del weights
-        torch.cuda.empty_cache()
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
     print_table(rows)
+    print_gemv_table(rows)
     print(f"\nsweep took {time.time() - t0:.0f} s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(device=props.name, torch=torch.__version__, copy_bandwidth_bytes_s=bw,
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(json.dumps(dict(device=device_name, torch=torch.__version__, copy_bandwidth_bytes_s=bw,
                                               l2_bytes=l2, calls_per_graph=args.calls, scaled_mm=has_scaled_mm,
-                                              rows=rows), indent=1))
-    print(f"wrote {args.out}")
+                                              peak_tbs=args.peak_tbs, tiny=args.tiny, rows=rows), indent=1))
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

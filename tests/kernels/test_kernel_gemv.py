@@ -152,6 +152,8 @@ def test_config_checks():
         GemvConfig(num_stages=0)
     with pytest.raises(ValueError, match="use_dot"):
         GemvConfig(use_dot=2)
+    with pytest.raises(ValueError, match="reduce_once"):
+        GemvConfig(reduce_once=2)
     assert GemvConfig(use_dot=0).block_m(3) == 4 and GemvConfig(use_dot=1).block_m(3) == 16
     assert GemvConfig(use_dot=0).block_m(1) == 1
 
@@ -249,15 +251,21 @@ def _run_fp8(prologue: str, args, fp8, config, override=()):
 FP8_SCALES = {"channel": None, "block": (16, 64)}
 
 
+FORMS = {"dot": dict(use_dot=1), "ew": dict(use_dot=0), "once": dict(use_dot=0, reduce_once=1)}
+"""The inner-product formulations (``GemvConfig.use_dot`` / ``reduce_once``)."""
+
+
 @pytest.mark.parametrize("scales", list(FP8_SCALES))
-@pytest.mark.parametrize("m,use_dot,dtype", [(1, 1, torch.bfloat16), (2, 0, torch.float32), (5, 1, torch.float32),
-                                             (8, 0, torch.bfloat16), (16, 1, torch.bfloat16)])
+@pytest.mark.parametrize("m,form,dtype", [(1, "once", torch.bfloat16), (1, "dot", torch.float32),
+                                          (2, "once", torch.float32), (2, "ew", torch.bfloat16),
+                                          (5, "dot", torch.float32), (8, "ew", torch.bfloat16),
+                                          (16, "dot", torch.bfloat16), (16, "once", torch.float32)])
 @pytest.mark.parametrize("prologue", PROLOGUES)
-def test_fp8_matches_twin(prologue, m, use_dot, dtype, scales):
+def test_fp8_matches_twin(prologue, m, form, dtype, scales):
     """The e4m3 weight with its scales against the twin (dequantize, then the float32 reference)."""
     scale_block = FP8_SCALES[scales]
     args, fp8 = _fp8_case(prologue, m, 37, 201, dtype, scale_block)
-    config = GemvConfig(block_n=16, block_k=32 if scale_block else 64, num_warps=4, num_stages=1, use_dot=use_dot)
+    config = GemvConfig(block_n=16, block_k=32 if scale_block else 64, num_warps=4, num_stages=1, **FORMS[form])
     out, res, ref_out, ref_res = _run_fp8(prologue, args, fp8, config)
     rtol, atol = _tol(dtype)
     assert out.dtype == dtype and out.shape == (m, 37)
@@ -270,6 +278,15 @@ def test_fp8_matches_twin(prologue, m, use_dot, dtype, scales):
                               rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_reduce_once_matches_twin(prologue, dtype, m):
+    """Float weights through the elementwise form reduced once over K (K tail, bias, strided rows)."""
+    config = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, use_dot=0, reduce_once=1)
+    _check(prologue, _case(prologue, m, 40, 200, dtype, True, True), config, dtype)
+
+
 @pytest.mark.parametrize("prologue", PROLOGUES)
 def test_fp8_default_config_block_scales(prologue):
     """config=None with 32-input scale blocks: the default block_k is cut to 32 (no chunk straddles a
@@ -280,7 +297,15 @@ def test_fp8_default_config_block_scales(prologue):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_gemv_config_cuts_block_k():
+def test_fp8_gemv_config():
+    """FP8 weights: the reduce-once elementwise tiles up to FP8_ROWS_ONCE rows, block_k cut to the scale
+    blocks (also under an override); float weights keep their tiles."""
+    assert gemv_config(1, 6144, 4096) == gemv_config(1, 6144, 4096, scale_block_k=None, weight_fp8=False)
+    once = gemv_config(1, 28672, 4096, weight_fp8=True)
+    assert (once.use_dot, once.reduce_once, once.block_k) == (0, 1, 256)
+    assert gemv_config(2, 28672, 4096, weight_fp8=True).block_k == 128
+    assert gemv_config(4, 28672, 4096, weight_fp8=True) == gemv_config(4, 28672, 4096)
+    assert gemv_config(1, 6144, 4096, weight_fp8=True, scale_block_k=128).block_k == 128
     assert gemv_config(1, 6144, 4096).block_k == 512
     assert gemv_config(1, 6144, 4096, scale_block_k=128).block_k == 128
     assert gemv_config(1, 6144, 4096, override=(("block_k", 1024),), scale_block_k=128).block_k == 128

@@ -19,22 +19,31 @@ Layout (the loader converts every checkpoint format to this; K = inputs, N = out
 Semantics: W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n] and
 out[M, N] = x[M, K] @ W (+ bias[N]), float32 accumulation, one rounding to x's dtype at the end.
 
-Kernel: one K step loads the packed [BLOCK_K // 8, BLOCK_N] int32 tile, repeats each row 8
-times and shifts row k by (k % 8) * 4, then subtracts the zero point in float32 and rounds
-(q - z) to x's dtype for tl.dot: exact for integer zero points (GPTQ, AWQ, compressed-tensors),
-so tl.dot sees the exact weights up to their scale. The scale, constant over a group of G
-inputs of a column, is then applied in one of two ways (``W4A16Config.scale_in_weight``): to
-the float32 product of each group (sum_k x (q - z) s = s sum_k x (q - z): no weight is rounded;
-the decode tiles), or to the weight tile before tl.dot, which rounds W to x's dtype as Marlin
-does but keeps one accumulator (the big GEMM tiles: at 128x128 with 8 warps, sm_90 needs 128
-registers a thread with one accumulator and 222 with two). Per-channel weights (G == K)
-accumulate x @ (q - z) over all of K and scale once at the end. Grid: (M tiles x N tiles,
-walked GROUP_M rows of tiles at a time for L2 reuse) x split_k slices of K; with split_k > 1
-each slice writes float32 partials and a second launch sums them (+ bias) and rounds once.
+Two kernels, picked by ``W4A16Config.form``:
 
-Launch configs: ``w4a16_config(M, N, K, device, override)``: a decode tiling for M <= 16 (one
-[16, BLOCK_N] tl.dot tile over M, so every weight byte is read once; BLOCK_N small enough that
-the N tiles fill the SMs, split-K only where they cannot), GEMM tilings above.
+- ``_w4a16_kernel`` (TILES, any M): one K step loads the packed [BLOCK_K // 8, BLOCK_N] int32
+  tile, repeats each row 8 times and shifts row k by (k % 8) * 4, then subtracts the zero point in
+  float32 and rounds (q - z) to x's dtype for tl.dot: exact for integer zero points (GPTQ, AWQ,
+  compressed-tensors), so tl.dot sees the exact weights up to their scale. The scale, constant over
+  a group of G inputs of a column, is then applied in one of two ways
+  (``W4A16Config.scale_in_weight``): to the float32 product of each group (no weight is rounded), or
+  to the weight tile before tl.dot, which rounds W to x's dtype as Marlin does but keeps one
+  accumulator (the big GEMM tiles: at 128x128 with 8 warps, sm_90 needs 128 registers a thread with
+  one accumulator and 222 with two). Per-channel weights (G == K) accumulate x @ (q - z) over all of
+  K and scale once at the end. Grid: (M tiles x N tiles, walked GROUP_M rows of tiles at a time for
+  L2 reuse) x split_k slices of K.
+- ``_w4a16_gemv_kernel`` (GEMV_FMA / GEMV_DOT, 1..16 rows, the decode steps): every packed weight
+  is read once by one program (BLOCK_N columns, int32-wide loads along N) over its K slice. The 8
+  nibbles of a packed row are 8 slices of K (inputs k0 + i :: 8), each unpacked with one AND into
+  the mantissa of 2^23 and one FMA to the float q - z (no int-to-float conversion, no interleaving
+  of rows), then multiplied by x elementwise (FMA form) or by tl.dot on a 16-row tile; the group
+  scale multiplies each step's float32 product (one group per step, or per packed row).
+
+With split_k > 1 each slice writes float32 partials and a second launch sums them (+ bias) and
+rounds once.
+
+Launch configs: ``w4a16_config(M, N, K, device, override)``: ``DECODE_DEFAULTS`` (one table, by
+token rows) for M <= 16, split-K only where the N tiles leave SMs idle; GEMM tilings above.
 
 The torch twin is ``w4a16_matmul_ref`` (dequantize to float32, matmul, round once), with the
 layout helpers ``pack_int4_along_k``, ``unpack_int4_along_k`` and ``dequantize_w4``;
@@ -100,6 +109,21 @@ def _load_group_rows(s_ptr, z_ptr, k0, K, N, offs_n, n_ok, sub_ids, SUB_K: tl.co
     s = tl.load(s_ptr + offs, mask=n_ok[None, :], other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=n_ok[None, :], other=0.0).to(tl.float32)
     return s, z
+
+
+@triton.jit
+def _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, M, N, b_ptr, out_ptr, ws_ptr, HAS_BIAS: tl.constexpr,
+                  SPLIT_OUT: tl.constexpr):
+    """Store a program's float32 [BM, BN] result: SPLIT_OUT: ws[split, offs_m, offs_n] = acc; else
+    out[offs_m, offs_n] = dtype(acc (+ bias)), rows < M and columns < N only."""
+    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]                         # [BM, BN]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_OUT:
+        tl.store(ws_ptr + split.to(tl.int64) * M * N + out_offs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -183,14 +207,186 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
     if GROUP_SIZE == 0:
         acc = acc * s[None, :]
 
-    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]                         # [BM, BN]
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_OUT:
-        tl.store(ws_ptr + split.to(tl.int64) * M * N + out_offs, acc, mask=out_mask)
+    _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, M, N, b_ptr, out_ptr, ws_ptr, HAS_BIAS, SPLIT_OUT)
+
+
+@triton.jit
+def _nibble_minus_zero(words, c8, c12, c16, I: tl.constexpr):
+    """float32 q - z of nibble I of every packed int32, without an int-to-float conversion.
+
+    ``words`` (``_magic_words``) hold every nibble at bit B = 8, 12 or 16 inside the mantissa of 2^23
+    (nibble 0 of word 0 at 8, 1 at 12; 2, 3, 4 of word 1 at 8, 12, 16; 5, 6, 7 of word 2 at 8, 12, 16):
+    one AND keeps the exponent and that nibble, which read as a float are 2^23 + q 2^B, and one FMA
+    with cB = -(2^(23 - B) + z) gives (2^23 + q 2^B) 2^-B + cB = q - z: exact for integer zero points,
+    a fractional one rounded to 2^-B (at most 2^-9 of a q step)."""
+    if I == 0 or I == 1:
+        w = words[0]
+    elif I <= 4:
+        w = words[1]
     else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        w = words[2]
+    if I == 0 or I == 2 or I == 5:
+        return (w & 0x4B000F00).to(tl.float32, bitcast=True) * 0.00390625 + c8               # 2^-8
+    elif I == 1 or I == 3 or I == 6:
+        return (w & 0x4B00F000).to(tl.float32, bitcast=True) * 0.000244140625 + c12          # 2^-12
+    else:
+        return (w & 0x4B0F0000).to(tl.float32, bitcast=True) * 0.0000152587890625 + c16      # 2^-16
+
+
+@triton.jit
+def _magic_words(packed):
+    """``_nibble_minus_zero``'s words of packed int32: (packed << 8, packed, packed >> 12), each with
+    bits 8..19 kept and the bits of 2^23's exponent (0x4B000000) set."""
+    return (((packed << 8) & 0xFFF00) | 0x4B000000, (packed & 0xFFF00) | 0x4B000000,
+            ((packed >> 12) & 0xFFF00) | 0x4B000000)
+
+
+@triton.jit
+def _load_x_pair(x_rows, x32_rows, x_cols, x_mask, k0, J: tl.constexpr, X_PAIRS: tl.constexpr,
+                 MASK_X: tl.constexpr):
+    """float32 (x[:, k0 + x_cols + 2 J], x[:, k0 + x_cols + 2 J + 1]) (x_cols = 8 r): with X_PAIRS
+    (bfloat16 x, 4-byte aligned rows) one int32 load of both (a bf16 is the top half of a float32),
+    else two loads. MASK_X: x_mask (rows < M, inputs < the slice's end), else no mask."""
+    if X_PAIRS:
+        ptr = x32_rows + (k0 + x_cols + 2 * J) // 2
+        if MASK_X:
+            v = tl.load(ptr, mask=x_mask, other=0)
+        else:
+            v = tl.load(ptr)
+        return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+    ptr = x_rows + (k0 + x_cols + 2 * J)
+    if MASK_X:
+        lo = tl.load(ptr, mask=x_mask, other=0.0)
+        hi = tl.load(ptr + 1, mask=x_mask, other=0.0)
+    else:
+        lo = tl.load(ptr)
+        hi = tl.load(ptr + 1)
+    return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@triton.jit
+def _load_gemv_step(qw_ptr, s_ptr, z_ptr, k0, k_end, N, rows_off, cols, col_ok, GROUP_SIZE: tl.constexpr,
+                    SCALE_ROWS: tl.constexpr):
+    """The K step at k0 of ``_w4a16_gemv_kernel``: the packed int32 tile (0 past k_end or N) and its
+    groups' float32 scales and zeros, shaped by broadcasting ``rows_off`` (packed rows from k0 // 8) with
+    ``cols`` / ``col_ok`` (columns): per packed row with SCALE_ROWS, else one row (the step lies in one
+    group; per-channel: zeros, unused)."""
+    rows = k0 // 8 + rows_off
+    row_ok = rows < k_end // 8
+    packed = tl.load(qw_ptr + rows * N + cols, mask=row_ok & col_ok, other=0)
+    if GROUP_SIZE == 0:
+        s = tl.zeros_like(cols).to(tl.float32)
+        z = s
+    elif SCALE_ROWS:
+        offs = (rows * 8) // GROUP_SIZE * N + cols
+        s = tl.load(s_ptr + offs, mask=row_ok & col_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=row_ok & col_ok, other=0.0).to(tl.float32)
+    else:
+        g = tl.minimum(k0, k_end - 1) // GROUP_SIZE
+        s = tl.load(s_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return packed, s, z
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
+                       M, N, K, stride_xm, k_steps_per_split,
+                       GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_DOT: tl.constexpr, X_PAIRS: tl.constexpr, MASK_X: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Semantics (G = GROUP_SIZE, or K when GROUP_SIZE == 0; dtype = out's dtype = x's dtype), the same
+    as ``_w4a16_kernel``'s:
+
+        for m in range(M), n in range(N):
+            acc = sum(x[m, k] * (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+                      for k in this program's K slice)                                    # float32
+            if SPLIT_OUT: ws[split, m, n] = acc                   (summed by the reduce launch)
+            else:         out[m, n] = dtype(acc + (bias[n] if HAS_BIAS else 0))
+
+    The decode GEMV (M <= BLOCK_M <= 16): program (pid, split) owns columns [pid * BLOCK_N, (pid + 1) *
+    BLOCK_N) of all M rows over K steps [split * k_steps_per_split, (split + 1) * k_steps_per_split) of
+    BLOCK_K inputs (clipped to K), so every packed weight is read once, BLOCK_N int32 (4 BLOCK_N bytes)
+    wide per packed row; the next step's packed tile and scales are loaded before this step is computed
+    (register prefetch). Nibble i of packed row r is input k0 + 8 r + i: the step is computed as 8 [R =
+    BLOCK_K // 8, BLOCK_N] slices, slice i against x[:, k0 + i :: 8] (``_unpack_nibble``: float q with no
+    int-to-float conversion). The zero point and scale leave the inner product: per packed row r of a
+    group, sum_k x (q - z) s = s (sum_k x q - z sum_k x), so a weight costs one mask, one FMA to q and
+    one FMA per row (USE_DOT=0: products summed elementwise into a [BLOCK_M, R, BLOCK_N] float32
+    accumulator in the packed tile's register layout, reduced over R once at the end) or its share of a
+    tl.dot on the [BLOCK_M = 16, R] x slice (USE_DOT=1, q exact in DOT_DTYPE; needs R >= 16 and a step
+    inside one group). A step over several groups (BLOCK_K > G, USE_DOT=0) scales per packed row.
+    x rows at stride stride_xm (last dim stride 1); qweight, scales, zeros, out, ws contiguous.
+    """
+    SCALE_ROWS: tl.constexpr = GROUP_SIZE != 0 and BLOCK_K > GROUP_SIZE
+    R: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    x_m = tl.minimum(offs_m, M - 1).to(tl.int64)           # rows past M read row M - 1 (never stored)
+    offs_r = tl.arange(0, R)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_begin = split * k_steps_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + k_steps_per_split * BLOCK_K)
+    # The FMA form works on [BLOCK_M, R, BLOCK_N] tensors (the packed tile [1, R, BLOCK_N]), so the
+    # products stay in the layout the tile was loaded in; the tl.dot form on 2-D tiles.
+    if USE_DOT:
+        rows_off = offs_r[:, None]                                                       # [R, 1]
+        cols = offs_n[None, :]                                                           # [1, BN]
+        col_ok = n_ok[None, :]
+        x_row_offs = x_m[:, None] * stride_xm                                            # [BM, 1]
+        x_cols = 8 * offs_r[None, :]                                                     # [1, R]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        rows_off = offs_r[None, :, None]                                                 # [1, R, 1]
+        cols = offs_n[None, None, :]                                                     # [1, 1, BN]
+        col_ok = n_ok[None, None, :]
+        x_row_offs = x_m[:, None, None] * stride_xm                                      # [BM, 1, 1]
+        x_cols = 8 * rows_off                                                            # [1, R, 1]
+        acc = tl.zeros([BLOCK_M, R, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + x_row_offs
+    x32_rows = x_ptr.to(tl.pointer_type(tl.int32)) + x_row_offs // 2                     # bf16 pairs
+    packed_next, s_next, z_next = _load_gemv_step(qw_ptr, s_ptr, z_ptr, k_begin, k_end, N, rows_off, cols, col_ok,
+                                                  GROUP_SIZE, SCALE_ROWS)
+    if GROUP_SIZE == 0:
+        s = tl.load(s_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if GROUP_SIZE == 0:
+            packed = packed_next
+        else:
+            packed, s, z = packed_next, s_next, z_next
+        packed_next, s_next, z_next = _load_gemv_step(qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, N, rows_off,
+                                                      cols, col_ok, GROUP_SIZE, SCALE_ROWS)
+        words = _magic_words(packed)
+        c8, c12, c16 = -(z + 32768.0), -(z + 2048.0), -(z + 128.0)
+        x_mask = k0 + x_cols < k_end                                                     # [1, R(, 1)]
+        if USE_DOT:
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            part = tl.zeros([BLOCK_M, R, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(4):
+            x_lo, x_hi = _load_x_pair(x_rows, x32_rows, x_cols, x_mask, k0, j, X_PAIRS, MASK_X)   # [BM, R(, 1)]
+            w_lo = _nibble_minus_zero(words, c8, c12, c16, 2 * j)                         # [(1, )R, BN]
+            w_hi = _nibble_minus_zero(words, c8, c12, c16, 2 * j + 1)
+            if USE_DOT:
+                part = tl.dot(x_lo.to(DOT_DTYPE), w_lo.to(DOT_DTYPE), part, input_precision=DOT_PRECISION)
+                part = tl.dot(x_hi.to(DOT_DTYPE), w_hi.to(DOT_DTYPE), part, input_precision=DOT_PRECISION)
+            else:
+                part += x_lo * w_lo
+                part += x_hi * w_hi
+        if GROUP_SIZE == 0:
+            acc += part
+        else:
+            acc += s * part
+    if GROUP_SIZE == 0:
+        acc = acc * s
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=1)                                                        # [BM, BN]
+
+    _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, M, N, b_ptr, out_ptr, ws_ptr, HAS_BIAS, SPLIT_OUT)
 
 
 @triton.jit
@@ -218,37 +414,55 @@ def _check_pow2(name: str, value: object, min_value: int, max_value: int) -> Non
                          f"[{min_value}, {max_value}].")
 
 
+TILES, GEMV_FMA, GEMV_DOT = 0, 1, 2
+"""``W4A16Config.form`` values: the tiled kernel (``_w4a16_kernel``, any M), the decode GEMV
+(``_w4a16_gemv_kernel``, M <= ``GEMV_MAX_ROWS``) with elementwise FMAs, or with tl.dot."""
+
+GEMV_MAX_ROWS = 16
+"""Most token rows the GEMV forms take (more run the tiled kernel)."""
+
+MIN_DOT_BLOCK_K = 128
+"""Smallest block_k of the GEMV's tl.dot form: tl.dot needs >= 16 packed rows (8 inputs each)."""
+
+
 @dataclass(frozen=True)
 class W4A16Config:
     """Launch parameters of the W4A16 matmul."""
 
     block_m: int = 16
-    """Token rows per program (tl.dot needs >= 16). Power of two in [16, 256]."""
+    """Tiled form: token rows per program (tl.dot needs >= 16). Power of two in [16, 256]. The GEMV
+    forms take next_power_of_2(M) rows (FMA) or 16 (tl.dot)."""
     block_n: int = 32
     """Output columns per program. Power of two in [16, 256]."""
     block_k: int = 256
-    """Inputs per K step. Power of two in [16, 4096]. Each step is unrolled into sub-tiles of
+    """Inputs per K step. Power of two in [16, 4096]. Tiled form: each step is unrolled into sub-tiles of
     sub_k = min(block_k, G, MAX_SUB_K) inputs (inside one group each; per-channel: min(block_k,
-    MAX_SUB_K)), and block_k is clipped to MAX_SUB_TILES * sub_k."""
+    MAX_SUB_K)), and block_k is clipped to MAX_SUB_TILES * sub_k. GEMV forms: block_k // 8 packed rows
+    per step; the tl.dot form clips it to G (grouped) and needs >= MIN_DOT_BLOCK_K after that."""
     split_k: int = 1
     """Slices of K computed by separate programs (float32 partials summed by a second launch).
     Power of two in [1, 64]; fewer when K has fewer block_k steps."""
     group_m: int = 8
-    """Rows of M tiles walked together (tiles of one weight column block reuse it from L2).
+    """Tiled form: rows of M tiles walked together (tiles of one weight column block reuse it from L2).
     Int in [1, 64]."""
     num_warps: int = 4
     """Warps per program (power of two in [1, 16])."""
     num_stages: int = 3
     """Software-pipelining depth of the K loop (>= 1)."""
     scale_in_weight: int = 0
-    """Grouped weights only. 1: the scale multiplies the weight tile before tl.dot (W rounded to
-    x's dtype, as Marlin; one accumulator, for the big GEMM tiles); 0: the product of each group
+    """Tiled form, grouped weights only. 1: the scale multiplies the weight tile before tl.dot (W rounded
+    to x's dtype, as Marlin; one accumulator, for the big GEMM tiles); 0: the product of each group
     is scaled in float32 (a second [block_m, block_n] accumulator). Per-channel weights always
     scale once at the end."""
+    form: int = TILES
+    """TILES (0), GEMV_FMA (1) or GEMV_DOT (2). A GEMV form with more than GEMV_MAX_ROWS rows runs the
+    tiled kernel; GEMV_DOT on groups smaller than MIN_DOT_BLOCK_K inputs runs GEMV_FMA."""
 
     def __post_init__(self) -> None:
-        if self.scale_in_weight not in (0, 1) or isinstance(self.scale_in_weight, float):
-            raise ValueError(f"W4A16Config.scale_in_weight: {self.scale_in_weight!r} must be 0 or 1.")
+        for name, values in (("scale_in_weight", (0, 1)), ("form", (TILES, GEMV_FMA, GEMV_DOT))):
+            value = getattr(self, name)
+            if value not in values or isinstance(value, (bool, float)):
+                raise ValueError(f"W4A16Config.{name}: {value!r} must be one of {values}.")
         _check_pow2("block_m", self.block_m, 16, 256)
         _check_pow2("block_n", self.block_n, 16, 256)
         _check_pow2("block_k", self.block_k, 16, 4096)
@@ -258,6 +472,38 @@ class W4A16Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"W4A16Config.{name}: {value!r} must be an int in [{low}, {high}].")
+
+
+@dataclass(frozen=True)
+class DecodeDefault:
+    """One row of ``DECODE_DEFAULTS``: the GEMV launch for up to ``max_rows`` token rows."""
+
+    max_rows: int
+    """Serves M <= max_rows (and more than the previous row's max_rows)."""
+    config: W4A16Config
+    """The launch (its split_k is replaced by the fill rule below)."""
+    programs_per_sm: int
+    """Fill rule: split_k doubles (up to ``max_split_k``) while cdiv(N, block_n) * split_k programs are
+    fewer than programs_per_sm * SMs and every slice keeps >= ``min_steps_per_split`` K steps."""
+    max_split_k: int = 8
+    """Most K slices (each one more float32 partial per output for the reduce launch)."""
+    min_steps_per_split: int = 2
+    """Fewest block_k steps a K slice keeps (the register prefetch needs a next step to overlap)."""
+
+
+DECODE_DEFAULTS: tuple[DecodeDefault, ...] = (
+    DecodeDefault(2, W4A16Config(form=GEMV_FMA, block_n=64, block_k=128, num_warps=4, num_stages=1), 4, 16),
+    DecodeDefault(GEMV_MAX_ROWS, W4A16Config(form=GEMV_DOT, block_n=64, block_k=128, num_warps=4, num_stages=1),
+                  4, 16),
+)
+"""The decode launches ``w4a16_config`` picks, by token rows (the first row with M <= max_rows).
+NOTE: chosen from the kernel's structure and its sm_90 SASS, not yet timed: per weight the FMA form
+costs one AND, one FMA to q - z and one FMA per row (about 5 instructions a weight at one row with
+the loop's overhead, 10 at four rows), the tl.dot form about 6 at any M <= 16, so FMA up to 2 rows
+and tl.dot above; block_n 64 (at 128 columns, or 64 with 2 warps, the compiler moves every product
+through shared memory), 128 inputs a step (one group of 128), and split-K until about 4 programs
+per SM keep weight loads in flight. ``benchmarks/sweeps/w4a16_sweep.py`` times the grid around
+them on the GPU."""
 
 
 def w4a16_config(M: int, N: int, K: int, device: Optional[torch.device] = None,
@@ -271,30 +517,29 @@ def w4a16_config(M: int, N: int, K: int, device: Optional[torch.device] = None,
         override: ``W4A16Config`` (field, value) pairs; ValueError for an unknown field or a
             value the config rejects.
 
-    Tilings: M <= 16 is the decode GEMV: one 16-row tile over M, so every weight byte is read
-    once; block_n 16 up to N = 8192 and 32 above, so the N tiles cover the SMs about twice
-    (Llama-3-8B: 256 to 896 programs); block_k 512 (four 128-input sub-tiles; 4 G for G < 128)
-    and 4 stages keep weight bytes in flight; split_k only where the N tiles still do not fill
-    the SMs (narrow N), in powers of two up to 8 while every slice keeps >= 4 K steps; the
-    group scale is applied to the float32 product (exact). M > 16: GEMM tiles (block_m up to
-    64, then 64x128, then 128x128 with 8 warps above 256 rows) with the scale folded into the
-    weight tile (scale_in_weight=1: one accumulator, fewer registers).
-    NOTE: first choices, checked to compile for sm_90 without spills, untuned: the decode tiling reads the
-    int4 weights at 0.13 of the bytes floor on an H200 (benchmarks/RESULTS.md, "Quantized weights");
+    Tilings: M <= GEMV_MAX_ROWS is the decode GEMV (``DECODE_DEFAULTS``: every packed weight read
+    once, split-K only where the N tiles leave SMs idle). M > 16: GEMM tiles (block_m up to 64,
+    then 64x128, then 128x128 with 8 warps above 256 rows) with the scale folded into the weight
+    tile (scale_in_weight=1: one accumulator, fewer registers).
+    NOTE: the GEMM tiles are first choices, checked to compile for sm_90 without spills, untuned;
     ``benchmarks/sweeps/w4a16_sweep.py`` times them against the alternatives on the GPU.
     """
     if device is not None and is_interpreted(device):
-        cfg = W4A16Config(block_m=16, block_n=min(32, max(16, next_power_of_2(N))),
-                          block_k=min(64, max(16, next_power_of_2(K))), num_stages=1)
-    elif M <= 16:
+        if M <= GEMV_MAX_ROWS:
+            cfg = W4A16Config(form=GEMV_FMA, block_n=min(32, max(16, next_power_of_2(N))),
+                              block_k=min(64, max(16, next_power_of_2(K))), num_stages=1)
+        else:
+            cfg = W4A16Config(block_m=16, block_n=min(32, max(16, next_power_of_2(N))),
+                              block_k=min(64, max(16, next_power_of_2(K))), num_stages=1)
+    elif M <= GEMV_MAX_ROWS:
+        row = next(r for r in DECODE_DEFAULTS if M <= r.max_rows)
         sms = num_sms(device) if device is not None else DEFAULT_NUM_SMS
-        block_n, block_k = (16 if N <= 8192 else 32), 512
-        n_tiles, k_tiles = cdiv(N, block_n), cdiv(K, block_k)
+        n_tiles, k_steps = cdiv(N, row.config.block_n), cdiv(K, row.config.block_k)
         split_k = 1
-        while n_tiles * split_k < sms and split_k < 8 and k_tiles >= 4 * split_k:
+        while (n_tiles * split_k < row.programs_per_sm * sms and split_k < row.max_split_k
+               and k_steps >= 2 * split_k * row.min_steps_per_split):
             split_k *= 2
-        cfg = W4A16Config(block_m=16, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
-                          num_stages=4)
+        cfg = dataclasses.replace(row.config, split_k=split_k)
     elif M <= 64:
         cfg = W4A16Config(block_m=min(64, next_power_of_2(M)), block_n=64, block_k=128, num_warps=4,
                           num_stages=4, scale_in_weight=1)
@@ -374,16 +619,15 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return out
     if config is None:
         config = w4a16_config(M, N, K, x.device, override)
+    if config.form != TILES and M <= GEMV_MAX_ROWS:
+        _launch_gemv(x, qweight, scales, zeros, group_size, bias, config, out)
+        return out
     per_channel = group_size == K
     # Sub-tiles of one group each (any size for one group over K); sub_k divides block_k.
     sub_k = min(config.block_k, MAX_SUB_K if per_channel else min(group_size, MAX_SUB_K))
     block_k = min(config.block_k, MAX_SUB_TILES * sub_k)
-    k_tiles = cdiv(K, block_k)
-    k_tiles_per_split = cdiv(k_tiles, config.split_k)
-    num_splits = cdiv(k_tiles, k_tiles_per_split)
-    ws = (torch.empty(num_splits, M, N, dtype=torch.float32, device=x.device)             # [splits, M, N]
-          if num_splits > 1 else out)
-    upcast = is_interpreted(x.device) or x.dtype == torch.float32
+    k_tiles_per_split, num_splits, ws = _split_k_slices(cdiv(K, block_k), config.split_k, out)
+    dot_dtype, dot_precision = _dot_types(x)
     grid = (cdiv(M, config.block_m) * cdiv(N, config.block_n), num_splits)
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, ws,
@@ -391,15 +635,65 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         GROUP_SIZE=0 if per_channel else group_size, HAS_BIAS=bias is not None, SPLIT_OUT=num_splits > 1,
         SCALE_IN_WEIGHT=bool(config.scale_in_weight),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SUB_K=sub_k, GROUP_M=config.group_m,
-        DOT_DTYPE=tl.float32 if upcast else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16),
-        DOT_PRECISION="ieee" if upcast else "tf32",
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
-        block = 1024
-        _split_k_reduce_kernel[(cdiv(M * N, block),)](
-            ws, bias if bias is not None else ws, out, M * N, N, num_splits,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        _reduce_splits(ws, bias, out)
     return out
+
+
+def _split_k_slices(k_steps: int, split_k: int, out: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(K steps per slice, slices, the partials' workspace): at most split_k slices, none empty; the
+    workspace is float32 [slices, M, N] when there are several, else ``out`` itself."""
+    per_split = cdiv(k_steps, split_k)
+    num_splits = cdiv(k_steps, per_split)
+    ws = (torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device)      # [splits, M, N]
+          if num_splits > 1 else out)
+    return per_split, num_splits, ws
+
+
+def _dot_types(x: torch.Tensor):
+    """(tl.dot's operand dtype, its input_precision) for x: float32 "ieee" in the interpreter and for
+    float32 x, else x's 16-bit type."""
+    if is_interpreted(x.device) or x.dtype == torch.float32:
+        return tl.float32, "ieee"
+    return (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def _reduce_splits(ws: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out = dtype(ws.sum(0) (+ bias)): the second launch of a split-K call; ws float32 [splits, M, N]."""
+    M, N = out.shape
+    block = 1024
+    _split_k_reduce_kernel[(cdiv(M * N, block),)](
+        ws, bias if bias is not None else ws, out, M * N, N, ws.shape[0],
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+
+
+def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: Optional[torch.Tensor], config: W4A16Config, out: torch.Tensor) -> None:
+    """The decode GEMV forms of ``w4a16_matmul`` (1 <= M <= GEMV_MAX_ROWS) into ``out``."""
+    M, K = x.shape
+    N = out.shape[1]
+    per_channel = group_size == K
+    use_dot = config.form == GEMV_DOT
+    block_k = config.block_k
+    if use_dot and not per_channel:
+        block_k = min(block_k, group_size)        # one group per step: the scale applies to the dot's product
+    if use_dot and block_k < MIN_DOT_BLOCK_K:
+        use_dot, block_k = False, config.block_k
+    k_steps_per_split, num_splits, ws = _split_k_slices(cdiv(K, block_k), config.split_k, out)
+    dot_dtype, dot_precision = _dot_types(x)
+    x_pairs = (not use_dot and x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0)
+    _w4a16_gemv_kernel[(cdiv(N, config.block_n), num_splits)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, ws,
+        M, N, K, x.stride(0), k_steps_per_split,
+        GROUP_SIZE=0 if per_channel else group_size, HAS_BIAS=bias is not None, SPLIT_OUT=num_splits > 1,
+        BLOCK_M=max(16, next_power_of_2(M)) if use_dot else next_power_of_2(M), BLOCK_N=config.block_n,
+        BLOCK_K=block_k, USE_DOT=use_dot, X_PAIRS=x_pairs, MASK_X=K % block_k != 0,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if num_splits > 1:
+        _reduce_splits(ws, bias, out)
 
 
 # ----------------------------------------------------------------------------------------

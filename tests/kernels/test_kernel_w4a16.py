@@ -10,8 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.w4a16 import (MAX_SUB_TILES, W4A16Config, dequantize_w4, pack_int4_along_k, unpack_int4_along_k,
-                           w4a16_config, w4a16_matmul, w4a16_matmul_ref)
+from kernels.w4a16 import (DECODE_DEFAULTS, GEMV_DOT, GEMV_FMA, GEMV_MAX_ROWS, MAX_SUB_TILES, TILES, W4A16Config,
+                           dequantize_w4, pack_int4_along_k, unpack_int4_along_k, w4a16_config, w4a16_matmul,
+                           w4a16_matmul_ref)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -82,6 +83,52 @@ def test_matches_twin(dtype, m, n, k, group_size, bias, zeros):
     """One K step per group (block_k 32 / 64), 16 x 32 tiles: tails in M (33 = 2 x 16 + 1), N and K."""
     config = W4A16Config(block_m=16, block_n=32 if n == 40 else 16, block_k=min(64, group_size), num_stages=1)
     _check(_case(m, n, k, group_size, dtype, bias=bias, zeros=zeros), config, dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Decode GEMV forms (M <= 16)
+# ----------------------------------------------------------------------------------------
+# (form, block_k): the FMA form one group a step (64) and several groups a step (256: per packed row
+# scales for G = 32 / 64), the tl.dot form (128, clipped to the group; G < 128 runs the FMA form).
+GEMV_FORMS = [(GEMV_FMA, 64), (GEMV_FMA, 256), (GEMV_DOT, 128)]
+# (G, zeros): grouped symmetric / asymmetric, per-channel (G = K, with a K tail past the last step).
+GEMV_GROUPS = [(32, "asym"), (64, "sym"), (128, "asym"), (0, "sym")]
+
+
+@pytest.mark.parametrize("group_size,zeros", GEMV_GROUPS)
+@pytest.mark.parametrize("form,block_k", GEMV_FORMS)
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16])
+def test_gemv_matches_twin(m, form, block_k, group_size, zeros):
+    """bfloat16 x (read as int32 pairs), N = 37 (a column tail), K = 264 per-channel (a K tail), bias."""
+    k = 264 if group_size == 0 else 256
+    case = _case(m, 37, k, group_size or k, torch.bfloat16, bias=True, zeros=zeros)
+    _check(case, W4A16Config(form=form, block_n=16, block_k=block_k, num_stages=1), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", [GEMV_FMA, GEMV_DOT])
+def test_gemv_other_dtypes_split_k(form, dtype):
+    """float32 / float16 x (loaded per input), 4 K slices + the reduce launch, 5 rows, G 128."""
+    case = _case(5, 40, 1024, 128, dtype, bias=True, zeros="asym")
+    _check(case, W4A16Config(form=form, block_n=32, block_k=128, split_k=4, num_stages=1), dtype)
+
+
+@pytest.mark.parametrize("zeros", ["frac", "asym"])
+def test_gemv_strided_rows_and_fractional_zeros(zeros):
+    """bfloat16 rows at an odd row stride (no int32 pairs), float32 fractional zero points (rounded to
+    2^-8 of a q step at most), 9 rows."""
+    case = _case(9, 24, 128, 32, torch.bfloat16, bias=False, zeros=zeros, scales_dtype=torch.float32)
+    x = torch.randn(9, 129, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)[:, 1:].to(DEVICE)
+    assert x.stride(0) % 2 == 1
+    case.x = x
+    for form in (GEMV_FMA, GEMV_DOT):
+        _check(case, W4A16Config(form=form, block_n=16, block_k=64, num_stages=1), torch.bfloat16)
+
+
+def test_gemv_form_above_16_rows_runs_tiles():
+    """A GEMV config on 17 rows runs the tiled kernel (its block_m)."""
+    case = _case(17, 24, 128, 64, torch.float32, bias=True, zeros="asym")
+    _check(case, W4A16Config(form=GEMV_FMA, block_m=16, block_n=16, block_k=64, num_stages=1), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -171,19 +218,25 @@ def test_pack_rejects_bad_input():
 # Launch configs
 # ----------------------------------------------------------------------------------------
 def test_default_configs():
-    """Decode (M <= 16): one 16-row tile, N tiles covering the SMs (split-K only for narrow N); GEMM
-    tiles above with the scale folded into the weight tile."""
-    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:          # Llama-3-8B
-        cfg = w4a16_config(1, n, k)
-        assert cfg.block_m == 16 and cfg.split_k == 1 and cfg.scale_in_weight == 0
-        assert n // cfg.block_n >= 132
-    narrow = w4a16_config(4, 1024, 4096)                                             # 64 N tiles
-    assert narrow.split_k == 4 and 1024 // narrow.block_n * narrow.split_k >= 132
-    assert w4a16_config(4, 1024, 512).split_k == 1                                   # 1 K step of 512
+    """Decode (M <= 16): the ``DECODE_DEFAULTS`` row of M, split-K only where the N tiles leave SMs idle
+    (never below 2 K steps a slice); GEMM tiles above with the scale folded into the weight tile."""
+    assert DECODE_DEFAULTS[-1].max_rows == GEMV_MAX_ROWS
+    for m in range(1, GEMV_MAX_ROWS + 1):
+        row = next(r for r in DECODE_DEFAULTS if m <= r.max_rows)
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:      # Llama-3-8B
+            cfg = w4a16_config(m, n, k)
+            assert cfg.form == row.config.form != TILES and cfg.block_n == row.config.block_n
+            tiles, steps = -(-n // cfg.block_n), -(-k // cfg.block_k)
+            assert cfg.split_k == 1 or tiles * cfg.split_k // 2 < row.programs_per_sm * 132
+            assert steps // cfg.split_k >= row.min_steps_per_split and cfg.split_k <= row.max_split_k
+    assert w4a16_config(1, 4096, 4096).split_k > 1                                    # 64 N tiles
+    assert w4a16_config(1, 4096, 512).split_k == 2 and w4a16_config(1, 4096, 256).split_k == 1
     assert w4a16_config(33, 4096, 4096).block_m == 64 and w4a16_config(20, 4096, 4096).block_m == 32
+    assert w4a16_config(17, 4096, 4096).form == TILES
     big = w4a16_config(2048, 4096, 4096)
-    assert (big.block_m, big.block_n, big.scale_in_weight) == (128, 128, 1)
-    assert w4a16_config(1, 4096, 4096, device=torch.device("cpu")).num_stages == 1   # interpreter tiles
+    assert (big.block_m, big.block_n, big.scale_in_weight, big.form) == (128, 128, 1, TILES)
+    cpu = w4a16_config(1, 4096, 4096, device=torch.device("cpu"))                    # interpreter tiles
+    assert cpu.num_stages == 1 and cpu.form == GEMV_FMA
 
 
 def test_config_override_and_checks():
@@ -192,7 +245,8 @@ def test_config_override_and_checks():
     with pytest.raises(ValueError, match="unknown field.*tile_n"):
         w4a16_config(1, 4096, 4096, override=(("tile_n", 32),))
     for field, value in [("block_m", 8), ("block_n", 24), ("block_k", 8), ("split_k", 3), ("num_warps", 3),
-                         ("num_stages", 0), ("group_m", 0), ("scale_in_weight", 2), ("block_n", True)]:
+                         ("num_stages", 0), ("group_m", 0), ("scale_in_weight", 2), ("block_n", True),
+                         ("form", 3), ("form", True)]:
         with pytest.raises(ValueError, match=field):
             W4A16Config(**{field: value})
 
@@ -255,3 +309,16 @@ def test_gpu_real_sizes(n, k, m, group_size):
     g = group_size or k
     # Default configs; bf16's W rounding (scale_in_weight at M > 16) stays well inside 2e-2.
     _check(_case(m, n, k, g, torch.bfloat16, bias=(n == 6144), zeros="asym"), None, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", [GEMV_FMA, GEMV_DOT])
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (4096, 14336, 0), (1000, 4096, 64)])
+def test_gpu_gemv_forms(n, k, group_size, m, form):
+    """Both GEMV forms at Llama-3-8B sizes, split 4 (and 1 for the default), per-channel and G 64."""
+    g = group_size or k
+    case = _case(m, n, k, g, torch.bfloat16, bias=(n == 6144), zeros="asym")
+    for split in (1, 4):
+        _check(case, W4A16Config(form=form, block_n=64, block_k=128, split_k=split, num_stages=1), torch.bfloat16)

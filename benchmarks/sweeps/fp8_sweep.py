@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.sweeps.kernel_timing import measure_copy_bandwidth, time_graph_calls  # noqa: E402
+from benchmarks.sweeps.kernel_timing import measure_copy_bandwidth, time_calls  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 """Llama-3-8B projections: name -> (N, K) of the [N, K] weight."""
@@ -117,26 +117,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
 
 
-def time_calls(fn, args) -> float:
-    """Microseconds per ``fn(i)`` call: a CUDA graph of back-to-back calls; on CPU (``--tiny``, the
-    interpreter) the wall clock of ``args.calls`` eager calls."""
-    if torch.cuda.is_available():
-        return time_graph_calls(fn, args.calls, args.reps)
-    t0 = time.perf_counter()
-    for i in range(args.calls):
-        fn(i)
-    return (time.perf_counter() - t0) / args.calls * 1e6
-
-
 def time_path(run, ref: torch.Tensor, configs: list, args) -> dict:
     """Default (config None) and, per candidate, {config, us, err}; configs that fail to compile
     or run are reported and skipped. ``run(config, i)`` calls the path on weight copy i."""
-    out = dict(default=dict(us=time_calls(lambda i: run(None, i), args), err=rel_err(run(None, 0), ref)))
+    out = dict(default=dict(us=time_calls(lambda i: run(None, i), args.calls, args.reps),
+                            err=rel_err(run(None, 0), ref)))
     results = []
     for cfg in configs:
         try:
             err = rel_err(run(cfg, 0), ref)
-            us = time_calls(lambda i: run(cfg, i), args)
+            us = time_calls(lambda i: run(cfg, i), args.calls, args.reps)
         except Exception as e:                                      # shared memory, registers
             print(f"    {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
@@ -157,7 +147,8 @@ def sweep_case(name: str, n: int, k: int, m: int, weights: dict, args) -> dict:
     row = dict(shape=name, N=n, K=k, M=m, paths={},
                floor_us=dict(pc=floor_us(n, k, spc[0], args), blk=floor_us(n, k, sblk[0], args)))
     ref_bf16 = F.linear(x, wb[0]).float()
-    row["paths"]["bf16"] = dict(default=dict(us=time_calls(lambda i: F.linear(x, wb[i % len(wb)]), args),
+    row["paths"]["bf16"] = dict(default=dict(us=time_calls(lambda i: F.linear(x, wb[i % len(wb)]), args.calls,
+                                                           args.reps),
                                              err=0.0))
     pc = dict(activation_scheme=fp8.PER_TOKEN)
     blk = dict(activation_scheme=fp8.PER_TOKEN_GROUP, block_size=BLOCK)
@@ -177,7 +168,7 @@ def sweep_case(name: str, n: int, k: int, m: int, weights: dict, args) -> dict:
         ref_blk, gemm_candidates(m) if grid else [], args)
     for label, scheme in (("quant_tok", fp8.PER_TOKEN), ("quant_grp", fp8.PER_TOKEN_GROUP)):
         row["paths"][label] = dict(default=dict(
-            us=time_calls(lambda i: fp8.quantize_activations_fp8(x, scheme), args), err=0.0))
+            us=time_calls(lambda i: fp8.quantize_activations_fp8(x, scheme), args.calls, args.reps), err=0.0))
     if m <= GEMV_MAX_ROWS:
         sweep_gemv(name, x, weights, row, args)
     return row
@@ -201,8 +192,8 @@ def sweep_gemv(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> No
         gv.gemv_ref(x, wpc[0], weight_scale=spc[0]), gemv_candidates(x.shape[0], False) if grid else [], args)
     row["paths"]["blk_gemv"] = time_path(
         lambda c, i: gv.gemv(x, wblk[i % len(wblk)], weight_scale=sblk[i % len(sblk)], scale_block=BLOCK, config=c),
-        gv.gemv_ref(x, wblk[0], weight_scale=sblk[0], scale_block=BLOCK), gemv_candidates(x.shape[0], True) if grid else [],
-        args)
+        gv.gemv_ref(x, wblk[0], weight_scale=sblk[0], scale_block=BLOCK),
+        gemv_candidates(x.shape[0], True) if grid else [], args)
     prologue = PROLOGUE.get(name)
     if prologue is None:
         return
@@ -232,7 +223,8 @@ def sweep_gemv(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> No
         ref = gv.silu_mul_gemv_ref(gate_up, wpc[0], weight_scale=spc[0])
     row["paths"]["pc_fused"] = time_path(fused, ref, [], args)
     row["paths"]["pc_fused"]["prologue"] = prologue
-    row["paths"]["pc_unfused"] = dict(default=dict(us=time_calls(unfused, args), err=0.0), prologue=prologue)
+    row["paths"]["pc_unfused"] = dict(default=dict(us=time_calls(unfused, args.calls, args.reps), err=0.0),
+                                      prologue=prologue)
 
 
 def make_weights(n: int, k: int, l2: int, device: torch.device) -> dict:

@@ -96,6 +96,17 @@ def time_graph_calls(fn: Callable[[int], object], calls: int = 10, reps: int = 1
     return start.elapsed_time(stop) * 1e3 / (reps * calls)
 
 
+def time_calls(fn: Callable[[int], object], calls: int = 10, reps: int = 10) -> float:
+    """Microseconds per ``fn(i)`` call: ``time_graph_calls`` on CUDA; on CPU (a sweep's ``--tiny`` run
+    through the Triton interpreter) the wall clock of ``calls`` eager calls."""
+    if torch.cuda.is_available():
+        return time_graph_calls(fn, calls, reps)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def time_host(fn: Callable[[], object], calls: int = 50) -> float:
     """Host microseconds per eager call (the GPU queue absorbs the launches)."""
     torch.cuda.synchronize()

@@ -44,8 +44,9 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import LoRAKernelMeta
+from kernels.lora_pages import LoRASlotPages, padded_pages
 from kernels.lora_shrink import (PROGRAMS_PER_SM, ConfigOverride, _check_launch, _check_meta, _check_pow2,
-                                 _find_segment, _tile_tokens, tile_m_for)
+                                 _find_segment, _slot_rows, _tile_tokens, tile_m_for)
 from kernels.utils import (FLOAT_DTYPES, cdiv, check_int, check_tensor, is_interpreted, next_power_of_2,
                            num_sms)
 
@@ -86,25 +87,31 @@ def _slice_of(pid_s, b0_ptr, b1_ptr, b2_ptr, n0, n1, n2, off0, off1, off2):
 
 
 @triton.jit
-def _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
-                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ADD_INPUTS: tl.constexpr,
+def _b_cols(b_ptr, page, sub, n_out, PAGE_ROWS: tl.constexpr):
+    """[BLOCK_R] pointers to B[n = 0] of each rank row (page, sub from ``_slot_rows``): B of one slice is
+    [num_pages, n_out, PAGE_ROWS] contiguous (``kernels.lora_pages``), column n is PAGE_ROWS further."""
+    return b_ptr + page * n_out * PAGE_ROWS + sub
+
+
+@triton.jit
+def _expand_tile(h, b_ptr, y_ptr, page, sub, r_ok, tok, m_ok, n_out, col0, n_lo, cols_per_program, stride_y_tok,
+                 BLOCK_N: tl.constexpr, PAGE_ROWS: tl.constexpr, ADD_INPUTS: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """y[tok, col0 + n] = (y[tok, col0 + n] if ADD_INPUTS else 0) + h @ B[slot][n].T for the columns
-    n in [n_lo, n_lo + cols_per_program) of the slice (h: [BLOCK_M, BLOCK_R] fp32).
+    """y[tok, col0 + n] = (y[tok, col0 + n] if ADD_INPUTS else 0) + h @ B_l[n].T for the columns
+    n in [n_lo, n_lo + cols_per_program) of the slice (h: [BLOCK_M, BLOCK_R] fp32; B_l: the slot's
+    rank rows, page / sub / r_ok from ``_slot_rows``).
 
     UPCAST: B to fp32 and a DOT_PRECISION dot (float32 models, the interpreter); else h is
     rounded to B's dtype and the dot runs on its native tensor-core path (fp32 accumulation)."""
     if not UPCAST:
         h = h.to(b_ptr.dtype.element_ty)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    b_rows = b_ptr + slot.to(tl.int64) * n_out * rank + offs_r[None, :]                # [1, BLOCK_R]
+    b_rows = _b_cols(b_ptr, page, sub, n_out, PAGE_ROWS)[None, :]                    # [1, BLOCK_R]
     y_rows = y_ptr + tok[:, None] * stride_y_tok + col0                                 # [BLOCK_M, 1]
     n_end = n_lo + cols_per_program
     for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
         offs_n = c0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < n_out) & (offs_n < n_end)          # two bounds: no min(), see lora_shrink
-        b = tl.load(b_rows + offs_n[:, None] * rank, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_rows + offs_n[:, None] * PAGE_ROWS, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         if UPCAST:
             delta = tl.dot(h, tl.trans(b.to(tl.float32)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         else:
@@ -119,19 +126,21 @@ def _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols
 @triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
 def _lora_expand_kernel(
     buf_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr,
-    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
-    num_active, rank, n0, n1, n2, off0, off1, off2, cols_per_program,
+    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, page_table_ptr, slot_ranks_ptr,
+    num_active, rank, max_pages, n0, n1, n2, off0, off1, off2, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAX_LORAS_PAD: tl.constexpr, ADD_INPUTS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr, ADD_INPUTS: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Semantics (B_s = [b0, b1, b2][s], each [max_loras, n_s, rank] contiguous; buf[s, j, t] is
-    read at ``slot(t) * stride_buf_slot`` past its strided address, see ``lora_expand``'s slot_stride):
+    """Semantics (B_s = [b0, b1, b2][s], each [num_pages, n_s, PAGE_ROWS] contiguous, B_s[l] slot l's
+    [n_s, rank_l] of its pages, rank_l = slot_ranks[l], ``kernels.lora_pages``; buf[s, j, t] is read at
+    ``slot(t) * stride_buf_slot`` past its strided address, see ``lora_expand``'s slot_stride):
 
         for s in range(num_slices), t in range(num_tokens):
           if slot(t) >= 0:
-            h = sum(buf[s, j, t, :] for j in range(SPLIT_K))                 # fp32, [rank]
-            delta = h @ B_s[slot(t)].T                                        # fp32, [n_s]
+            h = sum(buf[s, j, t, :rank_l] for j in range(SPLIT_K))          # fp32, [rank_l], l = slot(t)
+            delta = h @ B_s[l].T                                              # fp32, [n_s]
             y[t, off_s:off_s + n_s] = (y[t, off_s:off_s + n_s] if ADD_INPUTS else 0) + delta
 
     Program (m, n, s) covers columns [n * cols_per_program, (n + 1) * cols_per_program) of slice s.
@@ -148,16 +157,17 @@ def _lora_expand_kernel(
     if slot < 0 or tile * BLOCK_M >= count:
         return
     tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
 
     offs_r = tl.arange(0, BLOCK_R)
-    mr_ok = m_ok[:, None] & (offs_r < rank)[None, :]
+    mr_ok = m_ok[:, None] & r_ok[None, :]
     buf_rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + slot.to(tl.int64) * stride_buf_slot
                 + tok[:, None] * stride_buf_tok + offs_r[None, :])                     # [BLOCK_M, BLOCK_R]
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
         h += tl.load(buf_rows + j * stride_buf_split, mask=mr_ok, other=0.0).to(tl.float32)   # [BLOCK_M, BLOCK_R]
-    _expand_tile(h, b_ptr, y_ptr, slot, tok, m_ok, rank, n_out, col0, n_lo, cols_per_program, stride_y_tok,
-                 BLOCK_N, BLOCK_R, ADD_INPUTS, UPCAST, DOT_PRECISION)
+    _expand_tile(h, b_ptr, y_ptr, page, sub, r_ok, tok, m_ok, n_out, col0, n_lo, cols_per_program, stride_y_tok,
+                 BLOCK_N, PAGE_ROWS, ADD_INPUTS, UPCAST, DOT_PRECISION)
 
 
 @triton.jit
@@ -190,14 +200,14 @@ def _seg_or_base_tile(sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slo
 
 
 @triton.jit
-def _tile_h(buf_ptr, pid_s, slot, flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
+def _tile_h(buf_ptr, pid_s, slot, flag, tok, m_ok, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok,
             stride_buf_slot, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
     """[BLOCK_M, BLOCK_R] fp32: the summed shrink partials of slice pid_s for the rows tok of one
-    slot (0 on a base tile, flag 0, and where not m_ok or r >= rank)."""
+    slot (0 on a base tile, flag 0, and where not m_ok or not r_ok: past the slot's rank)."""
     offs_r = tl.arange(0, BLOCK_R)
     # NOTE: the flag broadcast as an int vector: the interpreter rejects masks of a scalar bool & a vector.
     lora = m_ok & (tl.zeros([BLOCK_M], tl.int32) + flag > 0)
-    mask = lora[:, None] & (offs_r < rank)[None, :]
+    mask = lora[:, None] & r_ok[None, :]
     rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + slot.to(tl.int64) * stride_buf_slot
             + tok[:, None] * stride_buf_tok + offs_r[None, :])                          # [BLOCK_M, BLOCK_R]
     h = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -207,60 +217,58 @@ def _tile_h(buf_ptr, pid_s, slot, flag, tok, m_ok, rank, stride_buf_slice, strid
 
 
 @triton.jit
-def _tile_delta(h, b_ptr, slot, flag, cols, ok, n_out, rank, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+def _tile_delta(h, b_ptr, page, sub, r_ok, flag, cols, ok, n_out, PAGE_ROWS: tl.constexpr, UPCAST: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
-    """[BLOCK_M, len(cols)] fp32: h @ B[slot][cols].T for one slot's rows (h from ``_tile_h``; a
-    base tile, flag 0, reads no B and gets 0). UPCAST as ``_expand_tile``'s: an fp32 dot; else h
-    rounded to B's dtype and the native tensor-core dot (fp32 accumulation)."""
-    offs_r = tl.arange(0, BLOCK_R)
+    """[BLOCK_M, len(cols)] fp32: h @ B_l[cols].T for one slot's rows (h from ``_tile_h``; page, sub,
+    r_ok: the slot's rank rows, ``_slot_rows``; a base tile, flag 0, reads no B and gets 0). UPCAST as
+    ``_expand_tile``'s: an fp32 dot; else h rounded to B's dtype and the native tensor-core dot (fp32
+    accumulation)."""
     b_ok = ok & (cols * 0 + flag > 0)
-    b = tl.load(b_ptr + slot.to(tl.int64) * n_out * rank + cols[:, None] * rank + offs_r[None, :],
-                mask=b_ok[:, None] & (offs_r < rank)[None, :], other=0.0)             # [N, BLOCK_R]
+    b = tl.load(_b_cols(b_ptr, page, sub, n_out, PAGE_ROWS)[None, :] + cols[:, None] * PAGE_ROWS,
+                mask=b_ok[:, None] & r_ok[None, :], other=0.0)                          # [N, BLOCK_R]
     if UPCAST:
         return tl.dot(h, tl.trans(b.to(tl.float32)), input_precision=DOT_PRECISION)
     return tl.dot(h.to(b_ptr.dtype.element_ty), tl.trans(b))
 
 
 @triton.jit
-def _token_h(buf_ptr, t, pid_s, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot,
+def _token_h(buf_ptr, t, pid_s, slot, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot,
              BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr):
-    """Token t's summed shrink partials of slice pid_s ([BLOCK_R] fp32; 0 where slot < 0 or r >= rank),
-    rounded through ROUND_TO (B's dtype on a GPU's native path, as the dot rounds h; fp32: none)."""
+    """Token t's summed shrink partials of slice pid_s ([BLOCK_R] fp32; 0 where not r_ok: slot < 0 or
+    r past the slot's rank, ``_slot_rows``), rounded through ROUND_TO (B's dtype on a GPU's native path,
+    as the dot rounds h; fp32: none)."""
     offs_r = tl.arange(0, BLOCK_R)
-    # NOTE: the slot test broadcast to a vector mask (the interpreter rejects scalar-bool masks).
-    r_ok = (offs_r < rank) & (tl.zeros([BLOCK_R], tl.int32) + slot >= 0)
     rows = (buf_ptr + pid_s.to(tl.int64) * stride_buf_slice + tl.maximum(slot, 0).to(tl.int64) * stride_buf_slot
             + t * stride_buf_tok + offs_r)
     h = tl.zeros([BLOCK_R], dtype=tl.float32)
     for j in tl.static_range(SPLIT_K):                     # unrolled: the partial loads overlap
         h += tl.load(rows + j * stride_buf_split, mask=r_ok, other=0.0).to(tl.float32)
-    return h.to(ROUND_TO).to(tl.float32), r_ok
+    return h.to(ROUND_TO).to(tl.float32)
 
 
 @triton.jit
-def _token_delta(b_ptr, slot, offs_n, n_ok, n_out, rank, h, r_ok, BLOCK_R: tl.constexpr):
-    """[BLOCK_N] fp32: h @ B[slot][offs_n].T as a multiply-add over the rank (B rows masked off
-    where r_ok is false, so a base-model token (slot < 0) reads nothing and gets 0)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    b_ptrs = b_ptr + tl.maximum(slot, 0).to(tl.int64) * n_out * rank + offs_n[:, None] * rank + offs_r[None, :]
+def _token_delta(b_ptr, page, sub, offs_n, n_ok, n_out, h, r_ok, PAGE_ROWS: tl.constexpr):
+    """[BLOCK_N] fp32: h @ B_l[offs_n].T as a multiply-add over the slot's rank rows (page, sub, r_ok
+    from ``_slot_rows``; B masked off where r_ok is false, so a base-model token reads nothing, gets 0)."""
+    b_ptrs = _b_cols(b_ptr, page, sub, n_out, PAGE_ROWS)[None, :] + offs_n[:, None] * PAGE_ROWS
     b = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)   # [BLOCK_N, BLOCK_R]
     return tl.sum(b * h[None, :], axis=1)
 
 
 @triton.jit
 def _lora_expand_token_kernel(
-    buf_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, token_lora_slots_ptr,
-    rank, n0, n1, n2, off0, off1, off2, cols_per_program,
+    buf_ptr, y_ptr, b0_ptr, b1_ptr, b2_ptr, token_lora_slots_ptr, page_table_ptr, slot_ranks_ptr,
+    rank, max_pages, n0, n1, n2, off0, off1, off2, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr,
-    ROUND_TO: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    ADD_INPUTS: tl.constexpr, ROUND_TO: tl.constexpr,
 ):
-    """Semantics: as ``_lora_expand_kernel`` (same buf, B and y layouts); program (t, n, s) covers
+    """Semantics: as ``_lora_expand_kernel`` (same buf, B, page and y layouts); program (t, n, s) covers
     token t and columns [n * cols_per_program, (n + 1) * cols_per_program) of slice s:
 
         if slot(t) >= 0:
-          h = rnd(sum(buf[s, j, t, :] for j in range(SPLIT_K)))           # fp32, [rank]
-          y[t, off_s + cols] = (y[t, off_s + cols] if ADD_INPUTS else 0) + h @ B_s[slot(t), cols].T
+          h = rnd(sum(buf[s, j, t, :rank_l] for j in range(SPLIT_K)))     # fp32, [rank_l], l = slot(t)
+          y[t, off_s + cols] = (y[t, off_s + cols] if ADD_INPUTS else 0) + h @ B_s[l, cols].T
 
     rnd: through ROUND_TO (B's dtype on the native path, as the segment kernel's dot rounds h).
     """
@@ -272,14 +280,15 @@ def _lora_expand_token_kernel(
     slot = tl.load(token_lora_slots_ptr + t)
     if slot < 0 or n_lo >= n_out:
         return
-    h, r_ok = _token_h(buf_ptr, t, pid_s, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
-                       stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    h = _token_h(buf_ptr, t, pid_s, slot, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok,
+                 stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
     y_row = y_ptr + t * stride_y_tok + col0
     n_end = n_lo + cols_per_program
     for c0 in range(n_lo, tl.minimum(n_end, n_out), BLOCK_N):
         offs_n = c0 + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < n_out) & (offs_n < n_end)
-        delta = _token_delta(b_ptr, slot, offs_n, n_ok, n_out, rank, h, r_ok, BLOCK_R)    # [BLOCK_N] f32
+        delta = _token_delta(b_ptr, page, sub, offs_n, n_ok, n_out, h, r_ok, PAGE_ROWS)    # [BLOCK_N] f32
         if ADD_INPUTS:
             delta += tl.load(y_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(y_row + offs_n, delta.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -375,11 +384,30 @@ def h_round_dtype(y: torch.Tensor):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[y.dtype]
 
 
-def check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, max_loras: int, rank: int,
+def slice_pages(lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
+                pages: Optional[LoRASlotPages]) -> LoRASlotPages:
+    """The page table an expand of these B slices reads: ``pages``, checked against meta's slots and
+    B's page rows; None: the padded layout, B [max_loras, out_s, max_rank] (``kernels.lora_pages``)."""
+    b0 = lora_b_slices[0]
+    if not isinstance(b0, torch.Tensor) or b0.dim() != 3:
+        raise ValueError("lora_b_slices[0]: expected a 3-d tensor [num_pages, out_dim, page_rows].")
+    if pages is None:
+        if b0.shape[0] != meta.max_loras:
+            raise ValueError(f"meta: built for max_loras={meta.max_loras}, the weights have {b0.shape[0]} slots.")
+        pages = padded_pages(meta.max_loras, b0.shape[2], b0.device)
+    pages.check(meta.max_loras, b0.device)
+    if b0.shape[2] != pages.page_rows:
+        raise ValueError(f"lora_b_slices[0]: {b0.shape[2]} rows per page, the page table has {pages.page_rows}.")
+    return pages
+
+
+def check_b_slices(lora_b_slices: Sequence[torch.Tensor], y: torch.Tensor, page_rows: int,
                    slice_offsets: Sequence[int]) -> tuple[int, ...]:
-    """B of each slice fits lora_a (slots, rank) and y (dtype, device, columns); returns out_dims."""
+    """B of each slice ([num_pages, out_s, page_rows], one num_pages) fits y (dtype, device, columns);
+    returns out_dims."""
+    num_pages = lora_b_slices[0].shape[0] if isinstance(lora_b_slices[0], torch.Tensor) else -1
     for s, b in enumerate(lora_b_slices):
-        check_tensor(f"lora_b_slices[{s}]", b, ndim=3, dtypes=(y.dtype,), shape=(max_loras, None, rank),
+        check_tensor(f"lora_b_slices[{s}]", b, ndim=3, dtypes=(y.dtype,), shape=(num_pages, None, page_rows),
                      device=y.device, contiguous=True)
     if not isinstance(slice_offsets, (list, tuple)) or len(slice_offsets) != len(lora_b_slices):
         raise ValueError(f"slice_offsets: expected {len(lora_b_slices)} host ints (one per slice), "
@@ -421,16 +449,19 @@ def check_shrink_output(buf: torch.Tensor, num_slices: int, num_tokens: int, y: 
 
 def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
                 y: torch.Tensor, slice_offsets: Sequence[int], add_inputs: bool = True, *,
-                config: Optional[LoRAExpandConfig] = None, slot_stride: int = 0) -> None:
-    """Add each LoRA token's B-projection of its summed shrink partials into its columns of y, in place.
+                config: Optional[LoRAExpandConfig] = None, slot_stride: int = 0,
+                pages: Optional[LoRASlotPages] = None) -> None:
+    """Add each LoRA token's B-projection of its summed shrink partials into its columns of y, in place
+    (token t of slot l reads h's first rank_l columns and slot l's rank_l rows of B, nothing past them).
 
     Args:
-        buf: [num_slices, split_k, num_tokens, rank], last dim contiguous (any other strides):
-            float32 ``lora_shrink`` partials; or, with slot_stride > 0, the shrink of every slot
-            (float32 or y's dtype), token t's own h at ``slot(t) * slot_stride`` elements past
-            buf[s, j, t] (the stacked GEMM's output, ``lora.layers``: split_k 1). The caller
+        buf: [num_slices, split_k, num_tokens, rank], last dim contiguous (any other strides; rank at
+            least every slot's): float32 ``lora_shrink`` partials; or, with slot_stride > 0, the shrink
+            of every slot (float32 or y's dtype), token t's own h at ``slot(t) * slot_stride`` elements
+            past buf[s, j, t] (the stacked GEMM's output, ``lora.layers``: split_k 1). The caller
             guarantees every slot in meta lies inside that layout.
-        lora_b_slices: num_slices (1..3) tensors [max_loras, out_dim_s, rank] in y's dtype, contiguous.
+        lora_b_slices: num_slices (1..3) tensors in y's dtype, contiguous: with ``pages``, the pools
+            [num_pages, out_dim_s, page_rows] (``kernels.lora_pages``); without, [max_loras, out_dim_s, max_rank].
         meta: this step's ``LoRAKernelMeta``.
         y: [num_tokens, total_out] float16/bfloat16/float32, last dim contiguous.
         slice_offsets: num_slices host ints, column of y where slice s starts
@@ -439,6 +470,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
             Rows of base-model tokens are never touched.
         config: launch config; None: ``lora_expand_config``'s default.
         slot_stride: 0 (buf holds each token's own partials) or see buf.
+        pages: the slots' page table (None: the padded layout, ``kernels.lora_pages.padded_pages``).
     """
     check_tensor("y", y, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, total_out = y.shape
@@ -447,9 +479,9 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         raise ValueError(f"lora_b_slices: expected a list/tuple of 1..{MAX_SLICES} tensors.")
     num_slices = len(lora_b_slices)
     split_k, rank = check_shrink_output(buf, num_slices, num_tokens, y, slot_stride)
-    max_loras = lora_b_slices[0].shape[0] if isinstance(lora_b_slices[0], torch.Tensor) else -1
-    out_dims = check_b_slices(lora_b_slices, y, max_loras, rank, slice_offsets)
-    _check_meta(meta, num_tokens, max_loras, dev)
+    _check_meta(meta, num_tokens, meta.max_loras, dev)
+    pages = slice_pages(lora_b_slices, meta, pages)
+    out_dims = check_b_slices(lora_b_slices, y, pages.page_rows, slice_offsets)
     if config is None:
         config = lora_expand_config(num_tokens, meta.num_active, out_dims, dev)
     if meta.no_lora or num_tokens == 0:
@@ -463,21 +495,22 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
     block_r = max(16, next_power_of_2(rank))
     if config.per_token:
         _lora_expand_token_kernel[(num_tokens, cdiv(max(out_dims), cols_per_program), num_slices)](
-            buf, y, *b_args, meta.token_lora_slots, rank, *n_args, *off_args, cols_per_program,
+            buf, y, *b_args, meta.token_lora_slots, pages.page_table, pages.slot_ranks, rank, pages.max_pages,
+            *n_args, *off_args, cols_per_program,
             buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0),
             BLOCK_N=token_block_n(config.block_n, block_r, config.num_warps), BLOCK_R=block_r, SPLIT_K=split_k,
-            ADD_INPUTS=bool(add_inputs), ROUND_TO=h_round_dtype(y), num_warps=config.num_warps,
+            PAGE_ROWS=pages.page_rows, ADD_INPUTS=bool(add_inputs), ROUND_TO=h_round_dtype(y), num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         return
     grid = (num_tokens // config.block_m + meta.num_active, cdiv(max(out_dims), cols_per_program), num_slices)
     _lora_expand_kernel[grid](
         buf, y, *b_args,
-        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
-        meta.num_active, rank, *n_args, *off_args, cols_per_program,
+        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start, pages.page_table,
+        pages.slot_ranks, meta.num_active, rank, pages.max_pages, *n_args, *off_args, cols_per_program,
         buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
-        SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
+        SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(meta.max_loras), PAGE_ROWS=pages.page_rows,
         ADD_INPUTS=bool(add_inputs), UPCAST=expand_upcast(y),
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,

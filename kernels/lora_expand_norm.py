@@ -40,9 +40,10 @@ import triton
 import triton.language as tl
 
 from kernels.lora_expand import (_seg_or_base_tile, _tile_delta, _tile_h, _token_delta, _token_h, check_shrink_output,
-                                 expand_upcast, h_round_dtype)
+                                 expand_upcast, h_round_dtype, slice_pages)
 from kernels.lora_meta import LoRAKernelMeta
-from kernels.lora_shrink import _check_meta, tile_m_for
+from kernels.lora_pages import LoRASlotPages
+from kernels.lora_shrink import _check_meta, _slot_rows, tile_m_for
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
 PER_ROW_MAX_TOKENS = 128
@@ -106,16 +107,17 @@ TILE_ELEMENTS = 4096
 
 @triton.jit
 def _lora_expand_add_rms_norm_kernel(
-    buf_ptr, b_ptr, token_lora_slots_ptr, x_ptr, residual_ptr, weight_ptr, out_ptr,
-    hidden, rank, eps,
+    buf_ptr, b_ptr, token_lora_slots_ptr, page_table_ptr, slot_ranks_ptr, x_ptr, residual_ptr, weight_ptr,
+    out_ptr, hidden, rank, max_pages, eps,
     stride_buf_split, stride_buf_tok, stride_buf_slot, stride_x, stride_r, stride_o,
     HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    ROUND_TO: tl.constexpr,
+    PAGE_ROWS: tl.constexpr, ROUND_TO: tl.constexpr,
 ):
-    """Semantics, one program per row t (dtype = x's dtype, math in float32; B [max_loras, hidden,
-    rank]; buf as ``lora_expand``'s, one slice):
+    """Semantics, one program per row t (dtype = x's dtype, math in float32; B [num_pages, hidden,
+    PAGE_ROWS], B[l] slot l's rank_l rows of its pages, ``kernels.lora_pages``; buf as
+    ``lora_expand``'s, one slice, its first rank_l columns read):
 
-        delta = rnd(sum_j buf[0, j, t]) @ B[slot(t)].T if slot(t) >= 0 else 0
+        delta = rnd(sum_j buf[0, j, t, :rank_l]) @ B[l].T if l = slot(t) >= 0 else 0
         p = dtype(x[t] + delta)
         if HAS_RESIDUAL:
             s = dtype(p + residual[t]); residual[t] = s          (in place)
@@ -125,14 +127,15 @@ def _lora_expand_add_rms_norm_kernel(
     """
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(token_lora_slots_ptr + row)
-    h, r_ok = _token_h(buf_ptr, row, slot * 0, slot, rank, 0, stride_buf_split, stride_buf_tok, stride_buf_slot,
-                       BLOCK_R, SPLIT_K, ROUND_TO)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    h = _token_h(buf_ptr, row, slot * 0, slot, r_ok, 0, stride_buf_split, stride_buf_tok, stride_buf_slot,
+                 BLOCK_R, SPLIT_K, ROUND_TO)
     s_ptr = residual_ptr + row * stride_r if HAS_RESIDUAL else x_ptr + row * stride_x
     sq = tl.zeros([CHUNK], dtype=tl.float32)
     for c0 in range(0, hidden, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         ok = cols < hidden
-        delta = _token_delta(b_ptr, slot, cols, ok, hidden, rank, h, r_ok, BLOCK_R)          # [CHUNK] f32
+        delta = _token_delta(b_ptr, page, sub, cols, ok, hidden, h, r_ok, PAGE_ROWS)       # [CHUNK] f32
         p = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         s = (p + delta).to(x_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
@@ -154,11 +157,12 @@ def _lora_expand_add_rms_norm_kernel(
 @triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
 def _lora_expand_add_rms_norm_tile_kernel(
     buf_ptr, b_ptr, x_ptr, residual_ptr, weight_ptr, out_ptr,
-    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
-    num_tokens, num_active, hidden, rank, eps,
+    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, page_table_ptr, slot_ranks_ptr,
+    num_tokens, num_active, hidden, rank, max_pages, eps,
     stride_buf_split, stride_buf_tok, stride_buf_slot, stride_x, stride_r, stride_o,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAX_LORAS_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Semantics: as ``_lora_expand_add_rms_norm_kernel`` (the delta rounded as the expand's segment
     kernel rounds it: h to B's dtype before a native dot, or an fp32 dot with UPCAST). Program m:
@@ -169,7 +173,8 @@ def _lora_expand_add_rms_norm_tile_kernel(
         num_tokens, num_active, BLOCK_M, MAX_LORAS_PAD)
     if rows_left <= 0:
         return
-    h = _tile_h(buf_ptr, slot * 0, slot, flag, tok, m_ok, rank, 0, stride_buf_split, stride_buf_tok,
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    h = _tile_h(buf_ptr, slot * 0, slot, flag, tok, m_ok, r_ok, 0, stride_buf_split, stride_buf_tok,
                 stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)                             # [BLOCK_M, BLOCK_R]
     if not UPCAST:
         h = h.to(b_ptr.dtype.element_ty)
@@ -182,7 +187,7 @@ def _lora_expand_add_rms_norm_tile_kernel(
         ok = cols < hidden
         mask = m_ok[:, None] & ok[None, :]
         p = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        p += _tile_delta(h, b_ptr, slot, flag, cols, ok, hidden, rank, BLOCK_R, UPCAST, DOT_PRECISION)
+        p += _tile_delta(h, b_ptr, page, sub, r_ok, flag, cols, ok, hidden, PAGE_ROWS, UPCAST, DOT_PRECISION)
         s = p.to(x_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
             r = tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -210,14 +215,15 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
                              residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                              slot_stride: int = 0, *, tiles: Optional[bool] = None,
                              block_m: Optional[int] = None, chunk: Optional[int] = None,
-                             num_warps: Optional[int] = None) -> torch.Tensor:
+                             num_warps: Optional[int] = None, pages: Optional[LoRASlotPages] = None) -> torch.Tensor:
     """RMSNorm of (x + each LoRA row's update [+ residual]); the sum is stored into ``residual``
     (or into ``x`` without one), as ``kernels.layer_ops.add_rms_norm`` does.
 
     Args:
         buf: [1, split_k, num_tokens, rank]: ``lora_shrink``'s float32 partials, or every slot's
             shrink with slot_stride > 0 (see ``kernels.lora_expand.lora_expand``).
-        lora_b: [max_loras, hidden, rank] in x's dtype, contiguous.
+        lora_b: in x's dtype, contiguous: [num_pages, hidden, page_rows] with ``pages``, [max_loras, hidden,
+            max_rank] without (as ``kernels.lora_expand.lora_expand``'s).
         meta: this step's ``LoRAKernelMeta`` (its token_lora_slots: < 0 for base-model / padding
             rows, which get no update).
         x: [num_tokens, hidden] the projection's base output, float16/bfloat16/float32, last dim
@@ -237,6 +243,7 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
             step 16 warps were faster with 16 and 64 adapters, by step time
             (``benchmarks/multi_lora.py``) and per call in the decode graph
             (``benchmarks/profile_step.py``).)
+        pages: the slots' page table (None: the padded layout), as ``lora_expand``'s.
 
     Returns:
         out: the normalized rows.
@@ -246,9 +253,10 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
     dev = x.device
     check_tensor("weight", weight, dtypes=(x.dtype,), shape=(hidden,), device=dev, contiguous=True)
     split_k, rank = check_shrink_output(buf, 1, num_tokens, x, slot_stride)
-    check_tensor("lora_b", lora_b, ndim=3, dtypes=(x.dtype,), shape=(None, hidden, rank), device=dev,
+    _check_meta(meta, num_tokens, meta.max_loras, dev)
+    pages = slice_pages([lora_b], meta, pages)
+    check_tensor("lora_b", lora_b, ndim=3, dtypes=(x.dtype,), shape=(None, hidden, pages.page_rows), device=dev,
                  contiguous=True)
-    _check_meta(meta, num_tokens, lora_b.shape[0], dev)
     check_tensor("meta.token_lora_slots", meta.token_lora_slots, dtypes=(torch.int32,), shape=(num_tokens,),
                  device=dev, contiguous=True)
     if residual is not None:
@@ -268,11 +276,11 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
         if chunk & (chunk - 1):
             raise ValueError(f"chunk: {chunk} must be a power of two.")
         _lora_expand_add_rms_norm_kernel[(num_tokens,)](
-            buf, lora_b, meta.token_lora_slots, x, res, weight, out,
-            hidden, rank, float(eps),
+            buf, lora_b, meta.token_lora_slots, pages.page_table, pages.slot_ranks, x, res, weight, out,
+            hidden, rank, pages.max_pages, float(eps),
             buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=block_r, SPLIT_K=split_k,
-            ROUND_TO=h_round_dtype(x), num_warps=num_warps or row_warps(chunk, block_r))
+            PAGE_ROWS=pages.page_rows, ROUND_TO=h_round_dtype(x), num_warps=num_warps or row_warps(chunk, block_r))
         return out
     num_active = 0 if meta.no_lora else meta.num_active
     if block_m is None:
@@ -283,10 +291,10 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
     grid = (num_tokens // block_m + num_active + cdiv(num_tokens, block_m),)
     _lora_expand_add_rms_norm_tile_kernel[grid](
         buf, lora_b, x, res, weight, out,
-        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
-        num_tokens, num_active, hidden, rank, float(eps),
+        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start, pages.page_table,
+        pages.slot_ranks, num_tokens, num_active, hidden, rank, pages.max_pages, float(eps),
         buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split_k,
-        MAX_LORAS_PAD=next_power_of_2(lora_b.shape[0]), UPCAST=expand_upcast(x),
+        MAX_LORAS_PAD=next_power_of_2(meta.max_loras), PAGE_ROWS=pages.page_rows, UPCAST=expand_upcast(x),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out

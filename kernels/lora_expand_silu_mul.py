@@ -41,9 +41,10 @@ import triton.language as tl
 
 from kernels.lora_expand import (PER_TOKEN_MAX_TOKENS, LoRAExpandConfig, _seg_or_base_tile, _tile_delta, _tile_h,
                                  _token_delta, _token_h, check_b_slices, check_shrink_output, expand_upcast,
-                                 h_round_dtype, lora_expand_config, token_block_n)
+                                 h_round_dtype, lora_expand_config, slice_pages, token_block_n)
 from kernels.lora_meta import LoRAKernelMeta
-from kernels.lora_shrink import ConfigOverride, _check_meta
+from kernels.lora_pages import LoRASlotPages
+from kernels.lora_shrink import ConfigOverride, _check_meta, _slot_rows
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
 
@@ -55,18 +56,20 @@ take the segment programs, more take the per-token ones (``lora_expand_silu_mul_
 @triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
 def _lora_expand_silu_mul_kernel(
     buf_ptr, y_ptr, out_ptr, bg_ptr, bu_ptr,
-    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
-    num_tokens, num_active, rank, d, cols_per_program,
+    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, page_table_ptr, slot_ranks_ptr,
+    num_tokens, num_active, rank, max_pages, d, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok, stride_out_tok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAX_LORAS_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Semantics (dtype = y's dtype; B_gate, B_up each [max_loras, d, rank] contiguous; buf[s, j, t]
-    read at ``slot(t) * stride_buf_slot`` past its strided address, as in ``kernels.lora_expand``):
+    """Semantics (dtype = y's dtype; B_gate, B_up each [num_pages, d, PAGE_ROWS] contiguous, B[l] slot
+    l's rank_l rows of its pages, ``kernels.lora_pages``; buf[s, j, t] read at ``slot(t) *
+    stride_buf_slot`` past its strided address, as in ``kernels.lora_expand``; h[s, t] its first rank_l
+    columns summed over j):
 
         for t in range(num_tokens):
           if slot(t) >= 0:
-            dg = (sum_j buf[0, j, t]) @ B_gate[slot(t)].T ; du = (sum_j buf[1, j, t]) @ B_up[slot(t)].T
+            dg = h[0, t] @ B_gate[slot(t)].T ; du = h[1, t] @ B_up[slot(t)].T
           else:
             dg = du = 0
           g = dtype(y[t, :d] + dg) ; u = dtype(y[t, d:2d] + du)            (fp32 sums)
@@ -83,9 +86,10 @@ def _lora_expand_silu_mul_kernel(
     if rows_left <= 0:
         return
     zero = slot * 0                                        # slice ids as int32 tensors
-    h_gate = _tile_h(buf_ptr, zero, slot, lora_flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split,
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    h_gate = _tile_h(buf_ptr, zero, slot, lora_flag, tok, m_ok, r_ok, stride_buf_slice, stride_buf_split,
                      stride_buf_tok, stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)        # [BLOCK_M, BLOCK_R]
-    h_up = _tile_h(buf_ptr, zero + 1, slot, lora_flag, tok, m_ok, rank, stride_buf_slice, stride_buf_split,
+    h_up = _tile_h(buf_ptr, zero + 1, slot, lora_flag, tok, m_ok, r_ok, stride_buf_slice, stride_buf_split,
                    stride_buf_tok, stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)
     if not UPCAST:
         h_gate = h_gate.to(bg_ptr.dtype.element_ty)
@@ -101,8 +105,9 @@ def _lora_expand_silu_mul_kernel(
         g = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(y_rows + d + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         # NOTE: on GPUs the native tensor-core dot (h rounded above): measured faster at prefill than tf32.
-        g += _tile_delta(h_gate, bg_ptr, slot, lora_flag, offs_n, n_ok, d, rank, BLOCK_R, UPCAST, DOT_PRECISION)
-        u += _tile_delta(h_up, bu_ptr, slot, lora_flag, offs_n, n_ok, d, rank, BLOCK_R, UPCAST, DOT_PRECISION)
+        g += _tile_delta(h_gate, bg_ptr, page, sub, r_ok, lora_flag, offs_n, n_ok, d, PAGE_ROWS, UPCAST,
+                         DOT_PRECISION)
+        u += _tile_delta(h_up, bu_ptr, page, sub, r_ok, lora_flag, offs_n, n_ok, d, PAGE_ROWS, UPCAST, DOT_PRECISION)
         _silu_mul_store(g, u, out_rows + offs_n[None, :], mask)
 
 
@@ -117,10 +122,11 @@ def _silu_mul_store(g, u, out_ptr, mask):
 
 @triton.jit
 def _lora_expand_silu_mul_token_kernel(
-    buf_ptr, y_ptr, out_ptr, bg_ptr, bu_ptr, token_lora_slots_ptr,
-    rank, d, cols_per_program,
+    buf_ptr, y_ptr, out_ptr, bg_ptr, bu_ptr, token_lora_slots_ptr, page_table_ptr, slot_ranks_ptr,
+    rank, max_pages, d, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok, stride_out_tok,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    ROUND_TO: tl.constexpr,
 ):
     """Semantics: as ``_lora_expand_silu_mul_kernel``; program (t, n) covers token t and columns
     [n * cols_per_program, (n + 1) * cols_per_program) of d (a base-model token: plain SiLU-and-mul)."""
@@ -128,10 +134,11 @@ def _lora_expand_silu_mul_token_kernel(
     n_lo = tl.program_id(1) * cols_per_program
     slot = tl.load(token_lora_slots_ptr + t)
     zero = slot * 0                                        # slice ids as int32 tensors
-    h_gate, r_ok = _token_h(buf_ptr, t, zero, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
-                            stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
-    h_up, _ = _token_h(buf_ptr, t, zero + 1, slot, rank, stride_buf_slice, stride_buf_split, stride_buf_tok,
-                       stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    h_gate = _token_h(buf_ptr, t, zero, slot, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok,
+                      stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
+    h_up = _token_h(buf_ptr, t, zero + 1, slot, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok,
+                    stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
     y_row = y_ptr + t * stride_y_tok
     out_row = out_ptr + t * stride_out_tok
     n_end = n_lo + cols_per_program
@@ -140,8 +147,8 @@ def _lora_expand_silu_mul_token_kernel(
         n_ok = (offs_n < d) & (offs_n < n_end)
         g = tl.load(y_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         u = tl.load(y_row + d + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        g += _token_delta(bg_ptr, slot, offs_n, n_ok, d, rank, h_gate, r_ok, BLOCK_R)
-        u += _token_delta(bu_ptr, slot, offs_n, n_ok, d, rank, h_up, r_ok, BLOCK_R)
+        g += _token_delta(bg_ptr, page, sub, offs_n, n_ok, d, h_gate, r_ok, PAGE_ROWS)
+        u += _token_delta(bu_ptr, page, sub, offs_n, n_ok, d, h_up, r_ok, PAGE_ROWS)
         _silu_mul_store(g, u, out_row + offs_n, n_ok)
 
 
@@ -172,20 +179,23 @@ def lora_expand_silu_mul_config(num_tokens: int, num_segments: int, d: int, devi
 
 def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: LoRAKernelMeta,
                          y: torch.Tensor, out: Optional[torch.Tensor] = None, *,
-                         config: Optional[LoRAExpandConfig] = None, slot_stride: int = 0) -> torch.Tensor:
+                         config: Optional[LoRAExpandConfig] = None, slot_stride: int = 0,
+                         pages: Optional[LoRASlotPages] = None) -> torch.Tensor:
     """SiLU-and-mul of the gate/up projection output with each LoRA token's update added first.
 
     Args:
         buf: [2, split_k, num_tokens, rank]: ``lora_shrink``'s float32 partials of the gate (slice
             0) and up (slice 1) projections, or every slot's shrink with slot_stride > 0 (as
             ``kernels.lora_expand.lora_expand``'s buf).
-        lora_b_slices: (B_gate, B_up), each [max_loras, d, rank] in y's dtype, contiguous.
+        lora_b_slices: (B_gate, B_up) in y's dtype, contiguous: each [num_pages, d, page_rows] with
+            ``pages``, [max_loras, d, max_rank] without (as ``kernels.lora_expand.lora_expand``'s).
         meta: this step's ``LoRAKernelMeta``.
         y: [num_tokens, 2 * d] (gate | up), the base GEMM's output; float16/bfloat16/float32, last
             dim contiguous. Not modified.
         out: optional [num_tokens, d] in y's dtype, last dim contiguous.
         config: launch config; None: ``lora_expand_silu_mul_config``'s default.
         slot_stride: see ``kernels.lora_expand.lora_expand``.
+        pages: the slots' page table (None: the padded layout), as ``lora_expand``'s.
 
     Returns:
         out: silu(gate + dg) * (up + du), base-model rows with no update.
@@ -198,11 +208,11 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
     if not isinstance(lora_b_slices, (list, tuple)) or len(lora_b_slices) != 2:
         raise ValueError("lora_b_slices: expected (B_gate, B_up).")
     split_k, rank = check_shrink_output(buf, 2, num_tokens, y, slot_stride)
-    max_loras = lora_b_slices[0].shape[0] if isinstance(lora_b_slices[0], torch.Tensor) else -1
-    out_dims = check_b_slices(lora_b_slices, y, max_loras, rank, [0, d])
+    _check_meta(meta, num_tokens, meta.max_loras, dev)
+    pages = slice_pages(lora_b_slices, meta, pages)
+    out_dims = check_b_slices(lora_b_slices, y, pages.page_rows, [0, d])
     if out_dims != (d, d):
         raise ValueError(f"lora_b_slices: widths {out_dims}, expected ({d}, {d}) for y's 2 x {d} columns.")
-    _check_meta(meta, num_tokens, max_loras, dev)
     if out is None:
         out = torch.empty(num_tokens, d, dtype=y.dtype, device=dev)                    # [T, d]
     check_tensor("out", out, dtypes=(y.dtype,), shape=(num_tokens, d), device=dev, last_dim_contiguous=True)
@@ -215,21 +225,22 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
     if config.per_token:
         block_r = max(16, next_power_of_2(rank))
         _lora_expand_silu_mul_token_kernel[(num_tokens, cdiv(d, cols_per_program))](
-            buf, y, out, lora_b_slices[0], lora_b_slices[1], meta.token_lora_slots, rank, d, cols_per_program,
+            buf, y, out, lora_b_slices[0], lora_b_slices[1], meta.token_lora_slots, pages.page_table,
+            pages.slot_ranks, rank, pages.max_pages, d, cols_per_program,
             buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0), out.stride(0),
             BLOCK_N=token_block_n(config.block_n, block_r, config.num_warps), BLOCK_R=block_r, SPLIT_K=split_k,
-            ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
+            PAGE_ROWS=pages.page_rows, ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
     seg_tiles = num_tokens // config.block_m + num_active
     grid = (seg_tiles + cdiv(num_tokens, config.block_m), cdiv(d, cols_per_program))
     _lora_expand_silu_mul_kernel[grid](
         buf, y, out, lora_b_slices[0], lora_b_slices[1],
-        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
-        num_tokens, num_active, rank, d, cols_per_program,
+        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start, pages.page_table,
+        pages.slot_ranks, num_tokens, num_active, rank, pages.max_pages, d, cols_per_program,
         buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
-        SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(max_loras),
+        SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(meta.max_loras), PAGE_ROWS=pages.page_rows,
         UPCAST=expand_upcast(y), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

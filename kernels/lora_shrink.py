@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import MAX_SPLIT_K, LoRAKernelMeta, max_split_k
+from kernels.lora_pages import LoRASlotPages, padded_pages
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2, num_sms
 
 PROGRAMS_PER_SM = 2
@@ -88,15 +89,30 @@ def _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, slot, pid_s, k_lo, k_end, in_dim, rank,
-                 stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank,
+def _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R: tl.constexpr,
+               PAGE_ROWS: tl.constexpr):
+    """(page [BLOCK_R] int64, sub [BLOCK_R], r_ok [BLOCK_R]): rank row r of slot ``slot`` is row ``sub``
+    of pool page ``page`` (``kernels.lora_pages``); r_ok: r is below both the slot's own rank and
+    ``rank`` (none for slot < 0)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    # NOTE: the slot test broadcast to a vector (the interpreter rejects scalar-bool masks).
+    has = tl.zeros([BLOCK_R], tl.int32) + slot >= 0
+    slot0 = tl.maximum(slot, 0).to(tl.int64)
+    slot_rank = tl.load(slot_ranks_ptr + slot0)
+    r_ok = has & (offs_r < rank) & (offs_r < slot_rank)
+    page = tl.load(page_table_ptr + slot0 * max_pages + offs_r // PAGE_ROWS, mask=r_ok, other=0)
+    return page.to(tl.int64), offs_r % PAGE_ROWS, r_ok
+
+
+@triton.jit
+def _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, page, sub, r_ok, pid_s, k_lo, k_end, in_dim,
+                 stride_x_tok, stride_a_slice, stride_a_page, stride_a_row,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """[BLOCK_M, BLOCK_R] fp32 = x[tok, K] @ lora_a[pid_s, slot][:, K].T, K = [k_lo, min(k_end, in_dim))."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    a_rows = (lora_a_ptr + pid_s.to(tl.int64) * stride_a_slice + slot.to(tl.int64) * stride_a_slot
-              + offs_r[:, None] * stride_a_rank)                                       # [BLOCK_R, 1]
+    """[BLOCK_M, BLOCK_R] fp32 = x[tok, K] @ A[:, K].T, K = [k_lo, min(k_end, in_dim)), A's row r at
+    page[r] * stride_a_page + sub[r] * stride_a_row of slice pid_s (``_slot_rows``; 0 where not r_ok)."""
+    a_rows = (lora_a_ptr + pid_s.to(tl.int64) * stride_a_slice + page[:, None] * stride_a_page
+              + sub[:, None] * stride_a_row)                                            # [BLOCK_R, 1]
     x_rows = x_ptr + tok[:, None] * stride_x_tok                                        # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(k_end, in_dim), BLOCK_K):
@@ -115,20 +131,22 @@ def _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, slot, pid_s, k_lo, k_end, in_dim,
 @triton.jit(do_not_specialize=["num_active"])   # eager steps vary it: one binary for all
 def _lora_shrink_kernel(
     x_ptr, lora_a_ptr, out_ptr,
-    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr,
-    num_active, in_dim, rank, k_per_split, scale,
-    stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank, stride_o_slice, stride_o_split, stride_o_tok,
+    sorted_token_ids_ptr, active_slots_ptr, num_tokens_per_slot_ptr, slot_start_ptr, page_table_ptr, slot_ranks_ptr,
+    num_active, in_dim, rank, k_per_split, scale, max_pages,
+    stride_x_tok, stride_a_slice, stride_a_page, stride_a_row, stride_o_slice, stride_o_split, stride_o_tok,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, MAX_LORAS_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_ROWS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Semantics (K_j = [j * k_per_split, (j + 1) * k_per_split) clipped to [0, in_dim)):
+    """Semantics (K_j = [j * k_per_split, (j + 1) * k_per_split) clipped to [0, in_dim); A_l: slot l's
+    rank_l = slot_ranks[l] rows of the pool, ``kernels.lora_pages``):
 
         for s in range(num_slices), j in range(split_k), t in range(num_tokens):
           if slot(t) >= 0:
-            out[s, j, t, :] = scale * x[t, K_j] @ lora_a[s, slot(t)][:, K_j].T   # fp32 accumulation
+            out[s, j, t, :rank_l] = scale * x[t, K_j] @ A_l[s][:, K_j].T   # fp32 accumulation, l = slot(t)
 
     Every split of a LoRA token is stored (zero for an empty K_j), so the sum over j is the full
-    product and nothing needs zeroing first. Rows of base-model tokens are not written.
+    product and nothing needs zeroing first. Rows of base-model tokens, and columns at or past the
+    slot's rank, are not written.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -139,11 +157,11 @@ def _lora_shrink_kernel(
         return
     tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
     k_lo = pid_k * k_per_split
-    acc = _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, slot, pid_s, k_lo, k_lo + k_per_split, in_dim, rank,
-                       stride_x_tok, stride_a_slice, stride_a_slot, stride_a_rank,
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    acc = _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, page, sub, r_ok, pid_s, k_lo, k_lo + k_per_split, in_dim,
+                       stride_x_tok, stride_a_slice, stride_a_page, stride_a_row,
                        BLOCK_M, BLOCK_K, BLOCK_R, UPCAST, DOT_PRECISION) * scale              # [BM, BR] f32
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
     o_ptrs = (out_ptr + pid_s.to(tl.int64) * stride_o_slice + pid_k.to(tl.int64) * stride_o_split
               + tok[:, None] * stride_o_tok + offs_r[None, :])
     tl.store(o_ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
@@ -241,32 +259,48 @@ def lora_shrink_config(num_tokens: int, num_segments: int, num_slices: int, in_d
 # Wrapper
 # ----------------------------------------------------------------------------------------
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out: torch.Tensor,
-                scale: float = 1.0, *, config: Optional[LoRAShrinkConfig] = None) -> None:
-    """out[s, j, t] = scale * x[t, K_j] @ lora_a[s, slot(t), :, K_j].T for every LoRA token, in place.
+                scale: float = 1.0, *, config: Optional[LoRAShrinkConfig] = None,
+                pages: Optional[LoRASlotPages] = None) -> None:
+    """out[s, j, t, :rank_l] = scale * x[t, K_j] @ A_l[s][:, K_j].T for every LoRA token (l = its slot,
+    A_l its rank_l rows), in place.
 
     Args:
         x: [num_tokens, in_dim] float16/bfloat16/float32, last dim contiguous.
-        lora_a: [num_slices, max_loras, rank, in_dim], x's dtype, last dim contiguous.
+        lora_a: with ``pages``, the pool [num_slices, num_pages * page_rows, in_dim] (``kernels.lora_pages``);
+            without, the padded [num_slices, max_loras, rank, in_dim]; x's dtype, last dim contiguous.
         meta: this step's ``LoRAKernelMeta`` (num_tokens and max_loras must match).
-        out: [num_slices, split_k, num_tokens, rank] float32, contiguous: split j holds the
-            partial product over input chunk K_j (``split_chunk(in_dim, split_k)`` elements each);
-            their sum over dim 1 is the product (``lora_expand`` sums them). Rows of base-model
-            tokens are left as they were. If ``meta.no_lora`` nothing is launched.
+        out: [num_slices, split_k, num_tokens, rank] float32, contiguous (rank: at least every slot's):
+            split j holds the partial product over input chunk K_j (``split_chunk(in_dim, split_k)``
+            elements each); their sum over dim 1 is the product (``lora_expand`` sums them). Rows of
+            base-model tokens, and columns at or past a token's slot rank, are left as they were. If
+            ``meta.no_lora`` nothing is launched.
         scale: multiplies the result (the alpha/r scale usually lives in B instead).
         config: launch config; its split_k must be out.shape[1]. None: ``lora_shrink_config``'s
             default with out.shape[1] splits.
+        pages: the slots' page table (None: the padded layout, ``kernels.lora_pages.padded_pages``).
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, in_dim = x.shape
     dev = x.device
-    check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, last_dim_contiguous=True)
-    num_slices, max_loras, rank, _ = lora_a.shape
-    check_tensor("lora_a", lora_a, shape=(num_slices, max_loras, rank, in_dim))
+    if pages is None:                     # padded: page l is slot l's [rank, in] (any strides, no copy)
+        check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, last_dim_contiguous=True)
+        check_tensor("lora_a", lora_a, shape=(None, None, None, in_dim))
+        max_loras = lora_a.shape[1]
+        a_strides = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2))
+    else:
+        check_tensor("lora_a", lora_a, ndim=3, dtypes=(x.dtype,), device=dev, last_dim_contiguous=True)
+        check_tensor("lora_a", lora_a, shape=(None, None, in_dim))
+        max_loras = meta.max_loras
+        a_strides = (lora_a.stride(0), pages.page_rows * lora_a.stride(1), lora_a.stride(1))
+    num_slices = lora_a.shape[0]
     check_tensor("out", out, ndim=4, dtypes=(torch.float32,), device=dev, contiguous=True)
-    split_k = out.shape[1]
+    split_k, rank = out.shape[1], out.shape[3]
     check_tensor("out", out, shape=(num_slices, split_k, num_tokens, rank))
     _check_pow2("out.shape[1] (split_k)", split_k, 1)
     _check_meta(meta, num_tokens, max_loras, dev)
+    if pages is None:
+        pages = padded_pages(max_loras, lora_a.shape[2], dev)
+    pages.check(max_loras, dev)
     if config is None:
         config = dataclasses.replace(
             lora_shrink_config(num_tokens, meta.num_active, num_slices, in_dim, dev), split_k=split_k)
@@ -277,12 +311,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
     grid = (num_tokens // config.block_m + meta.num_active, num_slices, split_k)
     _lora_shrink_kernel[grid](
         x, lora_a, out,
-        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start,
-        meta.num_active, in_dim, rank, split_chunk(in_dim, split_k), float(scale),
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        meta.sorted_token_ids, meta.active_slots, meta.num_tokens_per_slot, meta.slot_start, pages.page_table,
+        pages.slot_ranks, meta.num_active, in_dim, rank, split_chunk(in_dim, split_k), float(scale), pages.max_pages,
+        x.stride(0), *a_strides,
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_K=config.block_k, BLOCK_R=max(16, next_power_of_2(rank)),
-        MAX_LORAS_PAD=next_power_of_2(max_loras),
+        MAX_LORAS_PAD=next_power_of_2(max_loras), PAGE_ROWS=pages.page_rows,
         UPCAST=is_interpreted(dev) or x.dtype == torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -10,6 +10,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from kernels.lora_pages import LoRASlotPages, slot_a, slot_b
+
 NO_LORA = -1
 
 
@@ -123,25 +125,27 @@ def int8_gemm_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> tor
 
 
 def lora_rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping,
-                             buf, lora_b_slices, token_lora_slots):
+                             buf, lora_b_slices, token_lora_slots, pages: Optional[LoRASlotPages] = None):
     """Twin of ``kernels.lora_rotary_write_kv.lora_rotary_write_kv`` (buf: each token's own h, no
-    slot stride): the expand into q | k | v, then ``rotary_write_kv_ref``. Returns updated copies
-    (q, k, v, k_cache, v_cache)."""
+    slot stride; pages as ``lora_expand_ref``'s): the expand into q | k | v, then ``rotary_write_kv_ref``.
+    Returns updated copies (q, k, v, k_cache, v_cache)."""
     T = q.shape[0]
     qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=1)
     widths = [b.shape[1] for b in lora_b_slices]
-    qkv = lora_expand_ref(buf, lora_b_slices, token_lora_slots, qkv, [0, widths[0], widths[0] + widths[1]])
+    qkv = lora_expand_ref(buf, lora_b_slices, token_lora_slots, qkv, [0, widths[0], widths[0] + widths[1]],
+                          pages=pages)
     q2, k2, v2 = (x.reshape(orig.shape) for x, orig in zip(qkv.split(widths, dim=1), (q, k, v)))
     q_out, k_out, kc, vc = rotary_write_kv_ref(positions, q2, k2, v2, cos, sin, rotary_dim, k_cache, v_cache,
                                                slot_mapping)
     return q_out, k_out, v2, kc, vc
 
 
-def lora_expand_add_rms_norm_ref(buf, lora_b, token_lora_slots, x, weight, eps: float, residual=None):
+def lora_expand_add_rms_norm_ref(buf, lora_b, token_lora_slots, x, weight, eps: float, residual=None,
+                                 pages: Optional[LoRASlotPages] = None):
     """Twin of ``kernels.lora_expand_norm.lora_expand_add_rms_norm`` (buf: each row's own h, no slot
-    stride): the expand into x, then add + RMSNorm with add_rms_norm's roundings. Returns (out, s),
-    s the stored sum."""
-    p = lora_expand_ref(buf, [lora_b], token_lora_slots, x, [0])                   # [T, hidden], x's dtype
+    stride; pages as ``lora_expand_ref``'s): the expand into x, then add + RMSNorm with add_rms_norm's
+    roundings. Returns (out, s), s the stored sum."""
+    p = lora_expand_ref(buf, [lora_b], token_lora_slots, x, [0], pages=pages)      # [T, hidden], x's dtype
     s = p if residual is None else (p.float() + residual.float()).to(x.dtype)
     s32 = s.float()
     n = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -162,16 +166,23 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_lora_slots: torch.Tensor,
-                    scale: float = 1.0, split_k: Optional[int] = None) -> torch.Tensor:
+                    scale: float = 1.0, split_k: Optional[int] = None, pages: Optional[LoRASlotPages] = None,
+                    rank: Optional[int] = None) -> torch.Tensor:
     """Twin of ``kernels.lora_shrink.lora_shrink``.
 
-    x: [T, in_dim]; lora_a: [num_slices, max_loras, rank, in_dim].
-    Returns float32 scale * x[t] @ lora_a[s, slot(t)].T, zero for base rows (the kernel leaves
-    those rows as they were): [num_slices, T, rank] with split_k None; else the kernel's partials
-    [num_slices, split_k, T, rank], split j over inputs [j * c, (j + 1) * c) with
-    c = cdiv(in_dim, split_k) rounded up to 16 (``kernels.lora_shrink.split_chunk``).
+    x: [T, in_dim]; lora_a: [num_slices, max_loras, rank, in_dim], or with ``pages`` the pool
+    [num_slices, rows, in_dim] (``kernels.lora_pages``: slot l's A is its rank_l rows).
+    Returns float32 scale * x[t] @ A_l[s].T (l = slot(t)) in the first rank_l columns, zero past them
+    and for base rows (the kernel leaves those as they were): [num_slices, T, rank] with split_k None;
+    else the kernel's partials [num_slices, split_k, T, rank], split j over inputs [j * c, (j + 1) * c)
+    with c = cdiv(in_dim, split_k) rounded up to 16 (``kernels.lora_shrink.split_chunk``). rank: with
+    pages, the output's width (None: the largest slot rank).
     """
-    num_slices, _, rank, in_dim = lora_a.shape
+    if pages is None:
+        num_slices, _, rank, in_dim = lora_a.shape
+    else:
+        num_slices, _, in_dim = lora_a.shape
+        rank = rank or int(pages.slot_ranks.max())
     splits = split_k or 1
     chunk = (in_dim + splits - 1) // splits
     chunk = (chunk + 15) // 16 * 16
@@ -179,21 +190,24 @@ def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_lora_slots: tor
     for t, slot in enumerate(token_lora_slots.tolist()):
         if slot == NO_LORA:
             continue
+        a = lora_a[:, slot] if pages is None else slot_a(lora_a, pages, slot)      # [S, rank_l, in]
         for s in range(num_slices):
             for j in range(splits):
                 ks = slice(j * chunk, (j + 1) * chunk)
-                out[s, j, t] = scale * (lora_a[s, slot, :, ks].float() @ x[t, ks].float())
+                out[s, j, t, :a.shape[1]] = scale * (a[s, :, ks].float() @ x[t, ks].float())
     return out if split_k else out[:, 0]
 
 
 def lora_expand_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
                     token_lora_slots: torch.Tensor, y: torch.Tensor, slice_offsets: Sequence[int],
-                    add_inputs: bool = True) -> torch.Tensor:
+                    add_inputs: bool = True, pages: Optional[LoRASlotPages] = None) -> torch.Tensor:
     """Twin of ``kernels.lora_expand.lora_expand``: returns an updated copy of y.
 
     buf: [num_slices, T, rank] or split partials [num_slices, split_k, T, rank] (summed), float32;
-    lora_b_slices[s]: [max_loras, out_dim_s, rank]; y: [T, total_out].
-    y[t, off_s:off_s+out_s] (+)= buf[s, t] @ lora_b_s[slot(t)].T for LoRA rows.
+    lora_b_slices[s]: [max_loras, out_dim_s, rank], or with ``pages`` the pools [num_pages, out_dim_s,
+    page_rows] (``kernels.lora_pages``: slot l's B is its rank_l rows); y: [T, total_out].
+    y[t, off_s:off_s+out_s] (+)= buf[s, t, :rank_l] @ B_s[l].T for LoRA rows (l = slot(t)); h's columns
+    past rank_l are never read.
     """
     h = buf.float().sum(1) if buf.dim() == 4 else buf.float()        # [num_slices, T, rank]
     y_out = y.clone()
@@ -201,7 +215,8 @@ def lora_expand_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
         if slot == NO_LORA:
             continue
         for s, (b, off) in enumerate(zip(lora_b_slices, slice_offsets)):
-            delta = b[slot].float() @ h[s, t]                   # [out_dim_s]
+            b_l = b[slot] if pages is None else slot_b(b, pages, slot)             # [out_dim_s, rank_l]
+            delta = b_l.float() @ h[s, t, :b_l.shape[1]]                            # [out_dim_s]
             cols = slice(off, off + b.shape[1])
             base = y_out[t, cols].float() if add_inputs else 0.0
             y_out[t, cols] = (base + delta).to(y.dtype)
@@ -209,13 +224,14 @@ def lora_expand_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
 
 
 def lora_expand_silu_mul_ref(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor],
-                             token_lora_slots: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                             token_lora_slots: torch.Tensor, y: torch.Tensor,
+                             pages: Optional[LoRASlotPages] = None) -> torch.Tensor:
     """Twin of ``kernels.lora_expand_silu_mul.lora_expand_silu_mul``: a new [T, d] tensor.
 
-    ``lora_expand_ref`` into a copy of y (gate | up, slices at columns 0 and d), then
+    ``lora_expand_ref`` into a copy of y (gate | up, slices at columns 0 and d; pages as its), then
     out = dtype(dtype(silu(gate)) * up) in float32 math.
     """
     d = y.shape[1] // 2
-    gu = lora_expand_ref(buf, lora_b_slices, token_lora_slots, y, [0, d]).float()     # [T, 2d]
+    gu = lora_expand_ref(buf, lora_b_slices, token_lora_slots, y, [0, d], pages=pages).float()   # [T, 2d]
     act = torch.nn.functional.silu(gu[:, :d]).to(y.dtype).float()
     return (act * gu[:, d:]).to(y.dtype)

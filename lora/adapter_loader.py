@@ -5,7 +5,8 @@ dropped a registered adapter that a waiting request needs in a slot again, or a 
 adapter the engine was never sent (the client's record of sent adapters was out of date). Either
 way the step loop only asks for the read (``request``) and goes on stepping the other requests;
 the scheduler leaves the waiting requests unscheduled until the loop takes the result
-(``take_done``) and puts the adapter in the store.
+(``take_done``) and puts the adapter in the store. Weights the client sent (``adopt``) take the same
+path on a CUDA engine, where the thread page-locks them: that copy never runs on the step loop.
 
 The thread exists only while reads are queued: it starts with the first one and ends when the
 queue is empty, so an idle or closed engine holds no loader thread.
@@ -49,7 +50,7 @@ class AdapterLoader:
         self.reader = reader
         self.pin_memory = pin_memory
         self._queued: dict[str, LoRARequest] = {}
-        """Adapter name -> the read asked for and not finished (queued or running)."""
+        """Adapter name -> the read asked for and not finished (queued or running); with weights: adopted."""
         self._done: list[AdapterRead] = []
         """Finished reads the loop has not taken yet."""
         self._lock = threading.Lock()
@@ -60,11 +61,21 @@ class AdapterLoader:
 
     def request(self, lora_request: LoRARequest) -> None:
         """Read this adapter (once while a read of that name is queued or not yet taken)."""
+        self._queue(lora_request.without_adapter())
+
+    def adopt(self, lora_request: LoRARequest) -> None:
+        """Take the weights ``lora_request.adapter`` carries (the client read them) as this adapter's read,
+        page-locked on the thread with ``pin_memory``."""
+        if lora_request.adapter is None:
+            raise ValueError(f"adopt({lora_request.lora_name!r}) needs the weights the client read.")
+        self._queue(lora_request)
+
+    def _queue(self, lora_request: LoRARequest) -> None:
         name = lora_request.lora_name
         with self._lock:
             if name in self._queued or any(d.lora_request.lora_name == name for d in self._done):
                 return
-            self._queued[name] = lora_request.without_adapter()
+            self._queued[name] = lora_request
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="chorus-adapter-loader", daemon=True)
                 self._thread.start()
@@ -102,7 +113,8 @@ class AdapterLoader:
                 name = next(iter(self._queued))
                 lora_request = self._queued[name]
             try:
-                result: Union[LoRAAdapter, LoRAAdapterError] = self.reader.read(lora_request)
+                result: Union[LoRAAdapter, LoRAAdapterError] = (
+                    lora_request.adapter if lora_request.adapter is not None else self.reader.read(lora_request))
                 if self.pin_memory:
                     result.pin_memory()
             except LoRAAdapterError as e:
@@ -112,5 +124,5 @@ class AdapterLoader:
                 result = LoRAAdapterError(f"LoRA adapter {name!r} could not be read ({type(e).__name__}).")
             with self._lock:
                 self._queued.pop(name, None)
-                self._done.append(AdapterRead(lora_request, result))
+                self._done.append(AdapterRead(lora_request.without_adapter(), result))
                 self._finished.notify_all()

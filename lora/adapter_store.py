@@ -60,7 +60,7 @@ class AdapterStore:
                 None: plain LRU. Eviction takes the least recently used adapter not in ``demand``,
                 else the one with the latest position (possibly ``adapter`` itself).
         """
-        if self.pin_memory:
+        if self.pin_memory and not adapter.is_pinned():   # the loader thread pins what it reads
             adapter.pin_memory()
         self._adapters.pop(adapter.name, None)
         self._adapters[adapter.name] = adapter

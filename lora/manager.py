@@ -200,7 +200,8 @@ class LoRAManager:
             lora_request: the adapter.
             keep_if_removing: an explicit load (``add_lora``): an adapter being unloaded is kept
                 instead of refused.
-            read_later: an adapter that carries no weights is read by ``loader``, not now.
+            read_later: an adapter that carries no weights is read by ``loader``, not now; on a CUDA engine
+                (``pin_memory``) the weights one carries are page-locked by ``loader`` too.
 
         Returns:
             Whether this call registered it (False: it was registered already; a second copy of its
@@ -223,13 +224,22 @@ class LoRAManager:
                     f"its requests finish) before loading {lora_request.lora_path!r} under the same name.")
             self._removing.discard(name)
             if lora_request.adapter is not None and name not in self.store:
-                self.put_registered(known, lora_request.adapter)   # a fresh copy: no read needed
+                if read_later and self.loader.pin_memory:
+                    self.loader.adopt(lora_request)                # pinned off the step loop
+                else:
+                    self.put_registered(known, lora_request.adapter)   # a fresh copy: no read needed
             return False
         if lora_request.adapter is None and read_later:
             self._registered[name] = lora_request
             self._unverified.add(name)
             self.loader.request(lora_request)
             logger.info("LoRA adapter %r registered from %s; reading it", name, lora_request.lora_path)
+            return True
+        if read_later and self.loader.pin_memory:
+            # The client's weights, page-locked by the loader thread: the requests wait as for a read.
+            self._registered[name] = lora_request.without_adapter()
+            self.loader.adopt(lora_request)
+            logger.info("LoRA adapter %r registered from %s; pinning it", name, lora_request.lora_path)
             return True
         adapter = lora_request.adapter if lora_request.adapter is not None else self._read(lora_request)
         self.put_registered(lora_request, adapter)

@@ -423,6 +423,10 @@ class LoRAAdapter:
             w.lora_b = w.lora_b.pin_memory()
         return self
 
+    def is_pinned(self) -> bool:
+        """Whether every tensor is in page-locked host memory already (``pin_memory`` ran)."""
+        return all(w.lora_a.is_pinned() and w.lora_b.is_pinned() for w in self.weights.values())
+
 
 def read_adapter_tensors(path: Union[str, Path]) -> dict[str, torch.Tensor]:
     """Every tensor of ``adapter_model.safetensors`` (preferred) or ``adapter_model.bin``, on CPU."""

@@ -149,3 +149,60 @@ def test_whisper_engine_encoder_graphs_equal_eager(tmp_path):
     for i, (with_graphs, eager) in enumerate(zip(outputs[False], outputs[True])):
         check_logprobs_close(ours_as_ref(eager.outputs[0]), ours_as_ref(with_graphs.outputs[0]), f"clip {i}",
                              atol=2e-3)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs CUDA")])])
+def test_encoder_adapters_with_encoder_graphs_match_peft(tmp_path, device):
+    """With encoder graphs, a step encoding a window under an encoder adapter runs the encoder eagerly (its
+    adapter applies) and a step of base windows replays: both equal PEFT's merged models. On CPU the engine's
+    tower gets graphs whose replays run eagerly over the static rows (the LoRA manager's real rows batches);
+    on CUDA the runner captured real ones."""
+    import numpy as np
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from lora.request import LoRARequest
+    from tests.audio.whisper_reference import build_tiny_random_whisper
+    from tests.lora.test_whisper_lora import MAX_NEW, RANK, TARGETS, _adapter, _hf_whisper
+    from tests.models.test_whisper_engine import _prompt, hf_greedy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    base_dir = build_tiny_random_whisper(tmp_path)
+    both_dir, both_ref = _adapter(base_dir, tmp_path / "both", TARGETS, seed=2)
+    refs = {None: _hf_whisper(base_dir), "both": both_ref}
+    adapters = {"both": LoRARequest("both", 1, str(both_dir))}
+    llm = LLM(model=str(base_dir), device=device, dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=RANK, gpu_memory_utilization=0.3)
+    tower = llm.llm_engine.runner.model.model.encoder
+    if device == "cpu":
+        tower.capture_graphs(4, use_graphs=False)
+    graphs, eager_forward, eager_calls = tower.graphs, tower._forward_eager, []
+    assert graphs is not None
+
+    def counted_eager(features):
+        eager_calls.append(features.shape[0])
+        return eager_forward(features)
+
+    tower._forward_eager = counted_eager
+    prompt = _prompt(base_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1)
+    rng = np.random.default_rng(0)
+    for plan in (["both"], [None]):     # an adapted encoder call, then a base one
+        audio = (0.1 * rng.standard_normal(16000 * 6)).astype(np.float32)
+        replays, eager_before = graphs.num_replays, len(eager_calls)
+        outs = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"audio": (audio, 16000)}}]
+                            * len(plan), params, use_tqdm=False,
+                            lora_request=[None if a is None else adapters[a] for a in plan])
+        if "both" in plan:                                       # its window's encoder call ran eagerly
+            assert len(eager_calls) > eager_before
+        else:
+            assert len(eager_calls) == eager_before and graphs.num_replays > replays
+        for adapter, out in zip(plan, outs):
+            ref_tokens, ref_logprobs = hf_greedy(refs[adapter], audio, prompt, MAX_NEW)
+            tokens = list(out.outputs[0].token_ids)
+            assert tokens == ref_tokens, adapter
+            ours = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)]
+            np.testing.assert_allclose(ours, ref_logprobs, atol=2e-3, err_msg=str(adapter))

@@ -156,18 +156,18 @@ def window_rows(args, bandwidth: float) -> list[dict]:
         row["decode"] = decode_rows(llm, args, args.batch_sizes, bandwidth)
         rows.append(row)
         _free(llm)
-        print(f"windows {'on' if windows else 'off'}: {row['blocks_held']} blocks held ({row['held_bytes'] / 2**30:.3f}"
-              f" GiB), peak {row['blocks_peak']}; window need {row['window_need_bytes'] / 2**30:.3f} GiB", flush=True)
+        print(f"windows {'on' if windows else 'off'}: {row['blocks_held']} blocks held ({row['held_bytes'] / 2**20:.1f}"
+              f" MiB), peak {row['blocks_peak']}; window need {row['window_need_bytes'] / 2**20:.1f} MiB", flush=True)
     check_free(rows)
     off = rows[1]
-    print(f"\n{'windows':>7s} {'sliding':>7s} {'blocks':>7s} {'peak':>6s} {'held GiB':>8s} {'need GiB':>8s} "
+    print(f"\n{'windows':>7s} {'sliding':>7s} {'blocks':>7s} {'peak':>6s} {'held MiB':>9s} {'need MiB':>9s} "
           f"{'x off':>6s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'x floor':>7s} {'x off':>6s}")
     for r in rows:
         r["held_x_off"] = r["blocks_held"] / off["blocks_held"]
         for d, d_off in zip(r["decode"], off["decode"]):
             d["step_x_off"] = d["step_ms"] / d_off["step_ms"]
             print(f"{'on' if r['windows'] else 'off':>7s} {r['sliding_layers']:7d} {r['blocks_held']:7d} "
-                  f"{r['blocks_peak']:6d} {r['held_bytes'] / 2**30:8.3f} {r['window_need_bytes'] / 2**30:8.3f} "
+                  f"{r['blocks_peak']:6d} {r['held_bytes'] / 2**20:9.1f} {r['window_need_bytes'] / 2**20:9.1f} "
                   f"{r['held_x_off']:6.3f} {d['batch']:5d} {d['step_ms']:8.2f} {d['floor_ms']:8.2f} "
                   f"{d['step_over_floor']:7.2f} {d['step_x_off']:6.3f}")
     return rows

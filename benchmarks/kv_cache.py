@@ -176,7 +176,6 @@ def window_rows(args, bandwidth: float) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["fp8", "window"])
-    ap.add_argument("--model", default=None)
     add_shape_args(ap)
     ap.add_argument("--kv-cache-dtypes", default="auto,fp8", help="fp8: the caches compared, the first the reference")
     ap.add_argument("--capacity-seqs", type=int, default=512, help="fp8: max_num_seqs of each engine")

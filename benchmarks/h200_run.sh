@@ -31,7 +31,8 @@
 #               KV blocks at start-up (gpu_memory_utilization 0.9) and decode at batch 256, bf16 cache vs FP8 cache,
 #               Llama-3-8B shape with bf16 weights ($OUT/kv_cache_fp8.json, ~150-200 s); `lora-fp8` multi-lora's
 #               runs on the FP8 base, LORA_FP8="BATCH:ADAPTERS ..." (default "64:16,64";
-#               $OUT/multi_lora_fp8_b64.json, ~150-250 s)
+#               $OUT/multi_lora_fp8_b64.json, ~150-250 s); `int4-latency` a GPTQ checkpoint of random 4-bit weights (groups
+#               of 128, written first: ~6 GB) of the Llama-3-8B shape, batch 1/16/64 vs its 4-bit floor ($OUT/latency_int4.json)
 #   serve       chorus serve under 256 streamed requests of 512 prompt ids + 128 tokens sent at
 #               once, from 1 and 4 client processes, vs LLM.generate on the same requests; needs
 #               the carried .whl folder (fetch-wheels)                             (~180 s, not timed yet)
@@ -191,6 +192,7 @@ for phase in "$@"; do
               --context-len 512 --steps 32 $(skip_hf) ;;
           throughput)
             bench throughput_fp8 throughput.py --shape llama3-8b --quantization fp8 $THROUGHPUT_WORKLOAD $(skip_hf) ;;
+          int4-latency) bench latency_int4 latency.py --shape llama3-8b --quantization int4 --batch-sizes 1,16,64 --context-len 512 --steps 32 --skip-hf ;;
           70b-latency)
             bench latency_fp8_llama3_70b latency.py --shape llama3-70b --quantization fp8 --kv-cache-dtype fp8 \
               --batch-sizes 1,64 --context-len 512 --steps 32 --gpu-memory-utilization 0.9 --skip-hf ;;
@@ -206,7 +208,7 @@ for phase in "$@"; do
                 --num-adapters "${spec#*:}" --max-loras 64 --input-len 512 --output-len 128 --base-last --skip-hf
             done ;;
           *)
-            echo "unknown fp8 part $part (latency, throughput, 70b-latency, 70b-throughput, kv-fp8, lora-fp8)"; exit 2 ;;
+            echo "unknown fp8 part $part (latency, throughput, 70b-latency, 70b-throughput, kv-fp8, lora-fp8, int4-latency)"; exit 2 ;;
         esac
       done ;;
     multi-lora)

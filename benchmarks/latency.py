@@ -6,6 +6,8 @@ Examples:
     # another shape (benchmarks/shapes.py), FP8 weights in the engine; --tiny: its small variant, for CPU
     python benchmarks/latency.py --shape qwen3-30b-a3b --batch-sizes 1,64
     python benchmarks/latency.py --shape llama3-8b --quantization fp8 --batch-sizes 1,64,256
+    # int4: a GPTQ checkpoint of random 4-bit weights (groups of 128) through the W4A16 layer
+    python benchmarks/latency.py --shape llama3-8b --quantization int4 --batch-sizes 1,16,64
     # Llama-3-70B shape on one H200: FP8 weights (drawn and quantized one projection at a time), FP8 KV cache
     python benchmarks/latency.py --shape llama3-70b --quantization fp8 --kv-cache-dtype fp8 --batch-sizes 1,64 \
         --gpu-memory-utilization 0.9 --skip-hf
@@ -23,7 +25,8 @@ engine runs decode-only steps (a CUDA graph each on CUDA, with async scheduling)
   * floor ms: (weight bytes + KV bytes read per step) / copy bandwidth, the bandwidth measured
     first as a device-to-device copy (bytes read + written); the bytes from the config
     (``benchmarks.shapes.decode_bytes``): every weight once but the embedding (B rows of it), with
-    ``--quantization fp8`` the projections at 1 byte per weight + their scales, with ``--kv-cache-dtype fp8``
+    ``--quantization fp8`` the projections at 1 byte per weight + their scales, with ``int4`` at half a byte
+    + a bf16 scale and zero point per 128 inputs (the embedding and LM head in bf16), with ``--kv-cache-dtype fp8``
     the KV at 1 byte per element; of a MoE layer the
     router and the experts B tokens select, E * (1 - (1 - k/E)^B) of E experts at top-k under uniform
     routing (an expectation: real routing is not uniform); the KV of every context token, at most
@@ -46,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.shapes import add_shape_args, decode_bytes, kv_elem_bytes, resolve_shape_args  # noqa: E402
+from benchmarks.shapes import (add_shape_args, decode_bytes, engine_quantization, int4_group_size,  # noqa: E402
+                               kv_elem_bytes, resolve_shape_args)
 
 
 def sync() -> None:
@@ -121,7 +125,7 @@ def chorus_llm(args, model_dir: str, max_num_seqs: int, max_model_len: int, **en
     from engine import LLM
     kw = dict(load_format=args.load_format, dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+              gpu_memory_utilization=args.gpu_memory_utilization, quantization=engine_quantization(args),
               kv_cache_dtype=args.kv_cache_dtype, seed=0)
     return LLM(model_dir, **{**kw, **engine_kw})
 
@@ -171,7 +175,8 @@ def decode_rows(llm, args, batch_sizes: list[int], bandwidth: float) -> list[dic
         runner.graphs = graphs
         mean_ctx = args.context_len + 6 + args.steps / 2
         fb = decode_bytes(hf_cfg, b, mean_ctx, elem, kv_elem_bytes(args.kv_cache_dtype, elem),
-                          fp8=args.quantization == "fp8")
+                          fp8=args.quantization == "fp8",
+                          int4_group_size=int4_group_size(args.tiny) if args.quantization == "int4" else None)
         floor_ms = fb["total_bytes"] / bandwidth * 1e3 if cuda else float("nan")
         gpu_ms = timing.get("gpu_busy_ms", float("nan")) / max(1, timing.get("steps", 1))
         rows.append(dict(batch=b, context_len=args.context_len, step_ms=step_s * 1e3, gpu_ms=gpu_ms,
@@ -195,7 +200,9 @@ def hf_rows(args, model_dir: str, batch_sizes: list[int]) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = AutoConfig.from_pretrained(model_dir)
-    if args.load_format == "dummy":
+    if args.quantization == "int4":          # transformers runs the float model of the shape (random weights)
+        del cfg.quantization_config
+    if args.load_format == "dummy" or args.quantization == "int4":
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     else:

@@ -8,6 +8,7 @@ Shapes (the released checkpoints' text configs):
   qwen3-8b       Qwen3ForCausalLM;
   qwen3-30b-a3b  Qwen3MoeForCausalLM, 128 experts of 768, 8 per token, every layer sparse;
   gemma3-12b     Gemma3ForCausalLM, 5 sliding-window (1024) layers to 1 global, tied embeddings.
+``--quantization int4`` serves a GPTQ checkpoint of random 4-bit weights of a dense shape (``int4_checkpoint``).
 ``tiny=True`` (``--tiny``) keeps each family and its layer pattern with small sizes, for CPU smoke tests.
 """
 
@@ -107,13 +108,15 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
 
 
 def decode_bytes(cfg, batch: int, context_len: float, elem_bytes: int = 2, kv_elem_bytes: Optional[int] = None,
-                 fp8: bool = False) -> dict:
+                 fp8: bool = False, int4_group_size: Optional[int] = None) -> dict:
     """Bytes one decode step of ``batch`` sequences at ``context_len`` tokens must read, from the HF text
     config ``cfg``: every projection, norm and the LM head once; the embedding only for ``batch`` rows; of a
     MoE layer the router, the shared expert and ``expected_distinct_experts`` of the routed ones (uniform
     routing); the KV of ``context_len`` tokens per sequence, at most ``sliding_window`` in a sliding layer.
     ``fp8`` (``--quantization fp8``): the projections (not the LM head, the embedding or the stacked experts,
-    which the engine keeps in ``elem_bytes``) at 1 byte per weight + a float32 scale per output channel."""
+    which the engine keeps in ``elem_bytes``) at 1 byte per weight + a float32 scale per output channel.
+    ``int4_group_size`` G (``--quantization int4``): the projections as the engine's W4A16 layer reads them,
+    half a byte per weight + a scale and a zero point (``elem_bytes`` each) per G inputs of an output."""
     from engine.models.qwen3_moe import is_sparse_layer
     from engine.models.sliding_window import layer_windows
     kv_elem = kv_elem_bytes or elem_bytes
@@ -122,6 +125,8 @@ def decode_bytes(cfg, batch: int, context_len: float, elem_bytes: int = 2, kv_el
     q_out, kv_out = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
 
     def proj(d_in: int, d_out: int) -> int:
+        if int4_group_size:
+            return d_in * d_out // 2 + 2 * (d_in // int4_group_size) * d_out * elem_bytes
         return d_in * d_out + 4 * d_out if fp8 else d_in * d_out * elem_bytes
 
     norms = 2 * head_dim if getattr(cfg, "model_type", "").startswith(("qwen3", "gemma3")) else 0   # q/k norms
@@ -159,8 +164,10 @@ def add_shape_args(ap) -> None:
     ap.add_argument("--tiny", action="store_true", help="with --shape: its tiny float32 variant (CPU smoke tests)")
     ap.add_argument("--llama3-8b-dummy", action="store_true", help="Llama-3-8B shape, random bf16 weights "
                     "(--shape llama3-8b)")
-    ap.add_argument("--quantization", default=None, choices=["fp8"],
-                    help="the engine's weight quantization (transformers keeps the float weights)")
+    ap.add_argument("--quantization", default=None, choices=["fp8", "int4"],
+                    help="the engine's weight quantization (transformers keeps the float weights): fp8 quantized at "
+                         "load; int4 a GPTQ checkpoint of random 4-bit weights in groups of 128 "
+                         "(``int4_checkpoint``), served as it is")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="the engine's KV cache dtype: auto (the model's) or fp8 (e4m3, CUDA; the bytes floor counts "
                          "1 byte per KV element)")
@@ -182,6 +189,82 @@ def resolve_shape_args(args) -> None:
     args.load_format = "auto"
     if args.llama3_8b_dummy:
         args.shape = "llama3-8b"
-    if args.shape:
+    if args.shape and args.quantization == "int4":
+        args.model = int4_checkpoint(args.shape, args.tiny)
+    elif args.shape:
         args.model = dummy_model(args.shape, args.tiny)
         args.load_format = "dummy"
+
+
+def engine_quantization(args) -> Optional[str]:
+    """The ``quantization`` the engine takes for ``add_shape_args``'s flags: None for int4 (the GPTQ
+    checkpoint carries its own), else ``--quantization``."""
+    return None if args.quantization == "int4" else args.quantization
+
+
+INT4_GROUP_SIZE = 128
+"""Inputs per scale of ``int4_checkpoint`` (``--tiny``: 32, its inputs are 64 and 128)."""
+
+
+def int4_group_size(tiny: bool) -> int:
+    """The group size of ``int4_checkpoint``."""
+    return 32 if tiny else INT4_GROUP_SIZE
+
+
+def int4_checkpoint(name: str, tiny: bool = False) -> str:
+    """A GPTQ (v1, symmetric, no act order) checkpoint of shape ``name`` with random 4-bit weights under
+    $TMPDIR (default /tmp): ``chorus-NAME[-tiny]-gptq-dummy``, written once (a ``complete`` file marks it).
+    Dense shapes (Llama, Qwen3). Scales ~ 0.02 / 4.6 (the float dummy's std), the embedding and LM head
+    random bfloat16 (float32 with ``tiny``), norms ones; one safetensors file per layer, drawn on the GPU
+    when there is one, so no float model is ever built."""
+    import torch
+    from safetensors.torch import save_file
+
+    model_type, arch, fields = shape_fields(name, tiny)
+    if fields.get("num_experts") or model_type.startswith("gemma"):
+        raise ValueError(f"--quantization int4 writes dense Llama / Qwen3 checkpoints; {name} is not one.")
+    group = int4_group_size(tiny)
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"chorus-{name}{'-tiny' if tiny else ''}-gptq-dummy"
+    if (out / "complete").is_file():
+        return str(out)
+    dtype = "float32" if tiny else "bfloat16"
+    quant = dict(quant_method="gptq", bits=4, group_size=group, desc_act=False, sym=True, checkpoint_format="gptq")
+    write_checkpoint(out, model_type, arch, {**fields, "quantization_config": quant}, dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    h, inter = fields["hidden_size"], fields["intermediate_size"]
+    head_dim = fields.get("head_dim") or h // fields["num_attention_heads"]
+    q_out, kv_out = fields["num_attention_heads"] * head_dim, fields["num_key_value_heads"] * head_dim
+    float_dtype = getattr(torch, dtype)
+
+    def gptq(d_in: int, d_out: int) -> dict:
+        groups = d_in // group
+        return dict(qweight=torch.randint(-2 ** 31, 2 ** 31 - 1, (d_in // 8, d_out), generator=gen, device=device,
+                                          dtype=torch.int32),
+                    scales=((0.5 + torch.rand(groups, d_out, generator=gen, device=device)) * (0.02 / 4.6)).half(),
+                    qzeros=torch.full((groups, d_out // 8), 0x77777777, dtype=torch.int32, device=device),  # v1: 8 - 1
+                    g_idx=(torch.arange(d_in, device=device, dtype=torch.int32) // group))
+
+    def ones(size: int) -> "torch.Tensor":
+        return torch.ones(size, dtype=float_dtype, device=device)
+
+    def randn(*shape: int) -> "torch.Tensor":
+        return (torch.randn(*shape, generator=gen, device=device) * 0.02).to(float_dtype)
+
+    head = {"model.embed_tokens.weight": randn(fields["vocab_size"], h), "model.norm.weight": ones(h)}
+    if not fields.get("tie_word_embeddings"):
+        head["lm_head.weight"] = randn(fields["vocab_size"], h)
+    save_file({k: v.cpu() for k, v in head.items()}, str(out / "model-embed.safetensors"))
+    projections = {"self_attn.q_proj": (h, q_out), "self_attn.k_proj": (h, kv_out), "self_attn.v_proj": (h, kv_out),
+                   "self_attn.o_proj": (q_out, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+                   "mlp.down_proj": (inter, h)}
+    for i in range(fields["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        layer = {prefix + "input_layernorm.weight": ones(h), prefix + "post_attention_layernorm.weight": ones(h)}
+        if model_type.startswith("qwen3"):
+            layer.update({prefix + "self_attn.q_norm.weight": ones(head_dim), prefix + "self_attn.k_norm.weight": ones(head_dim)})
+        for proj, (d_in, d_out) in projections.items():
+            layer.update({f"{prefix}{proj}.{k}": v for k, v in gptq(d_in, d_out).items()})
+        save_file({k: v.cpu() for k, v in layer.items()}, str(out / f"model-layer-{i:03d}.safetensors"))
+    (out / "complete").write_text("")
+    return str(out)

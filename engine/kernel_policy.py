@@ -40,7 +40,11 @@ class KernelPolicy:
     one ``kernels.gemv`` launch with the RMSNorm / SiLU-and-mul before it fused in; 0: never
     (cuBLAS and separate kernels). 0-16."""
     gemv: Overrides = ()
-    """``kernels.gemv.GemvConfig`` field overrides (block_n, block_k, num_warps, num_stages, use_dot)."""
+    """``kernels.gemv.GemvConfig`` field overrides (block_n, block_k, num_warps, num_stages, use_dot,
+    reduce_once)."""
+    fp8_decode_gemv: bool = True
+    """FP8 projections (``engine.layers.fp8.Fp8Weight``) take those GEMV launches too, reading their
+    e4m3 weight (W8A16); off: their decode steps run the W8A8 Triton GEMM of larger steps."""
     moe_decode_max_pairs: int = 64
     """On CUDA, MoE calls of at most this many (token, expert) pairs run ``kernels.fused_moe_decode``
     (each pair reads its own expert, no sort), larger ones the sorted grouped GEMMs of

@@ -62,8 +62,6 @@ from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next
 
 MAX_ROWS = 16
 """Most token rows one call takes (the decode batches this kernel is for); more raise ValueError."""
-FP8_ROWS_ONCE = 2
-"""Rows up to which an e4m3 weight's default tiles are the elementwise reduce-once form (``gemv_config``)."""
 
 PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
 """Values of the kernel's PROLOGUE constexpr: how the input rows are built from the inputs."""
@@ -173,7 +171,7 @@ def _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M:
         w = w.to(DTYPE)
     if SCALE_BK > 0:
         s = tl.load(ws_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)                      # [BLOCK_N]
-        if REDUCE_ONCE and not USE_DOT:
+        if REDUCE_ONCE:
             acc = _accumulate(acc, a, w.to(tl.float32) * s[:, None], BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT,
                               REDUCE_ONCE, UPCAST, DOT_PRECISION)
         else:
@@ -181,7 +179,7 @@ def _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M:
                                USE_DOT, False, UPCAST, DOT_PRECISION)
             acc += part * s[None, :]
     else:
-        acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, REDUCE_ONCE and not USE_DOT, UPCAST,
+        acc = _accumulate(acc, a, w, BLOCK_M, BLOCK_MA, BLOCK_K, USE_DOT, REDUCE_ONCE, UPCAST,
                           DOT_PRECISION)
     return acc
 
@@ -254,7 +252,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
             p, q = p_next, q_next
         rstd = tl.rsqrt(ss / K + eps)[:, None]                                          # [BLOCK_MA, 1]
 
-    if REDUCE_ONCE and not USE_DOT:
+    if REDUCE_ONCE:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -279,7 +277,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
             acc = _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
                                    W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION)
             p, q, nw = p_next, q_next, nw_next
-    if REDUCE_ONCE and not USE_DOT:
+    if REDUCE_ONCE:
         acc = tl.sum(acc, axis=2)                                                       # [BLOCK_M, BLOCK_N]
     if W_FP8:
         if SCALE_BK == 0:
@@ -352,8 +350,7 @@ def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int,
 
 
 def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN,
-                override: GemvOverride = (), scale_block_k: Optional[int] = None,
-                weight_fp8: bool = False) -> GemvConfig:
+                override: GemvOverride = (), scale_block_k: Optional[int] = None) -> GemvConfig:
     """The default config for an [M, K] x [N, K]^T decode GEMV, with ``override`` applied last.
 
     Args:
@@ -365,8 +362,6 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         scale_block_k: inputs per scale block of a block-scaled FP8 weight (None: none); block_k is
             then cut to the largest power of two dividing it (after the override), so no chunk
             straddles a block.
-        weight_fp8: the weight is e4m3 (``FP8_ROWS_ONCE`` rows or fewer take the elementwise
-            reduce-once tiles).
 
     NOTE: defaults chosen with ``benchmarks/sweeps/gemv_sweep.py`` on an H200 (Llama-3-8B shapes,
     bf16, M 1..16, weights from HBM, CUDA graphs): tl.dot beats the elementwise form at every M,
@@ -379,19 +374,16 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     ``KernelPolicy.decode_gemv_max_tokens`` (``benchmarks/RESULTS.md``, "What sets each ``KernelPolicy``
     default" and "Launch configs and constants inside the kernels").
 
-    NOTE (FP8 weights): the tl.dot form widens each e4m3 tile to bf16 for the MMA; a W8A16 GEMV
-    built that way measured 69 us for gate_up at one row on the H200 (the W8A8 GEMM 34 us, the
-    bytes floor 24.5 us). Up to ``FP8_ROWS_ONCE`` rows an e4m3 weight therefore takes the
-    elementwise form reduced once (e4m3 -> float32 and one FMA per weight element and row, no MMA,
-    no per-step shuffles): block_n 32, 64 float32 partial sums per thread. These tiles are a
-    starting point: ``benchmarks/sweeps/fp8_sweep.py`` ranks them against the tl.dot tiles at
-    1 / 4 / 16 rows.
+    NOTE (FP8 weights): e4m3 weights take the same tiles. Widening e4m3 to bf16 costs ALU work
+    per weight byte that bf16 weights do not pay: compiled for sm_90, the tl.dot K loop at block_n
+    32 / block_k 512 issues about 0.15 warp instructions per weight byte (bf16: 0.03), the
+    elementwise reduce-once form about 0.19 at 1 row; the H200 issues about 0.2 per byte of HBM
+    bandwidth, so the FP8 GEMV runs near the issue limit rather than the bytes floor.
+    ``benchmarks/sweeps/fp8_sweep.py`` ranks both forms' tiles against the W8A8 GEMM there.
     """
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
                          num_warps=4, num_stages=1, use_dot=0)
-    elif weight_fp8 and M <= FP8_ROWS_ONCE:
-        cfg = GemvConfig(32, 256 // next_power_of_2(M), 4, 3, use_dot=0, reduce_once=1)
     elif N <= 16384:
         cfg = GemvConfig(32, 512, 4, 3, 1)
     else:
@@ -472,8 +464,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         return out
     scale_bn, scale_bk = scale_block if scale_block is not None else (1, 0)
     if config is None:
-        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None,
-                             weight_fp8=weight_scale is not None)
+        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None)
     block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
     upcast = is_interpreted(x.device)
     _gemv_kernel[(cdiv(N, config.block_n),)](
@@ -485,7 +476,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         W_FP8=weight_scale is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_MA=block_ma, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_KS=block_ks,
-        USE_DOT=bool(config.use_dot), REDUCE_ONCE=bool(config.reduce_once), UPCAST=upcast,
+        USE_DOT=bool(config.use_dot), REDUCE_ONCE=bool(config.reduce_once and not config.use_dot), UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -176,13 +176,14 @@ class Linear(nn.Module):
     def uses_decode_gemv(self, x: torch.Tensor, policy: KernelPolicy) -> bool:
         """Whether this layer of x runs as ``kernels.gemv`` (CUDA, at most
         ``policy.decode_gemv_max_tokens`` rows, row-contiguous, no adapter update in the step; a float
-        weight in x's dtype or an FP8 one the GEMV takes, ``Fp8Weight.decode_gemv``)."""
+        weight in x's dtype, or an FP8 one the GEMV takes, ``Fp8Weight.decode_gemv``, under
+        ``policy.fp8_decode_gemv``)."""
         if not (x.is_cuda and 0 < x.shape[0] <= policy.decode_gemv_max_tokens
                 and x.dim() == 2 and x.stride(-1) == 1 and (self.adapter is None or self.adapter.adds_nothing())):
             return False
         if self.weight is not None:
             return x.dtype == self.weight.dtype
-        return (isinstance(self.weight_q, Fp8Weight) and self.weight_q.decode_gemv
+        return (policy.fp8_decode_gemv and isinstance(self.weight_q, Fp8Weight) and self.weight_q.decode_gemv
                 and (self.bias is None or self.bias.dtype == x.dtype))
 
     def decode_gemv_weight(self) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple[int, int]]]:

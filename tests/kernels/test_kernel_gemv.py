@@ -297,15 +297,8 @@ def test_fp8_default_config_block_scales(prologue):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_gemv_config():
-    """FP8 weights: the reduce-once elementwise tiles up to FP8_ROWS_ONCE rows, block_k cut to the scale
-    blocks (also under an override); float weights keep their tiles."""
-    assert gemv_config(1, 6144, 4096) == gemv_config(1, 6144, 4096, scale_block_k=None, weight_fp8=False)
-    once = gemv_config(1, 28672, 4096, weight_fp8=True)
-    assert (once.use_dot, once.reduce_once, once.block_k) == (0, 1, 256)
-    assert gemv_config(2, 28672, 4096, weight_fp8=True).block_k == 128
-    assert gemv_config(4, 28672, 4096, weight_fp8=True) == gemv_config(4, 28672, 4096)
-    assert gemv_config(1, 6144, 4096, weight_fp8=True, scale_block_k=128).block_k == 128
+def test_fp8_gemv_config_cuts_block_k():
+    """Block-scaled FP8 weights: block_k cut to divide the scale blocks, also under an override."""
     assert gemv_config(1, 6144, 4096).block_k == 512
     assert gemv_config(1, 6144, 4096, scale_block_k=128).block_k == 128
     assert gemv_config(1, 6144, 4096, override=(("block_k", 1024),), scale_block_k=128).block_k == 128

@@ -38,7 +38,7 @@ def force_fp8_gemv_on_cpu(monkeypatch, max_tokens: int = 2) -> dict[str, list]:
 
     def use(linear, x, policy):
         return (0 < x.shape[0] <= max_tokens and (linear.adapter is None or linear.adapter.adds_nothing())
-                and isinstance(linear.weight_q, Fp8Weight) and linear.weight_q.decode_gemv)
+                and policy.fp8_decode_gemv and isinstance(linear.weight_q, Fp8Weight) and linear.weight_q.decode_gemv)
     monkeypatch.setattr(Linear, "uses_decode_gemv", use)
     calls = {"gemv": [], "silu_mul_gemv": [], "add_rms_norm_gemv": []}
     for name in calls:
@@ -84,6 +84,11 @@ def test_fp8_decode_steps_take_the_gemv(case, tiny_llama_dir, fp8_block_dir, mon
     assert calls["silu_mul_gemv"] == calls["gemv"] == [block] * (layers * decode_steps)
 
 
+def test_fp8_decode_gemv_policy_switch():
+    assert KernelPolicy().fp8_decode_gemv
+    assert not KernelPolicy().with_overrides("fp8_decode_gemv=0").fp8_decode_gemv
+
+
 def test_cpu_never_takes_the_gemv():
     """The real rule on CPU: never (the CPU Fp8Weight keeps only its dequantized weight)."""
     lin = Linear(64, [32])
@@ -123,6 +128,7 @@ def test_gpu_fp8_linear_takes_the_gemv(block, monkeypatch):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         takes = block != (128, 8) and rows <= policy.decode_gemv_max_tokens
         assert lin.uses_decode_gemv(x, policy) == takes
+        assert not lin.uses_decode_gemv(x, KernelPolicy(fp8_decode_gemv=False))
         if takes:
             ref = (x.float() @ dequantize_fp8_weight(wq, scale, block).T).to(torch.bfloat16)
             torch.testing.assert_close(lin(x).float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -10,8 +10,9 @@ layers with packed q/k/v and a zero k bias, the same tensor names) with two diff
   the processor keeps ``num_audio_embeds(num_frames)`` pooled rows.
 
 Masked keys, per-position layers and a pooling of aligned pairs mean the kept rows depend only on the
-unmasked positions: each item runs the conv stem over the whole window, then the layers over its
-unmasked positions alone (no mask needed, no work spent on padding), then the pooling and the norm.
+unmasked positions: the conv stem runs over the whole windows, then the layers run once over every
+item's unmasked positions packed end to end (no mask, no work spent on padding; attention within each
+item, ``encoders.varlen_attention``), then each item's pooling and the norm.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from encoders.varlen_attention import join_runs, packed_segments
 from encoders.whisper import WhisperEncoderTower
 
 
@@ -48,12 +50,13 @@ class Qwen2AudioEncoderTower(WhisperEncoderTower):
         features = input_features.to(self.conv1.weight.dtype)
         features = F.gelu(self.conv2(F.gelu(self.conv1(features))))                # [B, d_model, positions]
         stem = features.transpose(1, 2) + self.embed_positions.weight               # [B, positions, d_model]
+        lengths = [num_encoder_positions(frames) for frames in num_frames]
+        hidden = torch.cat([stem[b, :length] for b, length in enumerate(lengths)])  # [sum(lengths), d_model]
+        segments = packed_segments(join_runs((1, length) for length in lengths), hidden.device)
+        for layer in self.layers:
+            hidden = layer(hidden, segments)
         out = []
-        for b, frames in enumerate(num_frames):
-            num_embeds = num_audio_embeds(frames)
-            hidden = stem[b:b + 1, :num_encoder_positions(frames)].contiguous()      # [1, S, d_model]
-            for layer in self.layers:
-                hidden = layer(hidden)
-            pooled = F.avg_pool1d(hidden.transpose(1, 2), kernel_size=2, stride=2)  # [1, d_model, S // 2]
-            out.append(self.layer_norm(pooled.transpose(1, 2)[0, :num_embeds]))     # [num_embeds, d_model]
+        for item, frames in zip(hidden.split(lengths), num_frames):              # each [S_i, d_model]
+            pooled = F.avg_pool1d(item.t()[None], kernel_size=2, stride=2)[0]    # [d_model, S_i // 2]
+            out.append(self.layer_norm(pooled.t()[:num_audio_embeds(frames)]))   # [num_embeds, d_model]
         return out

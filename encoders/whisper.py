@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from encoders.encoder_graphs import BatchGraphs, encoder_graph_sizes
+from encoders.varlen_attention import PackedSegments, packed_attention
 from encoders.vit import TowerWeights, ViTAttention, activation
 from engine.layers.linear import Linear
 
@@ -54,10 +55,22 @@ class LoRATarget(NamedTuple):
 
 
 class WhisperEncoderAttention(ViTAttention):
-    """``ViTAttention`` with its projections as ``Linear``s (q | k | v slices), which take adapters."""
+    """``ViTAttention`` with its projections as ``Linear``s (q | k | v slices), which take adapters; it also
+    attends over packed sequences of different lengths (Qwen2-Audio's clips)."""
 
     def build_projections(self, hidden_size: int) -> tuple[nn.Module, nn.Module]:
         return Linear(hidden_size, [hidden_size] * 3, bias=True), Linear(hidden_size, [hidden_size], bias=True)
+
+    def forward(self, hidden_states: torch.Tensor, segments: Optional[PackedSegments] = None) -> torch.Tensor:
+        """hidden_states [N, S, hidden] -> [N, S, hidden]; with ``segments``, [T, hidden] packed sequences
+        (each attends within its own segment, ``encoders.varlen_attention``) -> [T, hidden]."""
+        if segments is None:
+            return super().forward(hidden_states)
+        num_tokens, hidden = hidden_states.shape
+        qkv = self.qkv(hidden_states).view(num_tokens, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(1)                                      # each [T, heads, head_dim]
+        out = packed_attention(q, k, v, segments, self.scale)         # [T, heads, head_dim]
+        return self.out_proj(out.reshape(num_tokens, hidden))
 
 
 class WhisperEncoderLayer(nn.Module):
@@ -72,9 +85,10 @@ class WhisperEncoderLayer(nn.Module):
         self.fc1 = Linear(d_model, [ffn_dim], bias=True)
         self.fc2 = Linear(ffn_dim, [d_model], bias=True)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [B, S, d_model] -> [B, S, d_model]."""
-        hidden_states = hidden_states + self.self_attn(self.self_attn_layer_norm(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, segments: Optional[PackedSegments] = None) -> torch.Tensor:
+        """hidden_states [B, S, d_model] -> [B, S, d_model]; with ``segments``, [T, d_model] packed sequences
+        (``WhisperEncoderAttention``) -> [T, d_model]."""
+        hidden_states = hidden_states + self.self_attn(self.self_attn_layer_norm(hidden_states), segments)
         hidden_states = hidden_states + self.fc2(self.act(self.fc1(self.final_layer_norm(hidden_states))))
         if hidden_states.dtype == torch.float16:  # transformers clamps float16 activations after each layer
             clamp = torch.finfo(torch.float16).max - 1000

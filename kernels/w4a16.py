@@ -235,10 +235,11 @@ def _nibble_minus_zero(words, c8, c12, c16, I: tl.constexpr):
 
 @triton.jit
 def _magic_words(packed):
-    """``_nibble_minus_zero``'s words of packed int32: (packed << 8, packed, packed >> 12), each with
-    bits 8..19 kept and the bits of 2^23's exponent (0x4B000000) set."""
-    return (((packed << 8) & 0xFFF00) | 0x4B000000, (packed & 0xFFF00) | 0x4B000000,
-            ((packed >> 12) & 0xFFF00) | 0x4B000000)
+    """``_nibble_minus_zero``'s words of packed int32: (packed << 8, packed, packed >> 12 (logical)), each
+    with the bits of 2^23's exponent (0x4B000000) set; the other bits above 19 are cleared by the nibble's
+    AND, so no mask here (one OR, the shifted words one shift more)."""
+    hi = (packed.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
+    return (packed << 8) | 0x4B000000, packed | 0x4B000000, hi | 0x4B000000
 
 
 @triton.jit

@@ -134,6 +134,9 @@ class WhisperEncoderTower(nn.Module):
         Capture outside any adapter batch (the graphs run the base projections). ``use_graphs=False``: the
         same chunking and padding, each chunk eager (CPU tests). Returns the batch sizes captured."""
         self.graphs = None
+        if self._adapter_active():
+            raise RuntimeError(f"{_TOWER}.capture_graphs ran inside an adapter batch: the graphs would hold "
+                               "its adapters; capture outside LoRAManager.rows_batch.")
         sizes = encoder_graph_sizes(max_items)
         if sizes:
             weight = self.conv1.weight

@@ -102,6 +102,8 @@ def test_a_call_with_an_adapter_runs_eagerly():
         adapted = tower(windows)
     assert tower.graphs.num_replays == replays
     assert not torch.allclose(adapted, base, atol=1e-3)
+    with pytest.raises(RuntimeError, match="inside an adapter batch"):
+        tower.capture_graphs(4, use_graphs=False)
 
 
 @pytest.mark.gpu

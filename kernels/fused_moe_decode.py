@@ -13,7 +13,8 @@ BLOCK_M-row block by itself. Here each pair reads its own expert's rows directly
   x[t] against the gate and up rows of w13[e], SiLU-and-mul in the epilogue -> act [T * K, I].
 - Launch 2 (``_down_kernel``): one program per (token, BLOCK_N hidden columns): for each of the token's
   K pairs, act[pair] against w2[e]'s rows, times the routing weight, summed over the K pairs in the
-  program (no atomics, deterministic) -> out [T, H].
+  program (no atomics, deterministic; one loop over pairs x chunks, so the weight stream does not
+  stop between pairs) -> out [T, H].
 
 Pairs sharing an expert read its rows once each; the pair (stage 1) and the token (stage 2) are the
 fastest grid axis, so those reads of one column block run side by side and meet in L2. The path reads
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused_moe import check_moe_inputs
-from kernels.utils import cdiv, check_pow2_field, is_interpreted
+from kernels.utils import cdiv, check_pow2_field, is_interpreted, next_power_of_2
 
 
 # ----------------------------------------------------------------------------------------
@@ -129,8 +130,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H, I, stride_x, stride_we,
 
 @triton.jit
 def _down_kernel(act_ptr, w2_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, stride_we,
-                 TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Semantics (dtype = out's dtype; float32 math unless rounded by dtype(.)):
 
         for token t in [0, T):
@@ -142,32 +143,44 @@ def _down_kernel(act_ptr, w2_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, stride_we,
 
     act: [T * K, I] contiguous; w2: [E, H, I] contiguous (expert stride stride_we); ids, topk_w:
     [T * K] flat expert ids and routing weights (any float dtype, read as float32); out: [T, H]
-    contiguous.
+    contiguous. TOP_K_P2: next power of two >= TOP_K.
 
-    Grid: (T tokens, cdiv(H, BLOCK_N) column blocks); program (t, n) loops the token's K pairs, each
-    over all of I.
+    Grid: (T tokens, cdiv(H, BLOCK_N) column blocks). Program (t, n) runs one loop over the token's
+    K pairs x cdiv(I, BLOCK_K) chunks (not a loop per pair: the weight loads stream from one pair's
+    expert into the next without draining the pipeline); the token's expert ids and weights are read
+    once, before it, so no load in the loop waits on another. A pair's sum is finished on its last
+    chunk (masked adds elsewhere, so no branch in the loop).
     """
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
+    w_cols = offs_n.to(tl.int64)[:, None] * I                                           # [BLOCK_N, 1]
+    offs_p = tl.arange(0, TOP_K_P2)
+    p_ok = offs_p < TOP_K
+    first_pair = token * TOP_K
+    experts = tl.load(ids_ptr + first_pair + offs_p, mask=p_ok, other=0).to(tl.int64)   # [TOP_K_P2]
+    weights = tl.load(topk_w_ptr + first_pair + offs_p, mask=p_ok, other=0.0).to(tl.float32)
+    num_chunks = tl.cdiv(I, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in range(TOP_K):
-        pair = token * TOP_K + k
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_row = act_ptr + pair.to(tl.int64) * I
-        w_rows = w2_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * I          # [BLOCK_N, 1]
-        acc = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < I
-            a = tl.load(a_row + offs_k, mask=k_ok, other=0.0)                            # [BLOCK_K]
-            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _acc_step(acc, a, w, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+    acc = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
+    for it in range(0, TOP_K * num_chunks):
+        k = it // num_chunks
+        chunk = it - k * num_chunks
+        is_k = offs_p == k
+        expert = tl.sum(tl.where(is_k, experts, 0))
+        offs_k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        a = tl.load(act_ptr + (first_pair + k).to(tl.int64) * I + offs_k, mask=k_ok, other=0.0)   # [BLOCK_K]
+        w = tl.load(w2_ptr + expert * stride_we + w_cols + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)                                                           # [BLOCK_N, BLOCK_K]
+        acc = _acc_step(acc, a, w, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+        last = chunk == num_chunks - 1
         y = _acc_finish(acc, USE_DOT).to(DTYPE).to(tl.float32)
-        rw = tl.load(topk_w_ptr + pair).to(tl.float32)
-        total += (y * rw).to(DTYPE).to(tl.float32)
+        weighted = (y * tl.sum(tl.where(is_k, weights, 0.0))).to(DTYPE).to(tl.float32)
+        total += tl.where(last, weighted, 0.0)
+        acc = tl.where(last, 0.0, acc)
     tl.store(out_ptr + token.to(tl.int64) * H + offs_n, total.to(DTYPE), mask=n_ok)
 
 
@@ -276,6 +289,6 @@ def fused_moe_decode_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.T
         DOT_PRECISION=precision, num_warps=c1.num_warps, num_stages=c1.num_stages)
     _down_kernel[(T, cdiv(H, c2.block_n))](
         act, w2, ids, topk_w, out, H, inter, w2.stride(0),
-        TOP_K=top_k, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, USE_DOT=bool(c2.use_dot), UPCAST=upcast,
+        TOP_K=top_k, TOP_K_P2=next_power_of_2(top_k), BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, USE_DOT=bool(c2.use_dot), UPCAST=upcast,
         DOT_PRECISION=precision, num_warps=c2.num_warps, num_stages=c2.num_stages)
     return out

@@ -161,9 +161,10 @@ def test_gpu_cuda_graph_capture():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 64])
-def test_gpu_block_with_shared_expert(T):
+def test_gpu_block_with_shared_expert(T, monkeypatch):
     """A Qwen2-MoE-style block (shared expert beside the routed ones) on both sides of the switch (T 1: the
     decode path, T 64: the sorted path) equals its CPU float32 self run through the reference."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)         # float32 GEMMs on both sides
     torch.manual_seed(0)
     block = SparseMoeBlock(256, 64, 8, 128, True, shared_expert_intermediate_size=192)
     for p in block.parameters():
@@ -173,3 +174,29 @@ def test_gpu_block_with_shared_expert(T):
     assert uses_moe_decode(T * 8, KernelPolicy()) == (T == 1)
     out = block.to(DEVICE)(x.to(DEVICE))
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_layer_takes_the_policy_path(monkeypatch):
+    """``engine.layers.moe.fused_moe`` runs the decode kernel for 8 pairs under the default policy and the sorted
+    one with ``moe_decode_max_pairs=0``."""
+    import kernels.fused_moe_decode as decode_module
+    from engine.forward_context import forward_context
+    from engine.layers.moe import fused_moe
+
+    calls = []
+    real = decode_module.fused_moe_decode_triton
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(decode_module, "fused_moe_decode_triton", spy)
+    args = _inputs(1, 128, 8, 2048, 768, torch.bfloat16, True)
+    with forward_context(None, KernelPolicy()):
+        decode_out = fused_moe(*args)
+    assert len(calls) == 1
+    with forward_context(None, KernelPolicy(moe_decode_max_pairs=0)):
+        sorted_out = fused_moe(*args)
+    assert len(calls) == 1
+    torch.testing.assert_close(decode_out.float(), sorted_out.float(), rtol=3e-2, atol=5e-2)

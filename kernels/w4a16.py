@@ -425,6 +425,10 @@ GEMV_MAX_ROWS = 16
 MIN_DOT_BLOCK_K = 128
 """Smallest block_k of the GEMV's tl.dot form: tl.dot needs >= 16 packed rows (8 inputs each)."""
 
+FMA_FALLBACK_ROWS = 4
+"""Most rows GEMV_DOT on groups < MIN_DOT_BLOCK_K inputs runs as GEMV_FMA (whose registers grow with the
+rows); more run the tiled kernel."""
+
 
 @dataclass(frozen=True)
 class W4A16Config:
@@ -457,7 +461,8 @@ class W4A16Config:
     scale once at the end."""
     form: int = TILES
     """TILES (0), GEMV_FMA (1) or GEMV_DOT (2). A GEMV form with more than GEMV_MAX_ROWS rows runs the
-    tiled kernel; GEMV_DOT on groups smaller than MIN_DOT_BLOCK_K inputs runs GEMV_FMA."""
+    tiled kernel; GEMV_DOT on groups smaller than MIN_DOT_BLOCK_K inputs runs GEMV_FMA up to
+    FMA_FALLBACK_ROWS rows and the tiled kernel (this block_m, block_n, block_k, split_k) above."""
 
     def __post_init__(self) -> None:
         for name, values in (("scale_in_weight", (0, 1)), ("form", (TILES, GEMV_FMA, GEMV_DOT))):
@@ -620,9 +625,12 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return out
     if config is None:
         config = w4a16_config(M, N, K, x.device, override)
-    if config.form != TILES and M <= GEMV_MAX_ROWS:
+    small_groups = config.form == GEMV_DOT and group_size < min(K, MIN_DOT_BLOCK_K)
+    if config.form != TILES and M <= GEMV_MAX_ROWS and not (small_groups and M > FMA_FALLBACK_ROWS):
         _launch_gemv(x, qweight, scales, zeros, group_size, bias, config, out)
         return out
+    if config.form != TILES:
+        config = dataclasses.replace(config, form=TILES)
     per_channel = group_size == K
     # Sub-tiles of one group each (any size for one group over K); sub_k divides block_k.
     sub_k = min(config.block_k, MAX_SUB_K if per_channel else min(group_size, MAX_SUB_K))

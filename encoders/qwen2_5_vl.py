@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from encoders.qwen2_vl import (
     PatchMerger, VisionAttention, VisionBatch, VisionRotary, check_grids, conv3d_as_linear, frame_runs,
-    patch_shape, rope_theta, rotary_position_ids, vision_lora_slices,
+    patch_shape, rope_theta, rotary_patch_index, rotary_position_ids, vision_lora_slices,
 )
 from encoders.varlen_attention import SegmentRun, join_runs, packed_segments
 from encoders.vit import LoRASlices, TowerWeights, activation
@@ -163,8 +163,11 @@ class Qwen2_5_VLVisionTransformer(nn.Module):
         unit_order = layout.unit_order.to(pixel_values.device)
         cos, sin = self.rotary(position_ids.to(pixel_values.device))
         device = pixel_values.device
-        full = VisionBatch(cos=cos, sin=sin, segments=packed_segments(frame_runs(grids), device))
-        windowed = VisionBatch(cos=cos, sin=sin, segments=packed_segments(layout.runs, device))
+        patch_index = rotary_patch_index(cos.shape[0], device)
+        full = VisionBatch(cos=cos, sin=sin, segments=packed_segments(frame_runs(grids), device),
+                           patch_index=patch_index)
+        windowed = VisionBatch(cos=cos, sin=sin, segments=packed_segments(layout.runs, device),
+                               patch_index=patch_index)
         hidden_states = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))  # [P, hidden]
         hidden_states = self._to_window_order(hidden_states, unit_order)
         for index, block in enumerate(self.blocks):

@@ -8,7 +8,10 @@ language-model token.
 
 Attention is ``encoders.varlen_attention.packed_attention`` over the frames as packed segments: one
 flash varlen launch for any mix of image sizes on CUDA (bf16 / fp16), one SDPA call per run of
-consecutive equal frames elsewhere (exact on CPU).
+consecutive equal frames elsewhere (exact on CPU). On CUDA the rotary is one kernel that rotates q and
+k in place in the packed q/k/v output (``kernels.layer_ops.rotary_embedding_``, neox layout: the cos /
+sin rows' two halves are equal), instead of the float32 copies, halves and concatenations of the torch
+ops.
 
 The blocks' and the merger's projections are ``engine.layers.linear.Linear``s (LoRA slots attach to them,
 ``lora_slices`` maps transformers' module names onto them); the patch embedding is not.
@@ -40,9 +43,16 @@ class GridError(ValueError):
 class VisionBatch:
     """What every block needs about the packed images, computed once per forward."""
 
-    cos: torch.Tensor  # [num_patches, head_dim] float32, the rotary cos per patch
+    cos: torch.Tensor  # [num_patches, head_dim] float32, the rotary cos per patch (its two halves equal)
     sin: torch.Tensor  # [num_patches, head_dim] float32
     segments: PackedSegments  # the attention segments, in order, covering every patch once
+    patch_index: Optional[torch.Tensor] = None  # [num_patches] int64 (CUDA): each patch's cos / sin row for
+    #   the fused rotary kernel; None: the rotary runs as torch ops (CPU, exact)
+
+
+def rotary_patch_index(num_patches: int, device: torch.device) -> Optional[torch.Tensor]:
+    """``VisionBatch.patch_index`` for packed patches on ``device``: 0..num_patches-1 on CUDA, else None."""
+    return torch.arange(num_patches, device=device) if device.type == "cuda" else None
 
 
 def frame_runs(grid_thw: list[list[int]]) -> list[SegmentRun]:
@@ -114,8 +124,14 @@ class VisionAttention(nn.Module):
         num_patches, embed_dim = hidden_states.shape
         qkv = self.qkv(hidden_states).view(num_patches, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)  # each [num_patches, heads, head_dim]
-        q = apply_vision_rotary(q, batch.cos, batch.sin)
-        k = apply_vision_rotary(k, batch.cos, batch.sin)
+        if batch.patch_index is not None:   # CUDA: q and k rotated in place in one kernel (float32 math)
+            from kernels.layer_ops import rotary_embedding_
+            half = self.head_dim // 2
+            rotary_embedding_(batch.patch_index, q, k, batch.cos[:, :half], batch.sin[:, :half],
+                              self.head_dim)
+        else:
+            q = apply_vision_rotary(q, batch.cos, batch.sin)
+            k = apply_vision_rotary(k, batch.cos, batch.sin)
         out = packed_attention(q, k, v, batch.segments, self.scale)  # [num_patches, heads, head_dim]
         out = out.reshape(num_patches, embed_dim)
         return self.proj(out)
@@ -229,7 +245,9 @@ class Qwen2VLVisionTransformer(nn.Module):
         grids = check_grids(pixel_values, grid_thw, self.merge_size, self.patch_dim, _TOWER)
         position_ids = rotary_position_ids(grids, self.merge_size).to(pixel_values.device)  # built on the CPU
         cos, sin = self.rotary(position_ids)
-        return VisionBatch(cos=cos, sin=sin, segments=packed_segments(frame_runs(grids), pixel_values.device))
+        device = pixel_values.device
+        return VisionBatch(cos=cos, sin=sin, segments=packed_segments(frame_runs(grids), device),
+                           patch_index=rotary_patch_index(cos.shape[0], device))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [num_patches, C * temporal_patch_size * patch_size**2] (any float dtype), grid_thw

@@ -148,8 +148,8 @@ def test_tower_on_packed_mixed_sizes_equals_one_image_at_a_time(kind):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_varlen_on_cuda_equals_twin_and_one_image_at_a_time():
-    """The CUDA path (bf16, head_dims 8 and 80) against the float32 twin within bf16 rounding; the towers in
-    bf16 on packed mixed sizes against the same images one at a time."""
+    """The CUDA path (bf16, head_dims 8 and 80) against the float32 twin within bf16 rounding; the towers
+    in float32 on CUDA against the CPU, and in bf16 on packed mixed sizes against the images one at a time."""
     device = torch.device("cuda")
     for head_dim in (8, 80):
         segments = packed_segments(join_runs([(1, 5), (2, 37), (1, 256), (3, 64)]), device)
@@ -160,7 +160,34 @@ def test_flash_varlen_on_cuda_equals_twin_and_one_image_at_a_time():
         assert flash_varlen_supported(device, torch.bfloat16, head_dim), "the flash varlen call failed"
         want = packed_attention_reference(q, k, v, segments.cu_seqlens, head_dim ** -0.5)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    grid_thw = torch.tensor(MIXED_GRIDS)
+    pixels = _patches(grid_thw)
     for kind in ("qwen2_vl", "qwen2_5_vl"):
         _, tower = _loaded_qwen(kind)
+        with torch.no_grad():   # float32: the fused rotary kernel and per-run SDPA on CUDA against the CPU
+            on_cpu = tower(pixels, grid_thw)
+            on_cuda = tower.to(device)(pixels.to(device), grid_thw)
+        torch.testing.assert_close(on_cuda.cpu(), on_cpu, atol=1e-3, rtol=1e-3)
         together, alone = _together_and_alone(tower.to(device, torch.bfloat16), "cuda")
         torch.testing.assert_close(together.float(), alone.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_fused_rotary_kernel_path_equals_the_torch_ops(kind):
+    """The CUDA rotary path (``kernels.layer_ops.rotary_embedding_`` in place on the packed q/k/v, here under
+    the Triton interpreter on CPU) gives the attention of the torch ops."""
+    from encoders.qwen2_vl import VisionBatch
+
+    _, tower = _loaded_qwen(kind)
+    attention = tower.blocks[0].attn
+    num_patches = 40
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(num_patches, attention.num_heads * attention.head_dim, generator=gen)
+    cos, sin = tower.rotary(torch.randint(0, 8, (num_patches, 2), generator=gen))
+    segments = packed_segments(join_runs([(1, 24), (1, 16)]), torch.device("cpu"))
+    torch_ops = VisionBatch(cos=cos, sin=sin, segments=segments)
+    kernel = VisionBatch(cos=cos, sin=sin, segments=segments, patch_index=torch.arange(num_patches))
+    with torch.no_grad():
+        torch.testing.assert_close(attention(hidden, kernel), attention(hidden, torch_ops),
+                                   atol=1e-5, rtol=1e-5)

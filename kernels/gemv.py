@@ -131,6 +131,32 @@ def _build_input(p, q, nw, rstd, DTYPE: tl.constexpr, PROLOGUE: tl.constexpr, HA
     return a
 
 
+_E4M3X4_TO_F32 = tl.constexpr("""{
+.reg .b16 lo, hi, h0, h1, h2, h3;
+.reg .b32 plo, phi;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 plo, lo;
+cvt.rn.f16x2.e4m3x2 phi, hi;
+mov.b32 {h0, h1}, plo;
+mov.b32 {h2, h3}, phi;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+}""")
+"""PTX (sm_89+): four e4m3 bytes of one register -> four float32, through two f16x2 conversions."""
+
+
+@triton.jit
+def _e4m3_to_f32(w, UPCAST: tl.constexpr):
+    """e4m3 tile -> float32, exactly: four bytes per ``cvt.rn.f16x2.e4m3x2`` pair on CUDA (Triton's own
+    conversion moves each byte into place apart); the interpreter (UPCAST) converts as is."""
+    if UPCAST:
+        return w.to(tl.float32)
+    return tl.inline_asm_elementwise(_E4M3X4_TO_F32, "=r,=r,=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.float32, is_pure=True, pack=4)
+
+
 @triton.jit
 def _accumulate(acc, a, w, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_K: tl.constexpr,
                 USE_DOT: tl.constexpr, REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr,
@@ -167,8 +193,11 @@ def _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M:
     block scales (SCALE_BK > 0; the chunk lies in one SCALE_BK-wide block), ws_rows [BLOCK_N]
     pointing at the rows' scale rows: the chunk's partial is multiplied by each row's scale of that
     block, or with REDUCE_ONCE the float32 weight tile is (float(w) * s: the dequantized weight)."""
-    if W_FP8 and USE_DOT:
-        w = w.to(DTYPE)
+    if W_FP8:
+        if USE_DOT:
+            w = w.to(DTYPE)
+        else:
+            w = _e4m3_to_f32(w, UPCAST)
     if SCALE_BK > 0:
         s = tl.load(ws_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)                      # [BLOCK_N]
         if REDUCE_ONCE:
@@ -350,7 +379,8 @@ def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int,
 
 
 def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN,
-                override: GemvOverride = (), scale_block_k: Optional[int] = None) -> GemvConfig:
+                override: GemvOverride = (), scale_block_k: Optional[int] = None,
+                weight_fp8: bool = False) -> GemvConfig:
     """The default config for an [M, K] x [N, K]^T decode GEMV, with ``override`` applied last.
 
     Args:
@@ -362,6 +392,7 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         scale_block_k: inputs per scale block of a block-scaled FP8 weight (None: none); block_k is
             then cut to the largest power of two dividing it (after the override), so no chunk
             straddles a block.
+        weight_fp8: the weight is e4m3 (one row: the elementwise reduce-once tiles).
 
     NOTE: defaults chosen with ``benchmarks/sweeps/gemv_sweep.py`` on an H200 (Llama-3-8B shapes,
     bf16, M 1..16, weights from HBM, CUDA graphs): tl.dot beats the elementwise form at every M,
@@ -374,16 +405,20 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     ``KernelPolicy.decode_gemv_max_tokens`` (``benchmarks/RESULTS.md``, "What sets each ``KernelPolicy``
     default" and "Launch configs and constants inside the kernels").
 
-    NOTE (FP8 weights): e4m3 weights take the same tiles. Widening e4m3 to bf16 costs ALU work
-    per weight byte that bf16 weights do not pay: compiled for sm_90, the tl.dot K loop at block_n
-    32 / block_k 512 issues about 0.15 warp instructions per weight byte (bf16: 0.03), the
-    elementwise reduce-once form about 0.19 at 1 row; the H200 issues about 0.2 per byte of HBM
-    bandwidth, so the FP8 GEMV runs near the issue limit rather than the bytes floor.
-    ``benchmarks/sweeps/fp8_sweep.py`` ranks both forms' tiles against the W8A8 GEMM there.
+    NOTE (FP8 weights): widening e4m3 costs ALU work per weight byte that bf16 weights do not pay,
+    enough to make the loop issue-bound rather than bytes-bound. Compiled for sm_90, the K loop
+    issues per weight byte about 0.15 warp instructions with tl.dot (block_n 32 / block_k 512;
+    bf16: 0.03) and about 0.12 in the elementwise reduce-once form at one row (0.16 at two), where
+    ``_e4m3_to_f32`` converts four bytes per two ``cvt`` instructions; the H200 issues about 0.2 per
+    byte of HBM bandwidth. So one row takes the reduce-once form (block_n 32 / block_k 256, 4 warps,
+    64 partial sums per thread) and more rows tl.dot with the bf16 tiles; starting points that
+    ``benchmarks/sweeps/fp8_sweep.py`` ranks on the H200.
     """
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
                          num_warps=4, num_stages=1, use_dot=0)
+    elif weight_fp8 and M == 1:
+        cfg = GemvConfig(32, 256, 4, 3, use_dot=0, reduce_once=1)
     elif N <= 16384:
         cfg = GemvConfig(32, 512, 4, 3, 1)
     else:
@@ -464,7 +499,8 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         return out
     scale_bn, scale_bk = scale_block if scale_block is not None else (1, 0)
     if config is None:
-        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None)
+        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None,
+                             weight_fp8=weight_scale is not None)
     block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
     upcast = is_interpreted(x.device)
     _gemv_kernel[(cdiv(N, config.block_n),)](

@@ -297,8 +297,13 @@ def test_fp8_default_config_block_scales(prologue):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_gemv_config_cuts_block_k():
-    """Block-scaled FP8 weights: block_k cut to divide the scale blocks, also under an override."""
+def test_fp8_gemv_config():
+    """FP8 weights: one row takes the reduce-once elementwise tiles, more rows the float weights' tiles;
+    block_k is cut to divide the scale blocks, also under an override."""
+    once = gemv_config(1, 28672, 4096, weight_fp8=True)
+    assert (once.use_dot, once.reduce_once, once.block_n, once.block_k) == (0, 1, 32, 256)
+    assert gemv_config(2, 28672, 4096, weight_fp8=True) == gemv_config(2, 28672, 4096)
+    assert gemv_config(1, 6144, 4096, weight_fp8=True, scale_block_k=128).block_k == 128
     assert gemv_config(1, 6144, 4096).block_k == 512
     assert gemv_config(1, 6144, 4096, scale_block_k=128).block_k == 128
     assert gemv_config(1, 6144, 4096, override=(("block_k", 1024),), scale_block_k=128).block_k == 128
@@ -330,13 +335,18 @@ def test_fp8_checks_reject_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", [None, GemvConfig(32, 128, 4, 3, 1), GemvConfig(32, 128, 4, 3, 0, reduce_once=1)],
+                         ids=["default", "dot", "once"])
 @pytest.mark.parametrize("scales", [None, (128, 128)], ids=["channel", "block"])
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 2, 16])
 @pytest.mark.parametrize("prologue,n,k", CUDA_CASES)
-def test_gpu_fp8_real_sizes(prologue, n, k, m, scales):
-    """Llama-3-8B shapes with e4m3 weights and the default configs, bfloat16 activations."""
+def test_gpu_fp8_real_sizes(prologue, n, k, m, scales, config):
+    """Llama-3-8B shapes with e4m3 weights, bfloat16 activations: the default configs (one row: the
+    reduce-once form and its PTX e4m3 conversion), tl.dot and reduce-once tiles."""
+    if config is not None and config.reduce_once and m == 16:
+        pytest.skip("16 rows x 32 x 128 partial sums per thread: not a tile anyone runs")
     args, fp8 = _fp8_case(prologue, m, n, k, torch.bfloat16, scales)
-    out, res, ref_out, ref_res = _run_fp8(prologue, args, fp8, None)
+    out, res, ref_out, ref_res = _run_fp8(prologue, args, fp8, config)
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
     if prologue == "add_rmsnorm":
         assert torch.equal(res, ref_res)

@@ -61,11 +61,17 @@ class GatedMLP(nn.Module):
     def __init__(self, dim: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
         self.act = activation(hidden_act)
+        self.silu = hidden_act == "silu"  # on CUDA, act(gate) * up is one kernel (kernels.layer_ops)
         self.gate_up_proj = Linear(dim, [intermediate_size] * 2, bias=True)
         self.down_proj = Linear(intermediate_size, [dim], bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        """hidden_states [num_patches, dim] -> [num_patches, dim]."""
+        gate_up = self.gate_up_proj(hidden_states)  # [num_patches, 2 * intermediate]
+        if self.silu and gate_up.is_cuda:
+            from kernels.layer_ops import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))   # silu rounded to the dtype, then * up
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

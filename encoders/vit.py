@@ -35,8 +35,17 @@ class WeightLoadError(ValueError):
     """A checkpoint tensor has no place in the tower, has the wrong shape, or a parameter was never loaded."""
 
 
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+def quick_gelu_torch(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 * x) as transformers computes it (three torch ops, bit-exact)."""
     return x * torch.sigmoid(1.702 * x)
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """QuickGELU: one Triton launch on CUDA (``kernels.quick_gelu``, float32 math), torch's ops elsewhere."""
+    if x.is_cuda and x.is_contiguous():
+        from kernels.quick_gelu import quick_gelu
+        return quick_gelu(x)
+    return quick_gelu_torch(x)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

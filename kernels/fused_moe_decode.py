@@ -56,10 +56,13 @@ from kernels.utils import cdiv, check_pow2_field, is_interpreted, next_power_of_
 @triton.jit
 def _acc_init(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
     """The float32 accumulator of one pair's [BLOCK_N] outputs: [16, BLOCK_N] for tl.dot (tl.dot's
-    smallest M; every row the same), else [BLOCK_N, BLOCK_K] partial products summed by ``_acc_finish``."""
+    smallest M; every row the same), else [BLOCK_N, BLOCK_K] partial products summed by ``_acc_finish``.
+    One return: a jit function's returns must share a type even where a constexpr branch is dead."""
     if USE_DOT:
-        return tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
 
 
 @triton.jit
@@ -81,8 +84,10 @@ def _acc_step(acc, a, w, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: t
 def _acc_finish(acc, USE_DOT: tl.constexpr):
     """[BLOCK_N] float32 inner products from ``_acc_step``'s accumulator (tl.dot: its row 0)."""
     if USE_DOT:
-        return tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], acc, 0.0), axis=0)
-    return tl.sum(acc, axis=1)
+        y = tl.sum(tl.where((tl.arange(0, 16) == 0)[:, None], acc, 0.0), axis=0)
+    else:
+        y = tl.sum(acc, axis=1)
+    return y
 
 
 @triton.jit

@@ -178,12 +178,13 @@ class LoRAConfig:
     max_loras: int = 4
     """GPU slots: distinct adapters in one step."""
     max_lora_rank: int = 16
-    """Largest adapter rank accepted (a larger one is refused, 400); not the size of a slot: an adapter
-    takes the pool rows of its own rank (``lora.rank_pool``)."""
+    """Largest adapter rank accepted (a larger one is refused, 400); without max_lora_pool_bytes also the
+    rank every slot is sized for (smaller adapters zero-padded)."""
     max_lora_pool_bytes: Optional[int] = None
     """Device bytes of the pool the resident adapters' weights share, by their own ranks (``lora.rank_pool``):
-    adapters of ranks 8 and 128 hold 8 and 128 rows of it, none padded. None: max_loras adapters of
-    max_lora_rank. An adapter that does not fit waits for idle ones to be evicted, as for a full slot table."""
+    adapters of ranks 8 and 128 hold 8 and 128 rows of it, none padded; an adapter that does not fit waits
+    for idle ones to be evicted, as for a full slot table. It must hold one adapter of max_lora_rank. None:
+    padded slots, max_loras of max_lora_rank (these keep the stacked decode GEMM, ``lora.layers``)."""
     max_cpu_loras: Optional[int] = None
     """Adapters kept in host memory (LRU); defaults to max(max_loras, 64)."""
     lora_dtype: str = "auto"

@@ -201,6 +201,8 @@ class EngineCore:
                 if reasoning_parser is not None else None)
         scheduler = Scheduler(cfg.scheduler_config, cfg.cache_config, loaded.max_model_len, num_blocks,
                               cfg.lora_config, lora_manager.host_ready if lora_manager is not None else None,
+                              lora_pool=lora_manager.rank_pool() if lora_manager is not None else None,
+                              lora_rank=lora_manager.adapter_rank if lora_manager is not None else None,
                               max_embeds_per_mm_item=max_embeds_per_item,
                               structured_output=StructuredOutputManager(grammar_pool,
                                                                         cfg.scheduler_config.max_num_seqs),

@@ -79,6 +79,9 @@ class LoRASlotLoad:
     """For a request a later step admits (``Scheduler._prefetch_lora_slots``, only in steps that run
     tokens): no request of this step reads the slot, so on CUDA the copy may finish after this step's
     forward (the next step waits for it)."""
+    pages: tuple[int, ...] = ()
+    """With a pool of rank rows (``--max-lora-pool-bytes``): the pool pages the adapter's rank rows go to,
+    in order (the slot's page table, ``lora.rank_pool``); empty: padded slots."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from engine.request_queue import create_request_queue
 from engine.structured_output.errors import StructuredOutputError
 from engine.structured_output.manager import AcceptStatus
 from lora import NO_LORA
-from lora.slot_manager import LoRASlotManager
+from lora.slot_manager import LoRASlotManager, RankPagePool, SlotGrant
 from lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -99,6 +99,10 @@ class Scheduler:
         whole_media_chunks: a prefill chunk never ends inside a media item's placeholder (its tokens
             attend to each other both ways, e.g. Gemma 3's images), and an item longer than the token
             budget is refused.
+        lora_pool: the pages of adapter rank rows the slots share (``LoRAManager.rank_pool``); None:
+            padded slots.
+        lora_rank: an adapter's rank, which sets its pages (``LoRAManager.adapter_rank``; asked once
+            it is ready).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -108,7 +112,9 @@ class Scheduler:
                  max_embeds_per_mm_item: int = 0,
                  structured_output: Optional["StructuredOutputManager"] = None,
                  new_reasoning_tracker: Optional[Callable[[Request], Optional["ReasoningTracker"]]] = None,
-                 sliding_window: Optional[int] = None, whole_media_chunks: bool = False) -> None:
+                 sliding_window: Optional[int] = None, whole_media_chunks: bool = False,
+                 lora_pool: Optional[RankPagePool] = None,
+                 lora_rank: Optional[Callable[[LoRARequest], int]] = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -118,7 +124,9 @@ class Scheduler:
             sliding_window, scheduler_config.max_num_batched_tokens)
         self.whole_media_chunks = whole_media_chunks
         self.lora_config = lora_config
-        self.lora_slots = LoRASlotManager(lora_config.max_loras) if lora_config is not None else None
+        self.lora_slots = (LoRASlotManager(lora_config.max_loras, lora_pool) if lora_config is not None
+                           else None)
+        self.lora_rank = lora_rank
         self._lora_reservation: Optional[_LoRAReservation] = None
         # req_id -> step at which a waiting LoRA request first found no slot.
         self._lora_blocked_since: dict[str, int] = {}
@@ -413,11 +421,12 @@ class Scheduler:
         if request.lora_request is not None:
             assert self.lora_slots is not None
             resident = self.lora_slots.slot_of(request.lora_request.lora_name) is not None
-            grant = self.lora_slots.acquire(request.lora_request, {} if resident else self.lora_demand())
+            grant = self.lora_slots.acquire(request.lora_request, {} if resident else self.lora_demand(),
+                                            self._lora_rank_of(request.lora_request))
             assert grant is not None, "checked by _lora_admissible"
             if grant.load_needed:
-                self._check_slot_load(grant.evicted, request.lora_request.lora_name)
-                plan.lora_loads.append(LoRASlotLoad(grant.lora_slot, request.lora_request))
+                self._check_slot_load(grant, request.lora_request.lora_name)
+                plan.lora_loads.append(LoRASlotLoad(grant.lora_slot, request.lora_request, pages=grant.pages))
             if self._lora_reservation is not None and self._lora_reservation.req_id == request.request_id:
                 self._lora_reservation = None
             self._lora_blocked_since.pop(request.request_id, None)
@@ -533,7 +542,8 @@ class Scheduler:
             return reservation is None or is_holder or slot != reservation.drain_slot
         if not self._lora_host_ready(request.lora_request):
             return False   # its adapter is being read from disk: the others go on
-        if (reservation is None or is_holder) and self.lora_slots.can_acquire(request.lora_request):
+        if (reservation is None or is_holder) and self.lora_slots.can_acquire(
+                request.lora_request, self._lora_rank_of(request.lora_request)):
             return True
         self._lora_blocked_since.setdefault(request.request_id, self.num_steps)
         return False
@@ -572,11 +582,15 @@ class Scheduler:
             if not self._lora_host_ready(lora_request):
                 continue
             demand = self.lora_demand() if demand is None else demand
-            grant = slots.prefetch(lora_request, demand)
+            grant = slots.prefetch(lora_request, demand, self._lora_rank_of(lora_request))
             if grant is None:
                 break                       # every free slot's adapter is waited for
-            self._check_slot_load(grant.evicted, lora_request.lora_name)
-            plan.lora_loads.append(LoRASlotLoad(grant.lora_slot, lora_request, prefetch=True))
+            self._check_slot_load(grant, lora_request.lora_name)
+            plan.lora_loads.append(LoRASlotLoad(grant.lora_slot, lora_request, prefetch=True, pages=grant.pages))
+
+    def _lora_rank_of(self, lora_request: LoRARequest) -> int:
+        """The adapter's rank for the slot pool (0 without ``lora_rank``: padded slots ignore it)."""
+        return 0 if self.lora_rank is None else self.lora_rank(lora_request)
 
     def _lora_host_ready(self, lora_request: LoRARequest) -> bool:
         """``lora_ready``, asked at most once per adapter per step while it says False."""
@@ -590,11 +604,13 @@ class Scheduler:
         self._lora_not_ready.add(name)
         return False
 
-    def _check_slot_load(self, evicted: Optional[str], loaded: str) -> None:
+    def _check_slot_load(self, grant: SlotGrant, loaded: str) -> None:
         """Count a slot load that evicts or reloads an adapter a running request uses
         (``num_lora_reloads_while_running``); checked against ``running`` itself, not the slot counts."""
+        evicted = grant.evicted
+        touched = {loaded, evicted, *grant.evicted_more}
         for r in self.running:
-            if r.lora_request is not None and r.lora_request.lora_name in (evicted, loaded):
+            if r.lora_request is not None and r.lora_request.lora_name in touched:
                 self.num_lora_reloads_while_running += 1
                 logger.error("LoRA slot load of %r (evicting %r) while request %s runs on it", loaded, evicted,
                              r.request_id)
@@ -609,7 +625,8 @@ class Scheduler:
         assert self.lora_slots is not None and oldest_slotless.lora_request is not None
         if self._lora_reservation is not None or not self._needs_new_slot(oldest_slotless):
             return
-        if self.lora_slots.can_acquire(oldest_slotless.lora_request):
+        lora_request = oldest_slotless.lora_request
+        if self.lora_slots.can_acquire(lora_request, self._lora_rank_of(lora_request)):
             return  # a slot idles now: it gets it next step, as the oldest in line
         blocked_since = self._lora_blocked_since.get(oldest_slotless.request_id, self.num_steps)
         if self.num_steps - blocked_since < self.lora_reserve_after_steps:

@@ -45,6 +45,11 @@ class AdapterStore:
         """Adapter names, least recently used first."""
         return list(self._adapters)
 
+    def rank_of(self, name: str) -> Optional[int]:
+        """The held adapter's rank (its recency unchanged), or None if not held."""
+        adapter = self._adapters.get(name)
+        return None if adapter is None else adapter.rank
+
     def get(self, name: str) -> Optional[LoRAAdapter]:
         """The adapter (marked most recently used), or None if not held."""
         adapter = self._adapters.get(name)

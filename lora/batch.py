@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kernels.lora_meta import LoRAKernelMeta, build_lora_kernel_meta, group_slots_host, shrink_buffer_rows
+from kernels.lora_pages import LoRASlotPages
 
 
 @dataclass
@@ -90,6 +91,12 @@ class LoRABatchState:
     spill: bool = False
     """Inside a ``LoRAManager.rows_batch`` (eager, never captured): a scratch larger than the reserved one
     is allocated for the call instead of raising (the reserved buffer stays where graphs read it)."""
+    pages: Optional[LoRASlotPages] = None
+    """With a pool of rank rows (``lora.rank_pool``): the slots' page table on the device, which the
+    kernels read (static tensors, rewritten in place by slot loads); None: padded slots."""
+    slot_rows: list[Optional[torch.Tensor]] = field(default_factory=list)
+    """With a pool: per slot, [rank_l] int64 pool rows of its adapter on the device (None: empty slot);
+    what the torch path and slot loads index the pool buffers with."""
 
     def reserve(self, num_slices: int, num_tokens: int, rank: int, device: torch.device) -> None:
         """Allocate the scratch buffer for the largest step up front: num_slices x rank x

@@ -10,7 +10,11 @@ preallocated for ``max_loras`` slots of ``max_rank``:
   already folded in.
 
 Ranks below ``max_rank`` are zero-padded, and slices an adapter does not target are zero, so
-they add nothing. Compute goes through the Triton shrink/expand kernels on CUDA and through a
+they add nothing. With a pool of rank rows (``num_pages``, ``lora.rank_pool``) the buffers are
+instead ``num_pages`` pages of ``PAGE_ROWS`` rank rows that every slot's adapter takes by its own
+rank: ``lora_a`` [num_slices, num_pages * PAGE_ROWS, input_size], ``lora_b_{s}`` [num_pages,
+output_size_s, PAGE_ROWS], placed through the slots' page table (``LoRABatchState.pages``,
+``kernels.lora_pages``); the kernels read only each slot's rank, and the stacked GEMM is not used. Compute goes through the Triton shrink/expand kernels on CUDA and through a
 segment-wise torch path elsewhere (one matmul pair per active slot, checked against the kernels'
 pure-torch twins in the tests).
 
@@ -51,6 +55,7 @@ from engine.layers.activation import silu_and_mul
 from engine.layers.adapter import Feeds
 from lora.batch import LoRABatchState
 from lora.peft_adapter import LoRASliceWeights
+from lora.rank_pool import PAGE_ROWS
 
 if TYPE_CHECKING:
     from kernels.lora_expand import LoRAExpandConfig
@@ -125,11 +130,13 @@ class LinearLoRASlots(nn.Module):
         state: the manager's per-step batch holder, shared by every layer.
         backend: "triton" (CUDA kernels) or "torch".
         policy: the engine's kernel policy (None: ``KernelPolicy.for_device(device)``).
+        num_pages: pages of the pool of rank rows the slots share (``lora.rank_pool``); None: padded
+            slots of max_rank each.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, state: LoRABatchState, backend: str,
-                 policy: Optional[KernelPolicy] = None) -> None:
+                 policy: Optional[KernelPolicy] = None, num_pages: Optional[int] = None) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"LoRA backend {backend!r}: use one of {BACKENDS}.")
@@ -173,14 +180,21 @@ class LinearLoRASlots(nn.Module):
         if self.fuse_norm:
             from kernels.lora_expand_norm import fuses
             self._norm_fuses = fuses
-        self.register_buffer("lora_a", torch.zeros(
-            self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
-            persistent=False)                               # [num_slices, max_loras, max_rank, in]
+        self.pooled = num_pages is not None
+        """Buffers are a pool of rank-row pages (see the module docstring), not padded slots."""
+        if self.pooled:
+            self.register_buffer("lora_a", torch.zeros(
+                self.num_slices, num_pages * PAGE_ROWS, input_size, dtype=dtype, device=device),
+                persistent=False)                           # [num_slices, num_pages * PAGE_ROWS, in]
+        else:
+            self.register_buffer("lora_a", torch.zeros(
+                self.num_slices, max_loras, max_rank, input_size, dtype=dtype, device=device),
+                persistent=False)                           # [num_slices, max_loras, max_rank, in]
         for s, size in enumerate(self.output_sizes):
-            self.register_buffer(f"lora_b_{s}", torch.zeros(
-                max_loras, size, max_rank, dtype=dtype, device=device),
-                persistent=False)                           # [max_loras, out_s, max_rank]
-        self.stacked_max_tokens = policy.lora_stacked_max_tokens if triton else 0
+            shape = (num_pages, size, PAGE_ROWS) if self.pooled else (max_loras, size, max_rank)
+            self.register_buffer(f"lora_b_{s}", torch.zeros(*shape, dtype=dtype, device=device),
+                                 persistent=False)          # [num_pages, out_s, PAGE_ROWS] or [max_loras, out_s, max_rank]
+        self.stacked_max_tokens = policy.lora_stacked_max_tokens if triton and not self.pooled else 0
         """Steps of at most this many tokens take the stacked GEMM (``begin_stacked``) once
         ``stack_onto`` ran (``KernelPolicy.lora_stacked_max_tokens``; 0: never)."""
         self.stacked_weight: Optional[torch.Tensor] = None  # [out + max_loras * S * R, in] base rows | A rows
@@ -192,12 +206,16 @@ class LinearLoRASlots(nn.Module):
 
     @property
     def lora_b(self) -> list[torch.Tensor]:
-        """Per slice: [max_loras, output_size_s, max_rank]."""
+        """Per slice: [max_loras, output_size_s, max_rank] (pooled: [num_pages, output_size_s, PAGE_ROWS])."""
         return [getattr(self, f"lora_b_{s}") for s in range(self.num_slices)]
 
     # ------------------------------------------------------------------ slots
     def set_slice(self, lora_slot: int, slice_idx: int, weights: Optional[LoRASliceWeights]) -> None:
-        """Copy one projection's A/B into a slot, zero-padding the rank; None zeroes the slice."""
+        """Copy one projection's A/B into a slot, zero-padding the rank (pooled: to the slot's rank, in the
+        rows ``state.slot_rows`` names); None zeroes the slice."""
+        if self.pooled:
+            self._set_pooled_slice(lora_slot, slice_idx, weights)
+            return
         a_dst = self.lora_a[slice_idx, lora_slot]                   # [max_rank, in]
         b_dst = self.lora_b[slice_idx][lora_slot]                   # [out_s, max_rank]
         if weights is None:
@@ -213,7 +231,23 @@ class LinearLoRASlots(nn.Module):
         b_dst[:, :rank].copy_(weights.lora_b, non_blocking=True)
         b_dst[:, rank:].zero_()
 
+    def _set_pooled_slice(self, lora_slot: int, slice_idx: int, weights: Optional[LoRASliceWeights]) -> None:
+        rows = self.state.slot_rows[lora_slot]                      # [rank_l] pool rows
+        pages, sub = rows // PAGE_ROWS, rows % PAGE_ROWS
+        a, b = self.lora_a[slice_idx], self.lora_b[slice_idx]      # [pool rows, in], [num_pages, out_s, P]
+        rank = 0 if weights is None else weights.lora_a.shape[0]
+        # NOTE: shapes were checked against the base model when the adapter was loaded.
+        assert rank <= rows.numel() and (weights is None or weights.lora_a.shape[1] == self.input_size)
+        if rank:
+            a.index_copy_(0, rows[:rank], weights.lora_a.to(a.device, non_blocking=True))
+            b[pages[:rank], :, sub[:rank]] = weights.lora_b.t().to(b.device, non_blocking=True)   # [rank, out_s]
+        if rank < rows.numel():                                     # the slot reads up to its rank: zeros
+            a.index_fill_(0, rows[rank:], 0)
+            b[pages[rank:], :, sub[rank:]] = 0
+
     def clear_slot(self, lora_slot: int) -> None:
+        if self.pooled:
+            return        # the slot's rank is 0 (``LoRAManager``): nothing reads its pages
         for s in range(self.num_slices):
             self.set_slice(lora_slot, s, None)
 
@@ -366,7 +400,7 @@ class LinearLoRASlots(nn.Module):
         meta = self.state.batch.meta
         return lora_expand_silu_mul(pending.plan.buf, self.lora_b, meta, y2,
                                     config=self._silu_mul_config(y2.shape[0], meta.num_active, y2.device),
-                                    slot_stride=pending.plan.slot_stride)
+                                    slot_stride=pending.plan.slot_stride, pages=self.state.pages)
 
     def defers(self, num_tokens: int, feeds: Feeds) -> bool:
         """A step of num_tokens tokens leaves this layer's update to the output's consumer
@@ -420,7 +454,7 @@ class LinearLoRASlots(nn.Module):
         x2 = x.view(-1, x.shape[-1])
         lora_expand_add_rms_norm(pending.plan.buf, self.lora_b[0], self.state.batch.meta, x2,
                                  weight, eps, residual=residual.view(-1, residual.shape[-1]), out=x2,
-                                 slot_stride=pending.plan.slot_stride)
+                                 slot_stride=pending.plan.slot_stride, pages=self.state.pages)
         return x, residual
 
     def finish_rotary_write_kv(self, pending: LoRAPending, positions: torch.Tensor, q: torch.Tensor,
@@ -437,7 +471,7 @@ class LinearLoRASlots(nn.Module):
             torch.cuda.current_stream().wait_stream(pending.side)
         lora_rotary_write_kv(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping,
                              pending.plan.buf, self.lora_b, self.state.batch.meta.token_lora_slots,
-                             pending.plan.slot_stride, k_scale=k_scale, v_scale=v_scale)
+                             pending.plan.slot_stride, k_scale=k_scale, v_scale=v_scale, pages=self.state.pages)
 
     def _silu_mul_config(self, num_tokens: int, num_active: int, device: torch.device) -> LoRAExpandConfig:
         """``finish_silu_mul``'s launch config (the policy's ``lora_expand`` overrides apply)."""
@@ -499,22 +533,29 @@ class LinearLoRASlots(nn.Module):
         """plan.buf = per-split partials of x @ A^T (x contiguous)."""
         from kernels.lora_shrink import lora_shrink
 
-        lora_shrink(x, self.lora_a, batch.meta, plan.buf, 1.0, config=plan.shrink_cfg)
+        lora_shrink(x, self.lora_a, batch.meta, plan.buf, 1.0, config=plan.shrink_cfg, pages=self.state.pages)
 
     def _expand(self, plan: SplitPlan, y: torch.Tensor, batch) -> None:
         """y += sum of plan.buf's partials @ B^T, per slice."""
         from kernels.lora_expand import lora_expand
 
         lora_expand(plan.buf, self.lora_b, batch.meta, y, self.slice_offsets, add_inputs=True,
-                    config=plan.expand_cfg, slot_stride=plan.slot_stride)
+                    config=plan.expand_cfg, slot_stride=plan.slot_stride, pages=self.state.pages)
+
+    def _slot_weights(self, lora_slot: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(A [S, R, in], per slice B [out_s, R]) of one slot: its own rank's rows when pooled."""
+        if not self.pooled:
+            return self.lora_a[:, lora_slot], [b[lora_slot] for b in self.lora_b]
+        rows = self.state.slot_rows[lora_slot]                                         # [rank_l]
+        pages, sub = rows // PAGE_ROWS, rows % PAGE_ROWS
+        return self.lora_a[:, rows], [b[pages, :, sub].t() for b in self.lora_b]
 
     def _forward_torch(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
-        lora_b = self.lora_b
         for seg in batch.segments:
             xs = x if seg.token_ids is None else x.index_select(0, seg.token_ids)     # [n, in]
-            a = self.lora_a[:, seg.lora_slot].float()                                  # [S, R, in]
-            buf = torch.matmul(xs.float().unsqueeze(0), a.transpose(1, 2))            # [S, n, R] f32
-            delta = torch.cat([buf[s] @ lora_b[s][seg.lora_slot].float().t()
+            a, lora_b = self._slot_weights(seg.lora_slot)                              # [S, R, in], [out_s, R]
+            buf = torch.matmul(xs.float().unsqueeze(0), a.float().transpose(1, 2))    # [S, n, R] f32
+            delta = torch.cat([buf[s] @ lora_b[s].float().t()
                                for s in range(self.num_slices)], dim=1)                # [n, sum out_s]
             # NOTE: every column of y gets a slice (zero where the adapter has none), so one
             # row-wise add into the contiguous y; index_add_ on a column view is very slow on CPU.

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from engine.dtypes import TORCH_DTYPES
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds
+from kernels.lora_pages import LoRASlotPages
 from lora.adapter_loader import AdapterLoader
 from lora.adapter_reader import AdapterReader
 from lora.adapter_store import AdapterStore
@@ -50,6 +51,7 @@ from lora.expert_layers import ExpertLoRASlots
 from lora.layers import LinearLoRASlots, LoRAPending
 from lora.peft_adapter import LoRAAdapter, LoRATargets
 from lora.peft_adapter import max_rank_in as _max_rank_in
+from lora.rank_pool import PAGE_ROWS, RankPagePool, pages_for_rank, pool_num_pages
 from lora.request import LoRARequest
 
 logger = logging.getLogger("chorus.lora")
@@ -134,6 +136,20 @@ class LoRAManager:
         self.layers: dict[str, Union[LinearLoRASlots, ExpertLoRASlots]] = {}
         """Our Linear (or routed-experts) module name -> its slot buffers (also attached as its ``adapter``)."""
         experts = self.targets.expert_modules
+        self.row_bytes = self._row_bytes(model)
+        """Device bytes of one rank row over every adapted Linear (A's input and B's outputs of each slice)."""
+        self.pool_pages: Optional[int] = None
+        """With ``max_lora_pool_bytes``: pages of ``PAGE_ROWS`` rank rows the Linears' adapters share by their own
+        ranks (``lora.rank_pool``); None: padded slots of ``max_lora_rank``."""
+        if lora_config.max_lora_pool_bytes is not None:
+            self.pool_pages = pool_num_pages(lora_config.max_lora_pool_bytes, self.row_bytes, self.max_loras,
+                                             self.max_lora_rank)
+            max_pages = pages_for_rank(self.max_lora_rank)
+            self.state.pages = LoRASlotPages(
+                torch.zeros(self.max_loras, max_pages, dtype=torch.int32, device=self.device),   # [max_loras, max_pages]
+                torch.zeros(self.max_loras, dtype=torch.int32, device=self.device),              # [max_loras]
+                PAGE_ROWS)
+            self.state.slot_rows = [None] * self.max_loras
         for name in self.targets.module_names:
             if name in experts:        # a MoE layer's routed experts: per-expert A/B (``lora.expert_layers``)
                 gate = experts[name]
@@ -145,7 +161,7 @@ class LoRAManager:
             linear = model.get_submodule(name)
             slots = LinearLoRASlots(linear.input_size, linear.output_sizes, self.max_loras,
                                     self.max_lora_rank, self.lora_dtype, self.device, self.state,
-                                    self.backend, self.policy)
+                                    self.backend, self.policy, num_pages=self.pool_pages)
             linear.adapter = slots
             if slots.stacked_max_tokens > 0 and linear.weight is not None:
                 slots.stack_onto(linear)            # decode steps: the shrink inside the base GEMM
@@ -183,9 +199,33 @@ class LoRAManager:
         """Adapter whose weights sit in each slot (None: zeroed)."""
         self.num_slot_loads = 0
         """Slot loads since start (a swap back into a slot counts again)."""
-        logger.info("LoRA: %d slots of rank %d on %d layers (%.1f MiB), host LRU of %d adapters, %s backend",
-                    self.max_loras, self.max_lora_rank, len(self.layers), self.slot_nbytes() / (1 << 20),
-                    self.store.capacity, self.backend)
+        logger.info("LoRA: %d slots of %s on %d layers (%.1f MiB), host LRU of %d adapters, %s backend",
+                    self.max_loras, f"rank {self.max_lora_rank}" if self.pool_pages is None else
+                    f"ranks up to {self.max_lora_rank} in a pool of {self.pool_pages * PAGE_ROWS} rank rows",
+                    len(self.layers), self.slot_nbytes() / (1 << 20), self.store.capacity, self.backend)
+
+    def _row_bytes(self, model: nn.Module) -> int:
+        """Device bytes of one rank row over every adapted Linear (routed experts keep padded slots)."""
+        size = torch.empty((), dtype=self.lora_dtype).element_size()
+        total = 0
+        for name in self.targets.module_names:
+            if name in self.targets.expert_modules:
+                continue
+            linear = model.get_submodule(name)
+            total += (len(linear.output_sizes) * linear.input_size + sum(linear.output_sizes)) * size
+        return max(total, 1)
+
+    def rank_pool(self) -> Optional[RankPagePool]:
+        """A scheduler-side allocator of this pool's pages (``LoRASlotManager``); None without a pool."""
+        if self.pool_pages is None:
+            return None
+        return RankPagePool(self.pool_pages, PAGE_ROWS, self.row_bytes)
+
+    def adapter_rank(self, lora_request: LoRARequest) -> int:
+        """The adapter's rank, which sets its pool pages (the scheduler asks once it is in host memory);
+        ``max_lora_rank`` for one not held."""
+        rank = self.store.rank_of(lora_request.lora_name)
+        return self.max_lora_rank if rank is None else rank
 
     # ------------------------------------------------------------------ registry
     def register(self, lora_request: LoRARequest, keep_if_removing: bool = False, read_later: bool = False) -> bool:
@@ -359,6 +399,7 @@ class LoRAManager:
             if name == lora_name:
                 for layer in self.layers.values():
                     layer.clear_slot(slot)
+                self._set_slot_pages(slot, 0, ())
                 self._slot_names[slot] = None
         self.store.remove(lora_name)
         self._registered.pop(lora_name, None)
@@ -379,7 +420,7 @@ class LoRAManager:
         follows) leaves the wait to the next step's ``set_batch``. On CPU they are plain copies."""
         if self.device.type != "cuda":
             for load in loads:
-                self.load_slot(load.lora_slot, load.lora_request)
+                self.load_slot(load.lora_slot, load.lora_request, load.pages)
             return
         current = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
@@ -387,7 +428,7 @@ class LoRAManager:
         self._copy_stream.wait_stream(current)
         with torch.cuda.stream(self._copy_stream):
             for load in loads:
-                self.load_slot(load.lora_slot, load.lora_request)
+                self.load_slot(load.lora_slot, load.lora_request, load.pages)
         done = torch.cuda.Event()
         done.record(self._copy_stream)
         if all(load.prefetch for load in loads):
@@ -404,19 +445,38 @@ class LoRAManager:
             torch.cuda.current_stream(self.device).wait_event(self._copies_due)
         self._copies_due, self._copies_fresh = self._copies_fresh, None
 
-    def load_slot(self, lora_slot: int, lora_request: LoRARequest) -> None:
-        """Copy one adapter into ``lora_slot`` of every adapted layer (zeroing untargeted slices)."""
+    def load_slot(self, lora_slot: int, lora_request: LoRARequest, pages: Sequence[int] = ()) -> None:
+        """Copy one adapter into ``lora_slot`` of every adapted layer (zeroing untargeted slices); with a
+        pool, into ``pages`` (the scheduler's ``LoRASlotLoad.pages``), the slot's rank set to the adapter's."""
         if not 0 <= lora_slot < self.max_loras:
             raise RuntimeError(f"LoRA slot {lora_slot} out of range [0, {self.max_loras}).")
         adapter = self.host_copy(lora_request)
+        for slot, name in enumerate(self._slot_names):
+            if name == adapter.name and slot != lora_slot:
+                self._set_slot_pages(slot, 0, ())   # moved: the old copy is stale (its pages freed)
+                self._slot_names[slot] = None
+        if self.pool_pages is not None:
+            if len(pages) < pages_for_rank(adapter.rank):
+                raise RuntimeError(f"LoRA slot load of {adapter.name!r} (rank {adapter.rank}) got {len(pages)} "
+                                   f"pages of {PAGE_ROWS} rows.")
+            self._set_slot_pages(lora_slot, adapter.rank, pages)
         for module_name, layer in self.layers.items():
             for s in range(layer.num_slices):
                 layer.set_slice(lora_slot, s, adapter.weights.get((module_name, s)))
-        for slot, name in enumerate(self._slot_names):
-            if name == adapter.name:
-                self._slot_names[slot] = None   # moved: the old copy is stale
         self._slot_names[lora_slot] = adapter.name
         self.num_slot_loads += 1
+
+    def _set_slot_pages(self, lora_slot: int, rank: int, pages: Sequence[int]) -> None:
+        """With a pool: slot ``lora_slot`` reads ``rank`` rows of ``pages`` (rank 0: nothing)."""
+        table = self.state.pages
+        if table is None:
+            return
+        rows = [p * PAGE_ROWS + i for p in pages for i in range(PAGE_ROWS)][:rank]
+        if rank:
+            table.page_table[lora_slot, :len(pages)].copy_(torch.tensor(pages, dtype=torch.int32))
+        table.slot_ranks[lora_slot].fill_(rank)
+        self.state.slot_rows[lora_slot] = (torch.tensor(rows, dtype=torch.int64, device=self.device)
+                                           if rank else None)                      # [rank]
 
     def host_copy(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The adapter from the host store, read again from disk if the LRU dropped it.

@@ -338,8 +338,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "are also captured for steps of at most 16 adapters, whose LoRA kernels then "
                            "launch over 16 slots only.")
     lora.add_argument("--max-lora-rank", type=int, default=None,
-                      help="Rank of every slot; smaller adapters are zero-padded (default: the largest rank "
-                           "among --lora-modules, at least 16).")
+                      help="Largest adapter rank accepted (a larger one is a 400); without "
+                           "--max-lora-pool-bytes also the rank of every slot, smaller adapters zero-padded "
+                           "(default: the largest rank among --lora-modules, at least 16).")
+    lora.add_argument("--max-lora-pool-bytes", type=int, default=None,
+                      help="Device bytes of one pool the resident adapters share by their own ranks (pages "
+                           "of 8 rank rows): ranks 8 and 128 take 8 and 128 rows, none padded to "
+                           "--max-lora-rank; an adapter that does not fit waits for idle ones to be "
+                           "evicted. Must hold one adapter of --max-lora-rank. Default: padded slots "
+                           "(--max-loras of --max-lora-rank).")
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="Adapters kept in host memory, LRU; evicted ones reload from disk when needed "
                            "(default: max(max-loras, 64)).")
@@ -442,7 +449,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         # Every 30 s window asks for the top logprobs at its first step (Whisper's no_speech_prob).
         from engine.transcription import NO_SPEECH_TOP_LOGPROBS
         kwargs["max_logprobs"] = max(args.max_logprobs, NO_SPEECH_TOP_LOGPROBS)
-    for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "limit_mm_per_prompt",
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "max_lora_pool_bytes", "limit_mm_per_prompt",
                  "allowed_local_media_path", "allowed_media_domains", "max_num_encoder_input_tokens",
                  "max_image_pixels_per_request", "max_image_pixels_in_flight", "max_media_bytes_in_flight",
                  "encoder_cache_size", "cpu_float_copy"):

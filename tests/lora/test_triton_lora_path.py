@@ -1,7 +1,8 @@
 """The Triton LoRA path in the engine, on CPU through the Triton interpreter: the engine with the
 Triton LoRA backend forced on CPU matches transformers + PEFT greedy, with adapters of two ranks and
-target sets next to the base model, through the split pair (shrink + expand) and through the
-stacked GEMM, and each step runs the kernels its path names.
+target sets next to the base model, through the split pair (shrink + expand), through the
+stacked GEMM and through the split pair on a pool of rank rows (each adapter its own rank's pages),
+and each step runs the kernels its path names.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import kernels.lora_expand_silu_mul as lora_expand_silu_mul
 import kernels.lora_shrink as lora_shrink
 from engine import LLM, SamplingParams
 from lora import LoRARequest
-from tests.lora.utils import ALL_TARGETS, build_peft_adapter, peft_greedy, peft_reference_model
+from tests.lora.utils import ALL_TARGETS, build_peft_adapter, lora_row_bytes, peft_greedy, peft_reference_model
 from tests.models.utils import check_logprobs_close, ours_as_ref
 
 
@@ -38,13 +39,14 @@ PLAN = [(0, "r4-all"), (2, "r8-qv"), (3, "r4-all"), (1, None)]
 """(prompt index, adapter) per request: r4-all has two requests, so decode segments of two tokens."""
 
 
-@pytest.mark.parametrize("kernel", ["split", "split-tiles", "stacked"])
+@pytest.mark.parametrize("kernel", ["split", "split-tiles", "stacked", "pooled"])
 def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny_prompts, tmp_path, monkeypatch):
     """The Triton backend forced on CPU: prefill and decode steps through the split pair with the
     default overlap's begin / finish ("split"; with the o/down updates inside add + RMSNorm through
     its segment-tile programs at every size, as large steps take them, "split-tiles"), or with
     decode steps (<= 4 tokens) through the stacked GEMM (the shrink inside the base GEMM,
-    "stacked") and prefill through the split pair."""
+    "stacked") and prefill through the split pair; "pooled": the split pair with the slots in a pool
+    of 16 rank rows (``--max-lora-pool-bytes``), where padded slots of rank 16 would take 32."""
     from transformers import AutoTokenizer
 
     from lora.manager import LoRAManager
@@ -62,7 +64,8 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
         init(self, *args, backend="triton", **kwargs)
     monkeypatch.setattr(LoRAManager, "__init__", triton_backend)
     tiles = kernel == "split-tiles"
-    kernel = "split" if tiles else kernel
+    pooled = kernel == "pooled"
+    kernel = "split" if tiles or pooled else kernel
     # The engine's policy (``ModelRunner.policy``, handed to the LoRA manager) with only the stacked
     # bound overridden: the overlap and the consumer fusions keep their defaults.
     stacked_max_tokens = len(PLAN) if kernel == "stacked" else 0
@@ -86,8 +89,9 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     # float32 on CUDA too (its "auto" is bfloat16): the reference is PEFT in float32, to 1e-3. Eager, and the
     # spies reset after start-up: the counts below are per step (CUDA graph captures and the start-up
     # kernel warm-up call the kernels too, and graph replays call none).
+    pool_bytes = 16 * lora_row_bytes(tiny_llama_dir) if pooled else None
     llm = LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, enable_lora=True, max_loras=2,
-              max_lora_rank=16, enable_prefix_caching=False)
+              max_lora_rank=16, enable_prefix_caching=False, max_lora_pool_bytes=pool_bytes)
     for spy in (stacked_spy, norm_spy, shrink_spy, silu_mul_spy):
         spy.reset_mock()
     tile_spy.launches = 0
@@ -102,6 +106,9 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     for (p, a), ref, out in zip(PLAN, refs, outs):
         check_logprobs_close(ref, ours_as_ref(out.outputs[0]), name=f"{a} / prompt {p}")
     split = shrink_spy.call_count
+    assert all((c.kwargs["pages"] is not None) == pooled for c in shrink_spy.call_args_list)
+    if pooled:
+        assert manager.pool_pages == 2 and manager.slot_nbytes() == pool_bytes
     num_layers = len(manager.layers)
     num_mlps = sum(name.endswith("gate_up_proj") for name in manager.layers)
     if kernel == "stacked":

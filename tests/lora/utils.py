@@ -65,3 +65,15 @@ def peft_greedy(pm, adapter: Optional[str], prompt_ids: list[int], max_new_token
             return hf_greedy(pm, prompt_ids, max_new_tokens)
     pm.set_adapter(adapter)
     return hf_greedy(pm, prompt_ids, max_new_tokens)
+
+
+def lora_row_bytes(model_dir: Union[str, Path]) -> int:
+    """float32 bytes of one adapter rank row over q/k/v, o, gate/up and down of every layer of a Llama-shaped
+    checkpoint (what ``LoRAManager.row_bytes`` counts: A's inputs and B's outputs of each slice)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    hd = c.hidden_size // c.num_attention_heads
+    q, kv, h, i = c.num_attention_heads * hd, c.num_key_value_heads * hd, c.hidden_size, c.intermediate_size
+    per_layer = (3 * h + q + 2 * kv) + (q + h) + (2 * h + 2 * i) + (i + h)
+    return 4 * c.num_hidden_layers * per_layer

@@ -341,8 +341,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="Largest adapter rank accepted (a larger one is a 400); without "
                            "--max-lora-pool-bytes also the rank of every slot, smaller adapters zero-padded "
                            "(default: the largest rank among --lora-modules, at least 16).")
-    lora.add_argument("--max-lora-pool-bytes", type=int, default=None,
-                      help="Device bytes of one pool the resident adapters share by their own ranks (pages "
+    lora.add_argument("--max-lora-pool-bytes", type=_positive_human_int, default=None, metavar="BYTES",
+                      help="Device bytes (suffixes k, m, g; K, M, G in powers of 1024) of one pool the resident adapters share by their own ranks (pages "
                            "of 8 rank rows): ranks 8 and 128 take 8 and 128 rows, none padded to "
                            "--max-lora-rank; an adapter that does not fit waits for idle ones to be "
                            "evicted. Must hold one adapter of --max-lora-rank. Default: padded slots "

@@ -103,3 +103,18 @@ def test_without_a_pool_slots_behave_as_before() -> None:
     slots.release(lr("a"))
     grant = slots.acquire(lr("c"))
     assert (grant.lora_slot, grant.evicted, grant.evicted_more, grant.pages) == (0, "a", (), ())
+
+
+def test_serve_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from engine.arg_utils import EngineArgs
+    from engine.server.args import add_serve_args, engine_kwargs
+
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(
+        ["./model", "--enable-lora", "--max-lora-rank", "128", "--max-lora-pool-bytes", "2G"])
+    kwargs = engine_kwargs(args)
+    assert kwargs["max_lora_pool_bytes"] == 2 << 30
+    lora = EngineArgs(model="./model", enable_lora=True, max_lora_rank=128,
+                      max_lora_pool_bytes=kwargs["max_lora_pool_bytes"]).create_engine_config(64).lora_config
+    assert (lora.max_lora_pool_bytes, lora.max_lora_rank) == (2 << 30, 128)

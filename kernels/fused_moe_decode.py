@@ -33,7 +33,8 @@ rounded once). The torch twin is ``engine.layers.moe.fused_moe_ref``;
 
 Inner products, per launch (``MoEDecodeLaunch.use_dot``): tl.dot on the pair's row repeated to 16 rows
 against the [BLOCK_N, BLOCK_K] weight tile, or an elementwise multiply accumulated in a [BLOCK_N,
-BLOCK_K] float32 tile summed once after the K loop (as ``kernels.gemv``'s two forms).
+BLOCK_K] float32 tile summed over its columns when the pair's inputs end (as ``kernels.gemv``'s two
+forms; the down launch takes that sum at every chunk and keeps it on the pair's last).
 """
 
 from __future__ import annotations

@@ -396,18 +396,30 @@ def _decode_plan(meta: AttentionMetadata, seq_lens: list[int], block_size: int) 
 
 
 def cross_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                          meta: AttentionMetadata, scale: float,
+                          decode_kernel: Optional[CpuDecodeAttention] = None) -> torch.Tensor:
     """Cross-attention: every query token of request i attends to all ``seq_lens[i]`` encoder positions
     held in its blocks ``block_tables[i]`` (no causal mask).
 
-    q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]. One gather and one
-    SDPA call per request (its tokens share the K/V).
+    q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]. With ``decode_kernel``
+    (float32 queries), the ``num_decode_reqs`` one-token requests first attend in one call of it, reading
+    their blocks in place; every other request: one gather and one SDPA call (its tokens share the K/V).
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
     qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
-    for i, slen in enumerate(seq_lens):
+    nd = meta.num_decode_reqs if decode_kernel is not None and q.dtype == torch.float32 else 0
+    if nd > 0:
+        od = decode_kernel(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens[:nd], max(seq_lens[:nd]),
+                           scale)                                                      # [nd, H, D]
+        if nd == q.shape[0]:
+            return od
+        out = torch.empty_like(q)
+        out[:nd] = od
+    else:
+        out = torch.empty_like(q)
+    for i in range(nd, len(seq_lens)):
+        slen = seq_lens[i]
         start, end = qsl[i], qsl[i + 1]
         if start == end:
             continue
@@ -505,7 +517,9 @@ class AttentionBackend:
             return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                    1, meta.max_seq_len, scale, has_decodes=True, decode_tiles=self.decode_tiles,
                                    k_scale=k_scale, v_scale=v_scale)
-        return cross_attention_torch(q, k_cache, v_cache, meta, scale)
+        decode_kernel = self.cpu_decode if self.cpu_decode is not None and cpu_decode_supports(
+            q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], k_cache.dtype) else None
+        return cross_attention_torch(q, k_cache, v_cache, meta, scale, decode_kernel)
 
     def attend_decode_rotary(self, q, k, v, positions, rotary, k_cache, v_cache, meta: AttentionMetadata,
                              scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,

@@ -233,7 +233,7 @@ class WhisperLogitsRules:
 
     def needs_history(self, prompt: list[int]) -> bool:
         """Whether a row with this decoder prompt reads its generated ids (timestamp mode); otherwise its
-        rules depend only on how many ids it has generated, so ``apply`` may get placeholders for them."""
+        rules depend only on whether it has generated any, so ``apply`` may get a placeholder for them."""
         return self.is_timestamp_mode(prompt)
 
     def is_language_detection(self, prompt: list[int], output: list[int]) -> bool:
@@ -272,7 +272,10 @@ class WhisperLogitsRules:
         """Mask ``logits`` ([R, V], any float dtype and device) in place for rows with decoder prompts
         ``prompts`` and generated ids ``outputs`` (R each); returns ``logits``.
 
-        One host-to-device copy of the per-row bounds ([R, 7] int64), no device-to-host sync.
+        Suppression (``suppress_tokens``, and ``begin_suppress_tokens`` at a row's first token) covers every
+        row but those detecting their language at once; only the rows in timestamp mode or detecting their
+        language then take per-row bounds, over their own rows ([S, 5] int64 sent in one host-to-device copy):
+        the work on [R, V] does not grow with those rows. No device-to-host sync.
         """
         num_rows, vocab = logits.shape
         if len(prompts) != num_rows or len(outputs) != num_rows:
@@ -281,30 +284,38 @@ class WhisperLogitsRules:
         if vocab < self.ids.vocab_size:
             raise ValueError(f"logits have {vocab} columns, fewer than the model's {self.ids.vocab_size} "
                              f"tokens.")
-        if not any(self.needs_history(p) or self.is_language_detection(p, o) for p, o in zip(prompts, outputs)):
-            return self._apply_suppression(logits, [not o for o in outputs])
-        rows = [self.row_mask(p, o) for p, o in zip(prompts, outputs)]
-        bounds = torch.tensor([[r.below, min(r.from_id, self.ids.vocab_size), r.gap_lo, r.gap_hi, r.suppress,
-                                r.begin, r.timestamp_rules] for r in rows],
-                              dtype=torch.int64).to(logits.device)            # [R, 7]
-        vocab_ids, suppress, begin = self._static_masks(vocab, logits.device)
-        below, from_id, gap_lo, gap_hi = (bounds[:, i:i + 1] for i in range(4))  # [R, 1] each
-        use_suppress, use_begin, use_ts = (bounds[:, i:i + 1].bool() for i in range(4, 7))
-        mask = (vocab_ids < below) | (vocab_ids >= from_id)                        # [R, V]
+        detecting = [self.is_language_detection(p, o) for p, o in zip(prompts, outputs)]
+        special = [i for i, (p, d) in enumerate(zip(prompts, detecting)) if d or self.needs_history(p)]
+        self._apply_suppression(logits, [not o for o in outputs], detecting if any(detecting) else None)
+        if not special:
+            return logits
+        rows = [self.row_mask(prompts[i], outputs[i]) for i in special]
+        bounds = torch.tensor([[r.below, min(r.from_id, self.ids.vocab_size), r.gap_lo, r.gap_hi,
+                                r.timestamp_rules] for r in rows], dtype=torch.int64).to(logits.device)   # [S, 5]
+        vocab_ids, _, _ = self._static_masks(vocab, logits.device)
+        below, from_id, gap_lo, gap_hi = (bounds[:, i:i + 1] for i in range(4))  # [S, 1] each
+        use_ts = bounds[:, 4:5].bool()                                             # [S, 1]
+        index = torch.tensor(special, dtype=torch.int64).to(logits.device)         # [S]
+        sub = logits.index_select(0, index)                                        # [S, V]
+        mask = (vocab_ids < below) | (vocab_ids >= from_id)                        # [S, V]
         mask |= (vocab_ids >= gap_lo) & (vocab_ids < gap_hi)
-        mask |= suppress & use_suppress
-        mask |= begin & use_begin
         mask[:, self.ids.no_timestamps] |= use_ts[:, 0]
-        logits.masked_fill_(mask, float("-inf"))
+        sub.masked_fill_(mask, float("-inf"))
         if any(r.timestamp_rules for r in rows):
-            self._prefer_timestamps(logits, use_ts)
+            self._prefer_timestamps(sub, use_ts)
+        logits.index_copy_(0, index, sub)
         return logits
 
-    def _apply_suppression(self, logits: torch.Tensor, first: list[bool]) -> torch.Tensor:
-        """The common step (no row in timestamp mode or detecting its language): ``suppress_tokens`` on
-        every row, ``begin_suppress_tokens`` on rows at their first token; no per-row bounds."""
+    def _apply_suppression(self, logits: torch.Tensor, first: list[bool],
+                           detecting: list[bool] | None = None) -> torch.Tensor:
+        """``suppress_tokens`` (and the columns past the vocabulary) on every row, ``begin_suppress_tokens`` on
+        rows at their first token; rows of ``detecting`` (language detection) are left alone."""
         _, suppress, begin = self._static_masks(logits.shape[1], logits.device)
-        if any(first):
+        if detecting is not None:
+            flags = torch.tensor([[not d, f and not d] for d, f in zip(detecting, first)],
+                                 dtype=torch.bool).to(logits.device, non_blocking=True)   # [R, 2]
+            logits.masked_fill_((suppress & flags[:, :1]) | (begin & flags[:, 1:]), float("-inf"))
+        elif any(first):
             rows = torch.tensor(first, dtype=torch.bool).to(logits.device, non_blocking=True)   # [R]
             logits.masked_fill_(suppress | (begin & rows[:, None]), float("-inf"))
         else:
@@ -322,12 +333,14 @@ class WhisperLogitsRules:
 
     def _static_masks(self, vocab: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(arange [V], suppress_tokens mask [V], begin_suppress_tokens mask [V]), made once per device."""
+        """(arange [V], suppress_tokens (and padding columns) mask [V], begin_suppress_tokens mask [V]), made once
+        per (width, device)."""
         key = (vocab, device)
         if key not in self._static:
             vocab_ids = torch.arange(vocab, device=device)                          # [V]
             suppress = torch.zeros(vocab, dtype=torch.bool, device=device)          # [V]
             suppress[self.suppress_tokens] = True
+            suppress[self.ids.vocab_size:] = True                                   # padding columns
             begin = torch.zeros(vocab, dtype=torch.bool, device=device)             # [V]
             begin[self.begin_suppress_tokens] = True
             self._static[key] = (vocab_ids, suppress, begin)

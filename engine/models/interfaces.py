@@ -79,7 +79,8 @@ class LogitsRules(Protocol):
     timestamp rules)."""
 
     def needs_history(self, prompt: list[int]) -> bool:
-        """Whether the rules read a row's generated ids (else only how many there are)."""
+        """Whether the rules read a row's generated ids (else only whether there is one: such rows get ``[]``
+        before their first id and ``[-1]`` after it)."""
 
     def apply(self, logits: torch.Tensor, prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
         """logits [R, vocab] -> logits [R, vocab] with each row's rules applied (its prompt and outputs)."""

@@ -16,6 +16,10 @@ from engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from engine.sampling_params import SamplingParams
 
 
+_STARTED: tuple[list[int], list[int]] = ([], [-1])
+"""The logits rules' output placeholders of rows whose rules read no history: before / after their first id."""
+
+
 def sampling_is_simple(p: SamplingParams) -> bool:
     """Sampling that needs no token history on the host (no penalties, no min_tokens)."""
     return (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
@@ -52,8 +56,9 @@ class StepSampler:
         ids' copy to the host. ``num_generated``: req_id -> output tokens before this step's sample (with
         logits rules only). ``token_bitmask``: the grammars of the constrained rows (None: none)."""
         if self.logits_rules is not None:
-            # Rows whose rules read only the output count get placeholders (their last id may be in flight).
-            outputs = [s.output_token_ids if s.rules_need_history else [-1] * num_generated[s.req_id]
+            # Rows whose rules read no history get a placeholder: [] before their first id, else [-1] (their
+            # last id may be in flight).
+            outputs = [s.output_token_ids if s.rules_need_history else _STARTED[num_generated[s.req_id] > 0]
                        for s in states]
             prompts = [s.token_ids[:s.num_prompt_tokens] for s in states]
             logits = self.logits_rules.apply(logits, prompts, outputs)

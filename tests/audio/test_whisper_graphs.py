@@ -86,6 +86,26 @@ def test_padding_rows_change_no_real_row():
     torch.testing.assert_close(eager[1], torch.einsum("hs,shd->hd", ref, v), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("counts", [[1, 1, 1], [1, 1, 3]], ids=["decodes", "mixed"])
+def test_cpu_decode_kernel_rows_equal_sdpa(counts):
+    """The CPU backend attends the one-token rows through the decode kernel, in place; the same values as the
+    gather + SDPA path (the other rows still take it)."""
+    from engine import envs
+    from engine.attention import select_backend
+    backend = select_backend(torch.device("cpu"), cpu_kernel_dir=envs.cpu_kernel_dir())
+    if backend.cpu_decode is None:
+        pytest.skip("the CPU decode kernel cannot be built here")
+    torch.manual_seed(1)
+    k_cache = torch.randn(12, 8, 2, 16)
+    v_cache = torch.randn(12, 8, 2, 16)
+    buf = CrossAttentionBuffers(8, BLOCKS, 40, torch.device("cpu"))
+    meta = buf.prepare(_tables([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]), np.array([20, 9, 37], np.int32),
+                       np.array(counts))
+    q = torch.randn(sum(counts), 4, 16)
+    got = backend.attend_cross(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(got, cross_attention_torch(q, k_cache, v_cache, meta, 0.25), rtol=1e-5, atol=1e-5)
+
+
 class _EagerReplay(StepGraphs):
     """CPU stand-in for the captured graphs: ``capture`` keeps each decode key's capture-time metadata (views of
     the static buffers, bounds of the bucket), ``replay`` runs the forward over exactly those objects."""

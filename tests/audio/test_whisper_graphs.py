@@ -185,6 +185,8 @@ def test_tiny_en_cuda_graphs_equal_eager(tiny_en_dir):
     eager = LLM(enforce_eager=True, **kw)
     prompt = _decoder_prompt(eager)
     ref = _run(eager, prompt, 12)
+    assert eager.llm_engine.core.runner.graphs is None
+    eager.close()
     llm = LLM(**kw)
     graphs = llm.llm_engine.core.runner.graphs
     assert graphs is not None and graphs.num_mixed_replays == 0

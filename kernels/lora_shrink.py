@@ -266,8 +266,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
 
     Args:
         x: [num_tokens, in_dim] float16/bfloat16/float32, last dim contiguous.
-        lora_a: with ``pages``, the pool [num_slices, num_pages * page_rows, in_dim] (``kernels.lora_pages``);
-            without, the padded [num_slices, max_loras, rank, in_dim]; x's dtype, last dim contiguous.
+        lora_a: the pool [num_slices, num_pages * page_rows, in_dim] (``kernels.lora_pages``), or the padded
+            [num_slices, max_loras, max_rank, in_dim] (any strides but the last; its pages: ``padded_pages``);
+            x's dtype, last dim contiguous.
         meta: this step's ``LoRAKernelMeta`` (num_tokens and max_loras must match).
         out: [num_slices, split_k, num_tokens, rank] float32, contiguous (rank: at least every slot's):
             split j holds the partial product over input chunk K_j (``split_chunk(in_dim, split_k)``
@@ -282,7 +283,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_tokens, in_dim = x.shape
     dev = x.device
-    if pages is None:                     # padded: page l is slot l's [rank, in] (any strides, no copy)
+    if lora_a.dim() == 4:                 # padded: page l is slot l's [rank, in] (any strides, no copy)
         check_tensor("lora_a", lora_a, ndim=4, dtypes=(x.dtype,), device=dev, last_dim_contiguous=True)
         check_tensor("lora_a", lora_a, shape=(None, None, None, in_dim))
         max_loras = lora_a.shape[1]
@@ -301,6 +302,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
     if pages is None:
         pages = padded_pages(max_loras, lora_a.shape[2], dev)
     pages.check(max_loras, dev)
+    if lora_a.dim() == 4 and pages.page_rows != lora_a.shape[2]:
+        raise ValueError(f"pages: {pages.page_rows} rows per page, the padded lora_a has rank {lora_a.shape[2]}.")
     if config is None:
         config = dataclasses.replace(
             lora_shrink_config(num_tokens, meta.num_active, num_slices, in_dim, dev), split_k=split_k)

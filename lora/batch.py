@@ -92,8 +92,9 @@ class LoRABatchState:
     """Inside a ``LoRAManager.rows_batch`` (eager, never captured): a scratch larger than the reserved one
     is allocated for the call instead of raising (the reserved buffer stays where graphs read it)."""
     pages: Optional[LoRASlotPages] = None
-    """With a pool of rank rows (``lora.rank_pool``): the slots' page table on the device, which the
-    kernels read (static tensors, rewritten in place by slot loads); None: padded slots."""
+    """The slots' page table on the device, which the kernels read: with a pool of rank rows
+    (``lora.rank_pool``) static tensors rewritten in place by slot loads; padded slots: the padded
+    layout's fixed table (``kernels.lora_pages.padded_pages``). None: the kernels make the padded one."""
     slot_rows: list[Optional[torch.Tensor]] = field(default_factory=list)
     """With a pool: per slot, [rank_l] int64 pool rows of its adapter on the device (None: empty slot);
     what the torch path and slot loads index the pool buffers with."""

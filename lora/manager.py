@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from engine.dtypes import TORCH_DTYPES
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds
-from kernels.lora_pages import LoRASlotPages
+from kernels.lora_pages import LoRASlotPages, padded_pages
 from lora.adapter_loader import AdapterLoader
 from lora.adapter_reader import AdapterReader
 from lora.adapter_store import AdapterStore
@@ -150,6 +150,10 @@ class LoRAManager:
                 torch.zeros(self.max_loras, dtype=torch.int32, device=self.device),              # [max_loras]
                 PAGE_ROWS)
             self.state.slot_rows = [None] * self.max_loras
+        else:
+            # The padded layout's (read-only) table, made here, eagerly: a kernel never builds one inside a
+            # CUDA graph capture (where a new tensor's values would not exist before the first replay).
+            self.state.pages = padded_pages(self.max_loras, self.max_lora_rank, self.device)
         for name in self.targets.module_names:
             if name in experts:        # a MoE layer's routed experts: per-expert A/B (``lora.expert_layers``)
                 gate = experts[name]
@@ -469,14 +473,20 @@ class LoRAManager:
     def _set_slot_pages(self, lora_slot: int, rank: int, pages: Sequence[int]) -> None:
         """With a pool: slot ``lora_slot`` reads ``rank`` rows of ``pages`` (rank 0: nothing)."""
         table = self.state.pages
-        if table is None:
+        if self.pool_pages is None:
             return
-        rows = [p * PAGE_ROWS + i for p in pages for i in range(PAGE_ROWS)][:rank]
-        if rank:
-            table.page_table[lora_slot, :len(pages)].copy_(torch.tensor(pages, dtype=torch.int32))
         table.slot_ranks[lora_slot].fill_(rank)
-        self.state.slot_rows[lora_slot] = (torch.tensor(rows, dtype=torch.int64, device=self.device)
-                                           if rank else None)                      # [rank]
+        if not rank:
+            self.state.slot_rows[lora_slot] = None
+            return
+        # NOTE: from pinned memory on CUDA, so that the copies queue on the copy stream without the host
+        # waiting for the step before (the pinned blocks are kept until their copies are done).
+        cuda = self.device.type == "cuda"
+        page_ids = torch.tensor(list(pages), dtype=torch.int32, pin_memory=cuda)          # [num_pages]
+        rows = torch.tensor([p * PAGE_ROWS + i for p in pages for i in range(PAGE_ROWS)][:rank],
+                            dtype=torch.int64, pin_memory=cuda)                          # [rank]
+        table.page_table[lora_slot, :len(pages)].copy_(page_ids, non_blocking=cuda)
+        self.state.slot_rows[lora_slot] = rows.to(self.device, non_blocking=cuda)
 
     def host_copy(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The adapter from the host store, read again from disk if the LRU dropped it.

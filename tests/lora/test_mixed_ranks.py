@@ -105,3 +105,19 @@ def test_small_pool_evicts_idle_adapters_by_pages(setup):
 def test_pool_too_small_for_max_rank_is_refused(setup):
     with pytest.raises(ValueError, match="max-lora-pool-bytes to at least"):
         LLM(setup["dir"], enable_lora=True, max_loras=4, max_lora_rank=128, max_lora_pool_bytes=1000)
+
+
+def test_tensor_parallel_pool_matches_peft(setup):
+    """tensor_parallel_size 2 (gloo): each rank's pool holds its shards of the rows, the pages the scheduler
+    names are the same on both, and the mixed batch still answers as PEFT."""
+    s = setup
+    llm = LLM(s["dir"], enable_lora=True, max_loras=4, max_lora_rank=128, tensor_parallel_size=2, device="cpu",
+              max_lora_pool_bytes=RANK_ROWS * lora_row_bytes(s["dir"]), max_num_seqs=8)
+    try:
+        manager = llm.llm_engine.lora_manager
+        assert manager.row_bytes < lora_row_bytes(s["dir"])           # this rank's shards only
+        assert manager.pool_pages * PAGE_ROWS >= RANK_ROWS
+        _check_all(s, llm)
+        assert llm.llm_engine.scheduler.num_lora_reloads_while_running == 0
+    finally:
+        llm.llm_engine.core.shutdown()

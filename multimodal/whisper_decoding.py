@@ -219,8 +219,9 @@ class WhisperLogitsRules:
         self.max_initial_timestamp_index = max_initial_timestamp_index
         languages = language_token_ids(ids)
         self._language_range = (languages[0], languages[-1] + 1) if languages else (0, 0)
-        # (vocab, device) -> (arange [V], suppress mask [V], begin-suppress mask [V])
-        self._static: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._arange: dict[tuple[int, torch.device], torch.Tensor] = {}   # (vocab, device) -> arange [V]
+        # (vocab, device) -> (suppressed columns [N] int64, begin-suppressed columns [M] int64)
+        self._columns: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def is_timestamp_mode(self, prompt: list[int]) -> bool:
         """Whether the sot sequence ending ``prompt`` lacks ``<|notimestamps|>`` (scans back to sot)."""
@@ -292,11 +293,11 @@ class WhisperLogitsRules:
         rows = [self.row_mask(prompts[i], outputs[i]) for i in special]
         bounds = torch.tensor([[r.below, min(r.from_id, self.ids.vocab_size), r.gap_lo, r.gap_hi,
                                 r.timestamp_rules] for r in rows], dtype=torch.int64).to(logits.device)   # [S, 5]
-        vocab_ids, _, _ = self._static_masks(vocab, logits.device)
+        vocab_ids = self._vocab_ids(vocab, logits.device)                          # [V]
         below, from_id, gap_lo, gap_hi = (bounds[:, i:i + 1] for i in range(4))  # [S, 1] each
         use_ts = bounds[:, 4:5].bool()                                             # [S, 1]
         index = torch.tensor(special, dtype=torch.int64).to(logits.device)         # [S]
-        sub = logits.index_select(0, index)                                        # [S, V]
+        sub = logits[index]                     # [S, V] (advanced indexing: on CPU far faster than index_select)
         mask = (vocab_ids < below) | (vocab_ids >= from_id)                        # [S, V]
         mask |= (vocab_ids >= gap_lo) & (vocab_ids < gap_hi)
         mask[:, self.ids.no_timestamps] |= use_ts[:, 0]
@@ -309,18 +310,32 @@ class WhisperLogitsRules:
     def _apply_suppression(self, logits: torch.Tensor, first: list[bool],
                            detecting: list[bool] | None = None) -> torch.Tensor:
         """``suppress_tokens`` (and the columns past the vocabulary) on every row, ``begin_suppress_tokens`` on
-        rows at their first token; rows of ``detecting`` (language detection) are left alone."""
-        _, suppress, begin = self._static_masks(logits.shape[1], logits.device)
-        if detecting is not None:
-            flags = torch.tensor([[not d, f and not d] for d, f in zip(detecting, first)],
-                                 dtype=torch.bool).to(logits.device, non_blocking=True)   # [R, 2]
-            logits.masked_fill_((suppress & flags[:, :1]) | (begin & flags[:, 1:]), float("-inf"))
-        elif any(first):
-            rows = torch.tensor(first, dtype=torch.bool).to(logits.device, non_blocking=True)   # [R]
-            logits.masked_fill_(suppress | (begin & rows[:, None]), float("-inf"))
+        rows at their first token; rows of ``detecting`` (language detection) are left alone. Writes only
+        the suppressed columns (an index fill), never a mask over [R, V]."""
+        suppress_cols, begin_cols = self._static_columns(logits.shape[1], logits.device)
+        neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
+        first_rows = [i for i, f in enumerate(first) if f and not (detecting and detecting[i])]
+        if detecting is None:
+            logits.index_fill_(1, suppress_cols, float("-inf"))
         else:
-            logits.masked_fill_(suppress, float("-inf"))
+            keep = torch.tensor([i for i, d in enumerate(detecting) if not d],
+                                dtype=torch.int64).to(logits.device, non_blocking=True)   # [K]
+            logits.index_put_((keep[:, None], suppress_cols[None, :]), neg_inf)
+        if first_rows:
+            rows = torch.tensor(first_rows, dtype=torch.int64).to(logits.device, non_blocking=True)   # [F]
+            logits.index_put_((rows[:, None], begin_cols[None, :]), neg_inf)
         return logits
+
+    def _static_columns(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the suppressed columns: ``suppress_tokens`` and those past the vocabulary, ``begin_suppress_tokens``)
+        as int64 index tensors, made once per (width, device)."""
+        key = (vocab, device)
+        if key not in self._columns:
+            suppress = torch.tensor(self.suppress_tokens + list(range(self.ids.vocab_size, vocab)),
+                                    dtype=torch.int64, device=device)
+            self._columns[key] = (suppress, torch.tensor(self.begin_suppress_tokens, dtype=torch.int64,
+                                                         device=device))
+        return self._columns[key]
 
     def _prefer_timestamps(self, logits: torch.Tensor, use_ts: torch.Tensor) -> None:
         """Mask text in timestamp-mode rows whose timestamps' total probability beats every text token."""
@@ -331,20 +346,12 @@ class WhisperLogitsRules:
         prefer = (timestamp_logprob > max_text_logprob).unsqueeze(-1) & use_ts     # [R, 1]
         logits[:, :ts_begin].masked_fill_(prefer, float("-inf"))
 
-    def _static_masks(self, vocab: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(arange [V], suppress_tokens (and padding columns) mask [V], begin_suppress_tokens mask [V]), made once
-        per (width, device)."""
+    def _vocab_ids(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """arange(vocab) [V] int64 on ``device``, made once per (width, device)."""
         key = (vocab, device)
-        if key not in self._static:
-            vocab_ids = torch.arange(vocab, device=device)                          # [V]
-            suppress = torch.zeros(vocab, dtype=torch.bool, device=device)          # [V]
-            suppress[self.suppress_tokens] = True
-            suppress[self.ids.vocab_size:] = True                                   # padding columns
-            begin = torch.zeros(vocab, dtype=torch.bool, device=device)             # [V]
-            begin[self.begin_suppress_tokens] = True
-            self._static[key] = (vocab_ids, suppress, begin)
-        return self._static[key]
+        if key not in self._arange:
+            self._arange[key] = torch.arange(vocab, device=device)
+        return self._arange[key]
 
 
 # ------------------------------------------------------------------------------------------ segments

@@ -379,8 +379,7 @@ def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int,
 
 
 def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN,
-                override: GemvOverride = (), scale_block_k: Optional[int] = None,
-                weight_fp8: bool = False) -> GemvConfig:
+                override: GemvOverride = (), scale_block_k: Optional[int] = None) -> GemvConfig:
     """The default config for an [M, K] x [N, K]^T decode GEMV, with ``override`` applied last.
 
     Args:
@@ -392,7 +391,6 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         scale_block_k: inputs per scale block of a block-scaled FP8 weight (None: none); block_k is
             then cut to the largest power of two dividing it (after the override), so no chunk
             straddles a block.
-        weight_fp8: the weight is e4m3 (one row: the elementwise reduce-once tiles).
 
     NOTE: defaults chosen with ``benchmarks/sweeps/gemv_sweep.py`` on an H200 (Llama-3-8B shapes,
     bf16, M 1..16, weights from HBM, CUDA graphs): tl.dot beats the elementwise form at every M,
@@ -410,15 +408,13 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     issues per weight byte about 0.15 warp instructions with tl.dot (block_n 32 / block_k 512;
     bf16: 0.03) and about 0.12 in the elementwise reduce-once form at one row (0.16 at two), where
     ``_e4m3_to_f32`` converts four bytes per two ``cvt`` instructions; the H200 issues about 0.2 per
-    byte of HBM bandwidth. So one row takes the reduce-once form (block_n 32 / block_k 256, 4 warps,
-    64 partial sums per thread) and more rows tl.dot with the bf16 tiles; starting points that
-    ``benchmarks/sweeps/fp8_sweep.py`` ranks on the H200.
+    byte of HBM bandwidth. ``benchmarks/sweeps/fp8_sweep.py`` on the H200 at one row: the bf16 tiles
+    (tl.dot) are the best or within 5% of it on o, down and qkv (11.5 / 31.2 / 16.2 us), the
+    reduce-once form 8-60% slower but on qkv (15.6); so FP8 weights take the bf16 tiles.
     """
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
                          num_warps=4, num_stages=1, use_dot=0)
-    elif weight_fp8 and M == 1:
-        cfg = GemvConfig(32, 256, 4, 3, use_dot=0, reduce_once=1)
     elif N <= 16384:
         cfg = GemvConfig(32, 512, 4, 3, 1)
     else:
@@ -499,8 +495,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         return out
     scale_bn, scale_bk = scale_block if scale_block is not None else (1, 0)
     if config is None:
-        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None,
-                             weight_fp8=weight_scale is not None)
+        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None)
     block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
     upcast = is_interpreted(x.device)
     _gemv_kernel[(cdiv(N, config.block_n),)](

@@ -3,7 +3,8 @@
 amax / 448, as llmcompressor's FP8_DYNAMIC).
 
 - CUDA, decode steps of at most ``KernelPolicy.decode_gemv_max_tokens`` rows without an adapter update
-  (``Linear.uses_decode_gemv``): ``kernels.gemv``'s decode GEMV reads the e4m3 weight and its scales
+  (``Linear.uses_decode_gemv``), on weights with no more outputs than inputs (``decode_gemv_applies``):
+  ``kernels.gemv``'s decode GEMV reads the e4m3 weight and its scales
   (W8A16: converted in registers, activations unquantized, a static input scale not applied), with the
   RMSNorm / SiLU-and-mul before it fused in as for bf16 layers (``engine.layers.fused``);
 - CUDA, other steps: ``kernels.fp8_linear``'s W8A8 GEMM (``fp8_linear``): the activations quantized per
@@ -32,6 +33,20 @@ FP8_MAX = 448.0
 """Largest e4m3 magnitude."""
 
 
+def decode_gemv_applies(out_features: int, in_features: int, block: Optional[tuple[int, int]]) -> bool:
+    """Whether a decode step reads an [out, in] FP8 weight through ``kernels.gemv`` rather than the W8A8 GEMM:
+    scale blocks the GEMV takes, and out <= in.
+
+    Measured on an H200 at one row (``benchmarks/sweeps/fp8_sweep.py``, Llama-3-8B shapes, us per call, GEMV
+    with the bf16 tiles vs the W8A8 GEMM + its activation quantization): o 4096 x 4096 11.5 vs 16.5, down
+    4096 x 14336 30.4 vs 44.7, but qkv 6144 x 4096 16.2 vs 17.6 and gate_up 28672 x 4096 45.4 vs 34.5: where
+    the outputs outnumber the inputs, widening e4m3 in registers (about 5x the instructions per weight byte of
+    bf16) costs more than the W8A8 tiles' separate quantization launch saves."""
+    from kernels.gemv import fp8_scale_block_supported
+
+    return fp8_scale_block_supported(block) and out_features <= in_features
+
+
 class Fp8Weight:
     """A [out, in] FP8 weight with per-channel or per-block scales (module docstring)."""
 
@@ -47,12 +62,11 @@ class Fp8Weight:
         """Static activation scale (float32 [1]); None: dynamic."""
         self.cuda = weight.is_cuda
         self.decode_gemv = False
-        """Whether decode steps may read this weight through ``kernels.gemv`` (CUDA, scale blocks it takes)."""
+        """Whether decode steps read this weight through ``kernels.gemv`` (CUDA, ``decode_gemv_applies``)."""
         if self.cuda:
             from kernels.fp8_linear import scaled_mm_works
-            from kernels.gemv import fp8_scale_block_supported
             scaled_mm_works(weight.device)   # probed now, before CUDA graph capture
-            self.decode_gemv = fp8_scale_block_supported(self.block)
+            self.decode_gemv = decode_gemv_applies(weight.shape[0], weight.shape[1], self.block)
         self.float_weight: Optional[torch.Tensor] = None
         """CPU: the dequantized weight [out, in] in the model's dtype."""
         if not self.cuda:

@@ -298,12 +298,7 @@ def test_fp8_default_config_block_scales(prologue):
 
 
 def test_fp8_gemv_config():
-    """FP8 weights: one row takes the reduce-once elementwise tiles, more rows the float weights' tiles;
-    block_k is cut to divide the scale blocks, also under an override."""
-    once = gemv_config(1, 28672, 4096, weight_fp8=True)
-    assert (once.use_dot, once.reduce_once, once.block_n, once.block_k) == (0, 1, 32, 256)
-    assert gemv_config(2, 28672, 4096, weight_fp8=True) == gemv_config(2, 28672, 4096)
-    assert gemv_config(1, 6144, 4096, weight_fp8=True, scale_block_k=128).block_k == 128
+    """Block-scaled FP8 weights: block_k is cut to divide the scale blocks, also under an override."""
     assert gemv_config(1, 6144, 4096).block_k == 512
     assert gemv_config(1, 6144, 4096, scale_block_k=128).block_k == 128
     assert gemv_config(1, 6144, 4096, override=(("block_k", 1024),), scale_block_k=128).block_k == 128

@@ -175,19 +175,22 @@ def test_flash_varlen_on_cuda_equals_twin_and_one_image_at_a_time():
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
 def test_fused_rotary_kernel_path_equals_the_torch_ops(kind):
-    """The CUDA rotary path (``kernels.layer_ops.rotary_embedding_`` in place on the packed q/k/v, here under
-    the Triton interpreter on CPU) gives the attention of the torch ops."""
+    """The CUDA rotary path (``kernels.layer_ops.rotary_embedding_`` in place on the packed q/k/v; without a
+    GPU under the Triton interpreter on CPU) gives the attention of the torch ops, float32."""
+    import copy
+
     from encoders.qwen2_vl import VisionBatch
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _, tower = _loaded_qwen(kind)
-    attention = tower.blocks[0].attn
+    attention = copy.deepcopy(tower.blocks[0].attn).to(device)
     num_patches = 40
     gen = torch.Generator().manual_seed(4)
-    hidden = torch.randn(num_patches, attention.num_heads * attention.head_dim, generator=gen)
-    cos, sin = tower.rotary(torch.randint(0, 8, (num_patches, 2), generator=gen))
-    segments = packed_segments(join_runs([(1, 24), (1, 16)]), torch.device("cpu"))
+    hidden = torch.randn(num_patches, attention.num_heads * attention.head_dim, generator=gen).to(device)
+    cos, sin = (t.to(device) for t in tower.rotary(torch.randint(0, 8, (num_patches, 2), generator=gen)))
+    segments = packed_segments(join_runs([(1, 24), (1, 16)]), device)
     torch_ops = VisionBatch(cos=cos, sin=sin, segments=segments)
-    kernel = VisionBatch(cos=cos, sin=sin, segments=segments, patch_index=torch.arange(num_patches))
+    kernel = VisionBatch(cos=cos, sin=sin, segments=segments, patch_index=torch.arange(num_patches, device=device))
     with torch.no_grad():
         torch.testing.assert_close(attention(hidden, kernel), attention(hidden, torch_ops),
                                    atol=1e-5, rtol=1e-5)

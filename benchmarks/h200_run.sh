@@ -37,6 +37,16 @@
 #               once, from 1 and 4 client processes, vs LLM.generate on the same requests; needs
 #               the carried .whl folder (fetch-wheels)                             (~180 s, not timed yet)
 #   multi-lora  16-64 distinct adapters vs the base model, batch 64 and 256                        (~400 s)
+#   adapter-scale  benchmarks/adapter_scale.py: ADAPTER_SCALE (default "1 16 64 256 1000 2000") distinct adapters
+#               read by name from a --lora-dir on first use, ADAPTER_POP (default "zipf uniform") popularity, ranks
+#               8/16/64 mixed on all 7 projections (each adapter's files hard links to one of 12 random files, 1.9 GB
+#               on disk: 2,000 distinct files would be ~300 GB), 64 GPU slots, 1000 requests of 256 + 128 tokens,
+#               Poisson at the base model's saturation rate (measured first); out tok/s x base, TTFT and cold start
+#               p50/p99, host / slot loads; JSON $OUT/adapter_scale_N1_N2.json; needs the carried .whl folder.
+#               Estimate, not timed yet: ~150 s per call (weight files, both engines, the base runs), then per N
+#               (both popularities) ~30 s for 1, 16 or 64, ~80 s for 256, ~200 s for 1000, ~250 s for 2000, the
+#               reads of every adapter's ~150 MB (mean) from the page cache adding the most: three device calls,
+#               ADAPTER_SCALE="1 16 64 256" (~350 s), then "1000" and "2000" (~350-400 s each)
 #   profile     kernel tables of decode steps: batch 1 and 256, batch 64 with 16 adapters         (~250 s)
 #   vision      benchmarks/vision.py all: LLaVA-1.5-7B shape, 1000 one-image requests vs transformers;
 #               the encoder cache on and off; text TPOT alone and under image requests; Qwen2-VL-7B
@@ -217,6 +227,10 @@ for phase in "$@"; do
           --max-loras 64 --input-len 512 --output-len 128 --base-last \
           $([ "${HF_PEFT:-0}" = 1 ] || echo --skip-hf)
       done ;;
+    adapter-scale)
+      ns=$(echo ${ADAPTER_SCALE:-1 16 64 256 1000 2000} | tr ' ' ,)
+      python3 benchmarks/adapter_scale.py --num-adapters "$ns" --popularity "$(echo ${ADAPTER_POP:-zipf uniform} | tr ' ' ,)" \
+        --max-loras 64 --out "$OUT/adapter_scale_${ns//,/_}.json" 2>&1 | quiet | grep -v "registered from" ;;
     serve)
       serve_phase ;;
     structured)

@@ -42,11 +42,13 @@
 #               8/16/64 mixed on all 7 projections (each adapter's files hard links to one of 12 random files, 1.9 GB
 #               on disk: 2,000 distinct files would be ~300 GB), 64 GPU slots, 1000 requests of 256 + 128 tokens,
 #               Poisson at the base model's saturation rate (measured first); out tok/s x base, TTFT and cold start
-#               p50/p99, host / slot loads; JSON $OUT/adapter_scale_N1_N2.json; needs the carried .whl folder.
+#               p50/p99, host / slot loads; JSON $OUT/adapter_scale_N1_N2_POP.json; needs the carried .whl folder.
 #               Estimate, not timed yet: ~150 s per call (weight files, both engines, the base runs), then per N
-#               (both popularities) ~30 s for 1, 16 or 64, ~80 s for 256, ~200 s for 1000, ~250 s for 2000, the
-#               reads of every adapter's ~150 MB (mean) from the page cache adding the most: three device calls,
-#               ADAPTER_SCALE="1 16 64 256" (~350 s), then "1000" and "2000" (~350-400 s each)
+#               (both popularities) ~30 s for 1, 16 or 64, ~80 s for 256, ~200-400 s for 1000, ~250-500 s for 2000:
+#               each distinct adapter (~1,000 at N=1000, ~1,200 at N=2000 over both popularities) is read (~150 MB
+#               mean) one at a time as the server resolves names. Device calls: ADAPTER_SCALE="1 16 64 256"
+#               (~350 s), then ADAPTER_SCALE=1000, then ADAPTER_SCALE=2000 (each with ADAPTER_POP=zipf, then
+#               ADAPTER_POP=uniform, if one runs past 10 minutes; every row's JSON is written as it ends)
 #   profile     kernel tables of decode steps: batch 1 and 256, batch 64 with 16 adapters         (~250 s)
 #   vision      benchmarks/vision.py all: LLaVA-1.5-7B shape, 1000 one-image requests vs transformers;
 #               the encoder cache on and off; text TPOT alone and under image requests; Qwen2-VL-7B
@@ -228,9 +230,9 @@ for phase in "$@"; do
           $([ "${HF_PEFT:-0}" = 1 ] || echo --skip-hf)
       done ;;
     adapter-scale)
-      ns=$(echo ${ADAPTER_SCALE:-1 16 64 256 1000 2000} | tr ' ' ,)
-      python3 benchmarks/adapter_scale.py --num-adapters "$ns" --popularity "$(echo ${ADAPTER_POP:-zipf uniform} | tr ' ' ,)" \
-        --max-loras 64 --out "$OUT/adapter_scale_${ns//,/_}.json" 2>&1 | quiet | grep -v "registered from" ;;
+      ns=$(echo ${ADAPTER_SCALE:-1 16 64 256 1000 2000} | tr ' ' ,) pops=$(echo ${ADAPTER_POP:-zipf uniform} | tr ' ' ,)
+      python3 benchmarks/adapter_scale.py --num-adapters "$ns" --popularity "$pops" --max-loras 64 \
+        --out "$OUT/adapter_scale_${ns//,/_}_${pops//,/_}.json" 2>&1 | quiet | grep -v "registered from" ;;
     serve)
       serve_phase ;;
     structured)

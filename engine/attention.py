@@ -402,24 +402,23 @@ def cross_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     held in its blocks ``block_tables[i]`` (no causal mask).
 
     q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]. With ``decode_kernel``
-    (float32 queries), the ``num_decode_reqs`` one-token requests first attend in one call of it, reading
-    their blocks in place; every other request: one gather and one SDPA call (its tokens share the K/V).
+    (float32 queries), every token attends in one call of it as a one-query request over its request's
+    blocks, read in place (a query sees all positions, so this is exact); else one gather and one SDPA call
+    per request (its tokens share the K/V).
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
-    nd = meta.num_decode_reqs if decode_kernel is not None and q.dtype == torch.float32 else 0
-    if nd > 0:
-        od = decode_kernel(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens[:nd], max(seq_lens[:nd]),
-                           scale)                                                      # [nd, H, D]
-        if nd == q.shape[0]:
-            return od
-        out = torch.empty_like(q)
-        out[:nd] = od
-    else:
-        out = torch.empty_like(q)
-    for i in range(nd, len(seq_lens)):
-        slen = seq_lens[i]
+    if decode_kernel is not None and q.dtype == torch.float32 and q.shape[0] > 0:
+        tables, lengths = meta.block_tables, meta.seq_lens                   # [R, blocks], [R]
+        if meta.max_query_len > 1 or q.shape[0] != len(seq_lens):           # not one token per request
+            counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(seq_lens))])     # [R]
+            tables = tables.repeat_interleave(counts, dim=0)                 # [T, blocks]
+            lengths = lengths.repeat_interleave(counts)                      # [T]
+        max_len = max(slen for i, slen in enumerate(seq_lens) if qsl[i + 1] > qsl[i])
+        return decode_kernel(q, k_cache, v_cache, tables, lengths, max_len, scale)   # [T, H, D]
+    out = torch.empty_like(q)
+    for i, slen in enumerate(seq_lens):
         start, end = qsl[i], qsl[i + 1]
         if start == end:
             continue

@@ -88,8 +88,8 @@ def test_padding_rows_change_no_real_row():
 
 @pytest.mark.parametrize("counts", [[1, 1, 1], [1, 1, 3]], ids=["decodes", "mixed"])
 def test_cpu_decode_kernel_rows_equal_sdpa(counts):
-    """The CPU backend attends the one-token rows through the decode kernel, in place; the same values as the
-    gather + SDPA path (the other rows still take it)."""
+    """The CPU backend attends every token through the decode kernel as a one-query request over its request's
+    blocks, in place: the gather + SDPA path's values, in decode steps and with a multi-token prompt."""
     from engine import envs
     from engine.attention import select_backend
     backend = select_backend(torch.device("cpu"), cpu_kernel_dir=envs.cpu_kernel_dir())

@@ -150,7 +150,7 @@ def test_a_fault_while_loading_an_adapter_slot_frees_the_slot_for_a_clean_reload
     llm.llm_engine.remove_lora("a")
     real_load = LoRAManager.load_slot
 
-    def half_load(self, lora_slot, lora_request):
+    def half_load(self, lora_slot, lora_request, pages=()):
         for layer in list(self.layers.values())[:2]:   # some layers get garbage, then the copy fails
             layer.lora_a[lora_slot].fill_(1.0)
         raise RuntimeError("copy failed half-way")

@@ -176,12 +176,15 @@ def test_graph_path_over_static_buffers_equals_eager(tiny_random_whisper_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_tiny_en_cuda_graphs_equal_eager(tiny_en_dir):
-    """Real tiny.en on CUDA (float32, TF32 off): 12 transcriptions through 8 rows with CUDA graphs equal the
-    same engine with enforce_eager; decode steps replayed graphs (padded buckets included)."""
+@pytest.mark.parametrize("model_dir", ["tiny_en_dir", "tiny_random_whisper_dir"])
+def test_tiny_en_cuda_graphs_equal_eager(model_dir, request):
+    """Real tiny.en (and the tests' tiny random Whisper, which needs no weights) on CUDA (float32, TF32 off): 12
+    transcriptions through 8 rows with CUDA graphs equal the same engine with enforce_eager; decode steps
+    replayed graphs (padded buckets included)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    kw = dict(model=str(tiny_en_dir), device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3)
+    kw = dict(model=str(request.getfixturevalue(model_dir)), device="cuda", dtype="float32", max_num_seqs=8,
+              gpu_memory_utilization=0.3)
     eager = LLM(enforce_eager=True, **kw)
     prompt = _decoder_prompt(eager)
     ref = _run(eager, prompt, 12)

@@ -100,8 +100,13 @@ def _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R: t
     slot0 = tl.maximum(slot, 0).to(tl.int64)
     slot_rank = tl.load(slot_ranks_ptr + slot0)
     r_ok = has & (offs_r < rank) & (offs_r < slot_rank)
-    page = tl.load(page_table_ptr + slot0 * max_pages + offs_r // PAGE_ROWS, mask=r_ok, other=0)
-    return page.to(tl.int64), offs_r % PAGE_ROWS, r_ok
+    if PAGE_ROWS >= BLOCK_R:
+        # One page holds every row the tile reads (the padded layout): the page is one scalar load splat over
+        # the rows, so the compiler still sees B's rank columns as contiguous and loads them as vectors.
+        page = tl.zeros([BLOCK_R], tl.int64) + tl.load(page_table_ptr + slot0 * max_pages).to(tl.int64)
+    else:
+        page = tl.load(page_table_ptr + slot0 * max_pages + offs_r // PAGE_ROWS, mask=r_ok, other=0).to(tl.int64)
+    return page, offs_r % PAGE_ROWS, r_ok
 
 
 @triton.jit

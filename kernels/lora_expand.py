@@ -130,7 +130,8 @@ def _lora_expand_kernel(
     num_active, rank, max_pages, n0, n1, n2, off0, off1, off2, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr, ADD_INPUTS: tl.constexpr, UPCAST: tl.constexpr,
+    MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    IDENTITY_PAGES: tl.constexpr, ADD_INPUTS: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Semantics (B_s = [b0, b1, b2][s], each [num_pages, n_s, PAGE_ROWS] contiguous, B_s[l] slot l's
@@ -157,7 +158,8 @@ def _lora_expand_kernel(
     if slot < 0 or tile * BLOCK_M >= count:
         return
     tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
-    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS,
+                                 IDENTITY_PAGES)
 
     offs_r = tl.arange(0, BLOCK_R)
     mr_ok = m_ok[:, None] & r_ok[None, :]
@@ -261,6 +263,7 @@ def _lora_expand_token_kernel(
     rank, max_pages, n0, n1, n2, off0, off1, off2, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    IDENTITY_PAGES: tl.constexpr,
     ADD_INPUTS: tl.constexpr, ROUND_TO: tl.constexpr,
 ):
     """Semantics: as ``_lora_expand_kernel`` (same buf, B, page and y layouts); program (t, n, s) covers
@@ -280,7 +283,8 @@ def _lora_expand_token_kernel(
     slot = tl.load(token_lora_slots_ptr + t)
     if slot < 0 or n_lo >= n_out:
         return
-    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS,
+                                 IDENTITY_PAGES)
     h = _token_h(buf_ptr, t, pid_s, slot, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok,
                  stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
     y_row = y_ptr + t * stride_y_tok + col0
@@ -499,7 +503,8 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
             *n_args, *off_args, cols_per_program,
             buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0),
             BLOCK_N=token_block_n(config.block_n, block_r, config.num_warps), BLOCK_R=block_r, SPLIT_K=split_k,
-            PAGE_ROWS=pages.page_rows, ADD_INPUTS=bool(add_inputs), ROUND_TO=h_round_dtype(y), num_warps=config.num_warps,
+            PAGE_ROWS=pages.page_rows,
+            IDENTITY_PAGES=pages.identity, ADD_INPUTS=bool(add_inputs), ROUND_TO=h_round_dtype(y), num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         return
@@ -511,6 +516,7 @@ def lora_expand(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor], meta: 
         buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
         SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(meta.max_loras), PAGE_ROWS=pages.page_rows,
+        IDENTITY_PAGES=pages.identity,
         ADD_INPUTS=bool(add_inputs), UPCAST=expand_upcast(y),
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,

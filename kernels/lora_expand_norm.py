@@ -111,7 +111,7 @@ def _lora_expand_add_rms_norm_kernel(
     out_ptr, hidden, rank, max_pages, eps,
     stride_buf_split, stride_buf_tok, stride_buf_slot, stride_x, stride_r, stride_o,
     HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    PAGE_ROWS: tl.constexpr, ROUND_TO: tl.constexpr,
+    PAGE_ROWS: tl.constexpr, IDENTITY_PAGES: tl.constexpr, ROUND_TO: tl.constexpr,
 ):
     """Semantics, one program per row t (dtype = x's dtype, math in float32; B [num_pages, hidden,
     PAGE_ROWS], B[l] slot l's rank_l rows of its pages, ``kernels.lora_pages``; buf as
@@ -127,7 +127,8 @@ def _lora_expand_add_rms_norm_kernel(
     """
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(token_lora_slots_ptr + row)
-    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS,
+                                 IDENTITY_PAGES)
     h = _token_h(buf_ptr, row, slot * 0, slot, r_ok, 0, stride_buf_split, stride_buf_tok, stride_buf_slot,
                  BLOCK_R, SPLIT_K, ROUND_TO)
     s_ptr = residual_ptr + row * stride_r if HAS_RESIDUAL else x_ptr + row * stride_x
@@ -161,7 +162,8 @@ def _lora_expand_add_rms_norm_tile_kernel(
     num_tokens, num_active, hidden, rank, max_pages, eps,
     stride_buf_split, stride_buf_tok, stride_buf_slot, stride_x, stride_r, stride_o,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_K: tl.constexpr, MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    IDENTITY_PAGES: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Semantics: as ``_lora_expand_add_rms_norm_kernel`` (the delta rounded as the expand's segment
@@ -173,7 +175,8 @@ def _lora_expand_add_rms_norm_tile_kernel(
         num_tokens, num_active, BLOCK_M, MAX_LORAS_PAD)
     if rows_left <= 0:
         return
-    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS,
+                                 IDENTITY_PAGES)
     h = _tile_h(buf_ptr, slot * 0, slot, flag, tok, m_ok, r_ok, 0, stride_buf_split, stride_buf_tok,
                 stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)                             # [BLOCK_M, BLOCK_R]
     if not UPCAST:
@@ -280,7 +283,8 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
             hidden, rank, pages.max_pages, float(eps),
             buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, CHUNK=chunk, BLOCK_R=block_r, SPLIT_K=split_k,
-            PAGE_ROWS=pages.page_rows, ROUND_TO=h_round_dtype(x), num_warps=num_warps or row_warps(chunk, block_r))
+            PAGE_ROWS=pages.page_rows,
+            IDENTITY_PAGES=pages.identity, ROUND_TO=h_round_dtype(x), num_warps=num_warps or row_warps(chunk, block_r))
         return out
     num_active = 0 if meta.no_lora else meta.num_active
     if block_m is None:
@@ -295,6 +299,7 @@ def lora_expand_add_rms_norm(buf: torch.Tensor, lora_b: torch.Tensor, meta: LoRA
         pages.slot_ranks, num_tokens, num_active, hidden, rank, pages.max_pages, float(eps),
         buf.stride(1), buf.stride(2), slot_stride, x.stride(0), res.stride(0), out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT_K=split_k,
-        MAX_LORAS_PAD=next_power_of_2(meta.max_loras), PAGE_ROWS=pages.page_rows, UPCAST=expand_upcast(x),
+        MAX_LORAS_PAD=next_power_of_2(meta.max_loras), PAGE_ROWS=pages.page_rows,
+        IDENTITY_PAGES=pages.identity, UPCAST=expand_upcast(x),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return out

@@ -60,7 +60,8 @@ def _lora_expand_silu_mul_kernel(
     num_tokens, num_active, rank, max_pages, d, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok, stride_out_tok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAX_LORAS_PAD: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    IDENTITY_PAGES: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Semantics (dtype = y's dtype; B_gate, B_up each [num_pages, d, PAGE_ROWS] contiguous, B[l] slot
     l's rank_l rows of its pages, ``kernels.lora_pages``; buf[s, j, t] read at ``slot(t) *
@@ -86,7 +87,8 @@ def _lora_expand_silu_mul_kernel(
     if rows_left <= 0:
         return
     zero = slot * 0                                        # slice ids as int32 tensors
-    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS,
+                                 IDENTITY_PAGES)
     h_gate = _tile_h(buf_ptr, zero, slot, lora_flag, tok, m_ok, r_ok, stride_buf_slice, stride_buf_split,
                      stride_buf_tok, stride_buf_slot, BLOCK_M, BLOCK_R, SPLIT_K)        # [BLOCK_M, BLOCK_R]
     h_up = _tile_h(buf_ptr, zero + 1, slot, lora_flag, tok, m_ok, r_ok, stride_buf_slice, stride_buf_split,
@@ -126,6 +128,7 @@ def _lora_expand_silu_mul_token_kernel(
     rank, max_pages, d, cols_per_program,
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot, stride_y_tok, stride_out_tok,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    IDENTITY_PAGES: tl.constexpr,
     ROUND_TO: tl.constexpr,
 ):
     """Semantics: as ``_lora_expand_silu_mul_kernel``; program (t, n) covers token t and columns
@@ -134,7 +137,8 @@ def _lora_expand_silu_mul_token_kernel(
     n_lo = tl.program_id(1) * cols_per_program
     slot = tl.load(token_lora_slots_ptr + t)
     zero = slot * 0                                        # slice ids as int32 tensors
-    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS,
+                                 IDENTITY_PAGES)
     h_gate = _token_h(buf_ptr, t, zero, slot, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok,
                       stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
     h_up = _token_h(buf_ptr, t, zero + 1, slot, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok,
@@ -229,7 +233,8 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
             pages.slot_ranks, rank, pages.max_pages, d, cols_per_program,
             buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0), out.stride(0),
             BLOCK_N=token_block_n(config.block_n, block_r, config.num_warps), BLOCK_R=block_r, SPLIT_K=split_k,
-            PAGE_ROWS=pages.page_rows, ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
+            PAGE_ROWS=pages.page_rows,
+            IDENTITY_PAGES=pages.identity, ROUND_TO=h_round_dtype(y), num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
     seg_tiles = num_tokens // config.block_m + num_active
@@ -241,6 +246,7 @@ def lora_expand_silu_mul(buf: torch.Tensor, lora_b_slices: Sequence[torch.Tensor
         buf.stride(0), buf.stride(1), buf.stride(2), slot_stride, y.stride(0), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_R=max(16, next_power_of_2(rank)),
         SPLIT_K=split_k, MAX_LORAS_PAD=next_power_of_2(meta.max_loras), PAGE_ROWS=pages.page_rows,
+        IDENTITY_PAGES=pages.identity,
         UPCAST=expand_upcast(y), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

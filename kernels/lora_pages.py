@@ -34,6 +34,9 @@ class LoRASlotPages:
     """[max_loras] int32: rank of each slot's adapter (0: an empty slot, which adds nothing)."""
     page_rows: int
     """Host int: rank rows per page."""
+    identity: bool = False
+    """Host flag: the padded layout (``padded_pages``): page l is slot l and every slot has ``page_rows``
+    rows, so the kernels read neither table (a constexpr of theirs)."""
 
     @property
     def max_loras(self) -> int:
@@ -58,7 +61,7 @@ def padded_pages(max_loras: int, rank: int, device: torch.device) -> LoRASlotPag
     shape and device, made once: read-only)."""
     table = torch.arange(max_loras, dtype=torch.int32, device=device).view(max_loras, 1)   # [max_loras, 1]
     ranks = torch.full((max_loras,), rank, dtype=torch.int32, device=device)              # [max_loras]
-    return LoRASlotPages(table, ranks, rank)
+    return LoRASlotPages(table, ranks, rank, identity=True)
 
 
 def slot_rows(pages: LoRASlotPages, slot: int) -> torch.Tensor:

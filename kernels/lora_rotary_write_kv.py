@@ -83,7 +83,8 @@ def _lora_rotary_write_kv_kernel(
     stride_buf_slice, stride_buf_split, stride_buf_tok, stride_buf_slot,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PAGE_ROWS: tl.constexpr, ROUND_TO: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    IDENTITY_PAGES: tl.constexpr, ROUND_TO: tl.constexpr,
 ):
     """Semantics (B_q, B_k, B_v: [num_pages, heads * HEAD_DIM, PAGE_ROWS], B[l] slot l's rank_l rows of
     its pages, ``kernels.lora_pages``; buf as ``lora_expand``'s, h its first rank_l columns):
@@ -106,7 +107,8 @@ def _lora_rotary_write_kv_kernel(
     d_ok = d < HALF
     c = tl.load(cos_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
     s = tl.load(sin_ptr + pos * stride_cs + d, mask=d_ok, other=0.0)
-    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, lslot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, lslot, rank, max_pages, BLOCK_R, PAGE_ROWS,
+                                 IDENTITY_PAGES)
     if j < NUM_Q_HEADS:
         h = _token_h(buf_ptr, t, zero, lslot, r_ok, stride_buf_slice, stride_buf_split, stride_buf_tok,
                      stride_buf_slot, BLOCK_R, SPLIT_K, ROUND_TO)
@@ -186,5 +188,6 @@ def lora_rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_SIZE=k_cache.shape[1], HALF_PAD=max(2, next_power_of_2(half)),
         TAIL_PAD=0 if tail == 0 else max(2, next_power_of_2(tail)), DIM_PAD=next_power_of_2(head_dim),
-        BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k, PAGE_ROWS=pages.page_rows, ROUND_TO=h_round_dtype(q),
+        BLOCK_R=max(16, next_power_of_2(rank)), SPLIT_K=split_k, PAGE_ROWS=pages.page_rows,
+        IDENTITY_PAGES=pages.identity, ROUND_TO=h_round_dtype(q),
         num_warps=num_warps)

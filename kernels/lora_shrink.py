@@ -90,22 +90,29 @@ def _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M: tl.constexpr
 
 @triton.jit
 def _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R: tl.constexpr,
-               PAGE_ROWS: tl.constexpr):
+               PAGE_ROWS: tl.constexpr, IDENTITY_PAGES: tl.constexpr):
     """(page [BLOCK_R] int64, sub [BLOCK_R], r_ok [BLOCK_R]): rank row r of slot ``slot`` is row ``sub``
     of pool page ``page`` (``kernels.lora_pages``); r_ok: r is below both the slot's own rank and
-    ``rank`` (none for slot < 0)."""
+    ``rank`` (none for slot < 0). IDENTITY_PAGES (the padded layout, ``padded_pages``): page l is slot l
+    and every slot has ``rank`` rows, so neither table is read: a decode-sized call is a chain of
+    dependent loads, and two fewer links are two fewer memory round trips."""
     offs_r = tl.arange(0, BLOCK_R)
     # NOTE: the slot test broadcast to a vector (the interpreter rejects scalar-bool masks).
     has = tl.zeros([BLOCK_R], tl.int32) + slot >= 0
     slot0 = tl.maximum(slot, 0).to(tl.int64)
-    slot_rank = tl.load(slot_ranks_ptr + slot0)
-    r_ok = has & (offs_r < rank) & (offs_r < slot_rank)
-    if PAGE_ROWS >= BLOCK_R:
-        # One page holds every row the tile reads (the padded layout): the page is one scalar load splat over
-        # the rows, so the compiler still sees B's rank columns as contiguous and loads them as vectors.
-        page = tl.zeros([BLOCK_R], tl.int64) + tl.load(page_table_ptr + slot0 * max_pages).to(tl.int64)
+    if IDENTITY_PAGES:
+        r_ok = has & (offs_r < rank)
+        page = tl.zeros([BLOCK_R], tl.int64) + slot0
     else:
-        page = tl.load(page_table_ptr + slot0 * max_pages + offs_r // PAGE_ROWS, mask=r_ok, other=0).to(tl.int64)
+        slot_rank = tl.load(slot_ranks_ptr + slot0)
+        r_ok = has & (offs_r < rank) & (offs_r < slot_rank)
+        if PAGE_ROWS >= BLOCK_R:
+            # One page holds every row the tile reads: the page is one scalar load splat over the rows,
+            # so the compiler still sees B's rank columns as contiguous and loads them as vectors.
+            page = tl.zeros([BLOCK_R], tl.int64) + tl.load(page_table_ptr + slot0 * max_pages).to(tl.int64)
+        else:
+            page = tl.load(page_table_ptr + slot0 * max_pages + offs_r // PAGE_ROWS, mask=r_ok,
+                           other=0).to(tl.int64)
     return page, offs_r % PAGE_ROWS, r_ok
 
 
@@ -140,7 +147,7 @@ def _lora_shrink_kernel(
     num_active, in_dim, rank, k_per_split, scale, max_pages,
     stride_x_tok, stride_a_slice, stride_a_page, stride_a_row, stride_o_slice, stride_o_split, stride_o_tok,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, MAX_LORAS_PAD: tl.constexpr,
-    PAGE_ROWS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_ROWS: tl.constexpr, IDENTITY_PAGES: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Semantics (K_j = [j * k_per_split, (j + 1) * k_per_split) clipped to [0, in_dim); A_l: slot l's
     rank_l = slot_ranks[l] rows of the pool, ``kernels.lora_pages``):
@@ -162,7 +169,8 @@ def _lora_shrink_kernel(
         return
     tok, m_ok = _tile_tokens(sorted_token_ids_ptr, start, count, tile, BLOCK_M)         # [BLOCK_M]
     k_lo = pid_k * k_per_split
-    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS)
+    page, sub, r_ok = _slot_rows(page_table_ptr, slot_ranks_ptr, slot, rank, max_pages, BLOCK_R, PAGE_ROWS,
+                                 IDENTITY_PAGES)
     acc = _shrink_tile(x_ptr, lora_a_ptr, tok, m_ok, page, sub, r_ok, pid_s, k_lo, k_lo + k_per_split, in_dim,
                        stride_x_tok, stride_a_slice, stride_a_page, stride_a_row,
                        BLOCK_M, BLOCK_K, BLOCK_R, UPCAST, DOT_PRECISION) * scale              # [BM, BR] f32
@@ -324,7 +332,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, out
         x.stride(0), *a_strides,
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_K=config.block_k, BLOCK_R=max(16, next_power_of_2(rank)),
-        MAX_LORAS_PAD=next_power_of_2(max_loras), PAGE_ROWS=pages.page_rows,
+        MAX_LORAS_PAD=next_power_of_2(max_loras), PAGE_ROWS=pages.page_rows, IDENTITY_PAGES=pages.identity,
         UPCAST=is_interpreted(dev) or x.dtype == torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,

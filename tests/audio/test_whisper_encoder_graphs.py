@@ -135,7 +135,7 @@ def test_whisper_engine_encoder_graphs_equal_eager(tmp_path):
     torch.backends.cudnn.allow_tf32 = False
     path = build_tiny_random_whisper(tmp_path)
     audios = _audios(7, [3.0, 8.0, 17.0, 29.0, 12.0, 5.0, 21.0])
-    prompts = [{"prompt_token_ids": _prompt(path), "multi_modal_data": {"audio": audio}} for audio in audios]
+    prompts = [{"prompt_token_ids": _prompt(path), "multi_modal_data": {"audio": (audio, 16000)}} for audio in audios]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     outputs = {}
     for eager in (True, False):

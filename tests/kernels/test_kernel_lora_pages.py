@@ -234,12 +234,12 @@ kernels = [lora_shrink._lora_shrink_kernel, lora_expand._lora_expand_kernel, lor
            lora_expand_silu_mul._lora_expand_silu_mul_kernel, lora_expand_silu_mul._lora_expand_silu_mul_token_kernel,
            lora_expand_norm._lora_expand_add_rms_norm_kernel, lora_expand_norm._lora_expand_add_rms_norm_tile_kernel,
            lora_rotary_write_kv._lora_rotary_write_kv_kernel]
-for fn in kernels:
+for fn, identity in [(fn, identity) for fn in kernels for identity in (False, True)]:
     signature, consts = {}, {}
     for p in fn.params:
         name = p.name
         if p.is_constexpr:
-            consts[name] = "bf16" if name == "ROUND_TO" else COMMON[name]
+            consts[name] = (identity if name == "IDENTITY_PAGES" else "bf16" if name == "ROUND_TO" else COMMON[name])
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = ("*i32" if name in INT_PTRS else "*fp32" if name in ("buf_ptr", "cos_ptr", "sin_ptr")
@@ -252,13 +252,14 @@ for fn in kernels:
     source = ASTSource(fn=fn, signature=signature, constexprs=consts)
     compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
     assert compiled.asm["cubin"], fn
-    print("compiled", fn.__name__)
+    print("compiled", fn.__name__, identity)
 """
 
 
 def test_kernels_compile_for_sm90(tmp_path):
-    """Every paged LoRA kernel compiles to an sm_90 (H100/H200) cubin through Triton's bundled ptxas with no
-    GPU, in a process without TRITON_INTERPRET (the interpreter does not type-check what the compiler does)."""
+    """Every paged LoRA kernel, on pool pages and on the padded layout's identity pages, compiles to an sm_90
+    (H100/H200) cubin through Triton's bundled ptxas with no GPU, in a process without TRITON_INTERPRET (the
+    interpreter does not type-check what the compiler does)."""
     import os
     import subprocess
     import sys
@@ -270,4 +271,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 8
+    assert done.stdout.count("compiled") == 16

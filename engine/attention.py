@@ -522,13 +522,14 @@ class AttentionBackend:
 
     def attend_decode_rotary(self, q, k, v, positions, rotary, k_cache, v_cache, meta: AttentionMetadata,
                              scale: float, *, k_scale: float = 1.0, v_scale: float = 1.0,
-                             window: Optional[int] = None) -> Optional[torch.Tensor]:
+                             window: Optional[int] = None, qk_norm=None) -> Optional[torch.Tensor]:
         """Rotary + KV write + attention of a pure-decode step as one kernel
         (``kernels.paged_attention.paged_decode_rotary``; q, k, v before rotary, q not written
         back) -> out [T, H, D]; None where this step does not take it (torch backend, a step
         with more than one query token per request, or a batch the policy does not fuse,
         ``KernelPolicy.fuses_decode_rotary``): then the caller rotates, writes and attends as usual.
-        ``k_scale`` / ``v_scale`` as ``write_kv``'s; ``window`` as ``attend``'s."""
+        ``k_scale`` / ``v_scale`` as ``write_kv``'s; ``window`` as ``attend``'s; ``qk_norm``
+        (``kernels.kv_write.QKNormWeights``): q and k RMS-normalized per head before rotary, in the kernel."""
         if (meta.max_query_len > 1 or q.shape[0] != meta.seq_lens.shape[0]
                 or not self._fuses_decode_rotary(q.shape[0], k_cache.shape[2], q.device)):
             return None
@@ -538,14 +539,14 @@ class AttentionBackend:
                                    rotary.rotary_dim, k_cache, v_cache, meta.slot_mapping, meta.query_start_loc,
                                    meta.seq_lens, meta.block_tables, meta.max_seq_len, scale,
                                    decode_tiles=self.decode_tiles, k_scale=k_scale, v_scale=v_scale,
-                                   window=window)
+                                   window=window, qk_norm=qk_norm)
 
     def _fuses_decode_rotary(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> bool:
         """Whether a pure-decode batch of ``num_reqs`` takes ``attend_decode_rotary``'s kernel."""
         return self.name == "triton" and self.policy.fuses_decode_rotary(num_reqs, num_kv_heads, device)
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float,
-                rotary_dim: Optional[int] = None, q_dtype: Optional[torch.dtype] = None) -> int:
+                rotary_dim: Optional[int] = None, q_dtype: Optional[torch.dtype] = None, qk_norm=None) -> int:
         """Compile the attention kernel's eager-step variants now, at start-up, instead of in the
         first steps that need them; returns the number of attention calls made (0: torch backend).
 
@@ -560,6 +561,8 @@ class AttentionBackend:
         ``rotary_dim`` (the model's) the pure-decode batches that take the fused rotary kernel
         (``attend_decode_rotary``) also run it, writing nowhere (slots -1). ``q_dtype``: the model's
         activations (None: the cache's dtype, which an FP8 cache cannot be: then it is required).
+        ``qk_norm``: the model's q/k norms (``kernels.kv_write.QKNormWeights``), which its fused decode
+        kernel applies (``PagedAttention.qk_norm``), so that variant is the one compiled.
         """
         if self.name != "triton":
             return 0
@@ -590,7 +593,8 @@ class AttentionBackend:
                     zeros = torch.zeros(num_reqs, dtype=torch.int64, device=dev)
                     cos = torch.zeros(1, rotary_dim // 2, dtype=torch.float32, device=dev)
                     paged_decode_rotary(q, kv, kv, zeros, cos, cos, rotary_dim, k_cache, v_cache, zeros - 1, qsl,
-                                        seq_lens, block_tables, 1, scale, decode_tiles=self.decode_tiles)
+                                        seq_lens, block_tables, 1, scale, decode_tiles=self.decode_tiles,
+                                        qk_norm=qk_norm)
                     calls += 1
         return calls
 

@@ -4,7 +4,9 @@
 (slot < 0) are skipped. The torch twin is ``kernels.reference.write_kv_ref``.
 
 ``rotary_write_kv``: the rotary embedding of q and k fused with that write (the model's path on
-CUDA: one launch per layer instead of two). Twin: ``kernels.reference.rotary_write_kv_ref``.
+CUDA: one launch per layer instead of two), optionally after a per-head RMSNorm of q and of k
+(``QKNormWeights``: Qwen3's and Gemma 3's ``q_norm`` / ``k_norm``, so those models pay no launch for their
+norms). Twin: ``kernels.reference.rotary_write_kv_ref``.
 
 An FP8 cache (``FP8_KV_DTYPE``, e4m3) holds K / k_scale and V / v_scale with per-tensor scales
 (``cache_value``: the quantize on write that every kernel writing K/V uses; readers multiply the
@@ -14,6 +16,7 @@ stored values by the scales, ``kernels.attention_tile``). Twin of the quantize: 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -156,44 +159,150 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ----------------------------------------------------------------------------------------
 # Rotary embedding fused with the KV write (one launch instead of two per layer)
 # ----------------------------------------------------------------------------------------
+class QKNormWeights(NamedTuple):
+    """A per-head RMSNorm of q and of k applied before rotary (``qk_norm_ref``): each head row x of q
+    (k) becomes dtype(w' * dtype(x / sqrt(mean(x^2) + eps))), w' = q_weight (k_weight), or 1 + weight with
+    ``plus_one``; float32 math, dtype = q's."""
+
+    q_weight: torch.Tensor      # [head_dim], q's dtype, contiguous
+    k_weight: torch.Tensor      # [head_dim], q's dtype, contiguous
+    eps: float                  # added to the mean square
+    plus_one: bool = False      # scale by 1 + weight (Gemma's checkpoint convention) instead of weight
+
+
+def check_qk_norm(qk_norm: QKNormWeights, q: torch.Tensor) -> tuple[float, bool]:
+    """Check ``qk_norm`` against q ([num_tokens, num_heads, head_dim]); returns (eps, plus_one) as a host
+    float and bool."""
+    for name in ("q_weight", "k_weight"):
+        check_tensor(f"qk_norm.{name}", getattr(qk_norm, name), dtypes=(q.dtype,), shape=(q.shape[-1],),
+                     device=q.device, contiguous=True)
+    eps = qk_norm.eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"qk_norm.eps: expected a finite host float >= 0, got {eps!r}.")
+    return float(eps), bool(qk_norm.plus_one)
+
+
+@triton.jit
+def head_inv_rms(x, eps, AXIS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """x: float32 head rows along ``AXIS`` (zeros past HEAD_DIM) -> 1 / sqrt(sum(x^2) / HEAD_DIM + eps) per
+    row, with AXIS kept (size 1) for broadcasting."""
+    return tl.rsqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) / HEAD_DIM + eps)
+
+
+@triton.jit
+def qk_norm_value(x, inv_rms, w_ptr, dims, mask, PLUS_ONE: tl.constexpr):
+    """Normed values of x (float32, at head dims ``dims``; ``inv_rms`` from ``head_inv_rms``) in float32:
+    dtype(w' * dtype(x * inv_rms)), w' = w[dims] (+ 1 with PLUS_ONE), dtype = the weight's (the model's):
+    the rounding steps of the engine's RMSNorm (``layer_ops.add_rms_norm``)."""
+    dtype = w_ptr.dtype.element_ty
+    n = (x * inv_rms).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + dims, mask=mask, other=0.0).to(tl.float32)
+    if PLUS_ONE:
+        w = w + 1.0
+    return (w * n).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _norm_rotate_heads_(x_ptr, w_ptr, eps, tok, stride_tok, stride_head, c, s, d, d_ok,
+                        NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PLUS_ONE: tl.constexpr):
+    """``layer_ops._rotate_heads_`` on normed heads: every head of token ``tok`` normalized over its
+    HEAD_DIM dims (``qk_norm_value``), then its first 2 * HALF dims rotated and stored in place (dims past
+    2 * HALF are the caller's, ``_norm_tail_``).
+
+    Returns the rotated halves ([HEADS_PAD, HALF_PAD], x's dtype), the head indices, the mask and the
+    heads' 1 / rms ([HEADS_PAD, 1]). NOTE: every thread loads the whole rows for the mean square before
+    any store, and the stores depend on it through the reduction, so no store overtakes a load of the
+    same element; the halves are stored by the threads that loaded them (as ``_rotate_heads_``).
+    """
+    h = tl.arange(0, HEADS_PAD)
+    row = x_ptr + tok * stride_tok + h[:, None] * stride_head
+    dims = tl.arange(0, DIM_PAD)
+    full = tl.load(row + dims[None, :], mask=(h[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM), other=0.0)
+    inv_rms = head_inv_rms(full.to(tl.float32), eps, 1, HEAD_DIM)                     # [HEADS_PAD, 1]
+    m = (h[:, None] < NUM_HEADS) & d_ok[None, :]
+    x1 = tl.load(row + d[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + d[None, :], mask=m, other=0.0).to(tl.float32)
+    x1 = qk_norm_value(x1, inv_rms, w_ptr, d[None, :], m, PLUS_ONE)
+    x2 = qk_norm_value(x2, inv_rms, w_ptr, HALF + d[None, :], m, PLUS_ONE)
+    r1 = (x1 * c - x2 * s).to(x_ptr.dtype.element_ty)
+    r2 = (x2 * c + x1 * s).to(x_ptr.dtype.element_ty)
+    tl.store(row + d[None, :], r1, mask=m)
+    tl.store(row + HALF + d[None, :], r2, mask=m)
+    return r1, r2, h, m, inv_rms
+
+
+@triton.jit
+def _norm_tail_(x_ptr, w_ptr, inv_rms, tok, stride_tok, stride_head, h, tail,
+                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PLUS_ONE: tl.constexpr):
+    """Dims ``tail`` (past the rotary part) of every head of token ``tok`` normalized in place (each
+    thread stores what it loaded); returns them ([HEADS_PAD, TAIL_PAD], float32) and their mask."""
+    mt = (h[:, None] < NUM_HEADS) & (tail[None, :] < HEAD_DIM)
+    off = x_ptr + tok * stride_tok + h[:, None] * stride_head + tail[None, :]
+    xt = qk_norm_value(tl.load(off, mask=mt, other=0.0).to(tl.float32), inv_rms, w_ptr, tail[None, :], mt, PLUS_ONE)
+    tl.store(off, xt.to(x_ptr.dtype.element_ty), mask=mt)
+    return xt, mt
+
+
 @triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                            cos_ptr, sin_ptr, positions_ptr, k_scale, v_scale,
+                            cos_ptr, sin_ptr, positions_ptr, k_scale, v_scale, q_norm_ptr, k_norm_ptr, norm_eps,
                             stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                             stride_v_tok, stride_v_head, stride_c_blk, stride_c_slot, stride_c_head, stride_cs,
                             NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                             HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
                             KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-                            TAIL_PAD: tl.constexpr):
+                            TAIL_PAD: tl.constexpr, QK_NORM: tl.constexpr = False,
+                            NORM_PLUS_ONE: tl.constexpr = False):
     """Semantics, one program per token t (p = positions[t], c = cos[p, :HALF], s = sin[p, :HALF]):
 
         rot(x) = x with x[:HALF], x[HALF:2 * HALF] = x1 * c - x2 * s, x2 * c + x1 * s   (float32 math)
+        if QK_NORM:                                 # per-head RMSNorm first (QKNormWeights; in place)
+          q[t, h] = norm(q[t, h], q_norm) for every q head; k[t, h] = norm(k[t, h], k_norm) for every kv head
         q[t, h] = rot(q[t, h]) for every q head; k[t, h] = rot(k[t, h]) for every kv head (in place)
         slot = slot_mapping[t]
         if slot >= 0:
           k_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = k[t]     # rotated
           v_cache[slot // BLOCK_SIZE, slot % BLOCK_SIZE] = v[t]
 
-    The rotation is ``layer_ops._rotate_heads_``, the same as the unfused rotary kernel's. An FP8
-    cache stores the rotated k (in k's dtype) and v quantized by ``cache_value``.
+    norm(x, w) = dtype(w' * dtype(x / sqrt(mean(x^2) + norm_eps))) over all HEAD_DIM dims, w' = w, or
+    1 + w with NORM_PLUS_ONE (``qk_norm_value``). The rotation is ``layer_ops._rotate_heads_``, the same as
+    the unfused rotary kernel's. An FP8 cache stores the rotated k (in k's dtype) and v quantized by
+    ``cache_value``.
     """
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
     c, s, d, d_ok = _rotary_cos_sin(cos_ptr, sin_ptr, positions_ptr, tok, stride_cs, HALF, HALF_PAD)
-    _rotate_heads_(q_ptr, tok, stride_q_tok, stride_q_head, c, s, d, d_ok, NUM_Q_HEADS, Q_HEADS_PAD, HALF)
-    r1, r2, hk, mk = _rotate_heads_(k_ptr, tok, stride_k_tok, stride_k_head, c, s, d, d_ok, NUM_KV_HEADS,
-                                    KV_HEADS_PAD, HALF)
+    if QK_NORM:
+        _, _, hq, _, q_inv = _norm_rotate_heads_(q_ptr, q_norm_ptr, norm_eps, tok, stride_q_tok, stride_q_head,
+                                                 c, s, d, d_ok, NUM_Q_HEADS, Q_HEADS_PAD, HALF, HEAD_DIM, DIM_PAD,
+                                                 NORM_PLUS_ONE)
+        r1, r2, hk, mk, k_inv = _norm_rotate_heads_(k_ptr, k_norm_ptr, norm_eps, tok, stride_k_tok, stride_k_head,
+                                                    c, s, d, d_ok, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HEAD_DIM,
+                                                    DIM_PAD, NORM_PLUS_ONE)
+    else:
+        _rotate_heads_(q_ptr, tok, stride_q_tok, stride_q_head, c, s, d, d_ok, NUM_Q_HEADS, Q_HEADS_PAD, HALF)
+        r1, r2, hk, mk = _rotate_heads_(k_ptr, tok, stride_k_tok, stride_k_head, c, s, d, d_ok, NUM_KV_HEADS,
+                                        KV_HEADS_PAD, HALF)
+    if TAIL_PAD > 0:   # dims past the rotary part (partial rotary): not rotated (normed in place with QK_NORM)
+        tail = 2 * HALF + tl.arange(0, TAIL_PAD)
+        if QK_NORM:
+            _norm_tail_(q_ptr, q_norm_ptr, q_inv, tok, stride_q_tok, stride_q_head, hq, tail, NUM_Q_HEADS,
+                        HEAD_DIM, NORM_PLUS_ONE)
+            kt, mt = _norm_tail_(k_ptr, k_norm_ptr, k_inv, tok, stride_k_tok, stride_k_head, hk, tail,
+                                 NUM_KV_HEADS, HEAD_DIM, NORM_PLUS_ONE)
+        else:
+            mt = (hk[:, None] < NUM_KV_HEADS) & (tail[None, :] < HEAD_DIM)
+            kt = tl.load(k_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head + tail[None, :],
+                         mask=mt).to(tl.float32)
     if slot >= 0:
         c_row = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
         offc = c_row + hk[:, None] * stride_c_head + d[None, :]
         tl.store(k_cache_ptr + offc, cache_value(r1.to(tl.float32), k_scale, k_cache_ptr), mask=mk)
         tl.store(k_cache_ptr + offc + HALF, cache_value(r2.to(tl.float32), k_scale, k_cache_ptr), mask=mk)
-        if TAIL_PAD > 0:   # dims past the rotary part (partial rotary) are copied as they are
-            tail = 2 * HALF + tl.arange(0, TAIL_PAD)
-            mt = (hk[:, None] < NUM_KV_HEADS) & (tail[None, :] < HEAD_DIM)
-            kt = tl.load(k_ptr + tok * stride_k_tok + hk[:, None] * stride_k_head + tail[None, :], mask=mt)
+        if TAIL_PAD > 0:
             tl.store(k_cache_ptr + c_row + hk[:, None] * stride_c_head + tail[None, :],
-                     cache_value(kt.to(tl.float32), k_scale, k_cache_ptr), mask=mt)
+                     cache_value(kt, k_scale, k_cache_ptr), mask=mt)
         dims = tl.arange(0, DIM_PAD)
         mv = (hk[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
         v = tl.load(v_ptr + tok * stride_v_tok + hk[:, None] * stride_v_head + dims[None, :], mask=mv)
@@ -216,9 +325,10 @@ def check_rotary_write_args(positions: torch.Tensor, q: torch.Tensor, k: torch.T
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, *, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> None:
+                    v_scale: float = 1.0, qk_norm: Optional[QKNormWeights] = None) -> None:
     """Rotate q and k in place (neox layout, first ``rotary_dim`` dims) and write the rotated k
-    and v into the paged cache: ``layer_ops.rotary_embedding_`` then ``write_kv``, in one launch.
+    and v into the paged cache: ``layer_ops.rotary_embedding_`` then ``write_kv``, in one launch
+    (with ``qk_norm``: each head of q and k RMS-normalized first, in the same launch).
 
     Args:
         positions: [num_tokens] int64 (or int32) absolute positions.
@@ -230,20 +340,24 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             (float, or ``FP8_KV_DTYPE``).
         slot_mapping: [num_tokens] int64; < 0 skips the token's cache write (its q/k still rotate).
         k_scale, v_scale: an FP8 cache's per-tensor scales (``write_kv``); 1.0 for float caches.
+        qk_norm: the per-head RMSNorm of q and k before rotary (``QKNormWeights``); q and k are left
+            normalized and rotated. None: rotary only.
     """
     half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
     k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    eps, plus_one = check_qk_norm(qk_norm, q) if qk_norm is not None else (0.0, False)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
         return
     tail = head_dim - 2 * half
+    norm_weights = (qk_norm.q_weight, qk_norm.k_weight) if qk_norm is not None else (q, q)   # unused without
     _rotary_write_kv_kernel[(num_tokens,)](
-        q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions, k_scale, v_scale,
+        q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions, k_scale, v_scale, *norm_weights, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_SIZE=k_cache.shape[1], Q_HEADS_PAD=next_power_of_2(num_heads),
         KV_HEADS_PAD=next_power_of_2(num_kv_heads), HALF_PAD=max(2, next_power_of_2(half)),
         DIM_PAD=next_power_of_2(head_dim), TAIL_PAD=0 if tail == 0 else max(2, next_power_of_2(tail)),
-        num_warps=4)
+        QK_NORM=qk_norm is not None, NORM_PLUS_ONE=plus_one, num_warps=4)

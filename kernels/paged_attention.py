@@ -510,7 +510,7 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
                         out: Optional[torch.Tensor] = None, *, num_splits: Optional[int] = None,
                         decode_tiles: Optional[dict] = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0, window: Optional[int] = None) -> torch.Tensor:
+                        v_scale: float = 1.0, window: Optional[int] = None, qk_norm=None) -> torch.Tensor:
     """``kv_write.rotary_write_kv`` then ``paged_attention`` for a pure-decode batch (token i is
     request i's only query token), as one launch of ``kernels.paged_decode`` (plus the split-KV
     merge when the batch is too small to fill the GPU): q and k are rotated in registers, the
@@ -521,14 +521,17 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     ``paged_attention`` with max_query_len 1. ``decode_tiles`` may override tile_n / num_warps /
     num_stages; this path always runs one KV head per program. An FP8 cache (``k_scale``,
     ``v_scale``) gets the new k and v quantized as ``rotary_write_kv`` writes them, and the newest
-    key and value are attended as stored. ``window``: ``paged_attention``'s.
+    key and value are attended as stored. ``window``: ``paged_attention``'s. ``qk_norm``
+    (``kv_write.QKNormWeights``): q and k RMS-normalized per head before rotary, as ``rotary_write_kv``'s.
 
     Returns:
         out [num_tokens, num_heads, head_dim] in q's dtype.
     """
-    from kernels.kv_write import check_rotary_write_args
+    from kernels.kv_write import check_qk_norm, check_rotary_write_args
 
     half = check_rotary_write_args(positions, q, k, v, cos, sin, rotary_dim, k_cache, v_cache, slot_mapping)
+    if qk_norm is not None:
+        check_qk_norm(qk_norm, q)
     scales = _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 1, max_seq_len, scale,
                            out, num_splits, k_scale, v_scale, window)
     num_tokens, num_heads, head_dim = q.shape
@@ -547,8 +550,8 @@ def paged_decode_rotary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     launch_paged_decode(q, k_cache, v_cache, seq_lens, block_tables, scale, out, block_m=cfg.block_m,
                         head_pad=cfg.head_pad, tile_n=cfg.tile_n, heads_per_prog=1, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages, num_splits=cfg.num_splits, partials=partials,
-                        rotary=DecodeRotary(k, v, slot_mapping, positions, cos, sin, half), kv_scales=scales,
-                        window=window)
+                        rotary=DecodeRotary(k, v, slot_mapping, positions, cos, sin, half, qk_norm),
+                        kv_scales=scales, window=window)
     if partials is not None:
         _merge(out, partials, cfg)
     return out

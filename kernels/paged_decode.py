@@ -20,7 +20,9 @@ Two options for one head per program (``kernels.paged_attention.paged_decode_rot
 engine's path for small decode batches, ``decode_rotary_pays``):
   * ROTARY: the step's rotary + KV write fused in: q and the new k are rotated in registers, the
     new k and v are stored at the token's slot, and the newest key is folded in from registers
-    (no read-after-write through memory), so a layer's decode is one launch instead of two;
+    (no read-after-write through memory), so a layer's decode is one launch instead of two; with
+    QK_NORM each head of q and of k is first RMS-normalized in registers (Qwen3's and Gemma 3's q/k
+    norms, ``kv_write.QKNormWeights``), so those norms cost no launch either;
   * NUM_SPLITS > 1 (split-KV): each program covers a segment of the key tiles and writes
     partials for ``paged_attention._merge_splits_kernel``.
 
@@ -45,7 +47,7 @@ import triton.language as tl
 
 from kernels.attention_tile import (NO_WINDOW, load_kv_tile, online_softmax_step, scale_values,
                                     score_scale_log2, store_partials, window_tiles)
-from kernels.kv_write import cache_value
+from kernels.kv_write import QKNormWeights, cache_value, head_inv_rms, qk_norm_value
 from kernels.utils import is_interpreted
 
 MAX_DECODE_REQS = 65535
@@ -53,13 +55,20 @@ MAX_DECODE_REQS = 65535
 
 
 @triton.jit
-def _neox_rotate(x_ptr, offs, partner_offs, mask, cos_f, sin_f, sign):
-    """Load x at ``offs`` and rotate it (neox / rotate-half) in float32: x * cos + sign * x[partner]
-    * sin, where for dims d < HALF the partner is d + HALF (sign -1), for HALF <= d < 2 * HALF it is
-    d - HALF (sign +1), and dims past 2 * HALF (partial rotary) keep x (cos 1, sin 0): the same
-    products as ``layer_ops._rotate_heads_``."""
+def _neox_rotate(x_ptr, offs, partner_offs, mask, cos_f, sin_f, sign, norm_ptr, norm_eps,
+                 AXIS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, NORM_PLUS_ONE: tl.constexpr):
+    """Load x at ``offs`` (head dims ``offs`` from ``x_ptr``, rows along ``AXIS``) and rotate it (neox /
+    rotate-half) in float32: x * cos + sign * x[partner] * sin, where for dims d < HALF the partner is
+    d + HALF (sign -1), for HALF <= d < 2 * HALF it is d - HALF (sign +1), and dims past 2 * HALF
+    (partial rotary) keep x (cos 1, sin 0): the same products as ``layer_ops._rotate_heads_``. With
+    QK_NORM, x and its partner are first normed by the row's 1 / rms and the weights at ``norm_ptr``
+    (``kv_write.qk_norm_value``, as ``kv_write.rotary_write_kv`` norms them)."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + partner_offs, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        inv_rms = head_inv_rms(x, norm_eps, AXIS, HEAD_DIM)
+        x = qk_norm_value(x, inv_rms, norm_ptr, offs, mask, NORM_PLUS_ONE)
+        xp = qk_norm_value(xp, inv_rms, norm_ptr, partner_offs, mask, NORM_PLUS_ONE)
     return x * cos_f + (sign * xp) * sin_f
 
 
@@ -79,14 +88,15 @@ def _paged_decode_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, qk_scale_log2, k_scale, v_scale,
     num_heads, window,
-    k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, cos_ptr, sin_ptr,
+    k_new_ptr, v_new_ptr, slot_mapping_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, norm_eps,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_blk, stride_c_slot, stride_c_head, stride_bt_req,
     stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head, stride_cs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_M: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr = 1,
-    ROTARY: tl.constexpr = False, HALF: tl.constexpr = 1,
+    ROTARY: tl.constexpr = False, HALF: tl.constexpr = 1, QK_NORM: tl.constexpr = False,
+    NORM_PLUS_ONE: tl.constexpr = False,
 ):
     """Semantics (scores in log2 units, qk_scale_log2 = scale * log2(e)): for request r (query
     token r) and each query head h of KV heads [g * HEADS_PER_PROG, (g + 1) * HEADS_PER_PROG),
@@ -107,7 +117,9 @@ def _paged_decode_kernel(
     K[p] = dtype(rot(k_new[r, kvh])), V[p] = v_new[r, kvh] from registers, and stores those two at
     slot_mapping[r] (skipped when < 0): the same values ``kv_write.rotary_write_kv`` writes (for an
     FP8 cache quantized by ``kv_write.cache_value``, and attended as stored), so later steps read
-    them from the cache. q itself is not written back.
+    them from the cache. q itself is not written back. QK_NORM (with ROTARY): q[r, h] and k_new[r, kvh]
+    are RMS-normalized per head before the rotation, as ``kv_write.rotary_write_kv``'s QK_NORM
+    (weights at q_norm_ptr / k_norm_ptr, ``norm_eps``, 1 + w with NORM_PLUS_ONE).
 
     NUM_SPLITS > 1 (HEADS_PER_PROG == 1; grid axis 2 = segment): program (g, r, seg) covers only
     its segment of the key tiles and stores acc = sum_p 2^(s[p] - m) V[p], m = max s,
@@ -147,7 +159,8 @@ def _paged_decode_kernel(
         if ROTARY:
             q_base = q_ptr + tok * stride_q_tok + head[:, None] * stride_q_head
             q = _neox_rotate(q_base, dims[None, :], partner[None, :], io_mask, cos_f[None, :], sin_f[None, :],
-                             sign[None, :]).to(q_ptr.dtype.element_ty)
+                             sign[None, :], q_norm_ptr, norm_eps, 1, HEAD_DIM, QK_NORM,
+                             NORM_PLUS_ONE).to(q_ptr.dtype.element_ty)
         else:
             q = tl.load(q_row + head[:, None] * stride_q_head, mask=io_mask, other=0.0)
         if UPCAST:
@@ -163,7 +176,8 @@ def _paged_decode_kernel(
         if ROTARY:
             if (seq_len > 0) & (tile_lo <= num_tiles - 1) & (num_tiles - 1 < tile_hi):
                 kn_base = k_new_ptr + tok * stride_kn_tok + kvh0 * stride_kn_head
-                k_new = _neox_rotate(kn_base, dims, partner, dim_ok, cos_f, sin_f, sign)
+                k_new = _neox_rotate(kn_base, dims, partner, dim_ok, cos_f, sin_f, sign, k_norm_ptr, norm_eps, 0,
+                                     HEAD_DIM, QK_NORM, NORM_PLUS_ONE)
                 k_new = cache_value(k_new.to(k_new_ptr.dtype.element_ty).to(tl.float32), k_scale, k_cache_ptr)
                 v_new = tl.load(v_new_ptr + tok * stride_vn_tok + kvh0 * stride_vn_head + dims, mask=dim_ok,
                                 other=0.0)
@@ -227,6 +241,7 @@ class DecodeRotary(NamedTuple):
     cos: torch.Tensor               # [max_position, >= half] float32
     sin: torch.Tensor               # like cos, same row stride
     half: int                       # rotary_dim // 2
+    qk_norm: Optional[QKNormWeights] = None   # per-head RMSNorm of q and k before rotary (checked); None: none
 
 
 def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -257,6 +272,8 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     r = rotary
     rot_args = ((r.k, r.v, r.slot_mapping, r.positions, r.cos, r.sin) if r is not None
                 else (q, q, seq_lens, seq_lens, q, q))                                        # unused without
+    norm = r.qk_norm if r is not None else None
+    norm_args = (norm.q_weight, norm.k_weight, float(norm.eps)) if norm is not None else (q, q, 0.0)
     rot_strides = ((r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos.stride(0)) if r is not None
                    else (0, 0, 0, 0, 0))
     grid = (num_kv_heads // heads_per_prog, num_reqs, num_splits)
@@ -264,13 +281,13 @@ def launch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out, part_acc, part_max, part_sum,
         q, k_cache, v_cache, seq_lens, block_tables, score_scale_log2(scale, kv_scales[0], k_cache.dtype),
         kv_scales[0], kv_scales[1], num_heads, NO_WINDOW if window is None else window,
-        *rot_args,
+        *rot_args, *norm_args,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *rot_strides,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         TILE_N=tile_n, BLOCK_M=block_m, HEADS_PER_PROG=heads_per_prog, UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits,
-        ROTARY=r is not None, HALF=r.half if r is not None else 1,
-        num_warps=num_warps, num_stages=num_stages,
+        ROTARY=r is not None, HALF=r.half if r is not None else 1, QK_NORM=norm is not None,
+        NORM_PLUS_ONE=norm is not None and bool(norm.plus_one), num_warps=num_warps, num_stages=num_stages,
     )

@@ -67,8 +67,22 @@ def rotary_ref(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin:
     return out
 
 
-def rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping):
-    """Twin of ``kernels.kv_write.rotary_write_kv``: returns (q, k, k_cache, v_cache) updated copies."""
+def qk_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """Twin of the per-head RMSNorm of ``kernels.kv_write.QKNormWeights``: x [T, heads, head_dim] -> each
+    head row dtype(w' * dtype(x / sqrt(mean(x^2) + eps))), w' = weight (1 + weight with ``plus_one``), in
+    float32, dtype = x's."""
+    h = x.float()
+    n = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).float()
+    return ((weight.float() + 1.0 if plus_one else weight.float()) * n).to(x.dtype)
+
+
+def rotary_write_kv_ref(positions, q, k, v, cos, sin, rotary_dim: int, k_cache, v_cache, slot_mapping,
+                        qk_norm=None):
+    """Twin of ``kernels.kv_write.rotary_write_kv`` (``qk_norm``: its ``QKNormWeights``, applied by
+    ``qk_norm_ref`` before rotary): returns (q, k, k_cache, v_cache) updated copies."""
+    if qk_norm is not None:
+        q = qk_norm_ref(q, qk_norm.q_weight, qk_norm.eps, qk_norm.plus_one)
+        k = qk_norm_ref(k, qk_norm.k_weight, qk_norm.eps, qk_norm.plus_one)
     q_out = rotary_ref(positions, q, cos, sin, rotary_dim).to(q.dtype)
     k_out = rotary_ref(positions, k, cos, sin, rotary_dim).to(k.dtype)
     k_cache_out, v_cache_out = write_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)

@@ -10,6 +10,7 @@ import torch.nn as nn
 from engine.attention import AttentionBackend
 from engine.forward_context import current_cpu_ops, get_forward_context
 from engine.layers.adapter import take_update
+from engine.layers.qk_norm import QKNorm
 from kernels.cpu_native import CACHE_DTYPES
 
 
@@ -26,6 +27,9 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.qk_norm: Optional[QKNorm] = None
+        """The per-head q and k RMSNorms this layer applies before rotary (``engine.layers.qk_norm``; fused
+        into the rotary + KV write kernels on CUDA); None: q and k arrive ready. Set by the model."""
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
         self.backend: Optional[AttentionBackend] = None
@@ -52,22 +56,31 @@ class PagedAttention(nn.Module):
         When q, k, v are views of a packed q | k | v projection output whose adapter update is
         still pending (``engine.layers.adapter``, ``Feeds.ROTARY_KV_WRITE``), the fused rotary + KV
         write adds it first; elsewhere it is added in place before anything reads q, k, v.
+        With ``qk_norm`` q and k arrive before their norms: the fused kernels apply them (no pending
+        update then), elsewhere the norm modules run first.
         """
         meta = get_forward_context().attn_metadata
         pending = take_update(q)
         fused = rotary is not None and positions.dim() == 1 and self.fuses_rotary_write(q)
-        if pending is not None and not fused:
+        if pending is not None and (not fused or self.qk_norm is not None):
             pending.finish()                        # in place: q, k, v view its output
             pending = None
+        norm = None                                 # the q/k norms, for the fused kernels
+        if self.qk_norm is not None:
+            if fused:
+                norm = self.qk_norm.weights()
+            else:
+                q, k = self.qk_norm(q, k)           # the norm modules (on CPU: the model's norms, exactly)
         if fused:
             if pending is None:
                 out = self.backend.attend_decode_rotary(q, k, v, positions, rotary, self.k_cache, self.v_cache,
                                                         meta, self.scale, k_scale=self.k_scale,
-                                                        v_scale=self.v_scale, window=self.sliding_window)
+                                                        v_scale=self.v_scale, window=self.sliding_window,
+                                                        qk_norm=norm)
                 if out is not None:                 # a pure-decode step: rotary + KV write + attention in one kernel
                     return out.reshape(q.shape[0], self.num_heads * self.head_dim)
             rotary.apply_and_write_kv(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, pending,
-                                      k_scale=self.k_scale, v_scale=self.v_scale)
+                                      k_scale=self.k_scale, v_scale=self.v_scale, qk_norm=norm)
         elif self._cpu_rotary_write(q, k, v, positions, rotary, meta):
             pass                                    # q and k rotated in place, k and v in the cache
         else:

@@ -70,19 +70,23 @@ class RotaryEmbedding(nn.Module):
 
     def apply_and_write_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           pending_update=None, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                           pending_update=None, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                           qk_norm=None) -> None:
         """CUDA: rotate q and k in place and write the rotated k and v into the paged cache, in one
         kernel (``kernels.kv_write.rotary_write_kv``); with ``pending_update`` (the q/k/v projection's
         adapter update still to add, an ``engine.pending_update.PendingUpdate``) the adapter's
-        variant of that kernel adds it first. ``k_scale`` / ``v_scale``: an FP8 cache's scales."""
+        variant of that kernel adds it first. ``k_scale`` / ``v_scale``: an FP8 cache's scales.
+        ``qk_norm`` (``kernels.kv_write.QKNormWeights``, never with ``pending_update``): q and k
+        RMS-normalized per head first, in the same kernel."""
         half = self.rotary_dim // 2
         args = (positions, q, k, v, self.cos[:, :half], self.sin[:, :half], self.rotary_dim, k_cache, v_cache,
                 slot_mapping)
         if pending_update is not None:
+            assert qk_norm is None, "the adapter's rotary + KV write has no q/k norm"
             pending_update.finish_rotary_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
             return
         from kernels.kv_write import rotary_write_kv
-        rotary_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
+        rotary_write_kv(*args, k_scale=k_scale, v_scale=v_scale, qk_norm=qk_norm)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [T] -> cos, sin_signed [T, 1, rotary_dim] in ``dtype``."""

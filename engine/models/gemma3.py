@@ -5,7 +5,8 @@ Differences from Llama / Qwen3 (``engine.models.llama``, ``engine.models.qwen3``
 
 - every RMSNorm (the four of each layer, the final one, q_norm and k_norm) scales by ``1 + w``: the
   checkpoint stores w, ``load_weights`` stores ``w + 1``, so every norm path of the engine (torch, the CPU C
-  op, the CUDA kernels, the fused norm -> GEMV) computes Gemma's norm unchanged;
+  op, the CUDA kernels, the fused norm -> GEMV, the q/k norms inside the rotary + KV write that
+  ``Qwen3Attention`` declares) computes Gemma's norm unchanged;
 - the token embeddings are scaled by sqrt(hidden_size) (in the embedding's dtype, as transformers);
 - GeGLU MLP: ``gelu_pytorch_tanh(gate) * up``;
 - four norms per layer: ``h = h + post_attention_layernorm(attn(input_layernorm(h)))``, then

@@ -3,24 +3,25 @@
 Differences from Llama (``engine.models.llama``), as transformers' ``Qwen3Attention``:
 
 - ``q_norm`` / ``k_norm``: RMSNorm over ``head_dim`` (weight [head_dim]), applied to every head of q and
-  of k after the q/k/v projection and before rotary;
+  of k after the q/k/v projection and before rotary. The attention layer applies them
+  (``PagedAttention.qk_norm``, declared here): on CUDA inside the kernels that rotate q and k and write the
+  KV cache (the decode step's fused attention included), so they cost no launch of their own;
 - ``head_dim`` comes from the config and may differ from hidden_size / num_attention_heads (the
   projections are [heads * head_dim, hidden], o_proj [hidden, heads * head_dim]);
 - one ``attention_bias`` flag for q/k/v and o (False in the released checkpoints);
 - tied or untied embeddings (``tie_word_embeddings``), as Llama.
 
 Because the norms sit between the projection and the rotary, the q/k/v projection's adapter update is added
-when the projection runs (``Feeds.ANY``): it never waits for the fused rotary + KV write, which would rotate
-un-normalized q and k. ``Qwen3Attention`` is shared with Qwen3-MoE (``engine.models.qwen3_moe``).
+when the projection runs (``Feeds.ANY``): the adapter's rotary + KV write kernel (``kernels.lora_rotary_write_kv``)
+has no q/k norm. ``Qwen3Attention`` is shared with Qwen3-MoE (``engine.models.qwen3_moe``).
 """
 
 from __future__ import annotations
 
-import torch
-
 from engine.distributed.group import TensorParallelGroup
 from engine.layers.adapter import Feeds
 from engine.layers.norm import RMSNorm
+from engine.layers.qk_norm import QKNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.interfaces import QKVConsumer
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -39,9 +40,9 @@ class Qwen3Attention(LlamaAttention):
 
     Modules, under transformers' names: ``qkv_proj`` (q_proj | k_proj | v_proj, packed; ``Feeds.ANY``),
     ``o_proj`` (``Feeds.ADD_RMS_NORM``: its output goes to the next residual add + RMSNorm), ``q_norm`` and
-    ``k_norm`` ([head_dim] weights, the same on every rank), ``attn`` (``PagedAttention``). A decoder layer
-    calls ``forward(positions, qkv_proj(norm(hidden)))`` (``engine.layers.fused.norm_linear``) and gets
-    [T, hidden] back.
+    ``k_norm`` ([head_dim] weights, the same on every rank), ``attn`` (``PagedAttention``, which applies
+    q_norm and k_norm: ``attn.qk_norm``). A decoder layer calls ``forward(positions, qkv_proj(norm(hidden)))``
+    (``engine.layers.fused.norm_linear``, Llama's ``forward``) and gets [T, hidden] back.
     """
 
     def __init__(self, config, rotary_emb: RotaryEmbedding, tp: TensorParallelGroup) -> None:
@@ -51,19 +52,7 @@ class Qwen3Attention(LlamaAttention):
         self.qkv_proj.feeds = Feeds.ANY
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """positions: [T] (or [3, T] with an M-RoPE rotary); qkv: [T, q + 2 kv], the output of ``qkv_proj``
-        -> [T, hidden], for the post-attention add + RMSNorm."""
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Each head's row normalized: [T * heads, head_dim] (a copy: q and k are strided views of qkv).
-        q = self.q_norm(q.reshape(num_tokens * self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(num_tokens * self.num_kv_heads, self.head_dim))
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
+        self.attn.qk_norm = QKNorm(self.q_norm, self.k_norm)
 
     def rotary_qkv_consumer(self) -> QKVConsumer:
         """None of Qwen3's: its q/k/v projection never leaves its update to the rotary + KV write."""

@@ -23,7 +23,7 @@ def warm_up_attention(backend: AttentionBackend, model: ModelForCausalLM, dtype:
     attn = model.attention_layers()[0]
     t0 = time.perf_counter()
     calls = backend.warm_up(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale, model.rotary_dim,
-                            q_dtype=dtype)
+                            q_dtype=dtype, qk_norm=attn.qk_norm.weights() if attn.qk_norm is not None else None)
     logger.info("Attention kernels for eager steps compiled (%d calls) in %.1f s", calls,
                 time.perf_counter() - t0)
 

@@ -41,10 +41,12 @@ class KernelPolicy:
     (cuBLAS and separate kernels). 0-16."""
     gemv: Overrides = ()
     """``kernels.gemv.GemvConfig`` field overrides (block_n, block_k, num_warps, num_stages, use_dot,
-    reduce_once)."""
+    reduce_once, fp8_math)."""
     fp8_decode_gemv: bool = True
     """FP8 projections (``engine.layers.fp8.Fp8Weight``) take those GEMV launches too, reading their
-    e4m3 weight (W8A16); off: their decode steps run the W8A8 Triton GEMM of larger steps."""
+    e4m3 weight; off: their decode steps run the W8A8 Triton GEMM of larger steps. How the GEMV meets
+    the e4m3 weight is ``gemv.fp8_math``: 0 widens it to the activations' dtype (W8A16, the default),
+    1 rounds the rows to e4m3 per token for an FP8 MMA, 2 widens it to float16 (``kernels.gemv``)."""
     moe_decode_max_pairs: int = 64
     """On CUDA, MoE calls of at most this many (token, expert) pairs run ``kernels.fused_moe_decode``
     (each pair reads its own expert, no sort), larger ones the sorted grouped GEMMs of

@@ -33,12 +33,29 @@ chunk straddles a block). The activations stay unquantized: a checkpoint's stati
 (W8A8 static) is not applied, so the result is the dequantized weight's product, which is what the
 CPU path computes, not the W8A8 GEMM's (``kernels.fp8_linear``), which rounds the activations to e4m3.
 
+That widening (``GemvConfig.fp8_math`` = ``WIDEN``, the default) makes the loop issue-bound (see
+``gemv_config``'s note). Two other maths spend fewer instructions per weight byte, each from the rows'
+amax (one more pass over the input rows per program before the K loop; the add + RMSNorm prologue
+gathers the bound rstd * max |norm_weight * s| in its statistics pass instead), always with tl.dot:
+
+- ``E4M3_DOT``: the rows are rounded to e4m3 at the per-row scale amax / 448 (``fp8_linear``'s
+  per-token scheme, inside the kernel: no quantization launch) and meet the e4m3 tile in an e4m3 x e4m3
+  tl.dot (Hopper's FP8 MMA), float32 accumulation; the row scale multiplies the accumulator at the end.
+  The weight is never widened; the rows carry e4m3's rounding, as with the W8A8 GEMM.
+- ``F16_WIDEN``: the e4m3 tile is widened to float16 (one packed ``cvt`` per two values on sm_89+;
+  bfloat16 takes Triton more instructions), the rows are multiplied by the power of two putting their
+  amax in [2^14, 2^15) (no float16 overflow; bfloat16 rows keep all their bits) and rounded to float16,
+  and a float16 tl.dot runs; the inverse power multiplies the accumulator. float32 rows take WIDEN.
+
+Float weights ignore ``fp8_math`` (the engine's ``KernelPolicy.gemv`` override reaches every layer).
+
 Numerics: float32 accumulation, bias added in float32, one rounding to x's dtype at the end;
 the prologues round exactly as ``kernels.layer_ops`` does (see the kernel's docstring). The
 torch twins are the ``*_ref`` functions at the end of this module, composed from
 ``kernels.reference.rms_norm_ref``, ``silu_and_mul_ref`` and a float32 ``F.linear`` (of the
-dequantized weight, ``fp8_linear.dequantize_fp8_weight``, for FP8);
-``tests/kernels/test_kernel_gemv.py`` compares the two.
+dequantized weight, ``fp8_linear.dequantize_fp8_weight``, for FP8, on the rows rounded as the FP8
+maths round them, ``round_rows_ref``); ``tests/kernels/test_kernel_gemv.py`` and
+``test_kernel_fp8_gemv.py`` (the FP8 maths) compare the two.
 
 Launch configs: ``gemv_config(M, N, K, override=...)`` (defaults, then the caller's field
 overrides); every wrapper takes either an explicit ``config=`` or the ``override=`` it passes on.
@@ -56,7 +73,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8_linear import FP8_DTYPE, dequantize_fp8_weight
+from kernels.fp8_linear import FP8_DTYPE, FP8_MAX, MIN_AMAX, _to_e4m3, dequantize_fp8_weight
 from kernels.reference import rms_norm_ref, silu_and_mul_ref
 from kernels.utils import FLOAT_DTYPES, cdiv, check_tensor, is_interpreted, next_power_of_2
 
@@ -65,6 +82,15 @@ MAX_ROWS = 16
 
 PLAIN, SILU_MUL, ADD_RMSNORM = 0, 1, 2
 """Values of the kernel's PROLOGUE constexpr: how the input rows are built from the inputs."""
+
+WIDEN, E4M3_DOT, F16_WIDEN = 0, 1, 2
+"""Values of ``GemvConfig.fp8_math``: how an e4m3 weight tile meets the input rows (module docstring)."""
+F16_TARGET_EXP = 14
+"""``F16_WIDEN`` scales each input row by the power of two that puts its amax in [2^14, 2^15): below
+float16's 65504, and small entries keep their bits (bfloat16's 8 significant bits fit float16's 11)."""
+F16_MIN_EXP, F16_MAX_EXP = -100, 127
+"""Range the row amax's binary exponent is clamped to, so the scale 2^(14 - e) and its inverse are
+normal float32 values (an all-zero row has amax 0)."""
 
 GemvOverride = tuple[tuple[str, int], ...]
 """(field, value) pairs of ``GemvConfig`` applied over the default config (the engine passes
@@ -184,15 +210,20 @@ def _accumulate(acc, a, w, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _accumulate_tile(acc, a, w, a_mul, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      W_FP8: tl.constexpr, SCALE_BK: tl.constexpr, USE_DOT: tl.constexpr,
-                     REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     FP8_MATH: tl.constexpr):
     """``_accumulate`` of one K chunk whose weight tile w [BLOCK_N, BLOCK_K] is in DTYPE or, with
     W_FP8, e4m3 (converted to DTYPE for tl.dot, to float32 by the elementwise forms; exact). With
     block scales (SCALE_BK > 0; the chunk lies in one SCALE_BK-wide block), ws_rows [BLOCK_N]
     pointing at the rows' scale rows: the chunk's partial is multiplied by each row's scale of that
-    block, or with REDUCE_ONCE the float32 weight tile is (float(w) * s: the dequantized weight)."""
+    block, or with REDUCE_ONCE the float32 weight tile is (float(w) * s: the dequantized weight).
+    FP8_MATH > 0 (W_FP8): ``_accumulate_fp8`` with the rows' multipliers a_mul [BLOCK_MA] instead."""
+    if FP8_MATH > 0:
+        return _accumulate_fp8(acc, a, w, a_mul, ws_rows, k0, n_ok, BLOCK_M, BLOCK_MA, BLOCK_K, SCALE_BK,
+                               FP8_MATH, UPCAST)
     if W_FP8:
         if USE_DOT:
             w = w.to(DTYPE)
@@ -213,6 +244,86 @@ def _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M:
     return acc
 
 
+_FP8_MAX_C = tl.constexpr(FP8_MAX)
+_MIN_AMAX_C = tl.constexpr(MIN_AMAX)
+_F16_TARGET_EXP_C = tl.constexpr(F16_TARGET_EXP)
+_F16_MIN_EXP_C = tl.constexpr(F16_MIN_EXP)
+_F16_MAX_EXP_C = tl.constexpr(F16_MAX_EXP)
+
+
+@triton.jit
+def _row_multipliers(amax, FP8_MATH: tl.constexpr):
+    """(input multiplier, accumulator multiplier), each [R] float32, from the rows' amax [R] (float32):
+
+        E4M3_DOT:   (div(1, xs), xs), xs = div(max(amax, MIN_AMAX), 448)   (``fp8_linear``'s per-token scale)
+        F16_WIDEN:  (2^(14 - e), 2^(e - 14)), e = amax's binary exponent clamped to [-100, 127]
+    """
+    if FP8_MATH == 1:
+        xs = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
+        return tl.math.div_rn(1.0, xs), xs
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.minimum(tl.maximum(e, _F16_MIN_EXP_C), _F16_MAX_EXP_C)
+    up = ((-e + (127 + _F16_TARGET_EXP_C)) << 23).to(tl.float32, bitcast=True)
+    down = ((e + (127 - _F16_TARGET_EXP_C)) << 23).to(tl.float32, bitcast=True)
+    return up, down
+
+
+@triton.jit
+def _repeat_rows(v, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr):
+    """[BLOCK_MA] -> [BLOCK_M]: entry r is v[r % BLOCK_MA] (the row copies tl.dot's 16 rows carry)."""
+    if BLOCK_MA < BLOCK_M:
+        return tl.reshape(tl.broadcast_to(v[None, :], [BLOCK_M // BLOCK_MA, BLOCK_MA]), [BLOCK_M])
+    return v
+
+
+@triton.jit
+def _accumulate_fp8(acc, a, w, a_mul, ws_rows, k0, n_ok, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SCALE_BK: tl.constexpr, FP8_MATH: tl.constexpr,
+                    SOFT_ROUND: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += q @ w.T (float32) for one K chunk of an e4m3 weight tile w [BLOCK_N, BLOCK_K]
+    without widening it to the activations' dtype:
+
+        E4M3_DOT:   q = e4m3(clamp(a * a_mul, -448, 448)), the e4m3 x e4m3 tl.dot (Hopper's FP8 MMA)
+        F16_WIDEN:  q = float16(a * a_mul), w widened to float16 (one packed cvt per two values), float16 tl.dot
+
+    a [BLOCK_MA, BLOCK_K] (any float), a_mul [BLOCK_MA] float32 (``_row_multipliers``); the rows of q are
+    repeated to BLOCK_M as in ``_accumulate``. With block scales (SCALE_BK > 0) the chunk's partial is
+    multiplied by each weight row's scale of its block (ws_rows as in ``_accumulate_tile``)."""
+    v = a.to(tl.float32) * a_mul[:, None]
+    if FP8_MATH == 1:
+        q = _to_e4m3(v, SOFT_ROUND)
+        wq = w
+    else:
+        q = v.to(tl.float16)
+        wq = w.to(tl.float16)
+    if BLOCK_MA < BLOCK_M:
+        q = tl.reshape(tl.broadcast_to(q[None, :, :], [BLOCK_M // BLOCK_MA, BLOCK_MA, BLOCK_K]), [BLOCK_M, BLOCK_K])
+    if SCALE_BK > 0:
+        s = tl.load(ws_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)                      # [BLOCK_N]
+        acc += tl.dot(q, tl.trans(wq), out_dtype=tl.float32) * s[None, :]
+    else:
+        acc = tl.dot(q, tl.trans(wq), acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _rows_amax(x_ptr, r_ptr, nw_ptr, rows, row_ok, K, stride_x, stride_r, BLOCK_MA: tl.constexpr,
+               BLOCK_KS: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
+    """max_k |a[r, k]| [BLOCK_MA] (float32) of the input rows the PLAIN / SILU_MUL prologue builds: one pass over
+    K in BLOCK_KS chunks, the next chunk's loads issued first."""
+    amax = tl.zeros([BLOCK_MA], dtype=tl.float32)
+    rstd = tl.zeros([BLOCK_MA, 1], dtype=tl.float32)
+    p, q, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows, row_ok, 0, K, stride_x, stride_r, BLOCK_KS, PROLOGUE,
+                            HAS_RESIDUAL)
+    for k0 in range(0, K, BLOCK_KS):
+        p_next, q_next, nw_next = _load_inputs(x_ptr, r_ptr, nw_ptr, rows, row_ok, k0 + BLOCK_KS, K, stride_x,
+                                               stride_r, BLOCK_KS, PROLOGUE, HAS_RESIDUAL)
+        a = _build_input(p, q, nw, rstd, DTYPE, PROLOGUE, HAS_RESIDUAL)
+        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+        p, q, nw = p_next, q_next, nw_next
+    return amax
+
+
 @triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_ptr,
                  M, N, K, eps, stride_x, stride_r, num_scale_kblocks,
@@ -220,7 +331,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
                  W_FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, FP8_MATH: tl.constexpr):
     """Semantics (dtype = out's dtype = x's dtype; float32 math unless rounded by dtype(.)):
 
         for t in range(M):
@@ -236,7 +347,15 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
     s = ws[n] per channel (SCALE_BK == 0: applied once to the float32 accumulator) or
     ws[n // SCALE_BN, k // SCALE_BK] per block (ws [cdiv(N, SCALE_BN), num_scale_kblocks]: each
     BLOCK_K chunk lies in one block, BLOCK_K divides SCALE_BK, and its partial product is scaled).
-    The e4m3 tile is converted to dtype in registers (exact for float16 / bfloat16 / float32).
+    The e4m3 tile is converted to dtype in registers (exact for float16 / bfloat16 / float32) with
+    FP8_MATH == WIDEN. The other FP8_MATH values (W_FP8 only, always tl.dot) round the input rows
+    instead, per row t from amax_t = max_k |a[t, k]| (ADD_RMSNORM: the bound rstd_t * max_k |nw[k] * s[t, k]|,
+    gathered in the statistics pass; its rounding overshoot is clamped):
+
+        E4M3_DOT:   xs_t = amax_t / 448;  out[t] = dtype(xs_t * (e4m3(clamp(a / xs_t, +-448)) @ W.T) + b)
+        F16_WIDEN:  u_t = 2^(14 - exponent(amax_t));  out[t] = dtype((float16(a * u_t) @ W.T) / u_t + b)
+
+    (W's scales as above, applied to the float32 accumulator; the row factor multiplies it at the end).
 
     Program p covers columns [p * BLOCK_N, (p + 1) * BLOCK_N) of all M rows over all of K.
     w: [N, K] contiguous; x / residual rows at strides stride_x / stride_r (last dim stride 1);
@@ -265,12 +384,17 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
         # Wide chunks (BLOCK_KS >= BLOCK_K, ~4096 elements), next chunk's loads issued first: this
         # pass is a few L2 round trips every program pays before its first weight tile arrives.
         ss = tl.zeros([BLOCK_MA], dtype=tl.float32)
+        nws_amax = tl.zeros([BLOCK_MA], dtype=tl.float32)
+        # FP8_MATH also reads the norm weight here, for the rows' amax bound.
         p, q, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, 0, K, stride_x, stride_r,
-                                BLOCK_KS, 0, HAS_RESIDUAL)
+                                BLOCK_KS, 2 if FP8_MATH > 0 else 0, HAS_RESIDUAL)
         for k0 in range(0, K, BLOCK_KS):
-            p_next, q_next, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, k0 + BLOCK_KS, K, stride_x,
-                                              stride_r, BLOCK_KS, 0, HAS_RESIDUAL)
+            p_next, q_next, nw_next = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, k0 + BLOCK_KS, K, stride_x,
+                                                   stride_r, BLOCK_KS, 2 if FP8_MATH > 0 else 0, HAS_RESIDUAL)
             s = _residual_sum(p, q, DTYPE, HAS_RESIDUAL)                                 # [BMA, BKS]
+            if FP8_MATH > 0:
+                nws_amax = tl.maximum(nws_amax, tl.max(tl.abs(nw.to(tl.float32)[None, :] * s.to(tl.float32)),
+                                                       axis=1))
             if HAS_RESIDUAL:
                 if pid == 0:
                     offs_k = k0 + tl.arange(0, BLOCK_KS)
@@ -278,8 +402,19 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
                              mask=ma_ok[:, None] & (offs_k < K)[None, :])
             sf = s.to(tl.float32)
             ss += tl.sum(sf * sf, axis=1)
-            p, q = p_next, q_next
-        rstd = tl.rsqrt(ss / K + eps)[:, None]                                          # [BLOCK_MA, 1]
+            p, q, nw = p_next, q_next, nw_next
+        rstd_rows = tl.rsqrt(ss / K + eps)                                              # [BLOCK_MA]
+        rstd = rstd_rows[:, None]                                                       # [BLOCK_MA, 1]
+
+    a_mul = tl.zeros([BLOCK_MA], dtype=tl.float32)      # FP8_MATH: input rows' multiplier
+    acc_mul = tl.zeros([BLOCK_MA], dtype=tl.float32)    # FP8_MATH: accumulator rows' multiplier
+    if FP8_MATH > 0:
+        if PROLOGUE == 2:
+            amax = nws_amax * rstd_rows                                                 # [BLOCK_MA]
+        else:
+            amax = _rows_amax(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, K, stride_x, stride_r, BLOCK_MA, BLOCK_KS,
+                              PROLOGUE, HAS_RESIDUAL, DTYPE)
+        a_mul, acc_mul = _row_multipliers(amax, FP8_MATH)
 
     if REDUCE_ONCE:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -292,8 +427,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, BK]
             a = tl.load(x_ptr + rows_a[:, None] * stride_x + offs_k[None, :], mask=ma_ok[:, None] & k_ok[None, :],
                         other=0.0)                                                     # [BMA, BK]
-            acc = _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
-                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION)
+            acc = _accumulate_tile(acc, a, w, a_mul, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
+                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION, FP8_MATH)
     else:
         p, q, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, 0, K, stride_x, stride_r,
                                 BLOCK_K, PROLOGUE, HAS_RESIDUAL)
@@ -303,14 +438,16 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
             p_next, q_next, nw_next = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, k0 + BLOCK_K, K,
                                                    stride_x, stride_r, BLOCK_K, PROLOGUE, HAS_RESIDUAL)
             a = _build_input(p, q, nw, rstd, DTYPE, PROLOGUE, HAS_RESIDUAL)               # [BMA, BK]
-            acc = _accumulate_tile(acc, a, w, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
-                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION)
+            acc = _accumulate_tile(acc, a, w, a_mul, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
+                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION, FP8_MATH)
             p, q, nw = p_next, q_next, nw_next
     if REDUCE_ONCE:
         acc = tl.sum(acc, axis=2)                                                       # [BLOCK_M, BLOCK_N]
     if W_FP8:
         if SCALE_BK == 0:
             acc *= tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        if FP8_MATH > 0:
+            acc *= _repeat_rows(acc_mul, BLOCK_M, BLOCK_MA)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     offs_m = tl.arange(0, BLOCK_M)
@@ -347,13 +484,21 @@ class GemvConfig:
     """Elementwise form only (ignored with use_dot): 1 keeps [BLOCK_M, block_n, block_k] float32
     partial sums over the K loop and reduces them once at the end (registers grow with all three);
     0 reduces each K step's products."""
+    fp8_math: int = 0
+    """How an e4m3 weight tile meets the input rows (ignored for float weights): ``WIDEN`` (0) converts
+    it to the activations' dtype (the forms above); ``E4M3_DOT`` (1) rounds the rows to e4m3 with a
+    per-row scale and runs the e4m3 x e4m3 tl.dot; ``F16_WIDEN`` (2) widens it to float16 and runs a
+    float16 tl.dot on the rows pre-scaled by a power of two (float32 activations: WIDEN instead). 1 and
+    2 always take tl.dot (use_dot and reduce_once are ignored)."""
 
     def __post_init__(self) -> None:
         if self.use_dot not in (0, 1) or isinstance(self.use_dot, float):
             raise ValueError(f"GemvConfig.use_dot: {self.use_dot!r} must be 0 or 1.")
         if self.reduce_once not in (0, 1) or isinstance(self.reduce_once, float):
             raise ValueError(f"GemvConfig.reduce_once: {self.reduce_once!r} must be 0 or 1.")
-        _check_pow2("block_n", self.block_n, 16 if self.use_dot else 1, 1024)
+        if self.fp8_math not in (WIDEN, E4M3_DOT, F16_WIDEN) or isinstance(self.fp8_math, (bool, float)):
+            raise ValueError(f"GemvConfig.fp8_math: {self.fp8_math!r} must be 0 (widen), 1 (e4m3 dot) or 2 (f16 widen).")
+        _check_pow2("block_n", self.block_n, 16 if self.use_dot or self.fp8_math else 1, 1024)
         _check_pow2("block_k", self.block_k, 16, 4096)
         _check_pow2("num_warps", self.num_warps, 1, 16)
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -363,17 +508,28 @@ class GemvConfig:
         """BLOCK_M for ``num_rows`` token rows: next power of two >= num_rows (>= 16 with use_dot)."""
         return max(16 if self.use_dot else 1, next_power_of_2(num_rows))
 
+    def for_operands(self, weight_fp8: bool, dtype: torch.dtype) -> "GemvConfig":
+        """The config one launch runs: fp8_math WIDEN for float weights; on an e4m3 weight, use_dot on
+        under E4M3_DOT / F16_WIDEN, F16_WIDEN of float32 rows run as WIDEN (still tl.dot)."""
+        if not weight_fp8:
+            return dataclasses.replace(self, fp8_math=WIDEN) if self.fp8_math != WIDEN else self
+        if self.fp8_math == WIDEN:
+            return self
+        math = WIDEN if self.fp8_math == F16_WIDEN and dtype == torch.float32 else self.fp8_math
+        return dataclasses.replace(self, fp8_math=math, use_dot=1)
+
 
 def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_MA, BLOCK_KS) of one launch.
 
     BLOCK_MA: rows the prologue builds; the plain tl.dot form loads all BLOCK_M rows masked
-    (no extra work), the fused prologues build next_power_of_2(M) and repeat them for tl.dot.
+    (no extra work), the fused prologues and the FP8 maths (whose rounding of the rows is work)
+    build next_power_of_2(M) and repeat them for tl.dot.
     BLOCK_KS: chunk of the add_rmsnorm statistics pass, ~4096 elements so that pass is one or a
     few L2 round trips.
     """
     block_m = config.block_m(M)
-    block_ma = block_m if prologue == PLAIN else next_power_of_2(M)
+    block_ma = block_m if prologue == PLAIN and config.fp8_math == WIDEN else next_power_of_2(M)
     block_ks = max(config.block_k, min(next_power_of_2(K), 4096 // block_ma))
     return block_m, block_ma, block_ks
 
@@ -411,6 +567,8 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     byte of HBM bandwidth. ``benchmarks/sweeps/fp8_sweep.py`` on the H200 at one row: the bf16 tiles
     (tl.dot) are the best or within 5% of it on o, down and qkv (11.5 / 31.2 / 16.2 us), the
     reduce-once form 8-60% slower but on qkv (15.6); so FP8 weights take the bf16 tiles.
+    ``fp8_math`` E4M3_DOT / F16_WIDEN (module docstring) take the same default tiles, not yet timed;
+    ``fp8_sweep.py --maths`` times each math over its own tile grid against the W8A8 GEMM.
     """
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
@@ -424,7 +582,7 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(GemvConfig)})
         if unknown:
             raise ValueError(f"GEMV config override: unknown field(s) {unknown}; use block_n, block_k, "
-                             f"num_warps, num_stages, use_dot, reduce_once.")
+                             f"num_warps, num_stages, use_dot, reduce_once, fp8_math.")
         cfg = dataclasses.replace(cfg, **fields)
     if scale_block_k is not None and scale_block_k % cfg.block_k:
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, scale_block_k & -scale_block_k))
@@ -496,6 +654,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
     scale_bn, scale_bk = scale_block if scale_block is not None else (1, 0)
     if config is None:
         config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None)
+    config = config.for_operands(weight_scale is not None, x.dtype)
     block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
     upcast = is_interpreted(x.device)
     _gemv_kernel[(cdiv(N, config.block_n),)](
@@ -508,7 +667,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         W_FP8=weight_scale is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_MA=block_ma, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_KS=block_ks,
         USE_DOT=bool(config.use_dot), REDUCE_ONCE=bool(config.reduce_once and not config.use_dot), UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32", FP8_MATH=config.fp8_math,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -526,7 +685,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
             [cdiv(N, bn), cdiv(K, bk)] with ``scale_block``; None for a float weight.
         scale_block: (bn, bk) weight rows and inputs per block scale (bk a multiple of 16); None:
             per channel.
-        config: launch config; None: ``gemv_config(M, N, K, x.device, override=override)``.
+        config: launch config; None: ``gemv_config(M, N, K, x.device, override=override)``. Its
+            ``fp8_math`` picks how an e4m3 weight meets x (WIDEN, E4M3_DOT, F16_WIDEN).
         override: ``GemvConfig`` field overrides of the default config (ignored with ``config``).
 
     Returns:
@@ -609,31 +769,77 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_we
 # ----------------------------------------------------------------------------------------
 # Torch twins (the test oracle)
 # ----------------------------------------------------------------------------------------
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-             weight_scale: Optional[torch.Tensor] = None,
-             scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """Twin of ``gemv``: a float32 ``F.linear`` rounded once to x's dtype; an e4m3 weight is first
-    dequantized to float32 (``fp8_linear.dequantize_fp8_weight``)."""
+def _fp8_math_of(fp8_math: int, weight_scale: Optional[torch.Tensor], dtype: torch.dtype) -> int:
+    """``GemvConfig.for_operands``'s resolution of fp8_math."""
+    return GemvConfig(fp8_math=fp8_math).for_operands(weight_scale is not None, dtype).fp8_math
+
+
+def row_multipliers_ref(amax: torch.Tensor, fp8_math: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of the kernel's ``_row_multipliers``: (input multiplier, accumulator multiplier), float32 [M],
+    from the rows' amax [M] (float32)."""
+    if fp8_math == E4M3_DOT:
+        # A tensor divisor: CUDA divides by a host scalar through its reciprocal, not by IEEE division.
+        xs = amax.clamp(min=MIN_AMAX) / torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device)
+        return 1.0 / xs, xs
+    e = ((amax.float().view(torch.int32) >> 23) & 0xFF) - 127
+    e = e.clamp(F16_MIN_EXP, F16_MAX_EXP)
+    return (torch.ldexp(torch.ones_like(amax), (F16_TARGET_EXP - e).float()),
+            torch.ldexp(torch.ones_like(amax), (e - F16_TARGET_EXP).float()))
+
+
+def round_rows_ref(a: torch.Tensor, amax: torch.Tensor, fp8_math: int) -> torch.Tensor:
+    """The float32 rows [M, K] the FP8 maths multiply the weight with: a [M, K] rounded as the kernel rounds
+    it (E4M3_DOT: to e4m3 at the row scale, F16_WIDEN: to float16 at the row's power of two), scaled back;
+    a itself (float32) for WIDEN. amax [M]: the rows' amax (or the kernel's bound of it)."""
+    if fp8_math == WIDEN:
+        return a.float()
+    up, down = row_multipliers_ref(amax.float(), fp8_math)
+    v = a.float() * up[:, None]                                                         # [M, K]
+    q = v.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE) if fp8_math == E4M3_DOT else v.to(torch.float16)
+    return q.float() * down[:, None]
+
+
+def _linear_ref(a: torch.Tensor, amax: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
+                weight_scale: Optional[torch.Tensor], scale_block: Optional[tuple[int, int]],
+                fp8_math: int) -> torch.Tensor:
+    """dtype(round_rows_ref(a) @ W.T + bias) in float32, W the (dequantized) weight; amax None: a's own."""
+    math = _fp8_math_of(fp8_math, weight_scale, a.dtype)
+    if amax is None:
+        amax = a.float().abs().amax(dim=1)                                              # [M]
     b = bias.float() if bias is not None else None
     w = dequantize_fp8_weight(weight, weight_scale, scale_block) if weight_scale is not None else weight.float()
-    return F.linear(x.float(), w, b).to(x.dtype)
+    return F.linear(round_rows_ref(a, amax, math), w, b).to(a.dtype)
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+             weight_scale: Optional[torch.Tensor] = None, scale_block: Optional[tuple[int, int]] = None,
+             fp8_math: int = WIDEN) -> torch.Tensor:
+    """Twin of ``gemv``: a float32 ``F.linear`` rounded once to x's dtype; an e4m3 weight is first
+    dequantized to float32 (``fp8_linear.dequantize_fp8_weight``), and with ``fp8_math`` E4M3_DOT /
+    F16_WIDEN the rows are rounded as the kernel rounds them (``round_rows_ref``)."""
+    return _linear_ref(x, None, weight, bias, weight_scale, scale_block, fp8_math)
 
 
 def silu_mul_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                      weight_scale: Optional[torch.Tensor] = None,
-                      scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                      weight_scale: Optional[torch.Tensor] = None, scale_block: Optional[tuple[int, int]] = None,
+                      fp8_math: int = WIDEN) -> torch.Tensor:
     """Twin of ``silu_mul_gemv``: ``reference.silu_and_mul_ref`` (rounded to the dtype) then ``gemv_ref``."""
-    return gemv_ref(silu_and_mul_ref(gate_up), weight, bias, weight_scale=weight_scale, scale_block=scale_block)
+    return gemv_ref(silu_and_mul_ref(gate_up), weight, bias, weight_scale=weight_scale, scale_block=scale_block,
+                    fp8_math=fp8_math)
 
 
 def add_rms_norm_gemv_ref(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                           weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                          weight_scale: Optional[torch.Tensor] = None,
-                          scale_block: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of ``add_rms_norm_gemv``: ``reference.rms_norm_ref`` then ``gemv_ref``; returns
+                          weight_scale: Optional[torch.Tensor] = None, scale_block: Optional[tuple[int, int]] = None,
+                          fp8_math: int = WIDEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``add_rms_norm_gemv``: ``reference.rms_norm_ref`` then the float32 product as ``gemv_ref``,
+    the FP8 maths' row scales from the kernel's amax bound rstd * max |norm_weight * s|; returns
     (out, residual sum) (x itself when residual is None)."""
-    fp8 = dict(weight_scale=weight_scale, scale_block=scale_block)
     if residual is None:
-        return gemv_ref(rms_norm_ref(x, norm_weight, eps), weight, bias, **fp8), x
-    n, s = rms_norm_ref(x, norm_weight, eps, residual)
-    return gemv_ref(n, weight, bias, **fp8), s
+        n, s = rms_norm_ref(x, norm_weight, eps), x
+    else:
+        n, s = rms_norm_ref(x, norm_weight, eps, residual)
+    sf = s.float()                                                                      # [M, K]
+    rstd = torch.rsqrt(sf.pow(2).mean(dim=1) + eps)                                     # [M]
+    amax = (norm_weight.float()[None, :] * sf).abs().amax(dim=1) * rstd                  # [M]
+    return _linear_ref(n, amax, weight, bias, weight_scale, scale_block, fp8_math), s

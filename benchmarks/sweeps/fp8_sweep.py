@@ -26,6 +26,17 @@ unquantized), each against the bytes floor (N * K weight bytes + the scales at -
   SiLU-and-mul) fused into the GEMV (``add_rms_norm_gemv`` / ``silu_mul_gemv``) against the
   ``kernels.layer_ops`` kernel followed by the W8A8 Triton GEMM, as FP8 decode steps ran before.
 
+``--maths`` compares the FP8 GEMV's ways of meeting the e4m3 weight (``GemvConfig.fp8_math``) on the
+Llama-3-8B and -70B decode projections at M 1, 2, 4 (unless --shapes / --ms say otherwise): the W8A8
+GEMM with its activation quantization (``pc_triton``, tile grid), then per math (``widen``: e4m3 widened
+to bf16, the engine's default; ``e4m3``: rows rounded to e4m3 in the kernel, FP8 MMA; ``f16``: e4m3
+widened to float16, rows pre-scaled by a power of two) the plain GEMV on per-channel and 128x128 block
+scales with its own tile grid, and the fused prologue (default tiles and the plain GEMV's best). Only
+those paths run; a table prints the best of each per shape and M, its time over the bytes floor, and
+the fastest path:
+    python benchmarks/sweeps/fp8_sweep.py --maths --out benchmarks/out/fp8_gemv_maths.json
+    python benchmarks/sweeps/fp8_sweep.py --maths --tiny          # CPU smoke run of every path
+
 ``--tiny`` runs small shapes with weight dims of 1-4 scale blocks, default configs, on the CPU through
 the Triton interpreter (wall-clock times, meaningless as speed: it checks that every path runs and
 matches its twin) or on CUDA when there is one.
@@ -45,6 +56,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -53,26 +65,40 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.sweeps.kernel_timing import measure_copy_bandwidth, time_calls  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-"""Llama-3-8B projections: name -> (N, K) of the [N, K] weight."""
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "qkv_70b": (10240, 8192), "o_70b": (8192, 8192), "gate_up_70b": (57344, 8192), "down_70b": (8192, 28672)}
+"""Llama-3-8B and -70B projections: name -> (N, K) of the [N, K] weight."""
+SHAPES_8B = ("qkv", "o", "gate_up", "down")
+"""The default --shapes (``--maths``: all of SHAPES)."""
 TINY_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (512, 256), "down": (256, 448)}
-"""``--tiny``: the same projections at a size the interpreter runs in seconds (down's K a ragged block)."""
+"""``--tiny``: the 8B projections at a size the interpreter runs in seconds (down's K a ragged block)."""
+MATHS = {"widen": 0, "e4m3": 1, "f16": 2}
+"""``--maths``: label -> ``kernels.gemv.GemvConfig.fp8_math`` (WIDEN, E4M3_DOT, F16_WIDEN)."""
 BLOCK = (128, 128)
 """(BN, BK) of the block-scaled weights (HF ``fp8`` checkpoints)."""
 PROLOGUE = {"qkv": "add_rmsnorm", "gate_up": "add_rmsnorm", "down": "silu_mul"}
-"""The elementwise op in front of each projection in a decode step (o_proj has none)."""
+"""The elementwise op in front of each projection in a decode step (o_proj has none), by the shape's
+name without its model suffix."""
 EPS = 1e-5
 GEMV_MAX_ROWS = 16
 """Rows up to which the decode GEMV paths are timed (``kernels.gemv.MAX_ROWS``)."""
 
 
-def gemv_candidates(m: int, block_scales: bool) -> list:
+def gemv_candidates(m: int, block_scales: bool, fp8_math: int = 0) -> list:
     """GemvConfig grid for the FP8 GEMV at M rows: tl.dot tiles and elementwise reduce-once tiles
     (block_n, block_k, num_warps, num_stages), the latter pruned to <= 128 float32 partial sums
     per thread. An e4m3 tile is half a bf16 tile's bytes, so block_k wider than the bf16 defaults
-    are in; block scales cap block_k at the 128-wide block."""
+    are in; block scales cap block_k at the 128-wide block. fp8_math E4M3_DOT / F16_WIDEN: tl.dot
+    tiles only (their one form), wider ones too (less widening per byte leaves room)."""
     from kernels.gemv import GemvConfig
 
+    if fp8_math:
+        if block_scales:
+            dot = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (16, 128, 4, 4)]
+        else:
+            dot = [(32, 512, 4, 3), (64, 256, 4, 3), (32, 1024, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3),
+                   (16, 1024, 4, 4)]
+        return [GemvConfig(bn, bk, nw, ns, use_dot=1, fp8_math=fp8_math) for bn, bk, nw, ns in dot]
     if block_scales:
         dot = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4)]
         once = [(32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (16, 128, 2, 3)]
@@ -146,6 +172,9 @@ def sweep_case(name: str, n: int, k: int, m: int, weights: dict, args) -> dict:
     wb, wpc, spc, wblk, sblk = (weights[key] for key in ("bf16", "pc", "pc_scale", "blk", "blk_scale"))
     row = dict(shape=name, N=n, K=k, M=m, paths={},
                floor_us=dict(pc=floor_us(n, k, spc[0], args), blk=floor_us(n, k, sblk[0], args)))
+    if args.maths:
+        sweep_maths(name, x, weights, row, args)
+        return row
     ref_bf16 = F.linear(x, wb[0]).float()
     row["paths"]["bf16"] = dict(default=dict(us=time_calls(lambda i: F.linear(x, wb[i % len(wb)]), args.calls,
                                                            args.reps),
@@ -194,7 +223,7 @@ def sweep_gemv(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> No
         lambda c, i: gv.gemv(x, wblk[i % len(wblk)], weight_scale=sblk[i % len(sblk)], scale_block=BLOCK, config=c),
         gv.gemv_ref(x, wblk[0], weight_scale=sblk[0], scale_block=BLOCK),
         gemv_candidates(x.shape[0], True) if grid else [], args)
-    prologue = PROLOGUE.get(name)
+    prologue = PROLOGUE.get(name.removesuffix("_70b"))
     if prologue is None:
         return
     m, k = x.shape
@@ -225,6 +254,68 @@ def sweep_gemv(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> No
     row["paths"]["pc_fused"]["prologue"] = prologue
     row["paths"]["pc_unfused"] = dict(default=dict(us=time_calls(unfused, args.calls, args.reps), err=0.0),
                                       prologue=prologue)
+
+
+def fused_path(name: str, x: torch.Tensor, wq: list, scales: list, fp8_math: int):
+    """(run(config, i), twin output) of the projection's prologue fused into the GEMV on the per-channel
+    weight, rows built from x; None for a projection without prologue (o_proj)."""
+    from kernels import gemv as gv
+
+    prologue = PROLOGUE.get(name.removesuffix("_70b"))
+    if prologue is None:
+        return None
+    m, k = x.shape
+    if prologue == "add_rmsnorm":
+        res = torch.randn_like(x)                                                     # [M, K]
+        nw = torch.ones(k, device=x.device, dtype=x.dtype)                            # [K]
+        return ((lambda c, i: gv.add_rms_norm_gemv(x, res, nw, EPS, wq[i % len(wq)], weight_scale=scales[i % len(scales)],
+                                                   config=c)[0]),
+                gv.add_rms_norm_gemv_ref(x, res, nw, EPS, wq[0], weight_scale=scales[0], fp8_math=fp8_math)[0])
+    gate_up = torch.randn(m, 2 * k, device=x.device, dtype=x.dtype)                  # [M, 2K]
+    return ((lambda c, i: gv.silu_mul_gemv(gate_up, wq[i % len(wq)], weight_scale=scales[i % len(scales)], config=c)),
+            gv.silu_mul_gemv_ref(gate_up, wq[0], weight_scale=scales[0], fp8_math=fp8_math))
+
+
+def sweep_maths(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> None:
+    """``--maths``: the W8A8 GEMM + quantization and, per ``MATHS`` entry, the plain GEMV (per-channel and
+    block scales, each with its grid) and the fused prologue (default config and the plain GEMV's best)."""
+    from kernels import fp8_linear as fp8
+    from kernels import gemv as gv
+
+    wpc, spc, wblk, sblk = (weights[key] for key in ("pc", "pc_scale", "blk", "blk_scale"))
+    m = x.shape[0]
+    grid = not args.no_grid
+    pc = dict(activation_scheme=fp8.PER_TOKEN)
+    row["paths"]["pc_triton"] = time_path(
+        lambda c, i: fp8.fp8_linear(x, wpc[i % len(wpc)], spc[i % len(spc)], backend="triton", config=c, **pc),
+        fp8.fp8_linear_ref(x, wpc[0], spc[0], **pc), gemm_candidates(m) if grid else [], args)
+    row["paths"]["quant_tok"] = dict(default=dict(
+        us=time_calls(lambda i: fp8.quantize_activations_fp8(x, fp8.PER_TOKEN), args.calls, args.reps), err=0.0))
+    for label, fp8_math in MATHS.items():
+        def with_math(c):
+            return c if c is not None else gv.gemv_config(m, *wpc[0].shape, x.device, override=(("fp8_math", fp8_math),))
+        row["paths"][f"pc_{label}"] = time_path(
+            lambda c, i: gv.gemv(x, wpc[i % len(wpc)], weight_scale=spc[i % len(spc)], config=with_math(c)),
+            gv.gemv_ref(x, wpc[0], weight_scale=spc[0], fp8_math=fp8_math),
+            gemv_candidates(m, False, fp8_math) if grid else [], args)
+
+        def with_math_blk(c):
+            return c if c is not None else gv.gemv_config(m, *wblk[0].shape, x.device, override=(("fp8_math", fp8_math),),
+                                                          scale_block_k=BLOCK[1])
+        row["paths"][f"blk_{label}"] = time_path(
+            lambda c, i: gv.gemv(x, wblk[i % len(wblk)], weight_scale=sblk[i % len(sblk)], scale_block=BLOCK,
+                                 config=with_math_blk(c)),
+            gv.gemv_ref(x, wblk[0], weight_scale=sblk[0], scale_block=BLOCK, fp8_math=fp8_math),
+            gemv_candidates(m, True, fp8_math) if grid else [], args)
+        fused = fused_path(name, x, wpc, spc, fp8_math)
+        if fused is not None:
+            run, ref = fused
+            best = row["paths"][f"pc_{label}"].get("best")
+            candidates = [gv.GemvConfig(**best["config"])] if best else []
+            prologue = gv.SILU_MUL if PROLOGUE[name.removesuffix("_70b")] == "silu_mul" else gv.ADD_RMSNORM
+            default = gv.gemv_config(m, *wpc[0].shape, x.device, prologue, override=(("fp8_math", fp8_math),))
+            row["paths"][f"fused_{label}"] = time_path(lambda c, i: run(c if c is not None else default, i), ref,
+                                                       candidates, args)
 
 
 def make_weights(n: int, k: int, l2: int, device: torch.device) -> dict:
@@ -278,10 +369,40 @@ def print_gemv_table(rows: list[dict]) -> None:
               + f" {ratio('pc_gemv', r['floor_us']['pc'])} {ratio('blk_gemv', r['floor_us']['blk'])}")
 
 
+def best_us(row: dict, path: str) -> Optional[float]:
+    """The path's best time (its default's without a grid); None if it did not run."""
+    entry = row["paths"].get(path)
+    return None if entry is None else entry.get("best", entry["default"])["us"]
+
+
+def print_maths_table(rows: list[dict]) -> None:
+    """``--maths``: per shape and M the best time of the W8A8 GEMM + quantization and of each GEMV math
+    (per-channel, block scales, fused prologue), x floor = per-channel time / bytes floor, and the fastest
+    per-channel path."""
+    labels = list(MATHS)
+    head = (["w8a8"] + [f"pc_{k}" for k in labels] + [f"{k} xfl" for k in ["w8a8"] + labels]
+            + [f"blk_{k}" for k in labels] + [f"fus_{k}" for k in labels])
+    print(f"\nFP8 decode GEMV maths, best us per call over each tile grid (w8a8 = quantization + W8A8 Triton GEMM; "
+          f"xfl = time / bytes floor; fus = the prologue fused in, per channel)\n{'shape':12s} {'M':>3s} {'floor':>7s} "
+          + " ".join(f"{h:>10s}" for h in head) + "  fastest")
+    for r in rows:
+        pcs = {"w8a8": best_us(r, "pc_triton")} | {k: best_us(r, f"pc_{k}") for k in labels}
+        cells = [pcs["w8a8"]] + [pcs[k] for k in labels]
+        cells += [None if v is None else v / r["floor_us"]["pc"] for v in cells]
+        cells += [best_us(r, f"blk_{k}") for k in labels] + [best_us(r, f"fused_{k}") for k in labels]
+        ran = {k: v for k, v in pcs.items() if v is not None}
+        fastest = min(ran, key=ran.get) if ran else "-"
+        print(f"{r['shape']:12s} {r['M']:3d} {r['floor_us']['pc']:7.2f} "
+              + " ".join(f"{v:10.2f}" if v is not None else f"{'-':>10s}" for v in cells) + f"  {fastest}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--ms", default="1,4,16,64,256,2048", help="token counts M")
+    ap.add_argument("--shapes", default=None,
+                    help=f"comma list of {', '.join(SHAPES)} (default: {', '.join(SHAPES_8B)}; --maths: all)")
+    ap.add_argument("--ms", default=None, help="token counts M (default 1,4,16,64,256,2048; --maths 1,2,4)")
+    ap.add_argument("--maths", action="store_true",
+                    help="only the FP8 decode GEMV maths against the W8A8 GEMM (module docstring)")
     ap.add_argument("--calls", type=int, default=10, help="calls per CUDA graph")
     ap.add_argument("--reps", type=int, default=3, help="timed graph replays")
     ap.add_argument("--no-grid", action="store_true", help="default configs only (no candidate grid)")
@@ -291,16 +412,21 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/out/fp8_sweep[_tiny].json)")
     args = ap.parse_args()
     shape_table = TINY_SHAPES if args.tiny else SHAPES
+    if args.shapes is None:
+        args.shapes = ",".join(shape_table if args.tiny or args.maths else SHAPES_8B)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
         if s not in shape_table:
             ap.error(f"unknown shape {s!r}; choose from {', '.join(shape_table)}")
+    if args.ms is None:
+        args.ms = "1,2,4" if args.maths else "1,4,16" if args.tiny else "1,4,16,64,256,2048"
     if args.tiny:
-        if args.ms == ap.get_default("ms"):
-            args.ms = "1,4,16"
         args.no_grid, args.calls, args.reps = True, min(args.calls, 2), 1
     ms = [int(v) for v in args.ms.split(",")]
-    out_path = args.out or f"benchmarks/out/fp8_sweep{'_tiny' if args.tiny else ''}.json"
+    if args.maths and max(ms) > GEMV_MAX_ROWS:
+        ap.error(f"--maths times the decode GEMV: M <= {GEMV_MAX_ROWS}")
+    out_path = args.out or (f"benchmarks/out/fp8_{'gemv_maths' if args.maths else 'sweep'}"
+                            f"{'_tiny' if args.tiny else ''}.json")
     if not torch.cuda.is_available():
         if not args.tiny:
             sys.exit("fp8_sweep.py times CUDA kernels; no CUDA device here (--tiny runs on CPU).")
@@ -333,13 +459,17 @@ def main() -> None:
         del weights
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
-    print_table(rows)
-    print_gemv_table(rows)
+    if args.maths:
+        print_maths_table(rows)
+    else:
+        print_table(rows)
+        print_gemv_table(rows)
     print(f"\nsweep took {time.time() - t0:.0f} s")
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(dict(device=device_name, torch=torch.__version__, copy_bandwidth_bytes_s=bw,
                                               l2_bytes=l2, calls_per_graph=args.calls, scaled_mm=has_scaled_mm,
-                                              peak_tbs=args.peak_tbs, tiny=args.tiny, rows=rows), indent=1))
+                                              peak_tbs=args.peak_tbs, tiny=args.tiny, maths=args.maths, rows=rows),
+                                         indent=1))
     print(f"wrote {out_path}")
 
 

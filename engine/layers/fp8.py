@@ -5,8 +5,10 @@ amax / 448, as llmcompressor's FP8_DYNAMIC).
 - CUDA, decode steps of at most ``KernelPolicy.decode_gemv_max_tokens`` rows without an adapter update
   (``Linear.uses_decode_gemv``), on weights with no more outputs than inputs (``decode_gemv_applies``):
   ``kernels.gemv``'s decode GEMV reads the e4m3 weight and its scales
-  (W8A16: converted in registers, activations unquantized, a static input scale not applied), with the
-  RMSNorm / SiLU-and-mul before it fused in as for bf16 layers (``engine.layers.fused``);
+  (W8A16: converted in registers, activations unquantized, a static input scale not applied; or, under
+  ``KernelPolicy.gemv`` fp8_math, the rows rounded to e4m3 per token in the kernel for an FP8 MMA, or the
+  weight widened to float16), with the RMSNorm / SiLU-and-mul before it fused in as for bf16 layers
+  (``engine.layers.fused``);
 - CUDA, other steps: ``kernels.fp8_linear``'s W8A8 GEMM (``fp8_linear``): the activations quantized per
   token, per token and 128 inputs for block weights, or by the checkpoint's static scale; steps of up to
   ``FP8_TRITON_MAX_TOKENS`` rows run the Triton GEMM (on the H200 it beats ``torch._scaled_mm`` there:
@@ -41,7 +43,9 @@ def decode_gemv_applies(out_features: int, in_features: int, block: Optional[tup
     with the bf16 tiles vs the W8A8 GEMM + its activation quantization): o 4096 x 4096 11.5 vs 16.5, down
     4096 x 14336 30.4 vs 44.7, but qkv 6144 x 4096 16.2 vs 17.6 and gate_up 28672 x 4096 45.4 vs 34.5: where
     the outputs outnumber the inputs, widening e4m3 in registers (about 5x the instructions per weight byte of
-    bf16) costs more than the W8A8 tiles' separate quantization launch saves."""
+    bf16) costs more than the W8A8 tiles' separate quantization launch saves. The GEMV's other maths
+    (``kernels.gemv.GemvConfig.fp8_math``) are timed against the W8A8 GEMM by ``fp8_sweep.py --maths``; this
+    rule stays the widening's until they are."""
     from kernels.gemv import fp8_scale_block_supported
 
     return fp8_scale_block_supported(block) and out_features <= in_features

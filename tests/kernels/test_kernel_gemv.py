@@ -236,14 +236,17 @@ def _fp8_case(prologue: str, m: int, n: int, k: int, dtype, scale_block, seed: i
     return tuple(args), dict(weight_scale=scale.to(DEVICE), scale_block=scale_block)
 
 
-def _run_fp8(prologue: str, args, fp8, config, override=()):
+def _run_fp8(prologue: str, args, fp8, config, override=(), fp8_math: int = 0):
+    """(kernel out, kernel residual_out or None, twin out, twin residual_out or None); ``fp8_math``: the
+    twin's (``GemvConfig.fp8_math`` of the config the kernel runs)."""
     kw = dict(fp8, config=config, override=override)
+    twin = dict(fp8, fp8_math=fp8_math)
     if prologue == "plain":
-        return gemv(*args, **kw), None, gemv_ref(*args, **fp8), None
+        return gemv(*args, **kw), None, gemv_ref(*args, **twin), None
     if prologue == "silu_mul":
-        return silu_mul_gemv(*args, **kw), None, silu_mul_gemv_ref(*args, **fp8), None
+        return silu_mul_gemv(*args, **kw), None, silu_mul_gemv_ref(*args, **twin), None
     out, res = add_rms_norm_gemv(*args, **kw)
-    ref_out, ref_res = add_rms_norm_gemv_ref(*args, **fp8)
+    ref_out, ref_res = add_rms_norm_gemv_ref(*args, **twin)
     return out, res, ref_out, ref_res
 
 

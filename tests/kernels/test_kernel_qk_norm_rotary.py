@@ -155,3 +155,27 @@ def test_warm_up_compiles_the_normed_decode_kernel(monkeypatch):
                                                                                qk_norm=norm)
     assert len(norms) == 3 and all(n is norm for n in norms)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_fp8_cache_gets_the_normed_keys(num_splits):
+    """An FP8 cache: the fused decode kernel and ``rotary_write_kv`` quantize the same normed, rotated k (and
+    v) into it, and the decode attends what it stored, as ``paged_attention`` does after the unfused write."""
+    from kernels.kv_write import FP8_KV_DTYPE, fp8_quantize_ref
+
+    k_scale, v_scale = 0.5, 0.25
+    b = _decode_step([5, 33, 17], 4, 2, 64, 16, torch.bfloat16, seed=7)
+    b["k_cache"], b["v_cache"] = fp8_quantize_ref(b["k_cache"], k_scale), fp8_quantize_ref(b["v_cache"], v_scale)
+    assert b["k_cache"].dtype == FP8_KV_DTYPE
+    norm = _norm_weights(64, torch.bfloat16, True, seed=3)
+    cos, sin = _tables(64)
+    k_cache, v_cache, q = b["k_cache"].clone(), b["v_cache"].clone(), b["q"].clone()
+    rotary_write_kv(b["positions"], q, b["k"].clone(), b["v"], cos[:, :32], sin[:, :32], 64, k_cache, v_cache,
+                    b["slot_mapping"], k_scale=k_scale, v_scale=v_scale, qk_norm=norm)
+    unfused = paged_attention(q, k_cache, v_cache, b["query_start_loc"], b["seq_lens"], b["block_tables"], 1,
+                              b["max_seq_len"], 0.125, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+    out = _fused(b, norm, cos, sin, 64, 0.125, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(b["v_cache"].view(torch.uint8), v_cache.view(torch.uint8))
+    if DEVICE.type == "cpu":                        # on CUDA the two kernels' sums may round differently
+        assert torch.equal(b["k_cache"].view(torch.uint8), k_cache.view(torch.uint8))
+    torch.testing.assert_close(out.float(), unfused.float(), atol=5e-2, rtol=5e-2)

@@ -39,11 +39,14 @@ Two kernels, picked by ``W4A16Config.form``:
   of rows), then multiplied by x elementwise (FMA form) or by tl.dot on a 16-row tile; the group
   scale multiplies each step's float32 product (one group per step, or per packed row).
 
-With split_k > 1 each slice writes float32 partials and a second launch sums them (+ bias) and
-rounds once.
+With split_k > 1 each slice writes float32 partials, summed (+ bias) and rounded once either by a
+second launch or (``W4A16Config.reduce_in_kernel``) by the last slice of each output tile to finish,
+which an int32 arrival counter per tile tells.
 
-Launch configs: ``w4a16_config(M, N, K, device, override)``: ``DECODE_DEFAULTS`` (one table, by
-token rows) for M <= 16, split-K only where the N tiles leave SMs idle; GEMM tilings above.
+Launch configs: ``w4a16_matmul(..., config=W4A16Config(...))`` or field overrides; by default
+``w4a16_config(M, N, K, device, override)``: ``SHAPE_DEFAULTS`` (one table of timed launches per
+(N, K, token-row bucket), printed by ``benchmarks/sweeps/w4a16_sweep.py``), else ``DECODE_DEFAULTS``
+(by token rows) for M <= 16, split-K only where the N tiles leave SMs idle, and GEMM tilings above.
 
 The torch twin is ``w4a16_matmul_ref`` (dequantize to float32, matmul, round once), with the
 layout helpers ``pack_int4_along_k``, ``unpack_int4_along_k`` and ``dequantize_w4``;
@@ -72,6 +75,13 @@ MAX_SUB_K = 128
 MAX_SUB_TILES = 4
 """Most sub-tiles one K step unrolls: block_k is clipped to MAX_SUB_TILES * sub_k, which keeps the loop
 body, and its compile time, small."""
+
+MAGIC_EXP_BITS = 0x4B000000
+"""The exponent bits of 2^23 (float32), which the GEMV ORs into packed words to read nibbles as floats."""
+
+ARRIVAL_COUNTERS = 16384
+"""int32 arrival counters per (device, stream) for ``W4A16Config.reduce_in_kernel``: the most output tiles
+one split-K launch reduces in the kernel."""
 
 DEFAULT_NUM_SMS = 132
 """SMs assumed by ``w4a16_config`` when no CUDA device is given (an H100 / H200)."""
@@ -112,14 +122,32 @@ def _load_group_rows(s_ptr, z_ptr, k0, K, N, offs_n, n_ok, sub_ids, SUB_K: tl.co
 
 
 @triton.jit
-def _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, M, N, b_ptr, out_ptr, ws_ptr, HAS_BIAS: tl.constexpr,
-                  SPLIT_OUT: tl.constexpr):
+def _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, tile, num_splits, M, N, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+                  HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr):
     """Store a program's float32 [BM, BN] result: SPLIT_OUT: ws[split, offs_m, offs_n] = acc; else
-    out[offs_m, offs_n] = dtype(acc (+ bias)), rows < M and columns < N only."""
+    out[offs_m, offs_n] = dtype(acc (+ bias)), rows < M and columns < N only.
+
+    SPLIT_OUT with REDUCE_IN_KERNEL: after its store, the program counts itself into cnt[tile] (an
+    acq_rel atomic after a CTA barrier, so the counter's release covers every thread's partial); the
+    program that arrives last sums the num_splits partials of its tile (loads that skip L1, which may
+    hold stale lines of the workspace), adds the bias, stores out and puts cnt[tile] back to 0 for
+    the next launch. No second launch."""
     out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]                         # [BM, BN]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_OUT:
         tl.store(ws_ptr + split.to(tl.int64) * M * N + out_offs, acc, mask=out_mask)
+        if REDUCE_IN_KERNEL:
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                for other in range(num_splits):
+                    if other != split:
+                        acc += tl.load(ws_ptr + other * M * N + out_offs, mask=out_mask, other=0.0,
+                                       cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -127,9 +155,10 @@ def _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, M, N, b_ptr, out_ptr, 
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
-                  M, N, K, stride_xm, k_tiles_per_split,
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+                  M, N, K, stride_xm, k_tiles_per_split, num_splits,
                   GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                  REDUCE_IN_KERNEL: tl.constexpr,
                   SCALE_IN_WEIGHT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                   GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -138,7 +167,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
         for m in range(M), n in range(N):
             acc = sum(x[m, k] * (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
                       for k in this program's K slice)                                    # float32
-            if SPLIT_OUT: ws[split, m, n] = acc                   (summed by the reduce launch)
+            if SPLIT_OUT: ws[split, m, n] = acc    (summed by the reduce launch or, REDUCE_IN_KERNEL,
+                                                    by the tile's last slice: ``_store_result``)
             else:         out[m, n] = dtype(acc + (bias[n] if HAS_BIAS else 0))
 
     q[k, n] is nibble k % 8 of qweight[k // 8, n]. Program (pid, split) covers the [BLOCK_M,
@@ -207,7 +237,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
     if GROUP_SIZE == 0:
         acc = acc * s[None, :]
 
-    _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, M, N, b_ptr, out_ptr, ws_ptr, HAS_BIAS, SPLIT_OUT)
+    _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, pid, num_splits, M, N, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+                  HAS_BIAS, SPLIT_OUT, REDUCE_IN_KERNEL)
 
 
 @triton.jit
@@ -234,12 +265,15 @@ def _nibble_minus_zero(words, c8, c12, c16, I: tl.constexpr):
 
 
 @triton.jit
-def _magic_words(packed):
+def _magic_words(packed, exp_bits):
     """``_nibble_minus_zero``'s words of packed int32: (packed << 8, packed, packed >> 12 (logical)), each
-    with the bits of 2^23's exponent (0x4B000000) set; the other bits above 19 are cleared by the nibble's
-    AND, so no mask here (one OR, the shifted words one shift more)."""
+    with the bits of 2^23's exponent (``exp_bits`` = 0x4B000000) set; the other bits above 19 are cleared by
+    the nibble's AND, so no mask here (one OR, the shifted words one shift more).
+    NOTE: ``exp_bits`` is a kernel argument, not a literal: with a constant, LLVM rewrites each nibble's
+    (word | C) & mask into (word & mask) | C, which costs a register move of C and a second LOP3 per
+    nibble in sm_90 SASS instead of one OR per word."""
     hi = (packed.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)
-    return (packed << 8) | 0x4B000000, packed | 0x4B000000, hi | 0x4B000000
+    return (packed << 8) | exp_bits, packed | exp_bits, hi | exp_bits
 
 
 @triton.jit
@@ -290,9 +324,10 @@ def _load_gemv_step(qw_ptr, s_ptr, z_ptr, k0, k_end, N, rows_off, cols, col_ok, 
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
-                       M, N, K, stride_xm, k_steps_per_split,
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+                       M, N, K, stride_xm, k_steps_per_split, num_splits, exp_bits,
                        GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr,
+                       REDUCE_IN_KERNEL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        USE_DOT: tl.constexpr, X_PAIRS: tl.constexpr, MASK_X: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -302,7 +337,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
         for m in range(M), n in range(N):
             acc = sum(x[m, k] * (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
                       for k in this program's K slice)                                    # float32
-            if SPLIT_OUT: ws[split, m, n] = acc                   (summed by the reduce launch)
+            if SPLIT_OUT: ws[split, m, n] = acc    (summed by the reduce launch or, REDUCE_IN_KERNEL,
+                                                    by the tile's last slice: ``_store_result``)
             else:         out[m, n] = dtype(acc + (bias[n] if HAS_BIAS else 0))
 
     The decode GEMV (M <= BLOCK_M <= 16): program (pid, split) owns columns [pid * BLOCK_N, (pid + 1) *
@@ -361,7 +397,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
             packed, s, z = packed_next, s_next, z_next
         packed_next, s_next, z_next = _load_gemv_step(qw_ptr, s_ptr, z_ptr, k0 + BLOCK_K, k_end, N, rows_off,
                                                       cols, col_ok, GROUP_SIZE, SCALE_ROWS)
-        words = _magic_words(packed)
+        words = _magic_words(packed, exp_bits)
         c8, c12, c16 = -(z + 32768.0), -(z + 2048.0), -(z + 128.0)
         x_mask = k0 + x_cols < k_end                                                     # [1, R(, 1)]
         if USE_DOT:
@@ -387,7 +423,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)                                                        # [BM, BN]
 
-    _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, M, N, b_ptr, out_ptr, ws_ptr, HAS_BIAS, SPLIT_OUT)
+    _store_result(acc, offs_m, m_ok, offs_n, n_ok, split, pid_n, num_splits, M, N, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+                  HAS_BIAS, SPLIT_OUT, REDUCE_IN_KERNEL)
 
 
 @triton.jit
@@ -459,13 +496,18 @@ class W4A16Config:
     to x's dtype, as Marlin; one accumulator, for the big GEMM tiles); 0: the product of each group
     is scaled in float32 (a second [block_m, block_n] accumulator). Per-channel weights always
     scale once at the end."""
+    reduce_in_kernel: int = 0
+    """With more than one K slice: 1: the last slice of each output tile to finish sums the float32
+    partials (an int32 arrival counter per tile, one launch); 0: a second launch sums them. Falls back
+    to 0 when the output tiles outnumber ``ARRIVAL_COUNTERS``."""
     form: int = TILES
     """TILES (0), GEMV_FMA (1) or GEMV_DOT (2). A GEMV form with more than GEMV_MAX_ROWS rows runs the
     tiled kernel; GEMV_DOT on groups smaller than MIN_DOT_BLOCK_K inputs runs GEMV_FMA up to
     FMA_FALLBACK_ROWS rows and the tiled kernel (this block_m, block_n, block_k, split_k) above."""
 
     def __post_init__(self) -> None:
-        for name, values in (("scale_in_weight", (0, 1)), ("form", (TILES, GEMV_FMA, GEMV_DOT))):
+        for name, values in (("scale_in_weight", (0, 1)), ("reduce_in_kernel", (0, 1)),
+                             ("form", (TILES, GEMV_FMA, GEMV_DOT))):
             value = getattr(self, name)
             if value not in values or isinstance(value, (bool, float)):
                 raise ValueError(f"W4A16Config.{name}: {value!r} must be one of {values}.")
@@ -512,6 +554,34 @@ per SM keep weight loads in flight. ``benchmarks/sweeps/w4a16_sweep.py`` times t
 them on the GPU."""
 
 
+@dataclass(frozen=True)
+class ShapeDefault:
+    """One row of ``SHAPE_DEFAULTS``: the launch of one weight shape for up to ``max_rows`` token rows."""
+
+    n: int
+    """Output columns N of the weight."""
+    k: int
+    """Inputs K of the weight."""
+    max_rows: int
+    """Serves M <= max_rows (and more than the shape's previous row's max_rows)."""
+    config: W4A16Config
+    """The launch, as timed (split_k included)."""
+
+
+SHAPE_DEFAULTS: tuple[ShapeDefault, ...] = ()
+"""Per-shape launches, one row per (N, K, token-row bucket), consulted before the rules below: the table
+``benchmarks/sweeps/w4a16_sweep.py`` prints (the fastest config of each Llama-3-8B projection at M = 1,
+4, 16, 64 on an H200, group size 128). A shape or M it does not list takes ``DECODE_DEFAULTS`` (M <= 16)
+or the GEMM tilings.
+NOTE: empty until the sweep's table is pasted from a GPU run."""
+
+
+def _shape_default(M: int, N: int, K: int) -> Optional[W4A16Config]:
+    """The ``SHAPE_DEFAULTS`` config of the smallest bucket of (N, K) with M <= max_rows, or None."""
+    rows = [r for r in SHAPE_DEFAULTS if r.n == N and r.k == K and M <= r.max_rows]
+    return min(rows, key=lambda r: r.max_rows).config if rows else None
+
+
 def w4a16_config(M: int, N: int, K: int, device: Optional[torch.device] = None,
                  override: W4A16Override = ()) -> W4A16Config:
     """The default config for x [M, K] @ W [K, N], with ``override`` applied last.
@@ -523,7 +593,8 @@ def w4a16_config(M: int, N: int, K: int, device: Optional[torch.device] = None,
         override: ``W4A16Config`` (field, value) pairs; ValueError for an unknown field or a
             value the config rejects.
 
-    Tilings: M <= GEMV_MAX_ROWS is the decode GEMV (``DECODE_DEFAULTS``: every packed weight read
+    Tilings: a (N, K, M) that ``SHAPE_DEFAULTS`` lists takes its row (on CUDA). Else M <= GEMV_MAX_ROWS
+    is the decode GEMV (``DECODE_DEFAULTS``: every packed weight read
     once, split-K only where the N tiles leave SMs idle). M > 16: GEMM tiles (block_m up to 64,
     then 64x128, then 128x128 with 8 warps above 256 rows) with the scale folded into the weight
     tile (scale_in_weight=1: one accumulator, fewer registers).
@@ -537,6 +608,8 @@ def w4a16_config(M: int, N: int, K: int, device: Optional[torch.device] = None,
         else:
             cfg = W4A16Config(block_m=16, block_n=min(32, max(16, next_power_of_2(N))),
                               block_k=min(64, max(16, next_power_of_2(K))), num_stages=1)
+    elif _shape_default(M, N, K) is not None:
+        cfg = _shape_default(M, N, K)
     elif M <= GEMV_MAX_ROWS:
         row = next(r for r in DECODE_DEFAULTS if M <= r.max_rows)
         sms = num_sms(device) if device is not None else DEFAULT_NUM_SMS
@@ -635,30 +708,68 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     # Sub-tiles of one group each (any size for one group over K); sub_k divides block_k.
     sub_k = min(config.block_k, MAX_SUB_K if per_channel else min(group_size, MAX_SUB_K))
     block_k = min(config.block_k, MAX_SUB_TILES * sub_k)
-    k_tiles_per_split, num_splits, ws = _split_k_slices(cdiv(K, block_k), config.split_k, out)
+    tiles = cdiv(M, config.block_m) * cdiv(N, config.block_n)
+    plan = _plan_splits(cdiv(K, block_k), config, tiles, out)
     dot_dtype, dot_precision = _dot_types(x)
-    grid = (cdiv(M, config.block_m) * cdiv(N, config.block_n), num_splits)
-    _w4a16_kernel[grid](
-        x, qweight, scales, zeros, bias if bias is not None else scales, out, ws,
-        M, N, K, x.stride(0), k_tiles_per_split,
-        GROUP_SIZE=0 if per_channel else group_size, HAS_BIAS=bias is not None, SPLIT_OUT=num_splits > 1,
-        SCALE_IN_WEIGHT=bool(config.scale_in_weight),
+    _w4a16_kernel[(tiles, plan.num_splits)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, plan.ws, plan.counters,
+        M, N, K, x.stride(0), plan.steps_per_split, plan.num_splits,
+        GROUP_SIZE=0 if per_channel else group_size, HAS_BIAS=bias is not None, SPLIT_OUT=plan.num_splits > 1,
+        REDUCE_IN_KERNEL=plan.in_kernel, SCALE_IN_WEIGHT=bool(config.scale_in_weight),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, SUB_K=sub_k, GROUP_M=config.group_m,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    if num_splits > 1:
-        _reduce_splits(ws, bias, out)
+    _finish_splits(plan, bias, out)
     return out
 
 
-def _split_k_slices(k_steps: int, split_k: int, out: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """(K steps per slice, slices, the partials' workspace): at most split_k slices, none empty; the
-    workspace is float32 [slices, M, N] when there are several, else ``out`` itself."""
-    per_split = cdiv(k_steps, split_k)
+@dataclass
+class SplitPlan:
+    """How one launch splits K (``_plan_splits``)."""
+
+    steps_per_split: int
+    """block_k steps per K slice."""
+    num_splits: int
+    """K slices (programs along the grid's second axis), none empty."""
+    ws: torch.Tensor
+    """float32 [num_splits, M, N] partials when num_splits > 1, else ``out`` itself (unused)."""
+    counters: torch.Tensor
+    """int32 arrival counters, all 0 (``_arrival_counters``) with ``in_kernel``, else ``ws`` (unused)."""
+    in_kernel: bool
+    """The kernel reduces the partials itself (else ``_reduce_splits`` runs after it)."""
+
+
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+"""Registry of the zeroed int32 [ARRIVAL_COUNTERS] per (device, stream) of the in-kernel split-K reduction;
+every launch leaves its counters at 0. Per stream, so launches on concurrent streams never share one."""
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """This device's and current stream's counters (allocated once, kept for the process: a CUDA graph
+    that captured a launch holds their address)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)   # [ARRIVAL_COUNTERS]
+    return _COUNTERS[key]
+
+
+def _plan_splits(k_steps: int, config: W4A16Config, tiles: int, out: torch.Tensor) -> SplitPlan:
+    """At most config.split_k K slices of k_steps, none empty; their workspace; the in-kernel reduction
+    when config.reduce_in_kernel asks for it and the ``tiles`` output tiles fit ``ARRIVAL_COUNTERS``."""
+    per_split = cdiv(k_steps, config.split_k)
     num_splits = cdiv(k_steps, per_split)
-    ws = (torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device)      # [splits, M, N]
-          if num_splits > 1 else out)
-    return per_split, num_splits, ws
+    if num_splits == 1:
+        return SplitPlan(per_split, 1, out, out, False)
+    ws = torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device)        # [splits, M, N]
+    in_kernel = bool(config.reduce_in_kernel) and tiles <= ARRIVAL_COUNTERS
+    return SplitPlan(per_split, num_splits, ws, _arrival_counters(out.device) if in_kernel else ws, in_kernel)
+
+
+def _finish_splits(plan: SplitPlan, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """The second launch of a split-K call that the kernel did not reduce."""
+    if plan.num_splits > 1 and not plan.in_kernel:
+        _reduce_splits(plan.ws, bias, out)
 
 
 def _dot_types(x: torch.Tensor):
@@ -690,19 +801,19 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         block_k = min(block_k, group_size)        # one group per step: the scale applies to the dot's product
     if use_dot and block_k < MIN_DOT_BLOCK_K:
         use_dot, block_k = False, config.block_k
-    k_steps_per_split, num_splits, ws = _split_k_slices(cdiv(K, block_k), config.split_k, out)
+    tiles = cdiv(N, config.block_n)
+    plan = _plan_splits(cdiv(K, block_k), config, tiles, out)
     dot_dtype, dot_precision = _dot_types(x)
     x_pairs = (not use_dot and x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0)
-    _w4a16_gemv_kernel[(cdiv(N, config.block_n), num_splits)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, out, ws,
-        M, N, K, x.stride(0), k_steps_per_split,
-        GROUP_SIZE=0 if per_channel else group_size, HAS_BIAS=bias is not None, SPLIT_OUT=num_splits > 1,
-        BLOCK_M=max(16, next_power_of_2(M)) if use_dot else next_power_of_2(M), BLOCK_N=config.block_n,
+    _w4a16_gemv_kernel[(tiles, plan.num_splits)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, plan.ws, plan.counters,
+        M, N, K, x.stride(0), plan.steps_per_split, plan.num_splits, MAGIC_EXP_BITS,
+        GROUP_SIZE=0 if per_channel else group_size, HAS_BIAS=bias is not None, SPLIT_OUT=plan.num_splits > 1,
+        REDUCE_IN_KERNEL=plan.in_kernel, BLOCK_M=max(16, next_power_of_2(M)) if use_dot else next_power_of_2(M), BLOCK_N=config.block_n,
         BLOCK_K=block_k, USE_DOT=use_dot, X_PAIRS=x_pairs, MASK_X=K % block_k != 0,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    if num_splits > 1:
-        _reduce_splits(ws, bias, out)
+    _finish_splits(plan, bias, out)
 
 
 # ----------------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.w4a16 import (DECODE_DEFAULTS, GEMV_DOT, GEMV_FMA, GEMV_MAX_ROWS, MAX_SUB_TILES, TILES, W4A16Config,
-                           dequantize_w4, pack_int4_along_k, unpack_int4_along_k, w4a16_config, w4a16_matmul,
-                           w4a16_matmul_ref)
+import kernels.w4a16 as w4a16_module
+from kernels.w4a16 import (DECODE_DEFAULTS, GEMV_DOT, GEMV_FMA, GEMV_MAX_ROWS, MAX_SUB_TILES, TILES, ShapeDefault,
+                           W4A16Config, dequantize_w4, pack_int4_along_k, unpack_int4_along_k, w4a16_config,
+                           w4a16_matmul, w4a16_matmul_ref)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -123,6 +124,80 @@ def test_gemv_strided_rows_and_fractional_zeros(zeros):
     case.x = x
     for form in (GEMV_FMA, GEMV_DOT):
         _check(case, W4A16Config(form=form, block_n=16, block_k=64, num_stages=1), torch.bfloat16)
+
+
+# (form, block_n, block_k, split_k, reduce_in_kernel, num_warps, num_stages): every launch knob of the GEMV.
+GEMV_KNOBS = [(GEMV_FMA, 16, 64, 1, 0, 4, 1), (GEMV_FMA, 32, 128, 2, 0, 2, 1), (GEMV_FMA, 16, 64, 4, 1, 4, 2),
+              (GEMV_FMA, 64, 256, 2, 1, 8, 1), (GEMV_DOT, 16, 128, 1, 0, 4, 1), (GEMV_DOT, 32, 128, 2, 1, 4, 2),
+              (GEMV_DOT, 16, 256, 4, 0, 8, 1)]
+
+
+@pytest.mark.parametrize("group_size,zeros", GEMV_GROUPS)
+@pytest.mark.parametrize("form,block_n,block_k,split_k,reduce_in_kernel,num_warps,num_stages", GEMV_KNOBS)
+def test_gemv_launch_knobs(form, block_n, block_k, split_k, reduce_in_kernel, num_warps, num_stages, group_size,
+                           zeros):
+    """Every GEMV knob against the twin: 3 rows (2 with the FMA form's wide tile), N = 45 (a tail of every
+    block_n), K = 512 (per-channel: 520, a K tail), bias; split-K reduced by the second launch or in the
+    kernel; groups 32 / 64 / 128 / per-channel, symmetric and asymmetric zero points."""
+    k = 520 if group_size == 0 else 512
+    m = 2 if block_k == 256 and form == GEMV_FMA else 3
+    case = _case(m, 45, k, group_size or k, torch.bfloat16, bias=True, zeros=zeros)
+    config = W4A16Config(form=form, block_n=block_n, block_k=block_k, split_k=split_k,
+                         reduce_in_kernel=reduce_in_kernel, num_warps=num_warps, num_stages=num_stages)
+    _check(case, config, torch.bfloat16)
+
+
+def _count_reduce_launches(monkeypatch) -> list:
+    calls = []
+    real = w4a16_module._reduce_splits
+    monkeypatch.setattr(w4a16_module, "_reduce_splits", lambda *a: (calls.append(1), real(*a)))
+    return calls
+
+
+@pytest.mark.parametrize("group_size", [32, 128, 0])
+@pytest.mark.parametrize("form", [GEMV_FMA, GEMV_DOT, TILES])
+def test_reduce_in_kernel(monkeypatch, form, group_size):
+    """reduce_in_kernel=1: no second launch, the same result as the twin, every arrival counter back at 0
+    (a second call reuses them); 5 rows (20 for the tiled kernel: 2 M tiles x 3 N tiles), 4 K slices."""
+    calls = _count_reduce_launches(monkeypatch)
+    m = 20 if form == TILES else 5
+    case = _case(m, 40, 1024, group_size or 1024, torch.bfloat16, bias=True, zeros="asym")
+    config = W4A16Config(form=form, block_m=16, block_n=16, block_k=128, split_k=4, reduce_in_kernel=1,
+                         num_stages=1)
+    for _ in range(2):
+        _check(case, config, torch.bfloat16)
+    assert not calls
+    assert all(int(c.abs().sum()) == 0 for c in w4a16_module._COUNTERS.values())
+
+
+def test_reduce_in_kernel_falls_back_past_the_counters(monkeypatch):
+    """More output tiles than ARRIVAL_COUNTERS: the second launch reduces (same result)."""
+    calls = _count_reduce_launches(monkeypatch)
+    monkeypatch.setattr(w4a16_module, "ARRIVAL_COUNTERS", 2)
+    case = _case(2, 48, 512, 64, torch.float32, bias=True, zeros="asym")                # 3 tiles of 16
+    _check(case, W4A16Config(form=GEMV_FMA, block_n=16, block_k=64, split_k=2, reduce_in_kernel=1,
+                             num_stages=1), torch.float32)
+    assert len(calls) == 1
+
+
+def test_act_order_permuted_inputs():
+    """Act order (g_idx): the layer's scheme, permute the inputs so that each group is contiguous (q's
+    rows and x's columns alike), runs the GEMV and the tiled kernel to x @ W of the original order."""
+    g = torch.Generator().manual_seed(5)
+    k, n, group = 256, 24, 64
+    g_idx = torch.randperm(k, generator=g) // group                                     # [K] group of each input
+    q = torch.randint(0, 16, (k, n), generator=g)                                       # [K, N]
+    scales = (0.5 + torch.rand(k // group, n, generator=g)) / (4.6 * k ** 0.5)           # [K // G, N]
+    zeros = torch.randint(0, 16, (k // group, n), generator=g).float()
+    w = (q.float() - zeros[g_idx]) * scales[g_idx]                                       # [K, N]
+    order = torch.argsort(g_idx, stable=True)
+    qweight = pack_int4_along_k(q[order]).to(DEVICE)
+    for m, config in [(3, W4A16Config(form=GEMV_FMA, block_n=16, block_k=64, num_stages=1)),
+                      (20, W4A16Config(block_m=16, block_n=16, block_k=64, num_stages=1))]:
+        x = torch.randn(m, k, generator=g)                                               # [M, K]
+        out = w4a16_matmul(x[:, order].contiguous().to(DEVICE), qweight, scales.to(DEVICE), zeros.to(DEVICE),
+                           group, config=config)
+        torch.testing.assert_close(out.cpu(), x @ w, rtol=1e-4, atol=1e-4)
 
 
 def test_gemv_form_above_16_rows_runs_tiles():
@@ -239,6 +314,41 @@ def test_default_configs():
     assert cpu.num_stages == 1 and cpu.form == GEMV_FMA
 
 
+def test_shape_defaults_table(monkeypatch):
+    """SHAPE_DEFAULTS rows win for their (N, K) and the smallest bucket holding M; other shapes and M past
+    the largest bucket take the rules; overrides apply on top; the interpreter keeps its tiles."""
+    tuned = [ShapeDefault(4096, 4096, 1, W4A16Config(form=GEMV_FMA, block_n=32, block_k=512, split_k=2)),
+             ShapeDefault(4096, 4096, 16, W4A16Config(form=GEMV_DOT, block_n=128, reduce_in_kernel=1)),
+             ShapeDefault(4096, 4096, 64, W4A16Config(block_m=64, block_n=128, split_k=4, reduce_in_kernel=1))]
+    monkeypatch.setattr(w4a16_module, "SHAPE_DEFAULTS", tuple(reversed(tuned)))
+    assert w4a16_config(1, 4096, 4096) == tuned[0].config
+    assert w4a16_config(2, 4096, 4096) == w4a16_config(16, 4096, 4096) == tuned[1].config
+    assert w4a16_config(17, 4096, 4096) == tuned[2].config
+    assert w4a16_config(65, 4096, 4096).split_k == 1                                # past the buckets: rules
+    assert w4a16_config(1, 6144, 4096).block_k == DECODE_DEFAULTS[0].config.block_k
+    assert w4a16_config(1, 4096, 4096, override=(("num_warps", 8),)).num_warps == 8
+    assert w4a16_config(1, 4096, 4096, device=torch.device("cpu")).block_k != 512
+
+
+def test_sweep_grid_is_bounded():
+    """The H200 sweep's grid (benchmarks/sweeps/w4a16_sweep.py) at its default shapes and M: valid configs,
+    both reductions for every split, and few enough launches to compile and time in one run."""
+    import dataclasses as dc
+
+    from benchmarks.sweeps.w4a16_sweep import SHAPES, candidate_configs
+
+    total, launches = 0, set()
+    for m in (1, 4, 16, 64):
+        for n, k in SHAPES.values():
+            configs = candidate_configs(m, n, k, 128)
+            assert configs and all(isinstance(c, W4A16Config) for c in configs)
+            splits = [c for c in configs if c.split_k > 1]
+            assert sum(c.reduce_in_kernel for c in splits) * 2 == len(splits)
+            total += len(configs)
+            launches |= {(m, dc.replace(c, split_k=min(c.split_k, 2))) for c in configs}
+    assert total <= 800 and len(launches) <= 120, (total, len(launches))
+
+
 def test_config_override_and_checks():
     cfg = w4a16_config(1, 4096, 4096, override=(("block_n", 64), ("split_k", 2)))
     assert (cfg.block_n, cfg.split_k) == (64, 2)
@@ -322,3 +432,39 @@ def test_gpu_gemv_forms(n, k, group_size, m, form):
     case = _case(m, n, k, g, torch.bfloat16, bias=(n == 6144), zeros="asym")
     for split in (1, 4):
         _check(case, W4A16Config(form=form, block_n=64, block_k=128, split_k=split, num_stages=1), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------
+# Compiled for Hopper on any machine (the interpreter does not type-check what the compiler does)
+# ----------------------------------------------------------------------------------------
+_COMPILE_SCRIPT = """
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile
+from kernels.w4a16 import _w4a16_gemv_kernel, _w4a16_kernel
+
+common = dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16",
+              ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32")
+flags = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_OUT=True, REDUCE_IN_KERNEL=True, BLOCK_N=64, BLOCK_K=128,
+             DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32")
+cases = [(_w4a16_gemv_kernel, dict(k_steps_per_split="i32", num_splits="i32", exp_bits="i32"),
+          dict(BLOCK_M=use_dot and 16 or 2, USE_DOT=use_dot, X_PAIRS=not use_dot, MASK_X=False))
+         for use_dot in (False, True)]
+cases.append((_w4a16_kernel, dict(k_tiles_per_split="i32", num_splits="i32"),
+              dict(BLOCK_M=64, SUB_K=128, GROUP_M=8, SCALE_IN_WEIGHT=True)))
+for fn, signature, consts in cases:
+    consts = {**flags, **consts}
+    source = ASTSource(fn=fn, signature={**common, **signature, **{k: "constexpr" for k in consts}},
+                       constexprs=consts)
+    compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    assert compiled.asm["cubin"], fn
+    print("compiled", fn.__name__)
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """The GEMV (both forms) and the tiled kernel, with split-K reduced in the kernel and a bias, compile
+    to sm_90 cubins through Triton's bundled ptxas with no GPU."""
+    from tests.kernels.compile_sm90 import run_compile_script
+
+    assert run_compile_script(_COMPILE_SCRIPT, tmp_path).count("compiled") == 3

@@ -10,8 +10,8 @@ Per projection shape (Llama-3-8B: qkv 6144x4096, o 4096x4096, gate_up 28672x4096
 N x K), group size (--group-sizes; 0 = per-channel) and token count M (--ms), timed: ``F.linear`` on
 the bf16 weight (cuBLAS), ``w4a16_matmul`` with its default config and with every candidate
 ``W4A16Config`` (``candidate_configs``): up to 16 rows the decode GEMV tiles (``FMA_TILES`` up to
-``FMA_MAX_ROWS`` rows, ``DOT_TILES`` from ``DOT_MIN_ROWS``) and from 5 rows the tiled kernel at
-block_m 16 (``GEMM_TILES``); above 16 rows the GEMM tiles. Each tile runs at split_k 1, 2, 4, 8 (while
+``FMA_MAX_ROWS`` rows; ``DOT_TILES`` from ``DOT_MIN_ROWS``, one of them below) and from 5 rows the
+tiled kernel at block_m 16 (``GEMM_TILES``); above 16 rows the GEMM tiles. Each tile runs at split_k 1, 2, 4, 8 (while
 every K slice keeps >= 2 steps and the programs stay <= 8 per SM), every split with both reductions
 (a second launch, or ``reduce_in_kernel``). Each case is timed from a CUDA graph of --calls
 back-to-back calls that cycle through distinct weight copies totalling > 2x the L2, so weights come
@@ -64,23 +64,24 @@ TINY_DEFAULT_SHAPES = ("o", "down")
 """``--tiny``'s shapes unless --shapes names others (a column tail; 2 and 4 groups of 128 per column)."""
 
 FMA_MAX_ROWS = 4
-"""Most rows the grid tries the FMA form at (its cost grows with every row: ~5 instructions a weight at
-one row in sm_90 SASS, ~10 at four)."""
+"""Most rows the grid tries the FMA form at (its cost grows with every row)."""
 
 DOT_MIN_ROWS = 4
-"""Fewest rows the grid tries the tl.dot form at (~6 instructions a weight at any M <= 16)."""
+"""Fewest rows the grid tries every tl.dot tile at (below it, the first one only, as a control)."""
 
-FMA_TILES = [(32, 256, 4, 1), (64, 128, 4, 1), (64, 256, 4, 1), (64, 256, 8, 1), (32, 512, 8, 1),
-             (16, 512, 4, 1), (128, 128, 4, 1)]
-"""(block_n, block_k, num_warps, num_stages) of the FMA form. The narrow wide-K tiles (16-32 columns,
-512 inputs a step over several groups) give more programs without split-K; 64 x 128-256 is the
-FMA form's register sweet spot; 128 columns halves the programs."""
+FMA_TILES = [(64, 128, 4, 1), (64, 256, 8, 1), (64, 256, 4, 1), (32, 256, 4, 1), (32, 512, 8, 1),
+             (16, 512, 4, 1)]
+"""(block_n, block_k, num_warps, num_stages) of the FMA form at one row. sm_90 SASS of the K loop, at one
+row: 5.0 instructions a weight for 64 x 128 with 4 warps, 5.1 for each of the others (the narrow
+wide-K tiles give more programs without split-K); 128 x 128 with 4 warps takes 7.8 (left out)."""
 
-FMA_TILES_MULTI_ROW = [(32, 256, 4, 1), (64, 128, 4, 1), (32, 512, 8, 1)]
-"""The FMA tiles tried at 2..FMA_MAX_ROWS rows (registers grow with each row)."""
+FMA_TILES_MULTI_ROW = [(64, 128, 4, 1), (64, 256, 8, 1)]
+"""The FMA tiles tried at 2..FMA_MAX_ROWS rows: at four rows 9.7 and 9.3 instructions a weight (32 x 256
+and 32 x 512: 13.2)."""
 
-DOT_TILES = [(32, 128, 4, 1), (64, 128, 4, 1), (64, 128, 4, 2), (128, 128, 4, 1), (128, 128, 8, 1)]
-"""(block_n, block_k, num_warps, num_stages) of the tl.dot form (block_k clipped to the group)."""
+DOT_TILES = [(64, 128, 4, 1), (64, 128, 4, 2), (128, 128, 8, 1), (64, 128, 8, 1)]
+"""(block_n, block_k, num_warps, num_stages) of the tl.dot form (block_k clipped to the group): 6.0, 6.0,
+5.7 and 7.0 instructions a weight at any row count (128 x 128 with 4 warps: 7.9, 32 x 128: 8.2, left out)."""
 
 GEMM_TILES = [(16, 64, 128, 4, 4, 1), (16, 128, 128, 4, 3, 1), (32, 64, 128, 4, 4, 1), (64, 64, 128, 4, 4, 1),
               (64, 128, 64, 4, 4, 1), (64, 128, 128, 4, 3, 1), (64, 64, 64, 4, 3, 0), (128, 128, 64, 8, 3, 1)]
@@ -131,8 +132,8 @@ def candidate_configs(m: int, n: int, k: int, group_size: int, tiny: bool = Fals
             for bn, bk, nw, ns in FMA_TILES if m == 1 else FMA_TILES_MULTI_ROW:
                 base = dict(form=GEMV_FMA, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
                 grid += _with_splits(base, n, k, bk, sms)
-        if m >= DOT_MIN_ROWS and (group_size >= 128 or group_size == k):
-            for bn, bk, nw, ns in DOT_TILES:
+        if group_size >= 128 or group_size == k:
+            for bn, bk, nw, ns in DOT_TILES if m >= DOT_MIN_ROWS else DOT_TILES[:1]:
                 base = dict(form=GEMV_DOT, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
                 grid += _with_splits(base, n, k, min(bk, group_size), sms)
     if m > FMA_MAX_ROWS:

@@ -430,8 +430,27 @@ def test_gpu_gemv_forms(n, k, group_size, m, form):
     """Both GEMV forms at Llama-3-8B sizes, split 4 (and 1 for the default), per-channel and G 64."""
     g = group_size or k
     case = _case(m, n, k, g, torch.bfloat16, bias=(n == 6144), zeros="asym")
-    for split in (1, 4):
-        _check(case, W4A16Config(form=form, block_n=64, block_k=128, split_k=split, num_stages=1), torch.bfloat16)
+    for split, reduce_in_kernel in ((1, 0), (4, 0), (4, 1)):
+        _check(case, W4A16Config(form=form, block_n=64, block_k=128, split_k=split, reduce_in_kernel=reduce_in_kernel,
+                                 num_stages=1), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", [GEMV_FMA, GEMV_DOT, TILES])
+def test_gpu_reduce_in_kernel_repeated(form):
+    """The in-kernel split-K reduction 30 times back to back at o_proj's size (64 column tiles x 8 slices
+    racing for each counter): every output matches the twin and the counters end at 0."""
+    m = 64 if form == TILES else 4
+    case = _case(m, 4096, 4096, 128, torch.bfloat16, bias=False, zeros="asym")
+    config = W4A16Config(form=form, block_m=64, block_n=64, block_k=128, split_k=8, reduce_in_kernel=1,
+                         num_stages=1 if form != TILES else 3, scale_in_weight=1)
+    ref = w4a16_matmul_ref(*case.args()).float()
+    outs = [w4a16_matmul(*case.args(), config=config) for _ in range(30)]
+    for out in outs:
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in w4a16_module._COUNTERS.values())
 
 
 # ----------------------------------------------------------------------------------------

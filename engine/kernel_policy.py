@@ -41,7 +41,7 @@ class KernelPolicy:
     (cuBLAS and separate kernels). 0-16."""
     gemv: Overrides = ()
     """``kernels.gemv.GemvConfig`` field overrides (block_n, block_k, num_warps, num_stages, use_dot,
-    reduce_once, fp8_math)."""
+    reduce_once, fp8_math, swap_ab)."""
     fp8_decode_gemv: bool = True
     """FP8 projections (``engine.layers.fp8.Fp8Weight``) take those GEMV launches too, reading their
     e4m3 weight; off: their decode steps run the W8A8 Triton GEMM of larger steps. How the GEMV meets

@@ -214,7 +214,7 @@ def _accumulate_tile(acc, a, w, a_mul, ws_rows, k0, n_ok, DTYPE: tl.constexpr, B
                      BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      W_FP8: tl.constexpr, SCALE_BK: tl.constexpr, USE_DOT: tl.constexpr,
                      REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     FP8_MATH: tl.constexpr):
+                     FP8_MATH: tl.constexpr, SWAP_AB: tl.constexpr):
     """``_accumulate`` of one K chunk whose weight tile w [BLOCK_N, BLOCK_K] is in DTYPE or, with
     W_FP8, e4m3 (converted to DTYPE for tl.dot, to float32 by the elementwise forms; exact). With
     block scales (SCALE_BK > 0; the chunk lies in one SCALE_BK-wide block), ws_rows [BLOCK_N]
@@ -222,8 +222,20 @@ def _accumulate_tile(acc, a, w, a_mul, ws_rows, k0, n_ok, DTYPE: tl.constexpr, B
     block, or with REDUCE_ONCE the float32 weight tile is (float(w) * s: the dequantized weight).
     FP8_MATH > 0 (W_FP8): ``_accumulate_fp8`` with the rows' multipliers a_mul [BLOCK_MA] instead."""
     if FP8_MATH > 0:
-        return _accumulate_fp8(acc, a, w, a_mul, ws_rows, k0, n_ok, BLOCK_M, BLOCK_MA, BLOCK_K, SCALE_BK,
-                               FP8_MATH, UPCAST)
+        acc = _accumulate_fp8(acc, a, w, a_mul, ws_rows, k0, n_ok, BLOCK_M, BLOCK_MA, BLOCK_K, SCALE_BK,
+                              FP8_MATH, UPCAST, SWAP_AB)
+    else:
+        acc = _accumulate_widened(acc, a, w, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
+                                  W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _accumulate_widened(acc, a, w, ws_rows, k0, n_ok, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        W_FP8: tl.constexpr, SCALE_BK: tl.constexpr, USE_DOT: tl.constexpr,
+                        REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``_accumulate_tile`` for FP8_MATH == WIDEN (and float weights)."""
     if W_FP8:
         if USE_DOT:
             w = w.to(DTYPE)
@@ -272,16 +284,18 @@ def _row_multipliers(amax, FP8_MATH: tl.constexpr):
 def _repeat_rows(v, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr):
     """[BLOCK_MA] -> [BLOCK_M]: entry r is v[r % BLOCK_MA] (the row copies tl.dot's 16 rows carry)."""
     if BLOCK_MA < BLOCK_M:
-        return tl.reshape(tl.broadcast_to(v[None, :], [BLOCK_M // BLOCK_MA, BLOCK_MA]), [BLOCK_M])
+        v = tl.reshape(tl.broadcast_to(v[None, :], [BLOCK_M // BLOCK_MA, BLOCK_MA]), [BLOCK_M])
     return v
 
 
 @triton.jit
 def _accumulate_fp8(acc, a, w, a_mul, ws_rows, k0, n_ok, BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr,
                     BLOCK_K: tl.constexpr, SCALE_BK: tl.constexpr, FP8_MATH: tl.constexpr,
-                    SOFT_ROUND: tl.constexpr):
+                    SOFT_ROUND: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] += q @ w.T (float32) for one K chunk of an e4m3 weight tile w [BLOCK_N, BLOCK_K]
-    without widening it to the activations' dtype:
+    without widening it to the activations' dtype; with SWAP_AB acc is [BLOCK_N, BLOCK_M] and gets w @ q.T
+    (the weight rows as the MMA's M: with BLOCK_N >= 64 on 4 warps Triton lowers it to Hopper's wgmma,
+    e4m3 x e4m3 for E4M3_DOT; the unswapped e4m3 dot with 16 rows runs as float16 mma.sync):
 
         E4M3_DOT:   q = e4m3(clamp(a * a_mul, -448, 448)), the e4m3 x e4m3 tl.dot (Hopper's FP8 MMA)
         F16_WIDEN:  q = float16(a * a_mul), w widened to float16 (one packed cvt per two values), float16 tl.dot
@@ -298,7 +312,13 @@ def _accumulate_fp8(acc, a, w, a_mul, ws_rows, k0, n_ok, BLOCK_M: tl.constexpr, 
         wq = w.to(tl.float16)
     if BLOCK_MA < BLOCK_M:
         q = tl.reshape(tl.broadcast_to(q[None, :, :], [BLOCK_M // BLOCK_MA, BLOCK_MA, BLOCK_K]), [BLOCK_M, BLOCK_K])
-    if SCALE_BK > 0:
+    if SWAP_AB:
+        if SCALE_BK > 0:
+            s = tl.load(ws_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)                  # [BLOCK_N]
+            acc += tl.dot(wq, tl.trans(q), out_dtype=tl.float32) * s[:, None]
+        else:
+            acc = tl.dot(wq, tl.trans(q), acc, out_dtype=tl.float32)
+    elif SCALE_BK > 0:
         s = tl.load(ws_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)                      # [BLOCK_N]
         acc += tl.dot(q, tl.trans(wq), out_dtype=tl.float32) * s[None, :]
     else:
@@ -331,7 +351,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
                  W_FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_MA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_KS: tl.constexpr, USE_DOT: tl.constexpr, REDUCE_ONCE: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, FP8_MATH: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, FP8_MATH: tl.constexpr, SWAP_AB: tl.constexpr):
     """Semantics (dtype = out's dtype = x's dtype; float32 math unless rounded by dtype(.)):
 
         for t in range(M):
@@ -356,6 +376,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
         F16_WIDEN:  u_t = 2^(14 - exponent(amax_t));  out[t] = dtype((float16(a * u_t) @ W.T) / u_t + b)
 
     (W's scales as above, applied to the float32 accumulator; the row factor multiplies it at the end).
+    SWAP_AB (FP8_MATH > 0 only) accumulates the transposed product, weight rows first (``_accumulate_fp8``).
 
     Program p covers columns [p * BLOCK_N, (p + 1) * BLOCK_N) of all M rows over all of K.
     w: [N, K] contiguous; x / residual rows at strides stride_x / stride_r (last dim stride 1);
@@ -418,6 +439,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
 
     if REDUCE_ONCE:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)                            # transposed
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PROLOGUE == 0:
@@ -428,7 +451,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
             a = tl.load(x_ptr + rows_a[:, None] * stride_x + offs_k[None, :], mask=ma_ok[:, None] & k_ok[None, :],
                         other=0.0)                                                     # [BMA, BK]
             acc = _accumulate_tile(acc, a, w, a_mul, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
-                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION, FP8_MATH)
+                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION, FP8_MATH,
+                                   SWAP_AB)
     else:
         p, q, nw = _load_inputs(x_ptr, r_ptr, nw_ptr, rows_a, ma_ok, 0, K, stride_x, stride_r,
                                 BLOCK_K, PROLOGUE, HAS_RESIDUAL)
@@ -439,10 +463,13 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, res_out_pt
                                                    stride_x, stride_r, BLOCK_K, PROLOGUE, HAS_RESIDUAL)
             a = _build_input(p, q, nw, rstd, DTYPE, PROLOGUE, HAS_RESIDUAL)               # [BMA, BK]
             acc = _accumulate_tile(acc, a, w, a_mul, ws_rows, k0, n_ok, DTYPE, BLOCK_M, BLOCK_MA, BLOCK_N, BLOCK_K,
-                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION, FP8_MATH)
+                                   W_FP8, SCALE_BK, USE_DOT, REDUCE_ONCE, UPCAST, DOT_PRECISION, FP8_MATH,
+                                   SWAP_AB)
             p, q, nw = p_next, q_next, nw_next
     if REDUCE_ONCE:
         acc = tl.sum(acc, axis=2)                                                       # [BLOCK_M, BLOCK_N]
+    if SWAP_AB:
+        acc = tl.trans(acc)                                                             # [BLOCK_M, BLOCK_N]
     if W_FP8:
         if SCALE_BK == 0:
             acc *= tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -490,6 +517,10 @@ class GemvConfig:
     per-row scale and runs the e4m3 x e4m3 tl.dot; ``F16_WIDEN`` (2) widens it to float16 and runs a
     float16 tl.dot on the rows pre-scaled by a power of two (float32 activations: WIDEN instead). 1 and
     2 always take tl.dot (use_dot and reduce_once are ignored)."""
+    swap_ab: int = 0
+    """fp8_math 1 and 2 only: 1 runs the dot as weight tile @ rows.T (the weight rows as the MMA's M),
+    which with block_n >= 64 on 4 warps compiles for sm_90 to wgmma (e4m3 x e4m3 under E4M3_DOT); 0 as
+    rows @ weight tile.T, which compiles to mma.sync (the e4m3 dot as float16 MMAs)."""
 
     def __post_init__(self) -> None:
         if self.use_dot not in (0, 1) or isinstance(self.use_dot, float):
@@ -498,6 +529,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.reduce_once: {self.reduce_once!r} must be 0 or 1.")
         if self.fp8_math not in (WIDEN, E4M3_DOT, F16_WIDEN) or isinstance(self.fp8_math, (bool, float)):
             raise ValueError(f"GemvConfig.fp8_math: {self.fp8_math!r} must be 0 (widen), 1 (e4m3 dot) or 2 (f16 widen).")
+        if self.swap_ab not in (0, 1) or isinstance(self.swap_ab, float):
+            raise ValueError(f"GemvConfig.swap_ab: {self.swap_ab!r} must be 0 or 1.")
         _check_pow2("block_n", self.block_n, 16 if self.use_dot or self.fp8_math else 1, 1024)
         _check_pow2("block_k", self.block_k, 16, 4096)
         _check_pow2("num_warps", self.num_warps, 1, 16)
@@ -582,7 +615,7 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(GemvConfig)})
         if unknown:
             raise ValueError(f"GEMV config override: unknown field(s) {unknown}; use block_n, block_k, "
-                             f"num_warps, num_stages, use_dot, reduce_once, fp8_math.")
+                             f"num_warps, num_stages, use_dot, reduce_once, fp8_math, swap_ab.")
         cfg = dataclasses.replace(cfg, **fields)
     if scale_block_k is not None and scale_block_k % cfg.block_k:
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, scale_block_k & -scale_block_k))
@@ -668,6 +701,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         BLOCK_M=block_m, BLOCK_MA=block_ma, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_KS=block_ks,
         USE_DOT=bool(config.use_dot), REDUCE_ONCE=bool(config.reduce_once and not config.use_dot), UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32", FP8_MATH=config.fp8_math,
+        SWAP_AB=bool(config.fp8_math and config.swap_ab),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -31,7 +31,8 @@ Llama-3-8B and -70B decode projections at M 1, 2, 4 (unless --shapes / --ms say 
 GEMM with its activation quantization (``pc_triton``, tile grid), then per math (``widen``: e4m3 widened
 to bf16, the engine's default; ``e4m3``: rows rounded to e4m3 in the kernel, FP8 MMA; ``f16``: e4m3
 widened to float16, rows pre-scaled by a power of two) the plain GEMV on per-channel and 128x128 block
-scales with its own tile grid, and the fused prologue (default tiles and the plain GEMV's best). Only
+scales with its own tile grid (e4m3 / f16: also ``swap_ab`` tiles, the weight rows as the MMA's M, which
+compile to wgmma), and the fused prologue (default tiles and the plain GEMV's best). Only
 those paths run; a table prints the best of each per shape and M, its time over the bytes floor, and
 the fastest path:
     python benchmarks/sweeps/fp8_sweep.py --maths --out benchmarks/out/fp8_gemv_maths.json
@@ -89,16 +90,20 @@ def gemv_candidates(m: int, block_scales: bool, fp8_math: int = 0) -> list:
     (block_n, block_k, num_warps, num_stages), the latter pruned to <= 128 float32 partial sums
     per thread. An e4m3 tile is half a bf16 tile's bytes, so block_k wider than the bf16 defaults
     are in; block scales cap block_k at the 128-wide block. fp8_math E4M3_DOT / F16_WIDEN: tl.dot
-    tiles only (their one form), wider ones too (less widening per byte leaves room)."""
+    tiles only (their one form), unswapped and swapped (``GemvConfig.swap_ab``)."""
     from kernels.gemv import GemvConfig
 
     if fp8_math:
+        # (block_n, block_k, num_warps, num_stages, swap_ab): swap_ab 1 with block_n >= 64 on 4 warps is
+        # Hopper's wgmma (block_n rows per program: fewer programs), 0 mma.sync.
         if block_scales:
-            dot = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (16, 128, 4, 4)]
+            dot = [(32, 128, 4, 4, 0), (64, 128, 4, 4, 0), (128, 128, 8, 4, 0), (16, 128, 4, 4, 0),
+                   (64, 128, 4, 4, 1), (64, 128, 4, 6, 1), (128, 128, 4, 4, 1)]
         else:
-            dot = [(32, 512, 4, 3), (64, 256, 4, 3), (32, 1024, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3),
-                   (16, 1024, 4, 4)]
-        return [GemvConfig(bn, bk, nw, ns, use_dot=1, fp8_math=fp8_math) for bn, bk, nw, ns in dot]
+            dot = [(32, 512, 4, 3, 0), (64, 256, 4, 3, 0), (32, 1024, 4, 3, 0), (128, 256, 8, 3, 0),
+                   (16, 1024, 4, 4, 0), (64, 256, 4, 3, 1), (64, 512, 4, 3, 1), (64, 128, 4, 6, 1),
+                   (128, 256, 4, 3, 1), (128, 128, 4, 4, 1)]
+        return [GemvConfig(bn, bk, nw, ns, use_dot=1, fp8_math=fp8_math, swap_ab=sw) for bn, bk, nw, ns, sw in dot]
     if block_scales:
         dot = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4)]
         once = [(32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (16, 128, 2, 3)]

@@ -47,16 +47,17 @@ def _config(math: int, scale_block, **kw) -> GemvConfig:
 
 
 @pytest.mark.parametrize("scales", ["channel", "block"])
-@pytest.mark.parametrize("m,dtype", [(1, torch.bfloat16), (2, torch.float16), (5, torch.bfloat16),
-                                     (16, torch.bfloat16)])
+@pytest.mark.parametrize("m,dtype,swap_ab", [(1, torch.bfloat16, 0), (2, torch.float16, 1), (5, torch.bfloat16, 1),
+                                             (16, torch.bfloat16, 0)])
 @pytest.mark.parametrize("math", list(MATHS))
 @pytest.mark.parametrize("prologue", PROLOGUES)
-def test_fp8_math_matches_twin(prologue, math, m, dtype, scales):
+def test_fp8_math_matches_twin(prologue, math, m, dtype, swap_ab, scales):
     """The kernel equals its twin within the output dtype's rounding; the twin stays within the rows'
-    rounding of the widened product (e4m3: what W8A8 accepts; float16: a few output ulps)."""
+    rounding of the widened product (e4m3: what W8A8 accepts; float16: a few output ulps). swap_ab: the
+    transposed accumulation (weight rows first)."""
     scale_block = None if scales == "channel" else (16, 64)
     args, fp8 = _fp8_case(prologue, m, 37, 201, dtype, scale_block)
-    config = _config(MATHS[math], scale_block)
+    config = _config(MATHS[math], scale_block, swap_ab=swap_ab)
     out, res, ref_out, ref_res = _run_fp8(prologue, args, fp8, config, fp8_math=MATHS[math])
     assert out.dtype == dtype and out.shape == (m, 37)
     widened = _run_fp8(prologue, args, fp8, None, fp8_math=WIDEN)[2]
@@ -138,6 +139,8 @@ def test_fp8_math_config():
     """fp8_math is a config field: checked, reached by the override (the engine's ``gemv`` policy group)."""
     with pytest.raises(ValueError, match="fp8_math"):
         GemvConfig(fp8_math=3)
+    with pytest.raises(ValueError, match="swap_ab"):
+        GemvConfig(swap_ab=2)
     with pytest.raises(ValueError, match="block_n"):
         GemvConfig(block_n=8, fp8_math=E4M3_DOT)                           # always tl.dot: >= 16
     assert gemv_config(1, 4096, 4096, override=(("fp8_math", E4M3_DOT),)).fp8_math == E4M3_DOT
@@ -160,17 +163,18 @@ CUDA_CASES = [("plain", 6144, 4096), ("plain", 4096, 4096), ("plain", 28672, 409
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("block_n,block_k", [(32, 128), (64, 256)])
+@pytest.mark.parametrize("block_n,block_k,swap_ab", [(32, 128, 0), (64, 256, 1), (128, 128, 1)])
 @pytest.mark.parametrize("scales", [None, (128, 128)], ids=["channel", "block"])
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("math", list(MATHS))
 @pytest.mark.parametrize("prologue,n,k", CUDA_CASES)
-def test_gpu_fp8_math_real_sizes(prologue, n, k, math, m, scales, block_n, block_k):
-    """Llama-3-8B shapes, bfloat16 rows: the FP8 MMA / float16 dots against their twins."""
+def test_gpu_fp8_math_real_sizes(prologue, n, k, math, m, scales, block_n, block_k, swap_ab):
+    """Llama-3-8B shapes, bfloat16 rows: the FP8 MMA / float16 dots (mma.sync, or wgmma with swap_ab)
+    against their twins."""
     if scales is not None and block_k > 128:
         block_k = 128
     args, fp8 = _fp8_case(prologue, m, n, k, torch.bfloat16, scales)
-    config = GemvConfig(block_n, block_k, 4, 3, 1, fp8_math=MATHS[math])
+    config = GemvConfig(block_n, block_k, 4, 3, 1, fp8_math=MATHS[math], swap_ab=swap_ab)
     out, res, ref_out, ref_res = _run_fp8(prologue, args, fp8, config, fp8_math=MATHS[math])
     widened = _run_fp8(prologue, args, fp8, None)[2]
     _assert_matches_twin(out, ref_out, widened, torch.bfloat16, MATHS[math], True)

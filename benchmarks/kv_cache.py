@@ -21,10 +21,11 @@ benchmarks/latency.py's decode rows (step ms vs its bytes floor, the KV at the c
 
 ``window``: the shape as configured (its sliding windows) and with every layer global (``layer_types`` all full
 attention); on each, one ``--prompt-len``-token prompt is prefilled (chunked) and the block pool's counters give
-the blocks it holds at its first decode step and at most during its prefill, with their bytes; "window need" is
-the KV its layers read at the least (a sliding layer its window, a global one every token): what a cache that
-dropped each sliding layer's old tokens would hold. Then latency.py's decode rows at ``--batch-sizes``,
-``--context-len`` tokens (past the window, so the sliding layers read only theirs).
+the blocks it holds at its first decode step and at most during its prefill, with their bytes (with windows the
+layers are KV cache groups, ``engine.kv_cache_groups``: a block holds one group's layers, and a sliding group
+returns the blocks before its window, so compare bytes, not blocks); "window need" is the KV its layers read at
+the least (a sliding layer its window, a global one every token). Then latency.py's decode rows at
+``--batch-sizes``, ``--context-len`` tokens (past the window, so the sliding layers read only theirs).
 Prints a table, writes JSON.
 """
 
@@ -149,25 +150,31 @@ def window_rows(args, bandwidth: float) -> list[dict]:
         per_token_layer = 2 * cfg.num_key_value_heads * head_dim * (torch.finfo(kv.dtype).bits // 8)
         need_tokens = sum(min(args.prompt_len, w) if w else args.prompt_len for w in layer_windows(cfg))
         row = dict(windows=windows, sliding_layers=sum(w is not None for w in layer_windows(cfg)),
-                   layers=cfg.num_hidden_layers, prompt_len=args.prompt_len, **prompt_blocks(llm, args.prompt_len),
+                   layers=cfg.num_hidden_layers, kv_groups=kv.groups.num_groups, group_layers=kv.groups.group_size,
+                   prompt_len=args.prompt_len, **prompt_blocks(llm, args.prompt_len),
                    bytes_per_block=kv.bytes_per_block(), window_need_bytes=need_tokens * per_token_layer,
                    free_gib_before=free)
         row["held_bytes"] = row["blocks_held"] * row["bytes_per_block"]
+        row["peak_bytes"] = row["blocks_peak"] * row["bytes_per_block"]
         row["decode"] = decode_rows(llm, args, args.batch_sizes, bandwidth)
         rows.append(row)
         _free(llm)
-        print(f"windows {'on' if windows else 'off'}: {row['blocks_held']} blocks held ({row['held_bytes'] / 2**20:.1f}"
-              f" MiB), peak {row['blocks_peak']}; window need {row['window_need_bytes'] / 2**20:.1f} MiB", flush=True)
+        print(f"windows {'on' if windows else 'off'}: {row['kv_groups']} KV cache groups of {row['group_layers']} "
+              f"layers; {row['blocks_held']} blocks held ({row['held_bytes'] / 2**20:.1f} MiB), peak "
+              f"{row['blocks_peak']} ({row['peak_bytes'] / 2**20:.1f} MiB); window need "
+              f"{row['window_need_bytes'] / 2**20:.1f} MiB", flush=True)
     check_free(rows)
     off = rows[1]
-    print(f"\n{'windows':>7s} {'sliding':>7s} {'blocks':>7s} {'peak':>6s} {'held MiB':>9s} {'need MiB':>9s} "
-          f"{'x off':>6s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} {'x floor':>7s} {'x off':>6s}")
+    print(f"\n{'windows':>7s} {'sliding':>7s} {'groups':>6s} {'blocks':>7s} {'peak':>6s} {'held MiB':>9s} "
+          f"{'peak MiB':>9s} {'need MiB':>9s} {'x off':>6s} {'batch':>5s} {'step ms':>8s} {'floor ms':>8s} "
+          f"{'x floor':>7s} {'x off':>6s}")
     for r in rows:
-        r["held_x_off"] = r["blocks_held"] / off["blocks_held"]
+        r["held_x_off"] = r["held_bytes"] / off["held_bytes"]
         for d, d_off in zip(r["decode"], off["decode"]):
             d["step_x_off"] = d["step_ms"] / d_off["step_ms"]
-            print(f"{'on' if r['windows'] else 'off':>7s} {r['sliding_layers']:7d} {r['blocks_held']:7d} "
-                  f"{r['blocks_peak']:6d} {r['held_bytes'] / 2**20:9.1f} {r['window_need_bytes'] / 2**20:9.1f} "
+            print(f"{'on' if r['windows'] else 'off':>7s} {r['sliding_layers']:7d} {r['kv_groups']:6d} "
+                  f"{r['blocks_held']:7d} {r['blocks_peak']:6d} {r['held_bytes'] / 2**20:9.1f} "
+                  f"{r['peak_bytes'] / 2**20:9.1f} {r['window_need_bytes'] / 2**20:9.1f} "
                   f"{r['held_x_off']:6.3f} {d['batch']:5d} {d['step_ms']:8.2f} {d['floor_ms']:8.2f} "
                   f"{d['step_over_floor']:7.2f} {d['step_x_off']:6.3f}")
     return rows

@@ -23,7 +23,7 @@ dequantize them in registers with each layer's ``k_scale`` / ``v_scale``, passed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -72,6 +72,25 @@ class AttentionMetadata:
     captured: bool = False
     """Built for a CUDA-graph capture: the host fields (max lengths, num_decode_reqs) describe the
     graph's bucket, not the requests a replay will run."""
+    kv_groups: tuple["AttentionMetadata", ...] = ()
+    """KV cache groups 1.. (``engine.kv_cache_groups``): this metadata with each group's ``slot_mapping`` and
+    ``block_tables`` (views of the runner's step buffers), read by that group's layers (``for_group``); this
+    one is group 0's. Empty with one group."""
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata KV cache group ``group``'s layers read (this one for group 0), with the ``key_limit``
+        a model set on this one."""
+        if group == 0:
+            return self
+        meta = self.kv_groups[group - 1]
+        meta.key_limit = self.key_limit
+        return meta
+
+    def with_groups(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> "AttentionMetadata":
+        """This metadata with ``kv_groups`` made from each group 1..'s (slot_mapping, block_tables)."""
+        self.kv_groups = tuple(replace(self, slot_mapping=slots, block_tables=table)
+                               for slots, table in tables)
+        return self
 
     @property
     def num_reqs(self) -> int:

@@ -21,6 +21,12 @@ BlockHash = int
 """Chained hash of one full block: 64-bit int."""
 
 
+def cache_key(block_hash: BlockHash, group: int) -> Any:
+    """The prefix-cache key of a KV cache group's block holding ``block_hash``'s tokens: the hash itself for
+    group 0, (hash, group) for the others (each group holds its own layers' KV of the same tokens)."""
+    return block_hash if group == 0 else (block_hash, group)
+
+
 def _digest64(obj: Any) -> int:
     # NOTE: pickle of tuples of ints/str/None is deterministic across processes; Python's hash()
     # is salted per process and would make hashes unstable, so it is never used here.
@@ -57,8 +63,8 @@ class KVCacheBlock:
         self.block_id = block_id
         # Requests holding this block; 0 means it sits in the free queue.
         self.ref_cnt = 0
-        # Set once the block is full and registered in the prefix cache; dropped on eviction.
-        self.block_hash: Optional[BlockHash] = None
+        # Set once the block is full and registered in the prefix cache (``cache_key``); dropped on eviction.
+        self.block_hash: Optional[Any] = None
         # Free-queue links (None when not in the queue).
         self.prev_free_block: Optional[KVCacheBlock] = None
         self.next_free_block: Optional[KVCacheBlock] = None
@@ -146,7 +152,7 @@ class BlockPool:
         # NOTE: block 0 never leaves this pool: runners pad block tables with 0.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        # hash -> {block_id: block}. Identical full blocks are not de-duplicated (block tables
+        # cache_key -> {block_id: block}. Identical full blocks are not de-duplicated (block tables
         # stay append-only), so one hash can map to several blocks.
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
 
@@ -165,9 +171,9 @@ class BlockPool:
         """Fraction of usable blocks held by requests, 0..1."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
-        """A block holding ``block_hash``'s KV, or None."""
-        blocks = self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Optional[KVCacheBlock]:
+        """A block of KV cache group ``group`` holding ``block_hash``'s KV, or None."""
+        blocks = self.cached_block_hash_to_block.get(cache_key(block_hash, group))
         if not blocks:
             return None
         return next(iter(blocks.values()))
@@ -203,19 +209,23 @@ class BlockPool:
                 self.free_block_queue.append(block)
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
-        """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes."""
+                          num_cached_blocks: int, num_full_blocks: int, group: int = 0) -> None:
+        """Register ``blocks[num_cached_blocks:num_full_blocks]`` (of KV cache group ``group``) under their
+        hashes; the null block (out of a sliding window) is skipped."""
         if not self.enable_caching:
             return
         assert len(block_hashes) >= num_full_blocks <= len(blocks), (
             len(block_hashes), num_full_blocks, len(blocks))
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
+            if block.is_null:
+                continue
+            key = cache_key(block_hashes[i], group)
             if block.block_hash is not None:
                 # A prefix-hit block already registered under this very hash.
-                assert block.block_hash == block_hashes[i]
+                assert block.block_hash == key
                 continue
-            block.block_hash = block_hashes[i]
+            block.block_hash = key
             self.cached_block_hash_to_block.setdefault(block.block_hash, {})[block.block_id] = block
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -221,7 +221,7 @@ class StepGraphs:
             slot_mapping=buf.slot_mapping[:t], query_start_loc=buf.query_start_loc[:r + 1],
             seq_lens=buf.seq_lens[:r], block_tables=buf.block_tables[:r],
             max_query_len=t if key.mixed else 1, max_seq_len=self.max_model_len,
-            num_decode_reqs=0 if key.mixed else r, captured=True)
+            num_decode_reqs=0 if key.mixed else r, captured=True).with_groups(buf.group_tables(t, r))
 
     def _fill_padding(self, key: GraphKey) -> None:
         """Fill the buffers with padding only (what a capture runs over)."""
@@ -230,6 +230,7 @@ class StepGraphs:
         buf.input_ids[:t].zero_()
         buf.positions[:t].zero_()
         buf.slot_mapping[:t].fill_(-1)
+        buf.group_slot_mapping[:, :t].fill_(-1)
         if key.mixed:
             buf.query_start_loc[:r + 1].zero_()
             buf.seq_lens[:r].zero_()
@@ -237,6 +238,7 @@ class StepGraphs:
             buf.query_start_loc[:r + 1].copy_(torch.arange(r + 1, dtype=torch.int32, device=buf.device))
             buf.seq_lens[:r].fill_(1)
         buf.block_tables[:r].zero_()
+        buf.group_block_tables[:, :r].zero_()
         if key.mixed and buf.mm_mask is not None:
             buf.write_media(t, None, None)
         if self.lora_manager is not None:

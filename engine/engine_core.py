@@ -67,7 +67,6 @@ from engine.distributed.group import TensorParallelGroup
 from engine.device import resolve_device
 from engine.distributed.rank import build_rank
 from engine.models.builder import check_tensor_parallel
-from engine.models.sliding_window import kv_free_window
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from engine.processor import Processor
 from engine.reasoning.engine_gate import ReasoningGate
@@ -208,7 +207,7 @@ class EngineCore:
                                                                         cfg.scheduler_config.max_num_seqs),
                               new_reasoning_tracker=(lambda request: gate.tracker(request.prompt_token_ids))
                               if gate is not None else None,
-                              sliding_window=kv_free_window(loaded.hf_config),
+                              kv_group_windows=runner.kv_cache.groups.group_windows,
                               whole_media_chunks=runner.model.capabilities.bidirectional_media)
         processor = Processor(loaded.tokenizer, cfg.model_config, loaded.max_model_len,
                               loaded.hf_config.get_text_config().vocab_size, loaded.eos_token_ids,

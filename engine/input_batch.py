@@ -16,7 +16,7 @@ scatters), so no sync stands between two steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -82,13 +82,24 @@ class BlockTableRows:
     def add(self, block_ids: list[int]) -> int:
         if not self._free:
             old = self.rows.shape[0]
-            self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
-            self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            self._grow()
             self._free = list(range(2 * old - 1, old - 1, -1))
         row = self._free.pop()
         self.num_blocks[row] = 0
         self.append(row, block_ids)
         return row
+
+    def set_row(self, row: int, block_ids: list[int]) -> None:
+        """Fill ``row`` with ``block_ids`` (the row another table gave the request: a KV cache group's table
+        takes the rows of group 0's)."""
+        while row >= self.rows.shape[0]:
+            self._grow()
+        self.num_blocks[row] = 0
+        self.append(row, block_ids)
+
+    def _grow(self) -> None:
+        self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
 
     def append(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
@@ -143,7 +154,7 @@ class StepInputs:
 class _HostMirror:
     """One set of host staging arrays (pinned on CUDA), as torch tensors and numpy views."""
 
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks: int, pin: bool) -> None:
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks: int, pin: bool, num_groups: int) -> None:
         def alloc(shape, dtype):
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
@@ -154,6 +165,9 @@ class _HostMirror:
         self.query_start_loc = alloc(max_num_reqs + 1, torch.int32)           # [max_reqs + 1]
         self.seq_lens = alloc(max_num_reqs, torch.int32)                      # [max_reqs]
         self.block_tables = alloc((max_num_reqs, max_blocks), torch.int32)    # [max_reqs, max_blocks]
+        # KV cache groups 1..: their slots and block tables.
+        self.group_slot_mapping = alloc((num_groups - 1, max_num_tokens), torch.int64)          # [G-1, max_tokens]
+        self.group_block_tables = alloc((num_groups - 1, max_num_reqs, max_blocks), torch.int32)  # [G-1, reqs, blocks]
         self.logits_indices = alloc(max_num_reqs, torch.int64)                # [max_reqs]
         self.placeholder_dst = alloc(max_num_reqs, torch.int64)               # [max_reqs] token index
         self.placeholder_src = alloc(max_num_reqs, torch.int64)               # [max_reqs] previous row
@@ -170,10 +184,12 @@ class StepBuffers:
         max_num_reqs: ``max_num_seqs``.
         max_blocks_per_req: blocks of a ``max_model_len`` request.
         device: where the model runs; on CUDA the mirrors are pinned and copies non-blocking.
+        num_groups: KV cache groups (``engine.kv_cache_groups``): groups 1.. have their own slots and block
+            tables (``group_slot_mapping``, ``group_block_tables``).
     """
 
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_groups: int = 1) -> None:
         self.device = device
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
@@ -191,10 +207,15 @@ class StepBuffers:
         self.query_start_loc = alloc(max_num_reqs + 1, torch.int32)           # [max_reqs + 1]
         self.seq_lens = alloc(max_num_reqs, torch.int32)                      # [max_reqs]
         self.block_tables = alloc((max_num_reqs, max_blocks_per_req), torch.int32)  # [max_reqs, max_blocks]
+        self.num_groups = num_groups
+        self.group_slot_mapping = alloc((num_groups - 1, max_num_tokens), torch.int64)          # [G-1, max_tokens]
+        self.group_block_tables = alloc((num_groups - 1, max_num_reqs, max_blocks_per_req),
+                                        torch.int32)                                    # [G-1, max_reqs, max_blocks]
         self.logits_indices = alloc(max_num_reqs, torch.int64)                # [max_reqs]
         self.placeholder_dst = alloc(max_num_reqs, torch.int64)               # [max_reqs]
         self.placeholder_src = alloc(max_num_reqs, torch.int64)               # [max_reqs]
-        self._mirrors = [_HostMirror(max_num_tokens, max_num_reqs, max_blocks_per_req, pin) for _ in range(2)]
+        self._mirrors = [_HostMirror(max_num_tokens, max_num_reqs, max_blocks_per_req, pin, num_groups)
+                         for _ in range(2)]
         self._turn = 0
         self._non_blocking = pin
         # Media inputs of mixed CUDA graphs (``enable_media``); None for text-only models.
@@ -242,10 +263,16 @@ class StepBuffers:
     def _send(self, mirror: _HostMirror, name: str, count: int) -> None:
         getattr(self, name)[:count].copy_(getattr(mirror, name)[:count], non_blocking=self._non_blocking)
 
+    def group_tables(self, num_tokens: int, num_reqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """KV cache groups 1..'s (slot_mapping [num_tokens], block_tables [num_reqs, max_blocks]) views."""
+        return [(self.group_slot_mapping[g, :num_tokens], self.group_block_tables[g, :num_reqs])
+                for g in range(self.num_groups - 1)]
+
     def prepare(self, states: list[CachedRequestState], num_scheduled: list[int], table: BlockTableRows,
                 block_size: int, with_lora: bool, num_reqs_padded: Optional[int] = None,
                 num_tokens_padded: Optional[int] = None,
-                prev_sampled_rows: Optional[dict[str, int]] = None) -> StepInputs:
+                prev_sampled_rows: Optional[dict[str, int]] = None,
+                group_tables: Sequence[BlockTableRows] = ()) -> StepInputs:
         """Lay the step's tokens out flat and send them to the device.
 
         Args:
@@ -262,6 +289,7 @@ class StepBuffers:
             prev_sampled_rows: each request's row in the previous step's sampled ids, for input ids the
                 host does not have yet: ``gather_placeholders`` writes them once those ids exist on the
                 device.
+            group_tables: the persistent block tables of KV cache groups 1.. (rows as ``table``'s).
         """
         m = self._next_mirror()
         a = m.np
@@ -291,11 +319,13 @@ class StepBuffers:
         a["positions"][:num_tokens] = pos
         mrope = self._mrope_positions(states, counts, qsl, computed, a["positions"]) if self.with_mrope else None
         a["positions"][num_tokens:padded_tokens] = 0
-        a["slot_mapping"][:num_tokens] = (table.rows[rows[req_of_token], pos // block_size].astype(np.int64)
-                                          * block_size + pos % block_size)
-        a["slot_mapping"][num_tokens:padded_tokens] = -1
-        a["block_tables"][:num_reqs] = table.rows[rows]
-        a["block_tables"][num_reqs:padded_reqs] = 0
+        for slots, tables, t in [(a["slot_mapping"], a["block_tables"], table)] + [
+                (a["group_slot_mapping"][g], a["group_block_tables"][g], gt) for g, gt in enumerate(group_tables)]:
+            slots[:num_tokens] = (t.rows[rows[req_of_token], pos // block_size].astype(np.int64) * block_size
+                                  + pos % block_size)
+            slots[num_tokens:padded_tokens] = -1
+            tables[:num_reqs] = t.rows[rows]
+            tables[num_reqs:padded_reqs] = 0
         a["input_ids"][num_tokens:padded_tokens] = 0
 
         ids = a["input_ids"]
@@ -345,6 +375,11 @@ class StepBuffers:
                             ("logits_indices", num_sampled), ("placeholder_dst", num_ph),
                             ("placeholder_src", num_ph)):
             self._send(m, name, count)
+        if group_tables:
+            self.group_slot_mapping[:, :padded_tokens].copy_(m.group_slot_mapping[:, :padded_tokens],
+                                                             non_blocking=self._non_blocking)
+            self.group_block_tables[:, :padded_reqs].copy_(m.group_block_tables[:, :padded_reqs],
+                                                           non_blocking=self._non_blocking)
         if m.copied is not None:
             m.copied.record()
 
@@ -360,6 +395,8 @@ class StepBuffers:
             seq_lens_cpu=a["seq_lens"][:padded_reqs].tolist(),
             slots_padded=padded_tokens > num_tokens,
         )
+        if group_tables:
+            meta.with_groups(self.group_tables(padded_tokens, padded_reqs))
         all_rows_sample = num_sampled == num_reqs and num_tokens == num_reqs
         return StepInputs(
             req_ids=[s.req_id for s in states], num_tokens=num_tokens, num_tokens_padded=padded_tokens,

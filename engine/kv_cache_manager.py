@@ -10,19 +10,27 @@ media or a different cache salt never matches:
   placeholder range overlaps the block;
 - ``cache_salt`` on the first block only (the chain carries it to every later block).
 
-Sliding windows (``sliding_window``: set when every layer of the model attends within that window,
-``engine.models.sliding_window.kv_free_window``): the chunk starting at position p reads keys from
+Sliding windows (``sliding_window``: set when every layer of the model attends within that window; with
+several KV cache groups, a sliding group's window): the chunk starting at position p reads keys from
 p - window + 1 on, so each allocation first returns the request's blocks entirely before that key to the
 pool; their places in the request's list (and in the runner's block table, which is never read there)
 take the null block. A returned block keeps its hash like any freed block: its KV is that of its prefix,
 so a later request may still hit it. A hit needs only the blocks of the window before its end cached, not
 the earlier ones (they stand as the null block: no query of the request reads them). The scheduler counts
 what a request still needs: the blocks of its window and of its next chunk.
+
+KV cache groups (``engine.kv_cache_groups``: a model whose layers do not all share one window): each group
+of layers has its own block list per request, out of the one pool, and its own window (the sliding rules
+above apply to a sliding group's list; a full group keeps every block). Every list has a place per block of
+the request's tokens, so allocations take as many blocks in each group; a prefix hit is the longest that
+hits in every group (each group's blocks are cached under their own keys, ``block_pool.cache_key``). With
+one group (every layer the same window, or none) the manager is the group's: lists and ids are plain, as
+``PerGroup`` says.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from engine.request import Request
@@ -55,8 +63,117 @@ def block_extra_keys(request: Request, start_token_idx: int, end_token_idx: int)
     return tuple(keys) if keys else None
 
 
+class PerGroup(list):
+    """Group 0's items (a plain list, as with one KV cache group) with ``groups``: every group's list, group 0's
+    first. What ``get_computed_blocks`` and ``allocate_slots`` return when the model has several groups."""
+
+    def __init__(self, groups: list[list]) -> None:
+        super().__init__(groups[0])
+        self.groups = groups
+
+
+def group_lists(items: Optional[list]) -> Optional[list[list]]:
+    """Every group's list of a ``PerGroup`` (a plain list: the one group's); None stays None."""
+    if items is None:
+        return None
+    return getattr(items, "groups", None) or [items]
+
+
+class _GroupBlocks:
+    """One KV cache group's block list per request (window: the group's; None: every block is kept)."""
+
+    def __init__(self, group: int, window: Optional[int], block_size: int, pool: BlockPool) -> None:
+        self.group = group
+        self.window = window
+        self.block_size = block_size
+        self.pool = pool
+        # req_id -> its blocks, in token order (the null block in place of those returned out of the window).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many of its leading blocks are registered in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        # req_id -> how many of its leading blocks are out of its window (returned, the null block in place).
+        self.num_dead_blocks: dict[str, int] = {}
+
+    def find(self, hashes: list[int]) -> tuple[list[Optional[KVCacheBlock]], list[bool]]:
+        """Each hash's cached block of this group (None: not cached), and for k = 0..len(hashes) whether the
+        first k blocks make a usable hit: all cached (no window); with a window, the blocks holding the keys
+        the query at position k * block_size reads (from its window's start) are all cached (the earlier ones
+        need not be: their KV is never read again, and they stand as the null block)."""
+        found = [self.pool.get_cached_block(h, self.group) for h in hashes]
+        valid = [True] * (len(hashes) + 1)
+        run = 0                         # cached blocks ending at the current one
+        for i, block in enumerate(found):
+            run = run + 1 if block is not None else 0
+            first_needed = window_start((i + 1) * self.block_size, self.window) // self.block_size
+            valid[i + 1] = run >= i + 1 - first_needed
+        return found, valid
+
+    def hit_blocks(self, found: list[Optional[KVCacheBlock]], num_blocks: int) -> list[KVCacheBlock]:
+        """The hit of ``num_blocks`` blocks (valid per ``find``), the null block before the window."""
+        first_needed = window_start(num_blocks * self.block_size, self.window) // self.block_size
+        return [found[i] if i >= first_needed else self.pool.null_block for i in range(num_blocks)]
+
+    def num_dead(self, num_computed: int) -> int:
+        """Leading blocks before the window of a chunk starting at ``num_computed``."""
+        return window_start(num_computed, self.window) // self.block_size
+
+    def free_dead_blocks(self, req_id: str, num_dead: int) -> None:
+        """Return the request's blocks before index ``num_dead`` (out of its window) to the pool, later ones
+        first (as ``free``), the null block taking their places."""
+        req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is None:
+            return
+        done = self.num_dead_blocks.get(req_id, 0)
+        upto = min(num_dead, len(req_blocks))
+        if upto <= done:
+            return
+        dead = req_blocks[done:upto]
+        req_blocks[done:upto] = [self.pool.null_block] * (upto - done)
+        self.pool.free_blocks(reversed(dead))
+        self.num_dead_blocks[req_id] = upto
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` computed ``chunk_tokens`` at a time holds at once in
+        this group: all of them, or with a window the blocks of a window and of one chunk."""
+        num_blocks = cdiv(num_tokens, self.block_size)
+        if self.window is None:
+            return num_blocks
+        return min(num_blocks, cdiv(self.window - 1 + chunk_tokens, self.block_size) + 1)
+
+    def take(self, req_id: str, hits: list[KVCacheBlock], num_dead: int, num_new: int) -> list[KVCacheBlock]:
+        """Append the prefix hits (first allocation only) and ``num_new`` new blocks to the request's list;
+        the new ones."""
+        req_blocks = self.req_to_blocks.setdefault(req_id, [])
+        if hits:
+            assert not req_blocks, "prefix hits are only taken on the first allocation"
+            self.pool.touch(b for b in hits if not b.is_null)
+            req_blocks.extend(hits)
+            if num_dead:
+                self.num_dead_blocks[req_id] = min(num_dead, len(req_blocks))   # the hits it did not take
+        if req_id not in self.num_cached_block:
+            self.num_cached_block[req_id] = len(hits)
+        new_blocks = self.pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache(self, req_id: str, block_hashes: list[int], num_full: int) -> None:
+        """Register the request's blocks up to ``num_full`` in the prefix cache."""
+        num_cached = self.num_cached_block[req_id]
+        if num_full > num_cached:
+            self.pool.cache_full_blocks(self.req_to_blocks[req_id], block_hashes, num_cached, num_full, self.group)
+            self.num_cached_block[req_id] = num_full
+
+    def free(self, req_id: str) -> None:
+        """Release the request's blocks, tail first (so the chain's tail is evicted first)."""
+        blocks = self.req_to_blocks.pop(req_id, [])
+        self.num_cached_block.pop(req_id, None)
+        self.num_dead_blocks.pop(req_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+
 class KVCacheManager:
-    """Which KV blocks each request holds, and prefix-cache lookups.
+    """Which KV blocks each request holds, and prefix-cache lookups, over one block pool for every KV cache
+    group.
 
     Args:
         block_size: tokens per block.
@@ -64,32 +181,48 @@ class KVCacheManager:
         max_model_len: prompt + output tokens per request at most.
         enable_caching: reuse full blocks across requests by hash.
         sliding_window: positions every layer attends within; blocks before a request's window are
-            returned to the pool while it runs (None: every block is kept).
+            returned to the pool while it runs (None: every block is kept). Ignored with ``group_windows``.
         max_chunk_tokens: the most tokens one step computes for a request (the scheduler's token
             budget): with a window, it bounds the blocks a request holds at once.
+        group_windows: each KV cache group's window (``engine.kv_cache_groups.KVCacheGroups.group_windows``);
+            None: one group of window ``sliding_window``.
     """
 
     def __init__(self, block_size: int, num_blocks: int, max_model_len: int,
                  enable_caching: bool = True, sliding_window: Optional[int] = None,
-                 max_chunk_tokens: Optional[int] = None) -> None:
+                 max_chunk_tokens: Optional[int] = None,
+                 group_windows: Optional[Sequence[Optional[int]]] = None) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
         self.max_chunk_tokens = max_chunk_tokens
-        # req_id -> how many of its leading blocks are out of its window (returned, the null block in place).
-        self.num_dead_blocks: dict[str, int] = {}
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        # req_id -> its blocks, in token order.
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # req_id -> how many of its leading blocks are registered in the prefix cache.
-        self.num_cached_block: dict[str, int] = {}
+        windows = list(group_windows) if group_windows else [sliding_window]
+        self.groups = [_GroupBlocks(g, w, block_size, self.block_pool) for g, w in enumerate(windows)]
+        """One block list per request in each KV cache group, group 0 first."""
+        self.sliding_window = windows[0] if len(windows) == 1 else None
+        """The window of every layer (one group); None: some layer attends to the whole context, or the
+        groups' windows differ."""
         # req_id -> blocks holding its cross-attention K/V (encoder-decoder models), taken with its
         # first allocation, never prefix-cached, freed with its other blocks.
         self.req_to_cross_blocks: dict[str, list[KVCacheBlock]] = {}
         # Prefix-cache counters, in tokens, since start.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """Group 0's counts of leading blocks registered in the prefix cache."""
+        return self.groups[0].num_cached_block
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """Group 0's block lists (every layer's, with one group)."""
+        return self.groups[0].req_to_blocks
 
     # --- hashing ------------------------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
@@ -106,14 +239,14 @@ class KVCacheManager:
 
     # --- lookup and allocation ----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks at the start of the request.
+        """Longest run of cached full blocks at the start of the request, in every group.
 
         The hit is capped at ``num_tokens - 1`` tokens so the last token is always recomputed
         (its logits are needed). Requests asking for prompt logprobs skip the lookup.
 
         Returns:
             (blocks, num_computed_tokens): the hit blocks (not yet referenced; pass them to
-            ``allocate_slots``) and the tokens they cover.
+            ``allocate_slots``; a ``PerGroup`` with several groups) and the tokens they cover.
         """
         if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
                 or request.num_cross_tokens):
@@ -122,36 +255,22 @@ class KVCacheManager:
         self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_hit_blocks]
-        if self.sliding_window is not None:
-            blocks = self._window_hits(hashes)
-        else:
+        if len(self.groups) == 1 and self.sliding_window is None:
             blocks = []
             for block_hash in hashes:
                 block = self.block_pool.get_cached_block(block_hash)
                 if block is None:
                     break
                 blocks.append(block)
+        else:
+            looked = [g.find(hashes) for g in self.groups]
+            best = max(k for k in range(len(hashes) + 1) if all(valid[k] for _, valid in looked))
+            per_group = [g.hit_blocks(found, best) for g, (found, _) in zip(self.groups, looked)]
+            blocks = per_group[0] if len(per_group) == 1 else PerGroup(per_group)
         num_hit_tokens = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
         return blocks, num_hit_tokens
-
-    def _window_hits(self, hashes: list[int]) -> list[KVCacheBlock]:
-        """The longest prefix of ``hashes`` whose last window is cached: k blocks such that the blocks holding
-        the keys the query at position k * block_size reads (from its window's start) are all in the cache;
-        the earlier ones need not be (their KV is never read again), and stand as the null block."""
-        bs = self.block_size
-        found: list[Optional[KVCacheBlock]] = []
-        run = best = 0              # cached blocks ending at the current one; the longest valid hit
-        for i, block_hash in enumerate(hashes):
-            block = self.block_pool.get_cached_block(block_hash)
-            found.append(block)
-            run = run + 1 if block is not None else 0
-            first_needed = window_start((i + 1) * bs, self.sliding_window) // bs
-            if run >= i + 1 - first_needed:
-                best = i + 1
-        first_needed = window_start(best * bs, self.sliding_window) // bs
-        return [found[i] if i >= first_needed else self.block_pool.null_block for i in range(best)]
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
@@ -170,48 +289,41 @@ class KVCacheManager:
                 that would only thrash).
 
         Returns:
-            Ids of the blocks newly allocated (excluding prefix hits), or None when the pool
-            does not have enough free blocks; on None nothing changed (but blocks out of the
-            request's window, which are returned either way).
+            Ids of the blocks newly allocated (excluding prefix hits; a ``PerGroup`` with several groups), or
+            None when the pool does not have enough free blocks; on None nothing changed (but blocks out of
+            the request's window, which are returned either way).
         """
-        new_computed_blocks = new_computed_blocks or []
+        groups = self.groups
+        given = group_lists(new_computed_blocks) if new_computed_blocks else [[] for _ in groups]
         req_id = request.request_id
-        req_blocks = self.req_to_blocks.get(req_id, [])
+        num_held_before = len(groups[0].req_to_blocks.get(req_id, ()))
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after = min(num_computed + num_new_tokens, self.max_model_len)
-        num_held = len(req_blocks) + len(new_computed_blocks)
-        num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - num_held)
+        num_held = num_held_before + len(given[0])
+        num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - num_held)   # in each group
         # With a window: blocks before the chunk's first key are never read again. The request's own go
         # back to the pool now (whether or not this allocation succeeds), prefix hits there are not taken.
-        num_dead = window_start(num_computed, self.sliding_window) // self.block_size
-        self._free_dead_blocks(req_id, req_blocks, num_dead)
-        new_computed_blocks = [self.block_pool.null_block if len(req_blocks) + i < num_dead else b
-                               for i, b in enumerate(new_computed_blocks)]
+        num_dead = [g.num_dead(num_computed) for g in groups]
+        for g, dead in zip(groups, num_dead):
+            g.free_dead_blocks(req_id, dead)
+        hits = [[self.block_pool.null_block if num_held_before + i < dead else b for i, b in enumerate(group_hits)]
+                for group_hits, dead in zip(given, num_dead)]
         # Prefix hits sitting in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        num_evictable_hits = sum(1 for group_hits in hits for b in group_hits if b.ref_cnt == 0 and not b.is_null)
         num_cross_blocks = 0
         if request.num_cross_tokens and req_id not in self.req_to_cross_blocks:
             num_cross_blocks = cdiv(request.num_cross_tokens, self.block_size)
-        num_needed = num_new_blocks + num_evictable_hits + num_cross_blocks
+        num_needed = num_new_blocks * len(groups) + num_evictable_hits + num_cross_blocks
         if full_sequence_must_fit:
-            num_live = num_held - min(num_dead, num_held)
-            peak = self._peak_blocks(request.num_tokens, num_new_tokens)
-            num_full_seq_blocks = max(0, peak - num_live)
+            num_full_seq_blocks = sum(max(0, g.peak_blocks(request.num_tokens, num_new_tokens)
+                                          - (num_held - min(dead, num_held)))
+                                      for g, dead in zip(groups, num_dead))
             num_needed = max(num_needed, num_full_seq_blocks + num_evictable_hits + num_cross_blocks)
         if num_needed > self.block_pool.num_free_blocks:
             return None
 
-        if new_computed_blocks:
-            assert not req_blocks, "prefix hits are only taken on the first allocation"
-            self.block_pool.touch(b for b in new_computed_blocks if not b.is_null)
-        req_blocks = self.req_to_blocks.setdefault(req_id, req_blocks)
-        req_blocks.extend(new_computed_blocks)
-        if new_computed_blocks and num_dead:
-            self.num_dead_blocks[req_id] = min(num_dead, len(req_blocks))   # the hits it did not take
-        if req_id not in self.num_cached_block:
-            self.num_cached_block[req_id] = len(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        new_ids = [[b.block_id for b in g.take(req_id, group_hits, dead, num_new_blocks)]
+                   for g, group_hits, dead in zip(groups, hits, num_dead)]
         if num_cross_blocks:
             self.req_to_cross_blocks[req_id] = self.block_pool.get_new_blocks(num_cross_blocks)
 
@@ -220,49 +332,34 @@ class KVCacheManager:
             # in later steps, or in this step behind the per-layer KV write, so caching now is
             # safe. The just-sampled token (no KV yet) is never part of a cached block.
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_block[req_id]
-            if num_full > num_cached:
+            if num_full > min(g.num_cached_block[req_id] for g in groups):
                 self.update_block_hashes(request)
-                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
-                self.num_cached_block[req_id] = num_full
-        return [b.block_id for b in new_blocks]
-
-    def _free_dead_blocks(self, req_id: str, req_blocks: list[KVCacheBlock], num_dead: int) -> None:
-        """Return the request's blocks before index ``num_dead`` (out of its window) to the pool, later ones
-        first (as ``free``), the null block taking their places."""
-        done = self.num_dead_blocks.get(req_id, 0)
-        upto = min(num_dead, len(req_blocks))
-        if upto <= done:
-            return
-        dead = req_blocks[done:upto]
-        req_blocks[done:upto] = [self.block_pool.null_block] * (upto - done)
-        self.block_pool.free_blocks(reversed(dead))
-        self.num_dead_blocks[req_id] = upto
+                for g in groups:
+                    g.cache(req_id, request.block_hashes, num_full)
+        return new_ids[0] if len(new_ids) == 1 else PerGroup(new_ids)
 
     def _peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
-        """The most blocks a request of ``num_tokens`` computed ``chunk_tokens`` at a time holds at once: all
-        of them, or with a window the blocks of a window and of one chunk."""
-        num_blocks = cdiv(num_tokens, self.block_size)
-        if self.sliding_window is None:
-            return num_blocks
-        return min(num_blocks, cdiv(self.sliding_window - 1 + chunk_tokens, self.block_size) + 1)
+        """The most blocks a request of ``num_tokens`` computed ``chunk_tokens`` at a time holds at once, in
+        every group together: all of them, or in a group with a window the blocks of a window and of one
+        chunk."""
+        return sum(g.peak_blocks(num_tokens, chunk_tokens) for g in self.groups)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so the chain's tail is evicted first)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_block.pop(request.request_id, None)
-        self.num_dead_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        for g in self.groups:
+            g.free(request.request_id)
         self.block_pool.free_blocks(self.req_to_cross_blocks.pop(request.request_id, []))
 
     def uncache(self, request: Request) -> None:
         """Take the request's blocks out of the prefix cache, before freeing them after a failed step:
         blocks hashed when they were allocated may never have received their KV."""
-        self.block_pool.uncache_blocks(self.req_to_blocks.get(request.request_id, []))
+        for g in self.groups:
+            self.block_pool.uncache_blocks(g.req_to_blocks.get(request.request_id, []))
 
     # --- queries ------------------------------------------------------------------------
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's blocks in KV cache group ``group`` (the null block 0 where returned)."""
+        return [b.block_id for b in self.groups[group].req_to_blocks.get(request_id, [])]
 
     def get_cross_block_ids(self, request_id: str) -> list[int]:
         """The blocks of the request's cross-attention K/V (empty for decoder-only requests)."""

@@ -38,7 +38,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     """The sequence's resolved sampling parameters."""
     block_ids: tuple[int, ...]
-    """Every KV block of the request, in order."""
+    """Every KV block of the request, in order (of KV cache group 0, with several groups)."""
     cross_block_ids: tuple[int, ...]
     """Blocks for the cross-attention K/V of its encoder input, in position order (encoder-decoder
     models; empty otherwise). Allocated at admission, written by the runner before token 0."""
@@ -50,6 +50,9 @@ class NewRequestData:
     """The request's media items, in prompt order."""
     eos_token_ids: frozenset[int] = frozenset()
     """Ids the sampler masks while fewer than min_tokens outputs exist (empty with ignore_eos)."""
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+    """The blocks of KV cache groups 1.. (``engine.kv_cache_groups``), one tuple per group; empty with one
+    group."""
 
 
 @dataclass(frozen=True)
@@ -59,11 +62,14 @@ class CachedRequestData:
     req_ids: tuple[str, ...] = ()
     """The scheduled requests the runner already holds, in the scheduler's order."""
     new_block_ids: tuple[tuple[int, ...], ...] = ()
-    """Blocks appended this step (often empty)."""
+    """Blocks appended this step (often empty; of KV cache group 0, with several groups)."""
     num_computed_tokens: tuple[int, ...] = ()
     """Computed tokens before this step's tokens."""
     lora_slots: tuple[int, ...] = ()
     """Current slot of each request's adapter (slots can move between steps)."""
+    new_group_block_ids: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """Blocks appended this step in KV cache groups 1.. (``engine.kv_cache_groups``), per request one tuple per
+    group; empty with one group."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine.encoder_cache_manager import EncoderCacheManager
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, group_lists
 from engine.outputs import (CachedRequestData, EngineCoreOutput, LoRASlotLoad, ModelRunnerOutput,
                             NewRequestData, SchedulerOutput, SchedulerStats)
 from engine.request import Request, RequestStatus
@@ -95,7 +95,10 @@ class Scheduler:
         structured_output: the engine's ``StructuredOutputManager``; None: a request with
             ``structured_outputs`` is refused.
         sliding_window: every layer of the model attends within this many positions: KV blocks before a
-            running request's window go back to the pool (``KVCacheManager``); None: none slides.
+            running request's window go back to the pool (``KVCacheManager``); None: none slides. Ignored
+            with ``kv_group_windows``.
+        kv_group_windows: each KV cache group's window (``engine.kv_cache_groups``, the runner's
+            ``KVCache.groups``); None: one group of window ``sliding_window``.
         whole_media_chunks: a prefill chunk never ends inside a media item's placeholder (its tokens
             attend to each other both ways, e.g. Gemma 3's images), and an item longer than the token
             budget is refused.
@@ -114,14 +117,15 @@ class Scheduler:
                  new_reasoning_tracker: Optional[Callable[[Request], Optional["ReasoningTracker"]]] = None,
                  sliding_window: Optional[int] = None, whole_media_chunks: bool = False,
                  lora_pool: Optional[RankPagePool] = None,
-                 lora_rank: Optional[Callable[[LoRARequest], int]] = None) -> None:
+                 lora_rank: Optional[Callable[[LoRARequest], int]] = None,
+                 kv_group_windows: Optional[Sequence[Optional[int]]] = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             self.block_size, num_kv_blocks, max_model_len, cache_config.enable_prefix_caching,
-            sliding_window, scheduler_config.max_num_batched_tokens)
+            sliding_window, scheduler_config.max_num_batched_tokens, kv_group_windows)
         self.whole_media_chunks = whole_media_chunks
         self.lora_config = lora_config
         self.lora_slots = (LoRASlotManager(lora_config.max_loras, lora_pool) if lora_config is not None
@@ -192,10 +196,12 @@ class Scheduler:
         # NOTE: the last sampled token never gets KV, hence the -1.
         num_cross = request.num_cross_tokens
         if not self.kv_cache_manager.can_fit_ever(max_total_tokens - 1, num_cross):
-            n = self.kv_cache_manager.num_usable_blocks
+            n, groups = self.kv_cache_manager.num_usable_blocks, self.kv_cache_manager.num_groups
             cross = f" + {num_cross} encoder positions of cross-attention K/V" if num_cross else ""
+            per_group = f" of each of {groups} KV cache groups" if groups > 1 else ""
             raise ValueError(
-                f"KV cache has {n} blocks of {self.block_size} tokens ({n * self.block_size} tokens); "
+                f"KV cache has {n} blocks of {self.block_size} tokens ({n * self.block_size // groups} tokens"
+                f"{per_group}); "
                 f"request {rid!r} needs up to {max_total_tokens} tokens{cross} (prompt {prompt_len} + "
                 f"max_tokens {request.max_tokens}, within max_model_len {self.max_model_len}); raise kv_cache_space / gpu_memory_utilization / "
                 "num_gpu_blocks_override or lower max_tokens / max_model_len.")
@@ -686,6 +692,7 @@ class Scheduler:
                 num_prompt_tokens=r.num_prompt_tokens,
                 sampling_params=r.sampling_params,
                 block_ids=tuple(kv.get_block_ids(r.request_id)),
+                group_block_ids=tuple([tuple(kv.get_block_ids(r.request_id, g)) for g in range(1, kv.num_groups)]),
                 cross_block_ids=tuple(kv.get_cross_block_ids(r.request_id)),
                 num_computed_tokens=r.num_computed_tokens,
                 lora_slot=self._lora_slot(r),
@@ -699,6 +706,8 @@ class Scheduler:
             new_block_ids=tuple([tuple(plan.new_block_ids[r.request_id]) for r in running]),
             num_computed_tokens=tuple([r.num_computed_tokens for r in running]),
             lora_slots=tuple([self._lora_slot(r) for r in running]),
+            new_group_block_ids=(tuple([tuple([tuple(ids) for ids in group_lists(plan.new_block_ids[r.request_id])[1:]])
+                                        for r in running]) if kv.num_groups > 1 else ()),
         )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,

@@ -79,7 +79,8 @@ def build_rank(engine_args: EngineArgs, device: torch.device, tp: TensorParallel
     # Encoder-decoder models: each request also holds cross-attention K/V of its encoder output.
     cross_tokens = max_embeds_per_item if loaded.model.capabilities.encoder_decoder else 0
     num_blocks = runner.determine_num_blocks(max_blocks_needed(
-        cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size, cross_tokens))
+        cfg.scheduler_config.max_num_seqs, loaded.max_model_len, cfg.cache_config.block_size, cross_tokens,
+        runner.kv_cache.groups.num_groups))
     if on_built is not None:
         on_built()
     num_blocks = tp.min_int(num_blocks)   # the scheduler's one block table must fit every rank

@@ -41,6 +41,9 @@ class PagedAttention(nn.Module):
         self.sliding_window: Optional[int] = None
         """This layer's sliding window in positions (a query sees itself and the window - 1 keys before it);
         None: the whole context. Set by the model (``engine.models.sliding_window``)."""
+        self.kv_group: int = 0
+        """The layer's KV cache group (``engine.kv_cache_groups``), whose block table and slots it reads; set by
+        the runner's ``KVCache.allocate``."""
 
     def fuses_rotary_write(self, x: torch.Tensor) -> bool:
         """Inputs like x take the fused rotary + KV write (CUDA with the Triton backend), which
@@ -60,6 +63,8 @@ class PagedAttention(nn.Module):
         update then), elsewhere the norm modules run first.
         """
         meta = get_forward_context().attn_metadata
+        if self.kv_group:
+            meta = meta.for_group(self.kv_group)
         pending = take_update(q)
         fused = rotary is not None and positions.dim() == 1 and self.fuses_rotary_write(q)
         if pending is not None and (not fused or self.qk_norm is not None):

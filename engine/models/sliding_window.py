@@ -10,10 +10,11 @@
   Qwen's ``max_window_layers`` (layers i >= max_window_layers slide, when ``use_sliding_window``;
   ``sliding_window`` is None without it).
 
-A windowed layer's query at position p sees keys p - window < k <= p (``engine.attention``). When every
-layer is windowed, a request's KV blocks before its window are returned to the pool while it runs
-(``kv_free_window``, read by the scheduler's ``KVCacheManager``); with a global layer nothing falls out of
-every window.
+A windowed layer's query at position p sees keys p - window < k <= p (``engine.attention``). The runner groups
+the layers by window (``engine.kv_cache_groups``, from the ``sliding_window`` each layer is given here): a
+sliding group's KV blocks before a request's window are returned to the pool while it runs, a global group's
+are kept (the scheduler's ``KVCacheManager``). ``kv_free_window``: the window of every layer, when they share
+one.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The paged KV cache: its element type, bytes per block, how many blocks fit beside the weights and
-activations, and its allocation into every attention layer (with each layer's FP8 scales)."""
+activations, and its allocation into every attention layer (with each layer's FP8 scales), by KV cache group
+(``engine.kv_cache_groups``: layers of the same slot in different groups share one K and V tensor)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.config import FP8_KV_CACHE_DTYPES, CacheConfig, SchedulerConfig
 from engine.dtypes import TORCH_DTYPES
+from engine.kv_cache_groups import KVCacheGroups, kv_cache_groups
 from engine.kv_scales import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales
 from engine.layers.attention import PagedAttention
 from engine.models.interfaces import ModelShape
@@ -51,8 +53,8 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
 
 
 class KVCache:
-    """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per attention layer, and for an
-    FP8 cache each layer's scales.
+    """One [num_blocks, block_size, num_kv_heads, head_dim] K and V tensor per slot of the KV cache groups
+    (``groups``: with one group, per attention layer), and for an FP8 cache each layer's scales.
 
     Args:
         layers: the model's attention layers (``ModelForCausalLM.attention_layers``); each may have its
@@ -74,10 +76,16 @@ class KVCache:
         """Blocks allocated (0: not yet)."""
         self.scales = layer_kv_scales(checkpoint_scales or {}, len(layers), dtype)
         """Each layer's (k_scale, v_scale), bound to it at ``allocate`` (1.0 for float caches)."""
+        self.groups: KVCacheGroups = kv_cache_groups([a.sliding_window for a in layers],
+                                                     [(a.num_kv_heads, a.head_dim) for a in layers])
+        """The layers' KV cache groups, from the windows the model gave them (``engine.models.sliding_window``)."""
+        self.slot_layers = [layers[self.groups.layer_slot.index(j)] for j in range(self.groups.group_size)]
+        """A layer of each slot (its K/V shape is the slot's)."""
 
     def bytes_per_block(self) -> int:
+        """Bytes of one block: ``block_size`` tokens of every slot's K and V (one group's layers)."""
         elem_bytes = torch.finfo(self.dtype).bits // 8
-        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.layers) * elem_bytes
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.slot_layers) * elem_bytes
         return per_token * self.block_size
 
     def blocks_that_fit(self, cc: CacheConfig, max_needed_blocks: int, activation_reserve_bytes: int) -> int:
@@ -108,16 +116,23 @@ class KVCache:
         if self.dtype == FP8_KV_DTYPE and backend.name != "triton":
             raise ValueError(f"An FP8 KV cache needs the triton attention backend, not {backend.name!r}.")
         self.num_blocks = num_blocks
-        for attn, scales in zip(self.layers, self.scales):
+        slots = []
+        for attn in self.slot_layers:
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             # Zeroed: padded block-table entries point at block 0 and are masked, but must not be NaN.
-            attn.k_cache = zeros(shape, self.dtype, self.device)
-            attn.v_cache = zeros(shape, self.dtype, self.device)
+            slots.append((zeros(shape, self.dtype, self.device), zeros(shape, self.dtype, self.device)))
+        for attn, scales, group, slot in zip(self.layers, self.scales, self.groups.layer_group,
+                                             self.groups.layer_slot):
+            attn.k_cache, attn.v_cache = slots[slot]
             attn.k_scale, attn.v_scale = scales
+            attn.kv_group = group
             attn.backend = backend
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %s (%.2f GiB)", num_blocks, self.block_size,
-                    num_blocks * self.block_size, str(self.dtype).removeprefix("torch."),
-                    num_blocks * self.bytes_per_block() / (1 << 30))
+        num_groups = self.groups.num_groups
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens%s, %s (%.2f GiB)", num_blocks, self.block_size,
+                    num_blocks * self.block_size // num_groups,
+                    f" of every layer ({num_groups} groups of {self.groups.group_size} layers: a sliding group "
+                    f"holds only its window, so longer contexts fit)" if num_groups > 1 else "",
+                    str(self.dtype).removeprefix("torch."), num_blocks * self.bytes_per_block() / (1 << 30))
 
 
 def layer_kv_scales(checkpoint_scales: dict[int, KVScales], num_layers: int,
@@ -168,8 +183,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_OF[dtype])).view(dtype)
 
 
-def max_blocks_needed(max_num_seqs: int, max_model_len: int, block_size: int, cross_tokens: int = 0) -> int:
+def max_blocks_needed(max_num_seqs: int, max_model_len: int, block_size: int, cross_tokens: int = 0,
+                      num_groups: int = 1) -> int:
     """Blocks that could ever be in use at once (+1 for the reserved null block); ``cross_tokens``: the
-    cross-attention K/V positions each request of an encoder-decoder model holds."""
-    per_request = math.ceil(max_model_len / block_size) + math.ceil(cross_tokens / block_size)
+    cross-attention K/V positions each request of an encoder-decoder model holds; ``num_groups``: KV cache
+    groups, each holding a block list per request."""
+    per_request = num_groups * math.ceil(max_model_len / block_size) + math.ceil(cross_tokens / block_size)
     return max_num_seqs * per_request + 1

@@ -150,7 +150,7 @@ class ModelRunner:
         self.states = RequestStates(
             sc.max_num_seqs, math.ceil(max_model_len / self.block_size),
             math.ceil(model.num_source_positions / self.block_size) if capabilities.encoder_decoder else 0,
-            device, model.logits_rules, model if capabilities.mrope else None)
+            device, model.logits_rules, model if capabilities.mrope else None, self.kv_cache.groups.num_groups)
         self.encoder_cache: dict[str, torch.Tensor] = {}
         """Media item content hash -> its encoder output [num_embeds, hidden] (the scheduler's
         ``EncoderCacheManager`` decides what stays; evictions arrive in ``free_encoder_identifiers``)."""
@@ -225,7 +225,8 @@ class ModelRunner:
         sc = self.config.scheduler_config
         max_tokens = max(sc.max_num_batched_tokens, max(self._graph_sizes))
         max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
-        self.buffers = StepBuffers(max_tokens, sc.max_num_seqs, max_blocks_per_req, self.device)
+        self.buffers = StepBuffers(max_tokens, sc.max_num_seqs, max_blocks_per_req, self.device,
+                                   self.kv_cache.groups.num_groups)
         mrope = self.model.capabilities.mrope
         self.buffers.with_mrope = mrope
         if self.media is not None and self.use_cuda_graphs and self._graph_token_sizes:
@@ -372,7 +373,7 @@ class ModelRunner:
         return self.buffers.prepare(states, counts, self.states.block_table, self.block_size,
                                     with_lora=self.lora_manager is not None,
                                     num_reqs_padded=reqs_padded, num_tokens_padded=tokens_padded,
-                                    prev_sampled_rows=prev_rows)
+                                    prev_sampled_rows=prev_rows, group_tables=self.states.group_tables)
 
     def _forward(self, inputs: StepInputs, graph_key: Optional[GraphKey],
                  mm_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None,

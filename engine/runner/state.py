@@ -22,6 +22,7 @@ class RequestStates:
         max_num_seqs: requests at once (the block table's rows).
         max_blocks_per_req: blocks of a ``max_model_len`` request.
         max_cross_blocks: cross-attention blocks of a request (encoder-decoder models; 0: none).
+        num_kv_groups: KV cache groups (``engine.kv_cache_groups``); groups 1.. have their own block tables.
         device: where seeded requests' generators draw.
         logits_rules: the model's logits rules (each new request records whether they read its outputs).
         mrope_model: the model, when it rotates prompts with media by M-RoPE positions (else None).
@@ -29,14 +30,16 @@ class RequestStates:
 
     def __init__(self, max_num_seqs: int, max_blocks_per_req: int, max_cross_blocks: int,
                  device: torch.device, logits_rules: Optional[LogitsRules],
-                 mrope_model: Optional[SupportsMRoPE]) -> None:
+                 mrope_model: Optional[SupportsMRoPE], num_kv_groups: int = 1) -> None:
         self.device = device
         self.logits_rules = logits_rules
         self.mrope_model = mrope_model
         self.requests: dict[str, CachedRequestState] = {}
         """req_id -> its state (kept while preempted)."""
         self.block_table = BlockTableRows(max_num_seqs, max_blocks_per_req)
-        """One row of block ids per active request."""
+        """One row of block ids per active request (of KV cache group 0)."""
+        self.group_tables = [BlockTableRows(max_num_seqs, max_blocks_per_req) for _ in range(num_kv_groups - 1)]
+        """KV cache groups 1..'s block tables, each request in its ``block_table`` row."""
         self.cross_block_rows: Optional[np.ndarray] = (
             np.zeros((max_num_seqs, max_cross_blocks), dtype=np.int32) if max_cross_blocks else None)
         """[max_num_seqs, max_cross_blocks] int32: each block table row's cross blocks (one encoder input per
@@ -74,6 +77,8 @@ class RequestStates:
                 generator=generator, lora_slot=new.lora_slot, row=table.add(new.block_ids),
                 mm_features=new.mm_features, cross_block_ids=list(new.cross_block_ids),
                 num_cross_tokens=sum(f.num_cross_embeds for f in new.mm_features))
+            for t, ids in zip(self.group_tables, new.group_block_ids):
+                t.set_row(state.row, ids)
             if state.cross_block_ids:
                 self.cross_block_rows[state.row, :len(state.cross_block_ids)] = state.cross_block_ids
             if self.logits_rules is not None:
@@ -91,6 +96,9 @@ class RequestStates:
             s = self.requests[rid]
             s.block_ids.extend(cached.new_block_ids[i])
             table.append(s.row, cached.new_block_ids[i])
+            if cached.new_group_block_ids:
+                for t, ids in zip(self.group_tables, cached.new_group_block_ids[i]):
+                    t.append(s.row, ids)
             s.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.lora_slots:
                 s.lora_slot = cached.lora_slots[i]

@@ -5,8 +5,9 @@ equal, logprobs within 1e-3), with prompts and generations well past the window:
   (window 10, 3 query heads over 1 KV head): the KV blocks before a running request's window go back to the
   pool, counted while a long request decodes;
 - Gemma 3 (window 10 on its sliding layers, global layers beside them; 3 query heads over 1 KV head), and
-  Qwen2 / Qwen3 with ``use_sliding_window`` (window 11 / 12 on the layers from ``max_window_layers`` on): no
-  block falls out of every window, so none is returned;
+  Qwen2 / Qwen3 with ``use_sliding_window`` (window 11 / 12 on the layers from ``max_window_layers`` on): the
+  sliding and global layers are separate KV cache groups, the sliding ones return the blocks before their
+  window, the global ones keep every block;
 - Qwen3-MoE with ``use_sliding_window`` (window 10 on every layer: transformers' Qwen3-MoE has no
   ``max_window_layers``) and Qwen3 with ``max_window_layers`` 0: blocks go back to the pool as Mistral's;
 - chunked prefill (chunks shorter and longer than the window, at odd offsets), prefix caching of a prompt
@@ -28,7 +29,9 @@ MAX_TOKENS = 24
 MISTRAL_WINDOW, MIXTRAL_WINDOW, GEMMA_WINDOW = 12, 10, 10
 QWEN2_WINDOW, QWEN3_WINDOW, QWEN3_MOE_WINDOW = 11, 12, 10
 WINDOWS = {"mistral": [MISTRAL_WINDOW] * 2, "mixtral": [MIXTRAL_WINDOW] * 2,
-           "gemma3": [GEMMA_WINDOW, None, GEMMA_WINDOW], "qwen2": [None, QWEN2_WINDOW, QWEN2_WINDOW],
+           "gemma3": [GEMMA_WINDOW, None, GEMMA_WINDOW],
+           "gemma3_6": [GEMMA_WINDOW, GEMMA_WINDOW, None, GEMMA_WINDOW, GEMMA_WINDOW, None],
+           "qwen2": [None, QWEN2_WINDOW, QWEN2_WINDOW],
            "qwen3": [None, None, QWEN3_WINDOW], "qwen3_every": [QWEN3_WINDOW] * 2,
            "qwen3_moe": [QWEN3_MOE_WINDOW] * 3}
 """Each family's per-layer window (None: the whole context), as transformers applies them."""
@@ -54,6 +57,10 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
                                         num_attention_heads=3, num_key_value_heads=1, head_dim=16,
                                         num_hidden_layers=3, sliding_window_pattern=2, query_pre_attn_scalar=20,
                                         sliding_window=GEMMA_WINDOW),
+        "gemma3_6": build_tiny_checkpoint(root / "gemma3_6", "gemma3_text", seed=28, hidden_size=48,
+                                          num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                                          num_hidden_layers=6, sliding_window_pattern=3, query_pre_attn_scalar=20,
+                                          sliding_window=GEMMA_WINDOW),
         "qwen2": build_tiny_checkpoint(root / "qwen2", "qwen2", seed=24, hidden_size=48, num_attention_heads=3,
                                        num_key_value_heads=1, num_hidden_layers=3, use_sliding_window=True,
                                        sliding_window=QWEN2_WINDOW, max_window_layers=1),
@@ -102,8 +109,10 @@ def test_parity_with_transformers_past_the_window(dirs, family):
     assert exact == len(refs)
 
 
-@pytest.mark.parametrize("family,num_blocks", [("mistral", 120), ("mistral", 40), ("gemma3", 120), ("qwen2", 120),
-                                               ("qwen3", 120), ("qwen3_every", 40), ("qwen3_moe", 40)])
+# Qwen3's two global layers are two KV cache groups of one layer (and its sliding layer a third): its blocks are
+# a third of a layer-wide block, and both global groups hold every token.
+@pytest.mark.parametrize("family,num_blocks", [("mistral", 120), ("mistral", 40), ("gemma3", 120), ("gemma3_6", 120),
+                                               ("qwen2", 120), ("qwen3", 240), ("qwen3_every", 40), ("qwen3_moe", 40)])
 def test_chunked_prefill_and_prefix_caching(dirs, family, num_blocks):
     """Chunks of 7 tokens (shorter than the window, at every offset in a block); a second prompt sharing the
     long prefix hits the cache (for Mistral, blocks the first request returned while it ran; with 40 blocks
@@ -123,8 +132,8 @@ def test_chunked_prefill_and_prefix_caching(dirs, family, num_blocks):
     assert second[0].num_cached_tokens >= 4 * (len(long_ids) // 4 - 1)
 
 
-@pytest.mark.parametrize("family,num_blocks", [("mistral", 8), ("gemma3", 100), ("qwen3_every", 8),
-                                               ("qwen2", 100)])
+@pytest.mark.parametrize("family,num_blocks", [("mistral", 8), ("gemma3", 104), ("gemma3_6", 104),
+                                               ("qwen3_every", 8), ("qwen2", 112)])
 def test_preemption_across_the_window(dirs, family, num_blocks):
     """A KV cache too small for three requests past their window at once: some are preempted and recomputed
     (chunked, 7 tokens a step). Equal to transformers."""
@@ -183,22 +192,54 @@ def test_blocks_out_of_the_window_are_freed_while_decoding(dirs, family):
     assert check_outputs_close(out, [ref], ["long decode in a small cache"]) == 1
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
-def test_a_global_layer_keeps_every_block(dirs, family):
-    """With global layers nothing is out of every window: a long request holds all its blocks."""
-    llm = LLM(str(dirs[family]), seed=0, block_size=4, max_num_batched_tokens=16, max_num_seqs=1,
+@pytest.mark.parametrize("family,group_size", [("gemma3", 1), ("gemma3_6", 2), ("qwen2", 1), ("qwen3", 1)])
+def test_sliding_groups_return_blocks_global_groups_keep_them(dirs, family, group_size):
+    """Sliding and global layers are KV cache groups of ``group_size`` layers (``engine.kv_cache_groups``: the
+    6-layer Gemma 3's 4 sliding layers are 2 groups, its 2 global ones 1) over one pool: while a long request
+    runs, each sliding group's blocks before the chunk's window are back in the pool (the null block in their
+    places), each global group holds every block, and the pool's free count is the rest. Layers of the same
+    slot share their K and V tensors; each reads its group's block table."""
+    block_size = 4
+    llm = LLM(str(dirs[family]), seed=0, block_size=block_size, max_num_batched_tokens=16, max_num_seqs=1,
               enable_prefix_caching=False)
-    engine, kv = llm.llm_engine, llm.llm_engine.core.scheduler.kv_cache_manager
+    engine, core = llm.llm_engine, llm.llm_engine.core
+    kv = core.scheduler.kv_cache_manager
+    groups = core.runner.kv_cache.groups
+    layers = core.runner.model.attention_layers()
+    windows = WINDOWS[family]
+    assert groups.group_size == group_size and groups.num_groups * group_size == len(windows)
+    assert [g.window for g in kv.groups] == list(groups.group_windows) and kv.sliding_window is None
+    assert [a.kv_group for a in layers] == list(groups.layer_group)
+    assert [groups.group_windows[a.kv_group] for a in layers] == windows
+    for a, slot in zip(layers, groups.layer_slot):
+        first = layers[groups.layer_slot.index(slot)]
+        assert a.k_cache is first.k_cache and a.v_cache is first.v_cache
+    assert len({id(a.k_cache) for a in layers}) == group_size
     ids = llm.get_tokenizer().encode(LONG_PROMPT)
     engine.add_request("g", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=4,
                                                                       ignore_eos=True))
+    returned = {g.group: 0 for g in kv.groups}
     while engine.has_unfinished_requests():
+        start = core.scheduler.requests["g"].num_computed_tokens if "g" in core.scheduler.requests else 0
         engine.step()
-        blocks = kv.req_to_blocks.get("g")
-        if blocks is not None:
-            assert not any(b.is_null for b in blocks)
-            assert len(blocks) * 4 >= engine.core.scheduler.requests["g"].num_computed_tokens
-    assert kv.sliding_window is None
+        if "g" not in kv.req_to_blocks:
+            continue
+        computed = core.scheduler.requests["g"].num_computed_tokens
+        held = 0
+        for g in kv.groups:
+            blocks = g.req_to_blocks["g"]
+            dead = 0 if g.window is None else max(0, start - g.window + 1) // block_size
+            assert all(b.is_null for b in blocks[:dead]) and not any(b.is_null for b in blocks[dead:])
+            assert len(blocks) * block_size >= computed
+            held += len(blocks) - dead
+            returned[g.group] = dead
+        assert kv.num_free_blocks == kv.num_usable_blocks - held
+    for g in kv.groups:
+        if g.window is None:
+            assert returned[g.group] == 0
+        else:
+            assert returned[g.group] >= (len(ids) - g.window) // block_size - 4
+    assert kv.num_free_blocks == kv.num_usable_blocks                  # all back at the end
 
 
 def test_qwen_layer_windows_follow_transformers_configs():

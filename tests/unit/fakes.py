@@ -86,6 +86,8 @@ class _Row:
     block_ids: list[int]
     num_computed_tokens: int
     lora_slot: int
+    group_block_ids: list[list[int]] = field(default_factory=list)
+    """KV cache groups 1..'s blocks."""
 
 
 @dataclass
@@ -167,15 +169,22 @@ class FakeRunner:
             self.rows.pop(req_id, None)
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.rows, f"{nr.req_id} sent as new twice"
-            assert 0 not in nr.block_ids, "null block handed out"
+            for ids in (nr.block_ids, *nr.group_block_ids):
+                # Only before a sliding window (prefix hits there are not taken) does the null block stand.
+                live = ids[next((i for i, b in enumerate(ids) if b != 0), len(ids)):]
+                assert 0 not in live, "null block handed out"
             self.rows[nr.req_id] = _Row(list(nr.all_token_ids), list(nr.block_ids),
-                                        nr.num_computed_tokens, nr.lora_slot)
+                                        nr.num_computed_tokens, nr.lora_slot, [list(g) for g in nr.group_block_ids])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             row = self.rows[req_id]
             assert row.num_computed_tokens == cached.num_computed_tokens[i]
             assert 0 not in cached.new_block_ids[i]
+            assert not cached.new_group_block_ids or not any(0 in g for g in cached.new_group_block_ids[i])
             row.block_ids.extend(cached.new_block_ids[i])
+            for ids, new in zip(row.group_block_ids, cached.new_group_block_ids[i] if cached.new_group_block_ids
+                                else ()):
+                ids.extend(new)
             row.lora_slot = cached.lora_slots[i]
 
     def _check_block_tables(self) -> None:
@@ -185,13 +194,15 @@ class FakeRunner:
         assert set(self.rows) == {r.request_id for r in sched.running}
         ref = [0] * kv.block_pool.num_blocks
         for req_id, row in self.rows.items():
-            held = kv.get_block_ids(req_id)
-            # A block returned out of a sliding window is the null block 0 in the manager's list; the runner's
-            # table keeps the old id, never read again.
-            assert len(row.block_ids) == len(held)
-            assert all(h in (b, 0) for b, h in zip(row.block_ids, held)), (row.block_ids, held)
-            for b in held:
-                ref[b] += 1
+            assert len(row.group_block_ids) == kv.num_groups - 1
+            for g, ids in enumerate([row.block_ids, *row.group_block_ids]):
+                held = kv.get_block_ids(req_id, g)
+                # A block returned out of a sliding window is the null block 0 in the manager's list; the
+                # runner's table keeps the old id, never read again.
+                assert len(ids) == len(held)
+                assert all(h in (b, 0) for b, h in zip(ids, held)), (g, ids, held)
+                for b in held:
+                    ref[b] += 1
         for block in kv.block_pool.blocks[1:]:
             assert block.ref_cnt == ref[block.block_id], block
         assert kv.num_free_blocks == sum(1 for r in ref[1:] if r == 0)
@@ -216,6 +227,6 @@ def assert_no_leaks(sched: Scheduler) -> None:
     kv = sched.kv_cache_manager
     assert not sched.requests and not sched.running and len(sched.waiting) == 0
     assert kv.num_free_blocks == kv.num_usable_blocks
-    assert not kv.req_to_blocks
+    assert not any(g.req_to_blocks for g in kv.groups)
     if sched.lora_slots is not None:
         assert all(sched.lora_slots.num_running(s) == 0 for s in range(sched.lora_slots.max_loras))

@@ -1,7 +1,7 @@
 """benchmarks/kv_cache.py at tiny sizes on the CPU: the capacity of a cache of half the bytes per element is twice
 the blocks under the same budget (the H200 run compares bf16 with FP8; the CPU has no FP8 cache, so float32 with
-bfloat16), and a long prompt's blocks on the tiny Gemma 3 with and without its windows, against what its
-layers' windows need."""
+bfloat16), and a long prompt's KV blocks on the tiny Gemma 3 with and without its windows (KV cache groups),
+against what its layers' windows need."""
 
 from __future__ import annotations
 
@@ -38,20 +38,28 @@ def test_half_the_bytes_per_element_doubles_the_blocks_and_decode_rows_run(monke
         assert row["kv_bytes"] == row["total_bytes"] - row["weight_bytes"] > 0
 
 
-def test_a_long_prompt_holds_every_block_with_a_global_layer_and_the_window_need_is_smaller(monkeypatch, tmp_path):
-    """Tiny Gemma 3: 6 layers, window 16, one global; 2 KV heads of 16, float32. Nothing leaves every window
-    while a global layer reads the whole prompt, so both hold its blocks; its windows need 5 x 16 + 256 tokens'
-    KV per layer, without windows 6 x 256."""
+def test_a_long_prompt_holds_only_the_windows_of_its_sliding_layers(monkeypatch, tmp_path):
+    """Tiny Gemma 3: 6 layers, window 16, one global; 2 KV heads of 16, float32. With windows its layers are 6 KV
+    cache groups of one layer (5 sliding, 1 global; a block holds one layer): at its first decode step the global
+    group holds the prompt's 17 blocks and each sliding group the 2 its window reaches (the others went back to
+    the pool), against 17 six-layer blocks without windows; its windows need 5 x 16 + 256 tokens' KV per layer,
+    without windows 6 x 256. The prefill (one chunk) held every group's blocks of the prompt."""
     report = _run(monkeypatch, tmp_path, "window", "--shape", "gemma3-12b", "--prompt-len", "256",
                   "--batch-sizes", "2", "--context-len", "40")
     on, off = report["rows"]
     assert (on["windows"], on["sliding_layers"], off["windows"], off["sliding_layers"]) == (True, 5, False, 0)
+    assert (on["kv_groups"], on["group_layers"], off["kv_groups"], off["group_layers"]) == (6, 1, 1, 6)
     per_token_layer = 2 * 2 * 16 * 4
     assert on["window_need_bytes"] == (5 * 16 + 256) * per_token_layer
     assert off["window_need_bytes"] == 6 * 256 * per_token_layer
+    blocks = math.ceil(257 / 16)                                               # the prompt and its first token
+    assert off["blocks_held"] == off["blocks_peak"] == blocks
+    assert off["held_bytes"] == blocks * 16 * 6 * per_token_layer
+    assert on["blocks_held"] == blocks + 5 * 2 and on["blocks_peak"] == 6 * (256 // 16)
+    assert on["held_bytes"] == (blocks + 5 * 2) * 16 * per_token_layer
+    assert on["window_need_bytes"] <= on["held_bytes"] < off["held_bytes"]
+    assert on["held_x_off"] == pytest.approx((blocks + 10) / (6 * blocks))
     for r in (on, off):
-        assert r["blocks_held"] == r["blocks_peak"] == math.ceil(257 / 16)     # the prompt and its first token
-        assert r["held_bytes"] == r["blocks_held"] * 16 * 6 * per_token_layer
         (row,) = r["decode"]
         assert row["batch"] == 2 and row["step_ms"] > 0
     assert on["decode"][0]["kv_bytes"] < off["decode"][0]["kv_bytes"]         # sliding layers read their window

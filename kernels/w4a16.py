@@ -80,7 +80,7 @@ MAGIC_EXP_BITS = 0x4B000000
 """The exponent bits of 2^23 (float32), which the GEMV ORs into packed words to read nibbles as floats."""
 
 ARRIVAL_COUNTERS = 16384
-"""int32 arrival counters per (device, stream) for ``W4A16Config.reduce_in_kernel``: the most output tiles
+"""int32 arrival counters per device for ``W4A16Config.reduce_in_kernel``: the most output tiles
 one split-K launch reduces in the kernel."""
 
 DEFAULT_NUM_SMS = 132
@@ -734,36 +734,43 @@ class SplitPlan:
     ws: torch.Tensor
     """float32 [num_splits, M, N] partials when num_splits > 1, else ``out`` itself (unused)."""
     counters: torch.Tensor
-    """int32 arrival counters, all 0 (``_arrival_counters``) with ``in_kernel``, else ``ws`` (unused)."""
+    """int32 [ARRIVAL_COUNTERS] arrival counters, all 0 (``_arrival_counters``) with ``in_kernel``, else
+    ``ws`` (unused)."""
     in_kernel: bool
     """The kernel reduces the partials itself (else ``_reduce_splits`` runs after it)."""
 
 
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-"""Registry of the zeroed int32 [ARRIVAL_COUNTERS] per (device, stream) of the in-kernel split-K reduction;
-every launch leaves its counters at 0. Per stream, so launches on concurrent streams never share one."""
+_COUNTERS: dict[tuple[str, Optional[int]], torch.Tensor] = {}
+"""Registry of the zeroed int32 [ARRIVAL_COUNTERS] per device of the in-kernel split-K reduction; every
+launch leaves its counters at 0.
+NOTE: one set per device, so two launches that run at the same time on different streams must not both
+reduce in the kernel (the engine's forward runs on one stream)."""
 
 
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """This device's and current stream's counters (allocated once, kept for the process: a CUDA graph
-    that captured a launch holds their address)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+def _arrival_counters(device: torch.device) -> Optional[torch.Tensor]:
+    """This device's counters, allocated and zeroed on first use and kept for the process (a CUDA graph that
+    captured a launch holds their address); None on a first use inside a CUDA graph capture, where the
+    zeroing would only run at replay (that launch reduces with a second launch instead)."""
+    key = (device.type, device.index)
     if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         _COUNTERS[key] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)   # [ARRIVAL_COUNTERS]
     return _COUNTERS[key]
 
 
 def _plan_splits(k_steps: int, config: W4A16Config, tiles: int, out: torch.Tensor) -> SplitPlan:
     """At most config.split_k K slices of k_steps, none empty; their workspace; the in-kernel reduction
-    when config.reduce_in_kernel asks for it and the ``tiles`` output tiles fit ``ARRIVAL_COUNTERS``."""
+    when config.reduce_in_kernel asks for it, the ``tiles`` output tiles fit ``ARRIVAL_COUNTERS`` and the
+    device's counters exist (``_arrival_counters``)."""
     per_split = cdiv(k_steps, config.split_k)
     num_splits = cdiv(k_steps, per_split)
     if num_splits == 1:
         return SplitPlan(per_split, 1, out, out, False)
     ws = torch.empty(num_splits, *out.shape, dtype=torch.float32, device=out.device)        # [splits, M, N]
-    in_kernel = bool(config.reduce_in_kernel) and tiles <= ARRIVAL_COUNTERS
-    return SplitPlan(per_split, num_splits, ws, _arrival_counters(out.device) if in_kernel else ws, in_kernel)
+    counters = (_arrival_counters(out.device) if config.reduce_in_kernel and tiles <= ARRIVAL_COUNTERS
+                else None)
+    return SplitPlan(per_split, num_splits, ws, ws if counters is None else counters, counters is not None)
 
 
 def _finish_splits(plan: SplitPlan, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:

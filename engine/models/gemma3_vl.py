@@ -38,6 +38,7 @@ from encoders.siglip import SiglipVisionTower
 from engine.distributed.group import TensorParallelGroup
 from engine.forward_context import current_forward_context
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.interfaces import MediaWarmUp
 from engine.models.llava import CHECKPOINT_PREFIXES
 from engine.models.vision_language import VisionLanguageModel, image_token_id
 from multimodal.gemma3_processing import Gemma3PromptProcessor
@@ -146,6 +147,12 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         newline_ids = tok.encode("\n\n", add_special_tokens=False)
         return Gemma3PromptProcessor(load_image_processor(checkpoint_dir), self.image_token_id, self.boi_token_id,
                                      self.eoi_token_id, newline_ids, self.num_image_embeds)
+
+    def media_warm_up(self) -> list[MediaWarmUp]:
+        """One image at the tower's size (every image is resized to it)."""
+        side_px = self.config.vision_config.image_size
+        image = ProcessedImage(torch.zeros(3, side_px, side_px), None)
+        return [MediaWarmUp.at_placeholders("image", image, self.num_image_embeds, self.image_token_id)]
 
     def embed_multimodal(self, modality: str, items: list[ProcessedImage]) -> list[torch.Tensor]:
         """One [mm_tokens_per_image, text hidden] per image."""

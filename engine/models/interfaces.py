@@ -69,6 +69,31 @@ class ModelShape:
     """Logits per sampled row ([R, vocab])."""
 
 
+@dataclass(frozen=True)
+class MediaWarmUp:
+    """One media item a multimodal model serves, encoded and prefilled once at start-up (CUDA) so that the
+    first requests with media find the encoder's kernels compiled (``engine.runner.warm_up.warm_up_media``)."""
+
+    modality: str
+    """'image' or 'audio'."""
+    data: Any
+    """The encoder input, as a request's ``MultiModalFeature.data`` holds it (what ``embed_multimodal`` takes)."""
+    num_embeds: int
+    """Encoder output rows of the item."""
+    prompt_token_ids: tuple[int, ...]
+    """The warm-up request's prompt: placeholders and a text token after them, or an encoder-decoder model's
+    decoder prompt."""
+    placeholder_offset: Optional[int]
+    """Where the item's ``num_embeds`` placeholder tokens start in the prompt; None: a cross-attention input."""
+
+    @classmethod
+    def at_placeholders(cls, modality: str, data: Any, num_embeds: int, placeholder_token_id: int,
+                        text_token_id: int = 0) -> "MediaWarmUp":
+        """An item whose embeddings replace ``num_embeds`` placeholder tokens at the start of the prompt,
+        followed by one text token (the one whose logits are sampled)."""
+        return cls(modality, data, num_embeds, (placeholder_token_id,) * num_embeds + (text_token_id,), 0)
+
+
 QKVConsumer = Callable[["PendingUpdate", torch.Tensor], None]
 """f(pending, qkv): what a decode step does with a [T, q + 2 kv] q/k/v projection output whose adapter update
 is still pending (``lora.manager.LoRAManager.warm_up_kernels`` compiles it at start-up)."""
@@ -135,6 +160,10 @@ class SupportsMultiModal(Protocol):
     def make_prompt_processor(self, checkpoint_dir: Path) -> Any:
         """The prompt side of the model (``multimodal.processing``), with the settings its checkpoint
         directory holds (an image processor, audio features): media -> encoder inputs, placeholders."""
+
+    def media_warm_up(self) -> list[MediaWarmUp]:
+        """The media items start-up encodes and prefills once (CUDA): those of the sizes it serves (an image
+        at the processor's default size, a full audio window), built without the checkpoint directory."""
 
 
 class SupportsMRoPE(Protocol):

@@ -25,6 +25,7 @@ from encoders.siglip import SiglipVisionTower
 from encoders.vit import ACTIVATIONS, LoRASlices, TowerWeights
 from engine.layers.linear import Linear
 from engine.distributed.group import TensorParallelGroup
+from engine.models.interfaces import MediaWarmUp
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, image_token_id
 from multimodal.image_processor import ProcessedImage, load_image_processor
@@ -123,6 +124,12 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         ``num_image_embeds`` placeholder tokens."""
         return LlavaPromptProcessor(load_image_processor(checkpoint_dir), self.image_token_id,
                                     self.num_image_embeds)
+
+    def media_warm_up(self) -> list[MediaWarmUp]:
+        """One image at the tower's size (every image is resized to it)."""
+        side_px = self.config.vision_config.image_size
+        image = ProcessedImage(torch.zeros(3, side_px, side_px), None)
+        return [MediaWarmUp.at_placeholders("image", image, self.num_image_embeds, self.image_token_id)]
 
     def embed_multimodal(self, modality: str, items: list[ProcessedImage]) -> list[torch.Tensor]:
         """The images' embeddings in the LM's space: one [num_image_embeds, hidden] per item."""

@@ -23,14 +23,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from encoders.qwen2_audio import Qwen2AudioEncoderTower
 from engine.distributed.group import TensorParallelGroup
+from engine.models.interfaces import MediaWarmUp
 from engine.models.llama import Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel
-from multimodal.audio_processing import AudioInput
+from multimodal.audio_processing import AudioFeatureSettings, AudioInput
 from multimodal.qwen2_audio_processing import Qwen2AudioInput, Qwen2AudioPromptProcessor
 
 # Checkpoint (and PEFT module) name prefix -> ours, transformers 5.x first.
@@ -87,6 +89,15 @@ class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
         """The checkpoint's feature extractor settings (``preprocessor_config.json``) and ``<|AUDIO|>``."""
         return Qwen2AudioPromptProcessor.from_checkpoint(checkpoint_dir, self.config.audio_config.num_mel_bins,
                                                          self.audio_token_id)
+
+    def media_warm_up(self) -> list[MediaWarmUp]:
+        """One full window of silence (Whisper's default feature settings with the model's mel bins)."""
+        processor = Qwen2AudioPromptProcessor(AudioFeatureSettings(num_mel_bins=self.config.audio_config.num_mel_bins),
+                                              self.audio_token_id)
+        window = processor.log_mel.window_samples
+        audio = Qwen2AudioInput(AudioInput(np.zeros(window, dtype=np.float32), processor.log_mel, "audio"),
+                                processor.num_frames(window))
+        return [MediaWarmUp.at_placeholders("audio", audio, processor.num_embeds(window), self.audio_token_id)]
 
     def embed_multimodal(self, modality: str, items: list[Qwen2AudioInput]) -> list[torch.Tensor]:
         """One [num_audio_embeds, text hidden] per audio (one batched log-mel, the layers per item)."""

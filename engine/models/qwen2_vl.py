@@ -15,6 +15,7 @@ and its merger's (``encoder_lora_parts``: the tower's ``lora_slices``).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -22,10 +23,10 @@ import numpy as np
 import torch
 
 from encoders.qwen2_5_vl import Qwen2_5_VLVisionTransformer
-from encoders.qwen2_vl import Qwen2VLVisionTransformer
+from encoders.qwen2_vl import Qwen2VLVisionTransformer, patch_shape
 from engine.distributed.group import TensorParallelGroup
 from engine.layers.rotary import MRotaryEmbedding
-from engine.models.interfaces import ModelCapabilities
+from engine.models.interfaces import MediaWarmUp, ModelCapabilities
 from engine.models.llama import Qwen2ForCausalLM
 from engine.models.vision_language import VisionLanguageModel, image_token_id
 from engine.request import MultiModalFeature
@@ -112,6 +113,18 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
             raise ValueError(f"preprocessor_config.json merge_size={image_processor.merge_size} differs from the "
                              f"vision config's spatial_merge_size={self.merge_size}.")
         return Qwen2VLPromptProcessor(image_processor, self.image_token_id)
+
+    def media_warm_up(self) -> list[MediaWarmUp]:
+        """Two image sizes (the image's size decides the tower's work): 32 x 32 and 16 x 24 patches at merge
+        size 2 (448 x 448 and 224 x 336 pixels at 14-pixel patches), in units of the merge size elsewhere."""
+        vision = self.config.vision_config
+        patch_len = math.prod(patch_shape(vision))
+        items = []
+        for rows, cols in ((16, 16), (8, 12)):
+            grid = (1, rows * self.merge_size, cols * self.merge_size)
+            image = ProcessedImage(torch.zeros(math.prod(grid), patch_len), grid)   # [t * h * w, C*T*P*P]
+            items.append(MediaWarmUp.at_placeholders("image", image, rows * cols, self.image_token_id))
+        return items
 
     def embed_multimodal(self, modality: str, items: list[ProcessedImage]) -> list[torch.Tensor]:
         """One [t * h * w / merge_size**2, hidden] per image, through one tower call."""

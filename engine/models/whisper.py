@@ -29,6 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -41,7 +42,7 @@ from engine.layers.attention import PagedAttention
 from engine.layers.lora_layout import LoRALayout
 from engine.layers.parallel import (VocabParallelEmbedding, column_parallel_linear, copy_rows, linear_shard_of,
                                     parallel_logits, row_parallel_linear)
-from engine.models.interfaces import LogitsRules, ModelCapabilities, ModelShape, QKVConsumer
+from engine.models.interfaces import LogitsRules, MediaWarmUp, ModelCapabilities, ModelShape, QKVConsumer
 
 _ENCODER_PREFIX = "model.encoder."
 
@@ -246,6 +247,17 @@ class WhisperForConditionalGeneration(nn.Module):
         encoder = self.model.encoder
         features = type(items[0]).features(items, encoder.conv1.weight.device)   # [B, num_mel_bins, frames]
         return list(encoder(features).unbind(0))
+
+    def media_warm_up(self) -> list[MediaWarmUp]:
+        """One 30 s window of silence (Whisper's default feature settings with the model's mel bins), under a
+        decoder prompt of the start token."""
+        from multimodal.audio_processing import AudioInput, AudioPromptProcessor
+
+        processor = AudioPromptProcessor.for_whisper(self.config, None)
+        audio = AudioInput(np.zeros(processor.log_mel.window_samples, dtype=np.float32), processor.log_mel,
+                           processor.settings.padding)
+        return [MediaWarmUp("audio", audio, self.num_source_positions,
+                            (int(self.config.decoder_start_token_id),), None)]
 
     def capture_encoder_graphs(self, max_items: int) -> None:
         """The encoder's CUDA graphs for up to ``max_items`` 30 s windows per replay

@@ -49,8 +49,8 @@ from engine.runner.row_calls import RowCalls
 from engine.runner.sampling import StepSampler, sampling_is_simple
 from engine.runner.state import RequestStates
 from engine.runner.step_observer import StepObserver
-from engine.runner.warm_up import (capture_cuda_graphs, tune_lora_stacked_gemms, warm_up_attention,
-                                   warm_up_lora_kernels)
+from engine.runner.warm_up import (MediaWarmUpLimits, capture_cuda_graphs, tune_lora_stacked_gemms,
+                                   warm_up_attention, warm_up_lora_kernels, warm_up_media)
 from kernels.cpu_layer_ops import CpuLayerOps
 
 logger = logging.getLogger("chorus.runner")
@@ -104,6 +104,7 @@ class ModelRunner:
         attention backend and the LoRA layers get it at construction."""
         self.lora_manager = lora_manager
         self.encoder_cache_size = encoder_cache_size
+        self.encoder_compute_budget = encoder_compute_budget
         self.block_size = config.cache_config.block_size
         sc = config.scheduler_config
         capabilities = model.capabilities
@@ -220,6 +221,18 @@ class ModelRunner:
                                               self.policy,
                                               self.cross_attention.buffers.capture_metadata
                                               if self.cross_attention is not None else None)
+        if cuda and self.media is not None:
+            self.warm_up_media()
+
+    def warm_up_media(self) -> int:
+        """Encode and prefill the model's declared warm-up media once (``warm_up.warm_up_media``; on CUDA at
+        start-up), leaving no request, encoder output or count behind. Returns the items run."""
+        sc, num_encoded = self.config.scheduler_config, self.num_encoded_items
+        limits = MediaWarmUpLimits(self.kv_cache.num_blocks, self.block_size, self.kv_cache.groups.num_groups,
+                                   sc.max_num_batched_tokens, self.max_model_len, self.encoder_compute_budget)
+        num_run = warm_up_media(self.model.media_warm_up(), self.execute, limits)
+        self.num_encoded_items = num_encoded
+        return num_run
 
     def _init_step_buffers(self) -> None:
         sc = self.config.scheduler_config

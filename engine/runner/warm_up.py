@@ -1,10 +1,12 @@
 """Start-up work on CUDA that keeps compilation and tuning out of the first steps: the attention and LoRA
-kernels of eager steps compiled, the stacked LoRA GEMMs' cover tuned, the step graphs captured."""
+kernels of eager steps compiled, the stacked LoRA GEMMs' cover tuned, the step graphs captured, and each
+media item a multimodal model declares (``SupportsMultiModal.media_warm_up``) encoded and prefilled once."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -13,7 +15,10 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cuda_graphs import StepGraphs
 from engine.input_batch import StepBuffers
 from engine.kernel_policy import KernelPolicy
-from engine.models.interfaces import ModelForCausalLM
+from engine.models.interfaces import MediaWarmUp, ModelForCausalLM
+from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.request import MultiModalFeature, PlaceholderRange
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("chorus.runner")
 
@@ -64,3 +69,67 @@ def capture_cuda_graphs(model: ModelForCausalLM, buffers: StepBuffers, max_model
                         lora_manager=lora_manager, policy=policy, cross_metadata=cross_metadata)
     graphs.capture()
     return graphs
+
+
+@dataclass(frozen=True)
+class MediaWarmUpLimits:
+    """What one warm-up step may hold: the limits the scheduler puts on a real step."""
+
+    num_blocks: int
+    """KV blocks of the cache (ids 1.. are free at start-up: no request holds one)."""
+    block_size: int
+    """Tokens per KV block."""
+    num_kv_groups: int
+    """KV cache groups (groups 1.. get the same block ids as group 0)."""
+    max_step_tokens: int
+    """Tokens one step may schedule (``max_num_batched_tokens``)."""
+    max_model_len: int
+    """The longest request."""
+    encoder_budget: int
+    """Embeddings one step may encode."""
+
+
+def warm_up_media(items: list[MediaWarmUp], execute: Callable[[SchedulerOutput], object],
+                  limits: MediaWarmUpLimits) -> int:
+    """Run each of a multimodal model's warm-up items as a one-token request through ``execute`` (the runner's
+    synchronous step): its encoder call (the encoder's CUDA graphs replay where captured), then its prefill
+    with the media embeddings (or, for a cross-attention input, the cross K/V write and the decoder's first
+    token); a second step finishes the request and frees its encoder output. Only runner state is touched:
+    the blocks are ids no request holds (the scheduler's block pool never sees them), and the runner's rows,
+    encoder cache and sampled ids are released as a finished request's are. An item over the encoder budget
+    is skipped; one whose prompt does not fit a step (or the KV cache) is encoded without its prefill.
+    Returns the items run."""
+    t0 = time.perf_counter()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    num_run = num_prefilled = 0
+    for index, item in enumerate(items):
+        if item.num_embeds > limits.encoder_budget:
+            continue
+        req_id, identifier = f"media-warm-up-{index}", f"media-warm-up-{index}"
+        prompt = item.prompt_token_ids
+        cross = item.placeholder_offset is None
+        placeholder = None if cross else PlaceholderRange(item.placeholder_offset, item.num_embeds)
+        feature = MultiModalFeature(item.modality, identifier, placeholder, item.data,
+                                    num_cross_embeds=item.num_embeds if cross else 0)
+        num_self_blocks = -(-(len(prompt) + 1) // limits.block_size)
+        num_cross_blocks = -(-item.num_embeds // limits.block_size) if cross else 0
+        prefill = (len(prompt) <= limits.max_step_tokens and len(prompt) < limits.max_model_len
+                   and 1 + num_self_blocks + num_cross_blocks <= limits.num_blocks)
+        if not prefill and cross:
+            continue   # a cross-attention input is encoded by the step that computes token 0
+        block_ids = tuple(range(1, 1 + num_self_blocks)) if prefill else ()
+        cross_block_ids = tuple(range(1 + num_self_blocks, 1 + num_self_blocks + num_cross_blocks))
+        new = NewRequestData(req_id=req_id, all_token_ids=prompt, num_prompt_tokens=len(prompt),
+                             sampling_params=params, block_ids=block_ids, cross_block_ids=cross_block_ids,
+                             num_computed_tokens=0, mm_features=(feature,),
+                             group_block_ids=(block_ids,) * (limits.num_kv_groups - 1))
+        scheduled = {req_id: len(prompt)} if prefill else {}
+        execute(SchedulerOutput((new,), CachedRequestData(), scheduled, sum(scheduled.values()),
+                                scheduled_encoder_inputs={req_id: (0,)}))
+        execute(SchedulerOutput((), CachedRequestData(), {}, 0, finished_req_ids=frozenset({req_id}),
+                                free_encoder_identifiers=(identifier,)))
+        num_run += 1
+        num_prefilled += int(prefill)
+    logger.info("Media paths warmed up (%d of %d declared items encoded, %d prefilled) in %.1f s", num_run,
+                len(items), num_prefilled, time.perf_counter() - t0)
+    return num_run

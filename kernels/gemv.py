@@ -47,6 +47,9 @@ gathers the bound rstd * max |norm_weight * s| in its statistics pass instead), 
   amax in [2^14, 2^15) (no float16 overflow; bfloat16 rows keep all their bits) and rounded to float16,
   and a float16 tl.dot runs; the inverse power multiplies the accumulator. float32 rows take WIDEN.
 
+Both take ``GemvConfig.swap_ab``: the dot as weight tile @ rows.T, the weight rows the MMA's M, which
+Triton lowers for sm_90 to wgmma (e4m3 x e4m3 under E4M3_DOT; block_n >= 64 on 4 warps); the rows @
+weight tile.T form of the other paths is mma.sync, where Triton runs an e4m3 dot as float16 MMAs.
 Float weights ignore ``fp8_math`` (the engine's ``KernelPolicy.gemv`` override reaches every layer).
 
 Numerics: float32 accumulation, bias added in float32, one rounding to x's dtype at the end;
@@ -528,7 +531,8 @@ class GemvConfig:
         if self.reduce_once not in (0, 1) or isinstance(self.reduce_once, float):
             raise ValueError(f"GemvConfig.reduce_once: {self.reduce_once!r} must be 0 or 1.")
         if self.fp8_math not in (WIDEN, E4M3_DOT, F16_WIDEN) or isinstance(self.fp8_math, (bool, float)):
-            raise ValueError(f"GemvConfig.fp8_math: {self.fp8_math!r} must be 0 (widen), 1 (e4m3 dot) or 2 (f16 widen).")
+            raise ValueError(f"GemvConfig.fp8_math: {self.fp8_math!r} must be 0 (widen), 1 (e4m3 dot) "
+                             f"or 2 (f16 widen).")
         if self.swap_ab not in (0, 1) or isinstance(self.swap_ab, float):
             raise ValueError(f"GemvConfig.swap_ab: {self.swap_ab!r} must be 0 or 1.")
         _check_pow2("block_n", self.block_n, 16 if self.use_dot or self.fp8_math else 1, 1024)
@@ -568,7 +572,8 @@ def _tiles(config: GemvConfig, M: int, K: int, prologue: int) -> tuple[int, int,
 
 
 def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, prologue: int = PLAIN,
-                override: GemvOverride = (), scale_block_k: Optional[int] = None) -> GemvConfig:
+                override: GemvOverride = (), scale_block_k: Optional[int] = None, weight_fp8: bool = False
+                ) -> GemvConfig:
     """The default config for an [M, K] x [N, K]^T decode GEMV, with ``override`` applied last.
 
     Args:
@@ -580,6 +585,8 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
         scale_block_k: inputs per scale block of a block-scaled FP8 weight (None: none); block_k is
             then cut to the largest power of two dividing it (after the override), so no chunk
             straddles a block.
+        weight_fp8: an e4m3 weight; with the override's fp8_math E4M3_DOT / F16_WIDEN the defaults are
+            those maths' tiles (below).
 
     NOTE: defaults chosen with ``benchmarks/sweeps/gemv_sweep.py`` on an H200 (Llama-3-8B shapes,
     bf16, M 1..16, weights from HBM, CUDA graphs): tl.dot beats the elementwise form at every M,
@@ -600,12 +607,20 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     byte of HBM bandwidth. ``benchmarks/sweeps/fp8_sweep.py`` on the H200 at one row: the bf16 tiles
     (tl.dot) are the best or within 5% of it on o, down and qkv (11.5 / 31.2 / 16.2 us), the
     reduce-once form 8-60% slower but on qkv (15.6); so FP8 weights take the bf16 tiles.
-    ``fp8_math`` E4M3_DOT / F16_WIDEN (module docstring) take the same default tiles, not yet timed;
-    ``fp8_sweep.py --maths`` times each math over its own tile grid against the W8A8 GEMM.
+    ``fp8_math`` E4M3_DOT / F16_WIDEN (module docstring) default to swapped tiles (``swap_ab``, wgmma
+    on sm_90), block_n 64 / block_k 512 up to N = 16384 and 128 / 256 above, chosen from the compiled
+    K loop (sm_90 SASS, one row, warp instructions per weight byte: WIDEN 32 x 512 0.15; E4M3_DOT
+    unswapped 32 x 512 0.09, swapped 64 x 256 0.045, 64 x 512 0.038, 128 x 256 0.028; F16_WIDEN swapped
+    64 x 256 0.085; E4M3_DOT swapped 64 x 256 with the SiLU-and-mul prologue 0.135, with add + RMSNorm
+    0.093), not yet timed: ``fp8_sweep.py --maths`` times each math over its own tile grid against the
+    W8A8 GEMM.
     """
+    fp8_math = dict(override).get("fp8_math", WIDEN) if weight_fp8 else WIDEN
     if device is not None and is_interpreted(device):
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
                          num_warps=4, num_stages=1, use_dot=0)
+    elif fp8_math in (E4M3_DOT, F16_WIDEN):
+        cfg = GemvConfig(64, 512, 4, 3, 1, swap_ab=1) if N <= 16384 else GemvConfig(128, 256, 4, 3, 1, swap_ab=1)
     elif N <= 16384:
         cfg = GemvConfig(32, 512, 4, 3, 1)
     else:
@@ -686,7 +701,8 @@ def _launch(prologue: int, x: torch.Tensor, residual: Optional[torch.Tensor], no
         return out
     scale_bn, scale_bk = scale_block if scale_block is not None else (1, 0)
     if config is None:
-        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None)
+        config = gemv_config(M, N, K, x.device, prologue, override, scale_block_k=scale_bk or None,
+                             weight_fp8=weight_scale is not None)
     config = config.for_operands(weight_scale is not None, x.dtype)
     block_m, block_ma, block_ks = _tiles(config, M, K, prologue)
     upcast = is_interpreted(x.device)

@@ -273,12 +273,15 @@ def fused_path(name: str, x: torch.Tensor, wq: list, scales: list, fp8_math: int
     if prologue == "add_rmsnorm":
         res = torch.randn_like(x)                                                     # [M, K]
         nw = torch.ones(k, device=x.device, dtype=x.dtype)                            # [K]
-        return ((lambda c, i: gv.add_rms_norm_gemv(x, res, nw, EPS, wq[i % len(wq)], weight_scale=scales[i % len(scales)],
-                                                   config=c)[0]),
-                gv.add_rms_norm_gemv_ref(x, res, nw, EPS, wq[0], weight_scale=scales[0], fp8_math=fp8_math)[0])
+        def run(c, i):
+            return gv.add_rms_norm_gemv(x, res, nw, EPS, wq[i % len(wq)], weight_scale=scales[i % len(scales)],
+                                        config=c)[0]
+        return run, gv.add_rms_norm_gemv_ref(x, res, nw, EPS, wq[0], weight_scale=scales[0], fp8_math=fp8_math)[0]
     gate_up = torch.randn(m, 2 * k, device=x.device, dtype=x.dtype)                  # [M, 2K]
-    return ((lambda c, i: gv.silu_mul_gemv(gate_up, wq[i % len(wq)], weight_scale=scales[i % len(scales)], config=c)),
-            gv.silu_mul_gemv_ref(gate_up, wq[0], weight_scale=scales[0], fp8_math=fp8_math))
+
+    def run_silu(c, i):
+        return gv.silu_mul_gemv(gate_up, wq[i % len(wq)], weight_scale=scales[i % len(scales)], config=c)
+    return run_silu, gv.silu_mul_gemv_ref(gate_up, wq[0], weight_scale=scales[0], fp8_math=fp8_math)
 
 
 def sweep_maths(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> None:
@@ -297,16 +300,18 @@ def sweep_maths(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> N
     row["paths"]["quant_tok"] = dict(default=dict(
         us=time_calls(lambda i: fp8.quantize_activations_fp8(x, fp8.PER_TOKEN), args.calls, args.reps), err=0.0))
     for label, fp8_math in MATHS.items():
+        math = (("fp8_math", fp8_math),)
+
         def with_math(c):
-            return c if c is not None else gv.gemv_config(m, *wpc[0].shape, x.device, override=(("fp8_math", fp8_math),))
+            return c if c is not None else gv.gemv_config(m, *wpc[0].shape, x.device, override=math, weight_fp8=True)
         row["paths"][f"pc_{label}"] = time_path(
             lambda c, i: gv.gemv(x, wpc[i % len(wpc)], weight_scale=spc[i % len(spc)], config=with_math(c)),
             gv.gemv_ref(x, wpc[0], weight_scale=spc[0], fp8_math=fp8_math),
             gemv_candidates(m, False, fp8_math) if grid else [], args)
 
         def with_math_blk(c):
-            return c if c is not None else gv.gemv_config(m, *wblk[0].shape, x.device, override=(("fp8_math", fp8_math),),
-                                                          scale_block_k=BLOCK[1])
+            return c if c is not None else gv.gemv_config(m, *wblk[0].shape, x.device, override=math,
+                                                          scale_block_k=BLOCK[1], weight_fp8=True)
         row["paths"][f"blk_{label}"] = time_path(
             lambda c, i: gv.gemv(x, wblk[i % len(wblk)], weight_scale=sblk[i % len(sblk)], scale_block=BLOCK,
                                  config=with_math_blk(c)),
@@ -318,7 +323,7 @@ def sweep_maths(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> N
             best = row["paths"][f"pc_{label}"].get("best")
             candidates = [gv.GemvConfig(**best["config"])] if best else []
             prologue = gv.SILU_MUL if PROLOGUE[name.removesuffix("_70b")] == "silu_mul" else gv.ADD_RMSNORM
-            default = gv.gemv_config(m, *wpc[0].shape, x.device, prologue, override=(("fp8_math", fp8_math),))
+            default = gv.gemv_config(m, *wpc[0].shape, x.device, prologue, override=math, weight_fp8=True)
             row["paths"][f"fused_{label}"] = time_path(lambda c, i: run(c if c is not None else default, i), ref,
                                                        candidates, args)
 

@@ -114,7 +114,8 @@ def test_fp8_math_row_range(math):
     widened = gemv_ref(x, wq, bias, **fp8)
     assert torch.isfinite(out).all()
     for row in range(3):
-        torch.testing.assert_close(out[row].float(), ref[row].float(), rtol=2e-2, atol=2e-2 * ref[row].abs().max().item())
+        torch.testing.assert_close(out[row].float(), ref[row].float(), rtol=2e-2,
+                                   atol=2e-2 * ref[row].abs().max().item())
         assert _max_rel(ref[row] - bias, widened[row] - bias) < (0.06 if MATHS[math] == E4M3_DOT else 2e-2)
     assert torch.equal(out[2], bias)
 
@@ -144,6 +145,14 @@ def test_fp8_math_config():
     with pytest.raises(ValueError, match="block_n"):
         GemvConfig(block_n=8, fp8_math=E4M3_DOT)                           # always tl.dot: >= 16
     assert gemv_config(1, 4096, 4096, override=(("fp8_math", E4M3_DOT),)).fp8_math == E4M3_DOT
+    # The maths' own default tiles (swapped, wgmma) on an e4m3 weight only; a float weight keeps its tiles.
+    fp8_cfg = gemv_config(1, 4096, 4096, override=(("fp8_math", E4M3_DOT),), weight_fp8=True)
+    assert (fp8_cfg.block_n, fp8_cfg.block_k, fp8_cfg.swap_ab) == (64, 512, 1)
+    assert gemv_config(1, 28672, 4096, override=(("fp8_math", F16_WIDEN),), weight_fp8=True).block_n == 128
+    assert gemv_config(1, 4096, 4096, override=(("fp8_math", E4M3_DOT), ("block_n", 128)), weight_fp8=True,
+                       scale_block_k=128).block_k == 128
+    float_cfg = gemv_config(1, 4096, 4096, override=(("fp8_math", E4M3_DOT),))
+    assert (float_cfg.block_n, float_cfg.swap_ab) == (gemv_config(1, 4096, 4096).block_n, 0)
     assert GemvConfig(fp8_math=E4M3_DOT).for_operands(True, torch.bfloat16).use_dot == 1
     assert GemvConfig(fp8_math=F16_WIDEN).for_operands(True, torch.float32).fp8_math == WIDEN
     assert GemvConfig(fp8_math=E4M3_DOT).for_operands(False, torch.bfloat16).fp8_math == WIDEN

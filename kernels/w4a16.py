@@ -32,11 +32,11 @@ Two kernels, picked by ``W4A16Config.form``:
   one accumulator and 222 with two). Per-channel weights (G == K) accumulate x @ (q - z) over all of
   K and scale once at the end. Grid: (M tiles x N tiles, walked GROUP_M rows of tiles at a time for
   L2 reuse) x split_k slices of K.
-- ``_w4a16_gemv_kernel`` (GEMV_FMA / GEMV_DOT, 1..16 rows, the decode steps): every packed weight
+- ``_w4a16_gemv_kernel`` (GEMV_FMA 1..16 rows, GEMV_DOT 1..64 rows, the decode steps): every packed weight
   is read once by one program (BLOCK_N columns, int32-wide loads along N) over its K slice. The 8
   nibbles of a packed row are 8 slices of K (inputs k0 + i :: 8), each unpacked with one AND into
   the mantissa of 2^23 and one FMA to the float q - z (no int-to-float conversion, no interleaving
-  of rows), then multiplied by x elementwise (FMA form) or by tl.dot on a 16-row tile; the group
+  of rows), then multiplied by x elementwise (FMA form) or by tl.dot on a 16-64-row tile; the group
   scale multiplies each step's float32 product (one group per step, or per packed row).
 
 With split_k > 1 each slice writes float32 partials, summed (+ bias) and rounded once either by a
@@ -341,7 +341,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_
                                                     by the tile's last slice: ``_store_result``)
             else:         out[m, n] = dtype(acc + (bias[n] if HAS_BIAS else 0))
 
-    The decode GEMV (M <= BLOCK_M <= 16): program (pid, split) owns columns [pid * BLOCK_N, (pid + 1) *
+    The decode GEMV (M <= BLOCK_M: up to 16 rows in the FMA form, 64 with tl.dot): program (pid, split) owns columns [pid * BLOCK_N, (pid + 1) *
     BLOCK_N) of all M rows over K steps [split * k_steps_per_split, (split + 1) * k_steps_per_split) of
     BLOCK_K inputs (clipped to K), so every packed weight is read once, BLOCK_N int32 (4 BLOCK_N bytes)
     wide per packed row; the next step's packed tile and scales are loaded before this step is computed
@@ -454,10 +454,17 @@ def _check_pow2(name: str, value: object, min_value: int, max_value: int) -> Non
 
 TILES, GEMV_FMA, GEMV_DOT = 0, 1, 2
 """``W4A16Config.form`` values: the tiled kernel (``_w4a16_kernel``, any M), the decode GEMV
-(``_w4a16_gemv_kernel``, M <= ``GEMV_MAX_ROWS``) with elementwise FMAs, or with tl.dot."""
+(``_w4a16_gemv_kernel``, M <= ``GEMV_MAX_ROWS``) with elementwise FMAs, or with tl.dot (M <=
+``GEMV_DOT_MAX_ROWS``)."""
 
 GEMV_MAX_ROWS = 16
-"""Most token rows the GEMV forms take (more run the tiled kernel)."""
+"""Most token rows the GEMV's FMA form takes, and the decode rows of ``DECODE_DEFAULTS`` (more run the
+tiled kernel, or the tl.dot form up to GEMV_DOT_MAX_ROWS)."""
+
+GEMV_DOT_MAX_ROWS = 64
+"""Most token rows the GEMV's tl.dot form takes: one program holds all rows, so each packed weight is
+still read and unpacked once (the unpack's cost does not grow with the rows; at 64 rows 8.6 sm_90
+instructions a weight in the K loop against 9.8 for the tiled kernel's 64 x 64 tile)."""
 
 MIN_DOT_BLOCK_K = 128
 """Smallest block_k of the GEMV's tl.dot form: tl.dot needs >= 16 packed rows (8 inputs each)."""
@@ -501,9 +508,10 @@ class W4A16Config:
     partials (an int32 arrival counter per tile, one launch); 0: a second launch sums them. Falls back
     to 0 when the output tiles outnumber ``ARRIVAL_COUNTERS``."""
     form: int = TILES
-    """TILES (0), GEMV_FMA (1) or GEMV_DOT (2). A GEMV form with more than GEMV_MAX_ROWS rows runs the
-    tiled kernel; GEMV_DOT on groups smaller than MIN_DOT_BLOCK_K inputs runs GEMV_FMA up to
-    FMA_FALLBACK_ROWS rows and the tiled kernel (this block_m, block_n, block_k, split_k) above."""
+    """TILES (0), GEMV_FMA (1) or GEMV_DOT (2). GEMV_FMA with more than GEMV_MAX_ROWS rows, GEMV_DOT with
+    more than GEMV_DOT_MAX_ROWS, run the tiled kernel; GEMV_DOT whose step has fewer than MIN_DOT_BLOCK_K
+    inputs (groups or block_k below it) runs GEMV_FMA up to FMA_FALLBACK_ROWS rows and the tiled kernel
+    (this block_m, block_n, block_k, split_k) above."""
 
     def __post_init__(self) -> None:
         for name, values in (("scale_in_weight", (0, 1)), ("reduce_in_kernel", (0, 1)),
@@ -702,9 +710,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return out
     if config is None:
         config = w4a16_config(M, N, K, x.device, override)
-    small_groups = config.form == GEMV_DOT and group_size < min(K, MIN_DOT_BLOCK_K)
-    if config.form != TILES and M <= GEMV_MAX_ROWS and not (small_groups and M > FMA_FALLBACK_ROWS):
-        _launch_gemv(x, qweight, scales, zeros, group_size, bias, config, out)
+    gemv_form = _gemv_form(config, M, K, group_size)
+    if gemv_form is not None:
+        _launch_gemv(x, qweight, scales, zeros, group_size, bias, config, gemv_form, out)
         return out
     if config.form != TILES:
         config = dataclasses.replace(config, form=TILES)
@@ -800,18 +808,31 @@ def _reduce_splits(ws: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Te
         HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
+def _dot_block_k(config: W4A16Config, K: int, group_size: int) -> int:
+    """The GEMV tl.dot form's inputs a step: block_k clipped to the group (one group per step, so the scale
+    applies to the dot's product); per-channel: block_k."""
+    return config.block_k if group_size == K else min(config.block_k, group_size)
+
+
+def _gemv_form(config: W4A16Config, M: int, K: int, group_size: int) -> Optional[int]:
+    """The GEMV form that runs ``config`` on M rows, or None for the tiled kernel: GEMV_DOT up to
+    GEMV_DOT_MAX_ROWS rows where its step keeps >= MIN_DOT_BLOCK_K inputs (else GEMV_FMA up to
+    FMA_FALLBACK_ROWS rows), GEMV_FMA up to GEMV_MAX_ROWS rows."""
+    if config.form == TILES:
+        return None
+    if config.form == GEMV_DOT and _dot_block_k(config, K, group_size) >= MIN_DOT_BLOCK_K:
+        return GEMV_DOT if M <= GEMV_DOT_MAX_ROWS else None
+    return GEMV_FMA if M <= (GEMV_MAX_ROWS if config.form == GEMV_FMA else FMA_FALLBACK_ROWS) else None
+
+
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, bias: Optional[torch.Tensor], config: W4A16Config, out: torch.Tensor) -> None:
-    """The decode GEMV forms of ``w4a16_matmul`` (1 <= M <= GEMV_MAX_ROWS) into ``out``."""
+                 group_size: int, bias: Optional[torch.Tensor], config: W4A16Config, form: int,
+                 out: torch.Tensor) -> None:
+    """The GEMV form ``form`` (``_gemv_form``) of ``w4a16_matmul`` into ``out``."""
     M, K = x.shape
     N = out.shape[1]
-    per_channel = group_size == K
-    use_dot = config.form == GEMV_DOT
-    block_k = config.block_k
-    if use_dot and not per_channel:
-        block_k = min(block_k, group_size)        # one group per step: the scale applies to the dot's product
-    if use_dot and block_k < MIN_DOT_BLOCK_K:
-        use_dot, block_k = False, config.block_k
+    use_dot = form == GEMV_DOT
+    block_k = _dot_block_k(config, K, group_size) if use_dot else config.block_k
     tiles = cdiv(N, config.block_n)
     plan = _plan_splits(cdiv(K, block_k), config, tiles, out)
     dot_dtype, dot_precision = _dot_types(x)
@@ -819,8 +840,9 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     _w4a16_gemv_kernel[(tiles, plan.num_splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, plan.ws, plan.counters,
         M, N, K, x.stride(0), plan.steps_per_split, plan.num_splits, MAGIC_EXP_BITS,
-        GROUP_SIZE=0 if per_channel else group_size, HAS_BIAS=bias is not None, SPLIT_OUT=plan.num_splits > 1,
-        REDUCE_IN_KERNEL=plan.in_kernel, BLOCK_M=max(16, next_power_of_2(M)) if use_dot else next_power_of_2(M), BLOCK_N=config.block_n,
+        GROUP_SIZE=0 if group_size == K else group_size, HAS_BIAS=bias is not None,
+        SPLIT_OUT=plan.num_splits > 1, REDUCE_IN_KERNEL=plan.in_kernel,
+        BLOCK_M=max(16, next_power_of_2(M)) if use_dot else next_power_of_2(M), BLOCK_N=config.block_n,
         BLOCK_K=block_k, USE_DOT=use_dot, X_PAIRS=x_pairs, MASK_X=K % block_k != 0,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages)

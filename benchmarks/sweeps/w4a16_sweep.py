@@ -9,9 +9,9 @@ Examples:
 Per projection shape (Llama-3-8B: qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336 as
 N x K), group size (--group-sizes; 0 = per-channel) and token count M (--ms), timed: ``F.linear`` on
 the bf16 weight (cuBLAS), ``w4a16_matmul`` with its default config and with every candidate
-``W4A16Config`` (``candidate_configs``): up to 16 rows the decode GEMV tiles (``FMA_TILES`` up to
-``FMA_MAX_ROWS`` rows; ``DOT_TILES`` from ``DOT_MIN_ROWS``, one of them below) and from 5 rows the
-tiled kernel at block_m 16 (``GEMM_TILES``); above 16 rows the GEMM tiles. Each tile runs at split_k 1, 2, 4, 8 (while
+``W4A16Config`` (``candidate_configs``): the GEMV tiles (``FMA_TILES`` up to ``FMA_MAX_ROWS`` rows;
+``DOT_TILES`` up to 64 rows from ``DOT_MIN_ROWS``, one of them below) and from 5 rows the tiled kernel
+(``GEMM_TILES``: block_m 16 up to 16 rows, larger tiles above). Each tile runs at split_k 1, 2, 4, 8 (while
 every K slice keeps >= 2 steps and the programs stay <= 8 per SM), every split with both reductions
 (a second launch, or ``reduce_in_kernel``). Each case is timed from a CUDA graph of --calls
 back-to-back calls that cycle through distinct weight copies totalling > 2x the L2, so weights come
@@ -121,17 +121,17 @@ def _with_splits(base: dict, n: int, k: int, step: int, sms: int) -> list[dict]:
 
 def candidate_configs(m: int, n: int, k: int, group_size: int, tiny: bool = False, sms: int = 132) -> list:
     """The sweep grid for M rows of an N x K weight with groups of ``group_size`` (``W4A16Config``s)."""
-    from kernels.w4a16 import GEMV_DOT, GEMV_FMA, W4A16Config
+    from kernels.w4a16 import GEMV_DOT, GEMV_DOT_MAX_ROWS, GEMV_FMA, W4A16Config
 
     if tiny:
         bucket = min((b for b in TINY_CONFIGS if b >= m), default=max(TINY_CONFIGS))
         return [W4A16Config(num_stages=1, **c) for c in TINY_CONFIGS[bucket]]
     grid = []
-    if m <= 16:
-        if m <= FMA_MAX_ROWS:
-            for bn, bk, nw, ns in FMA_TILES if m == 1 else FMA_TILES_MULTI_ROW:
-                base = dict(form=GEMV_FMA, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-                grid += _with_splits(base, n, k, bk, sms)
+    if m <= FMA_MAX_ROWS:
+        for bn, bk, nw, ns in FMA_TILES if m == 1 else FMA_TILES_MULTI_ROW:
+            base = dict(form=GEMV_FMA, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            grid += _with_splits(base, n, k, bk, sms)
+    if m <= GEMV_DOT_MAX_ROWS:
         if group_size >= 128 or group_size == k:
             for bn, bk, nw, ns in DOT_TILES if m >= DOT_MIN_ROWS else DOT_TILES[:1]:
                 base = dict(form=GEMV_DOT, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -379,10 +379,12 @@ def precompile(cases: list, shape_table: dict, args, sms: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--ms", default="1,4,16,64", help="token counts M, swept in this order (<= 16: the decode "
-                    "grid and 16-row tiles; above: GEMM tiles)")
-    ap.add_argument("--group-sizes", default="128", help="comma list; 0 = per-channel (G = K)")
+    ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default: all; --tiny: "
+                    f"{', '.join(TINY_DEFAULT_SHAPES)})")
+    ap.add_argument("--ms", default="1,4,16,64", help="token counts M, swept in this order (GEMV forms to 64 "
+                    "rows, tiled kernel from 5)")
+    ap.add_argument("--group-sizes", default=None, help="comma list; 0 = per-channel (G = K); default 128 "
+                    "(--tiny: 32)")
     ap.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--reps", type=int, default=3, help="timed graph replays")
     ap.add_argument("--top", type=int, default=4, help="configs printed per case")
@@ -398,22 +400,19 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/out/w4a16_sweep[_tiny].json)")
     args = ap.parse_args()
     shape_table = TINY_SHAPES if args.tiny else SHAPES
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    shapes = [s.strip() for s in (args.shapes or ",".join(TINY_DEFAULT_SHAPES if args.tiny else SHAPES)).split(",")
+              if s.strip()]
     for s in shapes:
         if s not in shape_table:
             ap.error(f"unknown shape {s!r}; choose from {', '.join(shape_table)}")
     ms = [int(v) for v in args.ms.split(",")]
-    group_sizes = [int(v) for v in args.group_sizes.split(",")]
+    group_sizes = [int(v) for v in (args.group_sizes or ("32" if args.tiny else "128")).split(",")]
     if any(m < 1 for m in ms):
         ap.error("--ms: each M must be >= 1")
     if args.compile_workers is None:
         args.compile_workers = 1 if args.tiny else min(12, os.cpu_count() or 1)
     if args.tiny:
         args.calls, args.reps = 1, 1
-        if args.group_sizes == ap.get_default("group_sizes"):
-            group_sizes = [32]
-        if args.shapes == ap.get_default("shapes"):
-            shapes = list(TINY_DEFAULT_SHAPES)
     out_path = args.out or f"benchmarks/out/w4a16_sweep{'_tiny' if args.tiny else ''}.json"
     if not torch.cuda.is_available():
         if not args.tiny:

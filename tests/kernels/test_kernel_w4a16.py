@@ -200,6 +200,31 @@ def test_act_order_permuted_inputs():
         torch.testing.assert_close(out.cpu(), x @ w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("group_size", [128, 0])
+@pytest.mark.parametrize("m", [17, 40, 64])
+def test_gemv_dot_up_to_64_rows(m, group_size):
+    """The tl.dot form holds all 17-64 rows in one program (BLOCK_M 32 / 64): N = 37, 2 K slices reduced
+    in the kernel, bias; per-channel with a K tail."""
+    k = 264 if group_size == 0 else 256
+    case = _case(m, 37, k, group_size or k, torch.bfloat16, bias=True, zeros="asym")
+    config = W4A16Config(form=GEMV_DOT, block_n=16, block_k=128, split_k=2, reduce_in_kernel=1, num_stages=1)
+    assert w4a16_module._gemv_form(config, m, k, group_size or k) == GEMV_DOT
+    _check(case, config, torch.bfloat16)
+
+
+def test_gemv_form_routing():
+    """Which kernel a config runs by rows: FMA to 16, tl.dot to 64, tl.dot with steps under 128 inputs
+    (small groups or block_k) as FMA to 4 rows, the tiled kernel beyond."""
+    route = w4a16_module._gemv_form
+    fma, dot = W4A16Config(form=GEMV_FMA, block_k=128), W4A16Config(form=GEMV_DOT, block_k=128)
+    assert route(fma, 16, 4096, 128) == GEMV_FMA and route(fma, 17, 4096, 128) is None
+    assert route(dot, 64, 4096, 128) == GEMV_DOT and route(dot, 65, 4096, 128) is None
+    assert route(dot, 64, 4096, 4096) == GEMV_DOT                                      # per-channel
+    assert route(dot, 4, 4096, 64) == GEMV_FMA and route(dot, 5, 4096, 64) is None     # groups of 64
+    assert route(W4A16Config(form=GEMV_DOT, block_k=64), 3, 4096, 128) == GEMV_FMA
+    assert route(W4A16Config(), 1, 4096, 128) is None
+
+
 def test_gemv_form_above_16_rows_runs_tiles():
     """A GEMV config on 17 rows runs the tiled kernel (its block_m)."""
     case = _case(17, 24, 128, 64, torch.float32, bias=True, zeros="asym")

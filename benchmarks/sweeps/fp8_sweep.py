@@ -32,9 +32,9 @@ GEMM with its activation quantization (``pc_triton``, tile grid), then per math 
 to bf16, the engine's default; ``e4m3``: rows rounded to e4m3 in the kernel, FP8 MMA; ``f16``: e4m3
 widened to float16, rows pre-scaled by a power of two) the plain GEMV on per-channel and 128x128 block
 scales with its own tile grid (e4m3 / f16: also ``swap_ab`` tiles, the weight rows as the MMA's M, which
-compile to wgmma), and the fused prologue (default tiles and the plain GEMV's best). Only
-those paths run; a table prints the best of each per shape and M, its time over the bytes floor, and
-the fastest path:
+compile to wgmma; widen: its tl.dot tiles), and the fused prologue (default tiles and the plain GEMV's
+best). Only those paths run; a table prints the best of each per shape and M, its time over the bytes
+floor, and the fastest path (after each shape, and all at the end; the JSON is written after each shape):
     python benchmarks/sweeps/fp8_sweep.py --maths --out benchmarks/out/fp8_gemv_maths.json
     python benchmarks/sweeps/fp8_sweep.py --maths --tiny          # CPU smoke run of every path
 
@@ -261,6 +261,12 @@ def sweep_gemv(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> No
                                       prologue=prologue)
 
 
+def dot_only(configs: list) -> list:
+    """``--maths`` keeps the tl.dot tiles of the widening's grid (its elementwise forms were 8-60% slower
+    on the H200 at one row, ``kernels.gemv.gemv_config``'s note), to fit one run in minutes."""
+    return [c for c in configs if c.use_dot or c.fp8_math]
+
+
 def fused_path(name: str, x: torch.Tensor, wq: list, scales: list, fp8_math: int):
     """(run(config, i), twin output) of the projection's prologue fused into the GEMV on the per-channel
     weight, rows built from x; None for a projection without prologue (o_proj)."""
@@ -307,7 +313,7 @@ def sweep_maths(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> N
         row["paths"][f"pc_{label}"] = time_path(
             lambda c, i: gv.gemv(x, wpc[i % len(wpc)], weight_scale=spc[i % len(spc)], config=with_math(c)),
             gv.gemv_ref(x, wpc[0], weight_scale=spc[0], fp8_math=fp8_math),
-            gemv_candidates(m, False, fp8_math) if grid else [], args)
+            dot_only(gemv_candidates(m, False, fp8_math)) if grid else [], args)
 
         def with_math_blk(c):
             return c if c is not None else gv.gemv_config(m, *wblk[0].shape, x.device, override=math,
@@ -316,7 +322,7 @@ def sweep_maths(name: str, x: torch.Tensor, weights: dict, row: dict, args) -> N
             lambda c, i: gv.gemv(x, wblk[i % len(wblk)], weight_scale=sblk[i % len(sblk)], scale_block=BLOCK,
                                  config=with_math_blk(c)),
             gv.gemv_ref(x, wblk[0], weight_scale=sblk[0], scale_block=BLOCK, fp8_math=fp8_math),
-            gemv_candidates(m, True, fp8_math) if grid else [], args)
+            dot_only(gemv_candidates(m, True, fp8_math)) if grid else [], args)
         fused = fused_path(name, x, wpc, spc, fp8_math)
         if fused is not None:
             run, ref = fused
@@ -457,29 +463,34 @@ def main() -> None:
           f"rowwise _scaled_mm {'works' if has_scaled_mm else 'unavailable'}; bytes floor at {args.peak_tbs} TB/s",
           flush=True)
     rows = []
+
+    def write_json() -> None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(dict(device=device_name, torch=torch.__version__, copy_bandwidth_bytes_s=bw,
+                                                  l2_bytes=l2, calls_per_graph=args.calls, scaled_mm=has_scaled_mm,
+                                                  peak_tbs=args.peak_tbs, tiny=args.tiny, maths=args.maths,
+                                                  rows=rows), indent=1))
     for name in shapes:
         n, k = shape_table[name]
         weights = make_weights(n, k, l2, args.device)
         for m in ms:
             row = sweep_case(name, n, k, m, weights, args)
             rows.append(row)
-            print(f"{name} M={m}: " + ", ".join(f"{p} {v['default']['us']:.1f}"
-                                                 + (f" (best {v['best']['us']:.1f})" if "best" in v else "")
-                                                 for p, v in row["paths"].items()), flush=True)
+            print(f"{name} M={m} ({time.time() - t0:.0f} s): "
+                  + ", ".join(f"{p} {v['default']['us']:.1f}" + (f" (best {v['best']['us']:.1f})" if "best" in v else "")
+                              for p, v in row["paths"].items()), flush=True)
         del weights
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
+        if args.maths:
+            print_maths_table(rows[-len(ms):])
+        write_json()                       # after every shape: a run cut short keeps what it timed
     if args.maths:
         print_maths_table(rows)
     else:
         print_table(rows)
         print_gemv_table(rows)
     print(f"\nsweep took {time.time() - t0:.0f} s")
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_path).write_text(json.dumps(dict(device=device_name, torch=torch.__version__, copy_bandwidth_bytes_s=bw,
-                                              l2_bytes=l2, calls_per_graph=args.calls, scaled_mm=has_scaled_mm,
-                                              peak_tbs=args.peak_tbs, tiny=args.tiny, maths=args.maths, rows=rows),
-                                         indent=1))
     print(f"wrote {out_path}")
 
 

@@ -547,12 +547,15 @@ class GemvConfig:
 
     def for_operands(self, weight_fp8: bool, dtype: torch.dtype) -> "GemvConfig":
         """The config one launch runs: fp8_math WIDEN for float weights; on an e4m3 weight, use_dot on
-        under E4M3_DOT / F16_WIDEN, F16_WIDEN of float32 rows run as WIDEN (still tl.dot)."""
+        under E4M3_DOT / F16_WIDEN; run as WIDEN (still tl.dot): F16_WIDEN of float32 rows, and E4M3_DOT
+        with block_k < 32 (the FP8 MMA's K step; scale blocks of 16 inputs cut block_k to 16)."""
         if not weight_fp8:
             return dataclasses.replace(self, fp8_math=WIDEN) if self.fp8_math != WIDEN else self
         if self.fp8_math == WIDEN:
             return self
-        math = WIDEN if self.fp8_math == F16_WIDEN and dtype == torch.float32 else self.fp8_math
+        math = self.fp8_math
+        if (math == F16_WIDEN and dtype == torch.float32) or (math == E4M3_DOT and self.block_k < 32):
+            math = WIDEN
         return dataclasses.replace(self, fp8_math=math, use_dot=1)
 
 

@@ -156,6 +156,7 @@ def test_fp8_math_config():
     assert GemvConfig(fp8_math=E4M3_DOT).for_operands(True, torch.bfloat16).use_dot == 1
     assert GemvConfig(fp8_math=F16_WIDEN).for_operands(True, torch.float32).fp8_math == WIDEN
     assert GemvConfig(fp8_math=E4M3_DOT).for_operands(False, torch.bfloat16).fp8_math == WIDEN
+    assert GemvConfig(block_k=16, fp8_math=E4M3_DOT).for_operands(True, torch.bfloat16).fp8_math == WIDEN
     policy = KernelPolicy().with_overrides("gemv.fp8_math=1")
     assert dict(policy.gemv)["fp8_math"] == E4M3_DOT
     with pytest.raises(ValueError, match="fp8_math"):

@@ -140,10 +140,14 @@ class _GroupBlocks:
             return num_blocks
         return min(num_blocks, cdiv(self.window - 1 + chunk_tokens, self.block_size) + 1)
 
-    def take(self, req_id: str, hits: list[KVCacheBlock], num_dead: int, num_new: int) -> list[KVCacheBlock]:
+    def take(self, req_id: str, hits: list[KVCacheBlock], num_dead: int, num_new: int) -> list[int]:
         """Append the prefix hits (first allocation only) and ``num_new`` new blocks to the request's list;
-        the new ones."""
-        req_blocks = self.req_to_blocks.setdefault(req_id, [])
+        the ids of the new ones."""
+        req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is not None and not num_new and not hits:
+            return []
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[req_id] = []
         if hits:
             assert not req_blocks, "prefix hits are only taken on the first allocation"
             self.pool.touch(b for b in hits if not b.is_null)
@@ -154,7 +158,7 @@ class _GroupBlocks:
             self.num_cached_block[req_id] = len(hits)
         new_blocks = self.pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
-        return new_blocks
+        return [b.block_id for b in new_blocks]
 
     def cache(self, req_id: str, block_hashes: list[int], num_full: int) -> None:
         """Register the request's blocks up to ``num_full`` in the prefix cache."""
@@ -200,6 +204,9 @@ class KVCacheManager:
         windows = list(group_windows) if group_windows else [sliding_window]
         self.groups = [_GroupBlocks(g, w, block_size, self.block_pool) for g, w in enumerate(windows)]
         """One block list per request in each KV cache group, group 0 first."""
+        self._any_window = any(w is not None for w in windows)
+        self._no_dead = [0] * len(windows)
+        self._no_hits = [[] for _ in windows]
         self.sliding_window = windows[0] if len(windows) == 1 else None
         """The window of every layer (one group); None: some layer attends to the whole context, or the
         groups' windows differ."""
@@ -294,25 +301,32 @@ class KVCacheManager:
             the request's window, which are returned either way).
         """
         groups = self.groups
-        given = group_lists(new_computed_blocks) if new_computed_blocks else [[] for _ in groups]
         req_id = request.request_id
-        num_held_before = len(groups[0].req_to_blocks.get(req_id, ()))
+        bs = self.block_size
+        held = groups[0].req_to_blocks.get(req_id)
+        num_held_before = len(held) if held is not None else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after = min(num_computed + num_new_tokens, self.max_model_len)
-        num_held = num_held_before + len(given[0])
-        num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - num_held)   # in each group
+        num_held = num_held_before + (len(new_computed_blocks) if new_computed_blocks else 0)
+        num_new_blocks = max(0, cdiv(num_tokens_after, bs) - num_held)   # in each group
         # With a window: blocks before the chunk's first key are never read again. The request's own go
         # back to the pool now (whether or not this allocation succeeds), prefix hits there are not taken.
-        num_dead = [g.num_dead(num_computed) for g in groups]
-        for g, dead in zip(groups, num_dead):
-            g.free_dead_blocks(req_id, dead)
-        hits = [[self.block_pool.null_block if num_held_before + i < dead else b for i, b in enumerate(group_hits)]
-                for group_hits, dead in zip(given, num_dead)]
-        # Prefix hits sitting in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for group_hits in hits for b in group_hits if b.ref_cnt == 0 and not b.is_null)
+        num_dead = self._no_dead
+        if self._any_window:
+            num_dead = [window_start(num_computed, g.window) // bs for g in groups]
+            for g, dead in zip(groups, num_dead):
+                g.free_dead_blocks(req_id, dead)
+        hits, num_evictable_hits = self._no_hits, 0
+        if new_computed_blocks:
+            null = self.block_pool.null_block
+            hits = [[null if num_held_before + i < dead else b for i, b in enumerate(group_hits)]
+                    for group_hits, dead in zip(group_lists(new_computed_blocks), num_dead)]
+            # Prefix hits sitting in the free queue stop being free once touched.
+            num_evictable_hits = sum(1 for group_hits in hits for b in group_hits
+                                     if b.ref_cnt == 0 and not b.is_null)
         num_cross_blocks = 0
         if request.num_cross_tokens and req_id not in self.req_to_cross_blocks:
-            num_cross_blocks = cdiv(request.num_cross_tokens, self.block_size)
+            num_cross_blocks = cdiv(request.num_cross_tokens, bs)
         num_needed = num_new_blocks * len(groups) + num_evictable_hits + num_cross_blocks
         if full_sequence_must_fit:
             num_full_seq_blocks = sum(max(0, g.peak_blocks(request.num_tokens, num_new_tokens)
@@ -322,7 +336,7 @@ class KVCacheManager:
         if num_needed > self.block_pool.num_free_blocks:
             return None
 
-        new_ids = [[b.block_id for b in g.take(req_id, group_hits, dead, num_new_blocks)]
+        new_ids = [g.take(req_id, group_hits, dead, num_new_blocks)
                    for g, group_hits, dead in zip(groups, hits, num_dead)]
         if num_cross_blocks:
             self.req_to_cross_blocks[req_id] = self.block_pool.get_new_blocks(num_cross_blocks)
@@ -330,9 +344,10 @@ class KVCacheManager:
         if self.enable_caching:
             # NOTE: blocks become full once this step's tokens are computed; later readers are
             # in later steps, or in this step behind the per-layer KV write, so caching now is
-            # safe. The just-sampled token (no KV yet) is never part of a cached block.
-            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
-            if num_full > min(g.num_cached_block[req_id] for g in groups):
+            # safe. The just-sampled token (no KV yet) is never part of a cached block. Every group
+            # has cached as many blocks (hits are as long in each).
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // bs
+            if num_full > groups[0].num_cached_block[req_id]:
                 self.update_block_hashes(request)
                 for g in groups:
                     g.cache(req_id, request.block_hashes, num_full)

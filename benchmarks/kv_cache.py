@@ -71,13 +71,14 @@ def check_free(rows: list[dict]) -> None:
 
 
 def cache_capacity(llm) -> dict:
-    """The KV cache the engine allocated at start-up (its log's blocks and tokens, the reserved null block
-    included), the blocks requests can hold, bytes."""
+    """The KV cache the engine allocated at start-up (its log's blocks and tokens of every layer, the reserved
+    null block included; a block holds one KV cache group's layers), the blocks requests can hold, bytes."""
     engine = llm.llm_engine
     kv = engine.runner.kv_cache
     pool = engine.scheduler.kv_cache_manager.block_pool
     return dict(kv_dtype=str(kv.dtype).removeprefix("torch."), blocks=kv.num_blocks,
-                usable_blocks=pool.num_usable_blocks, block_size=kv.block_size, tokens=kv.num_blocks * kv.block_size,
+                usable_blocks=pool.num_usable_blocks, block_size=kv.block_size,
+                tokens=kv.num_blocks * kv.block_size // kv.groups.num_groups,
                 bytes_per_block=kv.bytes_per_block(), kv_gib=kv.num_blocks * kv.bytes_per_block() / (1 << 30))
 
 

@@ -36,6 +36,13 @@
 #   serve       chorus serve under 256 streamed requests of 512 prompt ids + 128 tokens sent at
 #               once, from 1 and 4 client processes, vs LLM.generate on the same requests; needs
 #               the carried .whl folder (fetch-wheels)                             (~180 s, not timed yet)
+#   serve-media  benchmarks/serve_media.py (issue #45), the parts SERVE_MEDIA names (default "image audio"):
+#               `image` chorus serve on the LLaVA-1.5-7B shape (benchmarks/vision.py's, random bf16), 256 chats of
+#               one random 1024x768 image + 128 tokens (ignore_eos) sent at once from 4 client processes, the first
+#               burst right after start-up and a second one, vs LLM.chat on the same work in its own process
+#               ($OUT/serve_media_image.json); `audio` the same with 512 transcriptions of 30 s clips on the
+#               large-v3-turbo shape (.wdata/turbo, random bf16), audio s/s ($OUT/serve_media_audio.json);
+#               needs the carried .whl folder (fetch-wheels)        (not timed yet: ~200-250 s image, ~150 s audio)
 #   multi-lora  16-64 distinct adapters vs the base model, batch 64 and 256                        (~400 s)
 #   adapter-scale  benchmarks/adapter_scale.py: ADAPTER_SCALE (default "1 16 64 256 1000 2000") distinct adapters
 #               read by name from a --lora-dir on first use, ADAPTER_POP (default "zipf uniform") popularity, ranks
@@ -235,6 +242,17 @@ for phase in "$@"; do
         --out "$OUT/adapter_scale_${ns//,/_}_${pops//,/_}.json" 2>&1 | quiet | grep -v "registered from" ;;
     serve)
       serve_phase ;;
+    serve-media)
+      for part in ${SERVE_MEDIA:-image audio}; do
+        case $part in
+          image) media="--kind image --llava-15-7b-dummy --num-requests 256 --image-size 1024x768 --max-tokens 128" ;;
+          audio) media="--kind audio --turbo-dir $PWD/.wdata/turbo --num-requests 512 --max-num-seqs 512
+                   --max-num-encoder-input-tokens 48000" ;;
+          *) echo "unknown serve-media part $part (image, audio)"; exit 2 ;;
+        esac
+        python3 benchmarks/serve_media.py $media --num-clients 4 --port "$PORT" \
+          --server-log "$OUT/serve_media_${part}_server.log" --out "$OUT/serve_media_$part.json" 2>&1 | quiet
+      done ;;
     structured)
       python3 benchmarks/structured_outputs.py --llama3-8b-dummy --batch-size 64 --num-prompts 256 \
         --output-len 256 --serve-clients 64 --rounds 2 --serve-log "$OUT/structured_server.log" \

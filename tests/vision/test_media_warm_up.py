@@ -6,8 +6,11 @@ of the same request on an engine that never warmed up."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
+import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -96,4 +99,46 @@ def test_an_item_over_the_encoder_budget_is_skipped(tiny_llava_dir):
     before = _held(llm)
     assert runner.warm_up_media() == 0
     assert _held(llm) == before
+    llm.close()
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name,fixture", [("llava", "tiny_llava_dir"), ("qwen2_vl", "tiny_qwen2_vl_dir"),
+                                          ("whisper", "tiny_random_whisper_dir")])
+def test_start_up_on_cuda_warms_up_and_holds_nothing(name, fixture, request, images):
+    """On CUDA the engine warms the media paths itself at start-up (one log line), with its CUDA graphs
+    captured; afterwards nothing is held and a request runs."""
+    lines = _Lines()
+    logger = logging.getLogger("chorus.runner")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        kw = dict(device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
+        if name != "whisper":
+            kw.update(max_model_len=1024, max_num_batched_tokens=1024)
+        llm = LLM(str(request.getfixturevalue(fixture)), **kw)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert any(line.startswith("Media paths warmed up") for line in lines.lines)
+    held = _held(llm)
+    assert held["runner requests"] == held["encoder outputs"] == held["encoded items"] == 0
+    assert held["encoder cache entries"] == 0
+    prompt = _request(name, images)
+    if name == "whisper":
+        ids = llm.llm_engine.processor.transcriber.ids
+        prompt["prompt_token_ids"] = [ids.sot, ids.no_timestamps]
+    out = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
     llm.close()

@@ -32,6 +32,7 @@ WINDOWS = {"mistral": [MISTRAL_WINDOW] * 2, "mixtral": [MIXTRAL_WINDOW] * 2,
            "gemma3": [GEMMA_WINDOW, None, GEMMA_WINDOW],
            "gemma3_6": [GEMMA_WINDOW, GEMMA_WINDOW, None, GEMMA_WINDOW, GEMMA_WINDOW, None],
            "qwen2": [None, QWEN2_WINDOW, QWEN2_WINDOW],
+           "qwen2_uneven": [None, None] + [QWEN2_WINDOW] * 3,
            "qwen3": [None, None, QWEN3_WINDOW], "qwen3_every": [QWEN3_WINDOW] * 2,
            "qwen3_moe": [QWEN3_MOE_WINDOW] * 3}
 """Each family's per-layer window (None: the whole context), as transformers applies them."""
@@ -64,6 +65,10 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         "qwen2": build_tiny_checkpoint(root / "qwen2", "qwen2", seed=24, hidden_size=48, num_attention_heads=3,
                                        num_key_value_heads=1, num_hidden_layers=3, use_sliding_window=True,
                                        sliding_window=QWEN2_WINDOW, max_window_layers=1),
+        "qwen2_uneven": build_tiny_checkpoint(root / "qwen2_uneven", "qwen2", seed=29, hidden_size=48,
+                                              num_attention_heads=3, num_key_value_heads=1, num_hidden_layers=5,
+                                              use_sliding_window=True, sliding_window=QWEN2_WINDOW,
+                                              max_window_layers=2),
         "qwen3": build_tiny_checkpoint(root / "qwen3", "qwen3", seed=25, hidden_size=48, num_attention_heads=3,
                                        num_key_value_heads=1, head_dim=16, num_hidden_layers=3,
                                        use_sliding_window=True, sliding_window=QWEN3_WINDOW, max_window_layers=2),
@@ -112,7 +117,7 @@ def test_parity_with_transformers_past_the_window(dirs, family):
 # Qwen3's two global layers are two KV cache groups of one layer (and its sliding layer a third): its blocks are
 # a third of a layer-wide block, and both global groups hold every token.
 @pytest.mark.parametrize("family,num_blocks", [("mistral", 120), ("mistral", 40), ("gemma3", 120), ("gemma3_6", 120),
-                                               ("qwen2", 120), ("qwen3", 240), ("qwen3_every", 40), ("qwen3_moe", 40)])
+                                               ("qwen2", 120), ("qwen2_uneven", 160), ("qwen3", 240), ("qwen3_every", 40), ("qwen3_moe", 40)])
 def test_chunked_prefill_and_prefix_caching(dirs, family, num_blocks):
     """Chunks of 7 tokens (shorter than the window, at every offset in a block); a second prompt sharing the
     long prefix hits the cache (for Mistral, blocks the first request returned while it ran; with 40 blocks
@@ -192,10 +197,12 @@ def test_blocks_out_of_the_window_are_freed_while_decoding(dirs, family):
     assert check_outputs_close(out, [ref], ["long decode in a small cache"]) == 1
 
 
-@pytest.mark.parametrize("family,group_size", [("gemma3", 1), ("gemma3_6", 2), ("qwen2", 1), ("qwen3", 1)])
+@pytest.mark.parametrize("family,group_size", [("gemma3", 1), ("gemma3_6", 2), ("qwen2", 1), ("qwen2_uneven", 2),
+                                              ("qwen3", 1)])
 def test_sliding_groups_return_blocks_global_groups_keep_them(dirs, family, group_size):
     """Sliding and global layers are KV cache groups of ``group_size`` layers (``engine.kv_cache_groups``: the
-    6-layer Gemma 3's 4 sliding layers are 2 groups, its 2 global ones 1) over one pool: while a long request
+    6-layer Gemma 3's 4 sliding layers are 2 groups, its 2 global ones 1; the 5-layer Qwen2's 3 sliding layers
+    are 2 groups, the second with one slot unused) over one pool: while a long request
     runs, each sliding group's blocks before the chunk's window are back in the pool (the null block in their
     places), each global group holds every block, and the pool's free count is the rest. Layers of the same
     slot share their K and V tensors; each reads its group's block table."""
@@ -207,7 +214,8 @@ def test_sliding_groups_return_blocks_global_groups_keep_them(dirs, family, grou
     groups = core.runner.kv_cache.groups
     layers = core.runner.model.attention_layers()
     windows = WINDOWS[family]
-    assert groups.group_size == group_size and groups.num_groups * group_size == len(windows)
+    assert groups.group_size == group_size
+    assert groups.num_groups == sum(-(-windows.count(w) // group_size) for w in set(windows))
     assert [g.window for g in kv.groups] == list(groups.group_windows) and kv.sliding_window is None
     assert [a.kv_group for a in layers] == list(groups.layer_group)
     assert [groups.group_windows[a.kv_group] for a in layers] == windows

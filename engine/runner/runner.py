@@ -229,7 +229,8 @@ class ModelRunner:
         start-up), leaving no request, encoder output or count behind. Returns the items run."""
         sc, num_encoded = self.config.scheduler_config, self.num_encoded_items
         limits = MediaWarmUpLimits(self.kv_cache.num_blocks, self.block_size, self.kv_cache.groups.num_groups,
-                                   sc.max_num_batched_tokens, self.max_model_len, self.encoder_compute_budget)
+                                   sc.max_num_batched_tokens, self.max_model_len, self.encoder_compute_budget,
+                                   sc.max_num_seqs)
         num_run = warm_up_media(self.model.media_warm_up(), self.execute, limits)
         self.num_encoded_items = num_encoded
         return num_run

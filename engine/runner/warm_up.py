@@ -87,6 +87,8 @@ class MediaWarmUpLimits:
     """The longest request."""
     encoder_budget: int
     """Embeddings one step may encode."""
+    max_num_seqs: int
+    """Requests one step may hold (the runner's rows)."""
 
 
 def warm_up_media(items: list[MediaWarmUp], execute: Callable[[SchedulerOutput], object],
@@ -98,7 +100,9 @@ def warm_up_media(items: list[MediaWarmUp], execute: Callable[[SchedulerOutput],
     the blocks are ids no request holds (the scheduler's block pool never sees them), and the runner's rows,
     encoder cache and sampled ids are released as a finished request's are. An item over the encoder budget
     is skipped; one whose prompt does not fit a step (or the KV cache) is encoded without its prefill.
-    Returns the items run."""
+    Then the first item with placeholders is encoded as often as one step's encoder budget (and rows) allow,
+    in one encoder call without a prefill: the allocator holds the largest call's activations before the
+    first burst asks for them. Returns the declared items run."""
     t0 = time.perf_counter()
     params = SamplingParams(max_tokens=1, temperature=0.0)
     num_run = num_prefilled = 0
@@ -130,6 +134,29 @@ def warm_up_media(items: list[MediaWarmUp], execute: Callable[[SchedulerOutput],
                                 free_encoder_identifiers=(identifier,)))
         num_run += 1
         num_prefilled += int(prefill)
-    logger.info("Media paths warmed up (%d of %d declared items encoded, %d prefilled) in %.1f s", num_run,
-                len(items), num_prefilled, time.perf_counter() - t0)
+    full = next((it for it in items
+                 if it.placeholder_offset is not None and it.num_embeds <= limits.encoder_budget), None)
+    num_full = min(limits.encoder_budget // full.num_embeds, limits.max_num_seqs) if full is not None else 0
+    if num_full > 1:
+        _encode_only(full, num_full, execute, params, limits.num_kv_groups)
+    logger.info("Media paths warmed up (%d of %d declared items encoded, %d prefilled; one encoder call of %d "
+                "items) in %.1f s", num_run, len(items), num_prefilled, max(num_full, int(num_run > 0)),
+                time.perf_counter() - t0)
     return num_run
+
+
+def _encode_only(item: MediaWarmUp, count: int, execute: Callable[[SchedulerOutput], object],
+                 params: SamplingParams, num_kv_groups: int) -> None:
+    """``count`` requests of ``item`` (each its own identifier, no KV blocks) encoded in one step, none
+    prefilled; a second step finishes them and frees their encoder outputs."""
+    req_ids = [f"media-warm-up-batch-{k}" for k in range(count)]
+    placeholder = PlaceholderRange(item.placeholder_offset, item.num_embeds)
+    new = tuple(NewRequestData(req_id=r, all_token_ids=item.prompt_token_ids,
+                               num_prompt_tokens=len(item.prompt_token_ids), sampling_params=params, block_ids=(),
+                               cross_block_ids=(), num_computed_tokens=0,
+                               mm_features=(MultiModalFeature(item.modality, r, placeholder, item.data),),
+                               group_block_ids=((),) * (num_kv_groups - 1))
+                for r in req_ids)
+    execute(SchedulerOutput(new, CachedRequestData(), {}, 0, scheduled_encoder_inputs={r: (0,) for r in req_ids}))
+    execute(SchedulerOutput((), CachedRequestData(), {}, 0, finished_req_ids=frozenset(req_ids),
+                            free_encoder_identifiers=tuple(req_ids)))

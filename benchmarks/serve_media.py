@@ -13,7 +13,9 @@ Every request of both bursts has its own image / waveform (seeded noise), so no 
 or prefix cache. The first burst is sent as soon as the server answers /health (no untimed warm-up): it is
 what a user sees right after start-up. The server is stopped, then a separate process runs the same two
 bursts offline (``LLM.chat`` / ``LLM.transcribe``, each burst one call, timed from the call to its return),
-or ``--offline-json`` gives that process's JSON. The table: served / offline per burst; JSON with ``--out``.
+or ``--offline-json`` gives that process's JSON. Either side's time includes its media preprocessing (the
+server's as requests arrive; ``LLM``'s on ``mm_processor_workers`` threads, every item before the first step).
+The table: served / offline per burst, and the served first burst / second burst; JSON with ``--out``.
 
     python benchmarks/serve_media.py --kind image --model DIR --load-format dummy --num-requests 256 \\
         --num-clients 4 --image-size 1024x768 --max-tokens 128 --out serve_media_llava.json
@@ -270,6 +272,7 @@ def print_table(summary: dict[str, Any]) -> None:
         s, o = summary["served"][name], summary["offline"][name]
         print(f"{name:<8}{s['rate']:>24.1f}{o['rate']:>24.1f}{summary['ratio'][name]:>18.3f}"
               f"{s['ok']:>5}/{s['requests']}")
+    print(f"served first burst / second burst: {summary['served_first_over_second']:.3f}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,7 +359,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     summary = {"kind": args.kind, "model": args.model, "num_requests": args.num_requests,
                "num_clients": args.num_clients, "server_ready_s": ready_s, "served": served, "offline": off,
                "ratio": {name: served[name]["rate"] / off[name]["rate"] if off[name]["rate"] else 0.0
-                         for name in BURSTS}}
+                         for name in BURSTS},
+               "served_first_over_second": served["first"]["rate"] / served["second"]["rate"]
+               if served["second"]["rate"] else 0.0}
     if args.kind == "image":
         summary.update(image_size=list(args.image_size), max_tokens=args.max_tokens)
     print_table(summary)

@@ -154,7 +154,8 @@ class StepInputs:
 class _HostMirror:
     """One set of host staging arrays (pinned on CUDA), as torch tensors and numpy views."""
 
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks: int, pin: bool, num_groups: int) -> None:
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks: int, pin: bool,
+                 num_groups: int) -> None:
         def alloc(shape, dtype):
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
@@ -166,8 +167,9 @@ class _HostMirror:
         self.seq_lens = alloc(max_num_reqs, torch.int32)                      # [max_reqs]
         self.block_tables = alloc((max_num_reqs, max_blocks), torch.int32)    # [max_reqs, max_blocks]
         # KV cache groups 1..: their slots and block tables.
-        self.group_slot_mapping = alloc((num_groups - 1, max_num_tokens), torch.int64)          # [G-1, max_tokens]
-        self.group_block_tables = alloc((num_groups - 1, max_num_reqs, max_blocks), torch.int32)  # [G-1, reqs, blocks]
+        self.group_slot_mapping = alloc((num_groups - 1, max_num_tokens), torch.int64)    # [G-1, max_tokens]
+        self.group_block_tables = alloc((num_groups - 1, max_num_reqs, max_blocks),
+                                        torch.int32)                         # [G-1, max_reqs, max_blocks]
         self.logits_indices = alloc(max_num_reqs, torch.int64)                # [max_reqs]
         self.placeholder_dst = alloc(max_num_reqs, torch.int64)               # [max_reqs] token index
         self.placeholder_src = alloc(max_num_reqs, torch.int64)               # [max_reqs] previous row
@@ -208,9 +210,9 @@ class StepBuffers:
         self.seq_lens = alloc(max_num_reqs, torch.int32)                      # [max_reqs]
         self.block_tables = alloc((max_num_reqs, max_blocks_per_req), torch.int32)  # [max_reqs, max_blocks]
         self.num_groups = num_groups
-        self.group_slot_mapping = alloc((num_groups - 1, max_num_tokens), torch.int64)          # [G-1, max_tokens]
+        self.group_slot_mapping = alloc((num_groups - 1, max_num_tokens), torch.int64)    # [G-1, max_tokens]
         self.group_block_tables = alloc((num_groups - 1, max_num_reqs, max_blocks_per_req),
-                                        torch.int32)                                    # [G-1, max_reqs, max_blocks]
+                                        torch.int32)                         # [G-1, max_reqs, max_blocks]
         self.logits_indices = alloc(max_num_reqs, torch.int64)                # [max_reqs]
         self.placeholder_dst = alloc(max_num_reqs, torch.int64)               # [max_reqs]
         self.placeholder_src = alloc(max_num_reqs, torch.int64)               # [max_reqs]
@@ -319,10 +321,11 @@ class StepBuffers:
         a["positions"][:num_tokens] = pos
         mrope = self._mrope_positions(states, counts, qsl, computed, a["positions"]) if self.with_mrope else None
         a["positions"][num_tokens:padded_tokens] = 0
-        for slots, tables, t in [(a["slot_mapping"], a["block_tables"], table)] + [
-                (a["group_slot_mapping"][g], a["group_block_tables"][g], gt) for g, gt in enumerate(group_tables)]:
-            slots[:num_tokens] = (t.rows[rows[req_of_token], pos // block_size].astype(np.int64) * block_size
-                                  + pos % block_size)
+        row_of_token, block_of_token, offset = rows[req_of_token], pos // block_size, pos % block_size  # [T]
+        per_group = [(a["slot_mapping"], a["block_tables"], table)] + [
+            (a["group_slot_mapping"][g], a["group_block_tables"][g], t) for g, t in enumerate(group_tables)]
+        for slots, tables, t in per_group:
+            slots[:num_tokens] = t.rows[row_of_token, block_of_token].astype(np.int64) * block_size + offset
             slots[num_tokens:padded_tokens] = -1
             tables[:num_reqs] = t.rows[rows]
             tables[num_reqs:padded_reqs] = 0

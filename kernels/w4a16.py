@@ -580,12 +580,49 @@ class ShapeDefault:
     """The launch, as timed (split_k included)."""
 
 
-SHAPE_DEFAULTS: tuple[ShapeDefault, ...] = ()
+SHAPE_DEFAULTS: tuple[ShapeDefault, ...] = (
+    # o: 8.3 us, cuBLAS 12.7
+    ShapeDefault(4096, 4096, 1, W4A16Config(
+        block_k=512, split_k=2, num_warps=8, num_stages=1, reduce_in_kernel=1, form=1)),
+    # o: 11.7 us, cuBLAS 12.5
+    ShapeDefault(4096, 4096, 4, W4A16Config(block_n=128, block_k=128, split_k=8, num_warps=8, num_stages=1, form=2)),
+    # o: 14.6 us, cuBLAS 12.8
+    ShapeDefault(4096, 4096, 16, W4A16Config(block_n=64, block_k=128, split_k=8, num_stages=4, scale_in_weight=1)),
+    # o: 16.9 us, cuBLAS 12.0
+    ShapeDefault(4096, 4096, 64, W4A16Config(
+        block_m=64, block_n=64, block_k=128, split_k=4, num_stages=4, scale_in_weight=1)),
+    # down: 18.9 us, cuBLAS 31.4
+    ShapeDefault(4096, 14336, 1, W4A16Config(
+        block_k=512, split_k=2, num_warps=8, num_stages=1, reduce_in_kernel=1, form=1)),
+    # down: 29.4 us, cuBLAS 31.7
+    ShapeDefault(4096, 14336, 4, W4A16Config(block_n=128, block_k=128, split_k=8, num_warps=8, num_stages=1, form=2)),
+    # down: 36.6 us, cuBLAS 32.2
+    ShapeDefault(4096, 14336, 16, W4A16Config(block_n=128, block_k=128, split_k=8, scale_in_weight=1)),
+    # down: 40.8 us, cuBLAS 35.6
+    ShapeDefault(4096, 14336, 64, W4A16Config(block_m=64, block_n=128, block_k=128, split_k=8, scale_in_weight=1)),
+    # qkv: 9.9 us, cuBLAS 15.2
+    ShapeDefault(6144, 4096, 1, W4A16Config(block_n=16, block_k=512, num_stages=1, form=1)),
+    # qkv: 16.6 us, cuBLAS 15.5
+    ShapeDefault(6144, 4096, 4, W4A16Config(
+        block_n=64, block_k=128, split_k=4, num_stages=1, reduce_in_kernel=1, form=1)),
+    # qkv: 18.5 us, cuBLAS 15.7
+    ShapeDefault(6144, 4096, 16, W4A16Config(block_n=128, block_k=128, split_k=8, scale_in_weight=1)),
+    # qkv: 22.9 us, cuBLAS 16.5
+    ShapeDefault(6144, 4096, 64, W4A16Config(
+        block_m=64, block_n=128, block_k=64, split_k=8, num_stages=4, scale_in_weight=1)),
+    # gate_up: 30.4 us, cuBLAS 60.2
+    ShapeDefault(28672, 4096, 1, W4A16Config(block_k=512, num_warps=8, num_stages=1, form=1)),
+    # gate_up: 57.6 us, cuBLAS 59.8
+    ShapeDefault(28672, 4096, 4, W4A16Config(block_n=64, block_k=128, split_k=2, num_stages=1, form=1)),
+    # gate_up: 60.9 us, cuBLAS 60.3
+    ShapeDefault(28672, 4096, 16, W4A16Config(block_n=128, block_k=128, split_k=4, scale_in_weight=1)),
+    # gate_up: 78.9 us, cuBLAS 65.2
+    ShapeDefault(28672, 4096, 64, W4A16Config(block_m=64, block_n=128, block_k=128, scale_in_weight=1)),
+)
 """Per-shape launches, one row per (N, K, token-row bucket), consulted before the rules below: the table
 ``benchmarks/sweeps/w4a16_sweep.py`` prints (the fastest config of each Llama-3-8B projection at M = 1,
-4, 16, 64 on an H200, group size 128). A shape or M it does not list takes ``DECODE_DEFAULTS`` (M <= 16)
-or the GEMM tilings.
-NOTE: empty until the sweep's table is pasted from a GPU run."""
+4, 16, 64 on an H200, group size 128; each row's time and cuBLAS bf16's in its comment). A shape or M it
+does not list takes ``DECODE_DEFAULTS`` (M <= 16) or the GEMM tilings."""
 
 
 def _shape_default(M: int, N: int, K: int) -> Optional[W4A16Config]:

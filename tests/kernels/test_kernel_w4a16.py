@@ -317,9 +317,11 @@ def test_pack_rejects_bad_input():
 # ----------------------------------------------------------------------------------------
 # Launch configs
 # ----------------------------------------------------------------------------------------
-def test_default_configs():
-    """Decode (M <= 16): the ``DECODE_DEFAULTS`` row of M, split-K only where the N tiles leave SMs idle
-    (never below 2 K steps a slice); GEMM tiles above with the scale folded into the weight tile."""
+def test_default_configs(monkeypatch):
+    """The rules under ``SHAPE_DEFAULTS`` (emptied here: it lists the Llama-3-8B shapes). Decode (M <= 16): the
+    ``DECODE_DEFAULTS`` row of M, split-K only where the N tiles leave SMs idle (never below 2 K steps a slice);
+    GEMM tiles above with the scale folded into the weight tile."""
+    monkeypatch.setattr(w4a16_module, "SHAPE_DEFAULTS", ())
     assert DECODE_DEFAULTS[-1].max_rows == GEMV_MAX_ROWS
     for m in range(1, GEMV_MAX_ROWS + 1):
         row = next(r for r in DECODE_DEFAULTS if m <= r.max_rows)

@@ -610,20 +610,28 @@ def gemv_config(M: int, N: int, K: int, device: Optional[torch.device] = None, p
     byte of HBM bandwidth. ``benchmarks/sweeps/fp8_sweep.py`` on the H200 at one row: the bf16 tiles
     (tl.dot) are the best or within 5% of it on o, down and qkv (11.5 / 31.2 / 16.2 us), the
     reduce-once form 8-60% slower but on qkv (15.6); so FP8 weights take the bf16 tiles.
-    ``fp8_math`` E4M3_DOT / F16_WIDEN (module docstring) default to swapped tiles (``swap_ab``, wgmma
-    on sm_90), block_n 64 / block_k 512 up to N = 16384 and 128 / 256 above, chosen from the compiled
-    K loop (sm_90 SASS, one row, warp instructions per weight byte: WIDEN 32 x 512 0.15; E4M3_DOT
-    unswapped 32 x 512 0.09, swapped 64 x 256 0.045, 64 x 512 0.038, 128 x 256 0.028; F16_WIDEN swapped
-    64 x 256 0.085; E4M3_DOT swapped 64 x 256 with the SiLU-and-mul prologue 0.135, with add + RMSNorm
-    0.093), not yet timed: ``fp8_sweep.py --maths`` times each math over its own tile grid against the
-    W8A8 GEMM.
+    On CUDA an e4m3 weight takes ``fp8_math`` E4M3_DOT (module docstring) unless the override names
+    another: ``fp8_sweep.py --maths`` on the H200 (Llama-3-8B shapes, per-channel scales, us at one row,
+    default tiles): E4M3_DOT o 10.9 / down 27.5 / qkv 11.0 / gate_up 31.6 against WIDEN 11.8 / 30.3 /
+    16.1 / 45.6 and the W8A8 GEMM with its quantization 12.8 / 37.3 / 15.0 / 33.8 (floors 3.5 / 12.2 /
+    5.3 / 24.5); with the prologues fused, down (SiLU-and-mul) 30.5 vs 38.0, qkv (add + RMSNorm) 13.3,
+    gate_up 32.6. Its tiles are swapped (``swap_ab``: wgmma on sm_90), block_n 64 / block_k 512 up to
+    N = 16384 and 128 / 256 above (each within 2% of its grid's best); on 128 x 128 scale blocks 64 / 128
+    with 6 stages (the grid's best: o 13.3, qkv 13.6, gate_up 32.7, down 43.3-43.9, where the unblocked
+    tiles took 17.2 / 18.0 / 34.2 / 87.6). F16_WIDEN (only by override) takes unswapped 32 / 512 up to
+    N = 16384 and 64 / 256 above, its grid's best (down 25.6, o 10.1; qkv 13.1, gate_up 32.9).
     """
-    fp8_math = dict(override).get("fp8_math", WIDEN) if weight_fp8 else WIDEN
-    if device is not None and is_interpreted(device):
+    interpreted = device is not None and is_interpreted(device)
+    fp8_math = dict(override).get("fp8_math", WIDEN if interpreted else E4M3_DOT) if weight_fp8 else WIDEN
+    if interpreted:
         cfg = GemvConfig(block_n=min(64, max(16, next_power_of_2(N))), block_k=min(128, max(16, next_power_of_2(K))),
                          num_warps=4, num_stages=1, use_dot=0)
-    elif fp8_math in (E4M3_DOT, F16_WIDEN):
-        cfg = GemvConfig(64, 512, 4, 3, 1, swap_ab=1) if N <= 16384 else GemvConfig(128, 256, 4, 3, 1, swap_ab=1)
+    elif fp8_math == E4M3_DOT and scale_block_k is not None:
+        cfg = GemvConfig(64, 128, 4, 6, 1, fp8_math=E4M3_DOT, swap_ab=1)
+    elif fp8_math == E4M3_DOT:
+        cfg = GemvConfig(*((64, 512) if N <= 16384 else (128, 256)), 4, 3, 1, fp8_math=E4M3_DOT, swap_ab=1)
+    elif fp8_math == F16_WIDEN:
+        cfg = GemvConfig(*((32, 512) if N <= 16384 else (64, 256)), 4, 3, 1, fp8_math=F16_WIDEN)
     elif N <= 16384:
         cfg = GemvConfig(32, 512, 4, 3, 1)
     else:

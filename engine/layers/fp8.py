@@ -3,12 +3,11 @@
 amax / 448, as llmcompressor's FP8_DYNAMIC).
 
 - CUDA, decode steps of at most ``KernelPolicy.decode_gemv_max_tokens`` rows without an adapter update
-  (``Linear.uses_decode_gemv``), on weights with no more outputs than inputs (``decode_gemv_applies``):
-  ``kernels.gemv``'s decode GEMV reads the e4m3 weight and its scales
-  (W8A16: converted in registers, activations unquantized, a static input scale not applied; or, under
-  ``KernelPolicy.gemv`` fp8_math, the rows rounded to e4m3 per token in the kernel for an FP8 MMA, or the
-  weight widened to float16), with the RMSNorm / SiLU-and-mul before it fused in as for bf16 layers
-  (``engine.layers.fused``);
+  (``Linear.uses_decode_gemv``), on scale blocks it takes (``decode_gemv_applies``): ``kernels.gemv``'s
+  decode GEMV reads the e4m3 weight and its scales, rounds the rows to e4m3 per token in the kernel for an
+  e4m3 x e4m3 MMA (W8A8 as the GEMM below, without its quantization launch; ``KernelPolicy.gemv`` fp8_math
+  picks the other maths: the weight widened to bfloat16 or float16 against unquantized rows), with the
+  RMSNorm / SiLU-and-mul before it fused in as for bf16 layers (``engine.layers.fused``);
 - CUDA, other steps: ``kernels.fp8_linear``'s W8A8 GEMM (``fp8_linear``): the activations quantized per
   token, per token and 128 inputs for block weights, or by the checkpoint's static scale; steps of up to
   ``FP8_TRITON_MAX_TOKENS`` rows run the Triton GEMM (on the H200 it beats ``torch._scaled_mm`` there:
@@ -37,18 +36,16 @@ FP8_MAX = 448.0
 
 def decode_gemv_applies(out_features: int, in_features: int, block: Optional[tuple[int, int]]) -> bool:
     """Whether a decode step reads an [out, in] FP8 weight through ``kernels.gemv`` rather than the W8A8 GEMM:
-    scale blocks the GEMV takes, and out <= in.
+    scale blocks the GEMV takes (any shape of weight).
 
-    Measured on an H200 at one row (``benchmarks/sweeps/fp8_sweep.py``, Llama-3-8B shapes, us per call, GEMV
-    with the bf16 tiles vs the W8A8 GEMM + its activation quantization): o 4096 x 4096 11.5 vs 16.5, down
-    4096 x 14336 30.4 vs 44.7, but qkv 6144 x 4096 16.2 vs 17.6 and gate_up 28672 x 4096 45.4 vs 34.5: where
-    the outputs outnumber the inputs, widening e4m3 in registers (about 5x the instructions per weight byte of
-    bf16) costs more than the W8A8 tiles' separate quantization launch saves. The GEMV's other maths
-    (``kernels.gemv.GemvConfig.fp8_math``) are timed against the W8A8 GEMM by ``fp8_sweep.py --maths``; this
-    rule stays the widening's until they are."""
+    Measured on an H200 at one row (``benchmarks/sweeps/fp8_sweep.py --maths``, Llama-3-8B shapes, us per call,
+    per-channel scales): the GEMV's default maths (``kernels.gemv`` E4M3_DOT: the rows rounded to e4m3 per
+    token inside the kernel, e4m3 x e4m3 wgmma) o 10.9, down 27.5, qkv 11.0, gate_up 31.6 against the W8A8
+    GEMM with its activation quantization 12.8 / 37.3 / 15.0 / 33.8 (at two rows 10.7 / 28.7 / 11.4 / 32.4
+    against 13.7 / 37.8 / 15.1 / 33.9); the GEMV also fuses the RMSNorm / SiLU-and-mul before it."""
     from kernels.gemv import fp8_scale_block_supported
 
-    return fp8_scale_block_supported(block) and out_features <= in_features
+    return fp8_scale_block_supported(block)
 
 
 class Fp8Weight:

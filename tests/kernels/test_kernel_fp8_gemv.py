@@ -148,7 +148,16 @@ def test_fp8_math_config():
     # The maths' own default tiles (swapped, wgmma) on an e4m3 weight only; a float weight keeps its tiles.
     fp8_cfg = gemv_config(1, 4096, 4096, override=(("fp8_math", E4M3_DOT),), weight_fp8=True)
     assert (fp8_cfg.block_n, fp8_cfg.block_k, fp8_cfg.swap_ab) == (64, 512, 1)
-    assert gemv_config(1, 28672, 4096, override=(("fp8_math", F16_WIDEN),), weight_fp8=True).block_n == 128
+    assert gemv_config(1, 28672, 4096, override=(("fp8_math", F16_WIDEN),), weight_fp8=True).block_n == 64
+    # With no override an e4m3 weight on CUDA takes E4M3_DOT (swapped tiles; 64 x 128, 6 stages on scale blocks);
+    # the override's WIDEN brings back the bf16 tiles; the interpreter keeps WIDEN.
+    default = gemv_config(1, 28672, 4096, weight_fp8=True)
+    assert (default.fp8_math, default.block_n, default.block_k, default.swap_ab) == (E4M3_DOT, 128, 256, 1)
+    blocks = gemv_config(1, 4096, 14336, weight_fp8=True, scale_block_k=128)
+    assert (blocks.fp8_math, blocks.block_n, blocks.block_k, blocks.num_stages) == (E4M3_DOT, 64, 128, 6)
+    widen = gemv_config(1, 4096, 4096, override=(("fp8_math", WIDEN),), weight_fp8=True)
+    assert (widen.fp8_math, widen.block_n, widen.block_k, widen.swap_ab) == (WIDEN, 32, 512, 0)
+    assert gemv_config(1, 4096, 4096, device=torch.device("cpu"), weight_fp8=True).fp8_math == WIDEN
     assert gemv_config(1, 4096, 4096, override=(("fp8_math", E4M3_DOT), ("block_n", 128)), weight_fp8=True,
                        scale_block_k=128).block_k == 128
     float_cfg = gemv_config(1, 4096, 4096, override=(("fp8_math", E4M3_DOT),))

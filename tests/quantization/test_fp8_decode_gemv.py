@@ -84,13 +84,13 @@ def test_fp8_decode_steps_take_the_gemv(case, tiny_llama_dir, fp8_block_dir, mon
     assert calls["silu_mul_gemv"] == calls["gemv"] == [block] * (layers * decode_steps)
 
 
-def test_gemv_only_where_outputs_do_not_outnumber_inputs():
-    """The H200's measured split (``decode_gemv_applies``): o and down read through the GEMV, qkv and gate_up
-    through the W8A8 GEMM; 8-input scale blocks never."""
+def test_gemv_on_every_projection_whose_scale_blocks_it_takes():
+    """``decode_gemv_applies``: with the e4m3-dot maths every Llama-3-8B projection reads through the GEMV
+    (qkv and gate_up too, where the widening lost to the W8A8 GEMM); 8-input scale blocks never."""
     from engine.layers.fp8 import decode_gemv_applies
 
     assert decode_gemv_applies(4096, 4096, None) and decode_gemv_applies(4096, 14336, (128, 128))
-    assert not decode_gemv_applies(6144, 4096, None) and not decode_gemv_applies(28672, 4096, (128, 128))
+    assert decode_gemv_applies(6144, 4096, None) and decode_gemv_applies(28672, 4096, (128, 128))
     assert not decode_gemv_applies(4096, 14336, (128, 8))
 
 

@@ -114,7 +114,9 @@ def test_cpu_never_takes_the_gemv():
 @pytest.mark.parametrize("block", [None, (128, 128), (128, 8)], ids=["channel", "block", "block8"])
 def test_gpu_fp8_linear_takes_the_gemv(block, monkeypatch):
     """The real rule on CUDA: FP8 projections of <= decode_gemv_max_tokens rows run the GEMV on their
-    e4m3 weight (not with 8-input scale blocks, nor with more rows), equal to the dequantized product."""
+    e4m3 weight (not with 8-input scale blocks, nor with more rows), equal to the dequantized product of the
+    rows rounded to e4m3 per token (the default maths, ``gemv_ref``'s E4M3_DOT); the unrounded product only
+    within that rounding (e4m3's 3 mantissa bits: ~1.8% per input, ~0.02 typical on these unit-size sums)."""
     from kernels.fp8_linear import dequantize_fp8_weight
 
     torch.manual_seed(0)
@@ -140,6 +142,10 @@ def test_gpu_fp8_linear_takes_the_gemv(block, monkeypatch):
         assert lin.uses_decode_gemv(x, policy) == takes
         assert not lin.uses_decode_gemv(x, KernelPolicy(fp8_decode_gemv=False))
         if takes:
-            ref = (x.float() @ dequantize_fp8_weight(wq, scale, block).T).to(torch.bfloat16)
-            torch.testing.assert_close(lin(x).float(), ref.float(), rtol=2e-2, atol=2e-2)
+            out = lin(x).float()
+            twin = gemv_kernels.gemv_ref(x, wq, weight_scale=scale, scale_block=block,
+                                         fp8_math=gemv_kernels.E4M3_DOT)
+            torch.testing.assert_close(out, twin.float(), rtol=2e-2, atol=2e-2)
+            exact = (x.float() @ dequantize_fp8_weight(wq, scale, block).T)                # rows unrounded
+            assert (out - exact).abs().mean() < 0.04 and (out - exact).abs().max() < 0.2
     assert seen == [block] * (0 if block == (128, 8) else policy.decode_gemv_max_tokens)

@@ -47,9 +47,9 @@ from benchmarks.latency import chorus_llm, decode_rows, device_and_bandwidth, wr
 from benchmarks.shapes import add_shape_args, dummy_model, resolve_shape_args, shape_fields  # noqa: E402
 
 
-def _free(llm) -> None:
-    llm.llm_engine.close()
-    del llm
+def _release() -> None:
+    """Return a closed engine's device memory: call it after the function that held the engine returned (its
+    locals, which reach the runner's tensors, are gone only then)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -82,23 +82,29 @@ def cache_capacity(llm) -> dict:
                 bytes_per_block=kv.bytes_per_block(), kv_gib=kv.num_blocks * kv.bytes_per_block() / (1 << 30))
 
 
+def _fp8_row(args, kv_dtype: str, bandwidth: float) -> dict:
+    """One engine with the ``kv_dtype`` cache: its blocks at start-up and its decode rows (closed on return)."""
+    args.kv_cache_dtype = kv_dtype
+    t0, free = time.perf_counter(), free_gib()
+    llm = chorus_llm(args, args.model, max(args.capacity_seqs, max(args.batch_sizes)), args.capacity_model_len,
+                     kv_cache_space=args.kv_cache_space)
+    cap = cache_capacity(llm)
+    needed = max(args.capacity_seqs, max(args.batch_sizes)) * math.ceil(args.capacity_model_len
+                                                                       / cap["block_size"])
+    cap.update(kv_cache_dtype=kv_dtype, capped=cap["blocks"] >= needed, load_s=time.perf_counter() - t0,
+               free_gib_before=free)
+    print(f"{kv_dtype}: {cap['blocks']} blocks x {cap['block_size']} = {cap['tokens']} tokens, {cap['kv_dtype']}, "
+          f"{cap['kv_gib']:.2f} GiB{' (capped by the sequences bound)' if cap['capped'] else ''}", flush=True)
+    cap["decode"] = decode_rows(llm, args, args.batch_sizes, bandwidth)
+    llm.llm_engine.close()
+    return cap
+
+
 def fp8_rows(args, bandwidth: float) -> list[dict]:
     rows = []
     for kv_dtype in args.kv_cache_dtypes:
-        args.kv_cache_dtype = kv_dtype
-        t0, free = time.perf_counter(), free_gib()
-        llm = chorus_llm(args, args.model, max(args.capacity_seqs, max(args.batch_sizes)), args.capacity_model_len,
-                         kv_cache_space=args.kv_cache_space)
-        cap = cache_capacity(llm)
-        needed = max(args.capacity_seqs, max(args.batch_sizes)) * math.ceil(args.capacity_model_len
-                                                                           / cap["block_size"])
-        cap.update(kv_cache_dtype=kv_dtype, capped=cap["blocks"] >= needed, load_s=time.perf_counter() - t0,
-                   free_gib_before=free)
-        print(f"{kv_dtype}: {cap['blocks']} blocks x {cap['block_size']} = {cap['tokens']} tokens, {cap['kv_dtype']}, "
-              f"{cap['kv_gib']:.2f} GiB{' (capped by the sequences bound)' if cap['capped'] else ''}", flush=True)
-        cap["decode"] = decode_rows(llm, args, args.batch_sizes, bandwidth)
-        rows.append(cap)
-        _free(llm)
+        rows.append(_fp8_row(args, kv_dtype, bandwidth))
+        _release()
     check_free(rows)
     for r in rows:
         r["capacity_x_first"] = r["blocks"] / rows[0]["blocks"]
@@ -137,33 +143,40 @@ def prompt_blocks(llm, prompt_len: int) -> dict:
     return dict(blocks_held=held, blocks_peak=peak, prefill_steps=steps - 1)
 
 
-def window_rows(args, bandwidth: float) -> list[dict]:
+def _window_row(args, windows: bool, bandwidth: float) -> dict:
+    """One engine of the shape with its windows (or every layer global): the long prompt's blocks and the decode
+    rows (closed on return)."""
     from engine.models.sliding_window import layer_windows
+    model_dir = dummy_model(args.shape, args.tiny, windows=windows)
+    max_len = max(args.prompt_len, args.context_len + 2 * args.steps) + 64
+    free = free_gib()
+    llm = chorus_llm(args, model_dir, max(args.batch_sizes), max_len, kv_cache_space=args.kv_cache_space)
+    cfg = llm.llm_engine.runner.model.config
+    kv = llm.llm_engine.runner.kv_cache
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token_layer = 2 * cfg.num_key_value_heads * head_dim * (torch.finfo(kv.dtype).bits // 8)
+    need_tokens = sum(min(args.prompt_len, w) if w else args.prompt_len for w in layer_windows(cfg))
+    row = dict(windows=windows, sliding_layers=sum(w is not None for w in layer_windows(cfg)),
+               layers=cfg.num_hidden_layers, kv_groups=kv.groups.num_groups, group_layers=kv.groups.group_size,
+               prompt_len=args.prompt_len, **prompt_blocks(llm, args.prompt_len),
+               bytes_per_block=kv.bytes_per_block(), window_need_bytes=need_tokens * per_token_layer,
+               free_gib_before=free)
+    row["held_bytes"] = row["blocks_held"] * row["bytes_per_block"]
+    row["peak_bytes"] = row["blocks_peak"] * row["bytes_per_block"]
+    row["decode"] = decode_rows(llm, args, args.batch_sizes, bandwidth)
+    llm.llm_engine.close()
+    print(f"windows {'on' if windows else 'off'}: {row['kv_groups']} KV cache groups of {row['group_layers']} "
+          f"layers; {row['blocks_held']} blocks held ({row['held_bytes'] / 2**20:.1f} MiB), peak "
+          f"{row['blocks_peak']} ({row['peak_bytes'] / 2**20:.1f} MiB); window need "
+          f"{row['window_need_bytes'] / 2**20:.1f} MiB", flush=True)
+    return row
+
+
+def window_rows(args, bandwidth: float) -> list[dict]:
     rows = []
     for windows in (True, False):
-        model_dir = dummy_model(args.shape, args.tiny, windows=windows)
-        max_len = max(args.prompt_len, args.context_len + 2 * args.steps) + 64
-        free = free_gib()
-        llm = chorus_llm(args, model_dir, max(args.batch_sizes), max_len, kv_cache_space=args.kv_cache_space)
-        cfg = llm.llm_engine.runner.model.config
-        kv = llm.llm_engine.runner.kv_cache
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token_layer = 2 * cfg.num_key_value_heads * head_dim * (torch.finfo(kv.dtype).bits // 8)
-        need_tokens = sum(min(args.prompt_len, w) if w else args.prompt_len for w in layer_windows(cfg))
-        row = dict(windows=windows, sliding_layers=sum(w is not None for w in layer_windows(cfg)),
-                   layers=cfg.num_hidden_layers, kv_groups=kv.groups.num_groups, group_layers=kv.groups.group_size,
-                   prompt_len=args.prompt_len, **prompt_blocks(llm, args.prompt_len),
-                   bytes_per_block=kv.bytes_per_block(), window_need_bytes=need_tokens * per_token_layer,
-                   free_gib_before=free)
-        row["held_bytes"] = row["blocks_held"] * row["bytes_per_block"]
-        row["peak_bytes"] = row["blocks_peak"] * row["bytes_per_block"]
-        row["decode"] = decode_rows(llm, args, args.batch_sizes, bandwidth)
-        rows.append(row)
-        _free(llm)
-        print(f"windows {'on' if windows else 'off'}: {row['kv_groups']} KV cache groups of {row['group_layers']} "
-              f"layers; {row['blocks_held']} blocks held ({row['held_bytes'] / 2**20:.1f} MiB), peak "
-              f"{row['blocks_peak']} ({row['peak_bytes'] / 2**20:.1f} MiB); window need "
-              f"{row['window_need_bytes'] / 2**20:.1f} MiB", flush=True)
+        rows.append(_window_row(args, windows, bandwidth))
+        _release()
     check_free(rows)
     off = rows[1]
     print(f"\n{'windows':>7s} {'sliding':>7s} {'groups':>6s} {'blocks':>7s} {'peak':>6s} {'held MiB':>9s} "

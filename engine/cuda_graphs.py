@@ -28,7 +28,8 @@ read [3, T] positions. Decode graphs stay text-only (a step with a media token i
 Encoder-decoder models (Whisper, ``capabilities.cross_attention_graphs``): decode graphs only, their
 cross-attention reading each row's cross blocks and lengths from static buffers the runner refills before
 every replay (``engine.runner.cross_buffers``; padding rows read one position of block 0); steps with prompt
-tokens, which also write new requests' cross K/V, run eagerly over the same buffers.
+tokens, which also write new requests' cross K/V, run eagerly over the same buffers. With LoRA their decode
+graphs read the LoRA meta buffers as below; the adapted encoder and cross K/V projections run outside them.
 
 Why mixed graphs: an eager step of a 32-layer model issues hundreds of launches, whose host time
 exceeds the device time of a step of a few hundred tokens, so while requests keep arriving (every

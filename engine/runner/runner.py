@@ -122,11 +122,11 @@ class ModelRunner:
                                 checkpoint_scales=kv_scales)   # an FP8 cache's per-layer scales
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager
         """Capture step graphs when the KV cache is allocated (off: ``enforce_eager``; encoder-decoder
-        models without ``cross_attention_graphs``, or with LoRA)."""
-        if capabilities.encoder_decoder and self.use_cuda_graphs and (not capabilities.cross_attention_graphs
-                                                                      or lora_manager is not None):
-            logger.info("Encoder-decoder model%s: CUDA graphs are off (the steps run eagerly).",
-                        " with LoRA" if capabilities.cross_attention_graphs else "")
+        models without ``cross_attention_graphs``). With LoRA, an encoder-decoder model's decode graphs read
+        the LoRA meta buffers as a text model's do; its adapted encoder and cross K/V projections run outside
+        them (``row_calls``), before the step's ``set_batch``."""
+        if capabilities.encoder_decoder and self.use_cuda_graphs and not capabilities.cross_attention_graphs:
+            logger.info("Encoder-decoder model: CUDA graphs are off (the steps run eagerly).")
             self.use_cuda_graphs = False
         self.encoder_graph_items = (min(encoder_compute_budget // model.num_source_positions,
                                         max(ENCODER_GRAPH_BATCH_SIZES))

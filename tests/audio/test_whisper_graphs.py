@@ -13,15 +13,18 @@ clips of different lengths, requests finishing and joining mid-batch, and the st
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import pytest
 import torch
 
 from engine.attention import cross_attention_torch
-from engine.cuda_graphs import StepGraphs
+from engine.cuda_graphs import GraphKey, StepGraphs
 from engine.llm import LLM
 from engine.runner.cross_buffers import CrossAttentionBuffers
 from engine.sampling_params import SamplingParams
+from lora.request import LoRARequest
 from tests.audio.whisper_reference import load_wav
 
 BLOCKS = 5
@@ -114,13 +117,27 @@ class _EagerReplay(StepGraphs):
         for key in self.keys_to_capture():
             self._fill_padding(key)
             self.graphs[key] = (self.graph_metadata(key), self.cross_metadata(key.size))
-        self.replayed_sizes: list[int] = []
+        self.replayed_keys: list[GraphKey] = []
+
+    @property
+    def replayed_sizes(self) -> list[int]:
+        return [key.size for key in self.replayed_keys]
 
     def replay(self, key) -> torch.Tensor:
         meta, cross_meta = self.graphs[key]
         self.num_replays += 1
-        self.replayed_sizes.append(key.size)
+        self.replayed_keys.append(key)
         return self._forward(key, meta, cross_meta)
+
+    @classmethod
+    def install(cls, llm: LLM) -> "_EagerReplay":
+        """Put the stand-in in place of ``llm``'s runner graphs (with its LoRA manager, if any) and capture."""
+        runner = llm.llm_engine.core.runner
+        runner.graphs = cls(runner.model, runner.buffers, runner.max_model_len, runner._graph_sizes, [],
+                            runner.config.scheduler_config.max_num_seqs, lora_manager=runner.lora_manager,
+                            policy=runner.policy, cross_metadata=runner.cross_attention.buffers.capture_metadata)
+        runner.graphs.capture()
+        return runner.graphs
 
 
 def _requests(n: int) -> tuple[list[dict], list[SamplingParams]]:
@@ -132,11 +149,11 @@ def _requests(n: int) -> tuple[list[dict], list[SamplingParams]]:
     return prompts, params
 
 
-def _run(llm: LLM, prompt_ids: list[int], n: int) -> list:
+def _run(llm: LLM, prompt_ids: list[int], n: int, lora_requests: Optional[list] = None) -> list:
     prompts, params = _requests(n)
     for p in prompts:
         p["prompt_token_ids"] = prompt_ids
-    return llm.generate(prompts, params, use_tqdm=False)
+    return llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
 
 
 def _assert_same(outs, ref, atol: float) -> None:
@@ -162,16 +179,56 @@ def test_graph_path_over_static_buffers_equals_eager(tiny_random_whisper_dir):
     prompt = _decoder_prompt(eager)
     ref = _run(eager, prompt, 7)
     llm = LLM(**kw)
-    runner = llm.llm_engine.core.runner
-    runner.graphs = _EagerReplay(runner.model, runner.buffers, runner.max_model_len, runner._graph_sizes, [],
-                                 4, policy=runner.policy,
-                                 cross_metadata=runner.cross_attention.buffers.capture_metadata)
-    runner.graphs.capture()
+    graphs = _EagerReplay.install(llm)
     outs = _run(llm, prompt, 7)
     _assert_same(outs, ref, atol=1e-5)
-    sizes = runner.graphs.replayed_sizes
+    sizes = graphs.replayed_sizes
     assert len(sizes) >= 10 and {1, 2, 4} <= set(sizes)
     assert any(len(set(o.outputs[0].token_ids)) > 1 for o in outs)   # not one repeated token
+
+
+@pytest.fixture(scope="module")
+def whisper_adapters(tiny_random_whisper_dir, tmp_path_factory) -> dict[str, LoRARequest]:
+    """Two PEFT adapters of the tiny random Whisper: "dec" on the decoder's projections only, "both" on the
+    encoder's and the decoder's (cross K/V included)."""
+    from tests.lora.test_whisper_lora import DECODER_ONLY, TARGETS, _adapter
+    root = tmp_path_factory.mktemp("whisper-graph-lora")
+    dec, _ = _adapter(tiny_random_whisper_dir, root / "dec", DECODER_ONLY, seed=1)
+    both, _ = _adapter(tiny_random_whisper_dir, root / "both", TARGETS, seed=2)
+    return {"dec": LoRARequest("dec", 1, str(dec)), "both": LoRARequest("both", 2, str(both))}
+
+
+LORA_PLANS = ([None, "dec", "both", None, "dec", "both", "dec", None],
+              ["both", None, "both", "dec", None, "dec", None, "both"])
+"""Each request's adapter (None: the base model), one list per ``generate`` call: the adapters of the rows
+running together change from step to step as requests finish and join."""
+
+
+def test_graph_path_with_lora_equals_eager(tiny_random_whisper_dir, whisper_adapters):
+    """With LoRA on, the decode-graph path (the LoRA meta buffers filled with the fixed grid a LoRA graph is
+    captured with, the cross-attention metadata from the capture's views) gives eager's tokens and logprobs:
+    two adapters (one adapting the encoder and the cross K/V) and base requests, 8 per call through 4 rows;
+    steps with an adapter replay the LoRA variant, base-only steps the variant without LoRA."""
+    kw = dict(model=str(tiny_random_whisper_dir), device="cpu", dtype="float32", max_num_seqs=4,
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    eager, llm = LLM(**kw), LLM(**kw)
+    prompt = _decoder_prompt(eager)
+    graphs = _EagerReplay.install(llm)
+    assert {k.lora for k in graphs.graphs} == {True, False}
+    differs = 0   # requests of one clip under different adapters whose first tokens differ
+    for plan in LORA_PLANS:
+        lora_requests = [None if a is None else whisper_adapters[a] for a in plan]
+        ref = _run(eager, prompt, len(plan), lora_requests)
+        outs = _run(llm, prompt, len(plan), lora_requests)
+        _assert_same(outs, ref, atol=1e-5)
+        first = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+        differs += sum(first[i] != first[j] for i in range(len(plan)) for j in range(i + 3, len(plan), 3)
+                       if plan[i] != plan[j])
+    assert differs > 0
+    assert eager.llm_engine.core.runner.graphs is None
+    keys = graphs.replayed_keys
+    assert len(keys) >= 20 and {1, 2, 4} <= {k.size for k in keys}
+    assert any(k.lora for k in keys) and not all(k.lora for k in keys)
 
 
 @pytest.mark.gpu
@@ -196,3 +253,35 @@ def test_tiny_en_cuda_graphs_equal_eager(model_dir, request):
     outs = _run(llm, prompt, 12)
     _assert_same(outs, ref, atol=1e-3)
     assert graphs.num_replays >= 10 and graphs.num_mixed_replays == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_with_lora_equal_eager(tiny_random_whisper_dir, whisper_adapters):
+    """The tests' tiny random Whisper on CUDA (float32, TF32 off) with LoRA on: 12 transcriptions of two adapters
+    and the base model through 8 rows with CUDA graphs equal the same engine with enforce_eager; decode steps
+    replayed graphs, those with an adapter the LoRA variants."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    kw = dict(model=str(tiny_random_whisper_dir), device="cuda", dtype="float32", max_num_seqs=8,
+              gpu_memory_utilization=0.3, enable_lora=True, max_loras=2, max_lora_rank=8)
+    plan = (LORA_PLANS[0] + LORA_PLANS[1])[:12]
+    lora_requests = [None if a is None else whisper_adapters[a] for a in plan]
+    eager = LLM(enforce_eager=True, **kw)
+    prompt = _decoder_prompt(eager)
+    ref = _run(eager, prompt, 12, lora_requests)
+    assert eager.llm_engine.core.runner.graphs is None
+    eager.close()
+    llm = LLM(**kw)
+    graphs = llm.llm_engine.core.runner.graphs
+    assert graphs is not None and any(k.lora for k in graphs.graphs)
+    replayed: list[GraphKey] = []
+    replay = graphs.replay
+
+    def spy(key: GraphKey) -> torch.Tensor:
+        replayed.append(key)
+        return replay(key)
+    graphs.replay = spy
+    outs = _run(llm, prompt, 12, lora_requests)
+    _assert_same(outs, ref, atol=1e-3)
+    assert len(replayed) >= 10 and any(k.lora for k in replayed)

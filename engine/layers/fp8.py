@@ -99,9 +99,11 @@ class Fp8Weight:
         return cls(q, scale, None, None, dtype)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [T, in] -> [T, out] = x @ W.T + bias, in x's dtype."""
+        """x [..., in] (a Whisper encoder's [B, S, in]) -> [..., out] = x @ W.T + bias, in x's dtype."""
         if not self.cuda:
             return F.linear(x, self.float_weight.to(x.dtype), bias)
+        if x.dim() != 2:
+            return self.linear(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], -1)
         from kernels.fp8_linear import PER_TOKEN, PER_TOKEN_GROUP, STATIC, fp8_linear
         backend = "triton" if x.shape[0] <= FP8_TRITON_MAX_TOKENS else "auto"
         if self.input_scale is not None:

@@ -262,9 +262,13 @@ def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], mod
                                    tp: TensorParallelGroup, device: torch.device) -> None:
     """ValueError, saying what to change, for quantization settings that cannot serve this checkpoint."""
     flag = model_config.quantization
-    if flag == "fp8" and not model_cls.capabilities.weight_quantization:
-        raise ValueError(f"--quantization fp8 supports Llama-family text models, not {model_cls.__name__}; "
-                         "leave --quantization unset.")
+    caps = model_cls.capabilities
+    if flag == "fp8" and not (caps.weight_quantization or caps.fp8_weights):
+        raise ValueError(f"--quantization fp8 supports Llama-family text models, their vision / audio language "
+                         f"models and Whisper, not {model_cls.__name__}; leave --quantization unset.")
+    if flag in ("int8", "int4", "fp16") and not caps.weight_quantization:
+        raise ValueError(f"--quantization {flag} supports Llama-family text models, not {model_cls.__name__}; "
+                         f"{'use --quantization fp8 or ' if caps.fp8_weights else ''}leave --quantization unset.")
     if flag == "fp8" and tp.size > 1:
         raise ValueError("--quantization fp8 with --tensor-parallel-size > 1 is not supported; use "
                          "--tensor-parallel-size 1.")
@@ -273,9 +277,9 @@ def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], mod
     if flag not in (None, "none", "auto-float-gguf"):
         raise ValueError(f"--quantization {flag}: the checkpoint is already quantized ({scheme.format}, "
                          f"{scheme.kind}); leave --quantization unset (or none for its dequantized weights).")
-    if not model_cls.capabilities.weight_quantization:
+    if not caps.weight_quantization:
         raise ValueError(f"{model_cls.__name__} cannot load a quantized ({scheme.format}) checkpoint; serve a "
-                         "float checkpoint of it.")
+                         f"float checkpoint of it{' (--quantization fp8 quantizes it at load)' if caps.fp8_weights else ''}.")
     if tp.size > 1:
         raise ValueError(f"a quantized ({scheme.format}) checkpoint with --tensor-parallel-size {tp.size} is "
                          "not supported; use --tensor-parallel-size 1.")
@@ -305,7 +309,8 @@ def _finish_quantized(model: torch.nn.Module, dtype: torch.dtype, dequantize: bo
 @torch.no_grad()
 def _quantize_fp8(model: torch.nn.Module) -> None:
     """``--quantization fp8``: every projection (not the embedding or the LM head) as FP8 per channel, but
-    those of a multimodal model's encoder side (``VisionLanguageModel.float_parts``), which stay float."""
+    those of a multimodal model's encoder side (``VisionLanguageModel.float_parts``), which stay float
+    (Whisper names none: its encoder's projections, where most of its FLOPs are, are FP8 too)."""
     from engine.layers.linear import Linear
     keep_float = _fp8_float_prefixes(model)
     for name, module in model.named_modules():

@@ -51,6 +51,10 @@ class ModelCapabilities:
     """``tensor_parallel_size`` > 1 shards it: its constructor takes ``tp``, it has ``checkpoint_shard``."""
     weight_quantization: bool = False
     """Its projections quantize to weight-only int8 / int4 (``SupportsWeightQuantization``)."""
+    fp8_weights: bool = False
+    """``--quantization fp8`` turns its projections (``engine.layers.linear.Linear``) into ``Fp8Weight``s at
+    load, though it takes no int8 / int4 / fp16 and no quantized checkpoint (``weight_quantization`` models
+    take fp8 as well)."""
     bidirectional_media: bool = False
     """The placeholder tokens of one media item attend to each other both ways (the model's forward fills
     ``AttentionMetadata.key_limit``): the scheduler never ends a prefill chunk inside a placeholder."""

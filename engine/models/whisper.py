@@ -22,6 +22,12 @@ LoRA: every projection of both stacks (q/k/v/out_proj, fc1/fc2) is a ``Linear`` 
 different Linears (q_proj: a slice of ``self_attn.qkv_proj``, or ``encoder_attn.q_proj``). The decoder's
 rows are the step's tokens; ``write_cross_kv`` and the encoder run on encoder rows, whose adapter slots the
 runner sets for those calls.
+
+Quantization: ``--quantization fp8`` quantizes every ``Linear`` at load (``Fp8Weight``, per-channel scales,
+dynamic per-token activations on CUDA; CPU runs the dequantized weights): the decoder's self-attention
+qkv/out, cross-attention q/out and cross K/V, fc1/fc2, and the encoder's qkv/out, fc1/fc2 (the encoder
+holds most of Whisper's FLOPs). The conv stem, embeddings, layer norms and the LM head (tied to the token
+embeddings) stay float. int8 / int4 / fp16 and quantized checkpoints are refused at start-up.
 """
 
 from __future__ import annotations
@@ -169,9 +175,10 @@ class WhisperForConditionalGeneration(nn.Module):
     """
 
     capabilities = ModelCapabilities(multimodal=True, encoder_decoder=True, tensor_parallel=True,
-                                     cross_attention_graphs=True)
+                                     cross_attention_graphs=True, fp8_weights=True)
     """The decoder is sharded at ``tensor_parallel_size`` > 1 (the encoder is replicated); cross-attention
-    reads only ``cross_attn_metadata`` (``AttentionBackend.attend_cross``), so decode steps run in CUDA graphs."""
+    reads only ``cross_attn_metadata`` (``AttentionBackend.attend_cross``), so decode steps run in CUDA graphs;
+    ``--quantization fp8`` turns every projection of both stacks into an ``Fp8Weight`` (module docstring)."""
     rotary_dim: Optional[int] = None
     """Positions are learned embeddings: no rotary."""
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}

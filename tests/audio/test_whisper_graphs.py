@@ -5,10 +5,12 @@ On CPU: the metadata a step fills (real rows, then padding rows of a decode grap
 capture holds, which see every later step's values; padding rows change no real row's attention; and the
 runner's graph path with a stand-in for the graphs (``_EagerReplay``: it "captures" the metadata views and
 "replays" by running the forward over them eagerly, so a replay reads only the static buffers) gives the
-same tokens and logprobs as eager steps, with requests finishing mid-batch and new ones joining.
+same tokens and logprobs as eager steps, with requests finishing mid-batch and new ones joining; with LoRA
+too (two PEFT adapters and base requests, the LoRA and base graph variants).
 
 On CUDA (``gpu``): the real tiny.en with CUDA graphs equals the same engine with ``enforce_eager`` on speech
-clips of different lengths, requests finishing and joining mid-batch, and the steps took the graphs.
+clips of different lengths, requests finishing and joining mid-batch, and the steps took the graphs; the tiny
+random Whisper with LoRA likewise.
 """
 
 from __future__ import annotations

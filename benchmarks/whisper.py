@@ -3,6 +3,8 @@
 Examples:
     # H200: tiny.en (real weights) and the large-v3-turbo shape (random bf16 weights), 1000 30 s clips each
     python benchmarks/whisper.py rtf --model tiny.en turbo --out benchmarks/out/whisper.json
+    # the same with FP8 projections in both stacks (chorus only: --hf-clips 0)
+    python benchmarks/whisper.py rtf --model tiny.en turbo --quantization fp8 --hf-clips 0
     # one clip's TTFT / total alone and while a chat model (Llama-3-8B shape) serves streamed requests
     python benchmarks/whisper.py latency --chat-model /tmp/chorus-llama3-8b-dummy
     # CPU (the 2-core machine): tiny.en on a few clips, float32, against transformers on the same clips
@@ -175,6 +177,8 @@ def build_llm(args, name: str):
                               gpu_memory_utilization=args.gpu_memory_utilization)
     if random_weights:
         kw["load_format"] = "dummy"
+    if args.quantization:
+        kw["quantization"] = args.quantization
     t0 = time.perf_counter()
     llm = LLM(str(path), **kw)
     sched = llm.llm_engine.scheduler
@@ -295,7 +299,7 @@ def bench_rtf(args) -> list[dict]:
         torch_dtype = TORCH_DTYPES[args.dtype]
         llm, path, random_weights = build_llm(args, name)
         ours = run_ours(llm, clips, fixed, args.max_tokens, args.profile)
-        ours.update(model=name)
+        ours.update(model=name, quantization=args.quantization)
         del llm
         free_memory()
         table = [ours]
@@ -435,6 +439,7 @@ def main() -> None:
     ap.add_argument("--num-clips", type=int, default=1000)
     ap.add_argument("--hf-clips", type=int, default=256, help="clips transformers runs (0: skip it)")
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--quantization", default=None, help="rtf: chorus' --quantization (fp8: FP8 projections)")
     ap.add_argument("--output-len", type=int, default=100, help="tokens per clip for random-weight models")
     ap.add_argument("--max-tokens", type=int, default=200, help="cap per clip for real models")
     ap.add_argument("--max-num-seqs", type=int, default=512)

@@ -259,7 +259,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "stay quantized on CPU (4-bit types as int4, 5- to 8-bit as int8; dequantized with "
                           "LoRA). none: always float (a quantized checkpoint dequantized: exact against "
                           "transformers on those weights). fp8: FP8 weights with per-channel scales, quantized "
-                          "at load (CUDA: W8A8 GEMMs with FP8 activations). CPU only: int8 (per-row scales) / int4 "
+                          "at load (Whisper's too; CUDA: W8A8 GEMMs with FP8 activations). CPU only: int8 (per-row scales) / int4 "
                           "(groups of 32, as GGUF's Q4_1) quantize any checkpoint, faster batch-1 decode; fp16: "
                           "float16 weights in fbgemm's layout (x86), outputs within ~1e-3 of float32's.")
 

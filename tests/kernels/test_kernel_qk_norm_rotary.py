@@ -20,6 +20,9 @@ normed values (the mean square summed in another order may round one normed valu
 HEADS = [(8, 2, 64, 64), (4, 1, 128, 128), (4, 2, 256, 256), (4, 4, 64, 32)]
 """(num_heads, num_kv_heads, head_dim, rotary_dim): GQA, MQA, head dims 64 / 128 / 256, MHA with partial
 rotary (the unrotated dims are normed too)."""
+DTYPE_PLUS_ONE = [(torch.float32, True), (torch.bfloat16, False)]
+"""(dtype, plus_one) pairs: each dtype and each norm form once (the norm's arithmetic does not depend on the dtype
+beyond the final rounding, which each dtype's tolerance covers)."""
 
 
 def _norm_weights(head_dim: int, dtype: torch.dtype, plus_one: bool, seed: int) -> QKNormWeights:
@@ -48,9 +51,8 @@ def test_twin_is_the_engine_rms_norm_per_head():
     torch.testing.assert_close(qk_norm_ref(x32, w32, 1e-6, plus_one=True), gemma, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,plus_one", DTYPE_PLUS_ONE)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim", HEADS)
-@pytest.mark.parametrize("plus_one", [False, True])
 def test_rotary_write_kv_with_qk_norm_matches_twin(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, plus_one):
     """q and k normed, rotated and left in place, the normed rotated k and v at each token's slot (a padding
     token, slot -1, writes nothing), every other slot untouched: as norm -> rotary -> KV write in torch."""
@@ -79,9 +81,8 @@ def _fused(b, norm, cos, sin, rotary_dim, scale, **kw):
                                b["block_tables"], b["max_seq_len"], scale, qk_norm=norm, **kw)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,plus_one", DTYPE_PLUS_ONE)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim", HEADS)
-@pytest.mark.parametrize("plus_one", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_rotary_with_qk_norm(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, plus_one, num_splits):
     """The fused decode kernel with the q/k norm: the same cache and output as ``rotary_write_kv`` (norm

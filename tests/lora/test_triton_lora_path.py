@@ -30,7 +30,7 @@ class LaunchSpy:
         return self.kernel[grid]
 
 
-MAX_TOKENS = 8
+MAX_TOKENS = 5
 ADAPTERS = {   # name -> (r, alpha, target_modules): rank 4 below the slots' 16; q/v only leaves k zero
     "r4-all": (4, 8, ALL_TARGETS),
     "r8-qv": (8, 32, ["q_proj", "v_proj"]),

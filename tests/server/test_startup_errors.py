@@ -2,12 +2,15 @@
 and one line on stderr naming the flag and the fix, no traceback, and never after the "Serving" line.
 A good start logs "Serving" only once the adapters are loaded, and request heads have a deadline.
 
-The servers start in parallel (one module fixture): each case pays Python's and torch's imports once.
+One module fixture runs every case: two as real processes (in parallel), the others in this process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -15,6 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -92,20 +96,66 @@ def busy_port():
         yield s.getsockname()[1]
 
 
+# This one starts as a real ``chorus serve`` process (the console script, its stderr as a user sees it,
+# its engine process's too), beside the others, which run ``engine.cli.main`` in this process (same parser,
+# same ``run_server``, fd-level capture) so that they do not each pay Python's and torch's imports.
+SUBPROCESS_CASES = ("bad_model_path_engine_process",)
+
+
+@contextlib.contextmanager
+def _captured(tmp: Path) -> Iterator[Run]:
+    """What this process (and a child it starts) writes to stdout/stderr and logs, into the Run."""
+    run = Run(-1, "", "")
+    py_out, py_err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(py_out)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    files = {fd: open(tmp / f"fd{fd}", "w+") for fd in (1, 2)}
+    for fd, f in files.items():
+        os.dup2(f.fileno(), fd)
+    logging.getLogger().addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(py_out), contextlib.redirect_stderr(py_err):
+            yield run
+    finally:
+        logging.getLogger().removeHandler(handler)
+        for fd, f in files.items():
+            os.dup2(saved[fd], fd)
+            os.close(saved[fd])
+            f.seek(0)
+        run.stdout = py_out.getvalue() + files[1].read()
+        run.stderr = py_err.getvalue() + files[2].read()
+        for f in files.values():
+            f.close()
+
+
+def _argv(argv: list[str], names: dict[str, str], adapters: Path) -> list[str]:
+    argv = [names.get(a, a.replace("ADAPTERS", str(adapters))) for a in argv]
+    port_args = [] if "--port" in argv else ["--port", str(free_port())]
+    return ["serve", *argv, "--host", "127.0.0.1", *port_args, "--max-model-len", "256"]
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_llama_dir, adapters, busy_port) -> dict[str, Run]:
-    """Every case (and --debug on one) started at once; their outputs once they exit."""
+def runs(tiny_llama_dir, adapters, busy_port, tmp_path_factory) -> dict[str, Run]:
+    """Every case (and --debug on one): its exit status and outputs."""
+    from engine.cli import main
     procs = {}
     cases = {**CASES, "debug": (["M", "--lora-modules", "sql=ADAPTERS/nope", "--debug"], [])}
     names = {"M": str(tiny_llama_dir), "PORT_IN_USE": str(busy_port)}
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    for case, (argv, _) in cases.items():
-        argv = [names.get(a, a.replace("ADAPTERS", str(adapters))) for a in argv]
-        port_args = [] if "--port" in argv else ["--port", str(free_port())]
-        procs[case] = subprocess.Popen(
-            [*chorus_cmd(), "serve", *argv, "--host", "127.0.0.1", *port_args, "--max-model-len", "256"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    for case in SUBPROCESS_CASES:
+        procs[case] = subprocess.Popen([*chorus_cmd(), *_argv(cases[case][0], names, adapters)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                       env=env)
     out = {}
+    for case, (argv, _) in cases.items():
+        if case in SUBPROCESS_CASES:
+            continue
+        with _captured(tmp_path_factory.mktemp(case)) as run:
+            try:
+                run.returncode = main(_argv(argv, names, adapters))
+            except SystemExit as e:   # argparse
+                run.returncode = e.code
+        out[case] = run
     for case, proc in procs.items():
         try:
             stdout, stderr = proc.communicate(timeout=240)

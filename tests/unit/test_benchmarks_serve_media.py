@@ -31,8 +31,8 @@ def test_two_bursts_served_and_offline(kind, tmp_path):
         model = build_tiny_random_whisper(tmp_path / "whisper", max_target_positions=24)   # short transcripts
         extra = ["--offline-json", str(tmp_path / "offline.json")]
     out = tmp_path / "out.json"
-    argv = ["--kind", kind, "--model", str(model), "--device", "cpu", "--dtype", "float32", "--num-requests", "3",
-            "--max-num-seqs", "4", *extra]
+    argv = ["--kind", kind, "--model", str(model), "--device", "cpu", "--dtype", "float32",
+            "--num-requests", "3", "--max-num-seqs", "4", *extra]
     if kind == "audio":   # the offline side in this process: one process fewer paying the imports
         offline = bench.main([*argv, "--offline-only", "--out", str(tmp_path / "offline.json")])["offline"]
     s = bench.main([*argv, "--num-clients", "2", "--port", str(_free_port()), "--start-timeout-s", "120",

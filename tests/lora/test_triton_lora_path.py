@@ -30,7 +30,7 @@ class LaunchSpy:
         return self.kernel[grid]
 
 
-MAX_TOKENS = 5
+MAX_TOKENS = 3
 ADAPTERS = {   # name -> (r, alpha, target_modules): rank 4 below the slots' 16; q/v only leaves k zero
     "r4-all": (4, 8, ALL_TARGETS),
     "r8-qv": (8, 32, ["q_proj", "v_proj"]),
@@ -39,14 +39,14 @@ PLAN = [(0, "r4-all"), (2, "r8-qv"), (3, "r4-all"), (1, None)]
 """(prompt index, adapter) per request: r4-all has two requests, so decode segments of two tokens."""
 
 
-@pytest.mark.parametrize("kernel", ["split", "split-tiles", "stacked", "pooled"])
+@pytest.mark.parametrize("kernel", ["split", "stacked", "pooled-tiles"])
 def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny_prompts, tmp_path, monkeypatch):
     """The Triton backend forced on CPU: prefill and decode steps through the split pair with the
-    default overlap's begin / finish ("split"; with the o/down updates inside add + RMSNorm through
-    its segment-tile programs at every size, as large steps take them, "split-tiles"), or with
-    decode steps (<= 4 tokens) through the stacked GEMM (the shrink inside the base GEMM,
-    "stacked") and prefill through the split pair; "pooled": the split pair with the slots in a pool
-    of 16 rank rows (``--max-lora-pool-bytes``), where padded slots of rank 16 would take 32."""
+    default overlap's begin / finish ("split"), or with decode steps (<= 4 tokens) through the
+    stacked GEMM (the shrink inside the base GEMM, "stacked") and prefill through the split pair;
+    "pooled-tiles": the split pair with the slots in a pool of 16 rank rows
+    (``--max-lora-pool-bytes``), where padded slots of rank 16 would take 32, and the o/down updates
+    inside add + RMSNorm through its segment-tile programs at every size, as large steps take them."""
     from transformers import AutoTokenizer
 
     from lora.manager import LoRAManager
@@ -63,9 +63,8 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     def triton_backend(self, *args, backend=None, **kwargs):
         init(self, *args, backend="triton", **kwargs)
     monkeypatch.setattr(LoRAManager, "__init__", triton_backend)
-    tiles = kernel == "split-tiles"
-    pooled = kernel == "pooled"
-    kernel = "split" if tiles or pooled else kernel
+    tiles = pooled = kernel == "pooled-tiles"
+    kernel = "split" if pooled else kernel
     # The engine's policy (``ModelRunner.policy``, handed to the LoRA manager) with only the stacked
     # bound overridden: the overlap and the consumer fusions keep their defaults.
     stacked_max_tokens = len(PLAN) if kernel == "stacked" else 0

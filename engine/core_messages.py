@@ -53,7 +53,8 @@ class AddLoRA:
     """Load an adapter so that requests can name it (``EngineCore.add_lora``); answers True."""
 
     lora_request: "LoRARequest"
-    """The adapter, with the weights the client read (``LoRARequest.adapter``), else read by the core."""
+    """The adapter, with the weights the client read (``LoRARequest.adapter``), else read by the core's
+    loader thread (the client checked it: ``AdapterUploads.ship_weights``)."""
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ the scheduler leaves the waiting requests unscheduled until the loop takes the r
 (``take_done``) and puts the adapter in the store. Weights the client sent (``adopt``) take the same
 path on a CUDA engine, where the thread page-locks them: that copy never runs on the step loop.
 
-The thread exists only while reads are queued: it starts with the first one and ends when the
-queue is empty, so an idle or closed engine holds no loader thread.
+Up to ``num_threads`` reads run at once (safetensors reads, the scale folding and page-locking release
+the GIL), so a burst of requests naming many cold adapters is not read one adapter at a time. The threads
+exist only while reads are queued: they start with the reads and end when the queue is empty, so an idle or
+closed engine holds no loader thread.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 from lora.adapter_reader import AdapterReader
 from lora.errors import LoRAAdapterError
@@ -44,20 +46,26 @@ class AdapterLoader:
         reader: reads an adapter for the engine's base model.
         pin_memory: page-lock each adapter read, on the loader thread (CUDA engines: the host store keeps
             pinned copies, and pinning on the step loop would be a host copy there).
+        num_threads: reads that may run at once.
     """
 
-    def __init__(self, reader: AdapterReader, pin_memory: bool = False) -> None:
+    def __init__(self, reader: AdapterReader, pin_memory: bool = False, num_threads: int = 4) -> None:
+        if num_threads < 1:
+            raise ValueError(f"AdapterLoader needs num_threads >= 1, got {num_threads}.")
         self.reader = reader
         self.pin_memory = pin_memory
+        self.num_threads = num_threads
         self._queued: dict[str, LoRARequest] = {}
         """Adapter name -> the read asked for and not finished (queued or running); with weights: adopted."""
+        self._running: set[str] = set()
+        """Names in ``_queued`` a thread is reading now."""
         self._done: list[AdapterRead] = []
         """Finished reads the loop has not taken yet."""
         self._lock = threading.Lock()
         self._finished = threading.Condition(self._lock)
         """Notified after each read."""
-        self._thread: Optional[threading.Thread] = None
-        """The reading thread while reads are queued."""
+        self._threads: list[threading.Thread] = []
+        """The reading threads while reads are queued."""
 
     def request(self, lora_request: LoRARequest) -> None:
         """Read this adapter (once while a read of that name is queued or not yet taken)."""
@@ -76,9 +84,10 @@ class AdapterLoader:
             if name in self._queued or any(d.lora_request.lora_name == name for d in self._done):
                 return
             self._queued[name] = lora_request
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="chorus-adapter-loader", daemon=True)
-                self._thread.start()
+            if len(self._threads) < min(self.num_threads, len(self._queued)):
+                thread = threading.Thread(target=self._run, name="chorus-adapter-loader", daemon=True)
+                self._threads.append(thread)
+                thread.start()
 
     @property
     def num_pending(self) -> int:
@@ -107,10 +116,11 @@ class AdapterLoader:
     def _run(self) -> None:
         while True:
             with self._lock:
-                if not self._queued:
-                    self._thread = None
+                name = next((n for n in self._queued if n not in self._running), None)
+                if name is None:
+                    self._threads.remove(threading.current_thread())
                     return
-                name = next(iter(self._queued))
+                self._running.add(name)
                 lora_request = self._queued[name]
             try:
                 result: Union[LoRAAdapter, LoRAAdapterError] = (
@@ -124,5 +134,6 @@ class AdapterLoader:
                 result = LoRAAdapterError(f"LoRA adapter {name!r} could not be read ({type(e).__name__}).")
             with self._lock:
                 self._queued.pop(name, None)
+                self._running.discard(name)
                 self._done.append(AdapterRead(lora_request.without_adapter(), result))
                 self._finished.notify_all()

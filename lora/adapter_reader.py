@@ -38,3 +38,9 @@ class AdapterReader:
         """
         return peft_adapter.load_peft_adapter(lora_request.lora_name, lora_request.lora_path, self.targets,
                                               self.max_lora_rank, self.dtype)
+
+    def check(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The checks of ``read`` from the adapter's config and its weights file's header only (no weights
+        read: a safetensors file's tensors become ``meta`` tensors); the same errors."""
+        return peft_adapter.load_peft_adapter(lora_request.lora_name, lora_request.lora_path, self.targets,
+                                              self.max_lora_rank, self.dtype, shapes_only=True)

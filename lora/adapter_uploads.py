@@ -6,6 +6,12 @@ it carry its name only. The record of what was sent is per client and only saves
 out of date (a request that carried the weights never reached the engine, or the engine dropped the
 adapter again), the engine reads the adapter itself, off its step loop (``lora.adapter_loader``).
 
+A client in another process than the engine (the copy an engine process's client unpickles) sends names
+and paths only: it checks an adapter from its config and its weights file's header, and the engine reads the
+weights itself on its loader thread. Weights sent across processes would be copied into a shared-memory
+segment per tensor (448 for an adapter on the 7 projections of a 32-layer model) and mapped again on the
+other side, which costs more than the engine's own read from the page cache.
+
 What a read tells of an adapter is kept too: whether it updates the model's encoder (a vision tower or its
 projector with ``--enable-tower-connector-lora``, Whisper's encoder), which decides the encoder-cache key of a
 request's media (``adapts_encoder``) where the request is processed.
@@ -28,8 +34,11 @@ class AdapterUploads:
         reader: reads an adapter for the engine's base model.
     """
 
-    def __init__(self, reader: AdapterReader) -> None:
+    def __init__(self, reader: AdapterReader, ship_weights: bool = True) -> None:
         self.reader = reader
+        self.ship_weights = ship_weights
+        """Requests and ``add_lora`` carry the weights read here; False: they carry names and paths, checked
+        here (``AdapterReader.check``) and read by the engine."""
         self._sent: dict[str, str] = {}
         """Adapter name -> the lora_path its weights were sent from."""
         self._adapts_encoder: dict[str, tuple[str, bool]] = {}
@@ -40,11 +49,12 @@ class AdapterUploads:
         the engine keeps one)."""
 
     def read(self, lora_request: LoRARequest) -> LoRARequest:
-        """``lora_request`` carrying its adapter, read from disk now (LoRA errors as ``AdapterReader.read``)."""
-        adapter = self.reader.read(lora_request)
+        """``lora_request`` carrying its adapter, read from disk now; without ``ship_weights``, checked and
+        without weights (LoRA errors as ``AdapterReader.read``)."""
+        adapter = self.reader.read(lora_request) if self.ship_weights else self.reader.check(lora_request)
         with self._lock:
             self._adapts_encoder[lora_request.lora_name] = (lora_request.lora_path, adapter.adapts_encoder)
-        return lora_request.with_adapter(adapter)
+        return lora_request.with_adapter(adapter) if self.ship_weights else lora_request.without_adapter()
 
     def attach(self, lora_request: Optional[LoRARequest]) -> Optional[LoRARequest]:
         """What a request naming ``lora_request`` sends: it with its adapter when the engine was not
@@ -88,8 +98,9 @@ class AdapterUploads:
             self._adapts_encoder.pop(lora_name, None)
 
     def __getstate__(self) -> dict:
-        # A copy (the engine-process client's) starts with nothing sent and a lock of its own.
+        # A copy (the engine-process client's) starts with nothing sent and a lock of its own, and sends no
+        # weights: it is in another process than the engine.
         return {"reader": self.reader}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["reader"])
+        self.__init__(state["reader"], ship_weights=False)

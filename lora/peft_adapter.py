@@ -428,8 +428,14 @@ class LoRAAdapter:
         return all(w.lora_a.is_pinned() and w.lora_b.is_pinned() for w in self.weights.values())
 
 
-def read_adapter_tensors(path: Union[str, Path]) -> dict[str, torch.Tensor]:
-    """Every tensor of ``adapter_model.safetensors`` (preferred) or ``adapter_model.bin``, on CPU."""
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+"""safetensors header dtype names -> torch dtypes (what adapters hold)."""
+
+
+def read_adapter_tensors(path: Union[str, Path], shapes_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of ``adapter_model.safetensors`` (preferred) or ``adapter_model.bin``, on CPU; with
+    ``shapes_only``, a safetensors file's tensors as ``meta`` tensors of their shapes and dtypes, from its
+    header alone (a check of the adapter that reads no weights)."""
     d = resolve_adapter_path(str(path))
     for fname in WEIGHT_FILES:
         f = d / fname
@@ -437,6 +443,10 @@ def read_adapter_tensors(path: Union[str, Path]) -> dict[str, torch.Tensor]:
             continue
         try:
             if fname.endswith(".safetensors"):
+                if shapes_only:
+                    meta = _safetensors_meta(f)
+                    if meta is not None:
+                        return meta
                 from safetensors.torch import load_file
                 return load_file(str(f), device="cpu")
             state = torch.load(str(f), map_location="cpu", weights_only=True)
@@ -452,8 +462,24 @@ def read_adapter_tensors(path: Union[str, Path]) -> dict[str, torch.Tensor]:
         f"LoRA adapter {str(path)!r} has no weights: expected {' or '.join(WEIGHT_FILES)}.")
 
 
+def _safetensors_meta(f: Path) -> Optional[dict[str, torch.Tensor]]:
+    """The tensors a safetensors file holds, as ``meta`` tensors (its header only); None when one has a
+    dtype an adapter does not hold (the full read then says what is wrong)."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(f), framework="pt", device="cpu") as handle:
+        for key in handle.keys():
+            part = handle.get_slice(key)
+            dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+            if dtype is None:
+                return None
+            out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+    return out
+
+
 def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank: int,
-                      dtype: torch.dtype) -> LoRAAdapter:
+                      dtype: torch.dtype, shapes_only: bool = False) -> LoRAAdapter:
     """Read, check and prepare one PEFT adapter for the base model described by ``targets``.
 
     Args:
@@ -462,6 +488,8 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
         targets: projections of the base model an adapter may update.
         max_lora_rank: slot rank; larger ranks are rejected.
         dtype: dtype of the returned tensors (the slot dtype).
+        shapes_only: check the adapter from its config and its weights file's header only (safetensors);
+            the returned adapter's tensors are ``meta`` tensors (``AdapterReader.check``).
 
     Raises:
         LoRAAdapterNotFoundError: missing directory or files.
@@ -469,7 +497,7 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
             shapes that do not fit the base model (all problems in one message).
     """
     config = read_adapter_config(path, max_lora_rank, targets.suffixes)
-    tensors = read_adapter_tensors(path)
+    tensors = read_adapter_tensors(path, shapes_only)
     tensors, stacked, scale_names, problems = _stacked_expert_pairs(tensors, targets, config)
     pairs, more = _group_lora_tensors(tensors, targets)
     pairs.update(stacked)
@@ -492,9 +520,8 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
         max_rank = max(max_rank, rank)
         adapts_encoder = adapts_encoder or target.in_encoder
         scale = config.scaling(scale_names.get(peft_module, peft_module))
-        slice_weights = LoRASliceWeights(
-            lora_a=a.to(torch.float32).to(dtype).contiguous(),                  # [rank, in]
-            lora_b=(b.to(torch.float32) * scale).to(dtype).contiguous())        # [out, rank]
+        slice_weights = LoRASliceWeights(lora_a=a.to(dtype).contiguous(),      # [rank, in]
+                                         lora_b=_scaled(b, scale, dtype))       # [out, rank]
         if target.num_experts:
             per_expert.setdefault((target.module_name, target.slice_idx), {})[target.expert] = slice_weights
         else:
@@ -507,6 +534,17 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
             f"LoRA adapter {name!r} ({path}) cannot be served: " + " ".join(problems))
     return LoRAAdapter(name=name, path=str(resolve_adapter_path(path)), rank=max_rank, config=config,
                        weights=weights, adapts_encoder=adapts_encoder)
+
+
+def _scaled(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``b * scale`` rounded once to ``dtype``, contiguous: float32 maths, in one pass where ``b`` is float32
+    or ``dtype`` already (the reduced-precision kernels compute in float32 and round once), else widened
+    first."""
+    if scale == 1.0:
+        return b.to(dtype).contiguous()
+    if b.dtype not in (torch.float32, dtype):
+        b = b.to(torch.float32)
+    return (b * scale).to(dtype).contiguous()
 
 
 def _group_lora_tensors(tensors: dict[str, torch.Tensor], targets: LoRATargets

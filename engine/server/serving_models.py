@@ -10,6 +10,7 @@ before they resolve the name): the adapter they find is loaded then, as by ``/v1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -68,7 +69,22 @@ class OpenAIServingModels:
         self.lora_resolvers: list[LoRAResolver] = list(lora_resolvers or [])
         """``--lora-dir`` (and any other resolver): adapters loaded by name on first use."""
         self._lora_id_counter = itertools.count(1)
-        self._lora_lock = asyncio.Lock()
+        self._name_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        """Adapter name -> (its lock, [holders and waiters]): loads and unloads of one name run one at a time,
+        those of different names at once (a burst naming many cold adapters is not read one by one)."""
+
+    @contextlib.asynccontextmanager
+    async def _name_lock(self, name: str):
+        """Hold the lock of adapter ``name`` (dropped from ``_name_locks`` when nobody holds or waits)."""
+        lock, users = self._name_locks.setdefault(name, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._name_locks[name]
 
     @property
     def model_name(self) -> str:
@@ -143,7 +159,7 @@ class OpenAIServingModels:
         path = await asyncio.to_thread(self._resolve_path, name)
         if path is None:
             raise NotFoundError(f"The model `{name}` does not exist.", param="model")
-        async with self._lora_lock:
+        async with self._name_lock(name):
             lora = self.lora_requests.get(name)
             if lora is not None:   # another request loaded it meanwhile
                 return lora
@@ -177,7 +193,7 @@ class OpenAIServingModels:
                                 base_model_name: Optional[str] = None) -> LoRARequest:
         """Load an operator's adapter (``--lora-modules``): any path; errors say what is wrong with it."""
         self._check_new_name(lora_name, lora_path)
-        async with self._lora_lock:
+        async with self._name_lock(lora_name):
             self._check_new_name(lora_name, lora_path)
             return await self._load(self._new_lora_request(lora_name, lora_path, base_model_name))
 
@@ -189,7 +205,7 @@ class OpenAIServingModels:
         one of them. Every failure to load it is one 400 (``param: lora_path``) that says nothing of
         the server's files (whether the path exists, what it holds); the server log has the reason."""
         self._check_new_name(lora_name, lora_path)
-        async with self._lora_lock:
+        async with self._name_lock(lora_name):
             self._check_new_name(lora_name, lora_path)
             if allowed_roots is not None:
                 resolved = path_under_roots(lora_path, allowed_roots)
@@ -248,7 +264,7 @@ class OpenAIServingModels:
         return lora
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
-        async with self._lora_lock:
+        async with self._name_lock(lora_name):
             lora = self.lora_requests.get(lora_name)
             if lora is None:
                 raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.", param="lora_name")

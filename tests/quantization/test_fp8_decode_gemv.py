@@ -21,7 +21,7 @@ from engine.layers.fp8 import Fp8Weight
 from engine.layers.linear import Linear
 from tests.models.utils import check_logprobs_close, ours_as_ref
 
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 PROMPTS = ["The quick brown fox", "Hello world, this is"]
 
 

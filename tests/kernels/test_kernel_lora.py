@@ -1,13 +1,12 @@
 """LoRA shrink/expand kernels and the per-step meta builder against the torch twins.
 
-Parametrized over dtype x rank x adapter popularity (distinct, uniform, Zipf, identical)
-x base-model rows, with odd hidden sizes, 1..3 slices, 1..33 tokens, 1..4 slots and split-K
-partials (1, 2, 8 splits), exact and fixed grid; plus explicit launch configs and overrides.
+Parametrized over every pair of dtype, rank, adapter popularity (distinct, uniform, Zipf, identical)
+and base-model rows (``tests.kernels.pairwise``), with odd hidden sizes, 1..3 slices, 1..33 tokens,
+1..4 slots and split-K partials (1, 2, 8 splits), exact and fixed grid; plus explicit launch configs
+and overrides.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from kernels.lora_expand import LoRAExpandConfig, lora_expand, lora_expand_confi
 from kernels.lora_meta import NO_LORA, build_lora_kernel_meta, max_split_k, shrink_buffer_rows
 from kernels.lora_shrink import LoRAShrinkConfig, lora_shrink, lora_shrink_config
 from kernels.reference import lora_expand_ref, lora_shrink_ref
+from tests.kernels.pairwise import pairwise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 """CPU tensors run the kernels through the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
@@ -63,9 +63,9 @@ def make_slots(num_tokens: int, max_loras: int, popularity: str, with_base: bool
     return torch.tensor(slots, dtype=torch.int32, device=DEVICE)
 
 
-SLOT_CASES = list(itertools.product(DTYPES, [1, 8, 16], POPULARITY, [False, True]))
-"""(dtype, rank, popularity, with_base) grid shared by the kernels that fuse a LoRA update into
-another op (``test_kernel_lora_silu_mul``)."""
+SLOT_CASES = pairwise(DTYPES, [1, 8, 16], POPULARITY, [False, True])
+"""(dtype, rank, popularity, with_base) cases (every pair of values) shared by the kernels that fuse a
+LoRA update into another op (``test_kernel_lora_silu_mul``)."""
 SLOT_CASE_IDS = [f"{str(dt).removeprefix('torch.')}-r{r}-{p}-{'base' if b else 'nobase'}"
                  for dt, r, p, b in SLOT_CASES]
 
@@ -107,31 +107,33 @@ def run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, shape, s
     return slots, y, y_ref
 
 
-CASES = list(itertools.product(DTYPES, RANKS, POPULARITY, [False, True]))
+CASES = pairwise(DTYPES, RANKS, POPULARITY, [False, True])
 CASE_IDS = [f"{str(d).removeprefix('torch.')}-r{r}-{p}-{'base' if b else 'nobase'}" for d, r, p, b in CASES]
 
 
 @pytest.mark.parametrize("dtype,rank,popularity,with_base", CASES, ids=CASE_IDS)
 def test_shrink_expand_matches_ref(dtype, rank, popularity, with_base):
     i = CASES.index((dtype, rank, popularity, with_base))
-    # Sizes rotate with the case index so every size meets every dtype and rank.
+    # Sizes rotate with the case index: every token count meets every shape and slot count.
     num_tokens = NUM_TOKENS[i % 3]
     max_loras = MAX_LORAS[(i // 3) % 3] if num_tokens > 1 else 4
-    run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, SHAPES[(i // 9) % 3], seed=i,
+    run_case(dtype, rank, popularity, with_base, num_tokens, max_loras, SHAPES[(i // 3) % 3], seed=i,
              split_k=SPLIT_K[(i // 2) % 3])
 
 
-@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
-@pytest.mark.parametrize("max_loras", MAX_LORAS)
-@pytest.mark.parametrize("shape", SHAPES, ids=["qkv", "odd", "wide"])
+SHAPE_NAMES = ["qkv", "odd", "wide"]
+
+
+@pytest.mark.parametrize("num_tokens,max_loras,shape", pairwise(NUM_TOKENS, MAX_LORAS, SHAPE_NAMES))
 def test_sizes(num_tokens, max_loras, shape):
-    slots, y, y_ref = run_case(torch.float16, 8, "uniform", True, num_tokens, max_loras, shape,
+    slots, y, y_ref = run_case(torch.float16, 8, "uniform", True, num_tokens, max_loras,
+                               SHAPES[SHAPE_NAMES.index(shape)],
                                seed=num_tokens * 10 + max_loras, split_k=SPLIT_K[num_tokens % 3])
     base = slots == NO_LORA
     assert torch.equal(y[base], y_ref[base])                                        # base rows untouched
 
 
-FIXED_CASES = list(itertools.product([torch.bfloat16, torch.float32], POPULARITY, [False, True]))
+FIXED_CASES = pairwise([torch.bfloat16, torch.float32], POPULARITY, [False, True])
 
 
 @pytest.mark.parametrize("dtype,popularity,with_base", FIXED_CASES,
@@ -144,7 +146,7 @@ def test_fixed_grid_matches_ref(dtype, popularity, with_base):
              fixed_grid=True, split_k=SPLIT_K[i % 3])
 
 
-TOKEN_CASES = list(itertools.product(DTYPES, POPULARITY, [False, True]))
+TOKEN_CASES = pairwise(DTYPES, POPULARITY, [False, True])
 
 
 @pytest.mark.parametrize("dtype,popularity,with_base", TOKEN_CASES,
@@ -202,8 +204,8 @@ def test_host_grouping_matches_torch_build(popularity, with_base):
         group_slots_host(torch.tensor([0, 3]).numpy(), 3)
 
 
-@pytest.mark.parametrize("split_k", [1, 2, 8, 16])
-@pytest.mark.parametrize("fixed_grid", [False, True], ids=["exact", "fixed_grid"])
+@pytest.mark.parametrize("split_k,fixed_grid", [(1, False), (2, True), (8, False), (16, True)],
+                         ids=["1-exact", "2-fixed_grid", "8-exact", "16-fixed_grid"])
 def test_split_k_partials(split_k, fixed_grid):
     """Each split stores its own partial over its input chunk (empty chunks store zeros); the
     expand sums them. in_dim 100 with 16 splits: chunks of 16, the last 9 splits are empty."""
@@ -225,8 +227,7 @@ def test_split_k_partials(split_k, fixed_grid):
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_m,dtype", [(16, torch.bfloat16), (32, torch.float32), (64, torch.bfloat16)])
 def test_explicit_configs(block_m, dtype):
     """Tiles of every size and programs walking several column tiles, exact and fixed grid."""
     shrink_cfg = LoRAShrinkConfig(block_m=block_m, block_k=32, split_k=2, num_warps=8, num_stages=2)
@@ -441,7 +442,7 @@ def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity):
         torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
 
 
-STACKED_CASES = list(itertools.product(DTYPES, POPULARITY, [0, 1]))
+STACKED_CASES = pairwise(DTYPES, POPULARITY, [0, 1])
 
 
 @pytest.mark.parametrize("dtype,popularity,per_token", STACKED_CASES,

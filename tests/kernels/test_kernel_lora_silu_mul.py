@@ -1,14 +1,12 @@
 """``kernels.lora_expand_silu_mul`` (the LoRA expand fused into SiLU-and-mul) against its torch twin.
 
-Parametrized over dtype x rank x adapter popularity x base-model rows, token counts that cross
+Parametrized over every pair of dtype, rank, adapter popularity and base-model rows, token counts that cross
 tile edges, odd widths, split-K partials, exact and fixed grids (the CUDA-graph launch), explicit
 tile sizes; plus base-only and no-LoRA steps (plain SiLU-and-mul) and the wrapper's checks. CPU
 tensors run through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from kernels.lora_meta import NO_LORA, build_lora_kernel_meta
 from kernels.reference import lora_expand_ref, lora_expand_silu_mul_ref
 from tests.kernels.test_kernel_lora import (DEVICE, POPULARITY, SLOT_CASE_IDS, SLOT_CASES, Y_TOL, make_slots,
                                            randn, slot_case_sizes)
+from tests.kernels.pairwise import pairwise
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -62,8 +61,8 @@ def test_matches_ref(dtype, rank, popularity, with_base):
              seed=i, split_k=(1, 2, 8)[(i // 5) % 3])
 
 
-@pytest.mark.parametrize("dtype,popularity,with_base",
-                         list(itertools.product([torch.bfloat16, torch.float32], POPULARITY, [False, True])))
+@pytest.mark.parametrize("dtype,popularity,with_base", pairwise([torch.bfloat16, torch.float32], POPULARITY,
+                                                                [False, True]))
 def test_fixed_grid_matches_ref(dtype, popularity, with_base):
     """The CUDA-graph launch: every slot's segment programs plus the base tiles; padding exits."""
     seed = 7 + POPULARITY.index(popularity) * 2 + with_base
@@ -77,7 +76,7 @@ def test_explicit_configs(block_m, block_n, n_tiles):
     run_case(torch.float32, 8, "zipf", True, 45, 4, d=70, seed=block_m + n_tiles, config=cfg)
 
 
-TOKEN_CASES = list(itertools.product(DTYPES, POPULARITY, [False, True]))
+TOKEN_CASES = pairwise(DTYPES, POPULARITY, [False, True])
 
 
 @pytest.mark.parametrize("dtype,popularity,with_base", TOKEN_CASES,
@@ -152,9 +151,7 @@ def test_gpu_real_sizes(dtype, num_tokens, max_loras, popularity, fixed_grid):
                  fixed_grid=fixed_grid, split_k=4, config=cfg)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("per_token", [0, 1])
-@pytest.mark.parametrize("fixed_grid", [False, True], ids=["exact", "fixed_grid"])
+@pytest.mark.parametrize("dtype,per_token,fixed_grid", pairwise(DTYPES, [0, 1], [False, True]))
 def test_reads_every_slots_shrink(dtype, per_token, fixed_grid):
     """With slot_stride (``slotwise_buf`` over a GEMM-shaped output holding every slot's h) the
     output is bit-identical to the launch on each token's own h, base rows included."""

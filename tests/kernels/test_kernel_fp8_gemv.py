@@ -15,6 +15,7 @@ from kernels.fp8_linear import PER_TOKEN, fp8_linear_ref
 from kernels.gemv import (E4M3_DOT, F16_WIDEN, WIDEN, GemvConfig, gemv, gemv_config, gemv_ref, round_rows_ref,
                           row_multipliers_ref)
 from tests.kernels.test_kernel_gemv import DEVICE, PROLOGUES, _fp8_case, _run_fp8, _tol
+from tests.kernels.pairwise import pairwise
 
 MATHS = {"e4m3_dot": E4M3_DOT, "f16_widen": F16_WIDEN}
 
@@ -46,15 +47,17 @@ def _config(math: int, scale_block, **kw) -> GemvConfig:
     return GemvConfig(block_n=16, block_k=32 if scale_block else 64, num_warps=4, num_stages=1, fp8_math=math, **kw)
 
 
-@pytest.mark.parametrize("scales", ["channel", "block"])
-@pytest.mark.parametrize("m,dtype,swap_ab", [(1, torch.bfloat16, 0), (2, torch.float16, 1), (5, torch.bfloat16, 1),
-                                             (16, torch.bfloat16, 0)])
-@pytest.mark.parametrize("math", list(MATHS))
-@pytest.mark.parametrize("prologue", PROLOGUES)
-def test_fp8_math_matches_twin(prologue, math, m, dtype, swap_ab, scales):
+ROWS = [(1, torch.bfloat16, 0), (2, torch.float16, 1), (5, torch.bfloat16, 1), (16, torch.bfloat16, 0)]
+"""(m, dtype, swap_ab) of the FP8-math cases."""
+
+
+@pytest.mark.parametrize("prologue,math,row,scales",
+                         pairwise(PROLOGUES, list(MATHS), ROWS, ["channel", "block"]))
+def test_fp8_math_matches_twin(prologue, math, row, scales):
     """The kernel equals its twin within the output dtype's rounding; the twin stays within the rows'
     rounding of the widened product (e4m3: what W8A8 accepts; float16: a few output ulps). swap_ab: the
-    transposed accumulation (weight rows first)."""
+    transposed accumulation (weight rows first). Every pair of prologue, math, row set and scale layout."""
+    m, dtype, swap_ab = row
     scale_block = None if scales == "channel" else (16, 64)
     args, fp8 = _fp8_case(prologue, m, 37, 201, dtype, scale_block)
     config = _config(MATHS[math], scale_block, swap_ab=swap_ab)

@@ -11,6 +11,7 @@ from kernels.fp8_linear import (FP8_DTYPE, FP8_MAX, MIN_AMAX, PER_TOKEN, PER_TOK
                                 Fp8QuantConfig, dequantize_fp8_weight, fp8_gemm_config, fp8_linear, fp8_linear_ref,
                                 quantize_activations_fp8, quantize_activations_fp8_ref, quantize_weight_fp8_per_channel,
                                 scaled_mm_works)
+from tests.kernels.pairwise import pairwise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU_ONLY = pytest.mark.skipif(DEVICE.type != "cpu", reason="interpreter tile sizes")
@@ -63,12 +64,17 @@ def _wgmma(m: int) -> bool:
 # ----------------------------------------------------------------------------------------
 # Activation quantization
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("scheme,k,group", [(PER_TOKEN, 200, None), (PER_TOKEN_GROUP, 256, 128),
-                                            (PER_TOKEN_GROUP, 200, 64), (STATIC, 200, None)])
-@pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_quantize_matches_twin(dtype, m, scheme, k, group):
-    """Bit-exact fp8 values and scales (rows strided for bf16; K groups with a tail for group 64)."""
+QUANT_SCHEMES = [(PER_TOKEN, 200, None), (PER_TOKEN_GROUP, 256, 128), (PER_TOKEN_GROUP, 200, 64),
+                 (STATIC, 200, None)]
+"""(scheme, K, group) of the quantization cases."""
+
+
+@pytest.mark.parametrize("dtype,m,scheme_k_group",
+                         pairwise([torch.bfloat16, torch.float16, torch.float32], [1, 5, 40], QUANT_SCHEMES))
+def test_quantize_matches_twin(dtype, m, scheme_k_group):
+    """Bit-exact fp8 values and scales (rows strided for bf16; K groups with a tail for group 64); every
+    pair of dtype, row count and scheme."""
+    scheme, k, group = scheme_k_group
     x = _x(m, k, dtype, _gen(m, k), strided=dtype == torch.bfloat16)
     input_scale = torch.tensor(0.02, device=DEVICE) if scheme == STATIC else None
     kwargs = dict(input_scale=input_scale, group_size=group or 128)
@@ -119,12 +125,13 @@ def test_quantize_config_chunks():
 # ----------------------------------------------------------------------------------------
 # W8A8 GEMM
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bias,out_dtype", [(False, None), (True, torch.float32)])
-@pytest.mark.parametrize("scheme", [PER_TOKEN, STATIC, PER_TOKEN_GROUP])
-@pytest.mark.parametrize("m", [1, 5, 16, 40])
-def test_linear_per_channel(m, scheme, bias, out_dtype):
+@pytest.mark.parametrize("m,scheme,bias_out", pairwise([1, 5, 16, 40], [PER_TOKEN, STATIC, PER_TOKEN_GROUP],
+                                                       [(False, None), (True, torch.float32)]))
+def test_linear_per_channel(m, scheme, bias_out):
     """Per-channel weights, N = 72 and K = 96 (tails of the 32-wide interpreter tiles, N not a multiple of
-    128); per-token-group activations in 32-wide groups."""
+    128); per-token-group activations in 32-wide groups; every pair of row count, scheme and bias / out
+    dtype."""
+    bias, out_dtype = bias_out
     n, k = 72, 96
     g = _gen(m, n, k)
     x = _x(m, k, torch.bfloat16, g)
@@ -136,13 +143,19 @@ def test_linear_per_channel(m, scheme, bias, out_dtype):
                   _wgmma(m))
 
 
-@pytest.mark.parametrize("scheme,bias,out_dtype", [(PER_TOKEN_GROUP, False, None),
-                                                   (PER_TOKEN_GROUP, True, torch.float32), (PER_TOKEN, True, None)])
-@pytest.mark.parametrize("n,k,block_size", [(256, 256, (128, 128)), (200, 320, (128, 128)), (80, 112, (32, 64))])
-@pytest.mark.parametrize("m", [1, 5, 16, 40])
-def test_linear_block(m, n, k, block_size, scheme, bias, out_dtype):
+BLOCK_SCHEMES = [(PER_TOKEN_GROUP, False, None), (PER_TOKEN_GROUP, True, torch.float32),
+                 (PER_TOKEN, True, None)]
+"""(scheme, bias, out_dtype) of the block-scale cases."""
+BLOCK_SHAPES = [(256, 256, (128, 128)), (200, 320, (128, 128)), (80, 112, (32, 64))]
+"""(N, K, block_size) of the block-scale cases."""
+
+
+@pytest.mark.parametrize("m,shape,block_scheme", pairwise([1, 5, 16, 40], BLOCK_SHAPES, BLOCK_SCHEMES))
+def test_linear_block(m, shape, block_scheme):
     """Block weight scales: K, N multiples of 128, ragged last blocks (200 = 128 + 72, 320 = 2 x 128 + 64),
-    and small blocks with ragged K (112 = 64 + 48); activations per K group (G = BK) or per token."""
+    and small blocks with ragged K (112 = 64 + 48); activations per K group (G = BK) or per token; every
+    pair of row count, shape and scheme."""
+    (n, k, block_size), (scheme, bias, out_dtype) = shape, block_scheme
     g = _gen(m, n, k)
     x = _x(m, k, torch.bfloat16, g, strided=m == 5)
     w, w_scale = _block_weight(n, k, block_size, g)

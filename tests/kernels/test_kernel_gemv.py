@@ -9,6 +9,7 @@ import torch
 
 from kernels.gemv import (GemvConfig, add_rms_norm_gemv, add_rms_norm_gemv_ref, gemv, gemv_config, gemv_ref,
                           silu_mul_gemv, silu_mul_gemv_ref)
+from tests.kernels.pairwise import pairwise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -78,20 +79,17 @@ def _check(prologue: str, args, config, dtype):
 SHAPES = [(40, 200, True, True), (96, 64, False, False)]
 
 
-@pytest.mark.parametrize("n,k,bias,strided", SHAPES)
-@pytest.mark.parametrize("use_dot", [0, 1])
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("prologue", PROLOGUES)
-def test_matches_twin(prologue, dtype, m, use_dot, n, k, bias, strided):
+@pytest.mark.parametrize("prologue,dtype,m,use_dot,shape",
+                         pairwise(PROLOGUES, DTYPES, [1, 3, 8, 16], [0, 1], range(len(SHAPES))))
+def test_matches_twin(prologue, dtype, m, use_dot, shape):
+    """Every pair of prologue, dtype, row count, formulation and shape."""
+    n, k, bias, strided = SHAPES[shape]
     config = GemvConfig(block_n=16 if n == 40 else 32, block_k=64 if k == 200 else 32, num_warps=4,
                         num_stages=1, use_dot=use_dot)
     _check(prologue, _case(prologue, m, n, k, dtype, bias, strided), config, dtype)
 
 
-@pytest.mark.parametrize("use_dot", [0, 1])
-@pytest.mark.parametrize("m", [9, 16])
-@pytest.mark.parametrize("prologue", ["add_rmsnorm", "rmsnorm"])
+@pytest.mark.parametrize("prologue,m,use_dot", pairwise(["add_rmsnorm", "rmsnorm"], [9, 16], [0, 1]))
 def test_rmsnorm_stats_chunks(prologue, m, use_dot):
     """K = 520 over 256-wide statistics chunks (4096 // BLOCK_M_rows): three passes with a tail."""
     config = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=1, use_dot=use_dot)
@@ -258,12 +256,17 @@ FORMS = {"dot": dict(use_dot=1), "ew": dict(use_dot=0), "once": dict(use_dot=0, 
 """The inner-product formulations (``GemvConfig.use_dot`` / ``reduce_once``)."""
 
 
-@pytest.mark.parametrize("scales", list(FP8_SCALES))
-@pytest.mark.parametrize("m,form,dtype", [(1, "once", torch.bfloat16), (1, "dot", torch.float32),
-                                          (2, "once", torch.float32), (2, "ew", torch.bfloat16),
-                                          (5, "dot", torch.float32), (8, "ew", torch.bfloat16),
-                                          (16, "dot", torch.bfloat16), (16, "once", torch.float32)])
-@pytest.mark.parametrize("prologue", PROLOGUES)
+FP8_ROWS = [(1, "once", torch.bfloat16), (1, "dot", torch.float32), (2, "once", torch.float32),
+            (2, "ew", torch.bfloat16), (5, "dot", torch.float32), (8, "ew", torch.bfloat16),
+            (16, "dot", torch.bfloat16), (16, "once", torch.float32)]
+"""(m, form, dtype) of the FP8 cases."""
+FP8_CASES = [(prologue, *FP8_ROWS[(4 * p + 2 * s + r) % 8], scales)
+             for p, prologue in enumerate(PROLOGUES) for s, scales in enumerate(FP8_SCALES) for r in range(2)]
+"""Each prologue with each scale layout on two rows: every row twice, every form with every prologue and
+with each scale layout."""
+
+
+@pytest.mark.parametrize("prologue,m,form,dtype,scales", FP8_CASES)
 def test_fp8_matches_twin(prologue, m, form, dtype, scales):
     """The e4m3 weight with its scales against the twin (dequantize, then the float32 reference)."""
     scale_block = FP8_SCALES[scales]
@@ -281,9 +284,7 @@ def test_fp8_matches_twin(prologue, m, form, dtype, scales):
                               rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("prologue,dtype,m", pairwise(PROLOGUES, [torch.float32, torch.bfloat16], [1, 3, 16]))
 def test_reduce_once_matches_twin(prologue, dtype, m):
     """Float weights through the elementwise form reduced once over K (K tail, bias, strided rows)."""
     config = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, use_dot=0, reduce_once=1)

@@ -94,8 +94,8 @@ def test_write_kv_matches_ref(dtype, pad):
     assert_bits_equal(vc, v_ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim", [(4, 2, 16, 16), (6, 2, 24, 12)])
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,rotary_dim",
+                         [(torch.float32, 4, 2, 16, 16), (torch.bfloat16, 6, 2, 24, 12)])
 def test_rotary_write_kv_matches_ref(dtype, num_heads, num_kv_heads, head_dim, rotary_dim):
     """q and k rotated in place as for a float cache; the cache holds the rotated k (in k's dtype) and v,
     quantized (full and partial rotary, a padding slot)."""
@@ -120,8 +120,8 @@ def test_rotary_write_kv_matches_ref(dtype, num_heads, num_kv_heads, head_dim, r
     assert_bits_equal(vc, vc_ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(4, 2, 16, 16), (6, 2, 24, 12)], ids=["gqa", "partial"])
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (6, 2, 24, 12)), (torch.bfloat16, (4, 2, 16, 16))],
+                         ids=["f32-partial", "bf16-gqa"])
 def test_lora_rotary_write_kv_matches_ref(dtype, shape):
     """The LoRA-fused rotary + write: q/k/v as the twin's; the cache holds the updated, rotated k and the
     updated v the kernel left in place, quantized; padding slots write nothing."""
@@ -142,11 +142,13 @@ def test_lora_rotary_write_kv_matches_ref(dtype, shape):
 # ----------------------------------------------------------------------------------------
 # Attention over an FP8 cache
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout,dtype", [
+    ("decodes", torch.float32), ("decodes", torch.float16), ("decodes", torch.bfloat16),
+    ("prefills", torch.float16), ("mixed", torch.bfloat16), ("mixed_decodes_last", torch.float32)])
 def test_attention_matches_ref_on_dequantized_cache(layout, dtype):
     """Mixed batches (prefill chunks with and without a prefix, decodes; pure decode takes
-    ``kernels.paged_decode``): attention over k_cache * k_scale, v_cache * v_scale."""
+    ``kernels.paged_decode``): attention over k_cache * k_scale, v_cache * v_scale. Every dtype on the
+    pure-decode kernel and on the general kernel, every layout."""
     b = fp8_batch(LAYOUTS[layout], dtype)
     scale = 32 ** -0.5
     out = paged_attention(*b.args(), b.max_query_len, b.max_seq_len, scale, k_scale=K_SCALE, v_scale=V_SCALE)
@@ -177,8 +179,7 @@ def test_scales_are_applied():
                  torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("dtype,num_splits", [(torch.float32, 2), (torch.bfloat16, 1)])
 def test_decode_rotary_matches_ref(dtype, num_splits):
     """The fused rotary + KV write + decode attention: the new k and v are quantized into the cache as
     ``rotary_write_kv`` quantizes them, and attended as stored (times the scales)."""

@@ -11,6 +11,7 @@ import torch
 
 from engine.layers.moe import fused_moe_ref, select_experts
 from kernels.fused_moe import FusedMoEConfig, fused_moe_config, fused_moe_triton, moe_align, moe_align_size
+from tests.kernels.pairwise import pairwise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EMPTY_EXPERT = 3
@@ -111,11 +112,10 @@ def test_moe_align_all_one_expert():
 # ----------------------------------------------------------------------------------------
 # The kernel against fused_moe_ref
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("K", [1, 2, 4])
-@pytest.mark.parametrize("E", [8, 16])
-@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("T,E,K,dtype",
+                         pairwise([1, 5, 33], [8, 16], [1, 2, 4], [torch.float32, torch.bfloat16]))
 def test_matches_ref(T, E, K, dtype):
+    """Every pair of token count, expert count, top-k and dtype."""
     _check(_case(T, E, K, 64, 32, dtype))
 
 

@@ -11,6 +11,7 @@ from kernels.lora_expand_norm import lora_expand_add_rms_norm
 from kernels.lora_meta import build_lora_kernel_meta
 from kernels.reference import lora_expand_add_rms_norm_ref
 from tests.kernels.test_kernel_lora import DEVICE
+from tests.kernels.pairwise import pairwise
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
        torch.float16: dict(atol=4e-3, rtol=4e-3)}
@@ -43,15 +44,16 @@ def run_case(dtype, hidden, with_residual, slotwise, num_tokens=7, rank=8, max_l
     return out, stored, want_out, want_s, x, x0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hidden", [64, 100, 3000, 8192])
-@pytest.mark.parametrize("with_residual,slotwise", [(True, True), (False, False), (True, False)],
-                         ids=["residual-slotwise", "no-residual-partials", "residual-partials"])
-@pytest.mark.parametrize("tiles", [False, True], ids=["per-row", "tiles"])
-def test_matches_ref(dtype, hidden, with_residual, slotwise, tiles):
+@pytest.mark.parametrize("dtype,hidden,form,tiles",
+                         pairwise([torch.float32, torch.bfloat16, torch.float16], [64, 100, 3000, 8192],
+                                  ["residual-slotwise", "no-residual-partials", "residual-partials"],
+                                  ["per-row", "tiles"]))
+def test_matches_ref(dtype, hidden, form, tiles):
     """Rows updated, summed (stored into residual, or x without one) and normalized; base-model rows
     (slot -1) get the plain add + RMSNorm; odd widths and rows wider than one piece (8192); both
-    launch shapes (per-row programs, segment tiles)."""
+    launch shapes (per-row programs, segment tiles); every pair of dtype, width, form and launch shape."""
+    with_residual, slotwise = form.startswith("residual"), form.endswith("slotwise")
+    tiles = tiles == "tiles"
     out, stored, want_out, want_s, x, x0 = run_case(dtype, hidden, with_residual, slotwise, tiles=tiles)
     torch.testing.assert_close(stored.float(), want_s.float(), **TOL[dtype])
     torch.testing.assert_close(out.float(), want_out.float(), **TOL[dtype])
@@ -59,8 +61,8 @@ def test_matches_ref(dtype, hidden, with_residual, slotwise, tiles):
         assert torch.equal(x, x0)                                   # x only read when there is a residual
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("slots", ["prefill", "one-adapter", "all-base", "padded-segments"])
+@pytest.mark.parametrize("dtype,slots", [(torch.float32, "prefill"), (torch.bfloat16, "one-adapter"),
+                                         (torch.float32, "all-base"), (torch.bfloat16, "padded-segments")])
 def test_tiles_over_segments(dtype, slots):
     """Segment tiles over prefill-like steps: segments longer than a tile and ending mid-tile
     (40 / 17 / 3 rows), interleaved rows of one adapter, base rows only, and empty slots between

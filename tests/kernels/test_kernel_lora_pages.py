@@ -21,6 +21,7 @@ from kernels.lora_shrink import LoRAShrinkConfig, lora_shrink
 from kernels.reference import (lora_expand_add_rms_norm_ref, lora_expand_ref, lora_expand_silu_mul_ref,
                                lora_rotary_write_kv_ref, lora_shrink_ref)
 from lora.rank_pool import PAGE_ROWS
+from tests.kernels.pairwise import pairwise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 """CPU tensors run the kernels through the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
@@ -84,9 +85,8 @@ def h_with_nan_tail(h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return h
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_tokens", [5, 23])
-@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("dtype,num_tokens,split_k",
+                         pairwise([torch.float32, torch.float16], [5, 23], [1, 2]))
 def test_shrink_expand_mixed_ranks(dtype, num_tokens, split_k):
     g = torch.Generator().manual_seed(num_tokens * 10 + split_k)
     pages = make_pages(num_tokens + split_k)

@@ -10,6 +10,7 @@ from kernels.lora_expand import slotwise_buf
 from kernels.lora_rotary_write_kv import lora_rotary_write_kv
 from kernels.reference import lora_rotary_write_kv_ref
 from tests.kernels.test_kernel_kv_write import DEVICE, _rotary_tables, make_step
+from tests.kernels.pairwise import pairwise
 
 SHAPES = [(4, 2, 16, 16), (6, 2, 24, 12), (4, 4, 80, 80), (8, 1, 32, 20)]
 """(num_heads, num_kv_heads, head_dim, rotary_dim): GQA, partial rotary, MHA, MQA."""
@@ -48,12 +49,17 @@ def run_case(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, pad, slotwise
     return (q, kk, vv, kc, vc), want, slots, lslots
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=["gqa", "partial", "mha", "mqa"])
-@pytest.mark.parametrize("pad,slotwise", [((), True), ((1, 5), False)], ids=["slotwise", "partials-pad"])
-def test_matches_ref(dtype, shape, pad, slotwise):
+SHAPE_NAMES = ["gqa", "partial", "mha", "mqa"]
+
+
+@pytest.mark.parametrize("dtype,shape,form", pairwise([torch.float32, torch.bfloat16], SHAPE_NAMES,
+                                                      ["slotwise", "partials-pad"]))
+def test_matches_ref(dtype, shape, form):
     """q/k/v updated then rotated in place, k (rotated) and v (updated) in the cache; base-model
-    rows (slot -1) get the plain rotary + write; padding rows write no cache."""
+    rows (slot -1) get the plain rotary + write; padding rows write no cache; every pair of dtype,
+    head shape and form."""
+    shape = SHAPES[SHAPE_NAMES.index(shape)]
+    pad, slotwise = ((), True) if form == "slotwise" else ((1, 5), False)
     got, want, slots, lslots = run_case(dtype, *shape, pad, slotwise)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for name, a, b in zip(("q", "k", "v", "k_cache", "v_cache"), got, want):

@@ -51,8 +51,8 @@ def test_twin_is_the_engine_rms_norm_per_head():
     torch.testing.assert_close(qk_norm_ref(x32, w32, 1e-6, plus_one=True), gemma, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,plus_one", DTYPE_PLUS_ONE)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim", HEADS)
+@pytest.mark.parametrize("dtype,plus_one,num_heads,num_kv_heads,head_dim,rotary_dim",
+                         [(*DTYPE_PLUS_ONE[i % 2], *heads) for i, heads in enumerate(HEADS)])
 def test_rotary_write_kv_with_qk_norm_matches_twin(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, plus_one):
     """q and k normed, rotated and left in place, the normed rotated k and v at each token's slot (a padding
     token, slot -1, writes nothing), every other slot untouched: as norm -> rotary -> KV write in torch."""
@@ -81,13 +81,12 @@ def _fused(b, norm, cos, sin, rotary_dim, scale, **kw):
                                b["block_tables"], b["max_seq_len"], scale, qk_norm=norm, **kw)
 
 
-@pytest.mark.parametrize("dtype,plus_one", DTYPE_PLUS_ONE)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim", HEADS)
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype,plus_one,num_heads,num_kv_heads,head_dim,rotary_dim,num_splits",
+                         [(*DTYPE_PLUS_ONE[i % 2], *heads, (1, 4)[i // 2]) for i, heads in enumerate(HEADS)])
 def test_decode_rotary_with_qk_norm(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, plus_one, num_splits):
     """The fused decode kernel with the q/k norm: the same cache and output as ``rotary_write_kv`` (norm
     fused) + ``paged_attention``, and as the torch twins (norm -> rotary -> KV write -> attention); q, k, v
-    not written."""
+    not written. Every head shape once; each (dtype, norm form) pair with and without split-KV."""
     b = _decode_step([1, 16, 33, 50], num_heads, num_kv_heads, head_dim, 16, dtype, seed=head_dim + num_splits)
     norm = _norm_weights(head_dim, dtype, plus_one, seed=head_dim + 1)
     cos, sin = _tables(rotary_dim)
@@ -148,12 +147,12 @@ def test_warm_up_compiles_the_normed_decode_kernel(monkeypatch):
     fused = pa.paged_decode_rotary
     monkeypatch.setattr(pa, "paged_decode_rotary",
                         lambda *a, **kw: norms.append(kw.get("qk_norm")) or fused(*a, **kw))
-    kc = torch.randn(3, 16, 2, 64, device=DEVICE)
+    kc = torch.randn(3, 16, 2, 32, device=DEVICE)
     vc = torch.randn_like(kc)
     before = (kc.clone(), vc.clone())
-    norm = _norm_weights(64, torch.float32, False, seed=2)
-    AttentionBackend("triton", KernelPolicy(decode_fuse_rotary="1")).warm_up(kc, vc, 4, 0.125, rotary_dim=64,
-                                                                               qk_norm=norm)
+    norm = _norm_weights(32, torch.float32, False, seed=2)
+    backend = AttentionBackend("triton", KernelPolicy(decode_fuse_rotary="1"))
+    backend.warm_up(kc, vc, 4, 32 ** -0.5, rotary_dim=32, qk_norm=norm)
     assert len(norms) == 3 and all(n is norm for n in norms)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
 

@@ -20,6 +20,7 @@ from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.kv_write import rotary_write_kv
 from kernels.paged_attention import paged_attention, paged_decode_rotary
 from kernels.reference import paged_attention_ref
+from tests.kernels.pairwise import pairwise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -102,11 +103,17 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 33])
-@pytest.mark.parametrize("layout,path", [(layout, path) for layout in LAYOUTS for path in (
-    ["one_launch", "split_launches"] + (["split_kv", "decode_1", "decode_2"] if layout == "decodes" else []))])
+LAUNCHES = [(layout, path) for layout in LAYOUTS for path in (
+    ["one_launch", "split_launches"] + (["split_kv", "decode_1", "decode_2"] if layout == "decodes" else []))]
+"""(layout, launch variant) of the kernel tests."""
+
+
+@pytest.mark.parametrize("layout,path,window",
+                         [(*launch, window) for i, launch in enumerate(LAUNCHES)
+                          for window in ((1, 16), (5, 33))[i % 2]])
 def test_kernel_window_matches_twin(layout, window, path):
-    """Each launch variant under windows of 1 key, shorter than a block, one block and across blocks."""
+    """Each launch variant under a window within one block (1 key or 5) and one of a block or across blocks
+    (16 or 33)."""
     q, kc, vc, meta, dead = make_step(LAYOUTS[layout], window, seed=window)
     scale = 32 ** -0.5
     expected = twin(q, kc, vc, meta, scale, window)
@@ -117,8 +124,7 @@ def test_kernel_window_matches_twin(layout, window, path):
     assert_close(kernel(q, kc, vc, meta, scale, window=window, **kw), expected, torch.float32)
 
 
-@pytest.mark.parametrize("window", [None, 6, 40])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,dtype", [(None, torch.float32), (6, torch.bfloat16), (40, torch.float32)])
 def test_kernel_image_spans_with_window(window, dtype):
     """Tokens of an image span see the whole span (also later keys), text tokens stay causal; a chunk may
     start inside a span whose first part is cached; the window still applies."""
@@ -135,8 +141,7 @@ def test_kernel_image_spans_with_window(window, dtype):
                      expected, dtype)
 
 
-@pytest.mark.parametrize("window", [3, 16, 29])
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window,num_splits", [(3, 1), (16, 4), (29, 1), (29, 4)])
 def test_fused_decode_rotary_window(window, num_splits):
     """The fused rotary + KV write + decode kernel attends to the window only (its newest key from registers)."""
     layout = LAYOUTS["decodes"]
@@ -168,14 +173,15 @@ def cpu_decode(tmp_path_factory):
     return kernel
 
 
-@pytest.mark.parametrize("window", [1, 7, 16, 45])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("with_new_kv,c_decode", [(False, False), (True, False), (False, True)])
-def test_torch_backend_window_matches_twin(layout, window, with_new_kv, c_decode, cpu_decode):
+@pytest.mark.parametrize("layout,window,mode", pairwise(list(LAYOUTS), [1, 7, 16, 45],
+                                                       ["cache", "new_kv", "c_decode"]))
+def test_torch_backend_window_matches_twin(layout, window, mode, cpu_decode):
+    """The engine's CPU path: windowed decodes (gathered by window, or through the C decode kernel), masked
+    chunks over their window's blocks (from the cache, or this step's K/V for a chunk with no prefix);
+    every pair of layout, window and mode."""
+    with_new_kv, c_decode = mode == "new_kv", mode == "c_decode"
     if c_decode and DEVICE.type != "cpu":
         pytest.skip("the C decode kernel reads host tensors")
-    """The engine's CPU path: windowed decodes (gathered by window, or through the C decode kernel), masked
-    chunks over their window's blocks (from the cache, or this step's K/V for a chunk with no prefix)."""
     rows = LAYOUTS[layout]
     q, kc, vc, meta, dead = make_step(rows, window, seed=window + 1)
     expected = twin(q, kc, vc, meta, 0.3, window)

@@ -6,6 +6,7 @@ several groups per K step, split-K); the CUDA tests run Llama-3-8B sizes."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import kernels.w4a16 as w4a16_module
 from kernels.w4a16 import (DECODE_DEFAULTS, GEMV_DOT, GEMV_FMA, GEMV_MAX_ROWS, MAX_SUB_TILES, TILES, ShapeDefault,
                            W4A16Config, dequantize_w4, pack_int4_along_k, unpack_int4_along_k, w4a16_config,
                            w4a16_matmul, w4a16_matmul_ref)
+from tests.kernels.pairwise import pairwise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -77,11 +79,11 @@ def _check(case: Case, config, dtype, tol=None):
 SHAPES = [(40, 256, 32, True, "asym"), (48, 256, 128, False, "sym"), (24, 200, 200, True, "asym")]
 
 
-@pytest.mark.parametrize("n,k,group_size,bias,zeros", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 16, 33])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_twin(dtype, m, n, k, group_size, bias, zeros):
-    """One K step per group (block_k 32 / 64), 16 x 32 tiles: tails in M (33 = 2 x 16 + 1), N and K."""
+@pytest.mark.parametrize("dtype,m,shape", pairwise(DTYPES, [1, 3, 16, 33], range(len(SHAPES))))
+def test_matches_twin(dtype, m, shape):
+    """One K step per group (block_k 32 / 64), 16 x 32 tiles: tails in M (33 = 2 x 16 + 1), N and K;
+    every pair of dtype, M and shape."""
+    n, k, group_size, bias, zeros = SHAPES[shape]
     config = W4A16Config(block_m=16, block_n=32 if n == 40 else 16, block_k=min(64, group_size), num_stages=1)
     _check(_case(m, n, k, group_size, dtype, bias=bias, zeros=zeros), config, dtype)
 
@@ -96,9 +98,12 @@ GEMV_FORMS = [(GEMV_FMA, 64), (GEMV_FMA, 256), (GEMV_DOT, 128)]
 GEMV_GROUPS = [(32, "asym"), (64, "sym"), (128, "asym"), (0, "sym")]
 
 
-@pytest.mark.parametrize("group_size,zeros", GEMV_GROUPS)
-@pytest.mark.parametrize("form,block_k", GEMV_FORMS)
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 16])
+GEMV_CASES = [(m, *form, *group) for m, (form, group) in
+              zip(itertools.cycle([1, 2, 3, 7, 16]), itertools.product(GEMV_FORMS, GEMV_GROUPS))]
+"""Every form with every group (m: 1, 2, 3, 7 and 16 in turn)."""
+
+
+@pytest.mark.parametrize("m,form,block_k,group_size,zeros", GEMV_CASES)
 def test_gemv_matches_twin(m, form, block_k, group_size, zeros):
     """bfloat16 x (read as int32 pairs), N = 37 (a column tail), K = 264 per-channel (a K tail), bias."""
     k = 264 if group_size == 0 else 256
@@ -106,8 +111,7 @@ def test_gemv_matches_twin(m, form, block_k, group_size, zeros):
     _check(case, W4A16Config(form=form, block_n=16, block_k=block_k, num_stages=1), torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("form", [GEMV_FMA, GEMV_DOT])
+@pytest.mark.parametrize("form,dtype", [(GEMV_FMA, torch.float32), (GEMV_DOT, torch.float16)])
 def test_gemv_other_dtypes_split_k(form, dtype):
     """float32 / float16 x (loaded per input), 4 K slices + the reduce launch, 5 rows, G 128."""
     case = _case(5, 40, 1024, 128, dtype, bias=True, zeros="asym")
@@ -132,13 +136,17 @@ GEMV_KNOBS = [(GEMV_FMA, 16, 64, 1, 0, 4, 1), (GEMV_FMA, 32, 128, 2, 0, 2, 1), (
               (GEMV_DOT, 16, 256, 4, 0, 8, 1)]
 
 
-@pytest.mark.parametrize("group_size,zeros", GEMV_GROUPS)
-@pytest.mark.parametrize("form,block_n,block_k,split_k,reduce_in_kernel,num_warps,num_stages", GEMV_KNOBS)
+GEMV_KNOB_CASES = [(*knobs, *GEMV_GROUPS[i % len(GEMV_GROUPS)]) for i, knobs in enumerate(GEMV_KNOBS)]
+"""Every knob row once, the groups in turn."""
+
+
+@pytest.mark.parametrize(
+    "form,block_n,block_k,split_k,reduce_in_kernel,num_warps,num_stages,group_size,zeros", GEMV_KNOB_CASES)
 def test_gemv_launch_knobs(form, block_n, block_k, split_k, reduce_in_kernel, num_warps, num_stages, group_size,
                            zeros):
     """Every GEMV knob against the twin: 3 rows (2 with the FMA form's wide tile), N = 45 (a tail of every
     block_n), K = 512 (per-channel: 520, a K tail), bias; split-K reduced by the second launch or in the
-    kernel; groups 32 / 64 / 128 / per-channel, symmetric and asymmetric zero points."""
+    kernel; groups 32 / 64 / 128 / per-channel in turn, symmetric and asymmetric zero points."""
     k = 520 if group_size == 0 else 512
     m = 2 if block_k == 256 and form == GEMV_FMA else 3
     case = _case(m, 45, k, group_size or k, torch.bfloat16, bias=True, zeros=zeros)
@@ -154,8 +162,7 @@ def _count_reduce_launches(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("group_size", [32, 128, 0])
-@pytest.mark.parametrize("form", [GEMV_FMA, GEMV_DOT, TILES])
+@pytest.mark.parametrize("form,group_size", [(GEMV_FMA, 32), (GEMV_DOT, 0), (TILES, 128)])
 def test_reduce_in_kernel(monkeypatch, form, group_size):
     """reduce_in_kernel=1: no second launch, the same result as the twin, every arrival counter back at 0
     (a second call reuses them); 5 rows (20 for the tiled kernel: 2 M tiles x 3 N tiles), 4 K slices."""
@@ -200,8 +207,7 @@ def test_act_order_permuted_inputs():
         torch.testing.assert_close(out.cpu(), x @ w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("group_size", [128, 0])
-@pytest.mark.parametrize("m", [17, 40, 64])
+@pytest.mark.parametrize("m,group_size", [(17, 0), (40, 128), (64, 0)])
 def test_gemv_dot_up_to_64_rows(m, group_size):
     """The tl.dot form holds all 17-64 rows in one program (BLOCK_M 32 / 64): N = 37, 2 K slices reduced
     in the kernel, bias; per-channel with a K tail."""
@@ -231,9 +237,8 @@ def test_gemv_form_above_16_rows_runs_tiles():
     _check(case, W4A16Config(form=GEMV_FMA, block_m=16, block_n=16, block_k=64, num_stages=1), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scale_in_weight", [0, 1])
-@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("group_size,scale_in_weight,dtype",
+                         pairwise([32, 64], [0, 1], [torch.float32, torch.bfloat16]))
 def test_several_groups_per_step(group_size, scale_in_weight, dtype):
     """block_k 128 over groups of 32 / 64: 4 / 2 sub-tiles per K step, each with its group's scale;
     K = 320 leaves a last step whose trailing sub-tiles lie past K."""
@@ -241,8 +246,7 @@ def test_several_groups_per_step(group_size, scale_in_weight, dtype):
     _check(_case(5, 24, 320, group_size, dtype, bias=True, zeros="asym"), config, dtype)
 
 
-@pytest.mark.parametrize("split_k", [2, 4])
-@pytest.mark.parametrize("group_size", [64, 512])
+@pytest.mark.parametrize("split_k,group_size", [(2, 512), (4, 64)])
 def test_split_k(split_k, group_size):
     """K = 512 in 8 steps of 64 over 2 / 4 slices, grouped and per-channel, bias in the reduce."""
     config = W4A16Config(block_m=16, block_n=16, block_k=64, split_k=split_k, num_stages=1)

@@ -15,7 +15,7 @@ from engine.layers import moe
 from tests.conftest import CORPUS, build_tiny_checkpoint
 from tests.models.utils import check_outputs_close, hf_float32, hf_greedy
 
-MAX_TOKENS = 24
+MAX_TOKENS = 12
 
 VARIANTS = {   # name -> (transformers model_type, config overrides)
     "mixtral-8x2": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),

@@ -8,7 +8,7 @@ import torch
 from engine import LLM, SamplingParams
 from tests.models.utils import check_logprobs_close, hf_greedy, ours_as_ref
 
-MAX_TOKENS = 32
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -29,7 +29,7 @@ from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter, peft_greedy, peft_reference_model
 from tests.models.utils import check_outputs_close, hf_float32, hf_greedy, ours_as_ref
 
-MAX_TOKENS = 16
+MAX_TOKENS = 10
 SHAPE = dict(hidden_size=64, num_attention_heads=4, head_dim=32, num_key_value_heads=2, intermediate_size=128)
 LONG_PROMPT = " ".join(TINY_PROMPTS) + " " + " ".join(TINY_PROMPTS[::-1])
 

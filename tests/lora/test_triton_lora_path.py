@@ -39,24 +39,34 @@ PLAN = [(0, "r4-all"), (2, "r8-qv"), (3, "r4-all"), (1, None)]
 """(prompt index, adapter) per request: r4-all has two requests, so decode segments of two tokens."""
 
 
+@pytest.fixture(scope="module")
+def peft_setup(tiny_llama_dir, tiny_prompts, tmp_path_factory):
+    """(adapter name -> its directory, PEFT's greedy outputs per PLAN entry, PEFT's base-model output
+    for PLAN's first prompt): shared by the kernel cases."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("triton-path-adapters")
+    paths = {name: build_peft_adapter(tiny_llama_dir, root / name, r=r, lora_alpha=alpha,
+                                      target_modules=t, seed=i + 1)
+             for i, (name, (r, alpha, t)) in enumerate(ADAPTERS.items())}
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    pm = peft_reference_model(tiny_llama_dir, paths)
+    refs = [peft_greedy(pm, a, tok.encode(tiny_prompts[p]), MAX_TOKENS) for p, a in PLAN]
+    base = peft_greedy(pm, None, tok.encode(tiny_prompts[PLAN[0][0]]), 1)
+    return paths, refs, base
+
+
 @pytest.mark.parametrize("kernel", ["split", "stacked", "pooled-tiles"])
-def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny_prompts, tmp_path, monkeypatch):
+def test_triton_lora_path_in_the_model_matches_peft(kernel, peft_setup, tiny_llama_dir, tiny_prompts, monkeypatch):
     """The Triton backend forced on CPU: prefill and decode steps through the split pair with the
     default overlap's begin / finish ("split"), or with decode steps (<= 4 tokens) through the
     stacked GEMM (the shrink inside the base GEMM, "stacked") and prefill through the split pair;
     "pooled-tiles": the split pair with the slots in a pool of 16 rank rows
     (``--max-lora-pool-bytes``), where padded slots of rank 16 would take 32, and the o/down updates
     inside add + RMSNorm through its segment-tile programs at every size, as large steps take them."""
-    from transformers import AutoTokenizer
-
     from lora.manager import LoRAManager
 
-    paths = {name: build_peft_adapter(tiny_llama_dir, tmp_path / name, r=r, lora_alpha=alpha,
-                                      target_modules=t, seed=i + 1)
-             for i, (name, (r, alpha, t)) in enumerate(ADAPTERS.items())}
-    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    pm = peft_reference_model(tiny_llama_dir, paths)
-    refs = [peft_greedy(pm, a, tok.encode(tiny_prompts[p]), MAX_TOKENS) for p, a in PLAN]
+    paths, refs, base = peft_setup
 
     init = LoRAManager.__init__
 
@@ -127,5 +137,4 @@ def test_triton_lora_path_in_the_model_matches_peft(kernel, tiny_llama_dir, tiny
     if tiles:   # every norm launch took the segment tiles (the q/k/v update: CUDA only, the rotary
         # + KV write is fused there; GPU tests)
         assert tile_spy.launches == norm_spy.call_count
-    base = peft_greedy(pm, None, tok.encode(tiny_prompts[PLAN[0][0]]), 1)
     assert base.logprobs[0] != refs[0].logprobs[0]                       # the adapter changes the output

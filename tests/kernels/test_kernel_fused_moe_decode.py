@@ -16,6 +16,7 @@ from kernels.fused_moe_decode import (MoEDecodeConfig, MoEDecodeLaunch, fused_mo
                                       moe_decode_config)
 from tests.kernels.test_kernel_fused_moe import DEVICE, _case, _tol
 from tests.kernels.test_kernel_fused_moe import _check as check_fused_moe
+from tests.kernels.pairwise import pairwise
 
 ROUTINGS = [(8, 2), (64, 8)]
 """(experts, top_k) of the tests: Mixtral-like and Qwen3-MoE-like."""
@@ -40,29 +41,30 @@ def _config(use_dot: int) -> MoEDecodeConfig:
 # ----------------------------------------------------------------------------------------
 # The kernel against fused_moe_ref (interpreter on CPU)
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("E,K", ROUTINGS)
-@pytest.mark.parametrize("T", [1, 4])
-def test_matches_ref(T, E, K, dtype, renormalize):
-    """Odd H and I (67, 37: tails of the 64-wide tiles), default interpreter tiles (elementwise form)."""
+@pytest.mark.parametrize("T,routing,dtype,renormalize",
+                         pairwise([1, 4], ROUTINGS, [torch.float32, torch.bfloat16], [True, False]))
+def test_matches_ref(T, routing, dtype, renormalize):
+    """Odd H and I (67, 37: tails of the 64-wide tiles), default interpreter tiles (elementwise form); every
+    pair of token count, routing, dtype and renormalization."""
+    E, K = routing
     _check(_inputs(T, E, K, 67, 37, dtype, renormalize))
 
 
-@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
-def test_policy_bound(renormalize):
-    """8 tokens top-8 of 64 experts: the 64 pairs of ``KernelPolicy.moe_decode_max_pairs``."""
-    _check(_inputs(8, 64, 8, 67, 37, torch.float32, renormalize))
+def test_policy_bound():
+    """8 tokens top-8 of 64 experts: the 64 pairs of ``KernelPolicy.moe_decode_max_pairs`` (routing weights
+    as they come: renormalization is the router's, covered by ``test_matches_ref``)."""
+    _check(_inputs(8, 64, 8, 67, 37, torch.float32, False))
 
 
-@pytest.mark.parametrize("T", range(1, 9))
-def test_every_token_count(T):
-    """Tokens 1..8 with 8 experts top-2 (tokens share experts from T = 2 on), the tl.dot form."""
+@pytest.mark.parametrize("T", [1, 2, 3, 8])
+def test_token_counts(T):
+    """1, 2, 3 and 8 tokens (the policy's most) with 8 experts top-2 (tokens share experts from T = 2 on),
+    the tl.dot form."""
     _check(_inputs(T, 8, 2, 48, 40, torch.float32, True), _config(use_dot=1))
 
 
-@pytest.mark.parametrize("use_dot", [0, 1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,use_dot", [(torch.float32, 1), (torch.bfloat16, 0)],
+                         ids=["f32-dot", "bf16-ew"])
 def test_forms_strided_int32(dtype, use_dot):
     """Both inner-product forms, a strided hidden and int32 ids; equal to the sorted path within rounding."""
     args = _inputs(5, 8, 2, 67, 37, dtype, False, strided=True, ids_dtype=torch.int32)

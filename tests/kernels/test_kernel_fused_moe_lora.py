@@ -67,10 +67,13 @@ def test_ref_equals_merged_weights(slots):
         assert not torch.allclose(ref, fused_moe_ref(*args[:5]), atol=1e-3)   # the adapters change the output
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("T,E,K,L,R,slots", [(1, 8, 2, 1, 4, [0]), (7, 8, 2, 2, 8, [1, -1, 0]),
-                                             (20, 4, 4, 3, 4, [2, -1, -1, 0, 1]), (5, 8, 1, 2, 4, [-1])])
+@pytest.mark.parametrize("T,E,K,L,R,slots,dtype", [(1, 8, 2, 1, 4, [0], torch.float32),
+                                                   (7, 8, 2, 2, 8, [1, -1, 0], torch.bfloat16),
+                                                   (20, 4, 4, 3, 4, [2, -1, -1, 0, 1], torch.float32),
+                                                   (20, 4, 4, 3, 4, [2, -1, -1, 0, 1], torch.bfloat16),
+                                                   (5, 8, 1, 2, 4, [-1], torch.bfloat16)])
 def test_kernel_matches_ref(T, E, K, L, R, slots, dtype):
+    """Each routing and slot pattern once, the mixed-slot batches in both dtypes."""
     args = _case(T, E, K, 48, 32, L, R, dtype, slots)
     lora = args[5]
     before = [a.clone() for a in (*args[:5], lora.token_slots, lora.a13, lora.b13, lora.a2, lora.b2)]

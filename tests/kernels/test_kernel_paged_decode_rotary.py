@@ -82,11 +82,15 @@ SEQ_LENS = [1, 2, 17, 32, 33, 64, 95]
 """Contexts after the step: a first token (no cached key), at and across block and tile edges."""
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rotary_dim",
-                         [(4, 2, 32, 32), (8, 2, 64, 32), (6, 2, 24, 12), (4, 4, 80, 80), (8, 1, 128, 128),
-                          (2, 1, 256, 64)])
-@pytest.mark.parametrize("num_splits", [1, 4])
+HEAD_SHAPES = [(4, 2, 32, 32), (8, 2, 64, 32), (6, 2, 24, 12), (4, 4, 80, 80), (8, 1, 128, 128),
+               (2, 1, 256, 64)]
+"""(num_heads, num_kv_heads, head_dim, rotary_dim)."""
+CASES = [(dtype, *shape, num_splits) for i, shape in enumerate(HEAD_SHAPES)
+         for dtype, num_splits in [((torch.float32, torch.bfloat16)[i % 2], (1, 4)[i // 2 % 2])]]
+"""Every head shape once; dtype and split count in turn (each of their four pairs at least once)."""
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,rotary_dim,num_splits", CASES)
 def test_matches_unfused_kernels_and_twin(dtype, num_heads, num_kv_heads, head_dim, rotary_dim, num_splits):
     """Same output as rotary_write_kv + paged_attention, the same cache afterwards (the rotated k and
     v at each token's slot, nothing else touched), and the torch twins' output; GQA / MQA / MHA,

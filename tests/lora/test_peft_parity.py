@@ -17,7 +17,7 @@ from lora import LoRARequest
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter, peft_greedy, peft_reference_model
 from tests.models.utils import EagerReplayGraphs, check_logprobs_close, ours_as_ref
 
-MAX_TOKENS = 32
+MAX_TOKENS = 16
 ADAPTERS = {   # name -> (r, alpha, target_modules, use_rslora)
     "r4-all": (4, 8, ALL_TARGETS, False),
     "r8-qv": (8, 32, ["q_proj", "v_proj"], False),

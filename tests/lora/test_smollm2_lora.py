@@ -10,7 +10,7 @@ from lora import LoRARequest
 from tests.lora.utils import build_peft_adapter, peft_greedy, peft_reference_model
 from tests.models.utils import check_logprobs_close, ours_as_ref
 
-MAX_TOKENS = 24
+MAX_TOKENS = 12
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 

@@ -1,4 +1,4 @@
-"""A CI-sized soak (``benchmarks/soak.py``): 100 mixed requests on the tests' tiny random LLaVA, its
+"""A CI-sized soak (``benchmarks/soak.py``): 200 mixed requests on the tests' tiny random LLaVA, its
 adapters and a tiny random Whisper, served by ``chorus serve`` in a subprocess on CPU, with 10% of the
 clients disconnecting. Every request not cancelled answers 200 with the same greedy output as when it
 runs alone, and afterwards /metrics shows nothing held (requests, KV blocks, adapter slots and
@@ -12,7 +12,7 @@ from benchmarks.soak import (IDLE_GAUGES, MemorySample, RequestSpec, SoakConfig,
                              growth_per_1k, parse_gauges, parse_stream, soak_with_server)
 from tests.unit.fakes import FakeRunner, lora, make_request, make_scheduler, mm_feature
 
-NUM_REQUESTS = 100
+NUM_REQUESTS = 200
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter
 from tests.models.utils import check_logprobs_close, ours_as_ref
 
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 PROMPTS = TINY_PROMPTS[:4]
 ENGINE_KW = dict(device="cpu", dtype="float32", max_model_len=256, num_gpu_blocks_override=96,
                  enable_lora=True, max_loras=2, max_lora_rank=8, seed=0)

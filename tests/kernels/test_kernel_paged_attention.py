@@ -82,9 +82,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout,dtype", [
+    ("decodes", torch.float32), ("decodes", torch.float16), ("decodes", torch.bfloat16),   # paged_decode
+    ("prefills", torch.float32), ("mixed", torch.float16), ("mixed_decodes_last", torch.bfloat16)])
 def test_matches_ref_per_layout(layout, dtype):
+    """Every dtype on the pure-decode kernel and on the general kernel, every layout."""
     b = make_batch(LAYOUTS[layout], dtype=dtype)
     scale = 32 ** -0.5
     out = run_kernel(b, scale)
@@ -92,37 +94,31 @@ def test_matches_ref_per_layout(layout, dtype):
     assert_close(out, paged_attention_ref(*b.args(), scale), dtype)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
+@pytest.mark.parametrize("head_dim", [16, 80, 128])
 def test_head_sizes(head_dim):
+    """Powers of two (16, 128) and a head dim padded to one (80: 128-wide loads, masked)."""
     b = make_batch(LAYOUTS["mixed"], head_dim=head_dim, dtype=torch.float16, seed=head_dim)
     scale = head_dim ** -0.5
     assert_close(run_kernel(b, scale), paged_attention_ref(*b.args(), scale), torch.float16)
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 64])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2), (4, 1), (32, 1)])
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads",
+                         [(16, 4, 4), (32, 4, 2), (64, 6, 2), (16, 4, 1), (32, 32, 1), (64, 4, 4)])
 def test_block_sizes_and_gqa(block_size, num_heads, num_kv_heads):
+    """Every GQA group size (1, 2, 3, 4, 32) and every block size."""
     b = make_batch([(1, 50), (7, 20)], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
                    block_size=block_size, seed=block_size + num_heads)
     assert_close(run_kernel(b, 0.25), paged_attention_ref(*b.args(), 0.25), torch.float32)
 
 
-def _distinct_heads_per_prog(num_kv_heads: int) -> list[int]:
-    """Of 0 (the general kernel) and 1, 2, 4 KV heads per program, those giving distinct launch
-    configs: a count the KV heads do not divide is halved until it does (4 -> 2 with 2 KV heads,
-    2 or 4 -> 1 with one), the same launch as the smaller count; the largest of those stays (it
-    also checks that clamp)."""
-    by_config = {}
-    for heads_per_prog in (0, 1, 2, 4):
-        by_config[heads_per_prog and math.gcd(heads_per_prog, num_kv_heads)] = heads_per_prog
-    return sorted(by_config.values())
+# (num_heads, num_kv_heads, head_dim, block_size, heads_per_prog): every shape once, 0 (the general
+# kernel) and 1, 2, 4 KV heads per program on shapes whose KV heads they divide, and 4 on 2 and on 1 KV
+# heads (a count the KV heads do not divide is halved until it does: the clamp).
+PURE_DECODE_CASES = [(8, 4, 32, 16, 4), (12, 4, 80, 16, 2), (4, 1, 16, 32, 4), (6, 2, 64, 64, 0),
+                     (8, 8, 16, 16, 1), (8, 8, 16, 16, 4), (4, 2, 256, 16, 4), (32, 1, 16, 16, 0)]
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,heads_per_prog", [
-    (*shape, heads_per_prog)
-    for shape in [(8, 4, 32, 16), (12, 4, 80, 16), (4, 1, 16, 32), (6, 2, 64, 64), (8, 8, 16, 16), (4, 2, 256, 16),
-                  (32, 1, 16, 16)]
-    for heads_per_prog in _distinct_heads_per_prog(shape[1])])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,heads_per_prog", PURE_DECODE_CASES)
 def test_pure_decode_kernel(heads_per_prog, num_heads, num_kv_heads, head_dim, block_size):
     """Pure-decode batches run kernels.paged_decode with 1-4 KV heads per program (one loop over
     (head, tile) pairs; fewer where the heads do not divide), or the general kernel (0); contexts
@@ -195,8 +191,8 @@ def test_split_kv(layout, num_splits):
                  torch.float16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["mixed", "mixed_decodes_last", "decodes", "prefills"])
+@pytest.mark.parametrize("layout,dtype", [("mixed", torch.float32), ("mixed_decodes_last", torch.bfloat16),
+                                          ("decodes", torch.bfloat16), ("prefills", torch.float32)])
 def test_split_decode_and_prefill_launches(layout, dtype):
     """A batch with prefill chunks split into a one-program-per-request decode launch and a
     prefill launch that skips one-token requests: together they cover every row, in any order."""
@@ -286,8 +282,8 @@ def engine_meta(b: AttnBatch, layout) -> AttentionMetadata:
                              num_decode_reqs=num_decode_reqs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["decodes", "prefills", "mixed", "mixed_decodes_last"])
+@pytest.mark.parametrize("layout,dtype", [("decodes", torch.float32), ("prefills", torch.bfloat16),
+                                          ("mixed", torch.bfloat16), ("mixed_decodes_last", torch.float32)])
 def test_engine_torch_backend_matches_ref(layout, dtype):
     rows = LAYOUTS[layout]
     if layout == "mixed":                        # decodes first, as the runner orders them
@@ -330,9 +326,11 @@ def test_rejects_bad_inputs():
 def test_warm_up_runs_every_eager_variant_and_leaves_the_cache_alone(monkeypatch):
     """``AttentionBackend.warm_up`` (start-up compile of the eager-step variants): one attention
     call per (request count, longest query, decodes or not) case, on both ``find_chunk`` widths,
-    reading the cache only; the torch backend does nothing."""
+    reading the cache only; with the model's rotary_dim but a policy without the fused decode
+    rotary (``decode_fuse_rotary="0"``) no fused launch; the torch backend does nothing."""
     import kernels.paged_attention as pa
     from engine.attention import AttentionBackend
+    from engine.kernel_policy import KernelPolicy
 
     launches = []
     launch = pa._launch
@@ -341,12 +339,18 @@ def test_warm_up_runs_every_eager_variant_and_leaves_the_cache_alone(monkeypatch
     decode = pa.launch_paged_decode
     monkeypatch.setattr(pa, "launch_paged_decode",
                         lambda *a, **kw: decode_launches.append(a[3].shape[0]) or decode(*a, **kw))
+    fused = []
+    rotary = pa.paged_decode_rotary
+    monkeypatch.setattr(pa, "paged_decode_rotary",
+                        lambda *a, **kw: fused.append(a[0].shape[0]) or rotary(*a, **kw))
     kc = torch.randn(3, 16, 2, 32, device=DEVICE, dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32)
     vc = torch.randn_like(kc)
     before = (kc.clone(), vc.clone())
-    calls = AttentionBackend("triton").warm_up(kc, vc, 4, 32 ** -0.5)
+    calls = AttentionBackend("triton", KernelPolicy(decode_fuse_rotary="0")).warm_up(kc, vc, 4, 32 ** -0.5,
+                                                                                     rotary_dim=32)
     big = max(18, pa.min_reqs_for_small_decode_tiles(DEVICE, 2))
     assert calls == 11 and len(launches) >= calls - 3 and decode_launches == [2, 17, big]   # 1-key contexts: no split-KV
+    assert fused == []
     assert {pa.find_chunk(num_reqs) for num_reqs, _, _ in launches} == {16, 256}
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
     if DEVICE.type == "cuda":   # 64-token prefill tiles split the decodes off into a launch of their own
@@ -354,8 +358,7 @@ def test_warm_up_runs_every_eager_variant_and_leaves_the_cache_alone(monkeypatch
     assert AttentionBackend("torch").warm_up(kc, vc, 4, 0.1) == 0
 
 
-@pytest.mark.parametrize("fuse", ["1", "0"])
-def test_warm_up_also_runs_the_fused_decode_rotary(fuse, monkeypatch):
+def test_warm_up_also_runs_the_fused_decode_rotary(monkeypatch):
     """With the model's rotary_dim, the pure-decode warm-up batches that would take the fused
     rotary kernel (the backend's policy, ``decode_fuse_rotary``) run it too, writing nothing (slots -1)."""
     import kernels.paged_attention as pa
@@ -368,10 +371,10 @@ def test_warm_up_also_runs_the_fused_decode_rotary(fuse, monkeypatch):
     kc = torch.randn(3, 16, 2, 32, device=DEVICE, dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32)
     vc = torch.randn_like(kc)
     before = (kc.clone(), vc.clone())
-    backend = AttentionBackend("triton", KernelPolicy(decode_fuse_rotary=fuse))
+    backend = AttentionBackend("triton", KernelPolicy(decode_fuse_rotary="1"))
     calls = backend.warm_up(kc, vc, 4, 32 ** -0.5, rotary_dim=32)
     big = max(18, pa.min_reqs_for_small_decode_tiles(DEVICE, 2))
-    assert fused == ([2, 17, big] if fuse == "1" else []) and calls == 11 + len(fused)
+    assert fused == [2, 17, big] and calls == 11 + len(fused)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
 
 

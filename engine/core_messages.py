@@ -54,7 +54,10 @@ class AddLoRA:
 
     lora_request: "LoRARequest"
     """The adapter, with the weights the client read (``LoRARequest.adapter``), else read by the core's
-    loader thread (the client checked it: ``AdapterUploads.ship_weights``)."""
+    loader thread (a client in another process: ``AdapterUploads.ship_weights``)."""
+    checked: bool = False
+    """The client checked the adapter (``AdapterReader.check``): the core reads it without checking it
+    again on its step loop; False: the core checks it first, raising the adapter's errors to the caller."""
 
 
 @dataclass(frozen=True)

@@ -441,19 +441,19 @@ class EngineCore:
         return outputs
 
     # ------------------------------------------------------------------ adapters, stats
-    def add_lora(self, lora_request, read_later: bool = False) -> bool:
+    def add_lora(self, lora_request, read_later: bool = False, checked: bool = False) -> bool:
         """Load an adapter now so requests can name it: from the weights ``lora_request.adapter``
         carries (the clients read them on their own thread), else read here; with ``read_later`` (a
         client in another process, which sends no weights: ``AdapterUploads.ship_weights``) checked here
-        from its config and its weights file's header, and read by the loader thread, off the step loop,
-        its requests waiting for the read.
+        from its config and its weights file's header (unless the client ``checked`` it), and read by the
+        loader thread, off the step loop, its requests waiting for the read.
 
         Loading a name that is being unloaded keeps it. Raises ``LoRAAdapterNotFoundError``
         (missing path or files) or another ``ValueError`` (an adapter that cannot be served).
         """
         if self.lora_manager is None:
             raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora=True.")
-        if read_later and lora_request.adapter is None:
+        if read_later and lora_request.adapter is None and not checked:
             self.lora_manager.reader.check(lora_request)      # the errors now; the weights on the loader thread
         self.lora_manager.register(lora_request, keep_if_removing=True, read_later=read_later)
         if self.executor is not None:
@@ -499,8 +499,8 @@ class EngineCore:
         """Run one client call (``CallEngine``), told apart by its type. Raises TypeError for anything
         that is not an ``EngineCall``."""
         match call:
-            case AddLoRA(lora_request=lora_request):
-                return self.add_lora(lora_request, read_later=lora_request.adapter is None)
+            case AddLoRA(lora_request=lora_request, checked=checked):
+                return self.add_lora(lora_request, read_later=lora_request.adapter is None, checked=checked)
             case RemoveLoRA(lora_name=lora_name):
                 return self.remove_lora(lora_name)
             case ListLoRAs():

@@ -124,7 +124,9 @@ class AdapterLoader:
                 lora_request = self._queued[name]
             try:
                 result: Union[LoRAAdapter, LoRAAdapterError] = (
-                    lora_request.adapter if lora_request.adapter is not None else self.reader.read(lora_request))
+                    lora_request.adapter if lora_request.adapter is not None
+                    else self.reader.read(lora_request, pin_memory=True) if self.pin_memory
+                    else self.reader.read(lora_request))
                 if self.pin_memory:
                     result.pin_memory()
             except LoRAAdapterError as e:

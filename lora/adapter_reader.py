@@ -29,15 +29,16 @@ class AdapterReader:
     dtype: torch.dtype
     """dtype of the tensors read (the slot dtype)."""
 
-    def read(self, lora_request: LoRARequest) -> LoRAAdapter:
-        """Read, check and prepare the adapter ``lora_request`` names (``load_peft_adapter``).
+    def read(self, lora_request: LoRARequest, pin_memory: bool = False) -> LoRAAdapter:
+        """Read, check and prepare the adapter ``lora_request`` names (``load_peft_adapter``); with
+        ``pin_memory`` its weights are read into page-locked memory.
 
         Raises:
             LoRAAdapterNotFoundError: its directory or files are missing.
             InvalidLoRAAdapterError: it cannot be served on this base model.
         """
         return peft_adapter.load_peft_adapter(lora_request.lora_name, lora_request.lora_path, self.targets,
-                                              self.max_lora_rank, self.dtype)
+                                              self.max_lora_rank, self.dtype, pin_memory=pin_memory)
 
     def check(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The checks of ``read`` from the adapter's config and its weights file's header only (no weights

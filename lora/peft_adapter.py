@@ -417,10 +417,11 @@ class LoRAAdapter:
                    for w in self.weights.values())
 
     def pin_memory(self) -> "LoRAAdapter":
-        """Move every tensor to page-locked host memory (fast non-blocking copies to the GPU)."""
+        """Move every tensor to page-locked host memory (fast non-blocking copies to the GPU); those read
+        into it already stay."""
         for w in self.weights.values():
-            w.lora_a = w.lora_a.pin_memory()
-            w.lora_b = w.lora_b.pin_memory()
+            w.lora_a = w.lora_a if w.lora_a.is_pinned() else w.lora_a.pin_memory()
+            w.lora_b = w.lora_b if w.lora_b.is_pinned() else w.lora_b.pin_memory()
         return self
 
     def is_pinned(self) -> bool:
@@ -432,10 +433,13 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 """safetensors header dtype names -> torch dtypes (what adapters hold)."""
 
 
-def read_adapter_tensors(path: Union[str, Path], shapes_only: bool = False) -> dict[str, torch.Tensor]:
+def read_adapter_tensors(path: Union[str, Path], shapes_only: bool = False,
+                         pin_memory: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of ``adapter_model.safetensors`` (preferred) or ``adapter_model.bin``, on CPU; with
     ``shapes_only``, a safetensors file's tensors as ``meta`` tensors of their shapes and dtypes, from its
-    header alone (a check of the adapter that reads no weights)."""
+    header alone (a check of the adapter that reads no weights). A safetensors file's tensors are views of
+    one buffer its data is read into (page-locked with ``pin_memory``: one copy from the page cache, no
+    pinning pass, the GIL released while it reads)."""
     d = resolve_adapter_path(str(path))
     for fname in WEIGHT_FILES:
         f = d / fname
@@ -443,10 +447,9 @@ def read_adapter_tensors(path: Union[str, Path], shapes_only: bool = False) -> d
             continue
         try:
             if fname.endswith(".safetensors"):
-                if shapes_only:
-                    meta = _safetensors_meta(f)
-                    if meta is not None:
-                        return meta
+                tensors = _safetensors_meta(f) if shapes_only else _safetensors_buffer(f, pin_memory)
+                if tensors is not None:
+                    return tensors
                 from safetensors.torch import load_file
                 return load_file(str(f), device="cpu")
             state = torch.load(str(f), map_location="cpu", weights_only=True)
@@ -460,6 +463,40 @@ def read_adapter_tensors(path: Union[str, Path], shapes_only: bool = False) -> d
         return state
     raise LoRAAdapterNotFoundError(
         f"LoRA adapter {str(path)!r} has no weights: expected {' or '.join(WEIGHT_FILES)}.")
+
+
+def _safetensors_buffer(f: Path, pin_memory: bool) -> Optional[dict[str, torch.Tensor]]:
+    """A safetensors file's tensors as views of one buffer (page-locked with ``pin_memory``) that its data
+    is read into; None when one tensor's dtype is not an adapter's or its offset does not align to its
+    elements (``safetensors.torch.load_file`` reads those). ValueError for a header that does not fit the
+    file."""
+    with open(f, "rb") as handle:
+        header_bytes = int.from_bytes(handle.read(8), "little")
+        data_bytes = os.fstat(handle.fileno()).st_size - 8 - header_bytes
+        if header_bytes <= 0 or data_bytes < 0:
+            raise ValueError(f"a header of {header_bytes} bytes does not fit the file")
+        header = json.loads(handle.read(header_bytes))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        views: list[tuple[str, torch.dtype, list[int], int, int]] = []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = [int(x) for x in info["shape"]]
+            if dtype is None:
+                return None
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if not 0 <= start <= end <= data_bytes or end - start != math.prod(shape) * itemsize:
+                raise ValueError(f"tensor {name!r}: offsets {start}..{end} do not fit its shape or the file")
+            if start % itemsize:
+                return None
+            views.append((name, dtype, shape, start, end))
+        buf = torch.empty(data_bytes, dtype=torch.uint8, pin_memory=pin_memory)          # [data_bytes]
+        if data_bytes and handle.readinto(memoryview(buf.numpy())) != data_bytes:
+            raise ValueError("the file ended before its data")
+    return {name: buf[start:end].view(dtype).view(shape) for name, dtype, shape, start, end in views}
 
 
 def _safetensors_meta(f: Path) -> Optional[dict[str, torch.Tensor]]:
@@ -479,7 +516,7 @@ def _safetensors_meta(f: Path) -> Optional[dict[str, torch.Tensor]]:
 
 
 def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank: int,
-                      dtype: torch.dtype, shapes_only: bool = False) -> LoRAAdapter:
+                      dtype: torch.dtype, shapes_only: bool = False, pin_memory: bool = False) -> LoRAAdapter:
     """Read, check and prepare one PEFT adapter for the base model described by ``targets``.
 
     Args:
@@ -490,6 +527,8 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
         dtype: dtype of the returned tensors (the slot dtype).
         shapes_only: check the adapter from its config and its weights file's header only (safetensors);
             the returned adapter's tensors are ``meta`` tensors (``AdapterReader.check``).
+        pin_memory: read the weights into page-locked memory (``read_adapter_tensors``); the scale is
+            folded into B there, in place, where B is contiguous in the slot dtype.
 
     Raises:
         LoRAAdapterNotFoundError: missing directory or files.
@@ -497,7 +536,7 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
             shapes that do not fit the base model (all problems in one message).
     """
     config = read_adapter_config(path, max_lora_rank, targets.suffixes)
-    tensors = read_adapter_tensors(path, shapes_only)
+    tensors = read_adapter_tensors(path, shapes_only, pin_memory)
     tensors, stacked, scale_names, problems = _stacked_expert_pairs(tensors, targets, config)
     pairs, more = _group_lora_tensors(tensors, targets)
     pairs.update(stacked)
@@ -537,9 +576,11 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
 
 
 def _scaled(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``b * scale`` rounded once to ``dtype``, contiguous: float32 maths, in one pass where ``b`` is float32
-    or ``dtype`` already (the reduced-precision kernels compute in float32 and round once), else widened
-    first."""
+    """``b * scale`` rounded once to ``dtype``, contiguous: float32 maths, in place where ``b`` is contiguous in
+    ``dtype`` already (``b`` is a view of this read's own buffer; the reduced-precision kernels compute in
+    float32 and round once), in one pass where it is float32, else widened first."""
+    if b.dtype == dtype and b.is_contiguous() and not b.is_meta:
+        return b if scale == 1.0 else b.mul_(scale)
     if scale == 1.0:
         return b.to(dtype).contiguous()
     if b.dtype not in (torch.float32, dtype):

@@ -256,7 +256,7 @@ class OpenAIServingModels:
         engine's step loop), hand it to the engine, then let requests name it."""
         uploads = self._adapter_uploads()
         loaded = await asyncio.to_thread(uploads.read, lora) if uploads is not None else lora
-        await self.engine_client.call_engine(AddLoRA(loaded))
+        await self.engine_client.call_engine(AddLoRA(loaded, checked=uploads is not None))
         if uploads is not None:
             uploads.mark_sent(lora)
         self.lora_requests[lora.lora_name] = lora

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.core_messages import AddLoRA
 from engine.server.serving_models import OpenAIServingModels
+from lora import peft_adapter
 from lora.adapter_loader import AdapterLoader
 from lora.adapter_reader import AdapterReader
 from lora.adapter_uploads import AdapterUploads
@@ -103,23 +104,28 @@ def test_a_client_in_another_process_sends_names_and_paths(setup):
 
 
 class _GatedReads:
-    """A reader whose first ``parties`` reads each wait until all of them run at once (or time out)."""
+    """A reader whose first ``parties`` reads each wait until all of them run at once (or time out); it
+    records the most reads that ran at once."""
 
     def __init__(self, reader: AdapterReader, parties: int) -> None:
         self.reader, self.parties = reader, parties
         self.barrier = threading.Barrier(parties, timeout=5)
-        self.threads: set[str] = set()
-        self.count = 0
+        self.count = self.active = self.most = 0
         self.lock = threading.Lock()
 
-    def read(self, lora_request):
+    def read(self, lora_request, pin_memory=False):
         with self.lock:
             self.count += 1
+            self.active += 1
+            self.most = max(self.most, self.active)
             gated = self.count <= self.parties
-            self.threads.add(threading.current_thread().name + str(id(threading.current_thread())))
-        if gated:
-            self.barrier.wait()                            # BrokenBarrierError when reads run one at a time
-        return self.reader.read(lora_request)
+        try:
+            if gated:
+                self.barrier.wait()                        # BrokenBarrierError when reads run one at a time
+            return self.reader.read(lora_request, pin_memory)
+        finally:
+            with self.lock:
+                self.active -= 1
 
 
 def test_the_loader_reads_several_adapters_at_once(setup):
@@ -135,7 +141,7 @@ def test_the_loader_reads_several_adapters_at_once(setup):
         done += loader.take_done()
     assert sorted(d.lora_request.lora_name for d in done) == ["a0", "a1", "a2", "a3"]
     assert all(d.result.rank == 8 for d in done), [d.result for d in done]   # the first three met at once
-    assert len(gated.threads) == 3 and not loader.busy
+    assert gated.most == 3 and not loader.busy                # never more than num_threads
     with pytest.raises(ValueError, match="num_threads >= 1"):
         AdapterLoader(reader, num_threads=0)
 
@@ -181,3 +187,41 @@ def test_the_server_resolves_different_names_at_once_and_one_name_once(setup):
     assert engine.most == 4 and elapsed < 4 * 0.3            # four names at once, not one after another
     assert len({id(g) for g in got}) == 4 and sorted(models.lora_requests) == ["ad0", "ad1", "ad2", "ad3"]
     assert not models._name_locks                           # no lock kept once nobody waits
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("pin", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_safetensors_read_into_one_buffer_equals_safetensors(setup, pin):
+    if pin and not torch.cuda.is_available():
+        pytest.skip("page-locked memory needs CUDA")
+    _, reader, good = setup
+    f = good / "adapter_model.safetensors"
+    want = load_file(str(f))
+    got = peft_adapter.read_adapter_tensors(good, pin_memory=pin)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v) and (not pin or got[k].is_pinned())
+    assert len({_storage(t) for t in got.values()}) == 1                     # views of one buffer
+    adapter = reader.read(LoRARequest("good", 1, str(good)), pin_memory=pin)
+    assert not pin or (adapter.is_pinned() and adapter.pin_memory() is adapter)
+    assert len({_storage(t) for w in adapter.weights.values() for t in (w.lora_a, w.lora_b)}) == 1
+
+
+def test_safetensors_reads_that_one_buffer_cannot_hold(tmp_path):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    tensors = {"a": torch.arange(3, dtype=torch.float16), "b": torch.arange(5, dtype=torch.float32)}
+    save_file(tensors, str(mixed / "adapter_model.safetensors"))      # b starts 6 bytes in: not aligned
+    got = peft_adapter.read_adapter_tensors(mixed)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    f = bad / "adapter_model.safetensors"
+    save_file({"a": torch.ones(4)}, str(f))
+    raw = f.read_bytes()
+    f.write_bytes(raw.replace(b"[0,16]", b"[0,99]"))                       # past the file's end
+    with pytest.raises(InvalidLoRAAdapterError, match="offsets 0..99 do not fit"):
+        peft_adapter.read_adapter_tensors(bad)

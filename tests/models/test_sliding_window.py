@@ -25,10 +25,7 @@ from engine import LLM, SamplingParams
 from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
 from tests.models.utils import check_outputs_close, hf_float32, hf_greedy
 
-MAX_TOKENS = 16
-"""Greedy tokens per request: the shortest prompt (under the window) decodes past every window."""
-LONG_DECODE_TOKENS = 40
-"""Tokens the long request of ``test_blocks_out_of_the_window_are_freed_while_decoding`` decodes (4 windows)."""
+MAX_TOKENS = 24
 MISTRAL_WINDOW, MIXTRAL_WINDOW, GEMMA_WINDOW = 12, 10, 10
 QWEN2_WINDOW, QWEN3_WINDOW, QWEN3_MOE_WINDOW = 11, 12, 10
 WINDOWS = {"mistral": [MISTRAL_WINDOW] * 2, "mixtral": [MIXTRAL_WINDOW] * 2,
@@ -173,9 +170,9 @@ def test_blocks_out_of_the_window_are_freed_while_decoding(dirs, family):
     kv = core.scheduler.kv_cache_manager
     # Admission: what the request still needs at its peak (a window and a chunk), not its whole length.
     peak = -(-(window - 1 + 8) // block_size) + 1
-    assert kv.can_fit_ever(len(ids) + LONG_DECODE_TOKENS) and peak < num_blocks - 1
+    assert kv.can_fit_ever(len(ids) + 64) and peak < num_blocks - 1
     engine = llm.llm_engine
-    engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=LONG_DECODE_TOKENS,
+    engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=64,
                                                                       ignore_eos=True))
     held, free, returned = [], [], []
     while engine.has_unfinished_requests():
@@ -190,14 +187,13 @@ def test_blocks_out_of_the_window_are_freed_while_decoding(dirs, family):
             assert returned[-1] == max(0, start - window + 1) // block_size
     assert max(held) <= peak
     assert min(free) >= (num_blocks - 1) - peak
-    assert returned[-1] >= (len(ids) + LONG_DECODE_TOKENS - window) // block_size - 1
+    assert returned[-1] >= (len(ids) + 64 - window) // block_size - 1
     assert kv.num_free_blocks == num_blocks - 1            # all back at the end
     assert core.scheduler.num_preemptions == 0
     # And the output is transformers'.
-    ref = hf_greedy(hf_float32(d), ids, LONG_DECODE_TOKENS)
+    ref = hf_greedy(hf_float32(d), ids, 64)
     out = LLM(str(d), seed=0, block_size=block_size, max_num_batched_tokens=8, num_gpu_blocks_override=num_blocks,
-              enable_prefix_caching=False).generate([{"prompt_token_ids": ids}], _params(LONG_DECODE_TOKENS),
-                                                   use_tqdm=False)
+              enable_prefix_caching=False).generate([{"prompt_token_ids": ids}], _params(64), use_tqdm=False)
     assert check_outputs_close(out, [ref], ["long decode in a small cache"]) == 1
 
 

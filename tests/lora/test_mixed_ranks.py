@@ -12,7 +12,7 @@ from lora.rank_pool import PAGE_ROWS
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter, lora_row_bytes, peft_greedy, peft_reference_model
 from tests.models.utils import check_logprobs_close, ours_as_ref
 
-MAX_TOKENS = 10
+MAX_TOKENS = 16
 ADAPTERS = {   # name -> (r, alpha, target_modules)
     "r8": (8, 16, ALL_TARGETS),
     "r16-qv": (16, 16, ["q_proj", "v_proj"]),

@@ -27,7 +27,7 @@ from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
 from tests.lora.utils import ALL_TARGETS, build_peft_adapter, peft_greedy, peft_reference_model
 from tests.models.utils import check_outputs_close, hf_float32, hf_greedy, ours_as_ref
 
-MAX_TOKENS = 10
+MAX_TOKENS = 16
 WINDOW = 512
 SHAPE = dict(hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=128, num_hidden_layers=4,
              sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=5.0,

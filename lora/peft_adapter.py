@@ -578,8 +578,12 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
 def _scaled(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``b * scale`` rounded once to ``dtype``, contiguous: float32 maths, in place where ``b`` is contiguous in
     ``dtype`` already (``b`` is a view of this read's own buffer; the reduced-precision kernels compute in
-    float32 and round once), in one pass where it is float32, else widened first."""
-    if b.dtype == dtype and b.is_contiguous() and not b.is_meta:
+    float32 and round once), in one pass where it is float32, else widened first. A ``meta`` ``b`` (a check)
+    only takes the dtype: maths on meta tensors runs torch's Python reference decompositions, the most of a
+    check's time."""
+    if b.is_meta:
+        return b.to(dtype)
+    if b.dtype == dtype and b.is_contiguous():
         return b if scale == 1.0 else b.mul_(scale)
     if scale == 1.0:
         return b.to(dtype).contiguous()

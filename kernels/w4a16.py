@@ -553,19 +553,15 @@ DECODE_DEFAULTS: tuple[DecodeDefault, ...] = (
                   4, 16),
 )
 """The decode launches ``w4a16_config`` picks for shapes ``SHAPE_DEFAULTS`` does not list, by token rows
-(the first row with M <= max_rows); split-K reduced by a second launch (``reduce_in_kernel`` is not yet
-timed against it).
-NOTE: chosen from the kernel's structure and its sm_90 SASS, not yet timed: per weight the FMA form
-costs one AND, one FMA to q - z and one FMA per row (in the K loop 5.0 instructions a weight at one
-row, 6.6 at two, 9.7 at four), the tl.dot form 6.0 at any M <= 16, so FMA up to 2 rows and tl.dot
-above. At 5 instructions a weight the 132 SMs (4 warp instructions a clock each, 1.98 GHz) get
-through about 6.7e12 weights/s, 0.70 of the H200's 4.8 TB/s of int4 bytes: the one-row GEMV is
-issue-bound at about 1.4x its bytes floor at best. block_n 64 (at 128 columns, or 64 with 2 warps,
-the compiler moves every product through shared memory), 128 inputs a step (one group of 128), and
-split-K until about 4 programs per SM keep weight loads in flight. On the H200 (``w4a16_sweep.py``, the four
-Llama-3-8B projections summed, us): one row 79.3 with these rows, 68.3 with the best single tile (FMA, 32 x 512,
-8 warps), 67.5 with ``SHAPE_DEFAULTS``; four rows 133.2 / 117.5; sixteen 217.3 / 162.0 (tl.dot 128 x 128, 8
-warps): shapes the table does not list lose about 15-25% here."""
+(the first row with M <= max_rows); split-K reduced by a second launch.
+Chosen from the kernel's structure and its sm_90 SASS: per weight the FMA form costs one AND, one FMA to
+q - z and one FMA per row (in the K loop 5.0 instructions a weight at one row, 6.6 at two, 9.7 at four),
+the tl.dot form 6.0 at any M <= 16, so FMA up to 2 rows and tl.dot above. At 5 instructions a weight the
+132 SMs (4 warp instructions a clock each, 1.98 GHz) get through about 6.7e12 weights/s, 0.70 of the H200's
+4.8 TB/s of int4 bytes: the one-row GEMV is issue-bound at about 1.4x its bytes floor at best. block_n 64
+(at 128 columns, or 64 with 2 warps, the compiler moves every product through shared memory), 128 inputs a
+step (one group of 128), and split-K until about 4 programs per SM keep weight loads in flight. How these
+rows compare with ``SHAPE_DEFAULTS`` on the H200: ``benchmarks/RESULTS.md``, "Quantized weights"."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,11 @@ Requests go through ``AsyncLLM`` (the engine core in a process of its own on CUD
 ``FilesystemLoRAResolver``: the path a request naming an unknown adapter takes through the server, without HTTP.
 TTFT is from a request's arrival (before its adapter is resolved) to its first token. "cold start" is the TTFT
 of the requests whose adapter was not yet loaded when they arrived (read from disk on their path, or waiting for
-that read); the JSON also has the part of it spent resolving and reading the adapter (``cold_resolve_ms``). The
+that read); the JSON also has the part of it spent resolving and reading the adapter (``cold_resolve_ms``),
+and the engine's own reads (its loader threads' counters: reads, GB, mean ms a read took on a thread and
+waited for one). "bound" is the x base the row could reach were its adapters to cost only their bytes, read
+once per step at HBM bandwidth (``HBM_BYTES_S``) on top of the base row's time: the steps' distinct adapters'
+rank rows (the engine's ``num_lora_step_rank_rows``) times the model's bytes per rank row. The
 base row runs the same arrivals on an engine without LoRA; "x base" is each row's output tok/s over it. Host
 loads, slot loads and ``lora_reloads_while_running`` are the engine's counters over the row. Prints a table per
 (N, popularity) and writes JSON (after every row).
@@ -159,7 +163,24 @@ async def run(llm, models, prompts, names: list[Optional[str]], rate: float, arg
                 distinct_adapters=len({n for n in names if n is not None}),
                 host_loads=s1.num_lora_host_loads - s0.num_lora_host_loads,
                 slot_loads=s1.num_lora_slot_loads - s0.num_lora_slot_loads,
-                lora_reloads_while_running=s1.num_lora_reloads_while_running - s0.num_lora_reloads_while_running)
+                lora_reloads_while_running=(s1.num_lora_reloads_while_running
+                                            - s0.num_lora_reloads_while_running),
+                **_read_figures(s0, s1))
+
+
+def _read_figures(s0, s1) -> dict:
+    """The engine's adapter reads over the row (its loader threads: count, bytes, seconds per read on a thread
+    and queued for one) and the adapter bytes its steps had to read (``num_lora_step_rank_rows``)."""
+    reads = s1.num_lora_disk_reads - s0.num_lora_disk_reads
+    nbytes = s1.lora_disk_read_bytes - s0.lora_disk_read_bytes
+    read_s = s1.lora_disk_read_s - s0.lora_disk_read_s
+    queued_s = s1.lora_disk_read_queued_s - s0.lora_disk_read_queued_s
+    return dict(disk_reads=reads, disk_read_gb=nbytes / 1e9,
+                disk_read_ms_mean=1e3 * read_s / reads if reads else None,
+                disk_read_queued_ms_mean=1e3 * queued_s / reads if reads else None,
+                disk_read_gb_s_per_thread=nbytes / 1e9 / read_s if read_s else None,
+                step_adapter_gb=((s1.num_lora_step_rank_rows - s0.num_lora_step_rank_rows)
+                                 * s1.lora_rank_row_bytes / 1e9))
 
 
 def open_engine(args, enable_lora: bool):
@@ -224,9 +245,18 @@ async def _rows(args, prompts, files, report) -> None:
     await lora_rows(args, prompts, files, report)
 
 
+HBM_BYTES_S = 4.8e12
+"""The bandwidth adapter bytes are read at in ``x_base_bytes_bound``: an H200's HBM3e datasheet peak."""
+
+
 def _add_row(report: dict, row: dict) -> None:
-    base = report["rows"][0]["output_tok_s"] if report["rows"] else row["output_tok_s"]
-    row["x_base"] = row["output_tok_s"] / base
+    base = report["rows"][0] if report["rows"] else row
+    row["x_base"] = row["output_tok_s"] / base["output_tok_s"]
+    if row["num_adapters"] and torch.cuda.is_available():
+        # The x base this row could reach were its adapters to cost only reading their bytes once a step at
+        # HBM bandwidth, on top of the base row's time: the adapter-bytes floor of the whole workload.
+        extra_s = row["step_adapter_gb"] * 1e9 / HBM_BYTES_S
+        row["x_base_bytes_bound"] = base["seconds"] / (base["seconds"] + extra_s)
     report["rows"].append(row)
     print(f"  {_line(row)}", flush=True)
     _dump(report)
@@ -234,7 +264,8 @@ def _add_row(report: dict, row: dict) -> None:
 
 HEADER = (f"{'adapters':>8s} {'popularity':>10s} {'distinct':>8s} {'out tok/s':>10s} {'x base':>7s} "
           f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'cold':>5s} {'cold p50':>9s} {'cold p99':>9s} "
-          f"{'host lds':>8s} {'slot lds':>8s} {'reloads*':>8s}")
+          f"{'host lds':>8s} {'slot lds':>8s} {'reloads*':>8s} {'bound':>6s} {'read ms':>8s} "
+          f"{'queued ms':>9s} {'GB/s/thr':>8s}")
 
 
 def _line(r: dict) -> str:
@@ -243,7 +274,13 @@ def _line(r: dict) -> str:
     return (f"{r['num_adapters']:8d} {r['popularity']:>10s} {r['distinct_adapters']:8d} {r['output_tok_s']:10.1f} "
             f"{r['x_base']:7.3f} {r['ttft_ms']['p50']:9.1f} {r['ttft_ms']['p99']:9.1f} {r['cold_requests']:5d} "
             f"{ms(cold.get('p50')):>9s} {ms(cold.get('p99')):>9s} {r['host_loads']:8d} {r['slot_loads']:8d} "
-            f"{r['lora_reloads_while_running']:8d}")
+            f"{r['lora_reloads_while_running']:8d} {_f(r.get('x_base_bytes_bound'), 3):>6s} "
+            f"{_f(r.get('disk_read_ms_mean'), 0):>8s} {_f(r.get('disk_read_queued_ms_mean'), 0):>9s} "
+            f"{_f(r.get('disk_read_gb_s_per_thread'), 2):>8s}")
+
+
+def _f(v: Optional[float], digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def print_table(args, report: dict) -> None:
@@ -252,7 +289,9 @@ def print_table(args, report: dict) -> None:
           f"adapters on all 7 projections, ranks {'/'.join(map(str, args.ranks))} mixed; {args.max_loras} GPU "
           f"slots, {args.max_cpu_loras or 'default'} host; device {report['device']}")
     print("TTFT and cold start (TTFT of requests whose adapter was not loaded when they arrived) in ms; "
-          "reloads*: lora_reloads_while_running")
+          "reloads*: lora_reloads_while_running; bound: the x base if adapters cost only their bytes read "
+          f"once a step at {HBM_BYTES_S / 1e12:.1f} TB/s; read / queued ms: the engine's mean read on "
+          "a loader thread and its wait for one; GB/s/thr: bytes read per second on a thread")
     print(HEADER)
     for r in report["rows"]:
         print(_line(r))

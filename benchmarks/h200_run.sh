@@ -50,6 +50,8 @@
 #               on disk: 2,000 distinct files would be ~300 GB), 64 GPU slots, 1000 requests of 256 + 128 tokens,
 #               Poisson at the base model's saturation rate (measured first); out tok/s x base, TTFT and cold start
 #               p50/p99, host / slot loads; JSON $OUT/adapter_scale_N1_N2_POP.json; needs the carried .whl folder.
+#               ADAPTER_SLOTS (default 64) slots; ADAPTER_POOL_BYTES: slots share a pool of that many bytes (ranks
+#               unpadded; 64 rank-64 adapters of the 8B shape: 21474836480), JSON ..._pool.json; ADAPTER_CPU host LRU.
 #               Estimate, not timed yet: ~150 s per call (weight files, both engines, the base runs), then per N
 #               (both popularities) ~30 s for 1, 16 or 64, ~80 s for 256, ~200-400 s for 1000, ~250-500 s for 2000:
 #               each distinct adapter (~1,000 at N=1000, ~1,200 at N=2000 over both popularities) is read (~150 MB
@@ -238,8 +240,10 @@ for phase in "$@"; do
       done ;;
     adapter-scale)
       ns=$(echo ${ADAPTER_SCALE:-1 16 64 256 1000 2000} | tr ' ' ,) pops=$(echo ${ADAPTER_POP:-zipf uniform} | tr ' ' ,)
-      python3 benchmarks/adapter_scale.py --num-adapters "$ns" --popularity "$pops" --max-loras 64 \
-        --out "$OUT/adapter_scale_${ns//,/_}_${pops//,/_}.json" 2>&1 | quiet | grep -v "registered from" ;;
+      python3 benchmarks/adapter_scale.py --num-adapters "$ns" --popularity "$pops" --max-loras ${ADAPTER_SLOTS:-64} \
+        $([ -n "${ADAPTER_POOL_BYTES:-}" ] && echo --max-lora-pool-bytes $ADAPTER_POOL_BYTES) \
+        $([ -n "${ADAPTER_CPU:-}" ] && echo --max-cpu-loras $ADAPTER_CPU) \
+        --out "$OUT/adapter_scale_${ns//,/_}_${pops//,/_}${ADAPTER_POOL_BYTES:+_pool}.json" 2>&1 | quiet | grep -v "registered from" ;;
     serve)
       serve_phase ;;
     serve-media)

@@ -490,6 +490,10 @@ class EngineCore:
                                           + len(self.lora_manager.pending_removals()))
             stats.num_lora_host_loads = self.lora_manager.store.num_loads
             stats.num_lora_host_evictions = self.lora_manager.store.num_evictions
+            reads = self.lora_manager.loader.read_totals()
+            stats.num_lora_disk_reads, stats.lora_disk_read_bytes = reads.num_reads, reads.nbytes
+            stats.lora_disk_read_s, stats.lora_disk_read_queued_s = reads.read_s, reads.queued_s
+            stats.lora_rank_row_bytes = self.lora_manager.row_bytes
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -229,6 +229,19 @@ class SchedulerStats:
     """Adapters put in the host store (``max_cpu_loras``) since start (a read again after eviction counts again)."""
     num_lora_host_evictions: int = 0
     """Adapters the host store dropped for room since start."""
+    num_lora_disk_reads: int = 0
+    """Adapter reads the engine's loader threads finished since start (failed ones included)."""
+    lora_disk_read_bytes: int = 0
+    """Bytes of the adapter weights those reads returned."""
+    lora_disk_read_s: float = 0.0
+    """Sum over those reads of each one's seconds on its thread (file to prepared, page-locked tensors)."""
+    lora_disk_read_queued_s: float = 0.0
+    """Sum over those reads of the seconds each waited for a loader thread."""
+    lora_rank_row_bytes: int = 0
+    """Device bytes of one adapter rank row over every adapted layer (``LoRAManager.row_bytes``)."""
+    num_lora_step_rank_rows: int = 0
+    """Sum over steps of the rank rows of each step's distinct adapters (the least its LoRA kernels read;
+    times ``lora_rank_row_bytes``: the adapter bytes the steps had to read)."""
     num_encoder_cache_entries: int = 0
     """Encoder outputs held, referenced or kept for reuse."""
     num_encoder_cache_entries_in_use: int = 0

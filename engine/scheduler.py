@@ -140,6 +140,9 @@ class Scheduler:
         """Adapters ``lora_ready`` answered False for in this ``schedule()`` (asked once a step)."""
         self.num_lora_reloads_while_running = 0
         """Slot loads that evicted or reloaded an adapter some running request uses (a check: always 0)."""
+        self.num_lora_step_rank_rows = 0
+        """Sum over steps of the rank rows of the step's distinct adapters: the least the steps' LoRA kernels
+        read (times the model's bytes per rank row; ``SchedulerStats.num_lora_step_rank_rows``)."""
         self.encoder_compute_budget, encoder_cache_size = scheduler_config.encoder_budgets(max_embeds_per_mm_item)
         self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size)
 
@@ -701,11 +704,16 @@ class Scheduler:
             ) for r in plan.new_reqs
         ])
         running = plan.running_reqs
+        running_slots = tuple([self._lora_slot(r) for r in running])
+        if self.lora_slots is not None:
+            step_slots = {s for s in running_slots if s >= 0}.union(
+                [r.lora_slot for r in new_reqs if r.lora_slot >= 0])
+            self.num_lora_step_rank_rows += sum(self.lora_slots.rank_of(s) for s in step_slots)
         cached = CachedRequestData(
             req_ids=tuple([r.request_id for r in running]),
             new_block_ids=tuple([tuple(plan.new_block_ids[r.request_id]) for r in running]),
             num_computed_tokens=tuple([r.num_computed_tokens for r in running]),
-            lora_slots=tuple([self._lora_slot(r) for r in running]),
+            lora_slots=running_slots,
             new_group_block_ids=(tuple([tuple([tuple(ids) for ids in group_lists(plan.new_block_ids[r.request_id])[1:]])
                                         for r in running]) if kv.num_groups > 1 else ()),
         )
@@ -931,6 +939,7 @@ class Scheduler:
             num_lora_slot_evictions=slots.num_evictions if slots is not None else 0,
             num_lora_slot_prefetches=slots.num_prefetches if slots is not None else 0,
             num_lora_reloads_while_running=self.num_lora_reloads_while_running,
+            num_lora_step_rank_rows=self.num_lora_step_rank_rows,
             num_encoder_cache_entries=len(ecm.cached),
             num_encoder_cache_entries_in_use=len(ecm.cached) - len(ecm.freeable),
             num_encoder_cache_embeds_in_use=ecm.cache_size - ecm.num_freeable_slots,

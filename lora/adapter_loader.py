@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Union
 
 from lora.adapter_reader import AdapterReader
@@ -39,6 +40,20 @@ class AdapterRead:
     """Its weights, or why they could not be read."""
 
 
+@dataclass
+class ReadTotals:
+    """What the loader's reads took since start (summed over reads; failed reads included)."""
+
+    num_reads: int = 0
+    """Reads finished."""
+    nbytes: int = 0
+    """Bytes of the weights they returned."""
+    read_s: float = 0.0
+    """Seconds on a thread per read (file to prepared tensors, page-locked with ``pin_memory``)."""
+    queued_s: float = 0.0
+    """Seconds each read waited for a thread."""
+
+
 class AdapterLoader:
     """Reads adapters on a thread of its own; the engine's loop asks and collects (thread-safe).
 
@@ -57,6 +72,10 @@ class AdapterLoader:
         self.num_threads = num_threads
         self._queued: dict[str, LoRARequest] = {}
         """Adapter name -> the read asked for and not finished (queued or running); with weights: adopted."""
+        self._queued_at: dict[str, float] = {}
+        """Adapter name -> ``time.perf_counter()`` when its read was queued (while in ``_queued``)."""
+        self.totals = ReadTotals()
+        """What the finished reads took (``read_totals``)."""
         self._running: set[str] = set()
         """Names in ``_queued`` a thread is reading now."""
         self._done: list[AdapterRead] = []
@@ -84,6 +103,7 @@ class AdapterLoader:
             if name in self._queued or any(d.lora_request.lora_name == name for d in self._done):
                 return
             self._queued[name] = lora_request
+            self._queued_at[name] = time.perf_counter()
             if len(self._threads) < min(self.num_threads, len(self._queued)):
                 thread = threading.Thread(target=self._run, name="chorus-adapter-loader", daemon=True)
                 self._threads.append(thread)
@@ -100,6 +120,11 @@ class AdapterLoader:
         """Reads are queued, running, or finished and not taken."""
         with self._lock:
             return bool(self._queued or self._done)
+
+    def read_totals(self) -> ReadTotals:
+        """A copy of what the finished reads took since start."""
+        with self._lock:
+            return replace(self.totals)
 
     def take_done(self) -> list[AdapterRead]:
         """The reads finished since the last call."""
@@ -122,6 +147,8 @@ class AdapterLoader:
                     return
                 self._running.add(name)
                 lora_request = self._queued[name]
+                started = time.perf_counter()
+                queued_s = started - self._queued_at[name]
             try:
                 result: Union[LoRAAdapter, LoRAAdapterError] = (
                     lora_request.adapter if lora_request.adapter is not None
@@ -134,8 +161,13 @@ class AdapterLoader:
             except Exception as e:  # noqa: BLE001 - an unreadable adapter fails its requests, not the engine
                 logger.exception("Reading LoRA adapter %r failed.", name)
                 result = LoRAAdapterError(f"LoRA adapter {name!r} could not be read ({type(e).__name__}).")
+            read_s = time.perf_counter() - started
             with self._lock:
                 self._queued.pop(name, None)
+                self._queued_at.pop(name, None)
                 self._running.discard(name)
+                t = self.totals
+                t.num_reads, t.read_s, t.queued_s = t.num_reads + 1, t.read_s + read_s, t.queued_s + queued_s
+                t.nbytes += result.nbytes() if isinstance(result, LoRAAdapter) else 0
                 self._done.append(AdapterRead(lora_request.without_adapter(), result))
                 self._finished.notify_all()

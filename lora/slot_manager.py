@@ -60,6 +60,8 @@ class LoRASlotManager:
         self._slot_lora: list[Optional[LoRARequest]] = [None] * max_loras
         self._slot_pages: list[tuple[int, ...]] = [()] * max_loras
         """Pool pages each slot's adapter holds (empty without a pool)."""
+        self._slot_rank: list[int] = [0] * max_loras
+        """Rank of each slot's adapter as the caller gave it (0: empty, or not given)."""
         self._name_to_slot: dict[str, int] = {}
         # Running requests holding each slot.
         self._num_running = [0] * max_loras
@@ -93,6 +95,10 @@ class LoRASlotManager:
     def resident_loras(self) -> dict[str, int]:
         """lora_name -> slot of every resident adapter."""
         return dict(self._name_to_slot)
+
+    def rank_of(self, lora_slot: int) -> int:
+        """Rank of the adapter in ``lora_slot`` as ``acquire`` / ``prefetch`` were told (0: empty)."""
+        return self._slot_rank[lora_slot]
 
     def pages_of(self, lora_slot: int) -> tuple[int, ...]:
         """Pool pages of the adapter in ``lora_slot`` (empty: no pool, or an empty slot)."""
@@ -208,6 +214,7 @@ class LoRASlotManager:
             assert pages is not None, "checked by _slot_for_new_adapter"
             self._slot_pages[slot] = pages
         self._slot_lora[slot] = lora_request
+        self._slot_rank[slot] = rank
         self._name_to_slot[lora_request.lora_name] = slot
         self.num_loads += 1
         return tuple(evicted)
@@ -243,6 +250,7 @@ class LoRASlotManager:
         del self._name_to_slot[lora.lora_name]
         self._pending_removal.discard(lora.lora_name)
         self._slot_lora[slot] = None
+        self._slot_rank[slot] = 0
         if self.pool is not None:
             self.pool.free(self._slot_pages[slot])
         self._slot_pages[slot] = ()

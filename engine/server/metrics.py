@@ -67,6 +67,15 @@ LORA_COUNTERS = (
      "(a check: stays 0).", "num_lora_reloads_while_running"),
     ("lora_host_loads", "Adapters put in the host-memory store (--max-cpu-loras).", "num_lora_host_loads"),
     ("lora_host_evictions", "Adapters the host-memory store dropped for room.", "num_lora_host_evictions"),
+    ("lora_disk_reads", "Adapter reads from disk the engine's loader threads finished.",
+     "num_lora_disk_reads"),
+    ("lora_disk_read_bytes", "Bytes of adapter weights read from disk.", "lora_disk_read_bytes"),
+    ("lora_disk_read_seconds", "Seconds adapter reads took on their loader threads (summed).",
+     "lora_disk_read_s"),
+    ("lora_disk_read_queued_seconds", "Seconds adapter reads waited for a loader thread (summed).",
+     "lora_disk_read_queued_s"),
+    ("lora_step_rank_rows", "Rank rows of each step's distinct adapters, summed over steps (the least the "
+     "steps' LoRA kernels read, in rank rows).", "num_lora_step_rank_rows"),
 )
 """(counter name, help, ``SchedulerStats`` field): adapter movement between disk, host memory and slots."""
 

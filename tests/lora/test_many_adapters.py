@@ -145,6 +145,9 @@ def test_random_requests_over_2000_adapters_match_alone_and_peft(engine, lora_di
     # Each adapter is read by the client, and at most about once more by the engine (the store dropped it
     # before its request ran): no read is evicted before its request is admitted and read again.
     assert distinct + (distinct - 64) <= stats.num_lora_host_loads <= distinct + (distinct - 64) + 16
+    # The engine's own reads (its loader threads) are the host loads the client did not send.
+    assert stats.num_lora_disk_reads == stats.num_lora_host_loads - distinct
+    assert stats.lora_disk_read_bytes > 0 and stats.lora_disk_read_s > 0
     assert stats.max_reqs_per_step == 16                       # batched across many adapters at once
     assert stats.num_lora_slot_prefetches > 0                  # copies ahead of the admitting step
     _assert_nothing_held(engine)
@@ -152,6 +155,8 @@ def test_random_requests_over_2000_adapters_match_alone_and_peft(engine, lora_di
     assert scraped["lora_slot_loads"] == stats.num_lora_slot_loads
     assert scraped["lora_host_evictions"] == stats.num_lora_host_evictions
     assert scraped["lora_reloads_while_running"] == 0
+    assert scraped["lora_disk_reads"] == stats.num_lora_disk_reads
+    assert scraped["lora_disk_read_bytes"] == stats.lora_disk_read_bytes
 
     # Every answer equals the same request alone (a sample; adapters reloaded from disk as needed).
     sample = rng.sample(sorted(requests), 20)

@@ -66,14 +66,15 @@ def make_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: int = 16, 
                    long_prefill_token_threshold: int = 0, block_size: int = 4, num_blocks: int = 64,
                    enable_prefix_caching: bool = True, max_model_len: int = 256,
                    max_loras: Optional[int] = None,
-                   lora_ready: Optional[Callable[[LoRARequest], bool]] = None) -> Scheduler:
+                   lora_ready: Optional[Callable[[LoRARequest], bool]] = None,
+                   lora_rank: Optional[Callable[[LoRARequest], int]] = None) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         policy=policy, long_prefill_token_threshold=long_prefill_token_threshold),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         max_model_len=max_model_len, num_kv_blocks=num_blocks,
         lora_config=LoRAConfig(max_loras=max_loras) if max_loras is not None else None,
-        lora_ready=lora_ready)
+        lora_ready=lora_ready, lora_rank=lora_rank)
 
 
 def default_token(req_id: str, output_index: int) -> int:

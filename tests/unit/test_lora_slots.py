@@ -107,6 +107,23 @@ def test_adapters_not_in_host_memory_wait_and_every_load_is_of_a_ready_one():
     assert_no_leaks(sched)
 
 
+def test_step_rank_rows_count_each_steps_distinct_adapters_once():
+    """``num_lora_step_rank_rows`` adds, per step, the ranks of the adapters that step runs (each once,
+    however many of its requests run): what the step's LoRA kernels must read at least."""
+    ranks = {"A": 8, "B": 16}
+    sched = make_scheduler(max_loras=2, lora_rank=lambda lr: ranks[lr.lora_name])
+    runner = FakeRunner(sched)
+    for rid, adapter in (("a1", A), ("a2", A), ("b1", B), ("base", None)):
+        sched.add_request(make_request(rid, lora_request=adapter, max_tokens=2))
+    runner.step()                                      # prefills: A and B
+    assert sched.get_stats().num_lora_step_rank_rows == 8 + 16
+    sched.finish_requests("b1", RequestStatus.FINISHED_ABORTED)
+    runner.step()                                      # decodes: A only
+    assert sched.get_stats().num_lora_step_rank_rows == 8 + 16 + 8
+    runner.run()
+    assert_no_leaks(sched)
+
+
 def test_loads_only_when_not_resident_and_slots_in_step_message():
     sched = make_scheduler(max_loras=2)
     runner = FakeRunner(sched)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.host_memory import keep_freed_host_memory
+from engine.host_memory import keep_freed_host_memory, register_pinned_host_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,3 +56,13 @@ def test_environment_tuning_wins(monkeypatch):
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
     assert keep_freed_host_memory() is False
+
+
+def test_pinned_memory_registered_unless_the_environment_sets_pinned_options(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_use_background_threads:True")
+    assert register_pinned_host_memory() is False
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_num_register_threads:4")
+    assert register_pinned_host_memory() is False
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert register_pinned_host_memory() is True     # PyTorch took the setting (a CPU build parses it too)

@@ -21,12 +21,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from lora.errors import InvalidLoRAAdapterError, LoRAAdapterNotFoundError
+from lora.weights_file import SAFETENSORS_DTYPES, GroupedRead, read_grouped
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -429,17 +430,21 @@ class LoRAAdapter:
         return all(w.lora_a.is_pinned() and w.lora_b.is_pinned() for w in self.weights.values())
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-"""safetensors header dtype names -> torch dtypes (what adapters hold)."""
-
-
 def read_adapter_tensors(path: Union[str, Path], shapes_only: bool = False,
                          pin_memory: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of ``adapter_model.safetensors`` (preferred) or ``adapter_model.bin``, on CPU; with
     ``shapes_only``, a safetensors file's tensors as ``meta`` tensors of their shapes and dtypes, from its
     header alone (a check of the adapter that reads no weights). A safetensors file's tensors are views of
-    one buffer its data is read into (page-locked with ``pin_memory``: one copy from the page cache, no
-    pinning pass, the GIL released while it reads)."""
+    one buffer its data is read into (page-locked with ``pin_memory``; ``lora.weights_file``)."""
+    return _read_weights(path, shapes_only, pin_memory).tensors
+
+
+def _read_weights(path: Union[str, Path], shapes_only: bool = False, pin_memory: bool = False,
+                  dtype: Optional[torch.dtype] = None,
+                  fold: Optional[Callable[[str], Optional[float]]] = None) -> GroupedRead:
+    """``read_adapter_tensors``; a safetensors file's tensors in ``dtype`` with the scales ``fold`` gives
+    multiplied in (``weights_file.read_grouped``; ``GroupedRead.folded`` says which: none from a ``.bin``
+    file, or one ``read_grouped`` leaves to ``safetensors``)."""
     d = resolve_adapter_path(str(path))
     for fname in WEIGHT_FILES:
         f = d / fname
@@ -447,11 +452,16 @@ def read_adapter_tensors(path: Union[str, Path], shapes_only: bool = False,
             continue
         try:
             if fname.endswith(".safetensors"):
-                tensors = _safetensors_meta(f) if shapes_only else _safetensors_buffer(f, pin_memory)
-                if tensors is not None:
-                    return tensors
+                if shapes_only:
+                    tensors = _safetensors_meta(f)
+                    if tensors is not None:
+                        return GroupedRead(tensors, set())
+                else:
+                    read = read_grouped(f, dtype, pin_memory, fold)
+                    if read is not None:
+                        return read
                 from safetensors.torch import load_file
-                return load_file(str(f), device="cpu")
+                return GroupedRead(load_file(str(f), device="cpu"), set())
             state = torch.load(str(f), map_location="cpu", weights_only=True)
         except OSError as e:
             raise LoRAAdapterNotFoundError(f"LoRA adapter {str(path)!r}: cannot read {fname} ({e}).") from e
@@ -460,43 +470,9 @@ def read_adapter_tensors(path: Union[str, Path], shapes_only: bool = False,
                                           f"weights file ({type(e).__name__}: {e}).") from e
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise InvalidLoRAAdapterError(f"LoRA adapter {str(path)!r}: {fname} must hold a dict of tensors.")
-        return state
+        return GroupedRead(state, set())
     raise LoRAAdapterNotFoundError(
         f"LoRA adapter {str(path)!r} has no weights: expected {' or '.join(WEIGHT_FILES)}.")
-
-
-def _safetensors_buffer(f: Path, pin_memory: bool) -> Optional[dict[str, torch.Tensor]]:
-    """A safetensors file's tensors as views of one buffer (page-locked with ``pin_memory``) that its data
-    is read into; None when one tensor's dtype is not an adapter's or its offset does not align to its
-    elements (``safetensors.torch.load_file`` reads those). ValueError for a header that does not fit the
-    file."""
-    with open(f, "rb") as handle:
-        header_bytes = int.from_bytes(handle.read(8), "little")
-        data_bytes = os.fstat(handle.fileno()).st_size - 8 - header_bytes
-        if header_bytes <= 0 or data_bytes < 0:
-            raise ValueError(f"a header of {header_bytes} bytes does not fit the file")
-        header = json.loads(handle.read(header_bytes))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-        views: list[tuple[str, torch.dtype, list[int], int, int]] = []
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-            start, end = (int(x) for x in info["data_offsets"])
-            shape = [int(x) for x in info["shape"]]
-            if dtype is None:
-                return None
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if not 0 <= start <= end <= data_bytes or end - start != math.prod(shape) * itemsize:
-                raise ValueError(f"tensor {name!r}: offsets {start}..{end} do not fit its shape or the file")
-            if start % itemsize:
-                return None
-            views.append((name, dtype, shape, start, end))
-        buf = torch.empty(data_bytes, dtype=torch.uint8, pin_memory=pin_memory)          # [data_bytes]
-        if data_bytes and handle.readinto(memoryview(buf.numpy())) != data_bytes:
-            raise ValueError("the file ended before its data")
-    return {name: buf[start:end].view(dtype).view(shape) for name, dtype, shape, start, end in views}
 
 
 def _safetensors_meta(f: Path) -> Optional[dict[str, torch.Tensor]]:
@@ -508,7 +484,7 @@ def _safetensors_meta(f: Path) -> Optional[dict[str, torch.Tensor]]:
     with safe_open(str(f), framework="pt", device="cpu") as handle:
         for key in handle.keys():
             part = handle.get_slice(key)
-            dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+            dtype = SAFETENSORS_DTYPES.get(part.get_dtype())
             if dtype is None:
                 return None
             out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
@@ -527,8 +503,8 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
         dtype: dtype of the returned tensors (the slot dtype).
         shapes_only: check the adapter from its config and its weights file's header only (safetensors);
             the returned adapter's tensors are ``meta`` tensors (``AdapterReader.check``).
-        pin_memory: read the weights into page-locked memory (``read_adapter_tensors``); the scale is
-            folded into B there, in place, where B is contiguous in the slot dtype.
+        pin_memory: read the weights into page-locked memory. A safetensors file is read in the slot dtype
+            with each B's scale folded in as it is read (``lora.weights_file``: few torch calls).
 
     Raises:
         LoRAAdapterNotFoundError: missing directory or files.
@@ -536,8 +512,10 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
             shapes that do not fit the base model (all problems in one message).
     """
     config = read_adapter_config(path, max_lora_rank, targets.suffixes)
-    tensors = read_adapter_tensors(path, shapes_only, pin_memory)
-    tensors, stacked, scale_names, problems = _stacked_expert_pairs(tensors, targets, config)
+    read = _read_weights(path, shapes_only, pin_memory, dtype,
+                         fold=lambda key: _b_scale(key, config, targets))
+    folded = {m.group("module") for m in map(_LORA_KEY_RE.match, read.folded) if m is not None}
+    tensors, stacked, scale_names, problems = _stacked_expert_pairs(read.tensors, targets, config)
     pairs, more = _group_lora_tensors(tensors, targets)
     pairs.update(stacked)
     problems += more
@@ -558,8 +536,8 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
             continue
         max_rank = max(max_rank, rank)
         adapts_encoder = adapts_encoder or target.in_encoder
-        scale = config.scaling(scale_names.get(peft_module, peft_module))
-        slice_weights = LoRASliceWeights(lora_a=a.to(dtype).contiguous(),      # [rank, in]
+        scale = 1.0 if peft_module in folded else config.scaling(scale_names.get(peft_module, peft_module))
+        slice_weights = LoRASliceWeights(lora_a=_in_dtype(a, dtype),            # [rank, in]
                                          lora_b=_scaled(b, scale, dtype))       # [out, rank]
         if target.num_experts:
             per_expert.setdefault((target.module_name, target.slice_idx), {})[target.expert] = slice_weights
@@ -575,6 +553,24 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank:
                        weights=weights, adapts_encoder=adapts_encoder)
 
 
+def _b_scale(key: str, config: PEFTAdapterConfig, targets: LoRATargets) -> Optional[float]:
+    """The scale to fold into tensor ``key`` while it is read: a B's module's (``PEFTAdapterConfig.scaling``);
+    None for any other tensor, and for the stacked experts' B (``_stacked_expert_pairs`` scales those)."""
+    m = _LORA_KEY_RE.match(key)
+    if m is None or m.group("kind") != "lora_B":
+        return None
+    module = m.group("module")
+    if (module[:-len(_BASE_LAYER)] if module.endswith(_BASE_LAYER) else module) in targets.expert_modules:
+        return None
+    return config.scaling(module)
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, contiguous; itself when it is (no torch call: each releases the GIL, which a loader
+    thread must take back from the busy step loop, ``lora.weights_file``)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _scaled(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``b * scale`` rounded once to ``dtype``, contiguous: float32 maths, in place where ``b`` is contiguous in
     ``dtype`` already (``b`` is a view of this read's own buffer; the reduced-precision kernels compute in
@@ -582,7 +578,7 @@ def _scaled(b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     only takes the dtype: maths on meta tensors runs torch's Python reference decompositions, the most of a
     check's time."""
     if b.is_meta:
-        return b.to(dtype)
+        return b if b.dtype == dtype else b.to(dtype)
     if b.dtype == dtype and b.is_contiguous():
         return b if scale == 1.0 else b.mul_(scale)
     if scale == 1.0:

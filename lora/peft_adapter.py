@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from lora.errors import InvalidLoRAAdapterError, LoRAAdapterNotFoundError
-from lora.weights_file import SAFETENSORS_DTYPES, GroupedRead, read_grouped
+from lora.weights_file import GroupedRead, read_grouped, read_grouped_meta
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -453,7 +453,7 @@ def _read_weights(path: Union[str, Path], shapes_only: bool = False, pin_memory:
         try:
             if fname.endswith(".safetensors"):
                 if shapes_only:
-                    tensors = _safetensors_meta(f)
+                    tensors = read_grouped_meta(f, dtype)
                     if tensors is not None:
                         return GroupedRead(tensors, set())
                 else:
@@ -473,22 +473,6 @@ def _read_weights(path: Union[str, Path], shapes_only: bool = False, pin_memory:
         return GroupedRead(state, set())
     raise LoRAAdapterNotFoundError(
         f"LoRA adapter {str(path)!r} has no weights: expected {' or '.join(WEIGHT_FILES)}.")
-
-
-def _safetensors_meta(f: Path) -> Optional[dict[str, torch.Tensor]]:
-    """The tensors a safetensors file holds, as ``meta`` tensors (its header only); None when one has a
-    dtype an adapter does not hold (the full read then says what is wrong)."""
-    from safetensors import safe_open
-
-    out = {}
-    with safe_open(str(f), framework="pt", device="cpu") as handle:
-        for key in handle.keys():
-            part = handle.get_slice(key)
-            dtype = SAFETENSORS_DTYPES.get(part.get_dtype())
-            if dtype is None:
-                return None
-            out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
-    return out
 
 
 def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_lora_rank: int,

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from lora import weights_file
 from lora.peft_adapter import _scaled
-from lora.weights_file import read_grouped
+from lora.weights_file import read_grouped, read_grouped_meta
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -56,6 +56,15 @@ def test_every_tensor_as_read_plainly_in_the_dtype_with_its_scale(tmp_path, dtyp
         got, want = read.tensors[name], _expected(t, _fold(name), dtype)
         assert got.dtype == want.dtype and got.shape == t.shape and got.is_contiguous(), name
         assert torch.equal(got, want), name          # bit for bit: one rounding, float32 maths
+
+
+def test_meta_read_has_the_shapes_and_dtype_of_the_read(tmp_path):
+    tensors = _tensors()
+    f = tmp_path / "adapter_model.safetensors"
+    save_file(tensors, str(f))
+    meta = read_grouped_meta(f, torch.bfloat16)
+    assert {n: (t.shape, t.dtype, t.is_meta) for n, t in meta.items()} == {
+        n: (t.shape, torch.bfloat16, True) for n, t in read_grouped(f, torch.bfloat16).tensors.items()}
 
 
 def test_gaps_short_reads_and_many_calls(tmp_path, monkeypatch):

@@ -176,7 +176,7 @@ class EngineCore:
         if device.type == "cpu":
             keep_freed_host_memory()      # prompt steps reuse freed activations instead of faulting them in
         elif device.type == "cuda":
-            register_pinned_host_memory()  # adapters page-locked at ~10x cudaHostAlloc's rate
+            register_pinned_host_memory()  # adapters page-locked faster than by cudaHostAlloc
         executor, tp = None, TensorParallelGroup.single()
         if probe.parallel_config.tensor_parallel_size > 1:
             # Checked before any worker starts: a model that cannot be sharded fails in a second.

@@ -13,11 +13,10 @@ the environment (``MALLOC_*_`` variables or ``GLIBC_TUNABLES``) keeps their sett
 
 A CUDA engine page-locks every adapter it reads (the host store's copies, so slot loads are
 asynchronous copies). PyTorch's pinned allocator takes new blocks from ``cudaHostAlloc`` by default,
-which page-locks at ~0.2-0.9 GB/s under one driver lock (an 8B-shape rank-64 adapter, 335 MB: ~370 ms
-on an H100 host, ~1 GB/s for four loader threads together), slower than reading the file. With
-``pinned_use_cuda_host_register`` it maps the block, touches its pages on ``PINNED_REGISTER_THREADS``
-threads and registers it (``cudaHostRegister``: ~30 ms for 335 MB there); freed blocks are cached
-and reused either way. ``register_pinned_host_memory`` sets that unless the environment already
+which page-locks slower than the file is read from the page cache, under one driver lock that the
+loader threads share. With ``pinned_use_cuda_host_register`` it maps the block, touches its pages on
+``PINNED_REGISTER_THREADS`` threads and registers it (``cudaHostRegister``), several times faster
+(``benchmarks/RESULTS.md``, "Adapters at scale"); freed blocks are cached and reused either way. ``register_pinned_host_memory`` sets that unless the environment already
 sets a ``pinned_`` option of PyTorch's allocator.
 """
 

@@ -3,8 +3,8 @@
 An adapter of an 8B model holds hundreds of tensors (448 on Llama-3-8B's 7 projections). The engine reads
 adapters on loader threads beside its step loop, and every torch call releases the GIL and must take it back
 from the busy step loop (up to the interpreter's 5 ms switch interval each): per-tensor views, dtype casts
-and scale multiplies made a 335 MB adapter's read ~14x slower beside a busy Python thread (2.2 s instead of
-0.16 s here), ~0.8 GB/s per loader thread in an H200 engine at full load. So the read:
+and scale multiplies made a read many times slower beside a busy Python thread than alone
+(``benchmarks/RESULTS.md``, "Adapters at scale"). So the read:
 
 - lays the tensors out by (dtype, shape) group rather than in file order, and reads the file into that
   layout with scatter reads (``os.preadv``: one call per 1,024 tensors, one GIL release);
@@ -12,8 +12,7 @@ and scale multiplies made a 335 MB adapter's read ~14x slower beside a busy Pyth
 - folds each B's scale (``fold``) with one multiply per run of equal scales in a group, and casts a group to
   the slot dtype with one copy: float32 maths rounded once, the values ``peft_adapter._scaled`` gives.
 
-A 335 MB adapter of the 8B shape (5 groups) takes ~20 torch calls instead of ~1,600: beside a busy Python
-thread its read takes 0.34 s instead of 2.2 s here (0.16 s alone either way: the copy from the page cache).
+An adapter of the 8B shape (5 groups) takes ~20 torch calls instead of ~1,600.
 A check from the header alone (``read_grouped_meta``: ``meta`` tensors, on the server's threads beside its
 busy event loop) makes one call per group the same way.
 """

@@ -31,7 +31,8 @@
 #               KV blocks at start-up (gpu_memory_utilization 0.9) and decode at batch 256, bf16 cache vs FP8 cache,
 #               Llama-3-8B shape with bf16 weights ($OUT/kv_cache_fp8.json, ~150-200 s); `lora-fp8` multi-lora's
 #               runs on the FP8 base, LORA_FP8="BATCH:ADAPTERS ..." (default "64:16,64";
-#               $OUT/multi_lora_fp8_b64.json, ~150-250 s); `int4-latency` a GPTQ checkpoint of random 4-bit weights (groups
+#               $OUT/multi_lora_fp8_b64.json, ~150-250 s); `moe-latency` the qwen3-30b-a3b shape with FP8 projections and
+#               experts, batch 1/64 vs its bytes floor ($OUT/latency_fp8_qwen3_30b_a3b.json, ~100-150 s); `int4-latency` a GPTQ checkpoint of random 4-bit weights (groups
 #               of 128, written first: ~6 GB) of the Llama-3-8B shape, batch 1/16/64 vs its 4-bit floor ($OUT/latency_int4.json)
 #   serve       chorus serve under 256 streamed requests of 512 prompt ids + 128 tokens sent at
 #               once, from 1 and 4 client processes, vs LLM.generate on the same requests; needs
@@ -213,6 +214,9 @@ for phase in "$@"; do
               --context-len 512 --steps 32 $(skip_hf) ;;
           throughput)
             bench throughput_fp8 throughput.py --shape llama3-8b --quantization fp8 $THROUGHPUT_WORKLOAD $(skip_hf) ;;
+          moe-latency)
+            bench latency_fp8_qwen3_30b_a3b latency.py --shape qwen3-30b-a3b --quantization fp8 --batch-sizes 1,64 \
+              --context-len 512 --steps 32 --skip-hf ;;
           int4-latency) bench latency_int4 latency.py --shape llama3-8b --quantization int4 --batch-sizes 1,16,64 --context-len 512 --steps 32 --skip-hf ;;
           70b-latency)
             bench latency_fp8_llama3_70b latency.py --shape llama3-70b --quantization fp8 --kv-cache-dtype fp8 \
@@ -229,7 +233,7 @@ for phase in "$@"; do
                 --num-adapters "${spec#*:}" --max-loras 64 --input-len 512 --output-len 128 --base-last --skip-hf
             done ;;
           *)
-            echo "unknown fp8 part $part (latency, throughput, 70b-latency, 70b-throughput, kv-fp8, lora-fp8, int4-latency)"; exit 2 ;;
+            echo "unknown fp8 part $part (latency, throughput, 70b-latency, 70b-throughput, kv-fp8, lora-fp8, moe-latency, int4-latency)"; exit 2 ;;
         esac
       done ;;
     multi-lora)

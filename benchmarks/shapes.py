@@ -113,8 +113,9 @@ def decode_bytes(cfg, batch: int, context_len: float, elem_bytes: int = 2, kv_el
     config ``cfg``: every projection, norm and the LM head once; the embedding only for ``batch`` rows; of a
     MoE layer the router, the shared expert and ``expected_distinct_experts`` of the routed ones (uniform
     routing); the KV of ``context_len`` tokens per sequence, at most ``sliding_window`` in a sliding layer.
-    ``fp8`` (``--quantization fp8``): the projections (not the LM head, the embedding or the stacked experts,
-    which the engine keeps in ``elem_bytes``) at 1 byte per weight + a float32 scale per output channel.
+    ``fp8`` (``--quantization fp8``): the projections and the routed experts (not the LM head, the embedding
+    or a router, which the engine keeps in ``elem_bytes``) at 1 byte per weight + a float32 scale per output
+    channel.
     ``int4_group_size`` G (``--quantization int4``): the projections as the engine's W4A16 layer reads them,
     half a byte per weight + a scale and a zero point (``elem_bytes`` each) per G inputs of an output."""
     from engine.models.qwen3_moe import is_sparse_layer
@@ -140,8 +141,9 @@ def decode_bytes(cfg, batch: int, context_len: float, elem_bytes: int = 2, kv_el
             read = expected_distinct_experts(num_experts, k, batch)
             shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
             shared_bytes = proj(h, 2 * shared) + proj(shared, h) + proj(h, 1) if shared else 0
-            mlp_bytes.append(proj(h, num_experts) + shared_bytes
-                             + read * 3 * h * cfg.moe_intermediate_size * elem_bytes)
+            inter = cfg.moe_intermediate_size
+            expert = 3 * h * inter + 4 * (2 * inter + h) if fp8 else 3 * h * inter * elem_bytes
+            mlp_bytes.append(h * num_experts * elem_bytes + shared_bytes + read * expert)   # the router stays float
             experts_read.append(read)
         else:
             mlp_bytes.append(proj(h, 2 * cfg.intermediate_size) + proj(cfg.intermediate_size, h))

@@ -20,6 +20,16 @@ size is a function of the shapes alone):
   topk_weights[pair], written to row ``pair`` of a [T * K, H] buffer; ``.sum`` over K gives
   [T, H] (deterministic: no atomics).
 
+FP8 expert weights (W8A16; ``w13_scale`` / ``w2_scale`` given): w13 / w2 are float8_e4m3fn and the
+weight both GEMMs multiply by is the dequantized one, W[e, n, k] = float(w[e, n, k]) * s with
+s = scale[e, n] (per output channel) or s = scale[e, n // BN, k // BK] (``scale_block=(BN, BK)``,
+as Qwen3 / DeepSeek FP8 checkpoints ship, e.g. 128 x 128). The activations stay in hidden's dtype:
+the kernel loads the e4m3 tile, widens it to the activation dtype in registers (exact: every e4m3
+value is a float16 / bfloat16 value), dots in float32 and applies the scale in float32: a
+per-channel scale multiplies the finished accumulator once, a block scale each K tile's partial
+product (the K tile, BLOCK_K, is clamped to divide BK). The torch twin is ``fused_moe_ref`` on
+``dequantize_fp8_experts``' weights.
+
 Numerics: float32 accumulation in both GEMMs; the intermediate values are rounded to the input
 dtype where ``fused_moe_ref`` rounds them (gate and up, silu(gate), the product; the down output,
 then that times the weight), and the K weighted rows are summed in float32 and rounded once
@@ -40,7 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_linear import dequantize_fp8_weight
 from kernels.utils import FLOAT_DTYPES, cdiv, check_int, check_pow2_field, check_tensor, is_interpreted
+
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
+"""Values of the kernels' SCALE constexpr: float weights, fp8 weights with per-output-channel scales
+[E, N], fp8 weights with (SCALE_BN, SCALE_BK) block scales [E, cdiv(N, SCALE_BN), cdiv(K, SCALE_BK)]."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -101,28 +117,39 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 # Kernel
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pair_ptr, expert_of_block_ptr, num_valid_ptr, topk_w_ptr,
-                         N, K, num_pairs, num_experts, stride_a, stride_we, stride_out,
+def _grouped_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_pair_ptr, expert_of_block_ptr, num_valid_ptr,
+                         topk_w_ptr, N, K, num_pairs, num_experts, stride_a, stride_we, stride_se,
+                         num_scale_kb, stride_out,
                          TOP_K: tl.constexpr, GATHER: tl.constexpr, SILU_MUL: tl.constexpr,
                          SCATTER: tl.constexpr, MUL_WEIGHT: tl.constexpr, LORA: tl.constexpr,
                          ADD_OUT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Semantics (dtype = out's dtype; float32 math unless rounded by dtype(.)):
+                         GROUP_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+    """Semantics (dtype = out's dtype; float32 math unless rounded by dtype(.); W: w dequantized, below):
 
         for b with b * BLOCK_M < num_valid, g = expert_of_block[b] (its group),
                 e = g - num_experts if LORA (blocks with e < 0 skipped) else g % num_experts:
             for slot s in block b with pair = sorted_pair[s] < num_pairs:
                 row = a[pair // TOP_K] if GATHER else a[s]                              # [K]
-                if SILU_MUL:  g, u = dtype(row @ w[e, :N].T), dtype(row @ w[e, N:2N].T)
+                if SILU_MUL:  g, u = dtype(row @ W[e, :N].T), dtype(row @ W[e, N:2N].T)
                               y = dtype(dtype(silu(g)) * u)                              # [N]
-                else:         y = dtype(row @ w[e].T)                                    # [N]
+                else:         y = dtype(row @ W[e].T)                                    # [N]
                 if MUL_WEIGHT: y = dtype(y * topk_w[pair])
                 if ADD_OUT:    y = dtype(out[pair if SCATTER else s] + y)
                 out[pair if SCATTER else s] = y
 
+        W[e, n, k] = w[e, n, k]                                      SCALE == 0 (w in a's dtype)
+                   = float(w[e, n, k]) * ws[e, n]                    SCALE == 1 (w float8_e4m3fn)
+                   = float(w[e, n, k]) * ws[e, n // SCALE_BN, k // SCALE_BK]   SCALE == 2 (e4m3)
+
     w: [E, N (2N with SILU_MUL), K] with expert stride stride_we, rows contiguous; a / out rows at
     strides stride_a / stride_out (last dim contiguous); topk_w: [num_pairs] flat routing weights.
+    ws (SCALE > 0): float32 scales at expert stride stride_se, [E, N (2N)] per channel or
+    [E, cdiv(N (2N), SCALE_BN), num_scale_kb = cdiv(K, SCALE_BK)] per block, rows contiguous. An fp8
+    tile is widened to a's dtype in registers (float32 under UPCAST) and dotted in float32; a
+    per-channel scale multiplies the finished accumulators (gate and up each by their rows' scales),
+    a block scale each K tile's partial product (BLOCK_K divides SCALE_BK).
     Slots holding the sentinel (pair >= num_pairs) are neither read nor written. Groups are the
     experts themselves for a plain MoE call; ``kernels.fused_moe_lora`` sorts the pairs by
     (adapter slot, expert) groups, g = (slot + 1) * num_experts + e for an adapted pair, so the base
@@ -169,6 +196,12 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pair_ptr, expert_of_block
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     w_rows = w_base + offs_n.to(tl.int64)[:, None] * K                                # [BLOCK_N, 1]
 
+    if SCALE != 0:
+        s_base = ws_ptr + expert.to(tl.int64) * stride_se
+    if SCALE == 2:
+        s_rows = s_base + (offs_n // SCALE_BN).to(tl.int64) * num_scale_kb            # [BLOCK_N] gate rows
+        s_rows_up = s_base + ((offs_n + N) // SCALE_BN).to(tl.int64) * num_scale_kb   # [BLOCK_N] up rows
+
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -181,12 +214,28 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pair_ptr, expert_of_block
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+        elif SCALE != 0:
+            w = w.to(a.dtype)                                                         # e4m3 -> a's dtype
+        if SCALE == 2:
+            s_tile = tl.load(s_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)           # [BN] float32
+            acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION) * s_tile[None, :]
+        else:
+            acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
         if SILU_MUL:
             u = tl.load(w_rows + N * K + offs_k[None, :], mask=w_mask, other=0.0)     # up rows [BN, BK]
             if UPCAST:
                 u = u.to(tl.float32)
-            acc_up += tl.dot(a, tl.trans(u), input_precision=DOT_PRECISION)
+            elif SCALE != 0:
+                u = u.to(a.dtype)
+            if SCALE == 2:
+                s_tile_up = tl.load(s_rows_up + k0 // SCALE_BK, mask=n_ok, other=0.0)
+                acc_up += tl.dot(a, tl.trans(u), input_precision=DOT_PRECISION) * s_tile_up[None, :]
+            else:
+                acc_up += tl.dot(a, tl.trans(u), input_precision=DOT_PRECISION)
+    if SCALE == 1:
+        acc *= tl.load(s_base + offs_n, mask=n_ok, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_up *= tl.load(s_base + N + offs_n, mask=n_ok, other=0.0)[None, :]
 
     if SILU_MUL:
         g = acc.to(DTYPE).to(tl.float32)
@@ -267,38 +316,96 @@ def fused_moe_config(num_tokens: int, num_experts: int, hidden: int, intermediat
 # ----------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------
+def scale_mode(w_scale: Optional[torch.Tensor], scale_block: Optional[tuple[int, int]]) -> int:
+    """The kernels' SCALE constexpr of a weight's scales: SCALE_NONE / SCALE_CHANNEL / SCALE_BLOCK."""
+    if w_scale is None:
+        return SCALE_NONE
+    return SCALE_CHANNEL if scale_block is None else SCALE_BLOCK
+
+
+def scale_block_k(block_k: int, scale_block: Optional[tuple[int, int]]) -> int:
+    """A K tile that divides the scale blocks' BK: block_k capped at the largest power of two dividing BK
+    (>= 16 once ``check_fp8_scales`` has passed); block_k itself without block scales."""
+    if scale_block is None:
+        return block_k
+    bk = scale_block[1]
+    return min(block_k, bk & -bk)
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pair_ids: torch.Tensor,
                  expert_of_block: torch.Tensor, num_valid: torch.Tensor, topk_w: torch.Tensor, N: int, K: int,
                  num_pairs: int, top_k: int, gather: bool, silu_mul: bool, config: FusedMoEConfig, *,
                  num_experts: int, scatter: bool, mul_weight: bool, lora: bool = False,
-                 add_out: bool = False) -> None:
+                 add_out: bool = False, w_scale: Optional[torch.Tensor] = None,
+                 scale_block: Optional[tuple[int, int]] = None) -> None:
     """One launch of ``_grouped_gemm_kernel`` (its docstring gives the semantics; arguments unchecked:
     ``fused_moe_triton`` and ``kernels.fused_moe_lora.fused_moe_lora_triton`` check theirs). w may be a
-    strided view whose rows are contiguous (row stride K), e.g. one slice of stacked LoRA B."""
+    strided view whose rows are contiguous (row stride K), e.g. one slice of stacked LoRA B. With
+    ``w_scale`` (float32, contiguous) w is float8_e4m3fn with per-channel scales [E, N (2N)], or block
+    scales [E, cdiv(N (2N), BN), cdiv(K, BK)] with ``scale_block=(BN, BK)``; the K tile is then clamped
+    to divide BK (``scale_block_k``)."""
     upcast = is_interpreted(a.device)
+    mode = scale_mode(w_scale, scale_block)
+    bn, bk = scale_block if mode == SCALE_BLOCK else (1, 1)
     grid = (expert_of_block.numel() * cdiv(N, config.block_n),)
     _grouped_gemm_kernel[grid](
-        a, w, out, sorted_pair_ids, expert_of_block, num_valid, topk_w,
-        N, K, num_pairs, num_experts, a.stride(0), w.stride(0), out.stride(0),
+        a, w, w if w_scale is None else w_scale, out, sorted_pair_ids, expert_of_block, num_valid, topk_w,
+        N, K, num_pairs, num_experts, a.stride(0), w.stride(0), 0 if w_scale is None else w_scale.stride(0),
+        w_scale.shape[2] if mode == SCALE_BLOCK else 0, out.stride(0),
         TOP_K=top_k, GATHER=gather, SILU_MUL=silu_mul, SCATTER=scatter, MUL_WEIGHT=mul_weight, LORA=lora,
         ADD_OUT=add_out,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=scale_block_k(config.block_k, scale_block),
+        GROUP_M=config.group_m,
         UPCAST=upcast, DOT_PRECISION="ieee" if upcast or a.dtype == torch.float32 else "tf32",
+        SCALE=mode, SCALE_BN=bn, SCALE_BK=bk,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+def check_fp8_scales(hidden: torch.Tensor, E: int, H: int, inter: int, w13_scale: object, w2_scale: object,
+                     scale_block: object) -> Optional[tuple[int, int]]:
+    """Check the FP8 weight scales of a fused MoE call (``fused_moe_triton``'s Args; the weights' own dtype is
+    checked by the caller) and return scale_block as a tuple (None: per channel); ValueError naming the
+    argument otherwise. Both scales or neither; scale_block only with them."""
+    if (w13_scale is None) != (w2_scale is None):
+        missing = "w2_scale" if w2_scale is None else "w13_scale"
+        other = "w13_scale" if w2_scale is None else "w2_scale"
+        raise ValueError(f"{missing}: required with {other} (FP8 weights take both scales or neither).")
+    if w13_scale is None:
+        if scale_block is not None:
+            raise ValueError(f"scale_block: {scale_block!r} given without w13_scale / w2_scale.")
+        return None
+    block = None
+    if scale_block is not None:
+        if (not isinstance(scale_block, (tuple, list)) or len(scale_block) != 2
+                or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in scale_block)):
+            raise ValueError(f"scale_block: expected (BN, BK) positive ints, got {scale_block!r}.")
+        block = (int(scale_block[0]), int(scale_block[1]))
+        if block[1] % 16:
+            raise ValueError(f"scale_block: BK ({block[1]}) must be a multiple of 16 (the kernels' K tile "
+                             "divides it).")
+    for name, scale, n, k in (("w13_scale", w13_scale, 2 * inter, H), ("w2_scale", w2_scale, H, inter)):
+        shape = (E, n) if block is None else (E, cdiv(n, block[0]), cdiv(k, block[1]))
+        check_tensor(name, scale, dtypes=(torch.float32,), shape=shape, device=hidden.device, contiguous=True)
+    return block
+
+
 def check_moe_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+                     topk_ids: torch.Tensor, *, w13_scale: Optional[torch.Tensor] = None,
+                     w2_scale: Optional[torch.Tensor] = None, scale_block: Optional[tuple[int, int]] = None
+                     ) -> tuple[int, int, int, int, int]:
     """Check a fused MoE call's tensors (``fused_moe_triton``'s Args) and return (T, H, E, I, K);
     ValueError naming the argument otherwise."""
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     T, H = hidden.shape
-    check_tensor("w13", w13, ndim=3, dtypes=(hidden.dtype,), device=hidden.device, contiguous=True)
+    fp8 = w13_scale is not None or w2_scale is not None
+    w_dtype = FP8_DTYPE if fp8 else hidden.dtype
+    check_tensor("w13", w13, ndim=3, dtypes=(w_dtype,), device=hidden.device, contiguous=True)
     E, two_i = w13.shape[0], w13.shape[1]
     if w13.shape[2] != H or two_i % 2 or two_i == 0 or E == 0:
         raise ValueError(f"w13: expected shape (E >= 1, 2 * I >= 2, {H}), got {tuple(w13.shape)}.")
     inter = two_i // 2
-    check_tensor("w2", w2, dtypes=(hidden.dtype,), shape=(E, H, inter), device=hidden.device, contiguous=True)
+    check_tensor("w2", w2, dtypes=(w_dtype,), shape=(E, H, inter), device=hidden.device, contiguous=True)
+    check_fp8_scales(hidden, E, H, inter, w13_scale, w2_scale, scale_block)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=hidden.device)
     top_k = topk_ids.shape[1]
     if topk_ids.shape[0] != T or not 1 <= top_k <= E:
@@ -307,25 +414,47 @@ def check_moe_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     return T, H, E, inter, top_k
 
 
+def dequantize_fp8_experts(w: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]] = None,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[E, N, K] dequantized expert weights in ``dtype``: W[e, n, k] = float(w[e, n, k]) * scale[e, n]
+    (per channel, scale [E, N]) or * scale[e, n // BN, k // BK] (``block=(BN, BK)``, scale
+    [E, cdiv(N, BN), cdiv(K, BK)]), computed in float32 and rounded to dtype once
+    (``kernels.fp8_linear.dequantize_fp8_weight`` per expert). The twin's weights for FP8 experts."""
+    return torch.stack([dequantize_fp8_weight(w[e], scale[e], block) for e in range(w.shape[0])]).to(dtype)
+
+
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, config: Optional[FusedMoEConfig] = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, config: Optional[FusedMoEConfig] = None, *,
+                     w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                     scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The routed experts' output, sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]).
 
     Args:
         hidden: [T, H] float16/bfloat16/float32, last dim contiguous (row stride free).
-        w13: [E, 2 * I, H] each expert's gate rows then its up rows; hidden's dtype and device, contiguous.
-        w2: [E, H, I] each expert's down projection; hidden's dtype and device, contiguous.
+        w13: [E, 2 * I, H] each expert's gate rows then its up rows; hidden's dtype (float8_e4m3fn with
+            scales) and device, contiguous.
+        w2: [E, H, I] each expert's down projection; as w13.
         topk_weights: [T, K] routing weights, any float dtype (read as float32).
         topk_ids: [T, K] int32/int64 expert ids in [0, E) (not checked on the host: no sync).
-        config: launch config; None: ``fused_moe_config(T, E, H, I, K, hidden.device)``.
+        config: launch config; None: ``fused_moe_config(T, E, H, I, K, hidden.device)``. With block scales
+            its block_k is capped to divide BK (``scale_block_k``).
+        w13_scale, w2_scale: FP8 weights' dequantization scales (both or neither), float32, contiguous,
+            hidden's device: per output channel [E, 2 * I] and [E, H], W[e, n, k] = float(w[e, n, k]) *
+            scale[e, n]; or with ``scale_block`` per block [E, cdiv(2 * I, BN), cdiv(H, BK)] and
+            [E, cdiv(H, BN), cdiv(I, BK)], W[e, n, k] = float(w[e, n, k]) * scale[e, n // BN, k // BK].
+        scale_block: (BN, BK) positive ints, BK a multiple of 16 (e.g. (128, 128)); only with the scales.
+            None: per-channel scales.
 
     Returns:
-        A new [T, H] tensor in hidden's dtype (``engine.layers.moe.fused_moe_ref``'s result).
+        A new [T, H] tensor in hidden's dtype (``engine.layers.moe.fused_moe_ref``'s result; with FP8
+        weights, on ``dequantize_fp8_experts(w, scale, scale_block, hidden.dtype)``).
 
     No host synchronization and every buffer size is a function of the shapes (CUDA-graph safe).
     Buffers: the [P, I] intermediate (P <= T * K + E * (block_m - 1)) and the [T * K, H] weighted rows.
     """
-    T, H, E, inter, top_k = check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    T, H, E, inter, top_k = check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                             w2_scale=w2_scale, scale_block=scale_block)
+    scale_block = None if scale_block is None else tuple(scale_block)
     if config is None:
         config = fused_moe_config(T, E, H, inter, top_k, hidden.device)
     elif not isinstance(config, FusedMoEConfig):
@@ -337,8 +466,10 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     topk_w = topk_weights.reshape(-1).contiguous()                                    # [T*K]
     intermediate = torch.empty(sorted_pair_ids.numel(), inter, dtype=hidden.dtype, device=hidden.device)  # [P, I]
     grouped_gemm(hidden, w13, intermediate, sorted_pair_ids, expert_of_block, num_valid, topk_w,
-                 inter, H, num_pairs, top_k, True, True, config, num_experts=E, scatter=False, mul_weight=False)
+                 inter, H, num_pairs, top_k, True, True, config, num_experts=E, scatter=False,
+                 mul_weight=False, w_scale=w13_scale, scale_block=scale_block)
     weighted = torch.empty(num_pairs, H, dtype=hidden.dtype, device=hidden.device)   # [T*K, H]
     grouped_gemm(intermediate, w2, weighted, sorted_pair_ids, expert_of_block, num_valid, topk_w,
-                 H, inter, num_pairs, top_k, False, False, config, num_experts=E, scatter=True, mul_weight=True)
+                 H, inter, num_pairs, top_k, False, False, config, num_experts=E, scatter=True,
+                 mul_weight=True, w_scale=w2_scale, scale_block=scale_block)
     return weighted.view(T, top_k, H).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

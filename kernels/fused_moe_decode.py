@@ -31,6 +31,14 @@ output and that times the weight rounded to the input dtype, the K weighted rows
 rounded once). The torch twin is ``engine.layers.moe.fused_moe_ref``;
 ``tests/kernels/test_kernel_fused_moe_decode.py`` compares the two.
 
+FP8 expert weights (W8A16; ``w13_scale`` / ``w2_scale`` given, as ``kernels.fused_moe``): w13 / w2 are
+float8_e4m3fn and the weight multiplied by is W[e, n, k] = float(w[e, n, k]) * s, s = scale[e, n] per output
+channel or scale[e, n // BN, k // BK] per (BN, BK) block. The e4m3 tile is widened in registers to the
+activation dtype (tl.dot form) or float32 (elementwise form), the inner products run in float32, and the scale
+is applied in float32: per channel to the finished inner products, per block to each K chunk's partial
+products (the chunk, BLOCK_K, is clamped to divide BK). The twin is ``fused_moe_ref`` on
+``kernels.fused_moe.dequantize_fp8_experts``' weights.
+
 Inner products, per launch (``MoEDecodeLaunch.use_dot``): tl.dot on the pair's row repeated to 16 rows
 against the [BLOCK_N, BLOCK_K] weight tile, or an elementwise multiply accumulated in a [BLOCK_N,
 BLOCK_K] float32 tile summed over its columns when the pair's inputs end (as ``kernels.gemv``'s two
@@ -47,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_moe import check_moe_inputs
+from kernels.fused_moe import SCALE_BLOCK, SCALE_NONE, check_moe_inputs, scale_block_k, scale_mode
 from kernels.utils import cdiv, check_pow2_field, is_interpreted, next_power_of_2
 
 
@@ -67,17 +75,27 @@ def _acc_init(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexp
 
 
 @triton.jit
-def _acc_step(acc, a, w, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """acc += a [BLOCK_K] (one input row chunk) times w [BLOCK_N, BLOCK_K] (weight rows), in float32."""
+def _acc_step(acc, a, w, s, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, SCALE: tl.constexpr):
+    """acc += a [BLOCK_K] (one input row chunk) times w [BLOCK_N, BLOCK_K] (weight rows), in float32;
+    SCALE 2 (block scales): times s [BLOCK_N] float32 (the chunk's block scale of each row; s unused
+    otherwise). An fp8 w (SCALE > 0) is widened to a's dtype for tl.dot (float32 under UPCAST)."""
     if USE_DOT:
         a2 = tl.broadcast_to(a[None, :], [16, BLOCK_K])
         if UPCAST:
             a2 = a2.to(tl.float32)
             w = w.to(tl.float32)
-        acc += tl.dot(a2, tl.trans(w), input_precision=DOT_PRECISION)
+        elif SCALE != 0:
+            w = w.to(a2.dtype)
+        if SCALE == 2:
+            acc += tl.dot(a2, tl.trans(w), input_precision=DOT_PRECISION) * s[None, :]
+        else:
+            acc += tl.dot(a2, tl.trans(w), input_precision=DOT_PRECISION)
     else:
-        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        if SCALE == 2:
+            acc += (w.to(tl.float32) * a.to(tl.float32)[None, :]) * s[:, None]
+        else:
+            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
     return acc
 
 
@@ -92,17 +110,25 @@ def _acc_finish(acc, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H, I, stride_x, stride_we,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _gate_up_kernel(x_ptr, w13_ptr, ws_ptr, ids_ptr, act_ptr, H, I, stride_x, stride_we, stride_se,
+                    num_scale_kb, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    USE_DOT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     """Semantics (dtype = act's dtype; float32 math unless rounded by dtype(.)):
 
         for pair p in [0, T * K), t = p // TOP_K, e = ids[p]:
-            g, u = dtype(x[t] @ w13[e, :I].T), dtype(x[t] @ w13[e, I:2I].T)             # [I]
+            g, u = dtype(x[t] @ W13[e, :I].T), dtype(x[t] @ W13[e, I:2I].T)             # [I]
             act[p] = dtype(dtype(silu(g)) * u)
 
+        W13[e, n, k] = w13[e, n, k]                                       SCALE == 0 (x's dtype)
+                     = float(w13[e, n, k]) * ws[e, n]                     SCALE == 1 (w13 float8_e4m3fn)
+                     = float(w13[e, n, k]) * ws[e, n // SCALE_BN, k // SCALE_BK]   SCALE == 2 (e4m3)
+
     x: [T, H] rows at stride stride_x (last dim contiguous); w13: [E, 2I, H] contiguous (expert stride
-    stride_we); ids: [T * K] flat expert ids; act: [T * K, I] contiguous.
+    stride_we); ids: [T * K] flat expert ids; act: [T * K, I] contiguous. ws (SCALE > 0): float32 at
+    expert stride stride_se, [E, 2I] per channel or [E, cdiv(2I, SCALE_BN), num_scale_kb = cdiv(H,
+    SCALE_BK)] per block (BLOCK_K divides SCALE_BK); per-channel scales multiply the finished inner
+    products, block scales each chunk's partial products.
 
     Grid: (T * K pairs, cdiv(I, BLOCK_N) column blocks); program (p, n) computes act[p, n-th block]
     over all of H (no split-K).
@@ -117,6 +143,11 @@ def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H, I, stride_x, stride_we,
     w_expert = w13_ptr + expert * stride_we
     w_rows = w_expert + offs_n.to(tl.int64)[:, None] * H                               # [BLOCK_N, 1] gate rows
     u_rows = w_expert + (offs_n + I).to(tl.int64)[:, None] * H                        # [BLOCK_N, 1] up rows
+    if SCALE != 0:
+        s_base = ws_ptr + expert * stride_se
+    if SCALE == 2:
+        s_rows = s_base + (offs_n // SCALE_BN).to(tl.int64) * num_scale_kb               # [BLOCK_N] gate rows
+        s_rows_up = s_base + ((offs_n + I) // SCALE_BN).to(tl.int64) * num_scale_kb      # [BLOCK_N] up rows
     acc_g = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
     acc_u = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
     for k0 in range(0, H, BLOCK_K):
@@ -126,30 +157,51 @@ def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H, I, stride_x, stride_we,
         w_mask = n_ok[:, None] & k_ok[None, :]
         g = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)                    # [BLOCK_N, BLOCK_K]
         u = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        acc_g = _acc_step(acc_g, a, g, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
-        acc_u = _acc_step(acc_u, a, u, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
-    gate = _acc_finish(acc_g, USE_DOT).to(DTYPE).to(tl.float32)
+        if SCALE == 2:
+            s_g = tl.load(s_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)                # [BLOCK_N] float32
+            s_u = tl.load(s_rows_up + k0 // SCALE_BK, mask=n_ok, other=0.0)
+        else:
+            s_g = 1.0
+            s_u = 1.0
+        acc_g = _acc_step(acc_g, a, g, s_g, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, SCALE)
+        acc_u = _acc_step(acc_u, a, u, s_u, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, SCALE)
+    gate = _acc_finish(acc_g, USE_DOT)
+    up = _acc_finish(acc_u, USE_DOT)
+    if SCALE == 1:
+        gate *= tl.load(s_base + offs_n, mask=n_ok, other=0.0)
+        up *= tl.load(s_base + I + offs_n, mask=n_ok, other=0.0)
+    gate = gate.to(DTYPE).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
-    y = (act * _acc_finish(acc_u, USE_DOT).to(DTYPE).to(tl.float32)).to(DTYPE)
+    y = (act * up.to(DTYPE).to(tl.float32)).to(DTYPE)
     tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, y, mask=n_ok)
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, stride_we,
-                 TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _down_kernel(act_ptr, w2_ptr, ws_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, stride_we, stride_se,
+                 num_scale_kb, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
+                 SCALE_BK: tl.constexpr):
     """Semantics (dtype = out's dtype; float32 math unless rounded by dtype(.)):
 
         for token t in [0, T):
             s = 0 (float32)
             for k in [0, TOP_K), p = t * TOP_K + k, e = ids[p]:
-                y = dtype(act[p] @ w2[e].T)                                               # [H]
+                y = dtype(act[p] @ W2[e].T)                                               # [H]
                 s += dtype(y * topk_w[p])
             out[t] = dtype(s)
 
+        W2[e, n, k] = w2[e, n, k]                                        SCALE == 0 (act's dtype)
+                    = float(w2[e, n, k]) * ws[e, n]                      SCALE == 1 (w2 float8_e4m3fn)
+                    = float(w2[e, n, k]) * ws[e, n // SCALE_BN, k // SCALE_BK]   SCALE == 2 (e4m3)
+
     act: [T * K, I] contiguous; w2: [E, H, I] contiguous (expert stride stride_we); ids, topk_w:
     [T * K] flat expert ids and routing weights (any float dtype, read as float32); out: [T, H]
-    contiguous. TOP_K_P2: next power of two >= TOP_K.
+    contiguous. TOP_K_P2: next power of two >= TOP_K. ws (SCALE > 0): float32 at expert stride
+    stride_se, [E, H] per channel (the token's K pairs' scale rows read before the loop, with the ids)
+    or [E, cdiv(H, SCALE_BN), num_scale_kb = cdiv(I, SCALE_BK)] per block (BLOCK_K divides SCALE_BK);
+    per-channel scales multiply a pair's finished inner products, block scales each chunk's partial
+    products.
 
     Grid: (T tokens, cdiv(H, BLOCK_N) column blocks). Program (t, n) runs one loop over the token's
     K pairs x cdiv(I, BLOCK_K) chunks (not a loop per pair: the weight loads stream from one pair's
@@ -168,6 +220,11 @@ def _down_kernel(act_ptr, w2_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, stride_we,
     first_pair = token * TOP_K
     experts = tl.load(ids_ptr + first_pair + offs_p, mask=p_ok, other=0).to(tl.int64)   # [TOP_K_P2]
     weights = tl.load(topk_w_ptr + first_pair + offs_p, mask=p_ok, other=0.0).to(tl.float32)
+    if SCALE == 1:
+        pair_scales = tl.load(ws_ptr + experts[:, None] * stride_se + offs_n[None, :],
+                              mask=p_ok[:, None] & n_ok[None, :], other=0.0)            # [TOP_K_P2, BLOCK_N]
+    if SCALE == 2:
+        s_cols = (offs_n // SCALE_BN).to(tl.int64) * num_scale_kb                       # [BLOCK_N]
     num_chunks = tl.cdiv(I, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
@@ -179,11 +236,19 @@ def _down_kernel(act_ptr, w2_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, stride_we,
         offs_k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < I
         a = tl.load(act_ptr + (first_pair + k).to(tl.int64) * I + offs_k, mask=k_ok, other=0.0)   # [BLOCK_K]
-        w = tl.load(w2_ptr + expert * stride_we + w_cols + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)                                                           # [BLOCK_N, BLOCK_K]
-        acc = _acc_step(acc, a, w, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION)
+        w = tl.load(w2_ptr + expert * stride_we + w_cols + offs_k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)                       # [BLOCK_N, BLOCK_K]
+        if SCALE == 2:
+            s_w = tl.load(ws_ptr + expert * stride_se + s_cols + (chunk * BLOCK_K) // SCALE_BK, mask=n_ok,
+                          other=0.0)                                                     # [BLOCK_N] float32
+        else:
+            s_w = 1.0
+        acc = _acc_step(acc, a, w, s_w, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, SCALE)
         last = chunk == num_chunks - 1
-        y = _acc_finish(acc, USE_DOT).to(DTYPE).to(tl.float32)
+        y = _acc_finish(acc, USE_DOT)
+        if SCALE == 1:
+            y *= tl.sum(tl.where(is_k[:, None], pair_scales, 0.0), axis=0)
+        y = y.to(DTYPE).to(tl.float32)
         weighted = (y * tl.sum(tl.where(is_k, weights, 0.0))).to(DTYPE).to(tl.float32)
         total += tl.where(last, weighted, 0.0)
         acc = tl.where(last, 0.0, acc)
@@ -235,48 +300,68 @@ class MoEDecodeConfig:
 
 
 def moe_decode_config(num_tokens: int, hidden: int, intermediate: int, top_k: int,
-                      device: Optional[torch.device] = None) -> MoEDecodeConfig:
+                      device: Optional[torch.device] = None, fp8: bool = False) -> MoEDecodeConfig:
     """The default config of a decode-path call.
 
     Args:
         num_tokens, hidden, intermediate, top_k: T, H, I, K.
         device: where it runs; a CPU device means the interpreter (64-wide tiles: few programs). None: CUDA.
+        fp8: e4m3 weights: gate|up tiles of 512 inputs (the bytes of a 256-input bf16 tile per load).
 
     NOTE: not tuned here: tiles as ``kernels.gemv``'s decode defaults (tl.dot, 32 x 256, 4 warps, 3
     stages), down with 16 columns so a batch-1 call still has H / 16 programs.
-    ``benchmarks/sweeps/moe_decode_sweep.py`` times the grid on the target GPU.
+    ``benchmarks/sweeps/moe_decode_sweep.py`` (``--fp8`` for e4m3 weights) times the grid on the target GPU.
     """
     if device is not None and is_interpreted(device):
         small = MoEDecodeLaunch(block_n=64, block_k=64, num_warps=4, num_stages=1, use_dot=0)
         return MoEDecodeConfig(gate_up=small, down=small)
-    return MoEDecodeConfig(gate_up=MoEDecodeLaunch(32, 256, 4, 3, 1), down=MoEDecodeLaunch(16, 256, 4, 3, 1))
+    return MoEDecodeConfig(gate_up=MoEDecodeLaunch(32, 512 if fp8 else 256, 4, 3, 1),
+                           down=MoEDecodeLaunch(16, 256, 4, 3, 1))
 
 
 # ----------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------
+def _scale_args(w: torch.Tensor, w_scale: Optional[torch.Tensor], mode: int) -> tuple[torch.Tensor, int, int]:
+    """(ws, stride_se, num_scale_kb) of one launch: the scales, their expert stride and K blocks (w itself,
+    never read, without scales)."""
+    if mode == SCALE_NONE:
+        return w, 0, 0
+    return w_scale, w_scale.stride(0), w_scale.shape[2] if mode == SCALE_BLOCK else 0
+
+
 def fused_moe_decode_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                            topk_ids: torch.Tensor, config: Optional[MoEDecodeConfig] = None) -> torch.Tensor:
+                            topk_ids: torch.Tensor, config: Optional[MoEDecodeConfig] = None, *,
+                            w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                            scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The routed experts' output, sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]), each pair
     reading its own expert (the module docstring).
 
     Args:
         hidden: [T, H] float16/bfloat16/float32, last dim contiguous (row stride free).
-        w13: [E, 2 * I, H] each expert's gate rows then its up rows; hidden's dtype and device, contiguous.
-        w2: [E, H, I] each expert's down projection; hidden's dtype and device, contiguous.
+        w13: [E, 2 * I, H] each expert's gate rows then its up rows; hidden's dtype (float8_e4m3fn with
+            scales) and device, contiguous.
+        w2: [E, H, I] each expert's down projection; as w13.
         topk_weights: [T, K] routing weights, any float dtype (read as float32).
         topk_ids: [T, K] int32/int64 expert ids in [0, E) (not checked on the host: no sync).
-        config: launch config; None: ``moe_decode_config(T, H, I, K, hidden.device)``.
+        config: launch config; None: ``moe_decode_config(T, H, I, K, hidden.device)``. With block scales
+            each launch's block_k is capped to divide BK (``kernels.fused_moe.scale_block_k``).
+        w13_scale, w2_scale, scale_block: FP8 weights' scales, as ``kernels.fused_moe.fused_moe_triton``'s:
+            float32, contiguous, per channel [E, 2 * I] / [E, H], or per (BN, BK) = scale_block block
+            [E, cdiv(2 * I, BN), cdiv(H, BK)] / [E, cdiv(H, BN), cdiv(I, BK)]; both scales or neither.
 
     Returns:
-        A new contiguous [T, H] tensor in hidden's dtype (``engine.layers.moe.fused_moe_ref``'s result).
+        A new contiguous [T, H] tensor in hidden's dtype (``engine.layers.moe.fused_moe_ref``'s result; with
+        FP8 weights, on ``kernels.fused_moe.dequantize_fp8_experts``' weights).
 
     No host synchronization and every buffer size is a function of the shapes (CUDA-graph safe).
     Buffer: the [T * K, I] SiLU-and-mul products.
     """
-    T, H, _, inter, top_k = check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    T, H, _, inter, top_k = check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                             w2_scale=w2_scale, scale_block=scale_block)
+    scale_block = None if scale_block is None else tuple(scale_block)
     if config is None:
-        config = moe_decode_config(T, H, inter, top_k, hidden.device)
+        config = moe_decode_config(T, H, inter, top_k, hidden.device, fp8=w13_scale is not None)
     elif not isinstance(config, MoEDecodeConfig):
         raise ValueError(f"config: expected a MoEDecodeConfig, got {type(config).__name__}.")
     out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)                  # [T, H]
@@ -289,12 +374,19 @@ def fused_moe_decode_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.T
     upcast = is_interpreted(hidden.device)
     precision = "ieee" if upcast or hidden.dtype == torch.float32 else "tf32"
     c1, c2 = config.gate_up, config.down
+    mode = scale_mode(w13_scale, scale_block)
+    bn, bk = scale_block if mode == SCALE_BLOCK else (1, 1)
+    ws13, se13, kb13 = _scale_args(w13, w13_scale, mode)
+    ws2, se2, kb2 = _scale_args(w2, w2_scale, mode)
     _gate_up_kernel[(num_pairs, cdiv(inter, c1.block_n))](
-        hidden, w13, ids, act, H, inter, hidden.stride(0), w13.stride(0),
-        TOP_K=top_k, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, USE_DOT=bool(c1.use_dot), UPCAST=upcast,
-        DOT_PRECISION=precision, num_warps=c1.num_warps, num_stages=c1.num_stages)
+        hidden, w13, ws13, ids, act, H, inter, hidden.stride(0), w13.stride(0), se13, kb13,
+        TOP_K=top_k, BLOCK_N=c1.block_n, BLOCK_K=scale_block_k(c1.block_k, scale_block),
+        USE_DOT=bool(c1.use_dot), UPCAST=upcast, DOT_PRECISION=precision, SCALE=mode, SCALE_BN=bn,
+        SCALE_BK=bk, num_warps=c1.num_warps, num_stages=c1.num_stages)
     _down_kernel[(T, cdiv(H, c2.block_n))](
-        act, w2, ids, topk_w, out, H, inter, w2.stride(0),
-        TOP_K=top_k, TOP_K_P2=next_power_of_2(top_k), BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, USE_DOT=bool(c2.use_dot), UPCAST=upcast,
-        DOT_PRECISION=precision, num_warps=c2.num_warps, num_stages=c2.num_stages)
+        act, w2, ws2, ids, topk_w, out, H, inter, w2.stride(0), se2, kb2,
+        TOP_K=top_k, TOP_K_P2=next_power_of_2(top_k), BLOCK_N=c2.block_n,
+        BLOCK_K=scale_block_k(c2.block_k, scale_block), USE_DOT=bool(c2.use_dot), UPCAST=upcast,
+        DOT_PRECISION=precision, SCALE=mode, SCALE_BN=bn, SCALE_BK=bk,
+        num_warps=c2.num_warps, num_stages=c2.num_stages)
     return out

@@ -20,6 +20,11 @@ group to the block size, so every block of sorted slots has one (slot, expert). 
 5. down for every slot, w2[g % E]; 6. its LoRA shrink and 7. expand, added;                    [P, H]
 8. the routing weight and the scatter back to pairs (torch), the sum over K.
 
+FP8 expert weights (``w13_scale`` / ``w2_scale`` given): only the base GEMMs (steps 1 and 5) take them, w13 /
+w2 float8_e4m3fn widened in registers and scaled per output channel or per (BN, BK) block exactly as in
+``kernels.fused_moe`` (W = dequantized weight in the formulas above); the LoRA A / B stay in hidden's dtype
+(scale mode 0). The twin is ``fused_moe_lora_ref`` on ``kernels.fused_moe.dequantize_fp8_experts``' weights.
+
 No host read: every size is a function of the shapes, the groups' sizes stay on the device.
 """
 
@@ -29,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from kernels.fused_moe import FusedMoEConfig, fused_moe_config, grouped_gemm, moe_align
+from kernels.fused_moe import (FP8_DTYPE, FusedMoEConfig, check_fp8_scales, fused_moe_config, grouped_gemm,
+                               moe_align)
 from kernels.utils import FLOAT_DTYPES, check_tensor
 
 
@@ -45,19 +51,25 @@ def moe_lora_groups(topk_ids: torch.Tensor, token_slots: torch.Tensor, num_exper
 
 def fused_moe_lora_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor, token_slots: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor,
-                          a2: torch.Tensor, b2: torch.Tensor, config: Optional[FusedMoEConfig] = None
-                          ) -> torch.Tensor:
+                          a2: torch.Tensor, b2: torch.Tensor, config: Optional[FusedMoEConfig] = None, *,
+                          w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                          scale_block: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The routed experts' output with each token's adapter on its experts (the module docstring).
 
     Args:
         hidden: [T, H] float16/bfloat16/float32, last dim contiguous.
-        w13: [E, 2I, H], w2: [E, H, I]: the experts (``kernels.fused_moe.fused_moe_triton``), contiguous.
+        w13: [E, 2I, H], w2: [E, H, I]: the experts (``kernels.fused_moe.fused_moe_triton``), contiguous;
+            hidden's dtype, or float8_e4m3fn with w13_scale / w2_scale.
         topk_weights: [T, K] routing weights (any float dtype); topk_ids: [T, K] int ids in [0, E).
         token_slots: [T] int32/int64 adapter slot per token in [-1, L) (-1: the base model; not checked on the
             host).
         a13: [L, E, 2R, H] per (slot, expert) the gate A rows then the up A rows; b13: [L, E, 2, I, R] the gate
             and up B; a2: [L, E, R, I]; b2: [L, E, H, R]. hidden's dtype and device, contiguous.
-        config: launch config; None: ``fused_moe_config`` for the (L + 1) * E groups.
+        config: launch config; None: ``fused_moe_config`` for the (L + 1) * E groups. With block scales the
+            base GEMMs' block_k is capped to divide BK (``kernels.fused_moe.scale_block_k``).
+        w13_scale, w2_scale, scale_block: the FP8 base weights' scales, as ``fused_moe_triton``'s (float32,
+            contiguous; per channel [E, 2I] / [E, H], or per (BN, BK) = scale_block block
+            [E, cdiv(2I, BN), cdiv(H, BK)] / [E, cdiv(H, BN), cdiv(I, BK)]); both scales or neither.
 
     Returns:
         A new [T, H] tensor in hidden's dtype.
@@ -65,12 +77,14 @@ def fused_moe_lora_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     T, H = hidden.shape
     dev, dt = hidden.device, hidden.dtype
-    check_tensor("w13", w13, ndim=3, dtypes=(dt,), device=dev, contiguous=True)
+    w_dt = FP8_DTYPE if w13_scale is not None or w2_scale is not None else dt
+    check_tensor("w13", w13, ndim=3, dtypes=(w_dt,), device=dev, contiguous=True)
     E, two_i = w13.shape[0], w13.shape[1]
     if w13.shape[2] != H or two_i % 2 or two_i == 0 or E == 0:
         raise ValueError(f"w13: expected shape (E >= 1, 2 * I >= 2, {H}), got {tuple(w13.shape)}.")
     inter = two_i // 2
-    check_tensor("w2", w2, dtypes=(dt,), shape=(E, H, inter), device=dev, contiguous=True)
+    check_tensor("w2", w2, dtypes=(w_dt,), shape=(E, H, inter), device=dev, contiguous=True)
+    scale_block = check_fp8_scales(hidden, E, H, inter, w13_scale, w2_scale, scale_block)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=dev)
     top_k = topk_ids.shape[1]
     if topk_ids.shape[0] != T or not 1 <= top_k <= E:
@@ -100,7 +114,8 @@ def fused_moe_lora_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
                   topk_w=topk_w, num_pairs=num_pairs, top_k=top_k, silu_mul=False, config=config,
                   num_experts=E, scatter=False, mul_weight=False)
     gate_up = torch.empty(P, two_i, dtype=dt, device=dev)                            # [P, 2I]
-    grouped_gemm(hidden, w13, gate_up, N=two_i, K=H, gather=True, **common)
+    grouped_gemm(hidden, w13, gate_up, N=two_i, K=H, gather=True, w_scale=w13_scale, scale_block=scale_block,
+                 **common)
     h13 = torch.empty(P, two_r, dtype=dt, device=dev)                                # [P, 2R]
     grouped_gemm(hidden, a13.view(L * E, two_r, H), h13, N=two_r, K=H, gather=True, lora=True, **common)
     b13_flat = b13.view(L * E, 2, inter, rank)
@@ -109,7 +124,8 @@ def fused_moe_lora_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
                      N=inter, K=rank, gather=False, lora=True, add_out=True, **common)
     act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]          # [P, I]
     down = torch.empty(P, H, dtype=dt, device=dev)                                   # [P, H]
-    grouped_gemm(act, w2, down, N=H, K=inter, gather=False, **common)
+    grouped_gemm(act, w2, down, N=H, K=inter, gather=False, w_scale=w2_scale, scale_block=scale_block,
+                 **common)
     h2 = torch.empty(P, rank, dtype=dt, device=dev)                                  # [P, R]
     grouped_gemm(act, a2.view(L * E, rank, inter), h2, N=rank, K=inter, gather=False, lora=True, **common)
     grouped_gemm(h2, b2.view(L * E, H, rank), down, N=H, K=rank, gather=False, lora=True, add_out=True, **common)

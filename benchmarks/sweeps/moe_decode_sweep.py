@@ -18,7 +18,8 @@ from HBM as in a 48-layer step. Timed:
   launch at its default, and the best of each launch together (``decode_best``).
 
 The floor is the bytes of the selected experts, mean over the calls' routings: unique experts x 3 x
-hidden x intermediate x 2 bytes, at --peak-tbs (H200: 4.8 TB/s). Every path's output is checked once
+hidden x intermediate x 2 bytes (1 with ``--fp8 channel|block``: e4m3 experts with per-channel or 128 x 128
+block scales), at --peak-tbs (H200: 4.8 TB/s). Every path's output is checked once
 against ``engine.layers.moe.fused_moe_ref`` (max error relative to the reference's max, in the JSON).
 Prints a table (us per call) and writes JSON (default ``benchmarks/out/moe_decode_sweep[_tiny].json``).
 
@@ -74,15 +75,38 @@ def routings(T: int, shape: dict, calls: int, device: torch.device) -> list:
             for _ in range(calls)]
 
 
-def make_weights(shape: dict, device: torch.device) -> list:
-    """``WEIGHT_COPIES`` (w13 [E, 2I, H], w2 [E, H, I]) in bfloat16, scaled as a trained layer's."""
+FP8_BLOCK = (128, 128)
+"""``--fp8 block``: the scale blocks of the Qwen3-MoE FP8 releases."""
+
+
+def make_weights(shape: dict, device: torch.device, fp8: str = "none") -> list:
+    """``WEIGHT_COPIES`` (w13 [E, 2I, H], w2 [E, H, I], FP8 scales keywords) in bfloat16, scaled as a trained
+    layer's; ``fp8`` "channel" / "block": e4m3 weights with per-channel / 128 x 128 block scales
+    (``engine.layers.fp8_experts.Fp8Experts``) and the kernels' scale keywords (else {})."""
+    from engine.layers.fp8_experts import Fp8Experts
+
     E, H, I = shape["experts"], shape["hidden"], shape["intermediate"]
     out = []
     for _ in range(WEIGHT_COPIES):
         w13 = torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16).mul_(H ** -0.5)
         w2 = torch.randn(E, H, I, device=device, dtype=torch.bfloat16).mul_(I ** -0.5)
-        out.append((w13, w2))
+        if fp8 == "none":
+            out.append((w13, w2, {}))
+            continue
+        experts = Fp8Experts.from_float(w13, w2, FP8_BLOCK if fp8 == "block" else None)
+        out.append((experts.w13, experts.w2, experts.kernel_scales()))
     return out
+
+
+def reference_weights(weights: tuple) -> tuple:
+    """(w13, w2) in bfloat16 of one ``make_weights`` copy (FP8: dequantized), for ``fused_moe_ref``."""
+    from engine.layers.fp8_experts import Fp8Experts
+
+    w13, w2, scales = weights
+    if not scales:
+        return w13, w2
+    return Fp8Experts(w13, w2, scales["w13_scale"], scales["w2_scale"], scales["scale_block"]).dequantize(
+        torch.bfloat16)
 
 
 def sweep_tokens(T: int, shape: dict, weights: list, args) -> dict:
@@ -95,17 +119,21 @@ def sweep_tokens(T: int, shape: dict, weights: list, args) -> dict:
     x = torch.randn(T, H, device=args.device, dtype=torch.bfloat16)                    # [T, H]
     routes = routings(T, shape, args.calls, args.device)
     unique = sum(int(ids.unique().numel()) for _, ids in routes) / len(routes)
-    floor_us = unique * 3 * H * I * 2 / (args.peak_tbs * 1e12) * 1e6
-    ref = fused_moe_ref(x, *weights[0], *routes[0])
+    weight_bytes = 1 if args.fp8 != "none" else 2
+    floor_us = unique * 3 * H * I * weight_bytes / (args.peak_tbs * 1e12) * 1e6
+    ref = fused_moe_ref(x, *reference_weights(weights[0]), *routes[0])
 
     def sorted_call(i):
-        return fused_moe_triton(x, *weights[i % WEIGHT_COPIES], *routes[i % len(routes)])
+        w13, w2, scales = weights[i % WEIGHT_COPIES]
+        return fused_moe_triton(x, w13, w2, *routes[i % len(routes)], **scales)
 
     def decode_call(config):
-        return lambda i: fused_moe_decode_triton(x, *weights[i % WEIGHT_COPIES], *routes[i % len(routes)],
-                                                 config=config)
+        def call(i):
+            w13, w2, scales = weights[i % WEIGHT_COPIES]
+            return fused_moe_decode_triton(x, w13, w2, *routes[i % len(routes)], config=config, **scales)
+        return call
 
-    default = moe_decode_config(T, H, I, K, args.device)
+    default = moe_decode_config(T, H, I, K, args.device, fp8=args.fp8 != "none")
     row = dict(tokens=T, pairs=T * K, unique_experts=unique, floor_us=floor_us,
                sorted=dict(us=time_calls(sorted_call, args.calls, args.reps), err=rel_err(sorted_call(0), ref)),
                decode=dict(config=dataclasses.asdict(default), us=time_calls(decode_call(default), args.calls, args.reps),
@@ -161,7 +189,10 @@ def main() -> None:
     ap.add_argument("--peak-tbs", type=float, default=4.8, help="HBM TB/s of the bytes floor (H200: 4.8)")
     ap.add_argument("--tiny", action="store_true",
                     help="small shapes, T 1,4,8, a two-candidate grid; runs on CPU through the Triton interpreter")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/out/moe_decode_sweep[_tiny].json)")
+    ap.add_argument("--fp8", choices=("none", "channel", "block"), default="none",
+                    help="FP8 experts: per-channel or 128 x 128 block scales (floor at 1 byte per weight)")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/out/moe_decode_sweep[_fp8_FP8][_tiny].json)")
     args = ap.parse_args()
     shape = TINY if args.tiny else QWEN3_30B_A3B
     if args.tiny:
@@ -171,7 +202,8 @@ def main() -> None:
     tokens = [int(v) for v in args.tokens.split(",")]
     if not tokens or min(tokens) < 1:
         ap.error("--tokens: comma list of token counts >= 1")
-    out_path = args.out or f"benchmarks/out/moe_decode_sweep{'_tiny' if args.tiny else ''}.json"
+    fp8_tag = "" if args.fp8 == "none" else f"_fp8_{args.fp8}"
+    out_path = args.out or f"benchmarks/out/moe_decode_sweep{fp8_tag}{'_tiny' if args.tiny else ''}.json"
     if not torch.cuda.is_available():
         if not args.tiny:
             sys.exit("moe_decode_sweep.py times CUDA kernels; no CUDA device here (--tiny runs on CPU).")
@@ -181,16 +213,17 @@ def main() -> None:
     t0 = time.time()
     bw = measure_copy_bandwidth()
     device_name = torch.cuda.get_device_name(0) if args.device.type == "cuda" else "cpu (Triton interpreter)"
-    print(f"{device_name}: copy bandwidth {bw / 1e12:.2f} TB/s; layer {shape}; bytes floor at {args.peak_tbs} TB/s; "
+    print(f"{device_name}: copy bandwidth {bw / 1e12:.2f} TB/s; layer {shape}, fp8 {args.fp8}; bytes floor at "
+          f"{args.peak_tbs} TB/s; "
           f"torch {torch.__version__}", flush=True)
-    weights = make_weights(shape, args.device)
+    weights = make_weights(shape, args.device, args.fp8)
     rows = []
     for T in tokens:
         rows.append(sweep_tokens(T, shape, weights, args))
         print(f"  T={T} done ({time.time() - t0:.0f} s)", flush=True)
     print_table(rows)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_path).write_text(json.dumps(dict(device=device_name, copy_bandwidth_bytes_per_s=bw, shape=shape,
+    Path(out_path).write_text(json.dumps(dict(device=device_name, copy_bandwidth_bytes_per_s=bw, shape=shape, fp8=args.fp8,
                                               peak_tbs=args.peak_tbs, calls=args.calls, reps=args.reps,
                                               rows=rows), indent=1))
     print(f"wrote {out_path} ({time.time() - t0:.0f} s)")

@@ -42,6 +42,11 @@ def deferred_weights() -> Iterator[None]:
         _DEFERRED.active = False
 
 
+def weights_deferred() -> bool:
+    """Whether modules built now take their weights on the meta device (inside ``deferred_weights``)."""
+    return getattr(_DEFERRED, "active", False)
+
+
 class Linear(nn.Module):
     """``y = x @ W.T + b`` whose output is the concatenation of ``output_sizes`` slices.
 
@@ -53,17 +58,20 @@ class Linear(nn.Module):
         output_sizes: the packed output slices (e.g. [q, kv, kv]).
         bias: with a bias.
         feeds: what reads the output (``Feeds``): the consumer an adapter update may be fused into.
+        keep_float: ``--quantization fp8`` leaves it float (an MoE router: its logits pick the experts, and
+            vLLM keeps routers unquantized too).
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 feeds: Feeds = Feeds.ANY) -> None:
+                 feeds: Feeds = Feeds.ANY, keep_float: bool = False) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
         self.feeds = feeds
-        weight = torch.empty(self.output_size, input_size, device="meta" if getattr(_DEFERRED, "active", False)
-                             else None)                                                        # [out, in]
+        self.keep_float = keep_float
+        """``--quantization fp8`` leaves this projection float."""
+        weight = torch.empty(self.output_size, input_size, device="meta" if weights_deferred() else None)  # [out, in]
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.output_size), requires_grad=False) if bias else None
         self.adapter: Optional[LinearAdapter] = None

@@ -8,7 +8,9 @@
 Expert weights are stacked, as transformers 5 stores them in memory (and as a fused MoE kernel reads them):
 ``w13`` [E, 2 * I, H] holds each expert's gate rows then its up rows (HF ``w1``|``w3``, ``gate_proj``|``up_proj``),
 ``w2`` [E, H, I] its down projection (HF ``w2``, ``down_proj``). ``FusedMoE.load_expert`` copies one
-checkpoint expert tensor into its rows; ``load_stacked`` a transformers-5 fused tensor whole.
+checkpoint expert tensor into its rows; ``load_stacked`` a transformers-5 fused tensor whole. FP8 experts
+(an FP8 checkpoint's, or ``--quantization fp8``: ``engine.layers.fp8_experts``) hold e4m3 ``w13`` / ``w2`` and
+their scales on CUDA, which every fused path below takes; on CPU their dequantized weights.
 
 The compute is one entry point, ``fused_moe(hidden, w13, w2, topk_weights, topk_ids)``. Today it runs
 ``fused_moe_ref``, the pure-torch "sorted by expert" grouped computation: the T * K (token, expert) pairs
@@ -41,8 +43,10 @@ from engine.distributed.sharding import even_part
 from engine.forward_context import current_policy
 from engine.kernel_policy import KernelPolicy
 from engine.layers.adapter import Feeds
+from engine.layers.fp8_experts import Fp8Experts
 from engine.layers.fused import silu_mul_linear
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, weights_deferred
+from engine.quantization.slices import Fp8Slice, Int4Slice
 from engine.layers.parallel import column_parallel_linear, row_parallel_linear
 
 # ----------------------------------------------------------------------------------------
@@ -64,17 +68,19 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, fp8: Optional[Fp8Experts] = None) -> torch.Tensor:
     """The routed experts' output [T, H] (see ``fused_moe_ref`` for the arguments). On CUDA (eager and in CUDA
     graphs: neither kernel reads the device on the host) calls of at most ``KernelPolicy.moe_decode_max_pairs``
     (token, expert) pairs run ``kernels.fused_moe_decode`` (each pair reads its own expert), larger ones
-    ``kernels.fused_moe`` (pairs sorted by expert); the reference elsewhere."""
+    ``kernels.fused_moe`` (pairs sorted by expert); the reference elsewhere. ``fp8``: w13 / w2 are its e4m3
+    weights and the kernels take its scales (CUDA only: on CPU FP8 experts hold their dequantized weights)."""
+    scales = fp8.kernel_scales() if fp8 is not None else {}
     if hidden.is_cuda:
         if uses_moe_decode(topk_ids.numel(), current_policy()):
             from kernels.fused_moe_decode import fused_moe_decode_triton
-            return fused_moe_decode_triton(hidden, w13, w2, topk_weights, topk_ids)
+            return fused_moe_decode_triton(hidden, w13, w2, topk_weights, topk_ids, **scales)
         from kernels.fused_moe import fused_moe_triton
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, **scales)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
 
 
@@ -85,13 +91,15 @@ def uses_moe_decode(num_pairs: int, policy: KernelPolicy) -> bool:
 
 
 def fused_moe_lora(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, lora: "ExpertLoRAWeights") -> torch.Tensor:
+                   topk_ids: torch.Tensor, lora: "ExpertLoRAWeights", fp8: Optional[Fp8Experts] = None
+                   ) -> torch.Tensor:
     """The routed experts' output with each token's adapter on its experts (``fused_moe_lora_ref``'s
-    semantics): ``kernels.fused_moe_lora`` on CUDA, the reference elsewhere."""
+    semantics): ``kernels.fused_moe_lora`` on CUDA (FP8 experts: ``fp8``'s scales on the base GEMMs, the
+    adapters in the activations' dtype), the reference elsewhere."""
     if hidden.is_cuda:
         from kernels.fused_moe_lora import fused_moe_lora_triton
         return fused_moe_lora_triton(hidden, w13, w2, topk_weights, topk_ids, lora.token_slots, lora.a13,
-                                     lora.b13, lora.a2, lora.b2)
+                                     lora.b13, lora.a2, lora.b2, **(fp8.kernel_scales() if fp8 is not None else {}))
     return fused_moe_lora_ref(hidden, w13, w2, topk_weights, topk_ids, lora)
 
 
@@ -250,33 +258,91 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         """I on this rank (each expert's gate/up rows, down columns)."""
         self.renormalize = renormalize
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        meta = "meta" if weights_deferred() else None   # a quantized checkpoint's: filled by finish_quantized
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, device=meta),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=meta),
+                               requires_grad=False)
         self.adapter: Optional[ExpertsAdapter] = None
         """A per-token update of the experts (LoRA slots), attached by the adapter manager; None: none."""
+        self.fp8: Optional[Fp8Experts] = None
+        """CUDA, FP8 experts (``engine.layers.fp8_experts``): their scales (``w13`` / ``w2`` then hold its e4m3
+        weights); None: float weights (on CPU FP8 experts are dequantized into ``w13`` / ``w2``)."""
+        self.quantized_slices: dict[tuple[str, int, int], Fp8Slice] = {}
+        """A quantized checkpoint's expert slices as loaded ((param, expert, shard) -> slice), until
+        ``finish_quantized``."""
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H]."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         lora = None if self.adapter is None else self.adapter.step_weights()
         if lora is not None:
-            return fused_moe_lora(hidden, self.w13, self.w2, topk_weights, topk_ids, lora)
-        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+            return fused_moe_lora(hidden, self.w13, self.w2, topk_weights, topk_ids, lora, self.fp8)
+        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, self.fp8)
 
-    def load_expert(self, param_name: str, expert: int, shard: int, tensor: torch.Tensor) -> None:
+    def load_expert(self, param_name: str, expert: int, shard: int, tensor: "torch.Tensor | Fp8Slice") -> None:
         """Copy one checkpoint expert tensor (whole: this rank takes its rows): ``w13`` shard 0 (gate) or 1 (up)
-        [I, H], or ``w2`` [H, I]."""
+        [I, H], or ``w2`` [H, I]; an FP8 checkpoint's ``Fp8Slice`` is kept for ``finish_quantized``."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: the config has {self.num_experts} experts")
         size, full = self.intermediate_size, self.full_intermediate_size
-        if param_name == "w13":
-            want, dst = (full, self.hidden_size), self.w13.data[expert, shard * size:(shard + 1) * size]
-        else:
-            want, dst = (self.hidden_size, full), self.w2.data[expert]
+        want = (full, self.hidden_size) if param_name == "w13" else (self.hidden_size, full)
         if tuple(tensor.shape) != want:
             raise ValueError(f"expert {expert} {param_name} tensor has shape {tuple(tensor.shape)}, "
                              f"expected {want}")
+        if isinstance(tensor, Int4Slice):
+            raise ValueError("4-bit (GPTQ / AWQ / pack-quantized) MoE expert weights are not supported; serve an "
+                             "FP8 or float checkpoint (--quantization fp8 quantizes a float one at load).")
+        if isinstance(tensor, Fp8Slice):
+            self.quantized_slices[(param_name, expert, shard)] = tensor
+            return
+        self.materialize(tensor.device)
+        if param_name == "w13":
+            dst = self.w13.data[expert, shard * size:(shard + 1) * size]
+        else:
+            dst = self.w2.data[expert]
         dst.copy_(self._part(tensor, 0 if param_name == "w13" else 1))
+
+    def materialize(self, device: torch.device) -> None:
+        """Give deferred (meta) expert weights memory on ``device`` (``deferred_weights``); no-op otherwise."""
+        for name in ("w13", "w2"):
+            param = getattr(self, name)
+            if param.is_meta:
+                setattr(self, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                 requires_grad=False))
+
+    def finish_quantized(self, dtype: torch.dtype, dequantize: bool = False) -> None:
+        """Build the FP8 experts from the loaded slices (every expert's gate, up and down must be there): on CUDA
+        ``w13`` / ``w2`` hold the e4m3 weights and ``fp8`` their scales; on CPU, or with ``dequantize``
+        (``--quantization none``), the dequantized weights in ``dtype``. No-op for float experts."""
+        if not self.quantized_slices:
+            return
+        want = {(p, e, s) for e in range(self.num_experts) for p, s in (("w13", 0), ("w13", 1), ("w2", 0))}
+        missing = sorted(want - set(self.quantized_slices))
+        if missing:
+            raise ValueError(f"the FP8 checkpoint lacks {len(missing)} expert projections of an MoE layer, e.g. "
+                             f"{missing[:3]} ((param, expert, 0 gate / 1 up))")
+        q = self.quantized_slices
+        experts = Fp8Experts.from_slices([q[("w13", e, 0)] for e in range(self.num_experts)],
+                                         [q[("w13", e, 1)] for e in range(self.num_experts)],
+                                         [q[("w2", e, 0)] for e in range(self.num_experts)])
+        self.quantized_slices = {}
+        self._set_fp8(experts, dtype, dequantize)
+
+    def quantize_fp8(self) -> None:
+        """``--quantization fp8``: the experts as FP8 with per (expert, output channel) scales (on CPU: the
+        dequantized values of those, in the weights' dtype)."""
+        self._set_fp8(Fp8Experts.from_float(self.w13.data, self.w2.data), self.w13.dtype, False)
+
+    def _set_fp8(self, experts: Fp8Experts, dtype: torch.dtype, dequantize: bool) -> None:
+        if dequantize or not experts.w13.is_cuda:
+            w13, w2 = experts.dequantize(dtype)
+            self.fp8 = None
+        else:
+            w13, w2 = experts.w13, experts.w2
+            self.fp8 = experts
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
 
     def load_stacked(self, param_name: str, tensor: torch.Tensor) -> None:
         """Copy a transformers-5 stacked tensor (whole: this rank takes its rows): ``gate_up_proj`` [E, 2I, H]
@@ -285,6 +351,7 @@ class FusedMoE(nn.Module):
         want = (E, 2 * full, H) if param_name == "w13" else (E, H, full)
         if tuple(tensor.shape) != want:
             raise ValueError(f"stacked {param_name} tensor has shape {tuple(tensor.shape)}, expected {want}")
+        self.materialize(tensor.device)
         if param_name == "w13":
             gate, up = tensor.split(full, dim=1)                                   # [E, I, H] each
             tensor = torch.cat([self._part(gate, 1), self._part(up, 1)], dim=1)   # [E, 2 * I / n, H]
@@ -326,13 +393,13 @@ class SparseMoeBlock(nn.Module):
         if hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={hidden_act!r} is not supported by the MoE block (only 'silu').")
         self.tp = tp or TensorParallelGroup.single()
-        self.gate = Linear(hidden_size, [num_experts])
+        self.gate = Linear(hidden_size, [num_experts], keep_float=True)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, self.tp)
         self.shared_expert: Optional[SharedExpertMLP] = None
         self.shared_expert_gate: Optional[Linear] = None
         if shared_expert_intermediate_size:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, self.tp)
-            self.shared_expert_gate = Linear(hidden_size, [1])
+            self.shared_expert_gate = Linear(hidden_size, [1], keep_float=True)
 
     @classmethod
     def from_config(cls, config, num_experts: int, intermediate_size: int, renormalize: bool,

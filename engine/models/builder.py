@@ -264,8 +264,8 @@ def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], mod
     flag = model_config.quantization
     caps = model_cls.capabilities
     if flag == "fp8" and not (caps.weight_quantization or caps.fp8_weights):
-        raise ValueError(f"--quantization fp8 supports Llama-family text models, their vision / audio language "
-                         f"models and Whisper, not {model_cls.__name__}; leave --quantization unset.")
+        raise ValueError(f"--quantization fp8 supports Llama-family and MoE text models, their vision / audio "
+                         f"language models and Whisper, not {model_cls.__name__}; leave --quantization unset.")
     if flag in ("int8", "int4", "fp16") and not caps.weight_quantization:
         raise ValueError(f"--quantization {flag} supports Llama-family text models, not {model_cls.__name__}; "
                          f"{'use --quantization fp8 or ' if caps.fp8_weights else ''}leave --quantization unset.")
@@ -277,7 +277,10 @@ def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], mod
     if flag not in (None, "none", "auto-float-gguf"):
         raise ValueError(f"--quantization {flag}: the checkpoint is already quantized ({scheme.format}, "
                          f"{scheme.kind}); leave --quantization unset (or none for its dequantized weights).")
-    if not caps.weight_quantization:
+    if not caps.weight_quantization and caps.fp8_checkpoints and scheme.kind != FP8:
+        raise ValueError(f"{model_cls.__name__} loads FP8 checkpoints, not 4-bit ones ({scheme.format}); serve an "
+                         "FP8 or float checkpoint of it (--quantization fp8 quantizes a float one at load).")
+    if not (caps.weight_quantization or caps.fp8_checkpoints):
         raise ValueError(f"{model_cls.__name__} cannot load a quantized ({scheme.format}) checkpoint; serve a "
                          f"float checkpoint of it{' (--quantization fp8 quantizes it at load)' if caps.fp8_weights else ''}.")
     if tp.size > 1:
@@ -295,7 +298,11 @@ def _finish_quantized(model: torch.nn.Module, dtype: torch.dtype, dequantize: bo
     """Every projection of a quantized checkpoint: its quantized weight (``Linear.finish_quantized``), or with
     ``dequantize`` its float weight."""
     from engine.layers.linear import Linear
+    from engine.layers.moe import FusedMoE
     for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.finish_quantized(dtype, dequantize)
+            continue
         if not isinstance(module, Linear) or not module.quantized_slices:
             continue
         if dequantize:
@@ -308,13 +315,19 @@ def _finish_quantized(model: torch.nn.Module, dtype: torch.dtype, dequantize: bo
 
 @torch.no_grad()
 def _quantize_fp8(model: torch.nn.Module) -> None:
-    """``--quantization fp8``: every projection (not the embedding or the LM head) as FP8 per channel, but
+    """``--quantization fp8``: every projection (not the embedding, the LM head or an MoE router:
+    ``Linear.keep_float``) and an MoE's routed experts as FP8 per channel, but
     those of a multimodal model's encoder side (``VisionLanguageModel.float_parts``), which stay float
     (Whisper names none: its encoder's projections, where most of its FLOPs are, are FP8 too)."""
     from engine.layers.linear import Linear
+    from engine.layers.moe import FusedMoE
     keep_float = _fp8_float_prefixes(model)
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and module.weight is not None and not name.startswith(keep_float):
+        if name.startswith(keep_float):
+            continue
+        if isinstance(module, Linear) and module.weight is not None and not module.keep_float:
+            module.quantize_fp8()
+        elif isinstance(module, FusedMoE):
             module.quantize_fp8()
 
 
@@ -408,14 +421,20 @@ def _init_dummy(model: torch.nn.Module, hf_config, seed: int, fp8: bool = False)
     """Random weights from the config alone (``load_format='dummy'``), for speed measurements.
 
     Drawn where the parameters live, from one generator on that device (an 8B model fills in
-    well under a second on a GPU); norms are ones and biases zeros. With ``fp8`` the projections were built
-    deferred (meta, ``deferred_weights``): each gets memory, its values and its FP8 form (but on
-    ``_fp8_float_prefixes``) before the next, so the float model is never whole in memory (a 70B model's
+    well under a second on a GPU); norms are ones and biases zeros. With ``fp8`` the projections and MoE
+    experts were built deferred (meta, ``deferred_weights``): each gets memory, its values and its FP8 form
+    (but on ``_fp8_float_prefixes`` and routers) before the next, so the float model is never whole in memory (a 70B model's
     FP8 weights fit one 141 GB GPU, its bf16 ones do not); the values are those drawn without ``fp8``.
     """
     from engine.layers.linear import Linear
-    deferred = {id(m.weight): (name, m) for name, m in model.named_modules()
-                if fp8 and isinstance(m, Linear) and m.weight is not None and m.weight.is_meta}
+    from engine.layers.moe import FusedMoE
+    # parameter id -> (module name, module, its parameter's name): the deferred weights, in parameter order
+    deferred = {}
+    for name, m in model.named_modules():
+        if fp8 and isinstance(m, Linear) and m.weight is not None and m.weight.is_meta:
+            deferred[id(m.weight)] = (name, m, "weight")
+        elif fp8 and isinstance(m, FusedMoE) and m.w13.is_meta:
+            deferred[id(m.w13)], deferred[id(m.w2)] = (name, m, "w13"), (name, m, "w2")
     params = list(model.named_parameters())
     device = next((p.device for _, p in params if not p.is_meta), torch.device("cpu"))
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -424,15 +443,18 @@ def _init_dummy(model: torch.nn.Module, hf_config, seed: int, fp8: bool = False)
     for name, p in params:
         owner = deferred.get(id(p))
         if owner is not None:
-            owner[1].materialize(device)
-            p = owner[1].weight
+            module_name, module, param_name = owner
+            module.materialize(device)
+            p = getattr(module, param_name)
         if name.endswith("norm.weight") or "layernorm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
         else:
             p.normal_(0.0, std, generator=gen)
-        if owner is not None and not owner[0].startswith(keep_float):
-            owner[1].quantize_fp8()
+        if owner is None or module_name.startswith(keep_float) or param_name == "w13":
+            continue   # float, or an expert stack whose w2 is still to draw
+        if param_name == "w2" or not module.keep_float:
+            module.quantize_fp8()
     if deferred and device.type == "cuda":
         torch.cuda.empty_cache()   # the float weights' freed blocks: the KV cache budget reads the free memory

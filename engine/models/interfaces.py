@@ -53,8 +53,11 @@ class ModelCapabilities:
     """Its projections quantize to weight-only int8 / int4 (``SupportsWeightQuantization``)."""
     fp8_weights: bool = False
     """``--quantization fp8`` turns its projections (``engine.layers.linear.Linear``) into ``Fp8Weight``s at
-    load, though it takes no int8 / int4 / fp16 and no quantized checkpoint (``weight_quantization`` models
-    take fp8 as well)."""
+    load (and an MoE's experts into ``engine.layers.fp8_experts.Fp8Experts``), though it takes no int8 / int4 /
+    fp16 (``weight_quantization`` models take fp8 as well)."""
+    fp8_checkpoints: bool = False
+    """Loads FP8 checkpoints (compressed-tensors ``float-quantized``, HF block-wise ``fp8``) though no 4-bit ones
+    (``weight_quantization`` models load both)."""
     bidirectional_media: bool = False
     """The placeholder tokens of one media item attend to each other both ways (the model's forward fills
     ``AttentionMetadata.key_limit``): the scheduler never ends a prefill chunk inside a placeholder."""

@@ -100,7 +100,7 @@ class MoEForCausalLM(nn.Module):
     """(theirs, ours) substrings of checkpoint tensor names (Mixtral's ``.block_sparse_moe.`` is our ``.mlp.``)."""
     expert_projections: tuple[tuple[str, int], ...] = (("gate_proj", 0), ("up_proj", 1), ("down_proj", 2))
     """PEFT per-expert module suffix -> slice of the experts' LoRA update (``LoRALayout.expert_projections``)."""
-    capabilities = ModelCapabilities(tensor_parallel=True)
+    capabilities = ModelCapabilities(tensor_parallel=True, fp8_weights=True, fp8_checkpoints=True)
     logits_rules: Optional[LogitsRules] = None
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
@@ -200,8 +200,6 @@ class MoEForCausalLM(nn.Module):
                 name = name.replace(theirs, ours)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"{type(self).__name__} cannot load quantized checkpoint tensors ({name!r})")
             m = _EXPERT_TENSOR.match(name)
             if m is not None and m["proj"] in _EXPERT_PROJECTIONS:
                 param, shard = _EXPERT_PROJECTIONS[m["proj"]]
@@ -228,7 +226,15 @@ class MoEForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            if not isinstance(tensor, torch.Tensor):   # a quantized checkpoint's projection (slices.py)
+                self.get_submodule(name.rpartition(".")[0]).load_slice("weight", 0, tensor)
+                loaded.add(name)
+                continue
             param = params[name]
+            if param.is_meta:   # a deferred Linear weight (engine.layers.linear.deferred_weights)
+                module = self.get_submodule(name.rpartition(".")[0])
+                module.materialize(tensor.device)
+                param = module.weight
             if self.tp.size > 1 and name in ("model.embed_tokens.weight", "lm_head.weight"):
                 copy_rows(param, tensor, name)   # this rank's vocabulary rows, padded
                 loaded.add(name)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.layers.moe import fused_moe_ref, select_experts
-from kernels.fused_moe import FusedMoEConfig, fused_moe_config, fused_moe_triton, moe_align, moe_align_size
+from kernels.fused_moe import (FusedMoEConfig, dequantize_fp8_experts, fused_moe_config, fused_moe_triton,
+                               moe_align, moe_align_size)
 from tests.kernels.pairwise import pairwise
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,6 +53,61 @@ def _check(args, config=None, fn=fused_moe_triton):
     for a, b in zip(args, before):                         # inputs untouched
         assert torch.equal(a, b)
     return out
+
+
+def quantize_experts_fp8(w: torch.Tensor, block: Optional[tuple[int, int]] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8 [E, N, K] float8_e4m3fn, scale float32) of float expert weights w [E, N, K] (on CPU, moved to
+    DEVICE): amax / 448 scales per output channel [E, N], or per (BN, BK) block [E, cdiv(N, BN), cdiv(K, BK)]
+    (ragged edge blocks take the amax of what they hold)."""
+    wf = w.float().cpu()
+    E, N, K = wf.shape
+    if block is None:
+        scale = (wf.abs().amax(dim=2) / 448.0).clamp(min=1e-12)                       # [E, N]
+        full = scale[:, :, None]
+    else:
+        bn, bk = block
+        nb, kb = -(-N // bn), -(-K // bk)
+        padded = torch.zeros(E, nb * bn, kb * bk)
+        padded[:, :N, :K] = wf
+        amax = padded.view(E, nb, bn, kb, bk).abs().amax(dim=(2, 4))                  # [E, nb, kb]
+        scale = (amax / 448.0).clamp(min=1e-12)
+        full = scale.repeat_interleave(bn, dim=1)[:, :N].repeat_interleave(bk, dim=2)[:, :, :K]
+    w_fp8 = (wf / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).contiguous()
+    return w_fp8.to(DEVICE), scale.float().contiguous().to(DEVICE)
+
+
+def fp8_case(T: int, E: int, K: int, H: int, inter: int, dtype, block: Optional[tuple[int, int]],
+             seed: int = 0, **kwargs):
+    """``_case``'s (hidden, w13, w2, topk_weights, topk_ids) with w13 / w2 quantized to e4m3
+    (``quantize_experts_fp8``), and the wrappers' FP8 keywords (w13_scale, w2_scale, scale_block)."""
+    hidden, w13, w2, topk_weights, topk_ids = _case(T, E, K, H, inter, torch.float32, seed, **kwargs)
+    q13, s13 = quantize_experts_fp8(w13, block)
+    q2, s2 = quantize_experts_fp8(w2, block)
+    hidden = hidden.to(dtype)
+    return (hidden, q13, q2, topk_weights, topk_ids), dict(w13_scale=s13, w2_scale=s2, scale_block=block)
+
+
+def check_fp8(args, scales, config=None, fn=fused_moe_triton):
+    """``fn(*args, config=config, **scales)`` (a fused MoE wrapper on FP8 weights) against ``fused_moe_ref``
+    on the dequantized weights (``dequantize_fp8_experts`` in hidden's dtype); returns its output."""
+    hidden, w13, w2, topk_weights, topk_ids = args
+    inputs = (*args, scales["w13_scale"], scales["w2_scale"])
+    before = [_bits(a).clone() for a in inputs]
+    out = fn(*args, config=config, **scales)
+    block, dtype = scales["scale_block"], hidden.dtype
+    ref = fused_moe_ref(hidden, dequantize_fp8_experts(w13, scales["w13_scale"], block, dtype),
+                        dequantize_fp8_experts(w2, scales["w2_scale"], block, dtype), topk_weights, topk_ids)
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape and out.is_contiguous()
+    rtol, atol = _tol(hidden.dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+    assert all(torch.equal(_bits(a), b) for a, b in zip(inputs, before))          # inputs untouched
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t, an fp8 tensor as its bytes (torch.equal has no float8 kernel on every device)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 # ----------------------------------------------------------------------------------------
@@ -173,6 +229,76 @@ def test_checks_reject_bad_inputs():
 
 
 # ----------------------------------------------------------------------------------------
+# FP8 (e4m3) expert weights, widened in registers (W8A16)
+# ----------------------------------------------------------------------------------------
+def test_dequantize_fp8_experts():
+    """The twin's weights: ``kernels.fp8_linear.dequantize_fp8_weight`` per expert, ragged edge blocks too."""
+    w = torch.randn(3, 40, 24)
+    for block in (None, (16, 16), (24, 32)):
+        q, s = quantize_experts_fp8(w, block)
+        deq = dequantize_fp8_experts(q, s, block, torch.float32)
+        assert deq.shape == (3, 40, 24) and deq.dtype == torch.float32
+        torch.testing.assert_close(deq.cpu(), w, rtol=0.07, atol=1e-6)       # e4m3: 3 mantissa bits
+        e, n, k = 2, 39, 23
+        sc = s[e, n] if block is None else s[e, n // block[0], k // block[1]]
+        assert float(deq[e, n, k]) == float(q[e, n, k].float() * sc)
+    assert dequantize_fp8_experts(q, s, (24, 32), torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("block,dtype,T,H,inter", [
+    (None, torch.bfloat16, 5, 64, 32),
+    (None, torch.float32, 9, 64, 32),
+    ((16, 32), torch.bfloat16, 5, 64, 32),
+    ((16, 32), torch.float32, 1, 64, 32),
+    ((24, 32), torch.bfloat16, 7, 80, 40),        # ragged: 2I, H, I not multiples; a block across gate|up
+    ((24, 32), torch.float32, 7, 80, 40),
+], ids=["ch-bf16", "ch-f32", "blk-bf16", "blk-f32-T1", "ragged-bf16", "ragged-f32"])
+def test_fp8_matches_ref(block, dtype, T, H, inter):
+    """FP8 weights, per channel and per block, against the twin on the dequantized weights."""
+    args, scales = fp8_case(T, 8, 2, H, inter, dtype, block)
+    check_fp8(args, scales)
+
+
+def test_fp8_block_k_clamped_tails_swizzle():
+    """Config block_k 64 with BK 16 (the K tile clamped to 16), N and K tails, group_m 2, block_m 32."""
+    config = FusedMoEConfig(block_m=32, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1)
+    args, scales = fp8_case(9, 4, 2, 48, 40, torch.bfloat16, (32, 16), strided=True, ids_dtype=torch.int32)
+    check_fp8(args, scales, config)
+
+
+def fp8_bad_scales(scales: dict) -> list[tuple[dict, str]]:
+    """(changes to ``fp8_case``'s (16, 32)-block FP8 keywords (H 64, I 32), the ValueError they raise)."""
+    s13, s2 = scales["w13_scale"], scales["w2_scale"]
+    return [(dict(w13_scale=s13[:, :-1].contiguous()), "w13_scale: expected shape"),
+            (dict(w2_scale=s2[:, :-1].contiguous()), "w2_scale: expected shape"),
+            (dict(scale_block=(32, 32)), "w13_scale: expected shape"),
+            (dict(scale_block=None), "w13_scale: expected shape"),              # block scales as per channel
+            (dict(w2_scale=None, scale_block=None), "w2_scale: required"),
+            (dict(w13_scale=None), "w13_scale: required"),
+            (dict(w13_scale=s13.double()), "w13_scale: dtype"),
+            (dict(w13_scale=s13.mT.contiguous().mT), "w13_scale: must be contiguous"),
+            (dict(scale_block=(0, 32)), "scale_block: expected"),
+            (dict(scale_block=(16, 24)), "scale_block: BK"),
+            (dict(scale_block=16), "scale_block: expected")]
+
+
+def test_fp8_checks_reject_bad_inputs():
+    args, scales = fp8_case(3, 8, 2, 64, 32, torch.float32, (16, 32))
+    hidden, w13, w2, w, ids = args
+    for change, match in fp8_bad_scales(scales):
+        with pytest.raises(ValueError, match=match):
+            fused_moe_triton(hidden, w13, w2, w, ids, **{**scales, **change})
+    with pytest.raises(ValueError, match="scale_block: .* without"):
+        fused_moe_triton(hidden, w13.float(), w2.float(), w, ids, scale_block=(16, 32))
+    with pytest.raises(ValueError, match="w13: dtype"):                            # scales with float weights
+        fused_moe_triton(hidden, w13.float(), w2, w, ids, **scales)
+    with pytest.raises(ValueError, match="w2: dtype"):
+        fused_moe_triton(hidden, w13, w2.float(), w, ids, **scales)
+    with pytest.raises(ValueError, match="w13: dtype"):                            # fp8 weights, no scales
+        fused_moe_triton(hidden, w13, w2, w, ids)
+
+
+# ----------------------------------------------------------------------------------------
 # CUDA: MoE-model sizes (Qwen1.5-MoE-A2.7B: E 60, K 4, H 2048, I 1408; Mixtral-like E 8, K 2)
 # ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -198,3 +324,47 @@ def test_gpu_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), fused_moe_ref(hidden, w13, w2, w, ids).float(), rtol=3e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 7, 256])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block128"])
+def test_gpu_fp8_real_sizes(T, block):
+    """Qwen3-30B-A3B-FP8 layer sizes (E 128, K 8, H 2048, I 768), 128 x 128 block scales as it ships."""
+    check_fp8(*fp8_case(T, 128, 8, 2048, 768, torch.bfloat16, block))
+
+
+# ----------------------------------------------------------------------------------------
+# Compiled for Hopper on any machine (the interpreter does not type-check what the compiler does)
+# ----------------------------------------------------------------------------------------
+_COMPILE_SCRIPT = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile
+from kernels.fused_moe import _grouped_gemm_kernel as fn
+
+for scale, silu_mul in ((0, True), (1, True), (1, False), (2, True), (2, False)):
+    w_type = "*fp8e4nv" if scale else "*bf16"
+    ints = ("N", "K", "num_pairs", "num_experts", "stride_a", "stride_we", "stride_se", "num_scale_kb",
+            "stride_out")
+    signature = dict(a_ptr="*bf16", w_ptr=w_type, ws_ptr="*fp32" if scale else w_type, out_ptr="*bf16",
+                     sorted_pair_ptr="*i64", expert_of_block_ptr="*i64", num_valid_ptr="*i64",
+                     topk_w_ptr="*fp32", **{k: "i32" for k in ints})
+    consts = dict(TOP_K=8, GATHER=silu_mul, SILU_MUL=silu_mul, SCATTER=not silu_mul, MUL_WEIGHT=not silu_mul,
+                  LORA=False, ADD_OUT=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, UPCAST=False,
+                  DOT_PRECISION="tf32", SCALE=scale, SCALE_BN=128 if scale == 2 else 1,
+                  SCALE_BK=128 if scale == 2 else 1)
+    signature = {**signature, **{k: "constexpr" for k in consts}}
+    source = ASTSource(fn=fn, signature={k: signature[k] for k in fn.arg_names}, constexprs=consts)
+    options = dict(num_warps=4, num_stages=3)
+    assert triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    print("compiled", scale, silu_mul)
+"""
+
+
+def test_kernel_compiles_for_sm90(tmp_path):
+    """The grouped GEMM, float and FP8 weights (per channel, 128 x 128 blocks; both stages), compiles to sm_90
+    cubins through Triton's bundled ptxas with no GPU (in a process without TRITON_INTERPRET)."""
+    from tests.kernels.compile_sm90 import run_compile_script
+
+    assert run_compile_script(_COMPILE_SCRIPT, tmp_path).count("compiled") == 5

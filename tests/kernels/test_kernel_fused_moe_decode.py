@@ -14,7 +14,7 @@ from engine.layers.moe import SparseMoeBlock, fused_moe_ref, uses_moe_decode
 from kernels.fused_moe import fused_moe_triton
 from kernels.fused_moe_decode import (MoEDecodeConfig, MoEDecodeLaunch, fused_moe_decode_triton,
                                       moe_decode_config)
-from tests.kernels.test_kernel_fused_moe import DEVICE, _case, _tol
+from tests.kernels.test_kernel_fused_moe import DEVICE, _case, _tol, check_fp8, fp8_bad_scales, fp8_case
 from tests.kernels.test_kernel_fused_moe import _check as check_fused_moe
 from tests.kernels.pairwise import pairwise
 
@@ -119,6 +119,40 @@ def test_checks_reject_bad_inputs():
 
 
 # ----------------------------------------------------------------------------------------
+# FP8 (e4m3) expert weights, widened in registers (W8A16)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block,dtype,use_dot", [
+    (None, torch.bfloat16, 0), (None, torch.float32, 1),
+    ((16, 32), torch.bfloat16, 1), ((16, 32), torch.float32, 0),
+    ((24, 32), torch.bfloat16, 0), ((24, 32), torch.float32, 1),
+], ids=["ch-bf16-ew", "ch-f32-dot", "blk-bf16-dot", "blk-f32-ew", "ragged-bf16-ew", "ragged-f32-dot"])
+def test_fp8_matches_ref(block, dtype, use_dot):
+    """FP8 weights per channel and per block, both inner-product forms, against the twin on the dequantized
+    weights; H 67 and I 37 (tails of the 16 x 32 tiles; ragged scale blocks in both launches)."""
+    args, scales = fp8_case(5, 8, 2, 67, 37, dtype, block)
+    check_fp8(args, scales, _config(use_dot), fn=fused_moe_decode_triton)
+
+
+@pytest.mark.parametrize("block", [None, (32, 32)], ids=["channel", "block"])
+def test_fp8_default_config_and_sorted_path(block):
+    """Interpreter default tiles (64 wide, block_k clamped to BK 32), 1 token top-8 of 64 experts; equal to
+    the sorted path on the same FP8 weights within rounding."""
+    args, scales = fp8_case(1, 64, 8, 64, 48, torch.bfloat16, block)
+    out = check_fp8(args, scales, fn=fused_moe_decode_triton)
+    rtol, atol = _tol(torch.bfloat16)
+    torch.testing.assert_close(out.float(), fused_moe_triton(*args, **scales).float(), rtol=rtol, atol=atol)
+
+
+def test_fp8_checks_reject_bad_inputs():
+    args, scales = fp8_case(3, 8, 2, 64, 32, torch.float32, (16, 32))
+    for change, match in fp8_bad_scales(scales):
+        with pytest.raises(ValueError, match=match):
+            fused_moe_decode_triton(*args, **{**scales, **change})
+    with pytest.raises(ValueError, match="w13: dtype"):                            # fp8 weights, no scales
+        fused_moe_decode_triton(*args)
+
+
+# ----------------------------------------------------------------------------------------
 # The engine's choice
 # ----------------------------------------------------------------------------------------
 def test_engine_choice_follows_the_policy():
@@ -141,6 +175,17 @@ def test_gpu_real_sizes(T, E, K, H, I):
     args = _inputs(T, E, K, H, I, torch.bfloat16, True)
     out = _check(args)
     torch.testing.assert_close(out.float(), fused_moe_triton(*args).float(), rtol=3e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block128"])
+def test_gpu_fp8_real_sizes(T, block):
+    """Qwen3-30B-A3B-FP8 layer sizes, 128 x 128 block scales as it ships; equal to the sorted path."""
+    args, scales = fp8_case(T, 128, 8, 2048, 768, torch.bfloat16, block)
+    out = check_fp8(args, scales, fn=fused_moe_decode_triton)
+    torch.testing.assert_close(out.float(), fused_moe_triton(*args, **scales).float(), rtol=3e-2, atol=5e-2)
 
 
 @pytest.mark.gpu
@@ -213,35 +258,34 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 from kernels.fused_moe_decode import _down_kernel, _gate_up_kernel
 
-for use_dot in (0, 1):
-    common = dict(BLOCK_N=16 if use_dot else 8, BLOCK_K=256, USE_DOT=bool(use_dot), UPCAST=False,
-                  DOT_PRECISION="tf32")
-    cases = [(_gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", act_ptr="*bf16", H="i32",
-                                    I="i32", stride_x="i32", stride_we="i32"), dict(TOP_K=8)),
-             (_down_kernel, dict(act_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i64", topk_w_ptr="*fp32",
-                                 out_ptr="*bf16", H="i32", I="i32", stride_we="i32"), dict(TOP_K=8, TOP_K_P2=8))]
+for use_dot, scale in ((0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)):
+    w_type = "*fp8e4nv" if scale else "*bf16"
+    common = dict(BLOCK_N=16 if use_dot else 8, BLOCK_K=128, USE_DOT=bool(use_dot), UPCAST=False,
+                  DOT_PRECISION="tf32", SCALE=scale, SCALE_BN=128 if scale == 2 else 1,
+                  SCALE_BK=128 if scale == 2 else 1)
+    scales = dict(ws_ptr="*fp32" if scale else w_type, stride_se="i32", num_scale_kb="i32")
+    cases = [(_gate_up_kernel, dict(x_ptr="*bf16", w13_ptr=w_type, ids_ptr="*i64", act_ptr="*bf16", H="i32",
+                                    I="i32", stride_x="i32", stride_we="i32", **scales), dict(TOP_K=8)),
+             (_down_kernel, dict(act_ptr="*bf16", w2_ptr=w_type, ids_ptr="*i64", topk_w_ptr="*fp32",
+                                 out_ptr="*bf16", H="i32", I="i32", stride_we="i32", **scales),
+              dict(TOP_K=8, TOP_K_P2=8))]
     for fn, signature, consts in cases:
         consts = {**consts, **common}
-        source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        params = fn.arg_names
+        signature = {**signature, **{k: "constexpr" for k in consts}}
+        signature = {k: signature[k] for k in params}
+        source = ASTSource(fn=fn, signature=signature, constexprs=consts)
         compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
         assert compiled.asm["cubin"], fn
-        print("compiled", fn.__name__, use_dot)
+        print("compiled", fn.__name__, use_dot, scale)
 """
 
 
 def test_kernels_compile_for_sm90(tmp_path):
-    """Both launches, both inner-product forms, compile to sm_90 (H100/H200) cubins through Triton's bundled
-    ptxas with no GPU (in a process without TRITON_INTERPRET: the interpreter does not type-check what the
-    compiler does, e.g. a jit function's returns of two types in a constexpr branch)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    """Both launches, both inner-product forms, float and FP8 weights (per channel, 128 x 128 blocks),
+    compile to sm_90 (H100/H200) cubins through Triton's bundled ptxas with no GPU (in a process without
+    TRITON_INTERPRET: the interpreter does not type-check what the compiler does, e.g. a jit function's
+    returns of two types in a constexpr branch)."""
+    from tests.kernels.compile_sm90 import run_compile_script
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 4
+    assert run_compile_script(_COMPILE_SCRIPT, tmp_path).count("compiled") == 12

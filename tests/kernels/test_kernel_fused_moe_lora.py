@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.moe import ExpertLoRAWeights, fused_moe_lora_ref, fused_moe_ref, select_experts
-from kernels.fused_moe import FusedMoEConfig
+from kernels.fused_moe import FusedMoEConfig, dequantize_fp8_experts
 from kernels.fused_moe_lora import fused_moe_lora_triton, moe_lora_groups
+from tests.kernels.test_kernel_fused_moe import fp8_bad_scales, quantize_experts_fp8
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -96,6 +97,67 @@ def test_kernel_tails_and_block_size():
     torch.testing.assert_close(out, fused_moe_lora_ref(*args), rtol=1e-4, atol=1e-5)
 
 
+def _fp8_case(T, E, K, H, inter, L, R, dtype, slots, block):
+    """``_case`` with w13 / w2 quantized to e4m3 (``quantize_experts_fp8``; the float weights drawn in
+    float32), the hidden states and LoRA weights in dtype: (args, the FP8 keywords)."""
+    hidden, w13, w2, topk_weights, topk_ids, lora = _case(T, E, K, H, inter, L, R, torch.float32, slots)
+    q13, s13 = quantize_experts_fp8(w13, block)
+    q2, s2 = quantize_experts_fp8(w2, block)
+    lora = ExpertLoRAWeights(lora.token_slots, *(t.to(dtype) for t in (lora.a13, lora.b13, lora.a2, lora.b2)))
+    return (hidden.to(dtype), q13, q2, topk_weights, topk_ids, lora), dict(w13_scale=s13, w2_scale=s2,
+                                                                           scale_block=block)
+
+
+@pytest.mark.parametrize("block,dtype,T,H,inter,slots", [
+    (None, torch.bfloat16, 7, 48, 32, [1, -1, 0]),
+    (None, torch.float32, 5, 48, 32, [0, 1]),
+    ((16, 32), torch.bfloat16, 7, 64, 32, [1, -1, 0]),
+    ((16, 32), torch.float32, 3, 64, 32, [-1, 1]),
+    ((24, 32), torch.bfloat16, 9, 40, 24, [0, -1, 1]),      # ragged: 2I, H, I not block multiples
+    ((24, 32), torch.float32, 9, 40, 24, [0, -1, 1]),
+], ids=["ch-bf16", "ch-f32", "blk-bf16", "blk-f32", "ragged-bf16", "ragged-f32"])
+def test_kernel_fp8_matches_ref(block, dtype, T, H, inter, slots):
+    """FP8 base experts (per channel, per block) with LoRA in the activation dtype, against the twin on the
+    dequantized weights."""
+    args, scales = _fp8_case(T, 8, 2, H, inter, 2, 4, dtype, slots, block)
+    hidden, w13, w2, topk_weights, topk_ids, lora = args
+    out = fused_moe_lora_triton(hidden, w13, w2, topk_weights, topk_ids, lora.token_slots, lora.a13, lora.b13,
+                                lora.a2, lora.b2, **scales)
+    deq13 = dequantize_fp8_experts(w13, scales["w13_scale"], block, dtype)
+    deq2 = dequantize_fp8_experts(w2, scales["w2_scale"], block, dtype)
+    ref = fused_moe_lora_ref(hidden, deq13, deq2, topk_weights, topk_ids, lora)
+    assert out.dtype == dtype and out.shape == hidden.shape
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+
+
+def test_fp8_block_k_clamped():
+    """Config block_k 64 with BK 16: the base GEMMs' K tile is clamped to 16 (the LoRA GEMMs keep 64)."""
+    args, scales = _fp8_case(11, 8, 2, 40, 24, 2, 2, torch.float32, [0, 1, -1], (32, 16))
+    hidden, w13, w2, topk_weights, topk_ids, lora = args
+    config = FusedMoEConfig(block_m=32, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=1)
+    out = fused_moe_lora_triton(hidden, w13, w2, topk_weights, topk_ids, lora.token_slots, lora.a13, lora.b13,
+                                lora.a2, lora.b2, config=config, **scales)
+    deq13 = dequantize_fp8_experts(w13, scales["w13_scale"], (32, 16), torch.float32)
+    deq2 = dequantize_fp8_experts(w2, scales["w2_scale"], (32, 16), torch.float32)
+    torch.testing.assert_close(out, fused_moe_lora_ref(hidden, deq13, deq2, topk_weights, topk_ids, lora),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_checks_reject_bad_inputs():
+    args, scales = _fp8_case(3, 8, 2, 64, 32, 2, 4, torch.float32, [0], (16, 32))
+    hidden, w13, w2, w, ids, lora = args
+    adapters = (lora.token_slots, lora.a13, lora.b13, lora.a2, lora.b2)
+    for change, match in fp8_bad_scales(scales):
+        with pytest.raises(ValueError, match=match):
+            fused_moe_lora_triton(hidden, w13, w2, w, ids, *adapters, **{**scales, **change})
+    with pytest.raises(ValueError, match="w13: dtype"):                            # fp8 weights, no scales
+        fused_moe_lora_triton(hidden, w13, w2, w, ids, *adapters)
+    with pytest.raises(ValueError, match="a13: dtype"):              # LoRA weights: the activation dtype
+        fused_moe_lora_triton(hidden, w13, w2, w, ids, lora.token_slots, lora.a13.to(torch.float8_e4m3fn),
+                              lora.b13, lora.a2, lora.b2, **scales)
+
+
 def test_groups():
     ids = torch.tensor([[0, 3], [2, 1], [3, 0]])
     groups = moe_lora_groups(ids, torch.tensor([-1, 0, 2], dtype=torch.int32), 4)
@@ -148,3 +210,19 @@ def test_gpu_cuda_graph_capture():
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), fused_moe_lora_ref(hidden, w13, w2, w, ids, lora).float(),
                                rtol=3e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block128"])
+def test_gpu_fp8_real_sizes(T, block):
+    """Qwen3-30B-A3B-FP8 layer sizes (E 128, K 8, H 2048, I 768) with rank-16 adapters on 4 slots."""
+    args, scales = _fp8_case(T, 128, 8, 2048, 768, 4, 16, torch.bfloat16, [0, -1, 3, 1], block)
+    hidden, w13, w2, topk_weights, topk_ids, lora = args
+    out = fused_moe_lora_triton(hidden, w13, w2, topk_weights, topk_ids, lora.token_slots, lora.a13, lora.b13,
+                                lora.a2, lora.b2, **scales)
+    deq13 = dequantize_fp8_experts(w13, scales["w13_scale"], block, torch.bfloat16)
+    deq2 = dequantize_fp8_experts(w2, scales["w2_scale"], block, torch.bfloat16)
+    torch.testing.assert_close(out.float(), fused_moe_lora_ref(hidden, deq13, deq2, topk_weights, topk_ids,
+                                                               lora).float(), rtol=3e-2, atol=5e-2)

@@ -73,10 +73,10 @@ def test_parity_batch(variant, checkpoints, tiny_prompts, monkeypatch):
     used = []    # distinct experts per multi-token call of the routed experts
     fused = moe.fused_moe
 
-    def spy(hidden, w13, w2, topk_weights, topk_ids):
+    def spy(hidden, w13, w2, topk_weights, topk_ids, fp8=None):
         if topk_ids.shape[0] > 1:
             used.append((topk_ids.unique().numel(), w13.shape[0]))
-        return fused(hidden, w13, w2, topk_weights, topk_ids)
+        return fused(hidden, w13, w2, topk_weights, topk_ids, fp8)
     monkeypatch.setattr(moe, "fused_moe", spy)
     llm = LLM(str(d), seed=0)
     outputs = llm.generate(tiny_prompts, _params(), use_tqdm=False)
@@ -198,7 +198,8 @@ def test_sparse_layers_follow_the_config():
     assert hf_sparse == [False, True, False, False, False, True]
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers] == hf_sparse
     assert ours.shape.intermediate_size == max(48, 2 * 16, 2 * 32)
-    assert Qwen3MoeForCausalLM.capabilities == ModelCapabilities(tensor_parallel=True) == MixtralForCausalLM.capabilities
+    assert (Qwen3MoeForCausalLM.capabilities == MixtralForCausalLM.capabilities
+            == ModelCapabilities(tensor_parallel=True, fp8_weights=True, fp8_checkpoints=True))
     assert ours.lora_qkv_warmup_consumer() is None
 
 

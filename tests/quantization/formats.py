@@ -282,6 +282,70 @@ def build_fp8_block(out_dir: Path, *, block: tuple[int, int] = (128, 128),
 
 
 # ------------------------------------------------------------------------------------------
+# FP8 MoE checkpoints (per-expert tensors, as the FP8 releases of Qwen3-MoE store them)
+# ------------------------------------------------------------------------------------------
+def moe_projection_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The weights an FP8 MoE checkpoint quantizes: attention and MLP projections and every expert's gate / up /
+    down (Qwen-MoE ``experts.N.gate_proj``, Mixtral ``experts.N.w1``); routers (``.gate.weight``), embeddings,
+    norms and the LM head stay float, as in the Qwen3-MoE FP8 releases and llm-compressor's MoE recipes
+    (``ignore: ["lm_head", "re:.*mlp.gate$"]``)."""
+    return [n for n in tensors if n.endswith("_proj.weight") or
+            (".experts." in n and n.rsplit(".", 2)[-2] in ("w1", "w2", "w3"))]
+
+
+def build_moe_fp8(out_dir: Path, float_dir: Path, *, fmt: str = "fp8-block",
+                  block: tuple[int, int] = (32, 32)) -> tuple[Path, dict]:
+    """An FP8 checkpoint of the float MoE checkpoint ``float_dir`` (per-expert tensor names, as transformers
+    saves them): ``fmt`` "fp8-block" quantizes each projection with transformers' ``Fp8Quantize`` op (``block``
+    scales as ``weight_scale_inv``, float32), "ct-fp8-dynamic" with compressed-tensors' FP8_DYNAMIC weight
+    args (``calculate_qparams`` over each channel's min / max, ``quantize``; per-channel ``weight_scale``
+    [out, 1]) and its ``quantization_config`` ignoring the routers. Returns ``(directory, dequantized)``."""
+    float_dir = Path(float_dir)
+    tensors = read_tensors(float_dir)
+    names = moe_projection_names(tensors)
+    if fmt == "fp8-block":
+        from transformers import FineGrainedFP8Config
+        from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+        op = FineGrainedFP8HfQuantizer(FineGrainedFP8Config(weight_block_size=list(block))).get_quantize_ops()
+        for name in names:
+            out = op.convert({name: tensors[name]})
+            tensors[name] = out[name]
+            tensors[name.removesuffix(".weight") + ".weight_scale_inv"] = out[name.removesuffix(".weight")
+                                                                               + ".weight_scale_inv"]
+        qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": list(block)}
+    elif fmt == "ct-fp8-dynamic":
+        from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+        from compressed_tensors.quantization.lifecycle.forward import quantize
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+        args = scheme.weights
+        for name in names:
+            w = tensors[name].float()
+            scale, zero_point = calculate_qparams(*_ct_observe(w, args), args)
+            scale = scale.reshape(-1, 1).to(torch.bfloat16)      # the model dtype's parameter, as llm-compressor
+            tensors[name] = quantize(w, scale.float(), zero_point, args).to(args.pytorch_dtype())
+            tensors[name.removesuffix(".weight") + ".weight_scale"] = scale
+        qc = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", "re:.*mlp.gate$"],
+                                format="float-quantized", quantization_status="compressed").model_dump()
+        qc["quant_method"] = "compressed-tensors"
+    else:
+        raise ValueError(f"no FP8 MoE format {fmt!r}")
+    out_dir = Path(out_dir)
+    shutil.copytree(float_dir, out_dir, dirs_exist_ok=True)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
+    for file in out_dir.glob("*.safetensors"):
+        file.unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / SAFETENSORS_FILE),
+              metadata={"format": "pt"})
+    return out_dir, dequantize_checkpoint(out_dir)
+
+
+# ------------------------------------------------------------------------------------------
 # Packing helpers (int64 math, stored as int32 bit patterns)
 # ------------------------------------------------------------------------------------------
 def _as_int32(x: torch.Tensor) -> torch.Tensor:

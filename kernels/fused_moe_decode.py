@@ -35,8 +35,10 @@ FP8 expert weights (W8A16; ``w13_scale`` / ``w2_scale`` given, as ``kernels.fuse
 float8_e4m3fn and the weight multiplied by is W[e, n, k] = float(w[e, n, k]) * s, s = scale[e, n] per output
 channel or scale[e, n // BN, k // BK] per (BN, BK) block. The e4m3 tile is widened in registers to the
 activation dtype (tl.dot form) or float32 (elementwise form), the inner products run in float32, and the scale
-is applied in float32: per channel to the finished inner products, per block to each K chunk's partial
-products (the chunk, BLOCK_K, is clamped to divide BK). The twin is ``fused_moe_ref`` on
+is applied in float32: per channel to the finished inner products; per block, where a program's rows lie in
+one row block (block_n divides BN, as 16 / 32 divide Qwen3's 128), to the input chunk before the product (any
+chunk size; the scaled chunk rounded to the activation dtype for tl.dot), else to each K chunk's partial
+products (the chunk, BLOCK_K, clamped to divide BK). The twin is ``fused_moe_ref`` on
 ``kernels.fused_moe.dequantize_fp8_experts``' weights.
 
 Inner products, per launch (``MoEDecodeLaunch.use_dot``): tl.dot on the pair's row repeated to 16 rows
@@ -100,6 +102,16 @@ def _acc_step(acc, a, w, s, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST
 
 
 @triton.jit
+def _scaled_input(a, s, USE_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """SCALE 3: the input chunk a [BLOCK_K] times s [BLOCK_K], its inputs' block scales in the program's one
+    row block (float32; rounded back to a's dtype for tl.dot, as every tl.dot operand is)."""
+    x = a.to(tl.float32) * s
+    if USE_DOT and not UPCAST:
+        x = x.to(a.dtype)
+    return x
+
+
+@triton.jit
 def _acc_finish(acc, USE_DOT: tl.constexpr):
     """[BLOCK_N] float32 inner products from ``_acc_step``'s accumulator (tl.dot: its row 0)."""
     if USE_DOT:
@@ -122,7 +134,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, ws_ptr, ids_ptr, act_ptr, H, I, stride_x, st
 
         W13[e, n, k] = w13[e, n, k]                                       SCALE == 0 (x's dtype)
                      = float(w13[e, n, k]) * ws[e, n]                     SCALE == 1 (w13 float8_e4m3fn)
-                     = float(w13[e, n, k]) * ws[e, n // SCALE_BN, k // SCALE_BK]   SCALE == 2 (e4m3)
+                     = float(w13[e, n, k]) * ws[e, n // SCALE_BN, k // SCALE_BK]   SCALE == 2, 3 (e4m3)
+
+    SCALE 3 computes the block form on the input side: a program's BLOCK_N gate rows (and its up rows) lie
+    in one SCALE_BN row block (the wrapper's condition), so each input of a chunk is multiplied by its
+    column block's scale before the product (any BLOCK_K; the scaled chunk is rounded to x's dtype for
+    tl.dot), where SCALE 2 scales each chunk's partial products (BLOCK_K divides SCALE_BK).
 
     x: [T, H] rows at stride stride_x (last dim contiguous); w13: [E, 2I, H] contiguous (expert stride
     stride_we); ids: [T * K] flat expert ids; act: [T * K, I] contiguous. ws (SCALE > 0): float32 at
@@ -148,6 +165,9 @@ def _gate_up_kernel(x_ptr, w13_ptr, ws_ptr, ids_ptr, act_ptr, H, I, stride_x, st
     if SCALE == 2:
         s_rows = s_base + (offs_n // SCALE_BN).to(tl.int64) * num_scale_kb               # [BLOCK_N] gate rows
         s_rows_up = s_base + ((offs_n + I) // SCALE_BN).to(tl.int64) * num_scale_kb      # [BLOCK_N] up rows
+    if SCALE == 3:   # the program's rows lie in one scale row block (gate and up each)
+        s_row = s_base + ((pid_n * BLOCK_N) // SCALE_BN).to(tl.int64) * num_scale_kb
+        s_row_up = s_base + ((pid_n * BLOCK_N + I) // SCALE_BN).to(tl.int64) * num_scale_kb
     acc_g = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
     acc_u = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
     for k0 in range(0, H, BLOCK_K):
@@ -157,14 +177,19 @@ def _gate_up_kernel(x_ptr, w13_ptr, ws_ptr, ids_ptr, act_ptr, H, I, stride_x, st
         w_mask = n_ok[:, None] & k_ok[None, :]
         g = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)                    # [BLOCK_N, BLOCK_K]
         u = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        a_g = a
+        a_u = a
         if SCALE == 2:
             s_g = tl.load(s_rows + k0 // SCALE_BK, mask=n_ok, other=0.0)                # [BLOCK_N] float32
             s_u = tl.load(s_rows_up + k0 // SCALE_BK, mask=n_ok, other=0.0)
         else:
             s_g = 1.0
             s_u = 1.0
-        acc_g = _acc_step(acc_g, a, g, s_g, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, SCALE)
-        acc_u = _acc_step(acc_u, a, u, s_u, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, SCALE)
+        if SCALE == 3:
+            a_g = _scaled_input(a, tl.load(s_row + offs_k // SCALE_BK, mask=k_ok, other=0.0), USE_DOT, UPCAST)
+            a_u = _scaled_input(a, tl.load(s_row_up + offs_k // SCALE_BK, mask=k_ok, other=0.0), USE_DOT, UPCAST)
+        acc_g = _acc_step(acc_g, a_g, g, s_g, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, SCALE)
+        acc_u = _acc_step(acc_u, a_u, u, s_u, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, SCALE)
     gate = _acc_finish(acc_g, USE_DOT)
     up = _acc_finish(acc_u, USE_DOT)
     if SCALE == 1:
@@ -193,7 +218,9 @@ def _down_kernel(act_ptr, w2_ptr, ws_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, st
 
         W2[e, n, k] = w2[e, n, k]                                        SCALE == 0 (act's dtype)
                     = float(w2[e, n, k]) * ws[e, n]                      SCALE == 1 (w2 float8_e4m3fn)
-                    = float(w2[e, n, k]) * ws[e, n // SCALE_BN, k // SCALE_BK]   SCALE == 2 (e4m3)
+                    = float(w2[e, n, k]) * ws[e, n // SCALE_BN, k // SCALE_BK]   SCALE == 2, 3 (e4m3)
+
+    SCALE 3: the block form on the input side, as ``_gate_up_kernel``'s (a program's rows in one row block).
 
     act: [T * K, I] contiguous; w2: [E, H, I] contiguous (expert stride stride_we); ids, topk_w:
     [T * K] flat expert ids and routing weights (any float dtype, read as float32); out: [T, H]
@@ -225,6 +252,8 @@ def _down_kernel(act_ptr, w2_ptr, ws_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, st
                               mask=p_ok[:, None] & n_ok[None, :], other=0.0)            # [TOP_K_P2, BLOCK_N]
     if SCALE == 2:
         s_cols = (offs_n // SCALE_BN).to(tl.int64) * num_scale_kb                       # [BLOCK_N]
+    if SCALE == 3:
+        s_row = ((pid_n * BLOCK_N) // SCALE_BN).to(tl.int64) * num_scale_kb
     num_chunks = tl.cdiv(I, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc = _acc_init(BLOCK_N, BLOCK_K, USE_DOT)
@@ -243,6 +272,9 @@ def _down_kernel(act_ptr, w2_ptr, ws_ptr, ids_ptr, topk_w_ptr, out_ptr, H, I, st
                           other=0.0)                                                     # [BLOCK_N] float32
         else:
             s_w = 1.0
+        if SCALE == 3:   # the program's rows lie in one scale row block
+            s_in = tl.load(ws_ptr + expert * stride_se + s_row + offs_k // SCALE_BK, mask=k_ok, other=0.0)
+            a = _scaled_input(a, s_in, USE_DOT, UPCAST)
         acc = _acc_step(acc, a, w, s_w, BLOCK_K, USE_DOT, UPCAST, DOT_PRECISION, SCALE)
         last = chunk == num_chunks - 1
         y = _acc_finish(acc, USE_DOT)
@@ -330,6 +362,20 @@ def _scale_args(w: torch.Tensor, w_scale: Optional[torch.Tensor], mode: int) -> 
     return w_scale, w_scale.stride(0), w_scale.shape[2] if mode == SCALE_BLOCK else 0
 
 
+SCALE_BLOCK_INPUT = 3
+"""The decode kernels' SCALE for block scales applied to the input chunk (the kernels' docstrings)."""
+
+
+def _block_form(mode: int, launch: MoEDecodeLaunch, scale_block: Optional[tuple[int, int]], rows_offset: int
+                ) -> tuple[int, int]:
+    """(SCALE, BLOCK_K) of one launch: block scales go on the input side (SCALE_BLOCK_INPUT, the launch's
+    block_k) where every program's rows lie in one scale row block (block_n divides the block's rows, and
+    so does ``rows_offset``, gate|up's I); else as given, block_k capped to divide the block's columns."""
+    if mode == SCALE_BLOCK and scale_block[0] % launch.block_n == 0 and rows_offset % scale_block[0] == 0:
+        return SCALE_BLOCK_INPUT, launch.block_k
+    return mode, scale_block_k(launch.block_k, scale_block)
+
+
 def fused_moe_decode_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                             topk_ids: torch.Tensor, config: Optional[MoEDecodeConfig] = None, *,
                             w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
@@ -378,15 +424,17 @@ def fused_moe_decode_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.T
     bn, bk = scale_block if mode == SCALE_BLOCK else (1, 1)
     ws13, se13, kb13 = _scale_args(w13, w13_scale, mode)
     ws2, se2, kb2 = _scale_args(w2, w2_scale, mode)
+    mode1, block_k1 = _block_form(mode, c1, scale_block, rows_offset=inter)
+    mode2, block_k2 = _block_form(mode, c2, scale_block, rows_offset=0)
     _gate_up_kernel[(num_pairs, cdiv(inter, c1.block_n))](
         hidden, w13, ws13, ids, act, H, inter, hidden.stride(0), w13.stride(0), se13, kb13,
-        TOP_K=top_k, BLOCK_N=c1.block_n, BLOCK_K=scale_block_k(c1.block_k, scale_block),
-        USE_DOT=bool(c1.use_dot), UPCAST=upcast, DOT_PRECISION=precision, SCALE=mode, SCALE_BN=bn,
+        TOP_K=top_k, BLOCK_N=c1.block_n, BLOCK_K=block_k1,
+        USE_DOT=bool(c1.use_dot), UPCAST=upcast, DOT_PRECISION=precision, SCALE=mode1, SCALE_BN=bn,
         SCALE_BK=bk, num_warps=c1.num_warps, num_stages=c1.num_stages)
     _down_kernel[(T, cdiv(H, c2.block_n))](
         act, w2, ws2, ids, topk_w, out, H, inter, w2.stride(0), se2, kb2,
         TOP_K=top_k, TOP_K_P2=next_power_of_2(top_k), BLOCK_N=c2.block_n,
-        BLOCK_K=scale_block_k(c2.block_k, scale_block), USE_DOT=bool(c2.use_dot), UPCAST=upcast,
-        DOT_PRECISION=precision, SCALE=mode, SCALE_BN=bn, SCALE_BK=bk,
+        BLOCK_K=block_k2, USE_DOT=bool(c2.use_dot), UPCAST=upcast,
+        DOT_PRECISION=precision, SCALE=mode2, SCALE_BN=bn, SCALE_BK=bk,
         num_warps=c2.num_warps, num_stages=c2.num_stages)
     return out

@@ -133,6 +133,23 @@ def test_fp8_matches_ref(block, dtype, use_dot):
     check_fp8(args, scales, _config(use_dot), fn=fused_moe_decode_triton)
 
 
+@pytest.mark.parametrize("block,dtype,use_dot", [
+    ((32, 32), torch.bfloat16, 1), ((32, 16), torch.float32, 0), ((64, 16), torch.bfloat16, 0),
+], ids=["bk-tile-bf16-dot", "two-blocks-per-chunk-f32-ew", "two-blocks-per-chunk-bf16-ew"])
+def test_fp8_block_scales_on_the_input_side(block, dtype, use_dot):
+    """Block scales whose row blocks hold whole programs (block_n 16 divides BN, BN divides I = 64) go on the
+    input chunk (SCALE 3), with chunks of 32 inputs that may span two 16-input scale blocks; H 80 (a ragged
+    last scale column block)."""
+    from kernels.fused_moe_decode import SCALE_BLOCK_INPUT, _block_form
+    from kernels.fused_moe import SCALE_BLOCK
+
+    config = _config(use_dot)
+    assert _block_form(SCALE_BLOCK, config.gate_up, block, rows_offset=64) == (SCALE_BLOCK_INPUT, 32)
+    assert _block_form(SCALE_BLOCK, config.down, block, rows_offset=0) == (SCALE_BLOCK_INPUT, 32)
+    args, scales = fp8_case(5, 8, 2, 80, 64, dtype, block)
+    check_fp8(args, scales, config, fn=fused_moe_decode_triton)
+
+
 @pytest.mark.parametrize("block", [None, (32, 32)], ids=["channel", "block"])
 def test_fp8_default_config_and_sorted_path(block):
     """Interpreter default tiles (64 wide, block_k clamped to BK 32), 1 token top-8 of 64 experts; equal to
@@ -258,11 +275,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile
 from kernels.fused_moe_decode import _down_kernel, _gate_up_kernel
 
-for use_dot, scale in ((0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)):
+for use_dot, scale in ((0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)):
     w_type = "*fp8e4nv" if scale else "*bf16"
     common = dict(BLOCK_N=16 if use_dot else 8, BLOCK_K=128, USE_DOT=bool(use_dot), UPCAST=False,
-                  DOT_PRECISION="tf32", SCALE=scale, SCALE_BN=128 if scale == 2 else 1,
-                  SCALE_BK=128 if scale == 2 else 1)
+                  DOT_PRECISION="tf32", SCALE=scale, SCALE_BN=128 if scale >= 2 else 1,
+                  SCALE_BK=128 if scale >= 2 else 1)
     scales = dict(ws_ptr="*fp32" if scale else w_type, stride_se="i32", num_scale_kb="i32")
     cases = [(_gate_up_kernel, dict(x_ptr="*bf16", w13_ptr=w_type, ids_ptr="*i64", act_ptr="*bf16", H="i32",
                                     I="i32", stride_x="i32", stride_we="i32", **scales), dict(TOP_K=8)),
@@ -288,4 +305,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     returns of two types in a constexpr branch)."""
     from tests.kernels.compile_sm90 import run_compile_script
 
-    assert run_compile_script(_COMPILE_SCRIPT, tmp_path).count("compiled") == 12
+    assert run_compile_script(_COMPILE_SCRIPT, tmp_path).count("compiled") == 16

@@ -211,3 +211,26 @@ def test_gpu_fp8_experts_run_quantized_and_match_the_dequantized_model(variant, 
     refs = [ours_as_ref(o.outputs[0]) for o in ref_llm.generate(PROMPTS * 8, GREEDY, use_tqdm=False)]
     for i, (r, o) in enumerate(zip(refs, ours)):
         check_logprobs_close(r, o, f"request {i}", atol=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_adapters_on_fp8_experts_match_the_dequantized_model(fp8_dirs, tmp_path):
+    """``kernels.fused_moe_lora`` with e4m3 experts (block scales) and bf16 adapters on attention, experts and
+    router, mixed with base requests, against the same adapters on the dequantized checkpoint (both CUDA)."""
+    fp8_dir, reference_dir, _ = fp8_dirs("qwen3moe-fp8-block")
+    adapters = {name: per_expert_adapter(reference_dir, tmp_path / name, r=8, alpha=16, seed=seed)
+                for seed, name in enumerate(["a", "b"])}
+    names = [None, "a", "b"] * 4
+    requests = [None if n is None else LoRARequest(n, 1 + (n == "b"), str(adapters[n])) for n in names]
+    prompts = [PROMPTS[i % 2] for i in range(len(names))]
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=128, seed=0, gpu_memory_utilization=0.3,
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    outs = {}
+    for label, path in (("fp8", fp8_dir), ("ref", reference_dir)):
+        llm = LLM(model=str(path), **kw)
+        outs[label] = [ours_as_ref(o.outputs[0])
+                       for o in llm.generate(prompts, GREEDY, lora_request=requests, use_tqdm=False)]
+        del llm
+    for i, (r, o) in enumerate(zip(outs["ref"], outs["fp8"])):
+        check_logprobs_close(r, o, f"request {i} ({names[i] or 'base'})", atol=0.1)

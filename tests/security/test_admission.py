@@ -270,8 +270,9 @@ def test_the_queue_bound_counts_sequences(text_server, processed):
     long = {"model": MODEL, "prompt": "A", "n": 2, "max_tokens": 4000, "ignore_eos": True}
     socks = [_open_stream(text_server, long) for _ in range(2)]
     try:
-        assert wait_until(lambda: client.num_sequences_in_flight == 4, timeout_s=20)
-        assert client.num_tracked_requests == 2
+        # Sequences count from arrival, tracked requests once the engine has them: wait for both.
+        assert wait_until(lambda: client.num_sequences_in_flight == 4 and client.num_tracked_requests == 2,
+                          timeout_s=20), (client.num_sequences_in_flight, client.num_tracked_requests)
         r = httpx.post(text_server.url + "/v1/completions", timeout=30,
                        json={"model": MODEL, "prompt": "A", "max_tokens": 1})
         assert_error(r, 503)

@@ -73,8 +73,10 @@ class Fp8Experts:
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]) in ``dtype``: the float weights these FP8 ones represent."""
-        return (dequantize(self.w13, self.w13_scale, self.block).to(dtype),
-                dequantize(self.w2, self.w2_scale, self.block).to(dtype))
+        from kernels.fused_moe import dequantize_fp8_experts
+
+        return (dequantize_fp8_experts(self.w13, self.w13_scale, self.block, dtype),
+                dequantize_fp8_experts(self.w2, self.w2_scale, self.block, dtype))
 
     def kernel_scales(self) -> dict:
         """The fused MoE kernels' FP8 keywords (``kernels.fused_moe.fused_moe_triton``)."""
@@ -100,14 +102,3 @@ def quantize_per_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     full = scale.repeat_interleave(bn, dim=1)[:, :n].repeat_interleave(bk, dim=2)[:, :, :k]
     q = (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
-
-
-def dequantize(w: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:
-    """float32 [E, N, K] = float(w) * scale[e, n] (per channel) or * scale[e, n // bn, k // bk] (block)."""
-    wf = w.float()
-    if block is None:
-        return wf * scale.float()[:, :, None]
-    bn, bk = block
-    _, n, k = w.shape
-    full = scale.float().repeat_interleave(bn, dim=1)[:, :n].repeat_interleave(bk, dim=2)[:, :, :k]
-    return wf * full

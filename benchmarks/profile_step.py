@@ -2,6 +2,7 @@
 
 Example (H200, Llama-3-8B shape, random bf16 weights):
     python benchmarks/profile_step.py --llama3-8b-dummy --batch-sizes 1,256 --context-len 512
+    python benchmarks/profile_step.py --shape qwen3-30b-a3b --quantization fp8 --batch-sizes 1,64 --skip-mixed
 
 For each batch size B: B requests with ``--context-len``-token prompts are prefilled, decode runs
 a few warm steps, then ``--steps`` decode steps are profiled; then one more request with a
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.shapes import add_shape_args, engine_quantization, resolve_shape_args  # noqa: E402
 from benchmarks.throughput import llama3_8b_dummy  # noqa: E402
 
 
@@ -115,7 +117,7 @@ def _adapters(engine, args) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--llama3-8b-dummy", action="store_true")
+    add_shape_args(ap)
     ap.add_argument("--batch-sizes", default="1,256")
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--prefill-len", type=int, default=512)
@@ -127,6 +129,7 @@ def main() -> None:
     ap.add_argument("--skip-mixed", action="store_true", help="profile decode steps only")
     ap.add_argument("--out", default="benchmarks/out/profile_step.json")
     args = ap.parse_args()
+    resolve_shape_args(args)
     from engine import LLM, SamplingParams
 
     model = args.model or llama3_8b_dummy()
@@ -135,7 +138,8 @@ def main() -> None:
     if args.lora_adapters:
         lora_kw = dict(enable_lora=True, max_loras=args.lora_adapters, max_lora_rank=args.lora_rank,
                        max_cpu_loras=args.lora_adapters)
-    llm = LLM(model, load_format="dummy" if args.llama3_8b_dummy or args.model is None else "auto",
+    llm = LLM(model, load_format="dummy" if args.model is None else args.load_format,
+              quantization=engine_quantization(args), kv_cache_dtype=args.kv_cache_dtype,
               max_num_seqs=max(batch_sizes) + 1, max_model_len=2048, enable_prefix_caching=False,
               gpu_memory_utilization=0.9, seed=0, **lora_kw)
     engine = llm.llm_engine

@@ -338,17 +338,24 @@ def moe_decode_config(num_tokens: int, hidden: int, intermediate: int, top_k: in
     Args:
         num_tokens, hidden, intermediate, top_k: T, H, I, K.
         device: where it runs; a CPU device means the interpreter (64-wide tiles: few programs). None: CUDA.
-        fp8: e4m3 weights: gate|up tiles of 512 inputs (the bytes of a 256-input bf16 tile per load).
+        fp8: e4m3 weights.
 
-    NOTE: not tuned here: tiles as ``kernels.gemv``'s decode defaults (tl.dot, 32 x 256, 4 warps, 3
-    stages), down with 16 columns so a batch-1 call still has H / 16 programs.
-    ``benchmarks/sweeps/moe_decode_sweep.py`` (``--fp8`` for e4m3 weights) times the grid on the target GPU.
+    Tuned on an H100 at the Qwen3-30B-A3B shape (H 2048, I 768, K 8;
+    ``benchmarks/sweeps/moe_decode_sweep.py``, ``--fp8`` for e4m3 block-scaled weights, times the grid on the
+    target GPU): narrow tiles of elementwise products for gate|up (8 columns at 1-2 tokens, 16 above: many
+    programs over few pairs); for down, e4m3 takes elementwise 4 x 256 tiles at 1-2 tokens and 32 x 128 above,
+    bfloat16 tl.dot 16 x 512 then 32 x 128 on two warps (RESULTS.md "Launch configs": the times per call).
     """
     if device is not None and is_interpreted(device):
         small = MoEDecodeLaunch(block_n=64, block_k=64, num_warps=4, num_stages=1, use_dot=0)
         return MoEDecodeConfig(gate_up=small, down=small)
-    return MoEDecodeConfig(gate_up=MoEDecodeLaunch(32, 512 if fp8 else 256, 4, 3, 1),
-                           down=MoEDecodeLaunch(16, 256, 4, 3, 1))
+    few = num_tokens <= 2
+    gate_up = MoEDecodeLaunch(block_n=8 if few else 16, block_k=256, num_warps=4, num_stages=3, use_dot=0)
+    if fp8:
+        down = MoEDecodeLaunch(4, 256, 4, 3, 0) if few else MoEDecodeLaunch(32, 128, 4, 3, 0)
+    else:
+        down = MoEDecodeLaunch(16, 512, 2, 3, 1) if few else MoEDecodeLaunch(32, 128, 2, 3, 1)
+    return MoEDecodeConfig(gate_up=gate_up, down=down)
 
 
 # ----------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ def check_logprobs_close(ref: RefOutput, ours: RefOutput, name: str, atol: float
             f"{name}: step {i}: logprob {our_lp[b]:.6f} vs HF {ref_lp[a]:.6f}"
         for tid, v in our_lp.items():
             if tid in ref_lp:
-                assert abs(ref_lp[tid] - v) <= atol, f"{name}: step {i}: top token {tid} logprob differs"
+                assert abs(ref_lp[tid] - v) <= atol, \
+                    f"{name}: step {i}: top token {tid} logprob {v:.6f} vs HF {ref_lp[tid]:.6f}"
     return len(ref.token_ids)
 
 

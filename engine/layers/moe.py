@@ -2,6 +2,7 @@
 
     router_logits = gate(x)                                  [T, E]   (a ``Linear``, model dtype)
     topk_weights, topk_ids = select_experts(router_logits)   [T, K]   softmax in float32, top-k, optional renorm
+                                                                      (``kernels.moe_router`` on CUDA)
     y = fused_moe(x, w13, w2, topk_weights, topk_ids)        [T, H]   sum_k w_k * expert_{id_k}(x)
     y += sigmoid(shared_expert_gate(x)) * shared_expert(x)           (Qwen2-MoE style, where the config has one)
 
@@ -12,7 +13,7 @@ checkpoint expert tensor into its rows; ``load_stacked`` a transformers-5 fused 
 (an FP8 checkpoint's, or ``--quantization fp8``: ``engine.layers.fp8_experts``) hold e4m3 ``w13`` / ``w2`` and
 their scales on CUDA, which every fused path below takes; on CPU their dequantized weights.
 
-The compute is one entry point, ``fused_moe(hidden, w13, w2, topk_weights, topk_ids)``. Today it runs
+The compute is one entry point, ``fused_moe(hidden, w13, w2, topk_weights, topk_ids)``. On CPU it runs
 ``fused_moe_ref``, the pure-torch "sorted by expert" grouped computation: the T * K (token, expert) pairs
 are sorted by expert, each expert with tokens runs one gate|up matmul, SiLU-and-mul and one down matmul on its
 contiguous segment, and the results, scaled by their routing weights, are scatter-added back to their tokens.
@@ -47,6 +48,7 @@ from engine.layers.fp8_experts import Fp8Experts
 from engine.layers.fused import silu_mul_linear
 from engine.layers.linear import Linear, weights_deferred
 from engine.quantization.slices import Fp8Slice, Int4Slice
+from kernels.moe_router import fits_router_kernel, topk_softmax, topk_softmax_ref
 from engine.layers.parallel import column_parallel_linear, row_parallel_linear
 
 # ----------------------------------------------------------------------------------------
@@ -58,13 +60,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64): the softmax over all
     experts (in float32), its top ``top_k``, and with ``renormalize`` those K divided by their sum (Mixtral;
-    Qwen-MoE's ``norm_topk_prob``), which equals the softmax over the top-K logits. Ties go as ``torch.topk``'s
-    do, as in transformers."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)          # [T, E]
-    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)                 # [T, K]
-    if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
+    Qwen-MoE's ``norm_topk_prob``), which equals the softmax over the top-K logits. On CUDA one
+    ``kernels.moe_router`` launch (``KernelPolicy.moe_router_kernel``; equal probabilities go to the lower
+    expert id); elsewhere its twin, torch's ops as transformers runs them."""
+    if router_logits.is_cuda and current_policy().moe_router_kernel and fits_router_kernel(
+            router_logits.shape[-1], top_k):
+        return topk_softmax(router_logits, top_k, renormalize)
+    return topk_softmax_ref(router_logits, top_k, renormalize)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

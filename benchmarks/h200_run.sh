@@ -104,7 +104,8 @@ SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14
   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2
   python-multipart==0.0.34 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 soxr==1.1.0
   xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1
-  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0"
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
+  compressed-tensors==0.20.1 loguru==0.7.3"   # the last two: the FP8 tests' compressed-tensors checkpoints
 MODEL=${TMPDIR:-/tmp}/chorus-llama3-8b-dummy   # what --llama3-8b-dummy writes (a config and a tokenizer)
 PORT=${PORT:-8123}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -282,9 +282,11 @@ class FusedMoE(nn.Module):
             return fused_moe_lora(hidden, self.w13, self.w2, topk_weights, topk_ids, lora, self.fp8)
         return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, self.fp8)
 
-    def load_expert(self, param_name: str, expert: int, shard: int, tensor: "torch.Tensor | Fp8Slice") -> None:
+    def load_expert(self, param_name: str, expert: int, shard: int,
+                    tensor: "torch.Tensor | Fp8Slice | Int4Slice") -> None:
         """Copy one checkpoint expert tensor (whole: this rank takes its rows): ``w13`` shard 0 (gate) or 1 (up)
-        [I, H], or ``w2`` [H, I]; an FP8 checkpoint's ``Fp8Slice`` is kept for ``finish_quantized``."""
+        [I, H], or ``w2`` [H, I]; an FP8 checkpoint's ``Fp8Slice`` is kept for ``finish_quantized``, a 4-bit
+        checkpoint's ``Int4Slice`` is copied dequantized."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: the config has {self.num_experts} experts")
         size, full = self.intermediate_size, self.full_intermediate_size
@@ -293,8 +295,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert} {param_name} tensor has shape {tuple(tensor.shape)}, "
                              f"expected {want}")
         if isinstance(tensor, Int4Slice):
-            raise ValueError("4-bit (GPTQ / AWQ / pack-quantized) MoE expert weights are not supported; serve an "
-                             "FP8 or float checkpoint (--quantization fp8 quantizes a float one at load).")
+            tensor = tensor.dequantize()                                 # float32 [out, in]: no 4-bit expert kernel
         if isinstance(tensor, Fp8Slice):
             self.quantized_slices[(param_name, expert, shard)] = tensor
             return

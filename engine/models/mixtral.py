@@ -100,7 +100,8 @@ class MoEForCausalLM(nn.Module):
     """(theirs, ours) substrings of checkpoint tensor names (Mixtral's ``.block_sparse_moe.`` is our ``.mlp.``)."""
     expert_projections: tuple[tuple[str, int], ...] = (("gate_proj", 0), ("up_proj", 1), ("down_proj", 2))
     """PEFT per-expert module suffix -> slice of the experts' LoRA update (``LoRALayout.expert_projections``)."""
-    capabilities = ModelCapabilities(tensor_parallel=True, fp8_weights=True, fp8_checkpoints=True)
+    capabilities = ModelCapabilities(tensor_parallel=True, fp8_weights=True, fp8_checkpoints=True,
+                                     int4_checkpoints=True)
     logits_rules: Optional[LogitsRules] = None
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:

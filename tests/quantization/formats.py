@@ -333,6 +333,52 @@ def build_moe_fp8(out_dir: Path, float_dir: Path, *, fmt: str = "fp8-block",
         qc["quant_method"] = "compressed-tensors"
     else:
         raise ValueError(f"no FP8 MoE format {fmt!r}")
+    return _rewrite_moe_checkpoint(out_dir, float_dir, tensors, qc)
+
+
+def build_moe_int4(out_dir: Path, float_dir: Path, *, fmt: str = "gptq", group_size: int = 32,
+                   seed: int = 0) -> tuple[Path, dict]:
+    """A 4-bit checkpoint of the float MoE checkpoint ``float_dir``, the projections of
+    ``moe_projection_names`` quantized as the GPTQ / AWQ MoE releases quantize them (attention and every
+    expert's gate / up / down; routers, embeddings, norms and the LM head float): ``fmt`` "gptq" (v1,
+    symmetric, ``gptq_quantize`` + ``gptq_pack``), "gptq-actorder" (asymmetric, ``desc_act``: each
+    projection's groups over a random permutation of its inputs, one per input, so gate and up of an expert
+    share it, as calibration gives them) or "awq" (``awq_quantize`` + ``awq_pack``, GEMM layout); groups of
+    ``group_size`` inputs. Returns ``(directory, dequantized)``."""
+    float_dir = Path(float_dir)
+    tensors = read_tensors(float_dir)
+    g = torch.Generator().manual_seed(seed)
+    perms: dict[tuple, torch.Tensor] = {}      # (parent module, output side, inputs) -> permutation
+    for name in [n.removesuffix(".weight") for n in moe_projection_names(tensors)]:
+        w = tensors.pop(f"{name}.weight").float()
+        if fmt == "awq":
+            codes, scales, zeros = awq_quantize(w, group_size=group_size)
+            qweight, qzeros = awq_pack(codes, scales, zeros, group_size=group_size)
+            tensors.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros, f"{name}.scales": scales.half()})
+            continue
+        if fmt not in ("gptq", "gptq-actorder"):
+            raise ValueError(f"no 4-bit MoE format {fmt!r}")
+        perm = None
+        if fmt == "gptq-actorder":
+            key = (name.rsplit(".", 1)[0], name.endswith(("down_proj", ".w2", "o_proj")), w.shape[1])
+            perm = perms.setdefault(key, torch.randperm(w.shape[1], generator=g))
+        codes, scales, zeros, g_idx = gptq_quantize(w, bits=4, group_size=group_size, sym=fmt == "gptq", perm=perm)
+        qweight, qzeros = gptq_pack(codes, scales, zeros, g_idx, bits=4)
+        tensors.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros, f"{name}.scales": scales.half(),
+                        f"{name}.g_idx": g_idx})
+    if fmt == "awq":
+        qc = {"quant_method": "awq", "zero_point": True, "group_size": group_size, "bits": 4, "version": "gemm",
+              "modules_to_not_convert": ["gate"]}
+    else:
+        qc = {"bits": 4, "group_size": group_size, "desc_act": fmt == "gptq-actorder", "sym": fmt == "gptq",
+              "lm_head": False, "quant_method": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32"}
+    return _rewrite_moe_checkpoint(out_dir, float_dir, tensors, qc)
+
+
+def _rewrite_moe_checkpoint(out_dir: Path, float_dir: Path, tensors: dict[str, torch.Tensor], qc: dict
+                            ) -> tuple[Path, dict]:
+    """``float_dir`` copied to ``out_dir`` with ``tensors`` as its weights and ``qc`` as its
+    ``quantization_config``; returns ``(out_dir, dequantize_checkpoint(out_dir))``."""
     out_dir = Path(out_dir)
     shutil.copytree(float_dir, out_dir, dirs_exist_ok=True)
     cfg = json.loads((out_dir / "config.json").read_text())

@@ -1,0 +1,90 @@
+"""4-bit MoE checkpoints (GPTQ symmetric and act-order, AWQ GEMM), as the GPTQ / AWQ releases of Qwen3-MoE
+and Mixtral quantize them: attention and every expert's projections 4-bit, routers float. Chorus keeps the
+attention projections' 4-bit weights and holds the routed experts dequantized in the model's dtype (no 4-bit
+expert kernel); the experts hold exactly the checkpoint's weights, greedy follows vLLM's top-5 rule against
+transformers on the dequantized checkpoint (the attention's int4 kernel rounds to bfloat16 on CPU:
+``test_checkpoints.INT4_ATOL``), ``--quantization none`` is exact, and adapters on attention and experts
+follow PEFT on the dequantized checkpoint. On CUDA (``gpu``): bfloat16 against the dequantized checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.layers.linear import Linear
+from engine.layers.moe import SparseMoeBlock
+from engine.layers.w4a16 import W4A16Weight
+from tests.conftest import build_tiny_checkpoint
+from tests.models.utils import check_logprobs_close, ours_as_ref
+from tests.quantization import formats as F
+from tests.quantization.test_checkpoints import EXACT_ATOL, INT4_ATOL
+from tests.quantization.test_moe_fp8 import (FLOAT_MODELS, GREEDY, PROMPTS, check_adapters_match_peft,
+                                             check_against_hf, check_experts_hold, cpu_engine, experts_of)
+
+VARIANTS = {"qwen3moe-gptq": ("qwen3moe", "gptq"), "qwen3moe-gptq-actorder": ("qwen3moe", "gptq-actorder"),
+            "mixtral-awq": ("mixtral", "awq")}
+
+
+@pytest.fixture(scope="module")
+def int4_dirs(tmp_path_factory):
+    """Variant -> (4-bit checkpoint, float32 checkpoint of its dequantized weights, its dequantized state
+    dict)."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            arch, fmt = VARIANTS[name]
+            model_type, overrides = FLOAT_MODELS[arch]
+            float_dir = build_tiny_checkpoint(tmp_path_factory.mktemp(arch), model_type, seed=3, **overrides)
+            out, deq = F.build_moe_int4(tmp_path_factory.mktemp(name), float_dir, fmt=fmt)
+            built[name] = (out, F.write_dequantized_checkpoint(out, deq), deq)
+        return built[name]
+    return get
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_int4_moe_checkpoint_matches_transformers_on_its_dequantized_weights(variant, int4_dirs):
+    int4_dir, reference_dir, deq = int4_dirs(variant)
+    llm = cpu_engine(int4_dir)
+    model = llm.llm_engine.core.runner.model
+    routers = [m.gate for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert routers and all(r.weight is not None and r.weight_q is None for r in routers)   # float routers
+    attention = [m for m in model.modules() if isinstance(m, Linear) and all(m is not r for r in routers)
+                 and m.weight_q is not None]
+    assert attention and all(isinstance(m.weight_q, W4A16Weight) for m in attention)       # kept 4-bit
+    check_experts_hold(llm, deq, variant.startswith("mixtral"))
+    check_against_hf(llm, reference_dir, INT4_ATOL)
+
+
+def test_quantization_none_runs_the_dequantized_moe_exactly(int4_dirs):
+    int4_dir, reference_dir, deq = int4_dirs("qwen3moe-gptq-actorder")
+    llm = cpu_engine(int4_dir, quantization="none")
+    model = llm.llm_engine.core.runner.model
+    assert all(m.weight_q is None for m in model.modules() if isinstance(m, Linear))
+    check_experts_hold(llm, deq, mixtral=False)
+    check_against_hf(llm, reference_dir, EXACT_ATOL)
+
+
+def test_adapters_on_an_int4_moe_base_match_peft_on_its_dequantized_weights(int4_dirs, tmp_path):
+    int4_dir, reference_dir, _ = int4_dirs("qwen3moe-gptq")
+    check_adapters_match_peft(int4_dir, reference_dir, tmp_path, atol=INT4_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gpu_int4_moe_matches_its_dequantized_checkpoint(variant, int4_dirs):
+    """bfloat16 on CUDA: the W4A16 attention kernels and the fused MoE kernels on the dequantized experts
+    against the dequantized checkpoint, by vLLM's top-5 rule over decode batches of 16."""
+    int4_dir, reference_dir, _ = int4_dirs(variant)
+    outs = {}
+    for label, path in (("int4", int4_dir), ("ref", reference_dir)):
+        llm = LLM(model=str(path), device="cuda", dtype="bfloat16", max_model_len=128, seed=0,
+                  gpu_memory_utilization=0.3)
+        outs[label] = [ours_as_ref(o.outputs[0]) for o in llm.generate(PROMPTS * 8, GREEDY, use_tqdm=False)]
+        if label == "int4":
+            assert all(m.w13.dtype == torch.bfloat16 for m in experts_of(llm))
+        llm.close()
+    for i, (r, o) in enumerate(zip(outs["ref"], outs["int4"])):
+        check_logprobs_close(r, o, f"{variant}: request {i}", atol=INT4_ATOL)

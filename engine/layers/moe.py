@@ -33,7 +33,7 @@ LoRA: a ``FusedMoE`` whose ``adapter`` (``ExpertsAdapter``, the LoRA slots) has 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -47,9 +47,18 @@ from engine.layers.adapter import Feeds
 from engine.layers.fp8_experts import Fp8Experts
 from engine.layers.fused import silu_mul_linear
 from engine.layers.linear import Linear, weights_deferred
+from engine.layers.parallel import column_parallel_linear, row_parallel_linear
 from engine.quantization.slices import Fp8Slice, Int4Slice
 from kernels.moe_router import fits_router_kernel, topk_softmax, topk_softmax_ref
-from engine.layers.parallel import column_parallel_linear, row_parallel_linear
+
+if TYPE_CHECKING:
+    from engine.layers.quantized import QuantizedWeight
+    from engine.layers.w4a16 import W4A16Weight
+
+ExpertWeights = Union[torch.Tensor, Sequence["QuantizedWeight | W4A16Weight"]]
+"""An MoE layer's gate|up or down weights: stacked [E, out, in], or on CPU one weight-only quantized weight
+per expert (``engine.layers.quantized``'s int8 / int4 / fp16, a 4-bit checkpoint's ``W4A16Weight``), each
+run by its ``linear``."""
 
 # ----------------------------------------------------------------------------------------
 # Routing and the expert computation (pure functions: the seam a fused kernel slots into)
@@ -105,15 +114,16 @@ def fused_moe_lora(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return fused_moe_lora_ref(hidden, w13, w2, topk_weights, topk_ids, lora)
 
 
-def fused_moe_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_moe_ref(hidden: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, k], grouped by
     expert (pure torch; the twin of the fused MoE kernel).
 
     Args:
         hidden: [T, H] the MLP input (after the post-attention norm).
-        w13: [E, 2 * I, H] each expert's gate rows, then its up rows.
-        w2: [E, H, I] each expert's down projection.
+        w13: [E, 2 * I, H] each expert's gate rows, then its up rows (or E quantized weights:
+            ``ExpertWeights``).
+        w2: [E, H, I] each expert's down projection (likewise).
         topk_weights: [T, K] routing weights (any float dtype; products are taken in float32).
         topk_ids: [T, K] int expert ids in [0, E).
 
@@ -171,8 +181,9 @@ def _add_lora_rows(y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, slot: t
         y[r] = y[r] + torch.cat(deltas, dim=1)
 
 
-def fused_moe_lora_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor, lora: ExpertLoRAWeights) -> torch.Tensor:
+def fused_moe_lora_ref(hidden: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, lora: ExpertLoRAWeights
+                       ) -> torch.Tensor:
     """``fused_moe_ref`` with each token's adapter (slot l = lora.token_slots[t], none when -1) on every
     expert it runs (pure torch, vectorised over the adapted pairs; the twin of
     ``kernels.fused_moe_lora.fused_moe_lora_triton``), dtype = hidden's:
@@ -187,7 +198,7 @@ def fused_moe_lora_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     return _experts_ref(hidden, w13, w2, topk_weights, topk_ids, lora)
 
 
-def _experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def _experts_ref(hidden: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, lora: Optional[ExpertLoRAWeights]) -> torch.Tensor:
     """``fused_moe_ref`` (lora None) and ``fused_moe_lora_ref``."""
     num_tokens, top_k = topk_ids.shape
@@ -198,9 +209,8 @@ def _experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     order = torch.argsort(flat_ids, stable=True)                             # pairs sorted by expert
     token_of = order // top_k                                                # [T*K] each sorted pair's token
     pair_weights = topk_weights.reshape(-1)[order].to(torch.float32)         # [T*K]
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()       # host: tokens per expert
+    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()       # host: tokens per expert
     x = hidden.index_select(0, token_of)                                     # [T*K, H] grouped by expert
-    intermediate = w2.shape[2]
     adapted = None
     if lora is not None:
         slot_of = lora.token_slots.to(torch.int64).index_select(0, token_of)   # [T*K] each sorted pair's slot
@@ -210,6 +220,7 @@ def _experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     gate_up = _per_expert_linear(x, w13, counts)                             # [T*K, 2I]
     if adapted is not None:
         _add_lora_rows(gate_up, x, *adapted, lora.a13, [lora.b13[:, :, 0], lora.b13[:, :, 1]])
+    intermediate = gate_up.shape[1] // 2
     act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]      # [T*K, I]
     y = _per_expert_linear(act, w2, counts)                                  # [T*K, H]
     if adapted is not None:
@@ -218,15 +229,17 @@ def _experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     return out.index_add_(0, token_of, y)
 
 
-def _per_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """x [P, in] grouped by expert (counts[e] rows each, in order) -> [P, out]: each segment @ w[e].T."""
-    y = x.new_empty(x.shape[0], w.shape[1])
-    start = 0
+def _per_expert_linear(x: torch.Tensor, w: ExpertWeights, counts: list[int]) -> torch.Tensor:
+    """x [P, in] grouped by expert (counts[e] rows each, in order) -> [P, out]: each segment @ W_e.T, with
+    ``w`` stacked [E, out, in] or one weight-only quantized weight per expert (its ``linear``)."""
+    stacked = isinstance(w, torch.Tensor)
+    parts, start = [], 0
     for expert, n in enumerate(counts):
         if n:
-            y[start:start + n] = F.linear(x[start:start + n], w[expert])
+            segment = x[start:start + n]
+            parts.append(F.linear(segment, w[expert]) if stacked else w[expert].linear(segment).to(x.dtype))
             start += n
-    return y
+    return torch.cat(parts) if len(parts) > 1 else parts[0]          # P > 0 rows: at least one part
 
 
 # ----------------------------------------------------------------------------------------
@@ -270,23 +283,29 @@ class FusedMoE(nn.Module):
         self.fp8: Optional[Fp8Experts] = None
         """CUDA, FP8 experts (``engine.layers.fp8_experts``): their scales (``w13`` / ``w2`` then hold its e4m3
         weights); None: float weights (on CPU FP8 experts are dequantized into ``w13`` / ``w2``)."""
-        self.quantized_slices: dict[tuple[str, int, int], Fp8Slice] = {}
+        self.quantized_slices: dict[tuple[str, int, int], "Fp8Slice | Int4Slice"] = {}
         """A quantized checkpoint's expert slices as loaded ((param, expert, shard) -> slice), until
         ``finish_quantized``."""
+        self.cpu_quantized: Optional[tuple[list, list]] = None
+        """CPU, weight-only quantized experts (``quantize_cpu``; a 4-bit checkpoint's): per expert its
+        gate|up [2I, H] and its down [H, I] weight (``ExpertWeights``); ``w13`` / ``w2`` are then empty.
+        None: float."""
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H]."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         lora = None if self.adapter is None else self.adapter.step_weights()
+        w13, w2 = self.cpu_quantized or (self.w13, self.w2)
         if lora is not None:
-            return fused_moe_lora(hidden, self.w13, self.w2, topk_weights, topk_ids, lora, self.fp8)
-        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids, self.fp8)
+            return fused_moe_lora(hidden, w13, w2, topk_weights, topk_ids, lora, self.fp8)
+        return fused_moe(hidden, w13, w2, topk_weights, topk_ids, self.fp8)
 
     def load_expert(self, param_name: str, expert: int, shard: int,
                     tensor: "torch.Tensor | Fp8Slice | Int4Slice") -> None:
         """Copy one checkpoint expert tensor (whole: this rank takes its rows): ``w13`` shard 0 (gate) or 1 (up)
-        [I, H], or ``w2`` [H, I]; an FP8 checkpoint's ``Fp8Slice`` is kept for ``finish_quantized``, a 4-bit
-        checkpoint's ``Int4Slice`` is copied dequantized."""
+        [I, H], or ``w2`` [H, I]; an FP8 checkpoint's ``Fp8Slice``, and on CPU a 4-bit checkpoint's
+        ``Int4Slice``, are kept for ``finish_quantized``; on CUDA an ``Int4Slice`` is copied dequantized (no
+        4-bit expert kernel)."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: the config has {self.num_experts} experts")
         size, full = self.intermediate_size, self.full_intermediate_size
@@ -294,9 +313,9 @@ class FusedMoE(nn.Module):
         if tuple(tensor.shape) != want:
             raise ValueError(f"expert {expert} {param_name} tensor has shape {tuple(tensor.shape)}, "
                              f"expected {want}")
-        if isinstance(tensor, Int4Slice):
-            tensor = tensor.dequantize()                                 # float32 [out, in]: no 4-bit expert kernel
-        if isinstance(tensor, Fp8Slice):
+        if isinstance(tensor, Int4Slice) and tensor.q.is_cuda:
+            tensor = tensor.dequantize()                                 # float32 [out, in]
+        if isinstance(tensor, (Fp8Slice, Int4Slice)):
             self.quantized_slices[(param_name, expert, shard)] = tensor
             return
         self.materialize(tensor.device)
@@ -315,22 +334,49 @@ class FusedMoE(nn.Module):
                                                  requires_grad=False))
 
     def finish_quantized(self, dtype: torch.dtype, dequantize: bool = False) -> None:
-        """Build the FP8 experts from the loaded slices (every expert's gate, up and down must be there): on CUDA
-        ``w13`` / ``w2`` hold the e4m3 weights and ``fp8`` their scales; on CPU, or with ``dequantize``
-        (``--quantization none``), the dequantized weights in ``dtype``. No-op for float experts."""
+        """Build the experts from the loaded slices (every expert's gate, up and down must be there). FP8: on
+        CUDA ``w13`` / ``w2`` hold the e4m3 weights and ``fp8`` their scales; on CPU, or with ``dequantize``
+        (``--quantization none``), the dequantized weights in ``dtype``. 4-bit (CPU): ``cpu_quantized`` holds
+        each expert's ``W4A16Weight``s, or with ``dequantize`` ``w13`` / ``w2`` the dequantized weights. No-op
+        for float experts."""
         if not self.quantized_slices:
             return
         want = {(p, e, s) for e in range(self.num_experts) for p, s in (("w13", 0), ("w13", 1), ("w2", 0))}
         missing = sorted(want - set(self.quantized_slices))
         if missing:
-            raise ValueError(f"the FP8 checkpoint lacks {len(missing)} expert projections of an MoE layer, e.g. "
-                             f"{missing[:3]} ((param, expert, 0 gate / 1 up))")
+            raise ValueError(f"the quantized checkpoint lacks {len(missing)} expert projections of an MoE "
+                             f"layer, e.g. {missing[:3]} ((param, expert, 0 gate / 1 up))")
         q = self.quantized_slices
-        experts = Fp8Experts.from_slices([q[("w13", e, 0)] for e in range(self.num_experts)],
-                                         [q[("w13", e, 1)] for e in range(self.num_experts)],
-                                         [q[("w2", e, 0)] for e in range(self.num_experts)])
+        gate, up, down = ([q[(p, e, s)] for e in range(self.num_experts)]
+                          for p, s in (("w13", 0), ("w13", 1), ("w2", 0)))
         self.quantized_slices = {}
-        self._set_fp8(experts, dtype, dequantize)
+        if isinstance(gate[0], Int4Slice):
+            self._set_int4(gate, up, down, dtype, dequantize)
+            return
+        self._set_fp8(Fp8Experts.from_slices(gate, up, down), dtype, dequantize)
+
+    def _set_int4(self, gate: list[Int4Slice], up: list[Int4Slice], down: list[Int4Slice], dtype: torch.dtype,
+                  dequantize: bool) -> None:
+        if dequantize:
+            w13 = torch.stack([torch.cat([g.dequantize(), u.dequantize()]) for g, u in zip(gate, up)])
+            self.w13 = nn.Parameter(w13.to(dtype), requires_grad=False)                 # [E, 2I, H]
+            self.w2 = nn.Parameter(torch.stack([d.dequantize() for d in down]).to(dtype), requires_grad=False)
+            return
+        from engine.layers.w4a16 import W4A16Weight
+        self._set_cpu_quantized([W4A16Weight.from_slices([g, u], dtype) for g, u in zip(gate, up)],
+                                [W4A16Weight.from_slices([d], dtype) for d in down], dtype)
+
+    def quantize_cpu(self, kind: str) -> None:
+        """``--quantization int8|int4|fp16`` or a GGUF file's quantized experts on CPU: each expert's float
+        gate|up and down weights as ``engine.layers.quantized`` weights of ``kind``."""
+        from engine.layers.quantized import quantize_weight
+        self._set_cpu_quantized([quantize_weight(w, kind) for w in self.w13.data],
+                                [quantize_weight(w, kind) for w in self.w2.data], self.w13.dtype)
+
+    def _set_cpu_quantized(self, w13: list, w2: list, dtype: torch.dtype) -> None:
+        self.cpu_quantized = (w13, w2)
+        self.w13 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
     def quantize_fp8(self) -> None:
         """``--quantization fp8``: the experts as FP8 with per (expert, output channel) scales (on CPU: the

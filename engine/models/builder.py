@@ -278,10 +278,10 @@ def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], mod
     if flag not in (None, "none", "auto-float-gguf"):
         raise ValueError(f"--quantization {flag}: the checkpoint is already quantized ({scheme.format}, "
                          f"{scheme.kind}); leave --quantization unset (or none for its dequantized weights).")
-    if not (caps.weight_quantization or caps.int4_checkpoints) and caps.fp8_checkpoints and scheme.kind != FP8:
+    if not caps.weight_quantization and caps.fp8_checkpoints and scheme.kind != FP8:
         raise ValueError(f"{model_cls.__name__} loads FP8 checkpoints, not 4-bit ones ({scheme.format}); serve an "
                          "FP8 or float checkpoint of it (--quantization fp8 quantizes a float one at load).")
-    if not (caps.weight_quantization or caps.fp8_checkpoints or caps.int4_checkpoints):
+    if not (caps.weight_quantization or caps.fp8_checkpoints):
         raise ValueError(f"{model_cls.__name__} cannot load a quantized ({scheme.format}) checkpoint; serve a "
                          f"float checkpoint of it{' (--quantization fp8 quantizes it at load)' if caps.fp8_weights else ''}.")
     if tp.size > 1:
@@ -295,14 +295,14 @@ def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], mod
 
 
 def _dequantized_experts_note(model: torch.nn.Module, scheme: CheckpointQuantization) -> str:
-    """What the start-up line adds for a 4-bit MoE checkpoint, whose routed experts load dequantized."""
+    """The start-up line's words for a 4-bit MoE checkpoint on the GPU (its experts load dequantized)."""
     from engine.layers.moe import FusedMoE
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    if scheme.kind == FP8 or not experts:
+    if scheme.kind == FP8 or not experts or experts[0].cpu_quantized is not None:
         return ""
     gib = sum(t.numel() * t.element_size() for m in experts for t in (m.w13, m.w2)) / 2**30
     return (f"; the routed experts are held dequantized in {experts[0].w13.dtype} ({gib:.2f} GiB: no 4-bit "
-            "expert kernel), the other projections 4-bit")
+            "expert kernel on the GPU), the other projections 4-bit")
 
 
 @torch.no_grad()

@@ -58,10 +58,6 @@ class ModelCapabilities:
     fp8_checkpoints: bool = False
     """Loads FP8 checkpoints (compressed-tensors ``float-quantized``, HF block-wise ``fp8``) though no 4-bit ones
     (``weight_quantization`` models load both)."""
-    int4_checkpoints: bool = False
-    """Loads 4-bit checkpoints (GPTQ, AWQ, compressed-tensors ``pack-quantized``) though it takes no
-    ``--quantization int4``: its projections keep their 4-bit weights, its routed experts are dequantized to
-    the model's dtype at load (no 4-bit expert kernel)."""
     bidirectional_media: bool = False
     """The placeholder tokens of one media item attend to each other both ways (the model's forward fills
     ``AttentionMetadata.key_limit``): the scheduler never ends a prefill chunk inside a placeholder."""

@@ -254,7 +254,8 @@ class LlamaForCausalLM(nn.Module):
         """Weight-only quantization (``--quantization``, CPU; ``engine.layers.quantized``): ``kind`` is "int8" /
         "int4" for every projection and the LM head, or a plan: checkpoint tensor name -> kind (None keeps
         that tensor float; a packed projection takes the most precise kind of its parts). A quantized tied
-        embedding becomes a ``QuantizedEmbedding`` serving both lookups and the head. Norms stay float."""
+        embedding becomes a ``QuantizedEmbedding`` serving both lookups and the head. Norms and the
+        projections marked ``keep_float`` (MoE routers) stay float."""
         from engine.layers.quantized import QuantizedEmbedding, most_precise
         inverse = {}
         for part, (packed, _) in self.packed_modules_mapping.items():
@@ -268,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
             return most_precise([kind.get(f"{prefix}{dot}{p}.weight") for p in parts])
 
         for name, module in self.named_modules():
-            if isinstance(module, Linear) and (module_kind := kind_of(name)) is not None:
+            if isinstance(module, Linear) and not module.keep_float and (module_kind := kind_of(name)):
                 module.quantize(module_kind)
         head_name = "model.embed_tokens" if self.lm_head is None else "lm_head"
         head_kind = kind_of(head_name)

@@ -22,7 +22,7 @@ columns of down A (S-LoRA), the partial update riding on the all-reduce.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -100,8 +100,7 @@ class MoEForCausalLM(nn.Module):
     """(theirs, ours) substrings of checkpoint tensor names (Mixtral's ``.block_sparse_moe.`` is our ``.mlp.``)."""
     expert_projections: tuple[tuple[str, int], ...] = (("gate_proj", 0), ("up_proj", 1), ("down_proj", 2))
     """PEFT per-expert module suffix -> slice of the experts' LoRA update (``LoRALayout.expert_projections``)."""
-    capabilities = ModelCapabilities(tensor_parallel=True, fp8_weights=True, fp8_checkpoints=True,
-                                     int4_checkpoints=True)
+    capabilities = ModelCapabilities(tensor_parallel=True, weight_quantization=True)
     logits_rules: Optional[LogitsRules] = None
 
     def __init__(self, config, max_position: int, tp: Optional[TensorParallelGroup] = None) -> None:
@@ -122,6 +121,8 @@ class MoEForCausalLM(nn.Module):
                   for m in (layer.mlp for layer in layers)]
         self.shape = ModelShape(config.hidden_size, max(widths), config.vocab_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.quantized_head = None
+        """The LM head (or tied embedding) as weight-only int8 / int4 on CPU (``quantize``); None: float."""
         if self.tie_word_embeddings:
             self.lm_head = None
         elif self.tp.size > 1:
@@ -148,7 +149,9 @@ class MoEForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [R, hidden] -> logits [R, vocab] in the model's dtype."""
+        """hidden: [R, hidden] -> logits [R, vocab] in the model's dtype (float32 from a quantized head)."""
+        if self.quantized_head is not None:
+            return self.quantized_head.logits(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp.size > 1:
             return parallel_logits(hidden, weight, self.tp, self.config.vocab_size)
@@ -164,6 +167,33 @@ class MoEForCausalLM(nn.Module):
         if ".experts." in name:
             return None
         return LlamaForCausalLM.checkpoint_shard(self, name)
+
+    def quantize(self, kind: Union[str, Mapping[str, Optional[str]]]) -> None:
+        """Weight-only quantization on CPU (``SupportsWeightQuantization``): the projections and the LM head
+        as ``LlamaForCausalLM.quantize`` (routers stay float), and each MoE layer's routed experts
+        (``FusedMoE.quantize_cpu``) with ``kind``, or with a plan (checkpoint tensor name -> kind) the most
+        precise kind of that layer's expert tensors (None: float)."""
+        from engine.layers.quantized import most_precise
+        LlamaForCausalLM.quantize(self, kind)
+        plan = kind
+        if not isinstance(kind, str):
+            plan = {}
+            for name, tensor_kind in kind.items():
+                for theirs, ours in self.checkpoint_renames:
+                    name = name.replace(theirs, ours)
+                plan[name] = tensor_kind
+        for i, layer in enumerate(self.model.layers):
+            if not isinstance(layer.mlp, SparseMoeBlock):
+                continue
+            experts = layer.mlp.experts
+            if not isinstance(plan, str):
+                names = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+                         for e in range(experts.num_experts) for proj, _ in self.expert_projections]
+                layer_kind = most_precise([plan.get(n) for n in names])
+            else:
+                layer_kind = plan
+            if layer_kind is not None:
+                experts.quantize_cpu(layer_kind)
 
     @property
     def rotary_dim(self) -> int:

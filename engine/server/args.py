@@ -253,8 +253,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "instead. The LM head's logits stay float32. Default: on when the copies take at most "
                           "a quarter of the machine's memory.")
     eng.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4", "fp16", "fp8"],
-                     help="Weights in memory (Llama-family models). Default: the checkpoint's own: FP8, GPTQ, "
-                          "AWQ and compressed-tensors checkpoints stay quantized (CUDA kernels; on CPU 4-bit "
+                     help="Weights in memory (Llama-family and MoE models). Default: the checkpoint's own: FP8, "
+                          "GPTQ, AWQ and compressed-tensors checkpoints stay quantized (CUDA kernels; on CPU 4-bit "
                           "runs the int4 path, FP8 its dequantized weights), and a GGUF file's quantized tensors "
                           "stay quantized on CPU (4-bit types as int4, 5- to 8-bit as int8; dequantized with "
                           "LoRA). none: always float (a quantized checkpoint dequantized: exact against "

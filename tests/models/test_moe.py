@@ -199,7 +199,7 @@ def test_sparse_layers_follow_the_config():
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers] == hf_sparse
     assert ours.shape.intermediate_size == max(48, 2 * 16, 2 * 32)
     assert (Qwen3MoeForCausalLM.capabilities == MixtralForCausalLM.capabilities
-            == ModelCapabilities(tensor_parallel=True, fp8_weights=True, fp8_checkpoints=True, int4_checkpoints=True))
+            == ModelCapabilities(tensor_parallel=True, weight_quantization=True))
     assert ours.lora_qkv_warmup_consumer() is None
 
 

@@ -107,11 +107,14 @@ def check_experts_hold(llm: LLM, deq: dict[str, torch.Tensor], mixtral: bool) ->
     assert experts
     for layer, moe in enumerate(experts):
         inter = moe.intermediate_size
+        w13, w2 = moe.w13, moe.w2
+        if moe.cpu_quantized is not None:                     # weight-only quantized on CPU: their values
+            w13, w2 = (torch.stack([w.dequantize(torch.float32) for w in ws]) for ws in moe.cpu_quantized)
         for e in range(moe.num_experts):
             prefix = f"model.layers.{layer}.{block}.experts.{e}"
-            torch.testing.assert_close(moe.w13[e, :inter], deq[f"{prefix}.{names[0]}.weight"], rtol=0, atol=0)
-            torch.testing.assert_close(moe.w13[e, inter:], deq[f"{prefix}.{names[1]}.weight"], rtol=0, atol=0)
-            torch.testing.assert_close(moe.w2[e], deq[f"{prefix}.{names[2]}.weight"], rtol=0, atol=0)
+            torch.testing.assert_close(w13[e, :inter], deq[f"{prefix}.{names[0]}.weight"], rtol=0, atol=0)
+            torch.testing.assert_close(w13[e, inter:], deq[f"{prefix}.{names[1]}.weight"], rtol=0, atol=0)
+            torch.testing.assert_close(w2[e], deq[f"{prefix}.{names[2]}.weight"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -1,10 +1,13 @@
-"""4-bit MoE checkpoints (GPTQ symmetric and act-order, AWQ GEMM), as the GPTQ / AWQ releases of Qwen3-MoE
-and Mixtral quantize them: attention and every expert's projections 4-bit, routers float. Chorus keeps the
-attention projections' 4-bit weights and holds the routed experts dequantized in the model's dtype (no 4-bit
-expert kernel); the experts hold exactly the checkpoint's weights, greedy follows vLLM's top-5 rule against
-transformers on the dequantized checkpoint (the attention's int4 kernel rounds to bfloat16 on CPU:
-``test_checkpoints.INT4_ATOL``), ``--quantization none`` is exact, and adapters on attention and experts
-follow PEFT on the dequantized checkpoint. On CUDA (``gpu``): bfloat16 against the dequantized checkpoint."""
+"""4-bit and weight-only quantized MoE experts. Checkpoints (GPTQ symmetric and act-order, AWQ GEMM) as the
+GPTQ / AWQ releases of Qwen3-MoE and Mixtral quantize them: attention and every expert's projections 4-bit,
+routers float. On CPU Chorus keeps them 4-bit (each expert's ``W4A16Weight``s run by the expert path), on CUDA
+the experts load dequantized (no 4-bit expert kernel); the experts hold exactly the checkpoint's weights,
+greedy follows vLLM's top-5 rule against transformers on the dequantized checkpoint (the int4 kernel rounds
+activations to bfloat16 on CPU: ``test_checkpoints.INT4_ATOL``), ``--quantization none`` is exact, and
+adapters on attention and experts follow PEFT on the dequantized checkpoint. ``--quantization int8|int4``
+quantizes a float MoE's experts on CPU; the expert path over quantized weights computes their dequantized
+weights within the packed kernels' rounding. On CUDA (``gpu``): bfloat16 against the dequantized
+checkpoint."""
 
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ import torch
 
 from engine import LLM
 from engine.layers.linear import Linear
-from engine.layers.moe import SparseMoeBlock
+from engine.layers.moe import SparseMoeBlock, fused_moe_ref, select_experts
+from engine.layers.quantized import PACKED_MAX_TOKENS, Int4Weight, Int8Weight, quantize_weight
 from engine.layers.w4a16 import W4A16Weight
 from tests.conftest import build_tiny_checkpoint
 from tests.models.utils import check_logprobs_close, ours_as_ref
 from tests.quantization import formats as F
-from tests.quantization.test_checkpoints import EXACT_ATOL, INT4_ATOL
+from tests.quantization.test_checkpoints import EXACT_ATOL, INT4_ATOL, INT4_LINEAR_RTOL
 from tests.quantization.test_moe_fp8 import (FLOAT_MODELS, GREEDY, PROMPTS, check_adapters_match_peft,
                                              check_against_hf, check_experts_hold, cpu_engine, experts_of)
 
@@ -53,6 +57,7 @@ def test_int4_moe_checkpoint_matches_transformers_on_its_dequantized_weights(var
     attention = [m for m in model.modules() if isinstance(m, Linear) and all(m is not r for r in routers)
                  and m.weight_q is not None]
     assert attention and all(isinstance(m.weight_q, W4A16Weight) for m in attention)       # kept 4-bit
+    assert all(isinstance(w, W4A16Weight) for m in experts_of(llm) for ws in m.cpu_quantized for w in ws)
     check_experts_hold(llm, deq, variant.startswith("mixtral"))
     check_against_hf(llm, reference_dir, INT4_ATOL)
 
@@ -88,3 +93,48 @@ def test_gpu_int4_moe_matches_its_dequantized_checkpoint(variant, int4_dirs):
         llm.close()
     for i, (r, o) in enumerate(zip(outs["ref"], outs["int4"])):
         check_logprobs_close(r, o, f"{variant}: request {i}", atol=INT4_ATOL)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("num_tokens", [7, 300])
+def test_weight_only_quantized_experts_compute_their_dequantized_weights(kind, num_tokens):
+    """The CPU expert path over per-expert int8 / int4 weights against the same computation on their
+    dequantized stacked weights: up to ``PACKED_MAX_TOKENS`` rows an expert runs the packed kernel (bfloat16
+    activations: ``INT4_LINEAR_RTOL``), above it the dequantized weight in float32 (exact but for summation
+    order)."""
+    g = torch.Generator().manual_seed(num_tokens)
+    E, H, inter, K = 8, 64, 96, 2
+    w13, w2 = 0.1 * torch.randn(E, 2 * inter, H, generator=g), 0.1 * torch.randn(E, H, inter, generator=g)
+    q13, q2 = [quantize_weight(w, kind) for w in w13], [quantize_weight(w, kind) for w in w2]
+    deq13 = torch.stack([w.dequantize(torch.float32) for w in q13])
+    deq2 = torch.stack([w.dequantize(torch.float32) for w in q2])
+    hidden = torch.randn(num_tokens, H, generator=g)
+    topk_weights, topk_ids = select_experts(torch.randn(num_tokens, E, generator=g), K, True)
+    got = fused_moe_ref(hidden, q13, q2, topk_weights, topk_ids)
+    want = fused_moe_ref(hidden, deq13, deq2, topk_weights, topk_ids)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < (INT4_LINEAR_RTOL if num_tokens * K / E <= PACKED_MAX_TOKENS else 1e-5), err
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantization_flag_quantizes_the_experts_and_keeps_the_routers(kind, tmp_path):
+    """``--quantization int8|int4`` on a float MoE checkpoint (CPU): attention, experts and the LM head
+    weight-only quantized from the float weights, routers float; it serves."""
+    model_type, overrides = FLOAT_MODELS["qwen3moe"]
+    float_dir = build_tiny_checkpoint(tmp_path / "f", model_type, seed=3, **overrides)
+    llm = cpu_engine(float_dir, quantization=kind)
+    model = llm.llm_engine.core.runner.model
+    src = F.read_tensors(float_dir)
+    weight_class = {"int8": Int8Weight, "int4": Int4Weight}[kind]
+    for layer, moe in enumerate(experts_of(llm)):
+        gate = model.model.layers[layer].mlp.gate
+        assert gate.weight_q is None                                              # the router stays float
+        assert torch.equal(gate.weight, src[f"model.layers.{layer}.mlp.gate.weight"])
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for e, (w13, w2) in enumerate(zip(*moe.cpu_quantized)):
+            float13 = torch.cat([src[f"{prefix}.{e}.gate_proj.weight"], src[f"{prefix}.{e}.up_proj.weight"]])
+            assert isinstance(w13, weight_class) and torch.equal(w13.q, weight_class(float13).q)
+            assert torch.equal(w2.q, weight_class(src[f"{prefix}.{e}.down_proj.weight"]).q)
+    assert model.quantized_head is not None
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)

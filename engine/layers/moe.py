@@ -2,7 +2,7 @@
 
     router_logits = gate(x)                                  [T, E]   (a ``Linear``, model dtype)
     topk_weights, topk_ids = select_experts(router_logits)   [T, K]   softmax in float32, top-k, optional renorm
-                                                                      (``kernels.moe_router`` on CUDA)
+                                                                      (``kernels.moe_router`` on CUDA: opt-in)
     y = fused_moe(x, w13, w2, topk_weights, topk_ids)        [T, H]   sum_k w_k * expert_{id_k}(x)
     y += sigmoid(shared_expert_gate(x)) * shared_expert(x)           (Qwen2-MoE style, where the config has one)
 
@@ -69,9 +69,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64): the softmax over all
     experts (in float32), its top ``top_k``, and with ``renormalize`` those K divided by their sum (Mixtral;
-    Qwen-MoE's ``norm_topk_prob``), which equals the softmax over the top-K logits. On CUDA one
-    ``kernels.moe_router`` launch (``KernelPolicy.moe_router_kernel``; equal probabilities go to the lower
-    expert id); elsewhere its twin, torch's ops as transformers runs them."""
+    Qwen-MoE's ``norm_topk_prob``), which equals the softmax over the top-K logits. On CUDA with
+    ``KernelPolicy.moe_router_kernel`` one ``kernels.moe_router`` launch (equal probabilities go to the lower
+    expert id); else its twin, torch's ops as transformers runs them."""
     if router_logits.is_cuda and current_policy().moe_router_kernel and fits_router_kernel(
             router_logits.shape[-1], top_k):
         return topk_softmax(router_logits, top_k, renormalize)

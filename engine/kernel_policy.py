@@ -94,6 +94,9 @@ class KernelPolicy:
     cpu_layer_ops: bool = True
     """On CPU, the residual add + RMSNorm, SiLU-and-mul and rotary + KV write run as ``kernels.cpu_layer_ops``'s
     C ops (one pass per row; built like the decode kernel), else as torch ops."""
+    cpu_token_bitmask: bool = True
+    """On CPU, grammar bitmasks are applied to the logits by ``kernels.cpu_token_bitmask``'s C kernel (built
+    like the decode kernel), else by xgrammar's."""
     cpu_amx_gemm: bool = True
     """On CPUs with AMX, int4 and int8 weights run decode batches above the packed kernels' rows through
     ``kernels.cpu_amx_gemm`` (built like the decode kernel), else through a packed bfloat16 copy."""

@@ -19,13 +19,16 @@ Everything the host needs (token ids, logprobs) leaves the device in one copy at
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from engine.outputs import LogprobsLists
 from engine.sampling_metadata import SamplingMetadata
 from engine.structured_output.bitmask import apply_token_bitmask
+
+if TYPE_CHECKING:
+    from kernels.cpu_token_bitmask import CpuTokenBitmask
 
 _MIN_EXPONENTIAL = 1e-20
 """Floor for the race's Exp(1) draws: a 0 would turn prob 0 / q into NaN, which argmax picks."""
@@ -69,11 +72,12 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return logits
 
 
-def apply_grammar_and_min_tokens(logits: torch.Tensor, meta: SamplingMetadata,
-                                 token_bitmask: TokenBitmask) -> torch.Tensor:
-    """The grammar's mask, then min_tokens, in place: a row that min_tokens would leave without any allowed
-    token (its grammar allows only its stop tokens) keeps them instead. No host sync."""
-    apply_token_bitmask(logits, token_bitmask.bitmask, token_bitmask.rows)
+def apply_grammar_and_min_tokens(logits: torch.Tensor, meta: SamplingMetadata, token_bitmask: TokenBitmask,
+                                 cpu_kernel: Optional["CpuTokenBitmask"] = None) -> torch.Tensor:
+    """The grammar's mask (with ``cpu_kernel`` where it applies), then min_tokens, in place: a row that
+    min_tokens would leave without any allowed token (its grammar allows only its stop tokens) keeps them
+    instead. No host sync."""
+    apply_token_bitmask(logits, token_bitmask.bitmask, token_bitmask.rows, cpu_kernel=cpu_kernel)
     if meta.min_tokens_row_ids is None:
         return logits
     rows, ids = meta.min_tokens_row_ids, meta.min_tokens_token_ids   # [M] each
@@ -221,7 +225,13 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor
 # Sampler
 # ----------------------------------------------------------------------------------------
 class Sampler:
-    """Stateless: all per-request state comes in ``SamplingMetadata`` (generators included)."""
+    """Stateless: all per-request state comes in ``SamplingMetadata`` (generators included).
+
+    Args:
+        cpu_bitmask: the C kernel that applies grammar bitmasks to CPU logits (None: xgrammar's)."""
+
+    def __init__(self, cpu_bitmask: Optional["CpuTokenBitmask"] = None) -> None:
+        self.cpu_bitmask = cpu_bitmask
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, to_host: bool = True,
                  token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
@@ -244,7 +254,7 @@ class Sampler:
 
         logits = logits.to(torch.float32, copy=True)  # [R, V], owned
         if token_bitmask is not None:
-            logits = apply_grammar_and_min_tokens(logits, meta, token_bitmask)
+            logits = apply_grammar_and_min_tokens(logits, meta, token_bitmask, self.cpu_bitmask)
         else:
             logits = apply_min_tokens(logits, meta)
         logits = apply_penalties(logits, meta)

@@ -52,6 +52,7 @@ from engine.runner.step_observer import StepObserver
 from engine.runner.warm_up import (MediaWarmUpLimits, capture_cuda_graphs, tune_lora_stacked_gemms,
                                    warm_up_attention, warm_up_lora_kernels, warm_up_media)
 from kernels.cpu_layer_ops import CpuLayerOps
+from kernels.cpu_token_bitmask import CpuTokenBitmask
 
 logger = logging.getLogger("chorus.runner")
 
@@ -170,8 +171,10 @@ class ModelRunner:
         """Writes and describes the cross-attention K/V (encoder-decoder models; else None)."""
         self.logits_rules = model.logits_rules
         """The model's per-row logits rules (Whisper's), applied before sampling; None for most models."""
+        cpu_bitmask = (CpuTokenBitmask.load(self.cpu_kernel_dir)
+                       if device.type == "cpu" and policy.cpu_token_bitmask else None)
         self.sampling = StepSampler(model, model.shape.vocab_size, device, config.model_config.logprobs_mode,
-                                    self.logits_rules)
+                                    self.logits_rules, cpu_bitmask)
         self.buffers: Optional[StepBuffers] = None
         """The step buffers (``allocate_kv_cache``)."""
         self.graphs: Optional[StepGraphs] = None

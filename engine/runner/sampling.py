@@ -14,6 +14,7 @@ from engine.runner.pending import PendingOutput
 from engine.sampler import Sampler, TokenBitmask, compute_prompt_logprobs
 from engine.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from engine.sampling_params import SamplingParams
+from kernels.cpu_token_bitmask import CpuTokenBitmask
 
 
 _STARTED: tuple[list[int], list[int]] = ([], [-1])
@@ -33,16 +34,17 @@ class StepSampler:
         device: where the step runs.
         logprobs_mode: ``ModelConfig.logprobs_mode``.
         logits_rules: the model's logits rules (None: none).
+        cpu_bitmask: the C kernel that applies grammar bitmasks to CPU logits (None: xgrammar's).
     """
 
     def __init__(self, model: ModelForCausalLM, vocab_size: int, device: torch.device, logprobs_mode: str,
-                 logits_rules: Optional[LogitsRules]) -> None:
+                 logits_rules: Optional[LogitsRules], cpu_bitmask: Optional[CpuTokenBitmask] = None) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.device = device
         self.logprobs_mode = logprobs_mode
         self.logits_rules = logits_rules
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_bitmask)
         self.last_sampled: Optional[tuple[torch.Tensor, dict[str, int]]] = None
         """The last sampling step's ids [num_sampled] on the device, and each request's row in them (the next
         step's input ids the host does not have yet)."""

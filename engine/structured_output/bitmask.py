@@ -6,15 +6,20 @@ row is allowed when bit ``i % 32`` of word ``i // 32`` is set. Row ``r`` of the 
 vocabulary the bitmask was built for) are always masked; ids past the tokenizer's vocabulary inside it
 are masked by the matchers, which never allow them.
 
-``apply_token_bitmask`` runs xgrammar's kernels (its C++ CPU kernel on the host, its Triton kernel on
-CUDA); ``apply_token_bitmask_torch`` is the pure-torch twin they are tested against.
+``apply_token_bitmask`` runs xgrammar's kernels (its Triton kernel on CUDA, its C++ kernel on the host) or,
+given one, ``kernels.cpu_token_bitmask``'s C kernel on CPU float32 logits (the runner's, ``KernelPolicy.
+cpu_token_bitmask``: it skips fully allowed words, where xgrammar's tests every token on one thread);
+``apply_token_bitmask_torch`` is the pure-torch twin they are tested against.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.cpu_token_bitmask import CpuTokenBitmask
 
 BITS_PER_WORD = 32
 """Tokens per int32 word of the bitmask."""
@@ -80,19 +85,34 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor,
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: RowIndices = None,
-                        kernel: Literal["auto", "xgrammar", "torch"] = "auto") -> None:
-    """Set the disallowed logits to -inf, in place, with xgrammar's kernel for the device (its C++ kernel
-    on the CPU, Triton on CUDA) where it applies, else the torch twin.
+                        kernel: Literal["auto", "xgrammar", "torch"] = "auto",
+                        cpu_kernel: Optional["CpuTokenBitmask"] = None) -> None:
+    """Set the disallowed logits to -inf, in place: with ``cpu_kernel`` on CPU float32 logits, else with
+    xgrammar's kernel for the device (its C++ kernel on the CPU, Triton on CUDA) where it applies, else the
+    torch twin.
 
     Args:
         logits: ``[B, V]`` float logits (on the device).
         bitmask: ``[M, words]`` int32; copied to ``logits``' device when it is elsewhere (the caller
             normally copies the step's rows itself, ``non_blocking`` from the pinned host buffer).
         row_indices: the rows to mask (each < B and < M); None: rows ``0 .. B-1``.
-        kernel: ``auto`` (xgrammar where it applies), ``xgrammar`` (raises where it does not), ``torch``.
+        kernel: ``auto`` (``cpu_kernel`` or xgrammar where they apply), ``xgrammar`` (raises where it does
+            not), ``torch``.
+        cpu_kernel: the loaded C kernel (None: not used).
     """
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
+    if (kernel == "auto" and cpu_kernel is not None and logits.device.type == "cpu"
+            and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
+            and bitmask.stride(-1) == 1):
+        vocab_size = logits.shape[-1]
+        covered = min(vocab_size, bitmask.shape[-1] * BITS_PER_WORD)
+        rows = range(logits.shape[0]) if row_indices is None else (
+            row_indices.tolist() if isinstance(row_indices, torch.Tensor) else list(row_indices))
+        cpu_kernel.apply(logits, bitmask, rows, covered)
+        if covered < vocab_size and len(rows):
+            logits[list(rows), covered:] = float("-inf")
+        return
     use_xgrammar = kernel == "xgrammar" or (
         kernel == "auto" and logits.dtype in _XGRAMMAR_DTYPES and logits.device.type in ("cpu", "cuda")
         and logits.dim() == 2 and logits.stride(-1) == 1)

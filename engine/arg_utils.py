@@ -98,9 +98,6 @@ class EngineArgs:
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
         lora = None
         quantization = self.quantization
-        if self.enable_lora and quantization in ("int8", "int4", "fp16"):
-            raise ValueError(f"--quantization {quantization} with LoRA adapters is not supported yet; serve "
-                             "adapters on the float weights (leave --quantization unset).")
         if self.enable_lora and quantization is None:
             quantization = "auto-float-gguf"   # adapters run on a GGUF file's float weights (dequantized)
         if self.enable_tower_connector_lora and not self.enable_lora:

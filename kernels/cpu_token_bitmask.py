@@ -1,11 +1,10 @@
 """A grammar's token bitmask applied to CPU logits: ``csrc/token_bitmask.c`` through ctypes (semantics in the
 C file's header; twin: ``engine.structured_output.bitmask.apply_token_bitmask_torch``).
 
-Why: xgrammar's CPU kernel costs by how much a row disallows, on one thread: for 16 rows of a 49,152-token
-vocabulary on a 2-core VM 0.06 ms when most tokens are allowed (inside a JSON string), 3.3 ms when few are (a
-structural position), 16.7 ms on random bits; this one skips the words whose 32 tokens are all allowed,
-writes the rest's disallowed ones and spreads (row, word-chunk) items over torch's threads: 0.04-0.08 ms on
-each (RESULTS.md "Structured outputs").
+Why: xgrammar's CPU kernel tests every token's bit on one thread, so a row that disallows most of the
+vocabulary (a structural position of a JSON grammar) costs a few ms at a 49,152-token vocabulary; this one
+skips the words whose 32 tokens are all allowed, writes the rest's disallowed ones and spreads (row,
+word-chunk) items over torch's threads (figures: RESULTS.md "What sets the CPU defaults").
 """
 
 from __future__ import annotations

@@ -3,14 +3,18 @@
 Examples:
     python benchmarks/cpu.py                                  # default, float32, int4, the default model
     python benchmarks/cpu.py --modes float32 bfloat16 int8 --out benchmarks/out/cpu.json
+    # one rank-16 adapter on every request, the GGUF's float weights vs int4 ones
+    python benchmarks/cpu.py --modes default int4 --lora-rank 16 --step-batches "" --matmul-rows "" \
+        --long-prompt 0 --serve-clients 0
 
-For each mode (default: the engine's defaults, i.e. the GGUF's Q4_1 / Q8_0 tensors kept quantized; float32 /
-bfloat16: ``--quantization none`` at that dtype; int8 / int4: float32 activations with ``--quantization``
-weights everywhere) in a
+For each mode (default: the engine's defaults, i.e. the GGUF's Q4_1 / Q8_0 tensors kept quantized, or with
+``--lora-rank`` the float weights, as LoRA serving runs a GGUF file; float32 / bfloat16: ``--quantization none``
+at that dtype; int8 / int4: float32 activations with ``--quantization`` weights everywhere) in a
 fresh process: ``LLM()`` construction time (the converted GGUF already cached), then one request of a
 ``--context-len``-token prompt of random ids decoding ``--decode-tokens`` tokens (greedy, EOS ignored):
 decode tok/s from the first to the last token, prefill tok/s from its time to the first token, after an
-untimed warm-up request. Threads: torch's default (the machine's cores) unless ``--threads``.
+untimed warm-up request. Threads: torch's default (the machine's cores) unless ``--threads``. ``--lora-rank R``:
+every request runs one random rank-R adapter on all 7 projections (``multi_lora.write_random_adapter``).
 
 ``--long-prompt N`` (0: skip): one N-token prompt's prefill (``max_tokens=1``, engine defaults) with the engine's
 default step budget, with ``--long-chunk``-token chunks (each chunk attends over the cached prefix), and
@@ -65,18 +69,29 @@ def run_mode(mode: str, args_dict: dict, queue) -> None:
         kw.update(dtype="float32", quantization=mode)
     elif mode != "default":
         kw.update(dtype=mode, quantization="none")
+    rank = args_dict["lora_rank"]
+    if rank:
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=rank)
     t0 = time.perf_counter()
     llm = LLM(**kw)
     start_s = time.perf_counter() - t0
     engine = llm.llm_engine
     vocab = engine.runner.model.shape.vocab_size
+    lora = None
+    if rank:
+        import tempfile
+
+        from lora import LoRARequest
+        from multi_lora import write_random_adapter
+        shape = engine.runner.model.config.to_dict()
+        lora = LoRARequest("bench", 1, str(write_random_adapter(Path(tempfile.mkdtemp()) / "a", shape, rank, 0)))
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args_dict["decode_tokens"], ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     llm.generate({"prompt_token_ids": [int(t) for t in rng.integers(100, vocab - 100, 64)]},
-                 SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+                 SamplingParams(max_tokens=8, ignore_eos=True), lora_request=lora, use_tqdm=False)
     prompt = [int(t) for t in rng.integers(100, vocab - 100, args_dict["context_len"])]
-    engine.add_request("bench", {"prompt_token_ids": prompt}, params)
+    engine.add_request("bench", {"prompt_token_ids": prompt}, params, lora_request=lora)
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
@@ -87,7 +102,7 @@ def run_mode(mode: str, args_dict: dict, queue) -> None:
                 first = time.perf_counter()
             tokens += n
             last = time.perf_counter()
-    queue.put(dict(mode=mode, threads=torch.get_num_threads(), start_s=start_s,
+    queue.put(dict(mode=mode, lora_rank=rank, threads=torch.get_num_threads(), start_s=start_s,
                    prefill_tok_s=len(prompt) / (first - t0), decode_tok_s=(tokens - 1) / (last - first),
                    ms_per_token=(last - first) / (tokens - 1) * 1e3, context_len=len(prompt), tokens=tokens))
 
@@ -373,6 +388,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=["default", "float32", "int4"],
                     choices=["default", "float32", "bfloat16", "int8", "int4", "fp16"])
     ap.add_argument("--context-len", type=int, default=512)
+    ap.add_argument("--lora-rank", type=int, default=0, help="one random adapter of this rank on every request")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--long-prompt", type=int, default=8000, help="long prefill length (0: skip)")

@@ -99,6 +99,15 @@ def experts_of(llm: LLM) -> list[FusedMoE]:
     return [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
 
 
+def check_projections(llm: LLM, weight_class: type) -> None:
+    """The routers of ``llm`` are float and every other projection holds a ``weight_class`` weight."""
+    model = llm.llm_engine.core.runner.model
+    routers = [m.gate for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert routers and all(r.weight is not None and r.weight_q is None for r in routers)
+    others = [m for m in model.modules() if isinstance(m, Linear) and all(m is not r for r in routers)]
+    assert others and all(isinstance(m.weight_q, weight_class) for m in others)
+
+
 def check_experts_hold(llm: LLM, deq: dict[str, torch.Tensor], mixtral: bool) -> None:
     """Every expert of ``llm`` holds exactly the weights of the dequantized state dict ``deq``."""
     block = "block_sparse_moe" if mixtral else "mlp"
@@ -121,12 +130,8 @@ def check_experts_hold(llm: LLM, deq: dict[str, torch.Tensor], mixtral: bool) ->
 def test_fp8_moe_checkpoint_matches_transformers_on_its_dequantized_weights(variant, fp8_dirs):
     fp8_dir, reference_dir, deq = fp8_dirs(variant)
     llm = cpu_engine(fp8_dir)
-    model = llm.llm_engine.core.runner.model
     # Every projection but the routers is FP8; the experts hold exactly the checkpoint's dequantized weights.
-    routers = [m.gate for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    assert routers and all(r.weight is not None and r.weight_q is None for r in routers)
-    others = [m for m in model.modules() if isinstance(m, Linear) and all(m is not r for r in routers)]
-    assert others and all(isinstance(m.weight_q, Fp8Weight) for m in others)
+    check_projections(llm, Fp8Weight)
     check_experts_hold(llm, deq, mixtral=variant.startswith("mixtral"))
     check_against_hf(llm, reference_dir)
 
@@ -174,8 +179,9 @@ def check_adapters_match_peft(quantized_dir: Path, reference_dir: Path, tmp_path
     prompt_ids = AutoTokenizer.from_pretrained(reference_dir).encode(PROMPTS[0])
     refs = {None: hf_greedy(hf_float32(reference_dir), prompt_ids, MAX_TOKENS)}
     for name, path in adapters.items():
-        refs[name] = peft_greedy(peft_reference_model(reference_dir, {name: path}), name, prompt_ids, MAX_TOKENS)
-        assert refs[name].token_ids != refs[None].token_ids                      # the adapter changes the output
+        pm = peft_reference_model(reference_dir, {name: path})
+        refs[name] = peft_greedy(pm, name, prompt_ids, MAX_TOKENS)
+        assert refs[name].token_ids != refs[None].token_ids                  # the adapter changes the output
     llm = cpu_engine(quantized_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
     names = [None, "a", "b"]
     requests = [None if n is None else LoRARequest(n, i, str(adapters[n])) for i, n in enumerate(names)]

@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM
 from engine.layers.linear import Linear
-from engine.layers.moe import SparseMoeBlock, fused_moe_ref, select_experts
+from engine.layers.moe import fused_moe_ref, select_experts
 from engine.layers.quantized import PACKED_MAX_TOKENS, Int4Weight, Int8Weight, quantize_weight
 from engine.layers.w4a16 import W4A16Weight
 from tests.conftest import build_tiny_checkpoint
@@ -24,7 +24,8 @@ from tests.models.utils import check_logprobs_close, ours_as_ref
 from tests.quantization import formats as F
 from tests.quantization.test_checkpoints import EXACT_ATOL, INT4_ATOL, INT4_LINEAR_RTOL
 from tests.quantization.test_moe_fp8 import (FLOAT_MODELS, GREEDY, PROMPTS, check_adapters_match_peft,
-                                             check_against_hf, check_experts_hold, cpu_engine, experts_of)
+                                             check_against_hf, check_experts_hold, check_projections,
+                                             cpu_engine, experts_of)
 
 VARIANTS = {"qwen3moe-gptq": ("qwen3moe", "gptq"), "qwen3moe-gptq-actorder": ("qwen3moe", "gptq-actorder"),
             "mixtral-awq": ("mixtral", "awq")}
@@ -51,12 +52,7 @@ def int4_dirs(tmp_path_factory):
 def test_int4_moe_checkpoint_matches_transformers_on_its_dequantized_weights(variant, int4_dirs):
     int4_dir, reference_dir, deq = int4_dirs(variant)
     llm = cpu_engine(int4_dir)
-    model = llm.llm_engine.core.runner.model
-    routers = [m.gate for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    assert routers and all(r.weight is not None and r.weight_q is None for r in routers)   # float routers
-    attention = [m for m in model.modules() if isinstance(m, Linear) and all(m is not r for r in routers)
-                 and m.weight_q is not None]
-    assert attention and all(isinstance(m.weight_q, W4A16Weight) for m in attention)       # kept 4-bit
+    check_projections(llm, W4A16Weight)                        # float routers, every other projection 4-bit
     assert all(isinstance(w, W4A16Weight) for m in experts_of(llm) for ws in m.cpu_quantized for w in ws)
     check_experts_hold(llm, deq, variant.startswith("mixtral"))
     check_against_hf(llm, reference_dir, INT4_ATOL)

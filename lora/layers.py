@@ -199,6 +199,10 @@ class LinearLoRASlots(nn.Module):
         ``stack_onto`` ran (``KernelPolicy.lora_stacked_max_tokens``; 0: never)."""
         self.stacked_weight: Optional[torch.Tensor] = None  # [out + max_loras * S * R, in] base rows | A rows
         self.stacked_bias: Optional[torch.Tensor] = None    # [out + max_loras * S * R] base bias | zeros
+        self._torch_slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Torch path, padded slots: slot -> (A^T [in, S * r], block-diagonal B^T [S * r, sum(out_s)]) in
+        float32, r the largest rank of the slot's slices (``_torch_slot``): one GEMM for the shrink of every
+        slice and one for the expand. Built on a slot's first use, dropped when it is set."""
         self.stacked_cover: dict[tuple[int, int], int] = {}
         """(num_tokens, slot_bound) -> slots the stacked GEMM covers (>= slot_bound, <= max_loras):
         cuBLAS picks its kernel by shape, and a few more A rows can be faster than the bound's
@@ -216,6 +220,7 @@ class LinearLoRASlots(nn.Module):
         if self.pooled:
             self._set_pooled_slice(lora_slot, slice_idx, weights)
             return
+        self._torch_slots.pop(lora_slot, None)
         a_dst = self.lora_a[slice_idx, lora_slot]                   # [max_rank, in]
         b_dst = self.lora_b[slice_idx][lora_slot]                   # [out_s, max_rank]
         if weights is None:
@@ -550,19 +555,55 @@ class LinearLoRASlots(nn.Module):
         pages, sub = rows // PAGE_ROWS, rows % PAGE_ROWS
         return self.lora_a[:, rows], [b[pages, :, sub].t() for b in self.lora_b]
 
+    def _torch_slot(self, lora_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A^T [in, S * r], block-diagonal B^T [S * r, sum(out_s)]) of one slot in float32 (``_torch_slots``):
+        slice s's rank rows are columns [s * r, (s + 1) * r) of A^T and feed only its own output columns."""
+        cached = self._torch_slots.get(lora_slot)
+        if cached is not None:
+            return cached
+        a, lora_b = self._slot_weights(lora_slot)                                       # [S, R, in], [out_s, R]
+        used = (a.abs().sum(dim=2) != 0) | torch.stack([(b != 0).any(dim=0) for b in lora_b])   # [S, R]
+        nz = used.any(dim=0).nonzero()
+        rank = int(nz[-1]) + 1 if nz.numel() else 1              # rows past every slice's rank are zero padding
+        S = self.num_slices
+        a_t = a[:, :rank].float().reshape(S * rank, self.input_size).t().contiguous()  # [in, S * r]
+        b_bd = a_t.new_zeros(S * rank, sum(self.output_sizes))                          # [S * r, sum(out_s)]
+        for s, (off, size) in enumerate(zip(self.slice_offsets, self.output_sizes)):
+            b_bd[s * rank:(s + 1) * rank, off:off + size] = lora_b[s][:, :rank].float().t()
+        self._torch_slots[lora_slot] = a_t, b_bd
+        return a_t, b_bd
+
     def _forward_torch(self, x: torch.Tensor, y: torch.Tensor, batch) -> None:
+        if self.pooled:
+            for seg in batch.segments:
+                xs = x if seg.token_ids is None else x.index_select(0, seg.token_ids)     # [n, in]
+                a, lora_b = self._slot_weights(seg.lora_slot)                              # [S, R, in], [out_s, R]
+                buf = torch.matmul(xs.float().unsqueeze(0), a.float().transpose(1, 2))    # [S, n, R] f32
+                delta = torch.cat([buf[s] @ lora_b[s].float().t()
+                                   for s in range(self.num_slices)], dim=1)                # [n, sum out_s]
+                self._add_rows(y, delta, seg.token_ids)
+            return
         for seg in batch.segments:
-            xs = x if seg.token_ids is None else x.index_select(0, seg.token_ids)     # [n, in]
-            a, lora_b = self._slot_weights(seg.lora_slot)                              # [S, R, in], [out_s, R]
-            buf = torch.matmul(xs.float().unsqueeze(0), a.float().transpose(1, 2))    # [S, n, R] f32
-            delta = torch.cat([buf[s] @ lora_b[s].float().t()
-                               for s in range(self.num_slices)], dim=1)                # [n, sum out_s]
-            # NOTE: every column of y gets a slice (zero where the adapter has none), so one
-            # row-wise add into the contiguous y; index_add_ on a column view is very slow on CPU.
-            if seg.token_ids is None:
-                y += delta.to(y.dtype)
+            xs = x if seg.token_ids is None else x.index_select(0, seg.token_ids)         # [n, in]
+            a_t, b_bd = self._torch_slot(seg.lora_slot)
+            buf = torch.mm(xs if xs.dtype == torch.float32 else xs.float(), a_t)         # [n, S * r] f32
+            if seg.token_ids is None and y.dtype == torch.float32 and y.is_contiguous():
+                y.addmm_(buf, b_bd)
             else:
-                y.index_add_(0, seg.token_ids, delta.to(y.dtype))
+                self._add_rows(y, buf @ b_bd, seg.token_ids)                                # [n, sum out_s]
+
+    @staticmethod
+    def _add_rows(y: torch.Tensor, delta: torch.Tensor, token_ids: Optional[torch.Tensor]) -> None:
+        """y[token_ids] += delta (every row of y when token_ids is None).
+
+        y: [num_tokens, sum(out_s)]; delta: [n, sum(out_s)] float32.
+        """
+        # NOTE: delta has every column of y (zero where the adapter has no slice), so one row-wise add into the
+        # contiguous y; index_add_ on a column view is very slow on CPU.
+        if token_ids is None:
+            y += delta.to(y.dtype)
+        else:
+            y.index_add_(0, token_ids, delta.to(y.dtype))
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_sizes}, max_loras={self.max_loras}, "

@@ -120,6 +120,27 @@ def test_torch_path_matches_kernel_twins():
     torch.testing.assert_close(base(x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", _backends())
+def test_a_reloaded_or_cleared_slot_runs_its_new_weights(backend):
+    """A slot set again after it ran (another adapter, another rank, fewer slices) or cleared computes
+    what it now holds: nothing derived from its old weights survives (the torch path's per-slot GEMM
+    operands are rebuilt)."""
+    base, slots, state = _layer(backend)
+    first = _adapters()
+    _load(slots, first)
+    token_slots = [2, 0, -1, 2]
+    state.batch = build_lora_batch(torch.tensor(token_slots, dtype=torch.int32), MAX_LORAS,
+                                   with_segments=backend == "torch")
+    x = torch.randn(len(token_slots), IN)
+    base_y = torch.nn.functional.linear(x, base.weight)
+    torch.testing.assert_close(base(x), _manual(x, base_y, token_slots, first), rtol=1e-4, atol=1e-4)
+    g = torch.Generator().manual_seed(7)
+    second = {2: {1: (torch.randn(3, IN, generator=g), torch.randn(OUTS[1], 3, generator=g), 1.5)}}
+    _load(slots, second)                       # slot 2: rank 3 on slice 1 only
+    slots.clear_slot(0)
+    torch.testing.assert_close(base(x), _manual(x, base_y, token_slots, second), rtol=1e-4, atol=1e-4)
+
+
 def test_no_batch_or_base_only_leaves_output_alone():
     base, slots, state = _layer("torch")
     _load(slots, _adapters())

@@ -3,14 +3,13 @@
 Examples:
     python benchmarks/cpu.py                                  # default, float32, int4, the default model
     python benchmarks/cpu.py --modes float32 bfloat16 int8 --out benchmarks/out/cpu.json
-    # one rank-16 adapter on every request, the GGUF's float weights vs int4 ones
-    python benchmarks/cpu.py --modes default int4 --lora-rank 16 --step-batches "" --matmul-rows "" \
+    # one rank-16 adapter on every request: beside the GGUF's own quantized weights and the float ones
+    python benchmarks/cpu.py --modes default float32 --lora-rank 16 --step-batches "" --matmul-rows "" \
         --long-prompt 0 --serve-clients 0
 
-For each mode (default: the engine's defaults, i.e. the GGUF's Q4_1 / Q8_0 tensors kept quantized, or with
-``--lora-rank`` the float weights, as LoRA serving runs a GGUF file; float32 / bfloat16: ``--quantization none``
-at that dtype; int8 / int4: float32 activations with ``--quantization`` weights everywhere) in a
-fresh process: ``LLM()`` construction time (the converted GGUF already cached), then one request of a
+For each mode (default: the engine's defaults, i.e. the GGUF's Q4_1 / Q8_0 tensors kept quantized; float32 /
+bfloat16: ``--quantization none`` at that dtype; int8 / int4: float32 activations with ``--quantization``
+weights everywhere) in a fresh process: ``LLM()`` construction time (the converted GGUF already cached), then one request of a
 ``--context-len``-token prompt of random ids decoding ``--decode-tokens`` tokens (greedy, EOS ignored):
 decode tok/s from the first to the last token, prefill tok/s from its time to the first token, after an
 untimed warm-up request. Threads: torch's default (the machine's cores) unless ``--threads``. ``--lora-rank R``:

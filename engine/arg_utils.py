@@ -98,8 +98,6 @@ class EngineArgs:
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
         lora = None
         quantization = self.quantization
-        if self.enable_lora and quantization is None:
-            quantization = "auto-float-gguf"   # adapters run on a GGUF file's float weights (dequantized)
         if self.enable_tower_connector_lora and not self.enable_lora:
             raise ValueError("enable_tower_connector_lora adapts the vision tower with LoRA adapters: also pass "
                              "--enable-lora (or --lora-modules).")

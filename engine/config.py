@@ -50,9 +50,8 @@ class ModelConfig:
     """Weight format in memory. None (auto): a quantized checkpoint (``quantization_config``: FP8, GPTQ, AWQ,
     compressed-tensors; ``engine.quantization``) stays quantized, and a GGUF file's quantized tensors stay
     quantized on CPU (4-bit types as int4, 5- to 8-bit types as int8; ``engine.layers.quantized``);
-    everything else is dequantized to ``dtype``. "auto-float-gguf": the same, except a GGUF file is
-    dequantized (set with LoRA). "none": always dequantized (exact against transformers on the dequantized
-    weights). "int8" / "int4": weight-only quantization of any Llama-family checkpoint on CPU; "fp16":
+    everything else is dequantized to ``dtype``; adapters run beside quantized weights. "none": always
+    dequantized (exact against transformers on the dequantized weights). "int8" / "int4": weight-only quantization of any Llama-family checkpoint on CPU; "fp16":
     float16 weights through fbgemm (x86 CPUs), within ~1e-3 of float32; "fp8": FP8 weights with
     per-channel scales quantized at load (``engine.layers.fp8``). Quantized weights give faster decode
     (RESULTS.md) and outputs close to, not equal to, the float weights'."""
@@ -82,8 +81,8 @@ class ModelConfig:
                 f"logprobs_mode={self.logprobs_mode!r}: use 'raw_logprobs' or 'processed_logprobs'.")
 
 
-QUANTIZATION_FLAGS = (None, "none", "auto-float-gguf", "int8", "int4", "fp16", "fp8")
-"""``ModelConfig.quantization`` values (``--quantization`` takes those but auto-float-gguf)."""
+QUANTIZATION_FLAGS = (None, "none", "int8", "int4", "fp16", "fp8")
+"""``ModelConfig.quantization`` values (``--quantization`` takes them all)."""
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 """``CacheConfig.cache_dtype`` values of the FP8 (e4m3) cache: vLLM's ``fp8`` and its spelled-out form."""
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16") + FP8_KV_CACHE_DTYPES

@@ -275,7 +275,7 @@ def _check_checkpoint_quantization(scheme: Optional[CheckpointQuantization], mod
                          "--tensor-parallel-size 1.")
     if scheme is None:
         return
-    if flag not in (None, "none", "auto-float-gguf"):
+    if flag not in (None, "none"):
         raise ValueError(f"--quantization {flag}: the checkpoint is already quantized ({scheme.format}, "
                          f"{scheme.kind}); leave --quantization unset (or none for its dequantized weights).")
     if not caps.weight_quantization and caps.fp8_checkpoints and scheme.kind != FP8:
@@ -353,7 +353,7 @@ def _quantization_plan(model: torch.nn.Module, quantization: Optional[str], reso
     ``quantization`` is unset and the model runs on CPU, or None (float weights)."""
     if quantization in ("int8", "int4", "fp16"):
         return quantization
-    if (quantization in ("none", "auto-float-gguf", "fp8") or resolved.kind != "gguf" or device.type != "cpu"
+    if (quantization in ("none", "fp8") or resolved.kind != "gguf" or device.type != "cpu"
             or not model.capabilities.weight_quantization):
         return None
     from engine.layers.quantized import kind_for_gguf_type

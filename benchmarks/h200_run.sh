@@ -33,8 +33,8 @@
 #               runs on the FP8 base, LORA_FP8="BATCH:ADAPTERS ..." (default "64:16,64";
 #               $OUT/multi_lora_fp8_b64.json, ~150-250 s); `moe-latency` the qwen3-30b-a3b shape with FP8 projections and
 #               experts, batch 1/64 vs its bytes floor ($OUT/latency_fp8_qwen3_30b_a3b.json, ~100-150 s); `moe-router` the
-#               same with the one-launch routing kernel (CHORUS_KERNEL_POLICY=moe_router_kernel=1,
-#               $OUT/latency_fp8_qwen3_30b_a3b_router.json; run after moe-latency in one call); `int4-latency` a GPTQ checkpoint of random 4-bit weights (groups
+#               same with torch's routing ops instead of the one-launch kernel (CHORUS_KERNEL_POLICY=moe_router_kernel=0,
+#               $OUT/latency_fp8_qwen3_30b_a3b_torch_router.json; run after moe-latency in one call); `int4-latency` a GPTQ checkpoint of random 4-bit weights (groups
 #               of 128, written first: ~6 GB) of the Llama-3-8B shape, batch 1/16/64 vs its 4-bit floor ($OUT/latency_int4.json)
 #   serve       chorus serve under 256 streamed requests of 512 prompt ids + 128 tokens sent at
 #               once, from 1 and 4 client processes, vs LLM.generate on the same requests; needs
@@ -221,7 +221,7 @@ for phase in "$@"; do
             bench latency_fp8_qwen3_30b_a3b latency.py --shape qwen3-30b-a3b --quantization fp8 --batch-sizes 1,64 \
               --context-len 512 --steps 32 --skip-hf ;;
           moe-router)
-            CHORUS_KERNEL_POLICY=moe_router_kernel=1 bench latency_fp8_qwen3_30b_a3b_router latency.py \
+            CHORUS_KERNEL_POLICY=moe_router_kernel=0 bench latency_fp8_qwen3_30b_a3b_torch_router latency.py \
               --shape qwen3-30b-a3b --quantization fp8 --batch-sizes 1,64 --context-len 512 --steps 32 --skip-hf ;;
           int4-latency) bench latency_int4 latency.py --shape llama3-8b --quantization int4 --batch-sizes 1,16,64 --context-len 512 --steps 32 --skip-hf ;;
           70b-latency)

@@ -51,10 +51,9 @@ class KernelPolicy:
     """On CUDA, MoE calls of at most this many (token, expert) pairs run ``kernels.fused_moe_decode``
     (each pair reads its own expert, no sort), larger ones the sorted grouped GEMMs of
     ``kernels.fused_moe``; 0: always sorted. 0-4096."""
-    moe_router_kernel: bool = False
+    moe_router_kernel: bool = True
     """On CUDA, MoE routing (softmax, top-k, renormalisation) runs as one ``kernels.moe_router`` launch per
-    layer; off: torch's ops. Off by default: checked against its twin through the Triton interpreter, not yet
-    timed (or run) on a GPU."""
+    layer; off: torch's ops (five or more kernels)."""
     gemm_split_k: bool = True
     """On CUDA in bfloat16, o_proj / down_proj of decode-sized steps (output tiles filling at most
     half the SMs) run as one batched GEMM over two halves of K whose partials the next add +

@@ -4,8 +4,8 @@ Qwen3-MoE FP8 releases ship, compressed-tensors FP8_DYNAMIC per channel; ``forma
 the experts hold the dequantized weights, so tokens equal and logprobs within 1e-4 as
 ``test_checkpoints.EXACT_ATOL``); adapters on attention, experts and router of an FP8 base against PEFT on the
 dequantized checkpoint; the routers stay float; start-up errors. On CUDA (``gpu``) the fused MoE kernels read
-the e4m3 experts and their scales: float32 against the same checkpoint with its experts dequantized (exact but
-for the summation order), bfloat16 against the dequantized checkpoint by vLLM's top-5 rule."""
+the e4m3 experts and their scales, against the same checkpoint with its experts dequantized: float32 exact but
+for the summation order, bfloat16 by vLLM's top-5 rule."""
 
 from __future__ import annotations
 
@@ -37,10 +37,12 @@ EXACT_ATOL = 1e-4
 GPU_F32_ATOL = 1e-3
 """CUDA float32, e4m3 experts against the same experts dequantized (the same W8A8 attention): the kernels
 widen e4m3 exactly, so only the summation order differs (measured: 0.0000 on H100)."""
-GPU_W8A8_ATOL = 1.0
-"""CUDA bfloat16, the FP8 checkpoint against its dequantized weights, whose attention runs unquantized
-activations: the tiny random models' logprobs move by up to 0.43 from the e4m3 activations alone (float32 on
-both sides; bfloat16 against float32 on the same weights: 0.10), as ``test_checkpoints.INT4_ATOL``."""
+GPU_BF16_ATOL = 0.25
+"""CUDA bfloat16, e4m3 experts against the same experts dequantized to bfloat16 (the same W8A8 attention): the
+kernels scale after the dot, the reference rounds each scaled weight to bfloat16 (bfloat16 against float32 on
+the same weights: 0.10). Against the dequantized checkpoint, whose attention runs unquantized activations, the
+tiny random models' logprobs move by up to 0.43 from the e4m3 activations alone and a near-flat step can put
+the argmax outside the other's top 5: that comparison is ``benchmarks/quantized_check.py``'s, on real shapes."""
 
 FLOAT_MODELS = {   # name -> (model_type, overrides): 32 x 32 scale blocks tile every projection
     "qwen3moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -241,9 +243,8 @@ def test_gpu_fp8_experts_run_quantized_and_match_the_dequantized_model(variant, 
     """Decode batches of 16 (the decode kernels) after their prefills (the sorted path). float32: the e4m3
     experts through the fused MoE kernels against the same checkpoint with only its experts dequantized (the
     same W8A8 attention): the kernels widen e4m3 exactly, so tokens are equal and logprobs within
-    ``GPU_F32_ATOL``. bfloat16: the whole FP8 model against its dequantized checkpoint by vLLM's top-5
-    rule."""
-    fp8_dir, reference_dir, _ = fp8_dirs(variant)
+    ``GPU_F32_ATOL``. bfloat16: the same comparison by vLLM's top-5 rule within ``GPU_BF16_ATOL``."""
+    fp8_dir = fp8_dirs(variant)[0]
     prompts = PROMPTS * 8
     experts, ours = _gpu_run(fp8_dir, "float32", prompts)
     assert experts and all(m.fp8 is not None and m.w13.dtype == torch.float8_e4m3fn for m in experts)
@@ -255,10 +256,11 @@ def test_gpu_fp8_experts_run_quantized_and_match_the_dequantized_model(variant, 
         assert o.token_ids == r.token_ids, f"{variant}: request {i}"
         check_logprobs_close(r, o, f"{variant} vs its float32 experts: request {i}", atol=GPU_F32_ATOL)
     ours = _gpu_run(fp8_dir, "bfloat16", prompts)[1]
-    refs = _gpu_run(reference_dir, "bfloat16", prompts)[1]
+    with monkeypatch.context() as m:
+        _experts_dequantized(m)
+        refs = _gpu_run(fp8_dir, "bfloat16", prompts)[1]
     for i, (r, o) in enumerate(zip(refs, ours)):
-        check_logprobs_close(r, o, f"{variant} vs the dequantized checkpoint: request {i}",
-                             atol=GPU_W8A8_ATOL)
+        check_logprobs_close(r, o, f"{variant} vs its bfloat16 experts: request {i}", atol=GPU_BF16_ATOL)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ base 1e4, attention scale 1/sqrt(head_dim), no soft-capping); ``tests.models.ggu
 llama.cpp's converter would. Chorus serves the file; the reference is transformers on the weights the file
 holds (dequantized): served as float weights (F32, F16, Q8_0 with --quantization none), every greedy token
 equal and logprobs within 1e-3; Q8_0 kept int8 on CPU (MoE experts included), vLLM's rule
-(tokens equal or, where they part, each in the other's top-5). Where transformers reads the arch from GGUF
+(tokens equal or, where they part, each in the other's top-5), with or without an adapter beside the int8 experts.
+Where transformers reads the arch from GGUF
 itself (``from_pretrained(..., gguf_file=...)``: qwen3, qwen3moe, gemma3) its weights equal our converted
 checkpoint's.
 """
@@ -30,6 +31,11 @@ from tests.models.gguf_writer import write_gguf
 from tests.models.utils import RefOutput, check_logprobs_close, hf_float32, hf_greedy, ours_as_ref
 
 MAX_TOKENS = 8
+INT8_FIRST_STEP_ATOL = 0.6
+"""An MoE Q8_0 file's per-row int8 weights against its float weights: one first-step logprob (measured up to
+0.49 where an expert choice flips; the same with the int8 kernels replaced by float32 matmuls)."""
+INT8_FIRST_STEP_MEAN = 0.2
+"""The same, each request's largest deviation averaged over the requests (measured 0.06-0.11)."""
 HF_READS_GGUF = ("qwen3", "qwen3moe", "gemma3")
 """The GGUF architectures transformers loads itself (the writer's cross-check)."""
 
@@ -180,6 +186,45 @@ def _run(case: str, gguf_path: Path, hf_tok, refs: list, quantization, atol: flo
                 for w, f in zip(ws, stacked):
                     assert isinstance(w, Int8Weight) and torch.equal(w.q, Int8Weight(f).q)
     return "int8" if packed_weights(model) else "float"
+
+
+@pytest.mark.parametrize("case", ["qwen3moe-q8_0", "mixtral-q8_0"])
+def test_adapters_run_beside_a_moe_files_int8_experts(case, built, tmp_path):
+    """With LoRA the file's Q8_0 tensors stay int8 as without it (every routed expert too) and a per-expert
+    adapter (attention, router, experts) runs beside them, mixed with base requests, against the same adapter on
+    the float weights (``-q none``; exact against PEFT in ``test_moe_lora``): at each request's first step the
+    tokens both top-5s hold (at least 2) agree within ``INT8_FIRST_STEP_ATOL``, their largest deviation within
+    ``INT8_FIRST_STEP_MEAN`` on average (the adapter moves them by ~1 and changes most tokens). The per-row int8
+    weights differ from the file's Q8_0 blocks and can flip an expert choice, and these tiny random models' first
+    steps are near-flat, so tokens are not compared."""
+    from engine.layers.moe import FusedMoE
+    from engine.layers.quantized import Int8Weight
+    from lora import LoRARequest
+    from tests.models.test_moe_lora import per_expert_adapter
+
+    hf_dir, gguf_path, _ = built(case)
+    lora = LoRARequest("a", 1, str(per_expert_adapter(hf_dir, tmp_path / "a", r=8, alpha=16, seed=1)))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outs = {}
+    for quantization in ("none", None):
+        llm = LLM(str(gguf_path), seed=0, max_model_len=256, quantization=quantization, enable_lora=True,
+                  max_loras=1, max_lora_rank=8)
+        experts = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert experts and all((m.cpu_quantized is None) == (quantization == "none") for m in experts)
+        if quantization is None:
+            assert all(isinstance(w, Int8Weight) for m in experts for ws in m.cpu_quantized for w in ws)
+        requests = [lora] * len(TINY_PROMPTS) + [None] * len(TINY_PROMPTS)
+        outs[quantization] = [ours_as_ref(o.outputs[0]) for o in llm.generate(
+            TINY_PROMPTS * 2, params, lora_request=requests, use_tqdm=False)]
+    floats, int8s = outs["none"], outs[None]
+    assert [o.token_ids for o in floats[:len(TINY_PROMPTS)]] != [o.token_ids for o in floats[len(TINY_PROMPTS):]]
+    largest = []
+    for i, (ref, ours) in enumerate(zip(floats, int8s)):
+        shared = set(ref.logprobs[0]) & set(ours.logprobs[0])
+        assert len(shared) >= 2, f"{case} request {i}: top-5s {sorted(ref.logprobs[0])} / {sorted(ours.logprobs[0])}"
+        largest.append(max(abs(ref.logprobs[0][t] - ours.logprobs[0][t]) for t in shared))
+        assert largest[-1] <= INT8_FIRST_STEP_ATOL, f"{case} request {i}: {largest[-1]:.3f}"
+    assert sum(largest) / len(largest) <= INT8_FIRST_STEP_MEAN, largest
 
 
 @pytest.mark.parametrize("case", ["qwen3-f32", "gemma3-f32", "qwen3moe-f32"])

@@ -429,6 +429,10 @@ class LinearLoRASlots(nn.Module):
         slot's shrink too (decode-sized steps, ``begin_stacked``), or the plain one with the shrink
         issued beside it (``begin``); then the expand (``finish``), or, with ``defer`` and a started
         update, y alone and the update still to add for y's consumer."""
+        if self.backend == "torch":                                # no early shrink, no consumer fusion
+            y = linear.weight_q.linear(x, linear.bias) if linear.weight is None else F.linear(x, linear.weight,
+                                                                                                linear.bias)
+            return self.forward(x, y), None
         stacked = self.begin_stacked(x, linear.weight) if linear.weight is not None else None
         if stacked is None:
             pending = self.begin(x)

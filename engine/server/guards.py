@@ -76,6 +76,41 @@ async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never rea
     return _DISCONNECT
 
 
+LINGER_S = 5.0
+"""After refusing a body that is too large, how long the server goes on reading (and dropping) what the
+client still sends before the response ends and the connection closes. Clients such as httpx and the
+OpenAI SDK send the whole body before they read the reply, and a socket closed with unread bytes is reset
+by the kernel, which loses the reply: this is nginx's lingering close."""
+LINGER_IDLE_S = 1.0
+"""The lingering read stops sooner when no byte arrives for this long (a client that waits for the reply)."""
+LINGER_MAX_BYTES = 64 << 20
+"""... and once this many bytes were dropped: past it, the connection closes (and may be reset)."""
+
+
+async def refuse_body(send: Send, receive: Receive, err: OpenAIError, path: str = "") -> None:
+    """Answer ``err`` with ``connection: close`` while the request body is still arriving, then read and
+    drop the rest of it (bounded by ``LINGER_S``, ``LINGER_IDLE_S`` and ``LINGER_MAX_BYTES``) before the
+    response ends, so the reply reaches a client that sends its whole body first. Nothing read is kept."""
+    async def hold_the_end(message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            message = {**message, "more_body": True}   # the body is complete (Content-Length); the exchange is not
+        await send(message)
+
+    await send_error(hold_the_end, err, close=True, path=path)
+    loop = asyncio.get_running_loop()
+    end_s, num_dropped_bytes = loop.time() + LINGER_S, 0
+    while num_dropped_bytes <= LINGER_MAX_BYTES:
+        try:
+            async with _deadline(min(end_s, loop.time() + LINGER_IDLE_S)):
+                message = await receive()
+        except TimeoutError:
+            break
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            break
+        num_dropped_bytes += len(message.get("body", b""))
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 OPEN_ROUTES = ("/health", "/metrics", "/version", "/ping")
 """The paths that answer without the API key (health checks and monitoring): every other path, unknown
 ones included, is a 401 without the key (``Authorization: Bearer <key>``, or ``x-api-key: <key>`` as
@@ -140,7 +175,8 @@ class ClientGuardMiddleware:
     """What one HTTP exchange may cost, enforced while the app runs:
 
     - a body above ``max_body_bytes``: 413 at once by Content-Length, else as soon as the chunks read pass
-      the limit (chunked transfer, multipart uploads): nothing beyond it is read into memory;
+      the limit (chunked transfer, multipart uploads): nothing beyond it is kept; what the client still
+      sends is read and dropped for a bounded time (``refuse_body``) so that it gets the answer;
     - a body that has not fully arrived ``timeout_s`` after the request's head: 408 (a slowloris client);
     - a response the client does not read: a send that still waits for the socket's buffer to drain
       after ``timeout_s`` aborts every engine request the exchange opened (their KV blocks are freed) and
@@ -158,9 +194,13 @@ class ClientGuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            await send_error(send, self.too_large(scope), close=True, path=scope.get("path", ""))
+            if headers.get(b"expect", b"").lower() == b"100-continue":   # the client waits: no body comes
+                await send_error(send, self.too_large(scope), close=True, path=scope.get("path", ""))
+            else:
+                await refuse_body(send, receive, self.too_large(scope), path=scope.get("path", ""))
             return
         exchange = _GuardedExchange(self, scope, receive, send)
         with owned_requests() as exchange.streams:
@@ -243,9 +283,14 @@ class _GuardedExchange:
         if self.response_started:
             return
         self.response_started = True
+        path = self.scope.get("path", "")
         try:
-            async with _deadline(asyncio.get_running_loop().time() + self.guard.timeout_s):
-                await send_error(self._send, err, close=True, path=self.scope.get("path", ""))
+            if isinstance(err, PayloadTooLargeError):   # the client is still sending: drop the rest first
+                async with _deadline(asyncio.get_running_loop().time() + self.guard.timeout_s + LINGER_S):
+                    await refuse_body(self._send, self._receive, err, path=path)
+            else:
+                async with _deadline(asyncio.get_running_loop().time() + self.guard.timeout_s):
+                    await send_error(self._send, err, close=True, path=path)
         except TimeoutError:
             pass   # the client reads nothing either; uvicorn closes the connection when the app returns
 

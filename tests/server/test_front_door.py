@@ -154,6 +154,20 @@ Content-Length: {BODY_LIMIT + 1}""")
     assert reply.startswith(b"HTTP/1.1 413 ") and b"larger than the limit" in reply, reply[:300]
 
 
+def test_a_client_that_sends_its_whole_body_first_still_reads_the_413(server):
+    """httpx and the OpenAI SDK send the whole body before they read the reply. The server reads and drops
+    the rest of an over-cap body before it closes: a socket closed with unread bytes is reset by the
+    kernel, and the client would lose the 413 (or fail mid-upload)."""
+    body = b"x" * (16 << 20)   # more than the two sockets' buffers hold
+    sock = raw_request(server, f"""POST /v1/completions HTTP/1.1
+Host: x
+Content-Type: application/json
+Content-Length: {len(body)}""", body)   # sendall: fails if the server closes before it has all of it
+    reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:300]
+    assert reply.endswith(b'"type":"RequestEntityTooLargeError","param":null,"code":413}}'), reply[-300:]
+
+
 def test_chunked_body_over_the_cap_is_refused_while_it_arrives(server):
     sock = raw_request(server, """POST /v1/completions HTTP/1.1
 Host: x

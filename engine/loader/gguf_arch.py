@@ -1,7 +1,8 @@
 """What each GGUF architecture Chorus reads means in Hugging Face terms: its tensor names, its q/k layout,
 its norm convention and the config fields llama.cpp's ``convert_hf_to_gguf.py`` leaves implicit.
 
-One ``GgufArch`` per ``general.architecture`` (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma3``);
+One ``GgufArch`` per ``general.architecture`` (``llama``, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``,
+``gemma3``);
 a ``llama`` file with ``llama.expert_count`` is Mixtral. Names follow ``gguf.constants`` (``TENSOR_NAMES``):
 
 - every arch: ``token_embd``, ``output_norm``, ``output`` (absent: tied), ``blk.N.attn_norm``, ``attn_q`` /
@@ -9,9 +10,10 @@ a ``llama`` file with ``llama.expert_count`` is Mixtral. Names follow ``gguf.con
 - ``qwen3``, ``qwen3moe``, ``gemma3``: ``attn_q_norm`` / ``attn_k_norm`` (per-head RMSNorm);
 - ``gemma3``: ``post_attention_norm``, ``post_ffw_norm``; its ``ffn_norm`` is HF's
   ``pre_feedforward_layernorm``;
-- MoE (``qwen3moe``, Mixtral): ``ffn_gate_inp`` (router), ``ffn_gate_exps`` / ``ffn_up_exps`` /
+- MoE (``qwen2moe``, ``qwen3moe``, Mixtral): ``ffn_gate_inp`` (router), ``ffn_gate_exps`` / ``ffn_up_exps`` /
   ``ffn_down_exps`` (experts stacked: [n_expert, out, in]), older Mixtral files one ``ffn_gate.E`` per expert;
-  ``ffn_gate_inp_shexp`` / ``ffn_{gate,up,down}_shexp`` a Qwen2-MoE-style shared expert.
+  ``ffn_gate_inp_shexp`` / ``ffn_{gate,up,down}_shexp`` a Qwen2-MoE-style shared expert (every ``qwen2moe``
+  block has one).
 
 The converted checkpoint uses the names ``save_pretrained`` writes (Mixtral's
 ``block_sparse_moe.experts.E.w1``, Qwen-MoE's ``mlp.experts.E.gate_proj``), so transformers and PEFT read it
@@ -114,6 +116,17 @@ def _qwen3_moe_config(cfg: dict[str, Any], facts: GgufFacts) -> None:
         cfg["shared_expert_intermediate_size"] = int(facts.key("expert_shared_feed_forward_length"))
 
 
+def _qwen2_moe_config(cfg: dict[str, Any], facts: GgufFacts) -> None:
+    """llama.cpp's qwen2moe: q/k/v bias, every block sparse with a gated shared expert, the top-k weights not
+    renormalized (unless ``expert_weights_norm`` says so)."""
+    cfg["qkv_bias"] = "blk.0.attn_q.bias" in facts.tensor_names
+    cfg["moe_intermediate_size"] = int(facts.key("expert_feed_forward_length"))
+    cfg["shared_expert_intermediate_size"] = int(facts.key("expert_shared_feed_forward_length", 0))
+    cfg["norm_topk_prob"] = bool(facts.key("expert_weights_norm", False))
+    cfg["decoder_sparse_step"] = 1
+    cfg["mlp_only_layers"] = []
+
+
 def _mixtral_config(cfg: dict[str, Any], facts: GgufFacts) -> None:
     cfg["num_local_experts"] = int(facts.key("expert_count"))
     cfg["num_experts_per_tok"] = int(facts.key("expert_used_count"))
@@ -156,6 +169,10 @@ ARCHS: dict[str, GgufArch] = {
                          {**_LLAMA_LAYERS, **_QK_NORM, **_QWEN_MOE},
                          experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")), required=_QK_NORMS,
                          finish_config=_qwen3_moe_config),
+    "qwen2moe": GgufArch("qwen2moe", "qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe", False, 0.0,
+                         {**_LLAMA_LAYERS, **_QWEN_MOE}, experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+                         required=("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"),
+                         finish_config=_qwen2_moe_config),
     "gemma3": GgufArch("gemma3", "gemma3_text", ("Gemma3ForCausalLM",), "gemma3", False, 1.0,
                        {**_ATTENTION, **_QK_NORM, **_DENSE_MLP,
                         "post_attention_norm": "post_attention_layernorm",

@@ -10,6 +10,7 @@ from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCa
 from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen2_audio import Qwen2AudioForConditionalGeneration
+from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -26,6 +27,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
@@ -46,6 +48,7 @@ def get_model_class(config) -> type[nn.Module]:
                  "qwen2_vl": ["Qwen2VLForConditionalGeneration"],
                  "qwen2_5_vl": ["Qwen2_5_VLForConditionalGeneration"],
                  "mixtral": ["MixtralForCausalLM"], "qwen3_moe": ["Qwen3MoeForCausalLM"],
+                 "qwen2_moe": ["Qwen2MoeForCausalLM"],
                  "gemma3_text": ["Gemma3ForCausalLM"], "gemma3": ["Gemma3ForConditionalGeneration"],
                  "whisper": ["WhisperForConditionalGeneration"],
                  "qwen2_audio": ["Qwen2AudioForConditionalGeneration"]}.get(getattr(config, "model_type", ""), [])

@@ -4,11 +4,12 @@
   ``create_sliding_window_causal_mask`` for the whole model; Qwen3-MoE's config keeps ``sliding_window`` only
   with ``use_sliding_window`` and has no ``max_window_layers``);
 - Gemma 3 (text, and the text model of ``gemma3``), Qwen2 (also the language model of Qwen2-Audio and of a
-  LLaVA over Qwen2), the language models of Qwen2-VL and Qwen2.5-VL, and Qwen3: the layers whose
+  LLaVA over Qwen2), Qwen2-MoE, the language models of Qwen2-VL and Qwen2.5-VL, and Qwen3: the layers whose
   ``layer_types`` entry is ``"sliding_attention"``; the others attend to the whole context. transformers
   fills ``layer_types`` from Gemma 3's ``sliding_window_pattern`` (every pattern-th layer global) and from
   Qwen's ``max_window_layers`` (layers i >= max_window_layers slide, when ``use_sliding_window``;
-  ``sliding_window`` is None without it).
+  ``sliding_window`` is None without it; Qwen2-MoE's config instead makes the even layers below
+  ``max_window_layers`` slide, and ``sliding_window`` 0 without ``use_sliding_window``).
 
 A windowed layer's query at position p sees keys p - window < k <= p (``engine.attention``). The runner groups
 the layers by window (``engine.kv_cache_groups``, from the ``sliding_window`` each layer is given here): a
@@ -27,7 +28,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 """transformers' ``layer_types`` entries."""
 _EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
 """Families whose ``sliding_window`` applies to every layer."""
-_BY_LAYER_TYPE = ("gemma3_text", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3")
+_BY_LAYER_TYPE = ("gemma3_text", "qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3")
 """Families whose ``layer_types`` say which layers slide."""
 
 

@@ -1,6 +1,7 @@
 """MoE models at tensor_parallel_size 2 (gloo, 2 processes, float32): attention heads split, every expert's
-intermediate rows split, routers replicated. Mixtral (per-expert checkpoint tensors) and Qwen3-MoE (a dense layer
-among the sparse ones, transformers-5 stacked expert tensors) give the tokens of size 1 and logprobs within 1e-3,
+intermediate rows split, routers replicated. Mixtral (per-expert checkpoint tensors), Qwen3-MoE (a dense layer
+among the sparse ones, transformers-5 stacked expert tensors) and Qwen2-MoE (q/k/v bias, a shared expert whose
+rows split like a dense MLP's, its gate replicated) give the tokens of size 1 and logprobs within 1e-3,
 with base-model requests and two adapters on the experts and routers (their B rows of gate/up and A columns of
 down split with the experts) in one batch."""
 
@@ -23,6 +24,8 @@ VARIANTS = {   # name -> (transformers model_type, config overrides, save the pe
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
     "qwen3moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
                                    norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])),
+    "qwen2moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48, num_hidden_layers=2)),
 }
 
 
@@ -48,8 +51,8 @@ def test_tp2_equals_tp1_with_expert_adapters(variant, tmp_path):
         "experts": build_peft_adapter(d, tmp_path / "experts", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
                                       target_parameters=EXPERTS_AND_ROUTER, seed=1),
         "all": build_peft_adapter(d, tmp_path / "all", r=4, lora_alpha=16, seed=2, use_rslora=True,
-                                  target_modules=ALL_TARGETS if arch == "qwen3_moe" else ["k_proj", "v_proj"],
-                                  target_parameters=[] if arch == "qwen3_moe" else EXPERTS_AND_ROUTER[:2]),
+                                  target_modules=ALL_TARGETS if arch != "mixtral" else ["k_proj", "v_proj"],
+                                  target_parameters=EXPERTS_AND_ROUTER[:2] if arch == "mixtral" else []),
     }
     ref, ours = _run(d, adapters, tp=1), _run(d, adapters, tp=2)
     assert len(ours) == 3 * len(PROMPTS)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
               "gemma3_text": "gemma3", "mixtral": "llama"}
 """HF model_type -> llama.cpp architecture (Mixtral is ``llama`` with experts)."""
 _EXPERT = re.compile(
@@ -73,8 +73,10 @@ def _add_hparams(w, cfg, arch: str) -> None:
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(text.num_experts_per_tok)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         w.add_expert_feed_forward_length(text.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(text.shared_expert_intermediate_size)
     if arch == "gemma3":
         w.add_sliding_window(text.sliding_window)
         if full.get("rope_type") == "linear":
@@ -140,10 +142,13 @@ def write_gguf(out: Path, hf_dir: Path, quant: str = "F32") -> dict[str, torch.T
             a = llama_cpp_permute(a, text.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             a = a + np.float32(1.0)   # Gemma3RMSNorm scales by 1 + w; llama.cpp stores 1 + w
+        if gname.endswith("ffn_gate_inp_shexp.weight"):
+            a = a.reshape(-1)         # llama.cpp's {n_embd} vector, kept float like the norms
         data, values, raw = _stored(np.ascontiguousarray(a), quant)
         w.add_tensor(gname, data, raw_dtype=raw)
         if arch == "gemma3" and name.endswith("norm.weight"):
             values = values - np.float32(1.0)
+        values = values.reshape(tensors[name].shape)
         if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             # Rows quantize on their own: the permuted rows' values are the HF rows' values, permuted.
             values = tensors[name] if quant == "F32" else _stored(tensors[name], quant)[1]

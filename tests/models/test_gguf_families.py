@@ -1,5 +1,5 @@
-"""GGUF files of Qwen3, Qwen3-MoE, Gemma 3 and Mixtral (llama.cpp's ``qwen3``, ``qwen3moe``, ``gemma3`` and
-``llama`` with experts) against transformers on the tiny HF checkpoints they were written from (CPU, float32).
+"""GGUF files of Qwen3, Qwen3-MoE, Qwen2-MoE, Gemma 3 and Mixtral (llama.cpp's ``qwen3``, ``qwen3moe``,
+``qwen2moe``, ``gemma3`` and ``llama`` with experts) against transformers on the tiny HF checkpoints they were written from (CPU, float32).
 
 Each tiny checkpoint comes from the family's own test config (test_qwen3, test_gemma3, test_moe), made
 representable in llama.cpp's format where it fixes things in code (Gemma 3: every 6th layer global, local rope
@@ -9,7 +9,7 @@ holds (dequantized): served as float weights (F32, F16, Q8_0 with --quantization
 equal and logprobs within 1e-3; Q8_0 kept int8 on CPU (MoE experts included), vLLM's rule
 (tokens equal or, where they part, each in the other's top-5), with or without an adapter beside the int8 experts.
 Where transformers reads the arch from GGUF
-itself (``from_pretrained(..., gguf_file=...)``: qwen3, qwen3moe, gemma3) its weights equal our converted
+itself (``from_pretrained(..., gguf_file=...)``: qwen3, qwen3moe, qwen2moe, gemma3) its weights equal our converted
 checkpoint's.
 """
 
@@ -36,7 +36,7 @@ INT8_FIRST_STEP_ATOL = 0.6
 0.49 where an expert choice flips; the same with the int8 kernels replaced by float32 matmuls)."""
 INT8_FIRST_STEP_MEAN = 0.2
 """The same, each request's largest deviation averaged over the requests (measured 0.06-0.11)."""
-HF_READS_GGUF = ("qwen3", "qwen3moe", "gemma3")
+HF_READS_GGUF = ("qwen3", "qwen3moe", "qwen2moe", "gemma3")
 """The GGUF architectures transformers loads itself (the writer's cross-check)."""
 
 
@@ -68,6 +68,8 @@ CASES = {   # name: (checkpoint builder, GGUF arch, tensor type of the 2-D weigh
     "qwen3moe-f32": (_moe("qwen3moe-8x2-norm"), "qwen3moe", "F32", "Qwen3MoeForCausalLM"),
     "qwen3moe-q8_0": (_moe("qwen3moe-8x2-norm"), "qwen3moe", "Q8_0", "Qwen3MoeForCausalLM"),
     "qwen3moe-dense1-f32": (_moe("qwen3moe-64x8-norm-dense1"), "qwen3moe", "F32", "Qwen3MoeForCausalLM"),
+    "qwen2moe-f32": (_moe("qwen2moe-8x2-shared"), "qwen2moe", "F32", "Qwen2MoeForCausalLM"),
+    "qwen2moe-q8_0": (_moe("qwen2moe-8x2-shared"), "qwen2moe", "Q8_0", "Qwen2MoeForCausalLM"),
     "mixtral-f32": (_moe("mixtral-8x2"), "llama", "F32", "MixtralForCausalLM"),
     "mixtral-q8_0": (_moe("mixtral-8x2"), "llama", "Q8_0", "MixtralForCausalLM"),
 }
@@ -124,12 +126,14 @@ def test_gguf_matches_transformers(case, built, tmp_path):
                                                      "rope_parameters", "final_logit_softcapping"],
              "qwen3moe": ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                           "mlp_only_layers"],
+             "qwen2moe": ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                          "shared_expert_intermediate_size", "qkv_bias", "mlp_only_layers"],
              "llama": ["num_local_experts", "num_experts_per_tok", "sliding_window"]}[gguf_arch]
     for key in keys:
-        want = getattr(hf_cfg, key)
-        if key == "head_dim" and want is None:   # Mixtral's config leaves it to hidden_size / heads
-            want = hf_cfg.hidden_size // hf_cfg.num_attention_heads
-        assert getattr(cfg, key) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), key
+        want, got = getattr(hf_cfg, key, None), getattr(cfg, key, None)
+        if key == "head_dim":   # Mixtral's and Qwen2-MoE's configs leave it to hidden_size / heads
+            want, got = (v or hf_cfg.hidden_size // hf_cfg.num_attention_heads for v in (want, got))
+        assert got == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), key
     if quant == "F32":
         from safetensors.torch import load_file
         want = load_file(str(hf_dir / "model.safetensors"))
@@ -188,7 +192,7 @@ def _run(case: str, gguf_path: Path, hf_tok, refs: list, quantization, atol: flo
     return "int8" if packed_weights(model) else "float"
 
 
-@pytest.mark.parametrize("case", ["qwen3moe-q8_0", "mixtral-q8_0"])
+@pytest.mark.parametrize("case", ["qwen3moe-q8_0", "qwen2moe-q8_0", "mixtral-q8_0"])
 def test_adapters_run_beside_a_moe_files_int8_experts(case, built, tmp_path):
     """With LoRA the file's Q8_0 tensors stay int8 as without it (every routed expert too) and a per-expert
     adapter (attention, router, experts) runs beside them, mixed with base requests, against the same adapter on
@@ -227,7 +231,7 @@ def test_adapters_run_beside_a_moe_files_int8_experts(case, built, tmp_path):
     assert sum(largest) / len(largest) <= INT8_FIRST_STEP_MEAN, largest
 
 
-@pytest.mark.parametrize("case", ["qwen3-f32", "gemma3-f32", "qwen3moe-f32"])
+@pytest.mark.parametrize("case", ["qwen3-f32", "gemma3-f32", "qwen3moe-f32", "qwen2moe-f32"])
 def test_transformers_reads_our_gguf_as_we_do(case, built):
     """transformers' own GGUF tensor loading holds the same weights as our converted checkpoint (read back by
     transformers: so that directory serves transformers and PEFT too). transformers is given the checkpoint's

@@ -26,6 +26,20 @@ VARIANTS = {   # name -> (transformers model_type, config overrides)
     "qwen3moe-64x8-norm-dense1": ("qwen3_moe", dict(num_experts=64, num_experts_per_tok=8,
                                                     moe_intermediate_size=32, norm_topk_prob=True, head_dim=32,
                                                     num_hidden_layers=3, mlp_only_layers=[1])),
+    # Qwen2-MoE: q/k/v bias, a gated shared expert beside 64 routed experts, a dense layer, no renormalization.
+    "qwen2moe-64x8-shared-dense1": ("qwen2_moe", dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=32,
+                                                      shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                                      num_hidden_layers=3, mlp_only_layers=[1])),
+    # Qwen2-MoE as llama.cpp's qwen2moe holds it: every layer sparse, no renormalization. Weights at half the
+    # usual range: with 0.2 its q/k biases make attention so sharp that the int8 path's bfloat16 activations
+    # (tests/models/test_gguf_families.py) move first-step logprobs by up to 0.84.
+    "qwen2moe-8x2-shared": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                              shared_expert_intermediate_size=32, norm_topk_prob=False,
+                                              initializer_range=0.1)),
+    # Qwen2-MoE with its sliding window (layer 0 slides: even layers below max_window_layers), renormalized top-2.
+    "qwen2moe-8x2-window": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                              shared_expert_intermediate_size=32, norm_topk_prob=True,
+                                              use_sliding_window=True, sliding_window=8, max_window_layers=2)),
 }
 LONG_PROMPT = " ".join(CORPUS[:10])
 
@@ -85,7 +99,7 @@ def test_parity_batch(variant, checkpoints, tiny_prompts, monkeypatch):
     assert used and max(n for n, _ in used) >= 0.75 * used[0][1]   # a step's tokens took most experts
 
 
-@pytest.mark.parametrize("variant", ["mixtral-8x2", "qwen3moe-64x8-norm-dense1"])
+@pytest.mark.parametrize("variant", ["mixtral-8x2", "qwen3moe-64x8-norm-dense1", "qwen2moe-8x2-window"])
 def test_parity_chunked_prefill(variant, checkpoints, tiny_prompts):
     """A long prompt prefilled in chunks of a few tokens, beside short ones."""
     from transformers import AutoTokenizer
@@ -127,7 +141,7 @@ def test_lora_on_attention_matches_peft(variant, checkpoints, tiny_prompts, tmp_
 # ------------------------------------------------------------------------------------------
 # Checkpoint formats and the model structure
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["mixtral-8x2", "qwen3moe-64x8-norm-dense1"])
+@pytest.mark.parametrize("variant", ["mixtral-8x2", "qwen3moe-64x8-norm-dense1", "qwen2moe-64x8-shared-dense1"])
 def test_per_expert_and_stacked_checkpoints_load_the_same(variant, checkpoints):
     """HF's per-expert tensors (what ``save_pretrained`` writes by default) and transformers 5's stacked ones (its
     in-memory state dict, ``save_original_format=False``) fill the same stacked weights."""

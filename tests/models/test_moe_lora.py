@@ -1,4 +1,4 @@
-"""LoRA on MoE models' routed experts and routers (Qwen3-MoE, Mixtral) against PEFT, on tiny random checkpoints
+"""LoRA on MoE models' routed experts, shared experts and routers (Qwen3-MoE, Qwen2-MoE, Mixtral) against PEFT, on tiny random checkpoints
 (CPU, float32): every adapter form PEFT 0.21 writes or reads for these models, several adapters and base-model
 requests in one batch, each request equal to PEFT with its own adapter (greedy tokens; logprobs within 1e-3 by
 vLLM's rule, ``tests.models.utils.check_logprobs_close``). An adapter whose expert shapes do not fit is a 400
@@ -112,6 +112,21 @@ def test_qwen3_moe_attention_experts_router(checkpoints, tiny_prompts, tmp_path)
                                   target_parameters=EXPERTS_AND_ROUTER, seed=6, use_rslora=True)
     per_expert = per_expert_adapter(d, tmp_path / "v4", r=4, alpha=8, seed=4)
     _check_mixed_batch(d, {"all": converted, "params": explicit, "v4": per_expert}, tiny_prompts[:3])
+
+
+def test_qwen2_moe_shared_expert_experts_and_router(checkpoints, tiny_prompts, tmp_path):
+    """Qwen2-MoE: PEFT's MLP targets reach the shared expert's and the dense layer's gate/up/down with q/k/v/o
+    (q/k/v carry a bias; PEFT 0.21 does not turn them into target_parameters for this model); a second
+    adapter on the routed experts and the router by explicit target_parameters."""
+    from safetensors.torch import load_file
+
+    d = checkpoints("qwen2moe-64x8-shared-dense1")
+    modules = build_peft_adapter(d, tmp_path / "all", r=4, lora_alpha=8, target_modules=ALL_TARGETS, seed=9)
+    names = load_file(str(modules / "adapter_model.safetensors"))
+    assert any(".shared_expert.gate_proj.lora_A" in n for n in names)
+    explicit = build_peft_adapter(d, tmp_path / "params", r=8, lora_alpha=16, target_modules=["v_proj"],
+                                  target_parameters=EXPERTS_AND_ROUTER, seed=10)
+    _check_mixed_batch(d, {"all": modules, "params": explicit}, tiny_prompts[:3])
 
 
 def test_mixtral_stacked_and_per_expert(checkpoints, tiny_prompts, tmp_path):

@@ -16,7 +16,8 @@
 #               FAMILIES="qwen3-8b qwen3-30b-a3b gemma3-12b" then FAMILIES=throughput.
 #               Parts named only: `moe-lora` 16 distinct rank-16 adapters on q/k/v/o and every routed expert of
 #               qwen3-30b-a3b vs the base, batch 64, 512 + 128 tokens ($OUT/multi_lora_qwen3_30b_a3b.json, ~300-400 s
-#               with writing the adapters, 1.7 GB each); `gemma3-window` benchmarks/kv_cache.py window: a 32k-token
+#               with writing the adapters, 1.7 GB each; H200 only: on an 80 GB H100 the 61 GB of weights and the 16
+#               slots' 26.5 GB of expert A/B do not fit); `gemma3-window` benchmarks/kv_cache.py window: a 32k-token
 #               prompt's KV blocks on gemma3-12b with its windows and with every layer global, and decode at batch 64,
 #               2048 tokens, on each ($OUT/kv_cache_window_gemma3_12b.json, ~150-200 s)
 #   fp8         Llama-3-8B shape with the engine's --quantization fp8 (transformers bf16), the parts FP8_PARTS

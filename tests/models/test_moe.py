@@ -13,9 +13,11 @@ import torch
 from engine import LLM, SamplingParams
 from engine.layers import moe
 from tests.conftest import CORPUS, build_tiny_checkpoint
-from tests.models.utils import check_outputs_close, hf_float32, hf_greedy
+from tests.models.utils import check_logprobs_close, check_outputs_close, hf_float32, hf_greedy, ours_as_ref
 
 MAX_TOKENS = 12
+GPU_BF16_ATOL = 0.25
+"""bfloat16 logprobs of our kernels against transformers' on the GPU (as tests/models/test_gpu_parity.py)."""
 
 VARIANTS = {   # name -> (transformers model_type, config overrides)
     "mixtral-8x2": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
@@ -136,6 +138,33 @@ def test_lora_on_attention_matches_peft(variant, checkpoints, tiny_prompts, tmp_
     request = LoRARequest("attn", 1, str(adapter))
     outputs = llm.generate(prompts, _params(), lora_request=request, use_tqdm=False)
     _check(outputs, refs, prompts, min_exact=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_bf16_follows_transformers(variant, checkpoints, tiny_prompts):
+    """On CUDA in bfloat16 (the fused MoE kernels: sorted prefill, small-batch decode, CUDA graphs), each
+    prompt four times so decode batches pass 16 rows: vLLM's top-5 rule against transformers in bfloat16 on
+    the GPU, logprobs within ``GPU_BF16_ATOL``."""
+    import gc
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = checkpoints(variant)
+    tok = AutoTokenizer.from_pretrained(d)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+    refs = [hf_greedy(hf, tok.encode(p), MAX_TOKENS) for p in tiny_prompts]
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(str(d), device="cuda", dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3, seed=0)
+    outputs = llm.generate(tiny_prompts * 4, _params(), use_tqdm=False)
+    for i, out in enumerate(outputs):
+        check_logprobs_close(refs[i % len(refs)], ours_as_ref(out.outputs[0]), f"{variant} request {i}",
+                             atol=GPU_BF16_ATOL)
+    del llm
+    gc.collect()
 
 
 # ------------------------------------------------------------------------------------------

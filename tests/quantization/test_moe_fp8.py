@@ -48,9 +48,11 @@ FLOAT_MODELS = {   # name -> (model_type, overrides): 32 x 32 scale blocks tile 
     "qwen3moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                                    norm_topk_prob=True, head_dim=32)),
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
+    "qwen2moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                   shared_expert_intermediate_size=32, initializer_range=0.1)),
 }
 VARIANTS = {"qwen3moe-fp8-block": ("qwen3moe", "fp8-block"), "qwen3moe-ct-fp8": ("qwen3moe", "ct-fp8-dynamic"),
-            "mixtral-fp8-block": ("mixtral", "fp8-block")}
+            "mixtral-fp8-block": ("mixtral", "fp8-block"), "qwen2moe-ct-fp8": ("qwen2moe", "ct-fp8-dynamic")}
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +104,11 @@ def experts_of(llm: LLM) -> list[FusedMoE]:
 
 
 def check_projections(llm: LLM, weight_class: type) -> None:
-    """The routers of ``llm`` are float and every other projection holds a ``weight_class`` weight."""
+    """The routers (and shared-expert gates) of ``llm`` are float and every other projection holds a
+    ``weight_class`` weight."""
     model = llm.llm_engine.core.runner.model
-    routers = [m.gate for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    routers = [m.gate for m in blocks] + [m.shared_expert_gate for m in blocks if m.shared_expert_gate is not None]
     assert routers and all(r.weight is not None and r.weight_q is None for r in routers)
     others = [m for m in model.modules() if isinstance(m, Linear) and all(m is not r for r in routers)]
     assert others and all(isinstance(m.weight_q, weight_class) for m in others)

@@ -1,6 +1,6 @@
 """4-bit and weight-only quantized MoE experts. Checkpoints (GPTQ symmetric and act-order, AWQ GEMM) as the
-GPTQ / AWQ releases of Qwen3-MoE and Mixtral quantize them: attention and every expert's projections 4-bit,
-routers float. On CPU Chorus keeps them 4-bit (each expert's ``W4A16Weight``s run by the expert path), on CUDA
+GPTQ / AWQ releases of Qwen3-MoE, Mixtral and Qwen1.5-MoE quantize them: attention, every expert's and the
+shared expert's projections 4-bit, routers and the shared expert's gate float. On CPU Chorus keeps them 4-bit (each expert's ``W4A16Weight``s run by the expert path), on CUDA
 the experts load dequantized (no 4-bit expert kernel); the experts hold exactly the checkpoint's weights,
 greedy follows vLLM's top-5 rule against transformers on the dequantized checkpoint (the int4 kernel rounds
 activations to bfloat16 on CPU: ``test_checkpoints.INT4_ATOL``), ``--quantization none`` is exact, and
@@ -28,7 +28,7 @@ from tests.quantization.test_moe_fp8 import (FLOAT_MODELS, GREEDY, PROMPTS, chec
                                              cpu_engine, experts_of)
 
 VARIANTS = {"qwen3moe-gptq": ("qwen3moe", "gptq"), "qwen3moe-gptq-actorder": ("qwen3moe", "gptq-actorder"),
-            "mixtral-awq": ("mixtral", "awq")}
+            "mixtral-awq": ("mixtral", "awq"), "qwen2moe-gptq-actorder": ("qwen2moe", "gptq-actorder")}
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ NO_PROBING = ("engine/runner/", "engine/cuda_graphs.py", "engine/distributed/ran
 def _tiny_configs() -> dict[str, Callable[[], object]]:
     """Architecture -> a tiny transformers config of it."""
     from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3TextConfig, LlamaConfig, LlavaConfig, MistralConfig,
-                              MixtralConfig, Qwen2_5_VLConfig, Qwen2AudioConfig, Qwen2Config, Qwen2VLConfig,
+                              MixtralConfig, Qwen2MoeConfig, Qwen2_5_VLConfig, Qwen2AudioConfig, Qwen2Config, Qwen2VLConfig,
                               Qwen3Config, Qwen3MoeConfig, WhisperConfig)
 
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -60,6 +60,8 @@ def _tiny_configs() -> dict[str, Callable[[], object]]:
         "MixtralForCausalLM": lambda: MixtralConfig(**text, num_local_experts=4, num_experts_per_tok=2),
         "Qwen3MoeForCausalLM": lambda: Qwen3MoeConfig(**text, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                       moe_intermediate_size=16),
+        "Qwen2MoeForCausalLM": lambda: Qwen2MoeConfig(**text, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=16, shared_expert_intermediate_size=16),
         "LlavaForConditionalGeneration": lambda: LlavaConfig(
             vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, image_size=28, patch_size=14,

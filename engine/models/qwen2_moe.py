@@ -15,24 +15,15 @@ and ``mlp.shared_expert_gate.weight`` (``engine.models.mixtral``).
 
 from __future__ import annotations
 
-import torch.nn as nn
-
-from engine.layers.moe import SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import LlamaAttention, LlamaMLP
-from engine.models.mixtral import MoEForCausalLM
-from engine.models.qwen3_moe import is_sparse_layer
+from engine.models.llama import LlamaAttention
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
-class Qwen2MoeForCausalLM(MoEForCausalLM):
-    """Qwen2-MoE: Qwen2 attention, sparse blocks with a shared expert."""
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen2-MoE: Qwen3-MoE's layers (the same sparse-layer rule, routing and shared expert) with Qwen2's
+    attention."""
 
     def build_attention(self, config, rotary_emb: RotaryEmbedding) -> LlamaAttention:
         return LlamaAttention(config, rotary_emb, qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False,
                               tp=self.tp)
-
-    def build_mlp(self, config, layer_idx: int) -> nn.Module:
-        if not is_sparse_layer(config, layer_idx):
-            return LlamaMLP(config, bias=False, tp=self.tp)
-        return SparseMoeBlock.from_config(config, config.num_experts, config.moe_intermediate_size,
-                                          renormalize=bool(getattr(config, "norm_topk_prob", False)), tp=self.tp)
